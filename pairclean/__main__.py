@@ -1,0 +1,3 @@
+from pairclean.cli import main
+
+main()

@@ -1,0 +1,83 @@
+"""The cone bias beta (OSA Eq. 4): the mean cosine of random pairs through the same encoders.
+
+`random-inputs` (default) pushes K random left inputs and K random right inputs (noise images,
+random-token texts) through the estimator and averages all K x K cross cosines. `shuffled` is
+the mean cosine of in-dataset pairs with one side permuted, accumulated while scoring from
+per-part embedding sums (it sits inside the noisy distribution: a diagnostic, not a boundary).
+`fixed` takes the user's value.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import torch
+
+BETA_MODES = ("random-inputs", "shuffled", "fixed")
+
+
+@dataclass
+class BetaEstimate:
+    mode: str
+    beta: float
+    std: float | None
+    k: int | None
+    seed: int | None = None
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+@torch.no_grad()
+def random_input_beta(estimator, left: str, right: str, k: int = 1024, seed: int = 0,
+                      batch_size: int = 256) -> BetaEstimate:
+    """beta = mean over all K x K cosines between K random left and K random right inputs."""
+    generator = torch.Generator().manual_seed(seed)
+
+    def embed(modality: str) -> torch.Tensor:
+        chunks = []
+        for start in range(0, k, batch_size):
+            n = min(batch_size, k - start)
+            chunks.append(estimator.encode(modality, estimator.random_batch(modality, n, generator)).double().cpu())
+        return torch.cat(chunks)
+
+    u = embed(left)
+    v = embed(right)
+    sims = u @ v.T
+    return BetaEstimate("random-inputs", float(sims.mean()), float(sims.std()), k, seed)
+
+
+class ShuffledAccumulator:
+    """Streams sum(u), sum(v), sum(u_i . v_i) and n, so that the mean cosine over all i != j
+    cross pairs is ((sum u).(sum v) - sum u_i.v_i) / (n (n - 1)) without storing embeddings."""
+
+    def __init__(self):
+        self.sum_u = None
+        self.sum_v = None
+        self.sum_diag = 0.0
+        self.n = 0
+
+    def add(self, u: torch.Tensor, v: torch.Tensor) -> None:
+        u, v = u.double().cpu(), v.double().cpu()
+        su, sv = u.sum(0).numpy(), v.sum(0).numpy()
+        self.sum_u = su if self.sum_u is None else self.sum_u + su
+        self.sum_v = sv if self.sum_v is None else self.sum_v + sv
+        self.sum_diag += float((u * v).sum())
+        self.n += len(u)
+
+    def state(self) -> dict | None:
+        if self.n == 0:
+            return None
+        return {"sum_u": self.sum_u.tolist(), "sum_v": self.sum_v.tolist(), "sum_diag": self.sum_diag, "n": self.n}
+
+
+def shuffled_beta(states: list[dict | None]) -> BetaEstimate:
+    states = [s for s in states if s]
+    n = sum(s["n"] for s in states)
+    if n < 2:
+        raise ValueError("shuffled beta needs at least two scored pairs")
+    su = np.sum([s["sum_u"] for s in states], axis=0)
+    sv = np.sum([s["sum_v"] for s in states], axis=0)
+    diag = sum(s["sum_diag"] for s in states)
+    return BetaEstimate("shuffled", float((su @ sv - diag) / (n * (n - 1))), None, n)

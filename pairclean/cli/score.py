@@ -1,0 +1,70 @@
+"""`pairclean score`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+from rich.table import Table
+
+from pairclean.cli import app, console
+from pairclean.manifest import Fields, open_dataset
+from pairclean.pipeline import ScoreConfig, score
+
+
+def summary_table(result) -> Table:
+    s = result.summary
+    table = Table(title=f"pairclean score -> {result.out}", show_header=False)
+    table.add_column(style="bold")
+    table.add_column(justify="right")
+    table.add_row("pairs", f"{s['pairs']:,}")
+    table.add_row("scored", f"{s['scored']:,}")
+    table.add_row("errors", f"{s['errors']:,}")
+    if s["unit_failures"]:
+        table.add_row("failed shards", f"{len(s['unit_failures'])} (reasons in {result.out.stem}.run.json)")
+    std = f" ± {s['beta_std']:.4f}" if s.get("beta_std") is not None else ""
+    table.add_row(f"beta ({s['beta_mode']}, K={s['beta_k']})", f"{s['beta']:.4f}{std}")
+    table.add_row("flagged by beta rule (s~ <= 0)", f"{s['share_flagged_beta']:.1%}")
+    table.add_row("flagged by GMM (p_clean < 0.5)", f"{s['share_flagged_gmm']:.1%}")
+    table.add_row("throughput", f"{result.pairs_per_second:,.1f} pairs/s" + (" (resumed run)" if result.resumed else ""))
+    return table
+
+
+@app.command("score")
+def score_command(
+    source: List[str] = typer.Argument(..., help="Shards: directory, glob, brace pattern, list file, Parquet files, or a manifest YAML."),
+    out: Path = typer.Option(..., "--out", "-o", help="Scores Parquet to write."),
+    model: str = typer.Option("ViT-B-32", help="open_clip model name (or a pairclean tiny config)."),
+    pretrained: str = typer.Option("openai", help="Pretrained tag, local checkpoint path, or 'none' (random init)."),
+    pair: Optional[str] = typer.Option(None, help="Pair kind: image-text, text-text, image-label, image-image."),
+    device: str = typer.Option("auto", help="auto, cpu, cuda, cuda:1 ..."),
+    precision: str = typer.Option("fp32", help="fp32, bf16 (autocast), fp16 (CUDA only)."),
+    decode: str = typer.Option("fast", help="fast (JPEG draft decode at model size) or exact."),
+    batch_size: int = typer.Option(256, help="Pairs per forward pass."),
+    workers: int = typer.Option(2, help="DataLoader workers decoding and tokenising."),
+    beta_mode: str = typer.Option("random-inputs", help="random-inputs, shuffled, or fixed."),
+    beta: Optional[float] = typer.Option(None, help="beta value for --beta-mode fixed."),
+    beta_k: int = typer.Option(1024, help="K random inputs per side for --beta-mode random-inputs."),
+    weight_fn: str = typer.Option("cubic", help="cubic, linear, cosine, official."),
+    seed: int = typer.Option(0, help="Seed for beta's random inputs and the GMM."),
+    gmm_sample: int = typer.Option(1_000_000, help="Fit the GMM on at most this many similarities."),
+    image_field: Optional[str] = typer.Option(None, help="Image member extensions (';'-separated) or Parquet bytes column."),
+    image_path_field: Optional[str] = typer.Option(None, help="Parquet column of image paths relative to the file."),
+    text_field: Optional[str] = typer.Option(None, help="Caption member extension or Parquet column."),
+    json_text_key: Optional[str] = typer.Option(None, help="Caption key inside a json member."),
+    key_field: Optional[str] = typer.Option(None, help="Parquet id column."),
+    overwrite: bool = typer.Option(False, help="Replace an existing output (and discard an unfinished run)."),
+) -> None:
+    """Score every pair: cosine, cone bias beta, OSA weight, GMM p_clean -> Parquet."""
+    overrides = {k: v for k, v in {"image": image_field, "image_path": image_path_field, "text": text_field,
+                                   "json_text_key": json_text_key, "key": key_field}.items() if v is not None}
+    spec = open_dataset(source, pair=pair)
+    if overrides:
+        spec.fields = Fields(**{**spec.fields.__dict__, **overrides})
+    cfg = ScoreConfig(model=model, pretrained=pretrained, device=device, precision=precision, decode=decode,
+                      batch_size=batch_size, workers=workers, beta_mode=beta_mode, beta=beta, beta_k=beta_k,
+                      weight_fn=weight_fn, seed=seed, gmm_sample=gmm_sample, overwrite=overwrite,
+                      show_progress=True)
+    result = score(spec, out, cfg)
+    console.print(summary_table(result))

@@ -1,0 +1,70 @@
+"""Safe image decoding: every format PIL reads, normalised to RGB, with a decompression-bomb guard.
+
+Runs inside DataLoader workers. A bad image raises DecodeError with a short reason that
+becomes the pair's `error` value; nothing here may crash a worker.
+"""
+
+from __future__ import annotations
+
+import io
+import warnings
+
+from PIL import Image, ImageFile
+
+# A 50,000 x 50,000 image would need 7.5 GB: refuse anything over this many pixels
+# from the header alone, before any pixel buffer is allocated.
+MAX_PIXELS = 178_956_970  # PIL's own hard limit (2x its warning threshold)
+Image.MAX_IMAGE_PIXELS = MAX_PIXELS
+ImageFile.LOAD_TRUNCATED_IMAGES = False
+
+
+class DecodeError(ValueError):
+    """An image that cannot be turned into pixels; the message is the row's error reason."""
+
+
+def _to_rgb(img: Image.Image) -> Image.Image:
+    """Flatten alpha onto white, scale 16/32-bit greyscale to 8 bit, convert palette/CMYK/LA."""
+    if img.mode in ("I;16", "I;16B", "I;16L", "I"):
+        img = img.point(lambda v: v * (1 / 256)).convert("L") if img.mode != "I" else img.convert("F").point(lambda v: v / 256).convert("L")
+    if img.mode == "P":
+        img = img.convert("RGBA") if "transparency" in img.info else img.convert("RGB")
+    if img.mode in ("RGBA", "LA", "PA", "RGBa"):
+        rgba = img.convert("RGBA")
+        background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+        img = Image.alpha_composite(background, rgba)
+    if img.mode != "RGB":
+        img = img.convert("RGB")
+    return img
+
+
+def decode_image(data: bytes | None, draft_size: int | None = None, max_pixels: int = MAX_PIXELS) -> Image.Image:
+    """Bytes -> RGB PIL image (first frame of an animation).
+
+    `draft_size`: for JPEG, let libjpeg decode at a reduced DCT scale that is still at least
+    this many pixels on each side (exact enough for a later resize to that size, and several
+    times cheaper for large photos).
+    """
+    if data is None:
+        raise DecodeError("no image")
+    if len(data) == 0:
+        raise DecodeError("zero-byte image")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            img = Image.open(io.BytesIO(data))
+            width, height = img.size
+            if width * height > max_pixels:
+                raise DecodeError(f"image of {width}x{height} pixels exceeds the {max_pixels:,}-pixel limit")
+            if getattr(img, "n_frames", 1) > 1:
+                img.seek(0)
+            if draft_size and img.format == "JPEG":
+                img.draft("RGB", (draft_size, draft_size))
+            img.load()
+            return _to_rgb(img)
+    except DecodeError:
+        raise
+    except Image.DecompressionBombError as exc:
+        raise DecodeError(f"decompression bomb refused: {exc}") from None
+    except Exception as exc:  # PIL raises many types for corrupt data
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise DecodeError(f"cannot decode image: {reason}") from None

@@ -1,0 +1,199 @@
+"""Estimators: frozen dual encoders that map the left and right items of pairs to unit vectors.
+
+The Estimator protocol is small so other backends can plug in: a picklable `preparer` (runs in
+DataLoader workers: decode + preprocess images, tokenise texts), `encode(modality, batch)` on the
+device, and `random_batch(modality, n, generator)` for the cone bias beta.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from pairclean.decode import decode_image
+from pairclean.errors import UserError
+
+CONFIG_DIR = Path(__file__).parent / "model_configs"
+PRECISIONS = ("fp32", "bf16", "fp16")
+
+
+class Preparer(Protocol):
+    def prepare(self, modality: str, value: Any) -> Any: ...
+    def collate(self, modality: str, items: list) -> Any: ...
+
+
+class Estimator(Protocol):
+    preparer: Preparer
+    device: torch.device
+
+    def encode(self, modality: str, batch: Any) -> torch.Tensor: ...
+    def random_batch(self, modality: str, n: int, generator: torch.Generator) -> Any: ...
+    def provenance(self) -> dict: ...
+
+
+def pick_device(requested: str = "auto") -> torch.device:
+    if requested == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(requested)
+    except RuntimeError as exc:
+        raise UserError(f"unknown device {requested!r}: {exc}") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise UserError(f"device {requested} requested but CUDA is not available")
+    return device
+
+
+def autocast_context(device: torch.device, precision: str):
+    """Autocast for bf16/fp16; fp16 only on CUDA (CPU fp16 matmuls are slow and lossy)."""
+    if precision not in PRECISIONS:
+        raise UserError(f"unknown precision {precision!r}; choose one of {', '.join(PRECISIONS)}")
+    if precision == "fp32":
+        return nullcontext()
+    if precision == "fp16" and device.type != "cuda":
+        raise UserError("--precision fp16 needs a CUDA device; use bf16 or fp32 on CPU")
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float16
+    return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+def file_sha256(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while block := fh.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def register_model_configs() -> None:
+    """Make pairclean's own open_clip configs (the tiny toy-world models) loadable by name."""
+    import open_clip
+
+    if CONFIG_DIR.is_dir() and any(CONFIG_DIR.glob("*.json")):
+        open_clip.add_model_config(CONFIG_DIR)
+
+
+class OpenClipPreparer:
+    """Decode + preprocess images and tokenise texts with the model's own transforms."""
+
+    def __init__(self, preprocess, tokenizer, draft_size: int | None):
+        self.preprocess = preprocess
+        self.tokenizer = tokenizer
+        self.draft_size = draft_size
+
+    def prepare(self, modality: str, value: Any) -> Any:
+        if modality == "image":
+            return self.preprocess(decode_image(value, draft_size=self.draft_size))
+        return value
+
+    def collate(self, modality: str, items: list) -> torch.Tensor:
+        if modality == "image":
+            return torch.stack(items)
+        return self.tokenizer(items)
+
+
+def _normalize_params(preprocess) -> tuple[list[float], list[float], int]:
+    from torchvision.transforms import Normalize
+
+    mean, std, size = [0.0, 0.0, 0.0], [1.0, 1.0, 1.0], 224
+    for t in getattr(preprocess, "transforms", []):
+        if isinstance(t, Normalize):
+            mean, std = list(t.mean), list(t.std)
+        if type(t).__name__ in ("CenterCrop", "Resize", "ResizeKeepRatio") and hasattr(t, "size"):
+            s = t.size
+            size = s if isinstance(s, int) else s[0]
+    return mean, std, size
+
+
+class OpenClipEstimator:
+    """Any open_clip model: a pretrained tag, a local checkpoint file, or `none` (random init)."""
+
+    def __init__(self, model: str = "ViT-B-32", pretrained: str = "openai", device: str = "auto",
+                 precision: str = "fp32", decode: str = "fast"):
+        import open_clip
+
+        register_model_configs()
+        self.device = pick_device(device)
+        self.precision = precision
+        autocast_context(self.device, precision)  # validates the precision/device combination early
+        if model not in open_clip.list_models():
+            raise UserError(f"unknown model {model!r}: see `python -c 'import open_clip; print(open_clip.list_models())'`")
+        self.model_name = model
+        self.pretrained = pretrained
+        weights = None if pretrained in (None, "", "none") else pretrained
+        self.checkpoint_sha256 = None
+        if weights is not None and os.path.isfile(weights):
+            self.checkpoint_sha256 = file_sha256(weights)
+        elif weights is not None and weights not in open_clip.list_pretrained_tags_by_model(model):
+            tags = ", ".join(open_clip.list_pretrained_tags_by_model(model)) or "none"
+            raise UserError(f"--pretrained {weights!r} is neither a file nor a tag of {model} (tags: {tags}); use a checkpoint path or `none`")
+        try:
+            logging.getLogger().setLevel(logging.WARNING)
+            net, _, preprocess = open_clip.create_model_and_transforms(model, pretrained=weights, device=self.device, weights_only=True)
+        except UserError:
+            raise
+        except Exception as exc:
+            first = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
+            if weights is not None and not os.path.isfile(weights):
+                raise UserError(f"cannot fetch pretrained weights {weights!r} for {model} (offline?): {first}. "
+                                "Pass a local checkpoint with --pretrained PATH, or --pretrained none") from None
+            raise UserError(f"cannot load {model} with --pretrained {pretrained}: {first}") from None
+        net.eval().requires_grad_(False)
+        self.model = net
+        self.tokenizer = open_clip.get_tokenizer(model)
+        self.mean, self.std, self.image_size = _normalize_params(preprocess)
+        draft = self.image_size if decode == "fast" else None
+        self.decode = decode
+        self.preparer = OpenClipPreparer(preprocess, self.tokenizer, draft)
+
+    @torch.no_grad()
+    def encode(self, modality: str, batch: torch.Tensor) -> torch.Tensor:
+        batch = batch.to(self.device, non_blocking=True)
+        with autocast_context(self.device, self.precision):
+            if modality == "image":
+                out = self.model.encode_image(batch)
+            else:
+                out = self.model.encode_text(batch)
+        return torch.nn.functional.normalize(out.float(), dim=-1)
+
+    def random_batch(self, modality: str, n: int, generator: torch.Generator) -> torch.Tensor:
+        """Random inputs as the official OSA code draws them: noise images, random-token texts."""
+        if modality == "image":
+            pixels = torch.rand((n, 3, self.image_size, self.image_size), generator=generator)
+            mean = torch.tensor(self.mean).view(1, 3, 1, 1)
+            std = torch.tensor(self.std).view(1, 3, 1, 1)
+            return (pixels - mean) / std
+        tok = self.tokenizer
+        ctx = getattr(tok, "context_length", 77)
+        sot, eot = getattr(tok, "sot_token_id", None), getattr(tok, "eot_token_id", None)
+        vocab = getattr(tok, "vocab_size", None)
+        if sot is None or eot is None or vocab is None:
+            # A Hugging Face tokenizer: random vocabulary words go through the tokenizer itself.
+            words = list(tok.tokenizer.get_vocab().keys())
+            lengths = torch.randint(1, 16, (n,), generator=generator)
+            texts = [" ".join(words[i] for i in torch.randint(0, len(words), (int(k),), generator=generator)) for k in lengths]
+            return tok(texts)
+        tokens = torch.zeros((n, ctx), dtype=torch.long)
+        lengths = torch.randint(1, ctx - 1, (n,), generator=generator)
+        for row, length in enumerate(lengths.tolist()):
+            body = torch.randint(0, min(vocab, sot), (length,), generator=generator)
+            tokens[row, 0] = sot
+            tokens[row, 1:length + 1] = body
+            tokens[row, length + 1] = eot
+        return tokens
+
+    def provenance(self) -> dict:
+        return {"backend": "open_clip", "model": self.model_name, "pretrained": self.pretrained,
+                "checkpoint_sha256": self.checkpoint_sha256, "precision": self.precision,
+                "device": str(self.device), "decode": self.decode, "image_size": self.image_size,
+                "image_mean": self.mean, "image_std": self.std}
+
+
+def build_estimator(backend: str = "open_clip", **kwargs) -> Estimator:
+    if backend in ("open_clip", "open-clip", "openclip"):
+        return OpenClipEstimator(**kwargs)
+    raise UserError(f"unknown backend {backend!r}; choose open_clip")

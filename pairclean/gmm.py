@@ -1,0 +1,80 @@
+"""Gaussian-mixture cleanliness: the clean component is the one with the highest mean.
+
+Shared by finalize (2 components over similarities, NCR/SDD style) and the robust-training
+methods (2 or 3 components over min-max normalised losses or discrepancies).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, asdict
+
+import numpy as np
+from sklearn.mixture import GaussianMixture
+
+
+@dataclass
+class FittedMixture:
+    means: list[float]
+    variances: list[float]
+    weights: list[float]
+    clean_component: int
+    n_fit: int
+
+    def p_clean(self, values) -> np.ndarray:
+        """Posterior of the clean (highest-mean) component for 1-D values, in closed form."""
+        x = np.asarray(values, dtype=np.float64).reshape(-1, 1)
+        means = np.asarray(self.means)[None, :]
+        var = np.asarray(self.variances)[None, :]
+        log_p = -0.5 * ((x - means) ** 2 / var + np.log(2 * np.pi * var)) + np.log(np.asarray(self.weights))[None, :]
+        log_p -= log_p.max(axis=1, keepdims=True)
+        p = np.exp(log_p)
+        return p[:, self.clean_component] / p.sum(axis=1)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def fit_similarity_mixture(values, seed: int = 0, max_iter: int = 100, tol: float = 1e-3,
+                           reg_covar: float = 1e-6) -> FittedMixture:
+    """Fit a 2-component 1-D GaussianMixture; finite values only."""
+    x = np.asarray(values, dtype=np.float64)
+    x = x[np.isfinite(x)].reshape(-1, 1)
+    if len(x) < 2:
+        raise ValueError("need at least two finite similarities to fit the mixture")
+    gmm = GaussianMixture(n_components=2, max_iter=max_iter, tol=tol, reg_covar=reg_covar, random_state=seed)
+    gmm.fit(x)
+    means = gmm.means_.ravel()
+    return FittedMixture(
+        means=means.tolist(),
+        variances=gmm.covariances_.ravel().tolist(),
+        weights=gmm.weights_.tolist(),
+        clean_component=int(np.argmax(means)),
+        n_fit=int(len(x)),
+    )
+
+
+def minmax(values) -> np.ndarray:
+    x = np.asarray(values, dtype=np.float64)
+    lo, hi = np.nanmin(x), np.nanmax(x)
+    return (x - lo) / (hi - lo) if hi > lo else np.zeros_like(x)
+
+
+def clean_posterior(values, n_components: int = 2, higher_is_clean: bool = True, seed: int = 0,
+                    max_iter: int = 100, tol: float = 1e-3, reg_covar: float = 5e-4,
+                    covariance_type: str = "full") -> tuple[np.ndarray, GaussianMixture]:
+    """Per-sample posterior of the clean component over min-max normalised values.
+
+    `values` may be 1-D (one feature) or 2-D (n, d); with d > 1 the components are ordered by
+    the sum of their mean coordinates. Returns (posteriors of every component ordered clean
+    first, the fitted mixture).
+    """
+    x = np.asarray(values, dtype=np.float64)
+    x = x.reshape(len(x), -1)
+    x = np.column_stack([minmax(x[:, j]) for j in range(x.shape[1])])
+    gmm = GaussianMixture(n_components=n_components, max_iter=max_iter, tol=tol, reg_covar=reg_covar,
+                          covariance_type=covariance_type, random_state=seed)
+    gmm.fit(x)
+    order = np.argsort(gmm.means_.sum(axis=1))
+    if higher_is_clean:
+        order = order[::-1]
+    return gmm.predict_proba(x)[:, order], gmm

@@ -1,0 +1,234 @@
+"""`score`: source -> decode -> estimator -> scorer -> sink -> finalize, as one importable function.
+
+DataLoader workers read units (tar shards / Parquet row groups), decode and preprocess images
+and tokenise texts, and hand over ready batches; each batch carries the units that finished
+inside it, so the main process commits a unit's part as soon as its last row is scored.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from collections import defaultdict
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import webdataset as wds
+from torch.utils.data import DataLoader, IterableDataset
+
+from pairclean.beta import BETA_MODES, BetaEstimate, ShuffledAccumulator, random_input_beta, shuffled_beta
+from pairclean.errors import UserError
+from pairclean.estimators import build_estimator
+from pairclean.finalize import finalize
+from pairclean.manifest import DatasetSpec, open_dataset
+from pairclean.scorer import WEIGHT_FUNCTIONS
+from pairclean.sink import PartStore, parts_dir_for
+from pairclean.sources import UnitFailure, list_units, modalities, read_unit
+
+
+@dataclass
+class ScoreConfig:
+    model: str = "ViT-B-32"
+    pretrained: str = "openai"
+    backend: str = "open_clip"
+    device: str = "auto"
+    precision: str = "fp32"
+    decode: str = "fast"  # fast (JPEG draft decode) | exact
+    batch_size: int = 256
+    workers: int = 2
+    beta_mode: str = "random-inputs"
+    beta: float | None = None  # for beta_mode == "fixed"
+    beta_k: int = 1024
+    weight_fn: str = "cubic"
+    seed: int = 0
+    gmm_sample: int = 1_000_000
+    overwrite: bool = False
+    show_progress: bool = False
+
+    def settings(self, spec: DatasetSpec, units: list[str]) -> dict:
+        """What a resumed run must share with the run it continues."""
+        keep = {k: v for k, v in asdict(self).items() if k not in ("device", "batch_size", "workers", "overwrite", "show_progress")}
+        return {**keep, "pair": spec.pair, "fields": asdict(spec.fields), "label_template": spec.label_template,
+                "units_sha1": hashlib.sha1(json.dumps(units).encode()).hexdigest(), "n_units": len(units)}
+
+
+class PreparedBatches(IterableDataset):
+    """Batches of prepared pairs from this worker's share of the units."""
+
+    def __init__(self, spec: DatasetSpec, units: list[str], preparer, batch_size: int):
+        self.spec, self.units, self.preparer, self.batch_size = spec, units, preparer, batch_size
+        self.left, self.right = modalities(spec.pair)
+
+    def _empty(self) -> dict:
+        return {"unit": [], "key": [], "shard": [], "index": [], "error": [], "left": [], "right": [], "done": []}
+
+    def _emit(self, buf: dict) -> dict:
+        ok_left = [x for x, e in zip(buf["left"], buf["error"]) if e is None]
+        ok_right = [x for x, e in zip(buf["right"], buf["error"]) if e is None]
+        buf["left"] = self.preparer.collate(self.left, ok_left) if ok_left else None
+        buf["right"] = self.preparer.collate(self.right, ok_right) if ok_right else None
+        return buf
+
+    def __iter__(self):
+        buf = self._empty()
+        for unit in wds.split_by_worker(self.units):
+            count = 0
+            failure = None
+            for item in read_unit(self.spec, unit):
+                if isinstance(item, UnitFailure):
+                    failure = item.reason
+                    continue
+                left = right = None
+                error = item.error
+                if error is None:
+                    try:
+                        left = self.preparer.prepare(self.left, item.left)
+                        right = self.preparer.prepare(self.right, item.right)
+                    except Exception as exc:  # a bad item becomes an error row, never a dead worker
+                        error = str(exc).splitlines()[0][:300] if str(exc) else type(exc).__name__
+                for name, value in (("unit", unit), ("key", item.key), ("shard", item.shard), ("index", item.index),
+                                    ("error", error), ("left", left), ("right", right)):
+                    buf[name].append(value)
+                count += 1
+                if len(buf["key"]) >= self.batch_size:
+                    yield self._emit(buf)
+                    buf = self._empty()
+            buf["done"].append((unit, failure, count))
+        if buf["key"] or buf["done"]:
+            yield self._emit(buf)
+
+
+@dataclass
+class ScoreResult:
+    out: Path
+    summary: dict
+    seconds: float
+    pairs_scored_now: int
+    resumed: bool
+    provenance: dict = field(default_factory=dict)
+
+    @property
+    def pairs_per_second(self) -> float:
+        return self.pairs_scored_now / self.seconds if self.seconds > 0 else 0.0
+
+
+def compute_beta(estimator, spec: DatasetSpec, cfg: ScoreConfig) -> BetaEstimate | None:
+    """beta before scoring (random-inputs, fixed); None for shuffled (known only after scoring)."""
+    if cfg.beta_mode not in BETA_MODES:
+        raise UserError(f"unknown beta mode {cfg.beta_mode!r}; choose one of {', '.join(BETA_MODES)}")
+    if cfg.beta_mode == "fixed":
+        if cfg.beta is None:
+            raise UserError("--beta-mode fixed needs --beta VALUE")
+        return BetaEstimate("fixed", float(cfg.beta), None, None)
+    if cfg.beta_mode == "shuffled":
+        return None
+    left, right = modalities(spec.pair)
+    return random_input_beta(estimator, left, right, k=cfg.beta_k, seed=cfg.seed, batch_size=min(cfg.batch_size, 256))
+
+
+def _progress(enabled: bool, total_units: int):
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    return Progress(TextColumn("[bold]scoring"), BarColumn(), MofNCompleteColumn(), TextColumn("units"),
+                    TextColumn("{task.fields[pairs]:,} pairs"), TextColumn("{task.fields[rate]:,.0f} pairs/s"),
+                    TimeElapsedColumn(), disable=not enabled, transient=False)
+
+
+def score(source: str | list[str] | DatasetSpec, out: str | Path, config: ScoreConfig | None = None,
+          estimator=None) -> ScoreResult:
+    """Score every pair of `source` and write `out` (Parquet); resumes an interrupted run."""
+    cfg = config or ScoreConfig()
+    out = Path(out)
+    if cfg.weight_fn not in WEIGHT_FUNCTIONS:
+        raise UserError(f"unknown weight function {cfg.weight_fn!r}; choose one of {', '.join(WEIGHT_FUNCTIONS)}")
+    if cfg.batch_size < 1:
+        raise UserError("--batch-size must be at least 1")
+    spec = source if isinstance(source, DatasetSpec) else open_dataset(source)
+    if out.exists() and not cfg.overwrite:
+        raise UserError(f"{out} exists; pass --overwrite to replace it")
+    if not out.parent.exists():
+        raise UserError(f"output directory {out.parent} does not exist")
+    units = list_units(spec)
+    store = PartStore(parts_dir_for(out))
+    resumed = store.open_run(cfg.settings(spec, units), overwrite=cfg.overwrite)
+    if estimator is None:
+        estimator = build_estimator(cfg.backend, model=cfg.model, pretrained=cfg.pretrained, device=cfg.device,
+                                    precision=cfg.precision, decode=cfg.decode)
+
+    saved = store.load_beta()
+    if saved is not None:
+        beta = BetaEstimate(**saved)
+    else:
+        beta = compute_beta(estimator, spec, cfg)
+        if beta is not None:
+            store.save_beta(beta.as_dict())
+
+    done = store.committed()
+    todo = [u for u in units if u not in done]
+    started = time.perf_counter()
+    scored_now = _score_units(spec, todo, estimator, store, cfg, len(units), len(done))
+    elapsed = time.perf_counter() - started
+
+    records = store.committed()
+    missing = [u for u in units if u not in records]
+    if missing:
+        raise RuntimeError(f"{len(missing)} unit(s) were not committed (first: {missing[0]})")
+    if beta is None:
+        beta = shuffled_beta([records[u].get("shuffled") for u in units])
+    provenance = {"estimator": estimator.provenance(), "pair": spec.pair, "seed": cfg.seed,
+                  "input_shards": spec.shards, "dataset": spec.name, "beta_mode": cfg.beta_mode}
+    summary = finalize(store, units, out, beta, cfg.weight_fn, cfg.seed, cfg.gmm_sample, provenance, records)
+    summary["pairs_per_second"] = scored_now / elapsed if elapsed > 0 else 0.0
+    store.remove()
+    return ScoreResult(out, summary, elapsed, scored_now, resumed, provenance)
+
+
+def _score_units(spec: DatasetSpec, units: list[str], estimator, store: PartStore, cfg: ScoreConfig,
+                 total_units: int, already: int) -> int:
+    if not units:
+        return 0
+    left_mod, right_mod = modalities(spec.pair)
+    dataset = PreparedBatches(spec, units, estimator.preparer, cfg.batch_size)
+    workers = min(cfg.workers, len(units))
+    loader = DataLoader(dataset, batch_size=None, num_workers=workers,
+                        pin_memory=estimator.device.type == "cuda", prefetch_factor=4 if workers else None,
+                        persistent_workers=False)
+    rows: dict[str, dict[str, list]] = defaultdict(lambda: defaultdict(list))
+    accumulators: dict[str, ShuffledAccumulator] = defaultdict(ShuffledAccumulator)
+    scored = 0
+    started = time.perf_counter()
+    with _progress(cfg.show_progress, total_units) as progress:
+        task = progress.add_task("score", total=total_units, completed=already, pairs=0, rate=0.0)
+        for batch in loader:
+            ok = [e is None for e in batch["error"]]
+            sims = [None] * len(ok)
+            if any(ok):
+                u = estimator.encode(left_mod, batch["left"])
+                v = estimator.encode(right_mod, batch["right"])
+                values = (u * v).sum(-1).cpu().tolist()
+                ok_units = [unit for unit, good in zip(batch["unit"], ok) if good]
+                for unit in dict.fromkeys(ok_units):
+                    mask = torch.tensor([x == unit for x in ok_units])
+                    accumulators[unit].add(u[mask], v[mask])
+                it = iter(values)
+                sims = [next(it) if good else None for good in ok]
+            for unit, key, shard, index, error, sim in zip(batch["unit"], batch["key"], batch["shard"], batch["index"],
+                                                          batch["error"], sims):
+                part = rows[unit]
+                part["key"].append(key)
+                part["shard"].append(shard)
+                part["index"].append(index)
+                part["sim"].append(sim)
+                part["error"].append(error)
+            scored += len(ok)
+            for unit, failure, count in batch["done"]:
+                columns = rows.pop(unit, {"key": [], "shard": [], "index": [], "sim": [], "error": []})
+                errors = sum(e is not None for e in columns["error"])
+                store.commit(unit, dict(columns), {"errors": errors, "failure": failure,
+                                                   "shuffled": accumulators.pop(unit, ShuffledAccumulator()).state()})
+                progress.advance(task)
+            elapsed = time.perf_counter() - started
+            progress.update(task, pairs=scored, rate=scored / elapsed if elapsed else 0.0)
+    return scored

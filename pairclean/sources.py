@@ -1,0 +1,223 @@
+"""Sources: read raw pairs from WebDataset tar shards or Parquet files, one unit at a time.
+
+A *unit* is the resumable, distributable piece of work: one tar shard, or one row group of a
+Parquet file (`path#rg=N`). Reading yields RawPair records in order and, when the unit itself
+is broken (truncated tar, vanished file, unreadable Parquet), a final UnitFailure.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import pyarrow.parquet as pq
+import webdataset as wds
+
+from pairclean.manifest import DatasetSpec
+
+MAX_TEXT_CHARS = 8192  # tokenisers keep <= 77 tokens; longer text only costs time
+
+
+@dataclass
+class RawPair:
+    key: str
+    shard: str
+    index: int
+    left: bytes | str | None = None
+    right: bytes | str | None = None
+    error: str | None = None
+
+
+@dataclass
+class UnitFailure:
+    unit: str
+    reason: str
+
+
+def modalities(pair: str) -> tuple[str, str]:
+    """(left, right) modality of a pair kind."""
+    return {"image-text": ("image", "text"), "text-text": ("text", "text"),
+            "image-label": ("image", "text"), "image-image": ("image", "image")}[pair]
+
+
+def list_units(spec: DatasetSpec) -> list[str]:
+    """Every unit of the dataset, in a stable order (the order of the output rows)."""
+    if spec.format == "webdataset":
+        return list(spec.shards)
+    units = []
+    for path in spec.shards:
+        try:
+            n = pq.ParquetFile(path).metadata.num_row_groups
+        except Exception:
+            n = 1  # read_unit reports the failure for this file
+        units.extend(f"{path}#rg={i}" for i in range(max(n, 1)))
+    return units
+
+
+def unit_shard(unit: str) -> str:
+    """The shard (file) a unit belongs to: what the output's `shard` column holds."""
+    return unit.rsplit("#rg=", 1)[0] if "#rg=" in unit else unit
+
+
+def _decode_text(raw: bytes | str | None, what: str) -> tuple[str | None, str | None]:
+    if raw is None:
+        return None, f"missing {what}"
+    if isinstance(raw, bytes):
+        try:
+            raw = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            return None, f"{what} is not valid UTF-8"
+    text = raw.strip()
+    if not text:
+        return None, f"empty {what}"
+    return text[:MAX_TEXT_CHARS], None
+
+
+def _wds_text(sample: dict, ext: str, json_key: str | None) -> tuple[str | None, str | None]:
+    if ext in sample:
+        return _decode_text(sample[ext], "caption")
+    if json_key and "json" in sample:
+        try:
+            value = json.loads(sample["json"]).get(json_key)
+        except Exception:
+            return None, "json member is not valid JSON"
+        return _decode_text(value if value is None or isinstance(value, str) else str(value), "caption")
+    return None, "missing caption"
+
+
+def _wds_image(sample: dict, candidates: list[str]) -> tuple[bytes | None, str | None]:
+    for ext in candidates:
+        if ext in sample:
+            return sample[ext], None
+    return None, f"no image member (looked for {', '.join(candidates)})"
+
+
+def _fill(pair: RawPair, side: str, value, error) -> None:
+    setattr(pair, side, value)
+    if error and pair.error is None:
+        pair.error = error
+
+
+def _wds_pair(spec: DatasetSpec, sample: dict, shard: str, index: int) -> RawPair:
+    f = spec.fields
+    pair = RawPair(key=sample.get("__key__", f"{index}"), shard=shard, index=index)
+    if spec.pair in ("image-text", "image-label", "image-image"):
+        _fill(pair, "left", *_wds_image(sample, f.image_candidates()))
+    if spec.pair == "image-text":
+        _fill(pair, "right", *_wds_text(sample, f.text, f.json_text_key))
+    elif spec.pair == "image-label":
+        label, err = _wds_text(sample, f.label, None)
+        _fill(pair, "right", spec.label_template.format(label=label) if label else None, err and err.replace("caption", "label"))
+    elif spec.pair == "image-image":
+        _fill(pair, "right", *_wds_image(sample, f.image_candidates(second=True)))
+    elif spec.pair == "text-text":
+        _fill(pair, "left", *_wds_text(sample, f.text, f.json_text_key))
+        second, err = _wds_text(sample, f.text2, None)
+        _fill(pair, "right", second, err and err.replace("caption", "second text"))
+    return pair
+
+
+def _read_tar(spec: DatasetSpec, unit: str) -> Iterator[RawPair | UnitFailure]:
+    failures: list[str] = []
+
+    def record(exc: Exception) -> bool:
+        failures.append(f"{type(exc).__name__}: {str(exc.args[0]) if exc.args else exc}".splitlines()[0][:300])
+        return True  # keep what was read so far; the unit is reported as failed
+
+    index = 0
+    for sample in wds.tarfile_samples([{"url": unit}], handler=record):
+        yield _wds_pair(spec, sample, unit, index)
+        index += 1
+    if failures:
+        yield UnitFailure(unit, failures[0])
+
+
+def safe_join(root: Path, relative: str) -> Path | None:
+    """Resolve a path from a Parquet column under the dataset root; None if it escapes the root."""
+    root = root.resolve()
+    candidate = (root / relative).resolve()
+    return candidate if candidate == root or root in candidate.parents else None
+
+
+def _read_image_path(root: Path, value) -> tuple[bytes | None, str | None]:
+    if value is None:
+        return None, "missing image path"
+    path = safe_join(root, str(value))
+    if path is None:
+        return None, f"image path escapes the dataset root: {value}"
+    try:
+        return path.read_bytes(), None
+    except OSError as exc:
+        return None, f"cannot read image file {value}: {exc.strerror or exc}"
+
+
+def _parquet_columns(spec: DatasetSpec) -> dict[str, str | None]:
+    f = spec.fields
+    cols = {"key": f.key}
+    if spec.pair in ("image-text", "image-label", "image-image"):
+        cols["left_image"] = f.image_path or f.image
+    if spec.pair == "image-text":
+        cols["right_text"] = f.text
+    elif spec.pair == "image-label":
+        cols["right_label"] = f.label
+    elif spec.pair == "image-image":
+        cols["right_image"] = f.image2_path or f.image2
+    elif spec.pair == "text-text":
+        cols["left_text"] = f.text
+        cols["right_text"] = f.text2
+    return cols
+
+
+def _read_parquet(spec: DatasetSpec, unit: str) -> Iterator[RawPair | UnitFailure]:
+    path, rg = unit.rsplit("#rg=", 1)
+    rg = int(rg)
+    try:
+        pf = pq.ParquetFile(path)
+        offset = sum(pf.metadata.row_group(i).num_rows for i in range(rg))
+        cols = _parquet_columns(spec)
+        available = set(pf.schema_arrow.names)
+        missing = [c for c in cols.values() if c not in available and c != spec.fields.key]
+        if missing:
+            yield UnitFailure(unit, f"column(s) {missing} not in {path} (has {sorted(available)})")
+            return
+        table = pf.read_row_group(rg, columns=[c for c in dict.fromkeys(cols.values()) if c in available])
+    except Exception as exc:
+        yield UnitFailure(unit, f"cannot read Parquet: {str(exc).splitlines()[0][:300]}")
+        return
+    root = Path(path).parent
+    f = spec.fields
+    by_path = {"left_image": f.image_path is not None, "right_image": f.image2_path is not None}
+    data = {role: (table.column(col).to_pylist() if col in table.column_names else None) for role, col in cols.items()}
+    for i in range(table.num_rows):
+        keys = data["key"]
+        pair = RawPair(key=str(keys[i]) if keys is not None else f"{Path(path).stem}/{offset + i}", shard=path, index=offset + i)
+        for role, values in data.items():
+            if role == "key":
+                continue
+            side, kind = role.split("_")
+            value = values[i]
+            if kind == "image":
+                if by_path[role]:
+                    _fill(pair, side, *_read_image_path(root, value))
+                else:
+                    _fill(pair, side, value, None if value is not None else "missing image")
+            elif kind == "label":
+                label, err = _decode_text(None if value is None else str(value), "label")
+                _fill(pair, side, spec.label_template.format(label=label) if label else None, err)
+            else:
+                _fill(pair, side, *_decode_text(value, "caption" if side == "right" or spec.pair != "text-text" else "text"))
+        yield pair
+
+
+def read_unit(spec: DatasetSpec, unit: str) -> Iterator[RawPair | UnitFailure]:
+    """Yield the unit's pairs in order (index = position in its shard), then any UnitFailure."""
+    if spec.format == "parquet":
+        yield from _read_parquet(spec, unit)
+    else:
+        if "://" not in unit and not unit.startswith("pipe:") and not os.path.exists(unit):
+            yield UnitFailure(unit, "shard not found (it disappeared after the run started?)")
+            return
+        yield from _read_tar(spec, unit)
