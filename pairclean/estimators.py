@@ -132,7 +132,7 @@ class OpenClipEstimator:
             tags = ", ".join(open_clip.list_pretrained_tags_by_model(model)) or "none"
             raise UserError(f"--pretrained {weights!r} is neither a file nor a tag of {model} (tags: {tags}); use a checkpoint path or `none`")
         try:
-            logging.getLogger().setLevel(logging.WARNING)
+            logging.getLogger().setLevel(logging.ERROR)  # open_clip warns on purpose-made random init
             net, _, preprocess = open_clip.create_model_and_transforms(model, pretrained=weights, device=self.device, weights_only=True)
         except UserError:
             raise

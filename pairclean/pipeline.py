@@ -154,6 +154,7 @@ def score(source: str | list[str] | DatasetSpec, out: str | Path, config: ScoreC
     store = PartStore(parts_dir_for(out))
     resumed = store.open_run(cfg.settings(spec, units), overwrite=cfg.overwrite)
     if estimator is None:
+        torch.manual_seed(cfg.seed)  # a randomly initialised model (--pretrained none) is then reproducible
         estimator = build_estimator(cfg.backend, model=cfg.model, pretrained=cfg.pretrained, device=cfg.device,
                                     precision=cfg.precision, decode=cfg.decode)
 

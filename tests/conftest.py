@@ -1,0 +1,51 @@
+"""Shared fixtures: real COCO JPEG shards (tests/data/coco-mini), a tiny open_clip model, fast settings."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from pairclean.coco import build_parquet, build_shards
+from pairclean.pipeline import ScoreConfig
+
+TESTS = Path(__file__).parent
+COCO_MINI = TESTS / "data" / "coco-mini"
+SHARED_DATA = Path(os.environ.get("PAIRCLEAN_SHARED_DATA", TESTS.parent.parent / "shared" / "data"))
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+@pytest.fixture(scope="session")
+def coco_src() -> Path:
+    """16 real COCO JPEGs with captions (provenance in tests/data/coco-mini/PROVENANCE.md)."""
+    return COCO_MINI
+
+
+@pytest.fixture(scope="session")
+def coco_shards(tmp_path_factory, coco_src) -> Path:
+    """The 16 pairs as 3 WebDataset shards (6 + 6 + 4) with a manifest.yaml."""
+    out = tmp_path_factory.mktemp("coco") / "shards"
+    build_shards(coco_src, out, shard_size=6)
+    return out
+
+
+@pytest.fixture(scope="session")
+def coco_parquet(tmp_path_factory, coco_src) -> Path:
+    out = tmp_path_factory.mktemp("coco-pq") / "pairs.parquet"
+    return build_parquet(coco_src, out)
+
+
+@pytest.fixture
+def fast_config() -> ScoreConfig:
+    """The tiny randomly initialised open_clip model with small beta K: seconds per run."""
+    return ScoreConfig(model="pairclean-tiny", pretrained="none", beta_k=64, batch_size=8, workers=0, seed=0)
+
+
+@pytest.fixture(scope="session")
+def shared_data() -> Path:
+    if not SHARED_DATA.is_dir():
+        pytest.skip("../shared/data is not beside this checkout")
+    return SHARED_DATA
