@@ -25,19 +25,32 @@ PAIR_KINDS = ("image-text", "text-text", "image-label", "image-image")
 DEFAULT_LABEL_TEMPLATE = "This is a picture of {label}."
 
 
+WDS_FIELD_DEFAULTS = {"image": "jpg;jpeg;png;webp", "text": "txt", "json_text_key": "caption", "text2": "txt2",
+                      "image2": "jpg2;png2;webp2", "label": "cls", "key": "__key__"}
+PARQUET_FIELD_DEFAULTS = {"image": "image", "text": "caption", "json_text_key": None, "text2": "caption2",
+                          "image2": "image2", "label": "label", "key": "key"}
+
+
 @dataclass
 class Fields:
-    """Which member (WebDataset extension) or column (Parquet) holds each part of a pair."""
+    """Which member (WebDataset extension) or column (Parquet) holds each part of a pair.
 
-    image: str = "jpg;jpeg;png;webp"  # extensions tried in order, or the Parquet bytes column
+    None means the format's default (WDS_FIELD_DEFAULTS / PARQUET_FIELD_DEFAULTS).
+    """
+
+    image: str | None = None  # extensions tried in order (';'-separated), or the Parquet bytes column
     image_path: str | None = None  # Parquet: column of image paths relative to the file
-    text: str = "txt"  # extension or column of the caption
-    json_text_key: str = "caption"  # caption inside a `json` member when there is no text member
-    text2: str = "txt2"  # second text of a text-text pair
-    image2: str = "jpg2;png2;webp2"  # second image of an image-image pair
+    text: str | None = None  # extension or column of the caption
+    json_text_key: str | None = None  # caption inside a `json` member when there is no text member
+    text2: str | None = None  # second text of a text-text pair
+    image2: str | None = None  # second image of an image-image pair
     image2_path: str | None = None
-    label: str = "cls"  # class label of an image-label pair
-    key: str = "key"  # Parquet id column (WebDataset uses __key__)
+    label: str | None = None  # class label of an image-label pair
+    key: str | None = None  # Parquet id column (WebDataset always uses __key__)
+
+    def resolved(self, format: str) -> "Fields":
+        defaults = PARQUET_FIELD_DEFAULTS if format == "parquet" else WDS_FIELD_DEFAULTS
+        return Fields(**{k: (v if v is not None else defaults.get(k)) for k, v in asdict(self).items()})
 
     def image_candidates(self, second: bool = False) -> list[str]:
         return [e.strip() for e in (self.image2 if second else self.image).split(";") if e.strip()]
@@ -54,9 +67,11 @@ class DatasetSpec:
     name: str | None = None
     allow_pipe: bool = False
 
+    def __post_init__(self):
+        self.fields = self.fields.resolved(self.format)
+
     def as_dict(self) -> dict:
-        d = asdict(self)
-        return d
+        return asdict(self)
 
 
 def _expand_one(pattern: str, base: Path, allow_pipe: bool) -> list[str]:
@@ -172,7 +187,7 @@ def open_dataset(source: str | list[str], pair: str | None = None, fields: Field
     if pair:
         spec.pair = pair
     if fields:
-        spec.fields = fields
+        spec.fields = fields.resolved(spec.format)
     if label_template:
         spec.label_template = label_template
     return validate(spec)

@@ -151,12 +151,12 @@ def score(source: str | list[str] | DatasetSpec, out: str | Path, config: ScoreC
     if not out.parent.exists():
         raise UserError(f"output directory {out.parent} does not exist")
     units = list_units(spec)
-    store = PartStore(parts_dir_for(out))
-    resumed = store.open_run(cfg.settings(spec, units), overwrite=cfg.overwrite)
-    if estimator is None:
+    if estimator is None:  # built (and so validated) before anything is written
         torch.manual_seed(cfg.seed)  # a randomly initialised model (--pretrained none) is then reproducible
         estimator = build_estimator(cfg.backend, model=cfg.model, pretrained=cfg.pretrained, device=cfg.device,
                                     precision=cfg.precision, decode=cfg.decode)
+    store = PartStore(parts_dir_for(out))
+    resumed = store.open_run(cfg.settings(spec, units), overwrite=cfg.overwrite)
 
     saved = store.load_beta()
     if saved is not None:
