@@ -1,0 +1,34 @@
+"""Shard patterns and manifests resolve to the same ordered shard list."""
+
+import pytest
+
+from pairclean.errors import UserError
+from pairclean.manifest import open_dataset, resolve_shards
+
+
+def test_directory_glob_brace_and_list_file_agree(coco_shards, tmp_path):
+    expected = [str(coco_shards / f"coco-mini-{i:06d}.tar") for i in range(3)]
+    assert resolve_shards(str(coco_shards)) == expected
+    assert resolve_shards(str(coco_shards / "*.tar")) == expected
+    assert resolve_shards(str(coco_shards / "coco-mini-{000000..000002}.tar")) == expected
+    listing = tmp_path / "shards.txt"
+    listing.write_text("# my shards\n" + "\n".join(expected) + "\n")
+    assert resolve_shards(str(listing)) == expected
+
+
+def test_manifest_resolves_relative_shards(coco_shards):
+    spec = open_dataset(str(coco_shards / "manifest.yaml"))
+    assert spec.format == "webdataset" and spec.pair == "image-text" and len(spec.shards) == 3
+    assert spec.fields.text == "txt" and spec.fields.key == "__key__"
+
+
+def test_parquet_defaults_and_pipe_refusal(coco_parquet):
+    spec = open_dataset(str(coco_parquet))
+    assert spec.format == "parquet" and spec.fields.image == "image" and spec.fields.text == "caption"
+    with pytest.raises(UserError, match="allow-pipe"):
+        resolve_shards("pipe:curl -s http://example.invalid/a.tar")
+
+
+def test_missing_shard_in_brace_pattern_is_named(coco_shards):
+    with pytest.raises(UserError, match="coco-mini-000009.tar"):
+        resolve_shards(str(coco_shards / "coco-mini-{000000..000009}.tar"))
