@@ -69,6 +69,12 @@ def file_sha256(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
     return digest.hexdigest()
 
 
+def random_vocabulary_texts(words: list[str], n: int, generator: torch.Generator, max_words: int = 15) -> list[str]:
+    """n random texts of 1..max_words vocabulary entries: beta's random inputs for Hugging Face tokenizers."""
+    lengths = torch.randint(1, max_words + 1, (n,), generator=generator)
+    return [" ".join(words[i] for i in torch.randint(0, len(words), (int(k),), generator=generator)) for k in lengths]
+
+
 def register_model_configs() -> None:
     """Make pairclean's own open_clip configs (the tiny toy-world models) loadable by name."""
     import open_clip
@@ -173,10 +179,7 @@ class OpenClipEstimator:
         vocab = getattr(tok, "vocab_size", None)
         if sot is None or eot is None or vocab is None:
             # A Hugging Face tokenizer: random vocabulary words go through the tokenizer itself.
-            words = list(tok.tokenizer.get_vocab().keys())
-            lengths = torch.randint(1, 16, (n,), generator=generator)
-            texts = [" ".join(words[i] for i in torch.randint(0, len(words), (int(k),), generator=generator)) for k in lengths]
-            return tok(texts)
+            return tok(random_vocabulary_texts(list(tok.tokenizer.get_vocab().keys()), n, generator))
         tokens = torch.zeros((n, ctx), dtype=torch.long)
         lengths = torch.randint(1, ctx - 1, (n,), generator=generator)
         for row, length in enumerate(lengths.tolist()):
@@ -193,7 +196,29 @@ class OpenClipEstimator:
                 "image_mean": self.mean, "image_std": self.std}
 
 
+BACKEND_MODALITIES = {"open_clip": ("image", "text"), "sentence-transformers": ("text",)}
+BACKEND_ALIASES = {"open-clip": "open_clip", "openclip": "open_clip", "sentence_transformers": "sentence-transformers",
+                   "st": "sentence-transformers"}
+
+
+def check_backend(backend: str, needed: tuple[str, ...] = ()) -> str:
+    """The canonical backend name; UserError if unknown or if it cannot encode a needed modality."""
+    name = BACKEND_ALIASES.get(backend, backend)
+    if name not in BACKEND_MODALITIES:
+        raise UserError(f"unknown backend {backend!r}; choose {' or '.join(BACKEND_MODALITIES)}")
+    missing = [m for m in dict.fromkeys(needed) if m not in BACKEND_MODALITIES[name]]
+    if missing:
+        raise UserError(f"the {name} backend cannot encode {', '.join(missing)}: "
+                        f"it encodes {', '.join(BACKEND_MODALITIES[name])} only")
+    return name
+
+
 def build_estimator(backend: str = "open_clip", **kwargs) -> Estimator:
-    if backend in ("open_clip", "open-clip", "openclip"):
-        return OpenClipEstimator(**kwargs)
-    raise UserError(f"unknown backend {backend!r}; choose open_clip")
+    name = check_backend(backend)
+    if name == "sentence-transformers":
+        from pairclean.st_estimator import SentenceTransformerEstimator
+
+        return SentenceTransformerEstimator(model=kwargs.get("model", "all-MiniLM-L6-v2"),
+                                            device=kwargs.get("device", "auto"),
+                                            precision=kwargs.get("precision", "fp32"))
+    return OpenClipEstimator(**kwargs)

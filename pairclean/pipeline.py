@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from pairclean.beta import BETA_MODES, BetaEstimate, ShuffledAccumulator, random_input_beta, shuffled_beta
 from pairclean.errors import UserError
-from pairclean.estimators import build_estimator
+from pairclean.estimators import build_estimator, check_backend
 from pairclean.finalize import finalize
 from pairclean.manifest import DatasetSpec, open_dataset
 from pairclean.scorer import WEIGHT_FUNCTIONS
@@ -146,6 +146,8 @@ def score(source: str | list[str] | DatasetSpec, out: str | Path, config: ScoreC
     if cfg.batch_size < 1:
         raise UserError("--batch-size must be at least 1")
     spec = source if isinstance(source, DatasetSpec) else open_dataset(source)
+    if estimator is None:
+        check_backend(cfg.backend, modalities(spec.pair))  # before any output exists
     if out.exists() and not cfg.overwrite:
         raise UserError(f"{out} exists; pass --overwrite to replace it")
     if not out.parent.exists():
