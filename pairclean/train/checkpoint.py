@@ -1,0 +1,92 @@
+"""Run directory layout, training state for --resume, and finding a trained model to evaluate.
+
+    RUN_DIR/run.json              config, target, method, data summary (the run's identity)
+    RUN_DIR/state.pt              model + optimizer + scheduler + scaler + epoch + RNG + method state
+    RUN_DIR/model-epoch-NNN.pt    plain state_dict after each epoch (sentence-transformers: a directory)
+    RUN_DIR/model-best.pt         the epoch with the best validation rSum
+    RUN_DIR/metrics.jsonl         one JSON object per logged step and per epoch
+    RUN_DIR/diagnostics/epoch-NNN.parquet   per-pair loss and weight of each epoch
+
+Every file is written to a temp name and renamed: a killed run leaves the previous epoch's
+complete state, which is where --resume continues.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from pairclean.atomic import atomic_path
+from pairclean.errors import UserError
+
+RUN_FILE = "run.json"
+STATE_FILE = "state.pt"
+BEST = "model-best"
+
+
+def epoch_model_name(epoch: int) -> str:
+    return f"model-epoch-{epoch:03d}"
+
+
+def model_path(run_dir: Path, stem: str, backend: str) -> Path:
+    return Path(run_dir) / (stem if backend == "sentence-transformers" else f"{stem}.pt")
+
+
+def rng_state() -> dict:
+    state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    np.random.set_state(state["numpy"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save_state(run_dir: Path, state: dict) -> None:
+    with atomic_path(Path(run_dir) / STATE_FILE) as tmp:
+        torch.save({**state, "rng": rng_state()}, tmp)
+
+
+def load_state(run_dir: Path) -> dict:
+    # The state holds optimizer and RNG objects, not only tensors: it is pairclean's own file.
+    return torch.load(Path(run_dir) / STATE_FILE, map_location="cpu", weights_only=False)
+
+
+def read_run(run_dir: Path) -> dict:
+    path = Path(run_dir) / RUN_FILE
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise UserError(f"cannot read {path}: {exc}") from None
+
+
+def resolve_trained_model(path: Path) -> tuple[dict, Path]:
+    """(target description, model file or directory) for a run directory or a model inside one."""
+    path = Path(path)
+    if not path.exists():
+        raise UserError(f"model not found: {path}")
+    if path.is_dir() and (path / "modules.json").is_file() and not (path / RUN_FILE).is_file():
+        run_dir = path.parent if (path.parent / RUN_FILE).is_file() else None
+        desc = read_run(run_dir)["target"] if run_dir else {"backend": "sentence-transformers"}
+        return desc, path
+    if path.is_dir() and (path / RUN_FILE).is_file():
+        desc = read_run(path)["target"]
+        best = model_path(path, BEST, desc["backend"])
+        if best.exists():
+            return desc, best
+        epochs = sorted(path.glob("model-epoch-*"))
+        if not epochs:
+            raise UserError(f"{path} holds no trained model yet")
+        return desc, epochs[-1]
+    if (path.parent / RUN_FILE).is_file():
+        return read_run(path.parent)["target"], path
+    raise UserError(f"{path} is not a pairclean run or model; for a bare open_clip checkpoint pass --arch MODEL_NAME")

@@ -1,0 +1,221 @@
+"""The training data path: shard index, per-shard weight arrays, shuffled prepared batches.
+
+`index_shards` counts the pairs of every shard without reading pixel data (Parquet metadata;
+tar headers grouped by webdataset's own `group_by_keys`, so indexes match `sources.read_unit`).
+`TrainBatches` is an IterableDataset: units (tar shards / Parquet row groups) are shuffled per
+epoch, split by node (torch.distributed rank, a no-op in one process) then by DataLoader worker
+(webdataset's `split_by_node` / `split_by_worker`), read with `sources.read_unit`, joined with
+the shard's weight array when the shard is opened, shuffled in a bounded buffer, prepared and
+collated in the worker. The order depends only on (seed, epoch, rank, worker), so a resumed run
+sees the same batches.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import random
+import re
+import tarfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import pyarrow.parquet as pq
+import torch
+import webdataset as wds
+from torch.utils.data import IterableDataset
+
+from pairclean.errors import UserError
+from pairclean.manifest import DatasetSpec
+from pairclean.sources import UnitFailure, list_units, modalities, read_unit, unit_shard
+
+DROPPED = -1.0  # weight-array value of a pair the method leaves out (filtered); NaN = not in the scores
+_SKIP_META = re.compile(r"__[^/]*__($|/)")  # webdataset's tar_file_iterator skip_meta
+
+
+@dataclass
+class ShardInfo:
+    shard: str
+    rows: int
+    failure: str | None = None  # the shard could only be listed partly
+
+
+def _tar_member_stream(path: str) -> Iterator[dict]:
+    """Regular members in webdataset's order and filters, without their data (seekable listing)."""
+    with tarfile.open(path, "r:") as tar:
+        for member in tar:
+            name = member.name
+            if not member.isreg() or ("/" not in name and name.startswith("__") and name.endswith("__")):
+                continue
+            if _SKIP_META.match(name):
+                continue
+            yield {"fname": name, "data": b"", "__url__": path}
+            tar.members = []  # the listing keeps no per-member state
+
+
+def tar_keys(path: str) -> tuple[list[str], str | None]:
+    """The sample keys of a local tar shard in order, and the reason if the listing stopped early."""
+    keys: list[str] = []
+    try:
+        for sample in wds.tariterators.group_by_keys(_tar_member_stream(path)):
+            keys.append(sample["__key__"])
+    except (tarfile.TarError, OSError, ValueError) as exc:
+        return keys, f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
+    return keys, None
+
+
+def parquet_keys(spec: DatasetSpec, path: str) -> list[str]:
+    """Keys of a Parquet shard as `sources.read_unit` names them (key column, else `stem/index`)."""
+    pf = pq.ParquetFile(path)
+    if spec.fields.key in pf.schema_arrow.names:
+        return [str(k) for k in pf.read(columns=[spec.fields.key]).column(0).to_pylist()]
+    return [f"{Path(path).stem}/{i}" for i in range(pf.metadata.num_rows)]
+
+
+def _is_local(shard: str) -> bool:
+    return "://" not in shard and not shard.startswith("pipe:")
+
+
+def index_shards(spec: DatasetSpec) -> list[ShardInfo]:
+    """Pairs per shard, in the spec's order."""
+    out = []
+    for shard in spec.shards:
+        if spec.format == "parquet":
+            try:
+                rows = pq.ParquetFile(shard).metadata.num_rows
+            except Exception as exc:
+                raise UserError(f"cannot read Parquet shard {shard}: {str(exc).splitlines()[0][:200]}") from None
+            out.append(ShardInfo(shard, rows))
+        elif _is_local(shard):
+            if not os.path.isfile(shard):
+                raise UserError(f"shard not found: {shard}")
+            keys, failure = tar_keys(shard)
+            out.append(ShardInfo(shard, len(keys), failure))
+        else:  # remote shards cannot be listed without reading them
+            rows = sum(1 for item in read_unit(spec, shard) if not isinstance(item, UnitFailure))
+            out.append(ShardInfo(shard, rows))
+    return out
+
+
+def shard_keys(spec: DatasetSpec, shard: str) -> list[str]:
+    """Keys of one shard by position (for joining scores by key)."""
+    if spec.format == "parquet":
+        return parquet_keys(spec, shard)
+    if _is_local(shard):
+        return tar_keys(shard)[0]
+    return [item.key for item in read_unit(spec, shard) if not isinstance(item, UnitFailure)]
+
+
+def content_digest(value: bytes | str) -> str:
+    """Identity of an item by content: the same image (or text) under several captions."""
+    return hashlib.sha1(value.encode() if isinstance(value, str) else value).hexdigest()
+
+
+@dataclass
+class BatchPlan:
+    """What the workers put into each batch besides the target's inputs."""
+
+    weights_dir: str | None = None  # per-shard weight arrays (`weights.WeightArrays` layout)
+    shard_files: dict[str, str] | None = None  # shard -> array file name inside weights_dir
+    extra_preparers: dict | None = None  # name -> preparer, e.g. an online estimator's own transforms
+    pairs: int | None = None  # pairs the method trains on per epoch (sets the LR schedule); None: all
+    left_digest: bool = False  # add each left item's content hash (groups captions of one image)
+
+
+class TrainBatches(IterableDataset):
+    """Prepared training batches; each worker reads its own share of the (shuffled) units."""
+
+    def __init__(self, spec: DatasetSpec, preparer, batch_size: int, seed: int, shuffle_buffer: int = 1000,
+                 plan: BatchPlan | None = None, shuffle: bool = True):
+        self.spec, self.preparer, self.batch_size, self.seed = spec, preparer, batch_size, seed
+        self.shuffle_buffer, self.shuffle = shuffle_buffer, shuffle
+        self.plan = plan or BatchPlan()
+        self.units = list_units(spec)
+        self.left, self.right = modalities(spec.pair)
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def _unit_order(self) -> list[str]:
+        units = list(self.units)
+        if self.shuffle:
+            random.Random(f"units-{self.seed}-{self.epoch}").shuffle(units)
+        return units
+
+    def _weights_for(self, shard: str) -> np.ndarray | None:
+        if self.plan.weights_dir is None:
+            return None
+        return np.load(os.path.join(self.plan.weights_dir, self.plan.shard_files[shard]), mmap_mode="r")
+
+    def _pairs(self, units: Iterator[str], stats: dict) -> Iterator[tuple]:
+        """(RawPair, weight) for every usable pair of the units; counts what was left out."""
+        for unit in units:
+            weights = self._weights_for(unit_shard(unit))
+            for item in read_unit(self.spec, unit):
+                if isinstance(item, UnitFailure):
+                    stats["failures"].append(f"{item.unit}: {item.reason}")
+                    continue
+                if item.error is not None:
+                    stats["errors"] += 1
+                    continue
+                weight = 1.0
+                if weights is not None:
+                    weight = float(weights[item.index]) if item.index < len(weights) else float("nan")
+                    if weight == DROPPED:
+                        stats["dropped"] += 1
+                        continue
+                    if np.isnan(weight):  # the join checked every indexed pair: the shard changed since
+                        raise RuntimeError(f"pair {item.shard}#{item.index} (key {item.key}) has no weight; "
+                                           "the shard changed after training started")
+                yield item, weight
+
+    def _new_stats(self) -> dict:
+        return {"errors": 0, "dropped": 0, "failures": []}
+
+    def _take(self, stats: dict) -> dict:
+        """What was counted since the last batch; the live dict keeps counting from zero."""
+        taken = {**stats, "failures": list(stats["failures"])}
+        stats.update(self._new_stats())
+        return taken
+
+    def _emit(self, rows: list[tuple], stats: dict) -> dict:
+        batch = {"key": [r[0].key for r in rows], "shard": [r[0].shard for r in rows],
+                 "index": torch.tensor([r[0].index for r in rows], dtype=torch.long),
+                 "weight": torch.tensor([r[1] for r in rows], dtype=torch.float32),
+                 "left": self.preparer.collate(self.left, [r[2] for r in rows]),
+                 "right": self.preparer.collate(self.right, [r[3] for r in rows]),
+                 "stats": stats}
+        if self.plan.left_digest:
+            batch["left_digest"] = [content_digest(r[0].left) for r in rows]
+        for name, preparer in (self.plan.extra_preparers or {}).items():
+            batch[f"{name}_left"] = preparer.collate(self.left, [r[4][name][0] for r in rows])
+            batch[f"{name}_right"] = preparer.collate(self.right, [r[4][name][1] for r in rows])
+        return batch
+
+    def __iter__(self):
+        rank, world, worker, workers = wds.utils.pytorch_worker_info()
+        units = wds.split_by_worker(wds.split_by_node(self._unit_order()))
+        stats = self._new_stats()
+        pairs = self._pairs(iter(units), stats)
+        if self.shuffle and self.shuffle_buffer > 1:
+            rng = random.Random(f"pairs-{self.seed}-{self.epoch}-{rank}-{worker}")
+            pairs = wds.filters.shuffle(bufsize=self.shuffle_buffer, initial=self.shuffle_buffer, rng=rng)(pairs)
+        rows: list[tuple] = []
+        for item, weight in pairs:
+            try:
+                left = self.preparer.prepare(self.left, item.left)
+                right = self.preparer.prepare(self.right, item.right)
+                extra = {name: (p.prepare(self.left, item.left), p.prepare(self.right, item.right))
+                         for name, p in (self.plan.extra_preparers or {}).items()}
+            except Exception:  # an undecodable pair is skipped, never a dead worker
+                stats["errors"] += 1
+                continue
+            rows.append((item, weight, left, right, extra))
+            if len(rows) == self.batch_size:
+                yield self._emit(rows, self._take(stats))
+                rows = []
+        if rows or stats["errors"] or stats["dropped"] or stats["failures"]:
+            yield self._emit(rows, self._take(stats)) if rows else {"key": [], "stats": self._take(stats)}

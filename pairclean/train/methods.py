@@ -1,0 +1,316 @@
+"""Training methods: how each pair's loss is weighted (or the pair dropped), behind one interface.
+
+A method is a class registered under a name (`--method NAME`) with an `Options` dataclass
+(`--method-option key=value`). The trainer calls:
+
+    setup(ctx) -> BatchPlan          once, before training (join scores, load an estimator ...)
+    on_epoch_start(epoch, ctx)       e.g. per-epoch passes over the training set
+    loss(batch, left, right, scale, ctx) -> LossOutput   per step: loss + per-pair diagnostics
+    on_epoch_end(epoch, ctx) -> dict metrics for metrics.jsonl
+    state_dict() / load_state_dict() what --resume must restore
+
+The default `loss` is the weighted symmetric InfoNCE with `batch_weights(batch, ctx)` (None =
+plain). Methods of the other seeds (SDD, GSC, SPS, DiffNCL) override `loss` and the epoch hooks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+
+from pairclean.beta import random_input_beta
+from pairclean.errors import UserError
+from pairclean.estimators import OpenClipEstimator, build_estimator
+from pairclean.manifest import DatasetSpec
+from pairclean.scorer import WEIGHT_FUNCTIONS, cone_weight, debias, normalised_weight
+from pairclean.train.data import BatchPlan, ShardInfo
+from pairclean.train.loss import REDUCTIONS, weighted_infonce
+from pairclean.train.weights import JOINS, ON_MISSING, build_weight_arrays
+
+
+@dataclass
+class MethodContext:
+    """What a method may use: the data, the target, the run directory, the trainer's settings."""
+
+    spec: DatasetSpec
+    shards: list[ShardInfo]
+    target: Any
+    run_dir: Path
+    seed: int
+    left: str
+    right: str
+
+
+@dataclass
+class LossOutput:
+    loss: torch.Tensor
+    per_pair: dict[str, torch.Tensor] = field(default_factory=dict)  # diagnostics columns, detached
+    metrics: dict[str, float] = field(default_factory=dict)  # batch-level values for the step log
+
+
+class Method:
+    name: ClassVar[str] = ""
+    Options: ClassVar[type] = None
+
+    def __init__(self, options):
+        self.options = options
+
+    def validate(self) -> None:
+        """Check the options (UserError); called once by build_method."""
+
+    def setup(self, ctx: MethodContext) -> BatchPlan:
+        return BatchPlan()
+
+    def on_epoch_start(self, epoch: int, ctx: MethodContext) -> None:
+        """Nothing to do between epochs for a fixed weighting."""
+
+    def batch_weights(self, batch: dict, ctx: MethodContext) -> tuple[torch.Tensor | None, dict]:
+        """(per-pair loss weights or None for unweighted, extra per-pair diagnostics columns)."""
+        return None, {}
+
+    def loss(self, batch: dict, left: torch.Tensor, right: torch.Tensor, logit_scale: torch.Tensor,
+             ctx: MethodContext) -> LossOutput:
+        weights, extra = self.batch_weights(batch, ctx)
+        reduction = getattr(self.options, "reduction", "mean")
+        loss, per_pair = weighted_infonce(left, right, logit_scale, weights, reduction=reduction)
+        diag = {"loss": per_pair, **extra}
+        metrics = {}
+        if weights is not None:
+            diag["weight"] = weights.detach().float().cpu()
+            metrics["mean_weight"] = float(weights.float().mean())
+        return LossOutput(loss, diag, metrics)
+
+    def on_epoch_end(self, epoch: int, ctx: MethodContext) -> dict:
+        return {}
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        """A fixed weighting has no state beyond its options."""
+
+    def describe(self) -> dict:
+        return {"method": self.name, **dataclasses.asdict(self.options)}
+
+
+METHODS: dict[str, type[Method]] = {}
+
+
+def register_method(cls: type[Method]) -> type[Method]:
+    METHODS[cls.name] = cls
+    return cls
+
+
+def _coerce(value: Any, annotation: str, name: str):
+    """CLI option strings -> the option's declared type."""
+    if not isinstance(value, str):
+        return value
+    kind = annotation.replace(" ", "").split("|")
+    if value.lower() in ("none", "null") and "None" in kind:
+        return None
+    try:
+        if "bool" in kind:
+            if value.lower() not in ("true", "false", "1", "0", "yes", "no"):
+                raise ValueError(value)
+            return value.lower() in ("true", "1", "yes")
+        if "int" in kind:
+            return int(value)
+        if "float" in kind:
+            return float(value)
+    except ValueError:
+        raise UserError(f"method option {name}={value!r} is not a valid {annotation}") from None
+    return value
+
+
+def build_method(name: str, options: dict | None = None) -> Method:
+    if name not in METHODS:
+        raise UserError(f"unknown method {name!r}; choose one of {', '.join(sorted(METHODS))}")
+    cls = METHODS[name]
+    fields = {f.name: f for f in dataclasses.fields(cls.Options)}
+    options = dict(options or {})
+    unknown = sorted(set(options) - set(fields))
+    if unknown:
+        known = ", ".join(fields) or "none"
+        raise UserError(f"method {name} has no option(s) {', '.join(unknown)} (options: {known})")
+    values = {k: _coerce(v, str(fields[k].type), k) for k, v in options.items()}
+    try:
+        opts = cls.Options(**values)
+    except TypeError as exc:
+        raise UserError(f"method {name}: {exc}") from None
+    method = cls(opts)
+    method.validate()
+    return method
+
+
+@dataclass
+class PlainOptions:
+    pass
+
+
+@register_method
+class Plain(Method):
+    """Every pair counts fully: the baseline."""
+
+    name = "plain"
+    Options = PlainOptions
+
+
+@dataclass
+class ScoresOptions:
+    scores: str | None = None  # the scores Parquet written by `pairclean score`
+    filter: str | None = None  # DuckDB predicate over the scores: pairs where it is false are dropped
+    join: str = "auto"
+    on_missing: str = "error"
+
+
+def _check_scores_options(name: str, opts) -> None:
+    if not opts.scores:
+        raise UserError(f"method {name} needs a scores file (--weights FILE or --scores FILE)")
+    if opts.join not in JOINS:
+        raise UserError(f"unknown join {opts.join!r}; choose one of {', '.join(JOINS)}")
+    if opts.on_missing not in ON_MISSING:
+        raise UserError(f"unknown --on-missing {opts.on_missing!r}; choose one of {', '.join(ON_MISSING)}")
+
+
+@dataclass
+class OsaWeightsOptions(ScoresOptions):
+    column: str = "weight_norm"  # weight_norm = the OSA weight mapped to [0, 1]; `weight` = raw
+    reduction: str = "mean"
+
+
+@register_method
+class OsaWeights(Method):
+    """Each pair's loss times its weight from the scores file (OSA Eq. 6), joined per shard."""
+
+    name = "osa-weights"
+    Options = OsaWeightsOptions
+
+    def validate(self) -> None:
+        _check_scores_options(self.name, self.options)
+        self.join = None
+        if self.options.reduction not in REDUCTIONS:
+            raise UserError(f"unknown reduction {self.options.reduction!r}; choose one of {', '.join(REDUCTIONS)}")
+
+    def setup(self, ctx: MethodContext) -> BatchPlan:
+        o = self.options
+        self.join = build_weight_arrays(o.scores, ctx.spec, ctx.shards, ctx.run_dir, column=o.column,
+                                        predicate=o.filter, join=o.join, on_missing=o.on_missing)
+        return BatchPlan(weights_dir=self.join.directory, shard_files=self.join.shard_files, pairs=self.join.kept)
+
+    def batch_weights(self, batch: dict, ctx: MethodContext) -> tuple[torch.Tensor, dict]:
+        return batch["weight"], {}
+
+    def describe(self) -> dict:
+        return {**super().describe(), "join_summary": self.join.summary() if self.join else None}
+
+
+@dataclass
+class FilterOptions(ScoresOptions):
+    pass
+
+
+@register_method
+class Filter(Method):
+    """Train only on the pairs the predicate keeps (they are not even negatives); no weighting."""
+
+    name = "filter"
+    Options = FilterOptions
+
+    def validate(self) -> None:
+        _check_scores_options(self.name, self.options)
+        if not self.options.filter:
+            raise UserError("method filter needs a predicate (--filter \"SQL over the scores\")")
+        self.join = None
+
+    def setup(self, ctx: MethodContext) -> BatchPlan:
+        o = self.options
+        self.join = build_weight_arrays(o.scores, ctx.spec, ctx.shards, ctx.run_dir, column=None,
+                                        predicate=o.filter, join=o.join, on_missing=o.on_missing)
+        return BatchPlan(weights_dir=self.join.directory, shard_files=self.join.shard_files, pairs=self.join.kept)
+
+    def describe(self) -> dict:
+        return {**super().describe(), "join_summary": self.join.summary() if self.join else None}
+
+
+@dataclass
+class OsaOnlineOptions:
+    estimator_model: str | None = None  # None: a frozen copy of the target before training (official code)
+    estimator_pretrained: str = "none"
+    weight_fn: str = "cubic"
+    normalise: bool = True  # weight_norm, as the offline default column
+    beta_mode: str = "random-inputs"  # or fixed
+    beta: float | None = None
+    beta_k: int = 1024
+    reduction: str = "mean"
+
+
+def _same_inputs(a: OpenClipEstimator, b: OpenClipEstimator) -> bool:
+    """Whether two open_clip models take the same prepared tensors (size, normalisation, tokenizer)."""
+    ta, tb = a.tokenizer, b.tokenizer
+    return (a.image_size, a.mean, a.std) == (b.image_size, b.mean, b.std) and type(ta) is type(tb) and \
+        getattr(ta, "context_length", None) == getattr(tb, "context_length", None)
+
+
+@register_method
+class OsaOnline(Method):
+    """OSA weights computed in the loop by a frozen estimator through pairclean.scorer."""
+
+    name = "osa-online"
+    Options = OsaOnlineOptions
+
+    def validate(self) -> None:
+        o = self.options
+        if o.weight_fn not in WEIGHT_FUNCTIONS:
+            raise UserError(f"unknown weight function {o.weight_fn!r}; choose one of {', '.join(WEIGHT_FUNCTIONS)}")
+        if o.beta_mode not in ("random-inputs", "fixed"):
+            raise UserError("online OSA needs --beta-mode random-inputs or fixed (shuffled needs a full pass)")
+        if o.beta_mode == "fixed" and o.beta is None:
+            raise UserError("beta_mode fixed needs beta=VALUE")
+        if o.reduction not in REDUCTIONS:
+            raise UserError(f"unknown reduction {o.reduction!r}; choose one of {', '.join(REDUCTIONS)}")
+        self.beta = None
+        self.estimator = None
+
+    def setup(self, ctx: MethodContext) -> BatchPlan:
+        o = self.options
+        target = ctx.target
+        if o.estimator_model is None:
+            if not hasattr(target, "frozen_estimator"):
+                raise UserError(f"online OSA with a {target.backend} target needs estimator_model=NAME")
+            self.estimator = target.frozen_estimator()
+        else:
+            torch.manual_seed(ctx.seed)  # a randomly initialised estimator is then reproducible
+            self.estimator = build_estimator("open_clip", model=o.estimator_model, pretrained=o.estimator_pretrained,
+                                             device=str(target.device))
+        if self.beta is None:  # a resumed run keeps the beta it started with
+            if o.beta_mode == "fixed":
+                self.beta = float(o.beta)
+            else:
+                self.beta = random_input_beta(self.estimator, ctx.left, ctx.right, k=o.beta_k, seed=ctx.seed).beta
+        shared = getattr(target, "estimator", None)
+        if shared is not None and _same_inputs(shared, self.estimator):
+            return BatchPlan()
+        return BatchPlan(extra_preparers={"estimator": self.estimator.preparer})
+
+    def batch_weights(self, batch: dict, ctx: MethodContext) -> tuple[torch.Tensor, dict]:
+        left = batch.get("estimator_left", batch["left"])
+        right = batch.get("estimator_right", batch["right"])
+        sim = (self.estimator.encode(ctx.left, left) * self.estimator.encode(ctx.right, right)).sum(-1)
+        w = cone_weight(debias(sim, self.beta), self.options.weight_fn)  # official: scale = the batch max
+        if self.options.normalise:
+            w = normalised_weight(w, self.options.weight_fn, self.beta)
+        return w, {"sim": sim.float().cpu()}
+
+    def state_dict(self) -> dict:
+        return {"beta": self.beta}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.beta = state.get("beta")
+
+    def describe(self) -> dict:
+        return {**super().describe(), "beta": self.beta,
+                "estimator": self.estimator.provenance() if self.estimator is not None else None}

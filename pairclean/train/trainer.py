@@ -1,0 +1,301 @@
+"""The training loop: weighted symmetric InfoNCE, AdamW, warm-up + cosine, clipping, autocast,
+a checkpoint per epoch plus the best by validation rSum, exact resume, JSONL metrics, rich progress.
+
+Order of an epoch's end (state.pt last, it is the commit point of the epoch): validation ->
+model-epoch-NNN (+ model-best) -> diagnostics -> metrics line -> state.pt. A run killed anywhere
+resumes from the last state.pt and redoes the epoch after it with the same batches (the data
+order depends only on seed and epoch) and the same RNG streams, so it ends with the same weights.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import shutil
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader
+
+from pairclean.errors import UserError
+from pairclean.estimators import PRECISIONS, autocast_context
+from pairclean.manifest import DatasetSpec, open_dataset
+from pairclean.retrieval import evaluate_target
+from pairclean.sources import modalities
+from pairclean.train.checkpoint import (BEST, RUN_FILE, STATE_FILE, epoch_model_name, load_state, model_path,
+                                        read_run, save_state, set_rng_state)
+from pairclean.train.data import TrainBatches, index_shards
+from pairclean.train.methods import MethodContext, build_method
+from pairclean.train.metrics import DiagnosticsWriter, MetricsLog
+from pairclean.train.models import load_target
+from pairclean.atomic import write_json
+
+# Settings that may change between a run and its resumption without changing its result.
+UNPINNED = ("device", "show_progress", "resume", "overwrite", "val_batch_size")
+
+
+@dataclass
+class TrainConfig:
+    model: str = "ViT-B-32"  # open_clip name (or pairclean tiny config), or a sentence-transformers dir/name
+    pretrained: str = "openai"  # open_clip: tag, checkpoint path, or "none" (random init)
+    backend: str = "auto"  # auto | open_clip | sentence-transformers
+    device: str = "auto"
+    precision: str = "fp32"  # fp32 | bf16 (autocast) | fp16 (CUDA, with a grad scaler)
+    epochs: int = 5
+    batch_size: int = 256
+    lr: float = 5e-6
+    weight_decay: float = 0.2
+    warmup_steps: int = 500
+    min_lr_ratio: float = 0.0  # the cosine ends at lr * min_lr_ratio
+    grad_clip: float | None = 1.0  # max gradient norm; None disables
+    temperature: float | None = None  # None: open_clip learns it, sentence-transformers uses 0.05
+    method: str = "plain"
+    method_options: dict = field(default_factory=dict)
+    workers: int = 2
+    shuffle_buffer: int = 1000
+    val_batch_size: int = 256
+    log_every: int = 10
+    diagnostics: bool = True
+    seed: int = 0
+    resume: bool = False
+    overwrite: bool = False
+    show_progress: bool = False
+
+    def check(self) -> None:
+        if self.epochs < 1:
+            raise UserError("--epochs must be at least 1")
+        if self.batch_size < 2:
+            raise UserError("--batch-size must be at least 2 (in-batch negatives)")
+        if self.lr <= 0 or self.weight_decay < 0 or self.warmup_steps < 0:
+            raise UserError("--lr must be positive, --weight-decay and --warmup-steps non-negative")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise UserError("--min-lr-ratio must be within [0, 1]")
+        if self.grad_clip is not None and self.grad_clip <= 0:
+            raise UserError("--grad-clip must be positive (or omitted)")
+        if self.precision not in PRECISIONS:
+            raise UserError(f"unknown precision {self.precision!r}; choose one of {', '.join(PRECISIONS)}")
+        if self.log_every < 1 or self.workers < 0 or self.shuffle_buffer < 0:
+            raise UserError("--log-every must be >= 1, --workers and --shuffle-buffer >= 0")
+
+
+@dataclass
+class TrainResult:
+    run_dir: Path
+    epochs: list[dict]  # the epoch records of metrics.jsonl
+    best_epoch: int | None
+    best_rsum: float | None
+    best_model: Path | None
+    last_model: Path
+    resumed_from: int  # epochs already done when this call started
+    seconds: float
+
+
+def cosine_lr(step: int, warmup: int, total: int, min_ratio: float) -> float:
+    """Linear warm-up to 1, then cosine down to min_ratio at `total` steps (flat after)."""
+    if warmup and step < warmup:
+        return (step + 1) / warmup
+    span = max(total - warmup, 1)
+    progress = min(max(step - warmup, 0) / span, 1.0)
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def param_groups(module: torch.nn.Module, weight_decay: float) -> list[dict]:
+    """open_clip's split: no weight decay on gains, biases, norms and the logit scale."""
+    decay, no_decay = [], []
+    for name, p in module.named_parameters():
+        if not p.requires_grad:
+            continue
+        exclude = p.ndim < 2 or "bn" in name or "ln" in name or "bias" in name or "logit_scale" in name
+        (no_decay if exclude else decay).append(p)
+    return [{"params": no_decay, "weight_decay": 0.0}, {"params": decay, "weight_decay": weight_decay}]
+
+
+def _spec(data, pair: str | None) -> DatasetSpec:
+    return data if isinstance(data, DatasetSpec) else open_dataset(data, pair=pair)
+
+
+def _prepare_run_dir(out: Path, cfg: TrainConfig) -> bool:
+    """Create or check RUN_DIR; True when a saved state will be resumed."""
+    if (out / STATE_FILE).is_file() and cfg.resume and not cfg.overwrite:
+        return True
+    if out.exists() and any(out.iterdir()):
+        if not (out / RUN_FILE).is_file():
+            raise UserError(f"{out} exists, is not empty and holds no pairclean run: choose another --out")
+        if not cfg.overwrite:
+            raise UserError(f"{out} holds a run: pass --resume to continue it or --overwrite to start over")
+        shutil.rmtree(out)
+    if not out.parent.exists():
+        raise UserError(f"directory {out.parent} does not exist")
+    out.mkdir(exist_ok=True)
+    return False
+
+
+def _settings(cfg: TrainConfig, spec: DatasetSpec, val: DatasetSpec | None) -> dict:
+    keep = {k: v for k, v in asdict(cfg).items() if k not in UNPINNED}
+    return {**keep, "pair": spec.pair, "train_shards": spec.shards, "fields": asdict(spec.fields),
+            "val_shards": val.shards if val else None}
+
+
+def _progress(enabled: bool):
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    return Progress(TextColumn("[bold]epoch {task.fields[epoch]}"), BarColumn(), MofNCompleteColumn(),
+                    TextColumn("steps  loss {task.fields[loss]:.4f}  lr {task.fields[lr]:.2e}"),
+                    TextColumn("{task.fields[rate]:,.0f} pairs/s"), TimeElapsedColumn(), disable=not enabled)
+
+
+def train(source: str | list[str] | DatasetSpec, out: str | Path, config: TrainConfig | None = None,
+          val: str | list[str] | DatasetSpec | None = None, pair: str | None = None) -> TrainResult:
+    """Train `config.model` on `source` into the run directory `out`; see the package docstring."""
+    cfg = config or TrainConfig()
+    cfg.check()
+    out = Path(out)
+    spec = _spec(source, pair)
+    val_spec = _spec(val, pair or spec.pair) if val is not None else None
+    method = build_method(cfg.method, cfg.method_options)
+    resuming = _prepare_run_dir(out, cfg)
+    settings = _settings(cfg, spec, val_spec)
+    if resuming:
+        earlier = read_run(out).get("settings", {})
+        differ = sorted(k for k in set(earlier) | set(settings) if earlier.get(k) != settings.get(k))
+        if differ:
+            shown = "; ".join(f"{k}: {earlier.get(k)!r} -> {settings.get(k)!r}" for k in differ[:4])
+            raise UserError(f"{out} was trained with different settings ({shown}); resume with the same settings "
+                            "or pass --overwrite")
+
+    torch.manual_seed(cfg.seed)
+    np.random.seed(cfg.seed)
+    random.seed(cfg.seed)
+    target = load_target(cfg.model, cfg.pretrained, backend=cfg.backend, device=cfg.device, temperature=cfg.temperature)
+    device = target.device
+    autocast_context(device, cfg.precision)  # refuses fp16 without CUDA before any work
+    left_mod, right_mod = modalities(spec.pair)
+    shards = index_shards(spec)
+    ctx = MethodContext(spec=spec, shards=shards, target=target, run_dir=out, seed=cfg.seed, left=left_mod,
+                        right=right_mod)
+    plan = method.setup(ctx)  # before any state is loaded: a frozen estimator copies the initial model
+    pairs = plan.pairs if plan.pairs is not None else sum(s.rows for s in shards)
+    steps_per_epoch = max(math.ceil(pairs / cfg.batch_size), 1)
+    total_steps = steps_per_epoch * cfg.epochs
+
+    optimizer = torch.optim.AdamW(param_groups(target.module, cfg.weight_decay), lr=cfg.lr, betas=(0.9, 0.98), eps=1e-6)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: cosine_lr(step, cfg.warmup_steps, total_steps, cfg.min_lr_ratio))
+    scaler = torch.amp.GradScaler(device.type, enabled=cfg.precision == "fp16")
+    metrics = MetricsLog(out / "metrics.jsonl")
+    done_epochs, step, best_rsum, best_epoch, history = 0, 0, None, None, []
+    if resuming:
+        state = load_state(out)
+        target.module.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        scaler.load_state_dict(state["scaler"])
+        method.load_state_dict(state["method"])
+        done_epochs, step = state["epoch"], state["step"]
+        best_rsum, best_epoch, history = state["best_rsum"], state["best_epoch"], state["history"]
+        set_rng_state(state["rng"])
+        metrics.resume(done_epochs)
+    else:
+        metrics.reset()
+    resumed_from = done_epochs
+    write_json(out / RUN_FILE, {"settings": settings, "target": target.describe(), "method": method.describe(),
+                                "train": {"shards": len(shards), "pairs": sum(s.rows for s in shards),
+                                          "pairs_trained_per_epoch": pairs, "steps_per_epoch": steps_per_epoch,
+                                          "unreadable_shards": [f"{s.shard}: {s.failure}" for s in shards if s.failure]}})
+
+    dataset = TrainBatches(spec, target.preparer, cfg.batch_size, cfg.seed, cfg.shuffle_buffer, plan)
+    workers = min(cfg.workers, len(dataset.units))
+    started = time.perf_counter()
+    with _progress(cfg.show_progress) as progress:
+        for epoch in range(done_epochs + 1, cfg.epochs + 1):
+            dataset.set_epoch(epoch)
+            loader = DataLoader(dataset, batch_size=None, num_workers=workers, pin_memory=device.type == "cuda",
+                                generator=torch.Generator().manual_seed(cfg.seed * 1000 + epoch))
+            method.on_epoch_start(epoch, ctx)
+            diag = DiagnosticsWriter(out / "diagnostics" / f"epoch-{epoch:03d}.parquet") if cfg.diagnostics else None
+            task = progress.add_task("train", total=steps_per_epoch, epoch=epoch, loss=0.0, lr=0.0, rate=0.0)
+            record = _run_epoch(epoch, loader, target, method, ctx, optimizer, scheduler, scaler, cfg,
+                                diag, metrics, progress, task, step)
+            step = record["step"]
+            record.update(method.on_epoch_end(epoch, ctx))
+            if val_spec is not None:
+                val_metrics = evaluate_target(target, val_spec, cfg.val_batch_size, workers,
+                                              autocast_context(device, cfg.precision))
+                record.update({f"val_{k}": v for k, v in val_metrics.items()})
+            last_model = target.export(model_path(out, epoch_model_name(epoch), target.backend))
+            rsum = record.get("val_rsum")
+            if rsum is not None and (best_rsum is None or rsum > best_rsum):
+                best_rsum, best_epoch = rsum, epoch
+                target.export(model_path(out, BEST, target.backend))
+            record.update({"best_epoch": best_epoch, "best_rsum": best_rsum})
+            if diag is not None:
+                diag.close()
+            history.append(record)
+            metrics.write(record)
+            save_state(out, {"model": target.module.state_dict(), "optimizer": optimizer.state_dict(),
+                             "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(),
+                             "method": method.state_dict(), "epoch": epoch, "step": step, "best_rsum": best_rsum,
+                             "best_epoch": best_epoch, "history": history})
+            progress.update(task, visible=False)
+    best_model = model_path(out, BEST, target.backend) if best_epoch is not None else None
+    return TrainResult(out, history, best_epoch, best_rsum, best_model,
+                       model_path(out, epoch_model_name(cfg.epochs), target.backend), resumed_from,
+                       time.perf_counter() - started)
+
+
+def _run_epoch(epoch, loader, target, method, ctx, optimizer, scheduler, scaler, cfg, diag, metrics, progress, task,
+               step) -> dict:
+    """One pass over the training data; returns the epoch's metrics record."""
+    totals = {"loss_sum": 0.0, "pairs": 0, "steps": 0, "errors": 0, "dropped": 0, "compute_s": 0.0, "data_s": 0.0}
+    failures: list[str] = []
+    epoch_start = waited = time.perf_counter()
+    for batch in loader:
+        stats = batch["stats"]
+        totals["errors"] += stats["errors"]
+        totals["dropped"] += stats["dropped"]
+        failures.extend(stats["failures"])
+        if len(batch["key"]) < 2:  # a lone pair has no negatives
+            continue
+        t0 = time.perf_counter()
+        totals["data_s"] += t0 - waited
+        with autocast_context(target.device, cfg.precision):
+            left = target.encode(ctx.left, batch["left"])
+            right = target.encode(ctx.right, batch["right"])
+            out = method.loss(batch, left, right, target.logit_scale(), ctx)
+        optimizer.zero_grad(set_to_none=True)
+        scaler.scale(out.loss).backward()
+        if cfg.grad_clip is not None:
+            scaler.unscale_(optimizer)
+            torch.nn.utils.clip_grad_norm_(target.module.parameters(), cfg.grad_clip)
+        scaler.step(optimizer)
+        scaler.update()
+        scheduler.step()
+        step += 1
+        loss = float(out.loss.detach())
+        n = len(batch["key"])
+        waited = time.perf_counter()
+        totals["compute_s"] += waited - t0
+        totals["loss_sum"] += loss * n
+        totals["pairs"] += n
+        totals["steps"] += 1
+        if diag is not None:
+            diag.add({"key": batch["key"], "shard": batch["shard"], "index": batch["index"].numpy(),
+                      "epoch": [epoch] * n, **{k: v.numpy() for k, v in out.per_pair.items()}})
+        lr = optimizer.param_groups[0]["lr"]
+        if step % cfg.log_every == 0:
+            metrics.write({"event": "step", "epoch": epoch, "step": step, "loss": loss, "lr": lr,
+                           "logit_scale": float(target.logit_scale().detach()), **out.metrics})
+        elapsed = waited - epoch_start
+        progress.update(task, advance=1, loss=loss, lr=lr, rate=totals["pairs"] / elapsed if elapsed else 0.0)
+    if totals["steps"] == 0:
+        raise UserError(f"epoch {epoch} had no batch of at least 2 usable pairs (errors: {totals['errors']}, "
+                        f"dropped: {totals['dropped']}, failed shards: {len(failures)})")
+    seconds = time.perf_counter() - epoch_start
+    return {"event": "epoch", "epoch": epoch, "step": step, "train_loss": totals["loss_sum"] / totals["pairs"],
+            "pairs": totals["pairs"], "steps": totals["steps"], "skipped_errors": totals["errors"],
+            "dropped": totals["dropped"], "failed_shards": failures, "seconds": seconds,
+            "compute_seconds_per_step": totals["compute_s"] / totals["steps"],
+            "data_seconds_per_step": totals["data_s"] / totals["steps"], "pairs_per_second": totals["pairs"] / seconds}

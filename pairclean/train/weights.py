@@ -1,0 +1,238 @@
+"""Join a scores Parquet to the training shards as per-shard weight arrays (DuckDB, streamed).
+
+One DuckDB query selects the chosen weight column and the optional filter predicate for every
+scored pair, joined to the training shards and ordered by (shard, index); the result streams in
+record batches and is cut into one float32 array per training shard (`weights/shard-NNNNNN.npy`,
+position = pair index in the shard). Workers memory-map a shard's array when they open the
+shard: nothing holds a per-key dictionary and memory is bounded by the largest shard.
+
+Array values: the weight (NULL weights count as 0), `data.DROPPED` for pairs the predicate
+rejects, NaN for pairs missing from the scores (then `on_missing` decides: error, drop, or keep
+with weight 1).
+
+Join modes: `shard-index` matches the scores' `shard` column to the training shards (same path,
+else same file name) and uses `index`, the identity `pairclean score` writes; `key` joins on the
+pair key (for data re-sharded after scoring; keys must be unique in the scores); `auto` uses
+shard-index when the shards match, else key.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import duckdb
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from pairclean.atomic import atomic_path
+from pairclean.errors import UserError
+from pairclean.manifest import DatasetSpec
+from pairclean.packing import staged_directory
+from pairclean.train.data import DROPPED, ShardInfo, shard_keys
+
+JOINS = ("auto", "shard-index", "key")
+ON_MISSING = ("error", "drop", "keep")
+WEIGHTS_DIR = "weights"
+
+
+@dataclass
+class WeightJoin:
+    directory: str
+    shard_files: dict[str, str]
+    join: str
+    rows: int
+    kept: int
+    dropped: int
+    missing: int
+    mean_weight: float  # over kept pairs
+
+    def summary(self) -> dict:
+        d = asdict(self)
+        d.pop("shard_files")
+        return d
+
+
+def _literal(text: str) -> str:
+    return "'" + text.replace("'", "''") + "'"
+
+
+def _first_line(exc: Exception) -> str:
+    return str(exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__
+
+
+class _Scores:
+    """A DuckDB view over the scores file, with the user's column and predicate checked up front."""
+
+    def __init__(self, path: str | Path, column: str | None, predicate: str | None):
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise UserError(f"scores file not found: {self.path}")
+        self.con = duckdb.connect()
+        try:
+            self.con.execute(f"CREATE VIEW scores AS SELECT * FROM read_parquet({_literal(str(self.path))})")
+            self.names = [row[0] for row in self.con.execute("DESCRIBE scores").fetchall()]
+        except duckdb.Error as exc:
+            raise UserError(f"cannot read scores {self.path}: {_first_line(exc)}") from None
+        if column is not None and column not in self.names:
+            raise UserError(f"scores {self.path} has no column {column!r} (columns: {', '.join(self.names)})")
+        self.weight_sql = f'COALESCE(CAST(s."{column}" AS DOUBLE), 0.0)' if column else "1.0"
+        self.keep_sql = f"COALESCE(({predicate}), FALSE)" if predicate else "TRUE"
+        try:
+            self.con.execute(f"SELECT {self.keep_sql} FROM scores s LIMIT 0")
+        except duckdb.Error as exc:
+            raise UserError(f"bad --filter predicate {predicate!r}: {_first_line(exc)}") from None
+        if column is not None:
+            try:
+                lowest = self.con.execute(f"SELECT min({self.weight_sql}) FROM scores s").fetchone()[0]
+            except duckdb.Error as exc:
+                raise UserError(f"column {column!r} cannot serve as a weight: {_first_line(exc)}") from None
+            if lowest is not None and lowest < 0:
+                raise UserError(f"column {column!r} has negative values (min {lowest:.4g}); loss weights must be >= 0")
+
+    def require(self, *columns: str) -> None:
+        missing = [c for c in columns if c not in self.names]
+        if missing:
+            raise UserError(f"scores {self.path} lacks column(s) {missing} needed to join")
+
+    def shard_map(self, shards: list[ShardInfo]) -> dict[str, int]:
+        """Scored shard name -> training shard id, by real path, else by unique file name."""
+        self.require("shard", "index")
+        scored = [row[0] for row in self.con.execute("SELECT DISTINCT shard FROM scores WHERE shard IS NOT NULL").fetchall()]
+        by_path = {os.path.realpath(s.shard): i for i, s in enumerate(shards)}
+        mapping = {name: by_path[os.path.realpath(name)] for name in scored if os.path.realpath(name) in by_path}
+        if mapping:
+            return mapping
+        train_names = [os.path.basename(s.shard) for s in shards]
+        scored_names = [os.path.basename(n) for n in scored]
+        if len(set(train_names)) == len(train_names) and len(set(scored_names)) == len(scored_names):
+            by_name = {name: i for i, name in enumerate(train_names)}
+            return {full: by_name[base] for full, base in zip(scored, scored_names) if base in by_name}
+        return {}
+
+
+def build_weight_arrays(scores: str | Path, spec: DatasetSpec, shards: list[ShardInfo], run_dir: Path,
+                        column: str | None = "weight_norm", predicate: str | None = None, join: str = "auto",
+                        on_missing: str = "error", batch_rows: int = 65536) -> WeightJoin:
+    """Write one weight array per training shard under RUN_DIR/weights and return the join summary."""
+    if join not in JOINS:
+        raise UserError(f"unknown join {join!r}; choose one of {', '.join(JOINS)}")
+    if on_missing not in ON_MISSING:
+        raise UserError(f"unknown --on-missing {on_missing!r}; choose one of {', '.join(ON_MISSING)}")
+    src = _Scores(scores, column, predicate)
+    con = src.con
+    mapping = src.shard_map(shards) if join in ("auto", "shard-index") else {}
+    if join == "shard-index" and not mapping:
+        raise UserError(f"no shard of {src.path} matches a training shard by path or file name; use join by key")
+    mode = "shard-index" if mapping else "key"
+    run_dir = Path(run_dir)
+    out = run_dir / WEIGHTS_DIR
+    with staged_directory(out, overwrite=True) as tmp:
+        if mode == "shard-index":
+            _check_unique(con, "shard, \"index\"", "(shard, index)")
+            con.register("shard_map", pa.table({"scored": list(mapping), "shard_id": list(mapping.values())}))
+            con.register("train_rows", pa.table({"shard_id": list(range(len(shards))), "nrows": [s.rows for s in shards]}))
+            beyond = con.execute('SELECT s.shard, s."index", t.nrows FROM scores s JOIN shard_map m ON s.shard = m.scored '
+                                 'JOIN train_rows t USING (shard_id) WHERE s."index" >= t.nrows LIMIT 1').fetchone()
+            if beyond:
+                raise UserError(f"scores hold pair index {beyond[1]} of {beyond[0]}, which now has {beyond[2]} pairs: "
+                                "the shard changed after scoring (join by key if it was re-sharded)")
+            query = (f'SELECT m.shard_id, s."index" AS idx, {src.weight_sql} AS w, {src.keep_sql} AS keep '
+                     'FROM scores s JOIN shard_map m ON s.shard = m.scored ORDER BY m.shard_id, idx')
+        else:
+            src.require("key")
+            _check_unique(con, "key", "key")
+            keys_file = tmp / "train-keys.parquet"
+            _write_train_keys(spec, shards, keys_file)
+            query = (f"SELECT k.shard_id, k.idx, {src.weight_sql} AS w, {src.keep_sql} AS keep "
+                     f"FROM read_parquet({_literal(str(keys_file))}) k JOIN scores s ON k.key = s.key "
+                     "ORDER BY k.shard_id, k.idx")
+        try:
+            reader = con.execute(query).fetch_record_batch(batch_rows)
+            files, counts = _write_arrays(reader, shards, tmp, on_missing)
+        except duckdb.Error as exc:
+            raise UserError(f"joining {src.path} failed: {_first_line(exc)}") from None
+        if mode == "key":
+            (tmp / "train-keys.parquet").unlink()
+    return WeightJoin(directory=str(out), shard_files={s.shard: files[i] for i, s in enumerate(shards)}, join=mode,
+                      **counts)
+
+
+def _check_unique(con, columns: str, label: str) -> None:
+    dup = con.execute(f"SELECT {columns}, count(*) AS n FROM scores GROUP BY ALL HAVING n > 1 LIMIT 1").fetchone()
+    if dup:
+        raise UserError(f"scores hold {label} {dup[:-1]} {dup[-1]} times: the join needs it to be unique")
+
+
+def _write_train_keys(spec: DatasetSpec, shards: list[ShardInfo], path: Path) -> None:
+    """(shard_id, idx, key) of every training pair, one shard in memory at a time."""
+    schema = pa.schema([("shard_id", pa.int32()), ("idx", pa.int64()), ("key", pa.string())])
+    with pq.ParquetWriter(path, schema) as writer:
+        for shard_id, info in enumerate(shards):
+            keys = shard_keys(spec, info.shard)[:info.rows]
+            writer.write_table(pa.table({"shard_id": pa.array([shard_id] * len(keys), pa.int32()),
+                                         "idx": pa.array(range(len(keys)), pa.int64()), "key": keys}, schema=schema))
+
+
+def _write_arrays(reader, shards: list[ShardInfo], out: Path, on_missing: str) -> tuple[dict[int, str], dict]:
+    """Cut the ordered (shard_id, idx, w, keep) stream into per-shard arrays and save them."""
+    files: dict[int, str] = {}
+    totals = {"rows": 0, "kept": 0, "dropped": 0, "missing": 0, "weight_sum": 0.0}
+    first_missing: tuple | None = None
+    current, array = -1, None
+
+    def finish(shard_id: int, arr: np.ndarray) -> None:
+        nonlocal first_missing
+        missing = np.isnan(arr)
+        n_missing = int(missing.sum())
+        if n_missing and first_missing is None:
+            first_missing = (shards[shard_id].shard, int(np.argmax(missing)))
+        if on_missing == "drop":
+            arr[missing] = DROPPED
+        elif on_missing == "keep":
+            arr[missing] = 1.0
+        kept = arr != DROPPED
+        kept &= ~np.isnan(arr)
+        totals["rows"] += len(arr)
+        totals["missing"] += n_missing
+        totals["dropped"] += int((arr == DROPPED).sum())
+        totals["kept"] += int(kept.sum())
+        totals["weight_sum"] += float(arr[kept].sum())
+        name = f"shard-{shard_id:06d}.npy"
+        with atomic_path(out / name) as tmp, open(tmp, "wb") as fh:
+            np.save(fh, arr)
+        files[shard_id] = name
+
+    def advance_to(shard_id: int) -> np.ndarray:
+        nonlocal current, array
+        while current < shard_id:
+            if array is not None:
+                finish(current, array)
+            current += 1
+            array = np.full(shards[current].rows, np.nan, dtype=np.float32)
+        return array
+
+    for batch in reader:
+        ids = batch.column(0).to_numpy()
+        idx = batch.column(1).to_numpy()
+        w = batch.column(2).to_numpy(zero_copy_only=False)
+        keep = batch.column(3).to_numpy(zero_copy_only=False)
+        values = np.where(keep, w, DROPPED).astype(np.float32)
+        cuts = np.flatnonzero(np.diff(ids)) + 1
+        for lo, hi in zip(np.r_[0, cuts], np.r_[cuts, len(ids)]):
+            arr = advance_to(int(ids[lo]))
+            arr[idx[lo:hi]] = values[lo:hi]
+    if shards:
+        advance_to(len(shards) - 1)  # shards after the last scored one get their (all-missing) arrays too
+    if array is not None:
+        finish(current, array)
+    if totals["missing"] and on_missing == "error":
+        shard, index = first_missing
+        raise UserError(f"{totals['missing']:,} training pairs have no row in the scores (first: {shard} pair {index}); "
+                        "score them, or pass --on-missing drop (leave them out) or keep (weight 1)")
+    if totals["kept"] == 0:
+        raise UserError("no training pair is left after the join and filter")
+    mean = totals.pop("weight_sum") / totals["kept"]
+    return files, {**totals, "mean_weight": mean}
