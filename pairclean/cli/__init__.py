@@ -40,7 +40,8 @@ def _root(version: bool = typer.Option(False, "--version", callback=_version, is
 
 def _register_commands() -> None:
     # Each module adds its commands to `app`; imported here so `app` is complete.
-    from pairclean.cli import evaluate, score  # noqa: F401
+    from pairclean.cli import evaluate, filter, query, score  # noqa: F401
+    from pairclean.cli import train  # noqa: F401
 
 
 def _crash_log(exc: BaseException) -> str:

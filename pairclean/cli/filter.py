@@ -1,0 +1,79 @@
+"""`pairclean filter`."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from pairclean.cli import app, console
+from pairclean.errors import UserError
+from pairclean.filter import FilterResult, filter_dataset
+from pairclean.manifest import open_dataset
+
+
+def _size(n: int | None) -> str:
+    if n is None:
+        return "-"
+    exponent = min(int(math.log10(n) // 3), 4) if n >= 1000 else 0
+    return f"{n:,} B" if exponent == 0 else f"{n / 1000 ** exponent:,.1f} {('kB', 'MB', 'GB', 'TB')[exponent - 1]}"
+
+
+def _share(part: int | None, whole: int | None) -> str:
+    return f"{part / whole:.1%}" if part is not None and whole else "-"
+
+
+def result_table(result: FilterResult) -> Table:
+    """Pairs (and, on a dry run, bytes) each rule keeps; a pair is kept when all rules keep it."""
+    title = "pairclean filter --dry-run (nothing written)" if result.dry_run else f"pairclean filter -> {result.out}"
+    table = Table(title=title, header_style="bold")
+    table.add_column("rule")
+    table.add_column("pairs kept", justify="right")
+    table.add_column("share", justify="right")
+    if result.dry_run:
+        table.add_column("bytes kept" + (" (est.)" if result.bytes_estimated else ""), justify="right")
+        table.add_column("share", justify="right")
+    for c in result.counts:
+        bytes_cells = [_size(c.bytes), _share(c.bytes, result.total_bytes)] if result.dry_run else []
+        table.add_row(c.rule, f"{c.pairs:,}", _share(c.pairs, result.total_pairs), *bytes_cells)
+    table.add_row("[dim]scored pairs of the given shards[/dim]", f"{result.total_pairs:,}", "",
+                  *([_size(result.total_bytes), ""] if result.dry_run else []))
+    if not result.dry_run:
+        table.caption = (f"wrote {result.kept_pairs:,} pairs, {_size(result.kept_bytes)}, "
+                         f"in {len(result.output_files)} file(s)")
+    return table
+
+
+@app.command("filter")
+def filter_command(
+    source: List[str] = typer.Argument(..., help="The scored shards: directory, glob, brace pattern, list file, Parquet files, or a manifest YAML."),
+    scores: Path = typer.Option(..., "--scores", "-s", help="Scores Parquet written by `pairclean score` for these shards."),
+    where: Optional[List[str]] = typer.Option(None, "--where", "-w", help="Keep pairs where this DuckDB SQL expression over the scores columns is true (repeatable: all must hold)."),
+    top_fraction: Optional[float] = typer.Option(None, help="Keep this fraction of the scored pairs with the highest --by (DataComp-style)."),
+    by: str = typer.Option("sim", help="Score column ranked by --top-fraction."),
+    out: Optional[Path] = typer.Option(None, "--out", "-o", help="Directory for the filtered dataset (with manifest.yaml and filter.json)."),
+    dry_run: bool = typer.Option(False, help="Print how many pairs and bytes each rule keeps; write nothing."),
+    shard_size: int = typer.Option(10_000, help="WebDataset output: samples per shard at most."),
+    shard_bytes: float = typer.Option(1e9, help="WebDataset output: bytes per shard at most."),
+    prefix: str = typer.Option("shard", help="Output file names: PREFIX-000000.tar / .parquet."),
+    pair: Optional[str] = typer.Option(None, help="Pair kind written into the new manifest (default: the source's)."),
+    overwrite: bool = typer.Option(False, help="Replace a non-empty --out directory."),
+) -> None:
+    """Write the pairs the rules keep as new shards (members byte-identical), or preview with --dry-run."""
+    if out is None and not dry_run:
+        raise UserError("give --out DIR (or --dry-run)")
+    spec = open_dataset(source, pair=pair)
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("shards"),
+                  TimeElapsedColumn(), console=console, transient=True) as bar:
+        task = bar.add_task("dry run" if dry_run else "filtering", total=len(spec.shards))
+        result = filter_dataset(spec, scores, out or Path("."), where=where, top_fraction=top_fraction, by=by,
+                                dry_run=dry_run, shard_size=shard_size, shard_bytes=shard_bytes, prefix=prefix,
+                                overwrite=overwrite, progress=lambda _shard: bar.advance(task))
+    console.print(result_table(result))
+    if result.read_failures:
+        console.print(f"[yellow]{len(result.read_failures)} shard read failure(s)[/yellow], first: "
+                      f"{result.read_failures[0]['shard']}: {result.read_failures[0]['reason']}", highlight=False)
