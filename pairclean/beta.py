@@ -9,10 +9,16 @@ per-part embedding sums (it sits inside the noisy distribution: a diagnostic, no
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
+
+from pairclean.atomic import write_json
 
 BETA_MODES = ("random-inputs", "shuffled", "fixed")
 
@@ -81,3 +87,68 @@ def shuffled_beta(states: list[dict | None]) -> BetaEstimate:
     sv = np.sum([s["sum_v"] for s in states], axis=0)
     diag = sum(s["sum_diag"] for s in states)
     return BetaEstimate("shuffled", float((su @ sv - diag) / (n * (n - 1))), None, n)
+
+
+def cache_dir() -> Path:
+    """$PAIRCLEAN_CACHE_DIR, else $XDG_CACHE_HOME/pairclean, else ~/.cache/pairclean."""
+    if os.environ.get("PAIRCLEAN_CACHE_DIR"):
+        return Path(os.environ["PAIRCLEAN_CACHE_DIR"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "pairclean"
+
+
+def weights_fingerprint(module: torch.nn.Module) -> str:
+    """sha1 over every tensor of the state dict (names, dtypes, shapes, bytes): the weights
+    themselves, whatever tag, file or seed they came from."""
+    digest = hashlib.sha1()
+    for name, tensor in module.state_dict().items():
+        tensor = tensor.detach().cpu().contiguous()
+        digest.update(f"{name}:{tensor.dtype}:{tuple(tensor.shape)};".encode())
+        digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+class BetaCache:
+    """random-inputs beta depends on the estimator, K, the seed and the batching, never on the
+    data: computed once per (weights, provenance, K, seed, batch) and reused by later runs.
+
+    Only estimators holding their weights as a torch module (`estimator.model`) are cached.
+    """
+
+    def __init__(self, directory: Path | None = None):
+        self.dir = Path(directory) if directory is not None else cache_dir() / "beta"
+
+    def key(self, estimator, left: str, right: str, k: int, seed: int, batch_size: int) -> str | None:
+        model = getattr(estimator, "model", None)
+        if not isinstance(model, torch.nn.Module):
+            return None
+        provenance = {**estimator.provenance(), "device": estimator.device.type}
+        ident = {"provenance": provenance, "weights": weights_fingerprint(model), "left": left, "right": right,
+                 "k": k, "seed": seed, "batch_size": batch_size, "torch": torch.__version__}
+        return hashlib.sha1(json.dumps(ident, sort_keys=True, default=str).encode()).hexdigest()
+
+    def get(self, key: str) -> BetaEstimate | None:
+        try:
+            return BetaEstimate(**json.loads((self.dir / f"{key}.json").read_text()))
+        except (OSError, ValueError, TypeError):
+            return None  # absent or unreadable: computed again
+
+    def put(self, key: str, beta: BetaEstimate) -> None:
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            write_json(self.dir / f"{key}.json", beta.as_dict())
+        except OSError:
+            pass  # a read-only home only costs the next run the computation
+
+
+def cached_random_input_beta(estimator, left: str, right: str, k: int, seed: int, batch_size: int,
+                             cache: BetaCache | None) -> tuple[BetaEstimate, bool]:
+    """(beta, whether it came from the cache)."""
+    key = cache.key(estimator, left, right, k, seed, batch_size) if cache is not None else None
+    if key is not None:
+        hit = cache.get(key)
+        if hit is not None:
+            return hit, True
+    beta = random_input_beta(estimator, left, right, k=k, seed=seed, batch_size=batch_size)
+    if key is not None:
+        cache.put(key, beta)
+    return beta, False

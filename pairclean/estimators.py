@@ -16,11 +16,14 @@ from typing import Any, Protocol
 
 import torch
 
+from pairclean.accel import (CompiledOrEager, DeviceJpegDecoder, RawJpeg, collate_images, device_decodable,
+                             notice_once, supports_text_trim, trimmed_encode_text)
 from pairclean.decode import decode_image
 from pairclean.errors import UserError
 
 CONFIG_DIR = Path(__file__).parent / "model_configs"
 PRECISIONS = ("fp32", "bf16", "fp16")
+DECODES = ("fast", "exact", "gpu")
 
 
 class Preparer(Protocol):
@@ -61,6 +64,37 @@ def autocast_context(device: torch.device, precision: str):
     return torch.autocast(device_type=device.type, dtype=dtype)
 
 
+def cpu_bf16_native() -> bool:
+    """True when this CPU multiplies bf16 in hardware (AVX512-BF16 or AMX): bf16 autocast then
+    beats fp32; elsewhere oneDNN emulates it, usually slower than fp32."""
+    try:
+        with open("/proc/cpuinfo") as fh:
+            flags = next((line for line in fh if line.startswith("flags")), "").split()
+        if flags:
+            return "avx512_bf16" in flags or "amx_bf16" in flags
+    except OSError:
+        pass
+    try:  # not Linux: oneDNN's own check (true on some CPUs that only emulate bf16)
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def resolve_precision(device: str | torch.device, precision: str) -> str:
+    """`auto` -> the fastest safe precision here: bf16 (or fp16) on CUDA, bf16 on CPUs with native
+    bf16, fp32 otherwise. Explicit choices pass through, with a notice when bf16 is emulated."""
+    device = device if isinstance(device, torch.device) else pick_device(device)
+    if precision == "auto":
+        if device.type == "cuda":
+            return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
+        return "bf16" if device.type == "cpu" and cpu_bf16_native() else "fp32"
+    autocast_context(device, precision)  # UserError for unknown / impossible combinations
+    if precision == "bf16" and device.type == "cpu" and not cpu_bf16_native():
+        notice_once("bf16-emulated", "this CPU has no native bf16 (AVX512-BF16/AMX): --precision bf16 is emulated "
+                                     "and probably slower than fp32")
+    return precision
+
+
 def file_sha256(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as fh:
@@ -86,19 +120,22 @@ def register_model_configs() -> None:
 class OpenClipPreparer:
     """Decode + preprocess images and tokenise texts with the model's own transforms."""
 
-    def __init__(self, preprocess, tokenizer, draft_size: int | None):
+    def __init__(self, preprocess, tokenizer, draft_size: int | None, device_jpeg: bool = False):
         self.preprocess = preprocess
         self.tokenizer = tokenizer
         self.draft_size = draft_size
+        self.device_jpeg = device_jpeg  # leave JPEGs undecoded for the device (--decode gpu)
 
     def prepare(self, modality: str, value: Any) -> Any:
         if modality == "image":
+            if self.device_jpeg and device_decodable(value):
+                return RawJpeg(torch.frombuffer(bytearray(value), dtype=torch.uint8))
             return self.preprocess(decode_image(value, draft_size=self.draft_size))
         return value
 
-    def collate(self, modality: str, items: list) -> torch.Tensor:
+    def collate(self, modality: str, items: list) -> Any:
         if modality == "image":
-            return torch.stack(items)
+            return collate_images(items)
         return self.tokenizer(items)
 
 
@@ -119,13 +156,14 @@ class OpenClipEstimator:
     """Any open_clip model: a pretrained tag, a local checkpoint file, or `none` (random init)."""
 
     def __init__(self, model: str = "ViT-B-32", pretrained: str = "openai", device: str = "auto",
-                 precision: str = "fp32", decode: str = "fast"):
+                 precision: str = "fp32", decode: str = "fast", compile: bool = False):
         import open_clip
 
         register_model_configs()
         self.device = pick_device(device)
-        self.precision = precision
-        autocast_context(self.device, precision)  # validates the precision/device combination early
+        self.precision = resolve_precision(self.device, precision)
+        if decode not in DECODES:
+            raise UserError(f"unknown decode {decode!r}; choose one of {', '.join(DECODES)}")
         if model not in open_clip.list_models():
             raise UserError(f"unknown model {model!r}: see `python -c 'import open_clip; print(open_clip.list_models())'`")
         self.model_name = model
@@ -149,21 +187,47 @@ class OpenClipEstimator:
                                 "Pass a local checkpoint with --pretrained PATH, or --pretrained none") from None
             raise UserError(f"cannot load {model} with --pretrained {pretrained}: {first}") from None
         net.eval().requires_grad_(False)
+        self.channels_last = self.device.type == "cuda"  # conv stems on tensor cores; no gain measured on CPU
+        if self.channels_last:
+            net.visual.to(memory_format=torch.channels_last)
+            torch.backends.cudnn.benchmark = True  # image batches have one fixed shape
         self.model = net
         self.tokenizer = open_clip.get_tokenizer(model)
         self.mean, self.std, self.image_size = _normalize_params(preprocess)
-        draft = self.image_size if decode == "fast" else None
+        self.device_decoder = None
+        if decode == "gpu":
+            if self.device.type != "cuda":
+                notice_once("decode-gpu", "--decode gpu needs a CUDA device: decoding JPEGs in the CPU workers (fast)")
+                decode = "fast"
+            elif not DeviceJpegDecoder.supports(preprocess):
+                notice_once("decode-gpu", f"--decode gpu: {model}'s preprocessing is not Resize + CenterCrop + "
+                                          "Normalize; decoding JPEGs in the CPU workers (fast)")
+                decode = "fast"
+            else:
+                self.device_decoder = DeviceJpegDecoder(preprocess, self.device)
         self.decode = decode
-        self.preparer = OpenClipPreparer(preprocess, self.tokenizer, draft)
+        draft = self.image_size if decode in ("fast", "gpu") else None  # gpu: non-JPEGs still decode on CPU
+        self.preparer = OpenClipPreparer(preprocess, self.tokenizer, draft, device_jpeg=self.device_decoder is not None)
+        # The text tower runs only up to each batch's longest caption when that is exact (see accel).
+        self.text_trim = supports_text_trim(net)
+        encode_text = (lambda tokens: trimmed_encode_text(net, tokens)) if self.text_trim else net.encode_text
+        self.compile = compile
+        if compile:
+            self._encode_image = CompiledOrEager(net.encode_image, "image")
+            self._encode_text = CompiledOrEager(encode_text, "text", dynamic=True if self.text_trim else None)
+        else:
+            self._encode_image, self._encode_text = net.encode_image, encode_text
 
     @torch.no_grad()
     def encode(self, modality: str, batch: torch.Tensor) -> torch.Tensor:
         batch = batch.to(self.device, non_blocking=True)
         with autocast_context(self.device, self.precision):
             if modality == "image":
-                out = self.model.encode_image(batch)
+                if self.channels_last:
+                    batch = batch.contiguous(memory_format=torch.channels_last)
+                out = self._encode_image(batch)
             else:
-                out = self.model.encode_text(batch)
+                out = self._encode_text(batch)
         return torch.nn.functional.normalize(out.float(), dim=-1)
 
     def random_batch(self, modality: str, n: int, generator: torch.Generator) -> torch.Tensor:
