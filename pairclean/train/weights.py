@@ -11,9 +11,11 @@ rejects, NaN for pairs missing from the scores (then `on_missing` decides: error
 with weight 1).
 
 Join modes: `shard-index` matches the scores' `shard` column to the training shards (same path,
-else same file name) and uses `index`, the identity `pairclean score` writes; `key` joins on the
-pair key (for data re-sharded after scoring; keys must be unique in the scores); `auto` uses
-shard-index when the shards match, else key.
+else same file name) and uses `index`, the identity `pairclean score` writes, after checking that
+every matched pair has the same key in the scores and in the shard (a listing of the training
+keys, from tar headers or the Parquet key column, is written once for this); `key` joins on the
+pair key (data re-sharded after scoring; keys must be unique in the scores); `auto` uses
+shard-index when the shards match pair for pair, else key.
 """
 
 from __future__ import annotations
@@ -123,41 +125,53 @@ def build_weight_arrays(scores: str | Path, spec: DatasetSpec, shards: list[Shar
         raise UserError(f"unknown --on-missing {on_missing!r}; choose one of {', '.join(ON_MISSING)}")
     src = _Scores(scores, column, predicate)
     con = src.con
-    mapping = src.shard_map(shards) if join in ("auto", "shard-index") else {}
-    if join == "shard-index" and not mapping:
-        raise UserError(f"no shard of {src.path} matches a training shard by path or file name; use join by key")
-    mode = "shard-index" if mapping else "key"
-    run_dir = Path(run_dir)
-    out = run_dir / WEIGHTS_DIR
+    out = Path(run_dir) / WEIGHTS_DIR
     with staged_directory(out, overwrite=True) as tmp:
+        keys_file = tmp / "train-keys.parquet"
+        _write_train_keys(spec, shards, keys_file)
+        con.execute(f"CREATE VIEW train_keys AS SELECT * FROM read_parquet({_literal(str(keys_file))})")
+        mode = _choose_join(src, shards, join)
         if mode == "shard-index":
-            _check_unique(con, "shard, \"index\"", "(shard, index)")
-            con.register("shard_map", pa.table({"scored": list(mapping), "shard_id": list(mapping.values())}))
-            con.register("train_rows", pa.table({"shard_id": list(range(len(shards))), "nrows": [s.rows for s in shards]}))
-            beyond = con.execute('SELECT s.shard, s."index", t.nrows FROM scores s JOIN shard_map m ON s.shard = m.scored '
-                                 'JOIN train_rows t USING (shard_id) WHERE s."index" >= t.nrows LIMIT 1').fetchone()
-            if beyond:
-                raise UserError(f"scores hold pair index {beyond[1]} of {beyond[0]}, which now has {beyond[2]} pairs: "
-                                "the shard changed after scoring (join by key if it was re-sharded)")
             query = (f'SELECT m.shard_id, s."index" AS idx, {src.weight_sql} AS w, {src.keep_sql} AS keep '
                      'FROM scores s JOIN shard_map m ON s.shard = m.scored ORDER BY m.shard_id, idx')
         else:
-            src.require("key")
-            _check_unique(con, "key", "key")
-            keys_file = tmp / "train-keys.parquet"
-            _write_train_keys(spec, shards, keys_file)
             query = (f"SELECT k.shard_id, k.idx, {src.weight_sql} AS w, {src.keep_sql} AS keep "
-                     f"FROM read_parquet({_literal(str(keys_file))}) k JOIN scores s ON k.key = s.key "
-                     "ORDER BY k.shard_id, k.idx")
+                     "FROM train_keys k JOIN scores s ON k.key = s.key ORDER BY k.shard_id, k.idx")
         try:
-            reader = con.execute(query).fetch_record_batch(batch_rows)
+            reader = con.sql(query).to_arrow_reader(batch_rows)
             files, counts = _write_arrays(reader, shards, tmp, on_missing)
         except duckdb.Error as exc:
             raise UserError(f"joining {src.path} failed: {_first_line(exc)}") from None
-        if mode == "key":
-            (tmp / "train-keys.parquet").unlink()
+        con.execute("DROP VIEW train_keys")
+        keys_file.unlink()
     return WeightJoin(directory=str(out), shard_files={s.shard: files[i] for i, s in enumerate(shards)}, join=mode,
                       **counts)
+
+
+def _choose_join(src: _Scores, shards: list[ShardInfo], join: str) -> str:
+    """shard-index when the scores' shards are the training shards pair for pair (keys checked), else key."""
+    con = src.con
+    mismatch = None
+    mapping = src.shard_map(shards) if join in ("auto", "shard-index") else {}
+    if mapping:
+        _check_unique(con, 'shard, "index"', "(shard, index)")
+        con.register("shard_map", pa.table({"scored": list(mapping), "shard_id": list(mapping.values())}))
+        mismatch = con.execute(
+            'SELECT s.shard, s."index", s.key, k.key FROM scores s JOIN shard_map m ON s.shard = m.scored '
+            'LEFT JOIN train_keys k ON k.shard_id = m.shard_id AND k.idx = s."index" '
+            "WHERE k.key IS NULL OR s.key IS DISTINCT FROM k.key LIMIT 1").fetchone()
+        if mismatch is None:
+            return "shard-index"
+    if join == "shard-index":
+        if mismatch is None:
+            raise UserError(f"no shard of {src.path} matches a training shard by path or file name; join by key")
+        shard, index, scored_key, data_key = mismatch
+        found = f"key {data_key!r}" if data_key is not None else "no pair"
+        raise UserError(f"{shard} pair {index} is {scored_key!r} in the scores but the shard now holds {found}: "
+                        "it changed after scoring; join by key")
+    src.require("key")
+    _check_unique(con, "key", "key")
+    return "key"
 
 
 def _check_unique(con, columns: str, label: str) -> None:

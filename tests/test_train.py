@@ -1,0 +1,214 @@
+"""`pairclean train` end to end on real COCO shards with the tiny open_clip model (seconds per run)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import duckdb
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from pairclean.coco import build_shards
+from pairclean.errors import UserError
+from pairclean.pipeline import ScoreConfig, score
+from pairclean.retrieval import evaluate_retrieval
+from pairclean.scorer import cone_weight, debias, normalised_weight
+from pairclean.train import METHODS, TrainConfig, build_method, train
+from pairclean.train import trainer as trainer_module
+from pairclean.train.metrics import read_metrics
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Test machines share their cores: one intra-op thread avoids OpenMP spin contention (10x here)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def tiny(**overrides) -> TrainConfig:
+    base = dict(model="pairclean-tiny", pretrained="none", epochs=1, batch_size=8, lr=1e-3, warmup_steps=1,
+                workers=0, shuffle_buffer=8, log_every=1)
+    return TrainConfig(**{**base, **overrides})
+
+
+@pytest.fixture(scope="module")
+def scores(tmp_path_factory, coco_shards):
+    out = tmp_path_factory.mktemp("scores") / "scores.parquet"
+    score(str(coco_shards), out, ScoreConfig(model="pairclean-tiny", pretrained="none", beta_k=64, batch_size=8,
+                                             workers=0, seed=0))
+    return out
+
+
+def _diagnostics(run_dir, epoch=1):
+    return pq.read_table(run_dir / "diagnostics" / f"epoch-{epoch:03d}.parquet").to_pylist()
+
+
+def test_plain_run_writes_a_checkpoint_open_clip_loads(tmp_path, coco_shards):
+    import open_clip
+
+    from pairclean.estimators import register_model_configs
+
+    result = train(str(coco_shards), tmp_path / "run", tiny(), val=str(coco_shards))
+    assert [r["epoch"] for r in result.epochs] == [1]
+    rec = result.epochs[0]
+    assert rec["pairs"] == 16 and rec["steps"] == 2 and 0 <= rec["val_rsum"] <= 600
+    assert result.best_epoch == 1 and result.best_model.is_file() and result.last_model.is_file()
+    register_model_configs()
+    model, _, _ = open_clip.create_model_and_transforms("pairclean-tiny", pretrained=str(result.last_model),
+                                                        weights_only=True)
+    saved = torch.load(result.last_model, weights_only=True)
+    assert all(torch.equal(saved[k], v) for k, v in model.state_dict().items())
+    lines = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    assert [x["event"] for x in lines] == ["step", "step", "epoch"]
+    run = json.loads((tmp_path / "run" / "run.json").read_text())
+    assert run["method"]["method"] == "plain" and run["train"]["pairs"] == 16
+    assert len(_diagnostics(tmp_path / "run")) == 16
+    # The checkpoint evaluates to the rSum the trainer measured.
+    metrics = evaluate_retrieval(tmp_path / "run", str(coco_shards), workers=0)
+    assert metrics["rsum"] == pytest.approx(rec["val_rsum"], abs=1e-6)
+
+
+def test_resumed_run_ends_with_the_same_weights(tmp_path, coco_shards, monkeypatch):
+    cfg = tiny(epochs=2, workers=1)
+    straight = train(str(coco_shards), tmp_path / "straight", cfg)
+    real_save = trainer_module.save_state
+
+    def killed_after_first_epoch(run_dir, state):
+        real_save(run_dir, state)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(trainer_module, "save_state", killed_after_first_epoch)
+    with pytest.raises(KeyboardInterrupt):
+        train(str(coco_shards), tmp_path / "killed", cfg)
+    monkeypatch.setattr(trainer_module, "save_state", real_save)
+    with pytest.raises(UserError, match="--resume"):
+        train(str(coco_shards), tmp_path / "killed", cfg)
+    resumed = train(str(coco_shards), tmp_path / "killed", tiny(epochs=2, workers=1, resume=True))
+    assert resumed.resumed_from == 1
+    a = torch.load(straight.last_model, weights_only=True)
+    b = torch.load(resumed.last_model, weights_only=True)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert [r["train_loss"] for r in straight.epochs] == [r["train_loss"] for r in resumed.epochs]
+    epochs = [x["epoch"] for x in read_metrics(tmp_path / "killed" / "metrics.jsonl") if x["event"] == "epoch"]
+    assert epochs == [1, 2]
+    with pytest.raises(UserError, match="different settings"):
+        train(str(coco_shards), tmp_path / "killed", tiny(epochs=2, workers=1, resume=True, lr=0.5))
+
+
+def test_osa_weights_are_joined_per_shard_and_index(tmp_path, coco_shards, scores):
+    cfg = tiny(method="osa-weights", method_options={"scores": str(scores)})
+    train(str(coco_shards), tmp_path / "run", cfg)
+    diag = _diagnostics(tmp_path / "run")
+    expected = {(r["shard"], r["index"]): r["weight_norm"] for r in pq.read_table(scores).to_pylist()}
+    assert len(diag) == 16
+    for row in diag:
+        assert row["weight"] == pytest.approx(expected[(row["shard"], row["index"])], abs=1e-6)
+    run = json.loads((tmp_path / "run" / "run.json").read_text())
+    assert run["method"]["join_summary"]["join"] == "shard-index"
+
+
+def test_key_join_after_resharding(tmp_path, coco_src, scores):
+    resharded = tmp_path / "resharded"
+    build_shards(coco_src, resharded, shard_size=5)  # other shard names and positions, same keys
+    cfg = tiny(method="osa-weights", method_options={"scores": str(scores), "column": "weight"})
+    train(str(resharded), tmp_path / "run", cfg)
+    expected = {r["key"]: r["weight"] for r in pq.read_table(scores).to_pylist()}
+    diag = _diagnostics(tmp_path / "run")
+    assert len(diag) == 16
+    assert all(row["weight"] == pytest.approx(expected[row["key"]], abs=1e-6) for row in diag)
+    run = json.loads((tmp_path / "run" / "run.json").read_text())
+    assert run["method"]["join_summary"]["join"] == "key"
+
+
+def test_filter_drops_pairs_before_they_are_read(tmp_path, coco_shards, scores):
+    cfg = tiny(method="filter", method_options={"scores": str(scores), "filter": '"index" % 2 = 0'})
+    result = train(str(coco_shards), tmp_path / "run", cfg)
+    diag = _diagnostics(tmp_path / "run")
+    assert len(diag) == 8 and all(row["index"] % 2 == 0 for row in diag)
+    assert result.epochs[0]["dropped"] == 8 and "weight" not in diag[0]
+
+
+def test_missing_pairs_error_by_default_or_follow_the_policy(tmp_path, coco_shards, scores):
+    partial = tmp_path / "partial.parquet"
+    duckdb.execute(f"COPY (SELECT * FROM '{scores}' WHERE \"index\" < 5) TO '{partial}' (FORMAT parquet)")
+    with pytest.raises(UserError, match="no row in the scores"):
+        train(str(coco_shards), tmp_path / "a", tiny(method="osa-weights", method_options={"scores": str(partial)}))
+    result = train(str(coco_shards), tmp_path / "b",
+                   tiny(method="osa-weights", method_options={"scores": str(partial), "on_missing": "drop"}))
+    assert result.epochs[0]["pairs"] == 14 and result.epochs[0]["dropped"] == 2  # index 5 of the two 6-pair shards
+    train(str(coco_shards), tmp_path / "c",
+          tiny(method="osa-weights", method_options={"scores": str(partial), "on_missing": "keep"}))
+    kept = {(row["shard"].rsplit("/", 1)[-1], row["index"]): row["weight"] for row in _diagnostics(tmp_path / "c")}
+    assert kept[("coco-mini-000000.tar", 5)] == 1.0 and len(kept) == 16
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"filter": "no_such_column > 1"}, "bad --filter predicate"),
+    ({"column": "nope"}, "has no column 'nope'"),
+    ({"column": "sim_debiased"}, "negative values"),
+    ({"join": "sideways"}, "unknown join"),
+])
+def test_bad_weight_settings_are_user_errors(tmp_path, coco_shards, scores, options, message):
+    cfg = tiny(method="osa-weights", method_options={"scores": str(scores), **options})
+    with pytest.raises(UserError, match=message):
+        train(str(coco_shards), tmp_path / "run", cfg)
+
+
+def test_duplicate_rows_in_the_scores_are_refused(tmp_path, coco_shards, scores):
+    doubled = tmp_path / "doubled.parquet"
+    duckdb.execute(f"COPY (SELECT * FROM '{scores}' UNION ALL SELECT * FROM '{scores}' WHERE \"index\" = 0) "
+                   f"TO '{doubled}' (FORMAT parquet)")
+    with pytest.raises(UserError, match="unique"):
+        train(str(coco_shards), tmp_path / "run", tiny(method="osa-weights", method_options={"scores": str(doubled)}))
+
+
+def test_online_osa_weights_come_from_the_scorer(tmp_path, coco_shards):
+    cfg = tiny(method="osa-online", method_options={"beta_k": 32})
+    train(str(coco_shards), tmp_path / "run", cfg)
+    run = json.loads((tmp_path / "run" / "run.json").read_text())
+    beta = run["method"]["beta"]
+    assert run["method"]["estimator"]["model"] == "pairclean-tiny"
+    diag = _diagnostics(tmp_path / "run")
+    sims = np.array([row["sim"] for row in diag])
+    expected = normalised_weight(cone_weight(debias(sims, beta), "cubic"), "cubic", beta)
+    assert np.allclose([row["weight"] for row in diag], expected, atol=1e-5)
+
+
+def test_online_estimator_from_a_checkpoint(tmp_path, coco_shards):
+    first = train(str(coco_shards), tmp_path / "estimator", tiny())
+    cfg = tiny(method="osa-online", method_options={"estimator_model": "pairclean-tiny", "beta_k": 32,
+                                                    "estimator_pretrained": str(first.last_model)})
+    train(str(coco_shards), tmp_path / "run", cfg)
+    run = json.loads((tmp_path / "run" / "run.json").read_text())
+    assert run["method"]["estimator"]["checkpoint_sha256"] is not None
+
+
+def test_method_registry_and_option_checks():
+    assert {"plain", "osa-weights", "filter", "osa-online"} <= set(METHODS)
+    with pytest.raises(UserError, match="unknown method"):
+        build_method("nope")
+    with pytest.raises(UserError, match="no option"):
+        build_method("plain", {"column": "x"})
+    with pytest.raises(UserError, match="needs a scores file"):
+        build_method("osa-weights", {})
+    with pytest.raises(UserError, match="needs a predicate"):
+        build_method("filter", {"scores": "s.parquet"})
+    assert build_method("osa-online", {"beta_k": "64", "normalise": "false"}).options.beta_k == 64
+
+
+def test_run_directory_guards(tmp_path, coco_shards):
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "notes.txt").write_text("mine")
+    with pytest.raises(UserError, match="holds no pairclean run"):
+        train(str(coco_shards), other, tiny())
+    assert (other / "notes.txt").exists()
+    with pytest.raises(UserError, match="batch-size"):
+        train(str(coco_shards), tmp_path / "run", tiny(batch_size=1))
+    with pytest.raises(UserError, match="fp16"):
+        train(str(coco_shards), tmp_path / "run", tiny(precision="fp16", device="cpu"))
