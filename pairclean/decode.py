@@ -7,15 +7,20 @@ becomes the pair's `error` value; nothing here may crash a worker.
 from __future__ import annotations
 
 import io
+import re
 import warnings
 
-from PIL import Image, ImageFile
+from PIL import Image, ImageFile, UnidentifiedImageError
 
 # A 50,000 x 50,000 image would need 7.5 GB: refuse anything over this many pixels
 # from the header alone, before any pixel buffer is allocated.
 MAX_PIXELS = 178_956_970  # PIL's own hard limit (2x its warning threshold)
 Image.MAX_IMAGE_PIXELS = MAX_PIXELS
 ImageFile.LOAD_TRUNCATED_IMAGES = False
+Image.init()
+# Every format PIL reads, except EPS: PIL hands EPS data to an external Ghostscript process.
+FORMATS = tuple(f for f in Image.OPEN if f != "EPS")
+_OBJECT_REPR = re.compile(r"\s*<[^>]* at 0x[0-9a-f]+>")  # "<_io.BytesIO object at 0x7f..>": not a stable reason
 
 
 class DecodeError(ValueError):
@@ -51,7 +56,7 @@ def decode_image(data: bytes | None, draft_size: int | None = None, max_pixels: 
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-            img = Image.open(io.BytesIO(data))
+            img = Image.open(io.BytesIO(data), formats=FORMATS)
             width, height = img.size
             if width * height > max_pixels:
                 raise DecodeError(f"image of {width}x{height} pixels exceeds the {max_pixels:,}-pixel limit")
@@ -65,6 +70,8 @@ def decode_image(data: bytes | None, draft_size: int | None = None, max_pixels: 
         raise
     except Image.DecompressionBombError as exc:
         raise DecodeError(f"decompression bomb refused: {exc}") from None
+    except UnidentifiedImageError:
+        raise DecodeError("cannot decode image: unknown or corrupt image format") from None
     except Exception as exc:  # PIL raises many types for corrupt data
-        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise DecodeError(f"cannot decode image: {reason}") from None
+        reason = _OBJECT_REPR.sub("", str(exc).splitlines()[0]) if str(exc) else type(exc).__name__
+        raise DecodeError(f"cannot decode image: {reason[:300]}") from None

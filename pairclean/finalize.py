@@ -19,6 +19,7 @@ import pyarrow.parquet as pq
 from pairclean import __version__
 from pairclean.atomic import atomic_path, write_json
 from pairclean.beta import BetaEstimate
+from pairclean.faults import fault_point
 from pairclean.gmm import FittedMixture, fit_similarity_mixture
 from pairclean.scorer import beta_noisy, cone_weight, debias, normalised_weight
 from pairclean.sink import PartStore
@@ -37,6 +38,7 @@ SCORES_SCHEMA = pa.schema([
     ("error", pa.string()),
 ])
 METADATA_KEY = b"pairclean"
+SUMMARY_KEY = b"pairclean_summary"
 
 
 def run_manifest_path(out: Path) -> Path:
@@ -85,9 +87,25 @@ def derive_columns(sim: np.ndarray, beta: float, weight_fn: str, mixture: Fitted
             "p_clean": np.where(valid, p, np.nan), "gmm_noisy": p < 0.5, "valid": valid}
 
 
+def read_summary(scores: str | Path) -> dict:
+    """The run summary stored in a scores file (the same one its run manifest holds)."""
+    meta = pq.ParquetFile(scores).metadata.metadata or {}  # file key-value metadata, added at close
+    if SUMMARY_KEY not in meta:
+        raise ValueError(f"{scores} has no pairclean summary (not written by pairclean score?)")
+    return json.loads(meta[SUMMARY_KEY])
+
+
 def finalize(store: PartStore, units: list[str], out: Path, beta: BetaEstimate, weight_fn: str,
              seed: int, gmm_sample: int, provenance: dict, records: dict[str, dict]) -> dict:
-    """Write the final scores Parquet + run manifest; returns the run summary."""
+    """Write the final scores Parquet + run manifest; returns the run summary.
+
+    Reconciliation: every row of the output is either scored (`sim` set) or an error row
+    (`error` set), so pairs = scored + errors. A unit that broke (truncated tar, vanished
+    shard, unreadable Parquet) keeps the rows read before the break and is listed in
+    `unit_failures` with its reason and that row count; pairs it never yielded are not rows.
+    The counts are taken again from the rows as they are written and checked against the
+    commit records before the output is renamed into place.
+    """
     n_rows = sum(records[u]["rows"] for u in units)
     n_errors = sum(records[u]["errors"] for u in units)
     n_valid = n_rows - n_errors
@@ -95,15 +113,19 @@ def finalize(store: PartStore, units: list[str], out: Path, beta: BetaEstimate, 
     mixture = fit_similarity_mixture(sample, seed=seed) if len(sample) >= 2 else None
     official_scale = max(max_sim - beta.beta, 0.0) if weight_fn == "official" and n_valid else None
 
-    unit_failures = [{"unit": u, "reason": records[u]["failure"]} for u in units if records[u].get("failure")]
+    unit_failures = [{"unit": u, "reason": records[u]["failure"], "rows": records[u]["rows"]}
+                     for u in units if records[u].get("failure")]
+    run = store.run_info()
     provenance = {**provenance, "pairclean_version": __version__, "beta": beta.beta, "beta_std": beta.std,
                   "beta_k": beta.k, "beta_mode": beta.mode, "weight_fn": weight_fn,
                   "official_scale": official_scale, "gmm": mixture.as_dict() if mixture else None,
-                  "gmm_sample": int(len(sample)), "finished_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+                  "gmm_sample": int(len(sample)), "run_id": run.get("run_id"),
+                  "settings_sha1": store.settings_sha1(),
+                  "finished_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     schema = SCORES_SCHEMA.with_metadata({METADATA_KEY: json.dumps(provenance, default=str).encode()})
 
-    flagged_beta = flagged_gmm = 0
-    with atomic_path(out) as tmp:
+    flagged_beta = flagged_gmm = written = scored = errored = 0
+    with atomic_path(out, temp_dir=store.dir, no_clobber=not run.get("replaces_output")) as tmp:
         with pq.ParquetWriter(tmp, schema, compression="zstd") as writer:
             for batch in _iter_parts(store, units):
                 sim = batch.column("sim").to_numpy(zero_copy_only=False).astype(np.float64)  # nulls -> NaN
@@ -111,6 +133,10 @@ def finalize(store: PartStore, units: list[str], out: Path, beta: BetaEstimate, 
                 valid = cols["valid"]
                 flagged_beta += int((cols["osa_noisy"] & valid).sum())
                 flagged_gmm += int((cols["gmm_noisy"] & valid).sum())
+                has_error = batch.column("error").is_valid().to_numpy(zero_copy_only=False)
+                written += batch.num_rows
+                scored += int((valid & ~has_error).sum())
+                errored += int((has_error & ~valid).sum())
 
                 def nullable(values, dtype):
                     return pa.array(values, type=dtype, mask=~valid)
@@ -127,12 +153,19 @@ def finalize(store: PartStore, units: list[str], out: Path, beta: BetaEstimate, 
                     "error": batch.column("error"),
                 }, schema=schema)
                 writer.write_table(table)
-        summary = {"pairs": n_rows, "scored": n_valid, "errors": n_errors, "unit_failures": unit_failures,
-                   "beta": beta.beta, "beta_std": beta.std, "beta_k": beta.k, "beta_mode": beta.mode,
-                   "flagged_beta": flagged_beta, "flagged_gmm": flagged_gmm,
-                   "share_flagged_beta": flagged_beta / n_valid if n_valid else 0.0,
-                   "share_flagged_gmm": flagged_gmm / n_valid if n_valid else 0.0}
+                fault_point("finalize-batch")
+            if (written, scored, errored) != (n_rows, n_valid, n_errors):
+                raise RuntimeError(f"parts do not reconcile with their commit records: rows {written} vs {n_rows}, "
+                                   f"scored {scored} vs {n_valid}, errors {errored} vs {n_errors}")
+            summary = {"pairs": n_rows, "scored": n_valid, "errors": n_errors, "unit_failures": unit_failures,
+                       "failed_units": len(unit_failures), "units": len(units),
+                       "beta": beta.beta, "beta_std": beta.std, "beta_k": beta.k, "beta_mode": beta.mode,
+                       "flagged_beta": flagged_beta, "flagged_gmm": flagged_gmm,
+                       "share_flagged_beta": flagged_beta / n_valid if n_valid else 0.0,
+                       "share_flagged_gmm": flagged_gmm / n_valid if n_valid else 0.0}
+            writer.add_key_value_metadata({SUMMARY_KEY: json.dumps(summary, default=str).encode()})
         # The run manifest lands before the Parquet is renamed into place: an output file
         # that exists is always complete and always has its manifest.
         write_json(run_manifest_path(out), {"output": str(out), "summary": summary, "provenance": provenance})
+    fault_point("finalize-renamed")
     return summary

@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader, IterableDataset
 from pairclean.beta import BETA_MODES, BetaEstimate, ShuffledAccumulator, random_input_beta, shuffled_beta
 from pairclean.errors import UserError
 from pairclean.estimators import build_estimator, check_backend
-from pairclean.finalize import finalize
+from pairclean.finalize import finalize, read_provenance
 from pairclean.manifest import DatasetSpec, open_dataset
 from pairclean.scorer import WEIGHT_FUNCTIONS
 from pairclean.sink import PartStore, parts_dir_for
@@ -45,11 +45,12 @@ class ScoreConfig:
     seed: int = 0
     gmm_sample: int = 1_000_000
     overwrite: bool = False
+    resume: bool = False  # insist on continuing an unfinished run (re-running resumes anyway)
     show_progress: bool = False
 
     def settings(self, spec: DatasetSpec, units: list[str]) -> dict:
         """What a resumed run must share with the run it continues."""
-        keep = {k: v for k, v in asdict(self).items() if k not in ("device", "batch_size", "workers", "overwrite", "show_progress")}
+        keep = {k: v for k, v in asdict(self).items() if k not in ("device", "batch_size", "workers", "overwrite", "resume", "show_progress")}
         return {**keep, "pair": spec.pair, "fields": asdict(spec.fields), "label_template": spec.label_template,
                 "units_sha1": hashlib.sha1(json.dumps(units).encode()).hexdigest(), "n_units": len(units)}
 
@@ -96,8 +97,10 @@ class PreparedBatches(IterableDataset):
                     yield self._emit(buf)
                     buf = self._empty()
             buf["done"].append((unit, failure, count))
-        if buf["key"] or buf["done"]:
+            # A batch never spans two units: a unit is encoded in the same batches whichever units
+            # ran before it, so a resumed run reproduces an uninterrupted one bit for bit.
             yield self._emit(buf)
+            buf = self._empty()
 
 
 @dataclass
@@ -108,6 +111,7 @@ class ScoreResult:
     pairs_scored_now: int
     resumed: bool
     provenance: dict = field(default_factory=dict)
+    already_complete: bool = False  # the output was already this run's finished result
 
     @property
     def pairs_per_second(self) -> float:
@@ -148,17 +152,20 @@ def score(source: str | list[str] | DatasetSpec, out: str | Path, config: ScoreC
     spec = source if isinstance(source, DatasetSpec) else open_dataset(source)
     if estimator is None:
         check_backend(cfg.backend, modalities(spec.pair))  # before any output exists
-    if out.exists() and not cfg.overwrite:
-        raise UserError(f"{out} exists; pass --overwrite to replace it")
     if not out.parent.exists():
         raise UserError(f"output directory {out.parent} does not exist")
     units = list_units(spec)
+    store = PartStore(parts_dir_for(out))
+    settings = cfg.settings(spec, units)
+    finished = store.finished(out, settings, overwrite=cfg.overwrite)
+    if finished is not None:  # the same command, re-run after it finished: nothing to do
+        return ScoreResult(out, finished, 0.0, 0, True, read_provenance(out), already_complete=True)
     if estimator is None:  # built (and so validated) before anything is written
         torch.manual_seed(cfg.seed)  # a randomly initialised model (--pretrained none) is then reproducible
         estimator = build_estimator(cfg.backend, model=cfg.model, pretrained=cfg.pretrained, device=cfg.device,
                                     precision=cfg.precision, decode=cfg.decode)
-    store = PartStore(parts_dir_for(out))
-    resumed = store.open_run(cfg.settings(spec, units), overwrite=cfg.overwrite)
+    start = store.begin(out, settings, units, overwrite=cfg.overwrite, resume=cfg.resume)
+    units, resumed = start.units, start.resumed  # a resumed run keeps the unit list it started with
 
     saved = store.load_beta()
     if saved is not None:

@@ -3,22 +3,37 @@
 A *unit* is the resumable, distributable piece of work: one tar shard, or one row group of a
 Parquet file (`path#rg=N`). Reading yields RawPair records in order and, when the unit itself
 is broken (truncated tar, vanished file, unreadable Parquet), a final UnitFailure.
+
+Tar shards are opened with webdataset's `gopen` (local files, `pipe:`, http/gs URLs) and
+their members are split into samples by webdataset's `base_plus_ext`, but members are read and
+grouped here rather than by `tarfile_samples`, because that silently loses data on three
+hostile inputs: tarfile ends without an error on a truncated or corrupt member *header*, a
+repeated key (`a.jpg a.txt a.jpg a.txt`) makes `group_by_keys` drop the second pair, and a
+member of any size is read into memory.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
+import tarfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Iterable, Iterator
 
 import pyarrow.parquet as pq
 import webdataset as wds
+from webdataset.tariterators import base_plus_ext, meta_prefix, meta_suffix
 
+from pairclean.errors import UserError
 from pairclean.manifest import DatasetSpec
 
-MAX_TEXT_CHARS = 8192  # tokenisers keep <= 77 tokens; longer text only costs time
+# Text encoders keep the first 77 (CLIP) or 256 (MiniLM) tokens, far fewer than 4096 characters;
+# a longer caption only costs tokeniser time (CLIP's BPE is quadratic in the length of a word).
+MAX_TEXT_CHARS = 4096
+MAX_MEMBER_BYTES = 256 << 20  # a tar member bigger than this is refused without being read
+_SKIP_META = re.compile(r"__[^/]*__($|/)")  # webdataset's tar_file_iterator skip_meta
 
 
 @dataclass
@@ -44,11 +59,18 @@ def modalities(pair: str) -> tuple[str, str]:
 
 
 def list_units(spec: DatasetSpec) -> list[str]:
-    """Every unit of the dataset, in a stable order (the order of the output rows)."""
+    """Every unit of the dataset, in a stable order (the order of the output rows).
+
+    A shard listed twice (overlapping patterns, a repeated line in a list file) is one unit:
+    its pairs would otherwise be scored, and written, twice.
+    """
+    shards = list(dict.fromkeys(spec.shards))
+    if not spec.allow_pipe and any(s.startswith("pipe:") for s in shards):
+        raise UserError("refusing shell `pipe:` shard URLs: pass --allow-pipe to run shell commands from shard lists")
     if spec.format == "webdataset":
-        return list(spec.shards)
+        return shards
     units = []
-    for path in spec.shards:
+    for path in shards:
         try:
             n = pq.ParquetFile(path).metadata.num_row_groups
         except Exception:
@@ -60,6 +82,13 @@ def list_units(spec: DatasetSpec) -> list[str]:
 def unit_shard(unit: str) -> str:
     """The shard (file) a unit belongs to: what the output's `shard` column holds."""
     return unit.rsplit("#rg=", 1)[0] if "#rg=" in unit else unit
+
+
+class _Oversized:
+    """Stands in for a tar member that was too big to read."""
+
+    def __init__(self, name: str, size: int):
+        self.reason = f"member {name} is {size:,} bytes, over the {MAX_MEMBER_BYTES:,}-byte limit"
 
 
 def _decode_text(raw: bytes | str | None, what: str) -> tuple[str | None, str | None]:
@@ -78,8 +107,12 @@ def _decode_text(raw: bytes | str | None, what: str) -> tuple[str | None, str | 
 
 def _wds_text(sample: dict, ext: str, json_key: str | None) -> tuple[str | None, str | None]:
     if ext in sample:
+        if isinstance(sample[ext], _Oversized):
+            return None, sample[ext].reason
         return _decode_text(sample[ext], "caption")
     if json_key and "json" in sample:
+        if isinstance(sample["json"], _Oversized):
+            return None, sample["json"].reason
         try:
             value = json.loads(sample["json"]).get(json_key)
         except Exception:
@@ -91,6 +124,8 @@ def _wds_text(sample: dict, ext: str, json_key: str | None) -> tuple[str | None,
 def _wds_image(sample: dict, candidates: list[str]) -> tuple[bytes | None, str | None]:
     for ext in candidates:
         if ext in sample:
+            if isinstance(sample[ext], _Oversized):
+                return None, sample[ext].reason
             return sample[ext], None
     return None, f"no image member (looked for {', '.join(candidates)})"
 
@@ -120,17 +155,102 @@ def _wds_pair(spec: DatasetSpec, sample: dict, shard: str, index: int) -> RawPai
     return pair
 
 
+class _HeaderWatch(tarfile.TarInfo):
+    """tarfile ends its member loop *silently* on an empty, truncated or corrupt header; a
+    subclass made per archive remembers which header error ended the loop."""
+
+    stop: Exception | None = None
+
+    @classmethod
+    def frombuf(cls, buf, encoding, errors):
+        try:
+            return super().frombuf(buf, encoding, errors)
+        except tarfile.HeaderError as exc:
+            cls.stop = exc
+            raise
+
+
+def _end_of_archive_problem(stop: Exception | None, members: int) -> str | None:
+    """Why the member loop ended, if it was not the end-of-archive marker."""
+    if isinstance(stop, tarfile.EOFHeaderError):
+        return None
+    where = f"after {members} member(s)"
+    if isinstance(stop, tarfile.EmptyHeaderError):
+        return f"truncated tar: the file ends {where} without an end-of-archive marker"
+    if isinstance(stop, tarfile.TruncatedHeaderError):
+        return f"truncated tar: the file ends inside a member header {where}"
+    if isinstance(stop, tarfile.InvalidHeaderError):
+        return f"corrupt tar: unreadable member header {where} ({stop}); the rest of the shard was not read"
+    return f"tar ended unexpectedly {where}"
+
+
+def _error_line(exc: BaseException) -> str:
+    text = str(exc.args[0]) if exc.args else str(exc)
+    return f"{type(exc).__name__}: {text}".splitlines()[0][:300]
+
+
+def tar_members(url: str, failures: list[str]) -> Iterator[dict]:
+    """The regular members of one tar shard as {"fname", "data"}, in archive order, skipping
+    what webdataset skips (`__meta__` members). Anything that ends the shard early (unreadable
+    stream, truncated or corrupt tar, a failing `pipe:`/curl) is appended to `failures`."""
+    watch = type("_Watch", (_HeaderWatch,), {})
+    members = 0
+    stream = None
+    try:
+        stream = wds.gopen(url)
+        with tarfile.open(fileobj=stream, mode="r|*", tarinfo=watch) as archive:
+            for info in archive:
+                archive.members = []  # stream mode keeps every TarInfo otherwise
+                name = info.name
+                if not info.isreg() or _SKIP_META.match(name) or (
+                        "/" not in name and name.startswith(meta_prefix) and name.endswith(meta_suffix)):
+                    continue
+                members += 1
+                if info.size > MAX_MEMBER_BYTES:
+                    yield {"fname": name, "data": _Oversized(name, info.size)}
+                    continue
+                yield {"fname": name, "data": archive.extractfile(info).read()}
+        problem = _end_of_archive_problem(watch.stop, members)
+        if problem:
+            failures.append(problem)
+    except tarfile.ReadError as exc:
+        failures.append(f"truncated tar: the file ends inside member data after {members} member(s)"
+                        if "unexpected end" in str(exc) else f"unreadable tar: {_error_line(exc)}")
+    except Exception as exc:  # any way a shard can break: the rows read so far are kept
+        failures.append(_error_line(exc))
+    finally:
+        if stream is not None:
+            try:
+                stream.close()  # a pipe's exit status is checked here
+            except Exception as exc:
+                if not failures:
+                    failures.append(_error_line(exc))
+
+
+def group_members(files: Iterable[dict], lcase: bool = True) -> Iterator[dict]:
+    """Group consecutive members into samples by key, like webdataset's `group_by_keys`, except
+    that a suffix already present in the current sample starts a new sample: keys may repeat,
+    even back to back, and each occurrence is its own pair."""
+    current = None
+    for member in files:
+        prefix, suffix = base_plus_ext(member["fname"])
+        if prefix is None:
+            continue
+        if lcase:
+            suffix = suffix.lower()
+        if current is None or prefix != current["__key__"] or suffix in current:
+            if current is not None:
+                yield current
+            current = {"__key__": prefix}
+        current[suffix] = member["data"]
+    if current is not None:
+        yield current
+
+
 def _read_tar(spec: DatasetSpec, unit: str) -> Iterator[RawPair | UnitFailure]:
     failures: list[str] = []
-
-    def record(exc: Exception) -> bool:
-        failures.append(f"{type(exc).__name__}: {str(exc.args[0]) if exc.args else exc}".splitlines()[0][:300])
-        return True  # keep what was read so far; the unit is reported as failed
-
-    index = 0
-    for sample in wds.tarfile_samples([{"url": unit}], handler=record):
+    for index, sample in enumerate(group_members(tar_members(unit, failures))):
         yield _wds_pair(spec, sample, unit, index)
-        index += 1
     if failures:
         yield UnitFailure(unit, failures[0])
 
@@ -217,6 +337,9 @@ def read_unit(spec: DatasetSpec, unit: str) -> Iterator[RawPair | UnitFailure]:
     if spec.format == "parquet":
         yield from _read_parquet(spec, unit)
     else:
+        if unit.startswith("pipe:") and not spec.allow_pipe:
+            yield UnitFailure(unit, "refusing a shell `pipe:` URL without --allow-pipe")
+            return
         if "://" not in unit and not unit.startswith("pipe:") and not os.path.exists(unit):
             yield UnitFailure(unit, "shard not found (it disappeared after the run started?)")
             return

@@ -6,13 +6,13 @@ and the path of a log file holding the traceback.
 
 from __future__ import annotations
 
+import errno
 import os
 import sys
 import tempfile
 import time
 import traceback
 
-import click
 import typer
 from rich.console import Console
 
@@ -22,6 +22,16 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
                   help="Find and neutralise mismatched pairs in CLIP-style training data.")
 console = Console()
 err_console = Console(stderr=True)
+
+try:  # typer >= 0.22 runs on its own copy of click; older typer on click itself
+    from typer import TyperException as _CliError
+except ImportError:  # pragma: no cover - depends on the installed typer
+    from click import ClickException as _CliError
+_CLI_ERRORS = (_CliError,)
+_EXITS = (typer.Exit,)  # click's Exit/Abort under older typer, which re-exports them
+_ABORTS = (typer.Abort,)
+_ENVIRONMENT_ERRNOS = {errno.ENOSPC, errno.EACCES, errno.EPERM, errno.EROFS, errno.EDQUOT}
+
 
 
 def _version(value: bool) -> None:
@@ -54,24 +64,43 @@ def _crash_log(exc: BaseException) -> str:
     return path
 
 
+def _one_line(kind: str, message: str) -> None:
+    err_console.print(f"[red]{kind}:[/red] {message}", highlight=False, soft_wrap=True)
+
+
 def main(argv: list[str] | None = None) -> None:
     _register_commands()
     try:
         app(args=argv, standalone_mode=False)
     except UserError as exc:
-        err_console.print(f"[red]error:[/red] {exc}", highlight=False, soft_wrap=True)
+        _one_line("error", str(exc).replace("\n", " "))
         sys.exit(2)
-    except click.exceptions.Exit as exc:
-        sys.exit(exc.exit_code)
-    except click.ClickException as exc:
-        exc.show()
-        sys.exit(2)
-    except (click.exceptions.Abort, KeyboardInterrupt):
-        err_console.print("interrupted: re-run the same command to resume", highlight=False)
+    except _EXITS as exc:
+        sys.exit(getattr(exc, "exit_code", 0))
+    except _CLI_ERRORS as exc:  # usage errors: unknown option, missing argument, bad value
+        if type(exc).__name__ == "NoArgsIsHelpError":
+            exc.show()  # the help text, as asked for by running a command without arguments
+        else:
+            ctx = getattr(exc, "ctx", None)
+            hint = f" (see `{ctx.command_path} --help`)" if ctx is not None else ""
+            _one_line("error", exc.format_message().replace("\n", " ") + hint)
+        sys.exit(2 if getattr(exc, "exit_code", 1) in (1, 2) else exc.exit_code)
+    except (*_ABORTS, KeyboardInterrupt):
+        _one_line("interrupted", "re-run the same command to resume")
         sys.exit(130)
+    except OSError as exc:
+        if exc.errno not in _ENVIRONMENT_ERRNOS:
+            _crash(exc)
+        # A full disk, a read-only or forbidden path: the user's to fix, but keep the traceback too.
+        target = f" {exc.filename}" if exc.filename else ""
+        _one_line("error", f"cannot access{target}: {exc.strerror} (traceback in {_crash_log(exc)})")
+        sys.exit(2)
     except Exception as exc:  # noqa: BLE001 - the one place that turns crashes into a line + log
-        path = _crash_log(exc)
-        first = str(exc).splitlines()[0] if str(exc) else ""
-        err_console.print(f"[red]unexpected error:[/red] {type(exc).__name__}: {first} (traceback in {path})",
-                          highlight=False, soft_wrap=True)
-        sys.exit(1)
+        _crash(exc)
+
+
+def _crash(exc: BaseException) -> None:
+    path = _crash_log(exc)
+    first = str(exc).splitlines()[0] if str(exc) else ""
+    _one_line("unexpected error", f"{type(exc).__name__}: {first} (traceback in {path})")
+    sys.exit(1)

@@ -18,16 +18,20 @@ def summary_table(result) -> Table:
     table = Table(title=f"pairclean score -> {result.out}", show_header=False)
     table.add_column(style="bold")
     table.add_column(justify="right")
-    table.add_row("pairs", f"{s['pairs']:,}")
+    table.add_row("pairs (= scored + errors)", f"{s['pairs']:,}")
     table.add_row("scored", f"{s['scored']:,}")
     table.add_row("errors", f"{s['errors']:,}")
     if s["unit_failures"]:
-        table.add_row("failed shards", f"{len(s['unit_failures'])} (reasons in {result.out.stem}.run.json)")
+        table.add_row("failed shards", f"{len(s['unit_failures'])} (their rows read before the failure are counted; "
+                                       f"reasons in {result.out.stem}.run.json)")
     std = f" ± {s['beta_std']:.4f}" if s.get("beta_std") is not None else ""
     table.add_row(f"beta ({s['beta_mode']}, K={s['beta_k']})", f"{s['beta']:.4f}{std}")
     table.add_row("flagged by beta rule (s~ <= 0)", f"{s['share_flagged_beta']:.1%}")
     table.add_row("flagged by GMM (p_clean < 0.5)", f"{s['share_flagged_gmm']:.1%}")
-    table.add_row("throughput", f"{result.pairs_per_second:,.1f} pairs/s" + (" (resumed run)" if result.resumed else ""))
+    if result.already_complete:
+        table.add_row("status", "already complete: nothing was scored")
+    else:
+        table.add_row("throughput", f"{result.pairs_per_second:,.1f} pairs/s" + (" (resumed run)" if result.resumed else ""))
     return table
 
 
@@ -55,16 +59,18 @@ def score_command(
     json_text_key: Optional[str] = typer.Option(None, help="Caption key inside a json member."),
     key_field: Optional[str] = typer.Option(None, help="Parquet id column."),
     overwrite: bool = typer.Option(False, help="Replace an existing output (and discard an unfinished run)."),
+    resume: bool = typer.Option(False, help="Continue an unfinished run, failing if there is none (re-running the same command resumes anyway)."),
+    allow_pipe: bool = typer.Option(False, help="Allow `pipe:` shard URLs, which run shell commands."),
 ) -> None:
     """Score every pair: cosine, cone bias beta, OSA weight, GMM p_clean -> Parquet."""
     overrides = {k: v for k, v in {"image": image_field, "image_path": image_path_field, "text": text_field,
                                    "json_text_key": json_text_key, "key": key_field}.items() if v is not None}
-    spec = open_dataset(source, pair=pair)
+    spec = open_dataset(source, pair=pair, allow_pipe=allow_pipe)
     if overrides:
         spec.fields = Fields(**{**spec.fields.__dict__, **overrides})
     cfg = ScoreConfig(model=model, pretrained=pretrained, device=device, precision=precision, decode=decode,
                       batch_size=batch_size, workers=workers, beta_mode=beta_mode, beta=beta, beta_k=beta_k,
-                      weight_fn=weight_fn, seed=seed, gmm_sample=gmm_sample, overwrite=overwrite,
+                      weight_fn=weight_fn, seed=seed, gmm_sample=gmm_sample, overwrite=overwrite, resume=resume,
                       show_progress=True)
     result = score(spec, out, cfg)
     console.print(summary_table(result))
