@@ -271,9 +271,14 @@ class _RowGroupBuffer:
         self.parts.append(table)
         self.count += table.num_rows
         if self.count >= self.rows:
-            self.flush()
+            whole = pa.concat_tables(self.parts)
+            full = self.count // self.rows * self.rows
+            self.writer.write_table(whole.slice(0, full), row_group_size=self.rows)
+            rest = whole.slice(full)
+            self.parts, self.count = ([rest] if rest.num_rows else []), rest.num_rows
 
     def flush(self) -> None:
+        """Write the last, partial row group."""
         if self.count:
             self.writer.write_table(pa.concat_tables(self.parts), row_group_size=self.rows)
         self.parts, self.count = [], 0

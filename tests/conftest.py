@@ -18,6 +18,18 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _private_cache(tmp_path_factory):
+    """The beta cache of a test session lives in its own temp dir, never in the user's ~/.cache."""
+    before = os.environ.get("PAIRCLEAN_CACHE_DIR")
+    os.environ["PAIRCLEAN_CACHE_DIR"] = str(tmp_path_factory.mktemp("pairclean-cache"))
+    yield
+    if before is None:
+        os.environ.pop("PAIRCLEAN_CACHE_DIR", None)
+    else:
+        os.environ["PAIRCLEAN_CACHE_DIR"] = before
+
+
 @pytest.fixture(scope="session")
 def coco_src() -> Path:
     """16 real COCO JPEGs with captions (provenance in tests/data/coco-mini/PROVENANCE.md)."""
@@ -49,3 +61,19 @@ def shared_data() -> Path:
     if not SHARED_DATA.is_dir():
         pytest.skip("../shared/data is not beside this checkout")
     return SHARED_DATA
+
+
+def tiny_scores(source: Path, out: Path) -> Path:
+    """Score `source` with the tiny random open_clip model (seconds): real scores files for tests."""
+    from pairclean.manifest import open_dataset
+    from pairclean.pipeline import score
+
+    score(open_dataset(str(source)), out, ScoreConfig(model="pairclean-tiny", pretrained="none", beta_k=64,
+                                                      batch_size=8, workers=0, seed=0))
+    return out
+
+
+@pytest.fixture(scope="session")
+def coco_scores(tmp_path_factory, coco_shards) -> Path:
+    """Scores of coco_shards by the tiny random model, scored once for the query/filter/report tests."""
+    return tiny_scores(coco_shards, tmp_path_factory.mktemp("coco-scores") / "scores.parquet")
