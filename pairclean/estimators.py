@@ -261,6 +261,7 @@ class OpenClipEstimator:
 
 
 BACKEND_MODALITIES = {"open_clip": ("image", "text"), "sentence-transformers": ("text",)}
+BACKEND_DEFAULT_MODEL = {"open_clip": "ViT-B-32", "sentence-transformers": "all-MiniLM-L6-v2"}
 BACKEND_ALIASES = {"open-clip": "open_clip", "openclip": "open_clip", "sentence_transformers": "sentence-transformers",
                    "st": "sentence-transformers"}
 

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import List, Optional
 
 import typer
 from rich.table import Table
 
-from pairclean.cli import app, console
+from pairclean.cli import app, console, err_console
+from pairclean.estimators import BACKEND_DEFAULT_MODEL, check_backend
 from pairclean.manifest import Fields, open_dataset
 from pairclean.pipeline import ScoreConfig, score
 
@@ -39,7 +41,9 @@ def summary_table(result) -> Table:
 def score_command(
     source: List[str] = typer.Argument(..., help="Shards: directory, glob, brace pattern, list file, Parquet files, or a manifest YAML."),
     out: Path = typer.Option(..., "--out", "-o", help="Scores Parquet to write."),
-    model: str = typer.Option("ViT-B-32", help="open_clip model name (or a pairclean tiny config)."),
+    model: Optional[str] = typer.Option(None, help="open_clip model name or pairclean tiny config (default ViT-B-32); "
+                                                   "sentence-transformers: name or local directory (default all-MiniLM-L6-v2)."),
+    backend: str = typer.Option("open_clip", help="Estimator: open_clip (images and text) or sentence-transformers (text-text pairs)."),
     pretrained: str = typer.Option("openai", help="Pretrained tag, local checkpoint path, or 'none' (random init)."),
     pair: Optional[str] = typer.Option(None, help="Pair kind: image-text, text-text, image-label, image-image."),
     device: str = typer.Option("auto", help="auto, cpu, cuda, cuda:1 ..."),
@@ -58,17 +62,49 @@ def score_command(
     text_field: Optional[str] = typer.Option(None, help="Caption member extension or Parquet column."),
     json_text_key: Optional[str] = typer.Option(None, help="Caption key inside a json member."),
     key_field: Optional[str] = typer.Option(None, help="Parquet id column."),
+    text2_field: Optional[str] = typer.Option(None, help="text-text pairs: second text member or Parquet column."),
+    image2_field: Optional[str] = typer.Option(None, help="image-image pairs: second image member extensions or Parquet bytes column."),
+    image2_path_field: Optional[str] = typer.Option(None, help="image-image pairs: Parquet column of second-image paths."),
+    label_field: Optional[str] = typer.Option(None, help="image-label pairs: label member or Parquet column."),
+    label_template: Optional[str] = typer.Option(None, help='image-label pairs: the sentence a label becomes (default "This is a picture of {label}.").'),
+    from_embeddings: bool = typer.Option(False, "--from-embeddings", help="SOURCE holds precomputed embeddings (clip-retrieval output "
+                                         "directory, LEFT.npy RIGHT.npy, or Parquet with two embedding columns): no model is run."),
+    embedding_layout: str = typer.Option("auto", help="--from-embeddings: auto, clip-retrieval, numpy or parquet."),
+    left_emb_field: str = typer.Option("left_emb", help="--from-embeddings, Parquet layout: column of the left embeddings."),
+    right_emb_field: str = typer.Option("right_emb", help="--from-embeddings, Parquet layout: column of the right embeddings."),
+    keys: Optional[str] = typer.Option(None, help="--from-embeddings, numpy layout: Parquet file with one key per row (--key-field names the column)."),
+    random_embeddings: Optional[List[str]] = typer.Option(None, help="--from-embeddings: embeddings of random inputs from the same model, "
+                                                          "in any of the layouts (repeat for two .npy files); beta = their mean cross cosine."),
     overwrite: bool = typer.Option(False, help="Replace an existing output (and discard an unfinished run)."),
     resume: bool = typer.Option(False, help="Continue an unfinished run, failing if there is none (re-running the same command resumes anyway)."),
     allow_pipe: bool = typer.Option(False, help="Allow `pipe:` shard URLs, which run shell commands."),
 ) -> None:
     """Score every pair: cosine, cone bias beta, OSA weight, GMM p_clean -> Parquet."""
+    if from_embeddings:
+        from pairclean.embeddings import EmbeddingScoreConfig, open_embeddings, score_embeddings
+
+        spec = open_embeddings(source, embedding_layout, pair, left_emb_field, right_emb_field, key_field, keys)
+        rand = open_embeddings(random_embeddings, left_field=left_emb_field, right_field=right_emb_field) \
+            if random_embeddings else None
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            result = score_embeddings(spec, out, EmbeddingScoreConfig(
+                beta_mode=beta_mode, beta=beta, random_embeddings=rand, weight_fn=weight_fn, seed=seed,
+                gmm_sample=gmm_sample, overwrite=overwrite, resume=resume, show_progress=True))
+        console.print(summary_table(result))
+        for w in caught:
+            err_console.print(f"[yellow]warning:[/yellow] {w.message}", highlight=False, soft_wrap=True)
+        return
     overrides = {k: v for k, v in {"image": image_field, "image_path": image_path_field, "text": text_field,
-                                   "json_text_key": json_text_key, "key": key_field}.items() if v is not None}
-    spec = open_dataset(source, pair=pair, allow_pipe=allow_pipe)
+                                   "json_text_key": json_text_key, "key": key_field, "text2": text2_field,
+                                   "image2": image2_field, "image2_path": image2_path_field,
+                                   "label": label_field}.items() if v is not None}
+    spec = open_dataset(source, pair=pair, allow_pipe=allow_pipe, label_template=label_template)
     if overrides:
         spec.fields = Fields(**{**spec.fields.__dict__, **overrides})
-    cfg = ScoreConfig(model=model, pretrained=pretrained, device=device, precision=precision, decode=decode,
+    backend = check_backend(backend)
+    cfg = ScoreConfig(model=model or BACKEND_DEFAULT_MODEL[backend], backend=backend, pretrained=pretrained,
+                      device=device, precision=precision, decode=decode,
                       batch_size=batch_size, workers=workers, beta_mode=beta_mode, beta=beta, beta_k=beta_k,
                       weight_fn=weight_fn, seed=seed, gmm_sample=gmm_sample, overwrite=overwrite, resume=resume,
                       show_progress=True)
