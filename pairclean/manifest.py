@@ -183,7 +183,7 @@ def open_dataset(source: str | list[str], pair: str | None = None, fields: Field
             if "://" not in s and not s.startswith("pipe:") and not any(c in s for c in "*?{[") and not Path(s).exists():
                 raise UserError(f"path not found: {s}")
         shards = resolve_shards(sources, allow_pipe=allow_pipe)
-        spec = DatasetSpec(format=detect_format(shards), shards=shards)
+        spec = DatasetSpec(format=detect_format(shards), shards=shards, allow_pipe=allow_pipe)
     if pair:
         spec.pair = pair
     if fields:
