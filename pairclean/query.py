@@ -71,7 +71,11 @@ class ScoresDB:
         self.con.execute("CREATE VIEW scores AS SELECT * FROM scores_file")
         self.truth_join: str | None = None
         if truth is not None:
-            self._attach_truth(Path(truth))
+            try:
+                self._attach_truth(Path(truth))
+            except UserError:
+                self.close()
+                raise
 
     def restrict(self, shards: list[str]) -> None:
         """Narrow `scores` to these scored shard names: filter works on the dataset it is given,
