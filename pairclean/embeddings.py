@@ -179,7 +179,8 @@ def detect_layout(sources: list[str]) -> str:
         return "clip-retrieval"
     if sources and all(s.endswith(".npy") for s in sources):
         return "numpy"
-    if sources and all(s.endswith(".parquet") or Path(s).is_dir() for s in sources):
+    if sources and all(s.endswith(".parquet") or (Path(s).is_dir() and any(Path(s).glob("*.parquet")))
+                       for s in sources):
         return "parquet"
     raise UserError("cannot tell the embeddings layout of " + ", ".join(sources) + ": give a clip-retrieval "
                     "output directory (img_emb/, text_emb/, metadata/), two .npy files (left, right), "
