@@ -10,7 +10,7 @@ holds a lock so that two processes never write the same run.
     <out>.parts/run.json        run id; whether the run replaces an existing output (--overwrite)
     <out>.parts/beta.json       beta, computed once
     <out>.parts/part-*.parquet + part-*.done.json   one part + commit record per unit
-    <out>.parts/lock            flock'd by the live run
+    <out>.parts/lock            locked (lockf) by the live run
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ PART_SCHEMA = pa.schema([
 ])
 UNIT_KEYS = ("units_sha1", "n_units")  # settings that describe the unit list (compared separately)
 NON_FINITE = "estimator returned a non-finite similarity"
+_HELD: dict[str, int] = {}  # parts directories whose run lock this process holds -> descriptor
 
 
 def parts_dir_for(out: Path) -> Path:
@@ -70,6 +71,7 @@ class PartStore:
     def __init__(self, directory: Path):
         self.dir = Path(directory)
         self._lock_fd: int | None = None
+        self._lock_key = ""
 
     @staticmethod
     def _stem(unit: str) -> str:
@@ -115,20 +117,31 @@ class PartStore:
     # -- starting, resuming, finishing ------------------------------------------------------
 
     def _lock(self) -> None:
-        """Hold an exclusive lock on the run for the life of this process (released on exit,
-        kill included, so a crashed run never blocks its resume)."""
+        """Hold an exclusive lock on the run for the life of this process.
+
+        A POSIX record lock (lockf): it belongs to the process, so it is released when the
+        process dies however it dies (a SIGKILLed run never blocks its own resume), DataLoader
+        workers forked from it do not inherit it, and it works over NFS. One descriptor per
+        directory per process (closing any descriptor of the file drops a POSIX lock), so a
+        retry in the same process after an exception takes the lock over.
+        """
         if self._lock_fd is not None:
             return
-        fd = os.open(self.dir / "lock", os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            os.close(fd)
-            raise UserError(f"another pairclean process is writing {self.dir}; wait for it or stop it first") from None
-        self._lock_fd = fd
+        key = str(self.dir.resolve())
+        fd = _HELD.get(key)
+        if fd is None:
+            fd = os.open(self.dir / "lock", os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                os.close(fd)
+                raise UserError(f"another pairclean process is writing {self.dir}; wait for it or stop it first") from None
+            _HELD[key] = fd
+        self._lock_fd, self._lock_key = fd, key
 
     def _unlock(self) -> None:
         if self._lock_fd is not None:
+            _HELD.pop(self._lock_key, None)
             os.close(self._lock_fd)
             self._lock_fd = None
 
