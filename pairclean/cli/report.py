@@ -1,0 +1,33 @@
+"""`pairclean report`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+
+from pairclean.cli import app, console
+from pairclean.report import build_report
+
+
+@app.command("report")
+def report_command(
+    scores: Path = typer.Argument(..., help="Scores Parquet written by `pairclean score`."),
+    out: Path = typer.Option(..., "--out", "-o", help="HTML file to write (self-contained)."),
+    shards: Optional[List[str]] = typer.Option(None, "--shards", help="The scored shards or their manifest, for thumbnails (default: the paths recorded in the scores)."),
+    truth: Optional[Path] = typer.Option(None, help="Ground-truth Parquet (key, shard, index, noisy): splits the histogram into clean / noisy."),
+    gallery: int = typer.Option(24, help="Lowest-scoring pairs shown."),
+    contrast: int = typer.Option(8, help="Highest-scoring pairs shown, for contrast."),
+    thumb: int = typer.Option(224, help="Thumbnail size in pixels (longest side)."),
+    bins: int = typer.Option(60, help="Histogram bins."),
+    title: Optional[str] = typer.Option(None, help="Page title (default: the scores file name)."),
+) -> None:
+    """One self-contained HTML report: histogram with beta and GMM boundaries, per-shard statistics, gallery."""
+    result = build_report(scores, out, shards=shards, truth=truth, gallery=gallery, contrast=contrast,
+                          thumb=thumb, bins=bins, title=title)
+    size = out.stat().st_size
+    console.print(f"wrote {result.out} ({size / 1e6:.1f} MB): {result.pairs:,} pairs, "
+                  f"{result.gallery_pairs} in the galleries, {result.thumbnails} thumbnails", highlight=False)
+    if result.media_note:
+        console.print(f"[yellow]{result.media_note}[/yellow]", highlight=False)
