@@ -50,7 +50,7 @@ def _root(version: bool = typer.Option(False, "--version", callback=_version, is
 
 def _register_commands() -> None:
     # Each module adds its commands to `app`; imported here so `app` is complete.
-    from pairclean.cli import evaluate, filter, query, score  # noqa: F401
+    from pairclean.cli import evaluate, filter, query, report, score  # noqa: F401
     from pairclean.cli import train  # noqa: F401
 
 
