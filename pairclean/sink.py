@@ -18,7 +18,6 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import json
-import math
 import os
 import shutil
 import time
@@ -26,7 +25,9 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from pairclean.atomic import atomic_path, remove_stale_temps, write_json
@@ -42,7 +43,7 @@ PART_SCHEMA = pa.schema([
     ("error", pa.string()),
 ])
 UNIT_KEYS = ("units_sha1", "n_units")  # settings that describe the unit list (compared separately)
-NON_FINITE = "estimator returned a non-finite similarity"
+NON_FINITE = "no finite similarity"  # NaN/inf from the estimator, or a row it never scored
 _HELD: dict[str, int] = {}  # parts directories whose run lock this process holds -> descriptor
 
 
@@ -97,19 +98,21 @@ class PartStore:
                 records[record["unit"]] = record
         return records
 
-    def commit(self, unit: str, columns: dict[str, list], record: dict) -> None:
+    def commit(self, unit: str, columns: dict, record: dict) -> None:
         """Write the unit's part, then its commit record. Row and error counts are taken from the
-        rows themselves; a non-finite similarity becomes an error row (it could be neither scored
-        nor weighted)."""
-        sims, errors = list(columns["sim"]), list(columns["error"])
-        for i, sim in enumerate(sims):
-            if sim is not None and not math.isfinite(sim):
-                sims[i], errors[i] = None, errors[i] or NON_FINITE
-        table = pa.Table.from_pydict({**columns, "sim": sims, "error": errors}, schema=PART_SCHEMA)
+        rows themselves; a row without a finite similarity and without an error reason becomes
+        an error row (it could be neither scored nor weighted). Columns: lists or arrays."""
+        values = pa.array(columns["sim"], type=pa.float32(), from_pandas=True).to_numpy(zero_copy_only=False)
+        bad = ~np.isfinite(values)  # NaN, inf, and None (null -> NaN)
+        error = pa.array(columns["error"], type=pa.string())
+        unexplained = pa.array(bad & ~error.is_valid().to_numpy(zero_copy_only=False))
+        table = pa.table({"key": columns["key"], "shard": columns["shard"], "index": columns["index"],
+                          "sim": pa.array(values, type=pa.float32(), mask=bad),
+                          "error": pc.if_else(unexplained, pa.scalar(NON_FINITE), error)}, schema=PART_SCHEMA)
         with atomic_path(self.part_path(unit), temp_dir=self.dir) as tmp:
             pq.write_table(table, tmp)
         fault_point("part-written")
-        n_errors = sum(e is not None for e in errors)
+        n_errors = table.num_rows - table.column("error").null_count
         write_json(self.record_path(unit), {**record, "unit": unit, "rows": table.num_rows, "errors": n_errors},
                    temp_dir=self.dir)
         fault_point("committed")
