@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import glob
 import os
+import string
 from dataclasses import asdict, dataclass, field, fields as dc_fields
 from pathlib import Path
 
@@ -166,7 +167,21 @@ def validate(spec: DatasetSpec) -> DatasetSpec:
         raise UserError(f"unknown pair kind {spec.pair!r}; choose one of {', '.join(PAIR_KINDS)}")
     if spec.format not in ("webdataset", "parquet"):
         raise UserError(f"unknown format {spec.format!r}; use webdataset or parquet")
+    if spec.pair == "image-label":
+        check_label_template(spec.label_template)
     return spec
+
+
+def check_label_template(template: str) -> None:
+    """The template is formatted once per pair: it must name {label} and no other field."""
+    try:
+        names = {name for _, name, _, _ in string.Formatter().parse(template) if name is not None}
+        template.format(label="x")
+    except (ValueError, KeyError, IndexError, AttributeError) as exc:
+        raise UserError(f"label template {template!r} is not a valid format string ({exc})") from None
+    if names != {"label"}:
+        raise UserError(f"label template {template!r} must contain {{label}} and no other field, "
+                        f'e.g. "{DEFAULT_LABEL_TEMPLATE}"')
 
 
 def open_dataset(source: str | list[str], pair: str | None = None, fields: Fields | None = None,

@@ -328,7 +328,9 @@ def _read_parquet(spec: DatasetSpec, unit: str) -> Iterator[RawPair | UnitFailur
                 label, err = _decode_text(None if value is None else str(value), "label")
                 _fill(pair, side, spec.label_template.format(label=label) if label else None, err)
             else:
-                _fill(pair, side, *_decode_text(value, "caption" if side == "right" or spec.pair != "text-text" else "text"))
+                # The same words as the tar path: a text-text pair's right side is its "second text".
+                _fill(pair, side, *_decode_text(value, "second text" if side == "right" and spec.pair == "text-text"
+                                                else "caption"))
         yield pair
 
 
