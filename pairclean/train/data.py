@@ -1,7 +1,7 @@
 """The training data path: shard index, per-shard weight arrays, shuffled prepared batches.
 
 `index_shards` counts the pairs of every shard without reading pixel data (Parquet metadata;
-tar headers grouped by webdataset's own `group_by_keys`, so indexes match `sources.read_unit`).
+tar headers grouped by `sources.group_members`, so indexes match `sources.read_unit`).
 `TrainBatches` is an IterableDataset: units (tar shards / Parquet row groups) are shuffled per
 epoch, split by node (torch.distributed rank, a no-op in one process) then by DataLoader worker
 (webdataset's `split_by_node` / `split_by_worker`), read with `sources.read_unit`, joined with
@@ -26,13 +26,14 @@ import pyarrow.parquet as pq
 import torch
 import webdataset as wds
 from torch.utils.data import IterableDataset
+from webdataset.tariterators import meta_prefix, meta_suffix
 
 from pairclean.errors import UserError
 from pairclean.manifest import DatasetSpec
-from pairclean.sources import UnitFailure, list_units, modalities, read_unit, unit_shard
+from pairclean.sources import UnitFailure, group_members, list_units, modalities, read_unit, unit_shard
 
 DROPPED = -1.0  # weight-array value of a pair the method leaves out (filtered); NaN = not in the scores
-_SKIP_META = re.compile(r"__[^/]*__($|/)")  # webdataset's tar_file_iterator skip_meta
+_SKIP_META = re.compile(r"__[^/]*__($|/)")  # webdataset's tar_file_iterator skip_meta, as sources applies it
 
 
 @dataclass
@@ -42,26 +43,26 @@ class ShardInfo:
     failure: str | None = None  # the shard could only be listed partly
 
 
-def _tar_member_stream(path: str) -> Iterator[dict]:
-    """Regular members in webdataset's order and filters, without their data (seekable listing)."""
+def _tar_member_names(path: str) -> Iterator[dict]:
+    """The members `sources.tar_members` yields, in order, without reading their data (seekable listing)."""
     with tarfile.open(path, "r:") as tar:
         for member in tar:
-            name = member.name
-            if not member.isreg() or ("/" not in name and name.startswith("__") and name.endswith("__")):
-                continue
-            if _SKIP_META.match(name):
-                continue
-            yield {"fname": name, "data": b"", "__url__": path}
             tar.members = []  # the listing keeps no per-member state
+            name = member.name
+            if not member.isreg() or _SKIP_META.match(name) or (
+                    "/" not in name and name.startswith(meta_prefix) and name.endswith(meta_suffix)):
+                continue
+            yield {"fname": name, "data": b""}
 
 
 def tar_keys(path: str) -> tuple[list[str], str | None]:
-    """The sample keys of a local tar shard in order, and the reason if the listing stopped early."""
+    """The sample keys of a local tar shard in order (grouped by `sources.group_members`, so the
+    positions are the indexes `read_unit` gives), and the reason if the listing stopped early."""
     keys: list[str] = []
     try:
-        for sample in wds.tariterators.group_by_keys(_tar_member_stream(path)):
+        for sample in group_members(_tar_member_names(path)):
             keys.append(sample["__key__"])
-    except (tarfile.TarError, OSError, ValueError) as exc:
+    except (tarfile.TarError, OSError) as exc:
         return keys, f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
     return keys, None
 
@@ -81,7 +82,7 @@ def _is_local(shard: str) -> bool:
 def index_shards(spec: DatasetSpec) -> list[ShardInfo]:
     """Pairs per shard, in the spec's order."""
     out = []
-    for shard in spec.shards:
+    for shard in dict.fromkeys(spec.shards):  # a shard listed twice is one unit (sources.list_units)
         if spec.format == "parquet":
             try:
                 rows = pq.ParquetFile(shard).metadata.num_rows

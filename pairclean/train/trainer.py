@@ -20,6 +20,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
+from pairclean.atomic import write_json
 from pairclean.errors import UserError
 from pairclean.estimators import PRECISIONS, autocast_context, check_backend
 from pairclean.manifest import DatasetSpec, open_dataset
@@ -31,7 +32,6 @@ from pairclean.train.data import TrainBatches, index_shards
 from pairclean.train.methods import MethodContext, build_method
 from pairclean.train.metrics import DiagnosticsWriter, MetricsLog
 from pairclean.train.models import load_target
-from pairclean.atomic import write_json
 
 # Settings that may change between a run and its resumption without changing its result.
 UNPINNED = ("device", "show_progress", "resume", "overwrite", "val_batch_size")
@@ -158,6 +158,7 @@ def train(source: str | list[str] | DatasetSpec, out: str | Path, config: TrainC
     method = build_method(cfg.method, cfg.method_options)
     resuming = _prepare_run_dir(out, cfg)
     settings = _settings(cfg, spec, val_spec)
+    state = None
     if resuming:
         earlier = read_run(out).get("settings", {})
         differ = sorted(k for k in set(earlier) | set(settings) if earlier.get(k) != settings.get(k))
@@ -165,138 +166,163 @@ def train(source: str | list[str] | DatasetSpec, out: str | Path, config: TrainC
             shown = "; ".join(f"{k}: {earlier.get(k)!r} -> {settings.get(k)!r}" for k in differ[:4])
             raise UserError(f"{out} was trained with different settings ({shown}); resume with the same settings "
                             "or pass --overwrite")
+        state = load_state(out)
+        method.load_state_dict(state["method"])  # before setup: e.g. online OSA keeps its beta
 
     torch.manual_seed(cfg.seed)
     np.random.seed(cfg.seed)
     random.seed(cfg.seed)
     target = load_target(cfg.model, cfg.pretrained, backend=cfg.backend, device=cfg.device, temperature=cfg.temperature)
     check_backend(target.backend, modalities(spec.pair))
-    device = target.device
-    autocast_context(device, cfg.precision)  # refuses fp16 without CUDA before any work
+    autocast_context(target.device, cfg.precision)  # refuses fp16 without CUDA before any work
     left_mod, right_mod = modalities(spec.pair)
     shards = index_shards(spec)
     ctx = MethodContext(spec=spec, shards=shards, target=target, run_dir=out, seed=cfg.seed, left=left_mod,
                         right=right_mod)
-    plan = method.setup(ctx)  # before any state is loaded: a frozen estimator copies the initial model
+    plan = method.setup(ctx)  # before the saved weights are loaded: a frozen estimator copies the initial model
     pairs = plan.pairs if plan.pairs is not None else sum(s.rows for s in shards)
     steps_per_epoch = max(math.ceil(pairs / cfg.batch_size), 1)
-    total_steps = steps_per_epoch * cfg.epochs
-
-    optimizer = torch.optim.AdamW(param_groups(target.module, cfg.weight_decay), lr=cfg.lr, betas=(0.9, 0.98), eps=1e-6)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: cosine_lr(step, cfg.warmup_steps, total_steps, cfg.min_lr_ratio))
-    scaler = torch.amp.GradScaler(device.type, enabled=cfg.precision == "fp16")
-    metrics = MetricsLog(out / "metrics.jsonl")
-    done_epochs, step, best_rsum, best_epoch, history = 0, 0, None, None, []
-    if resuming:
-        state = load_state(out)
-        target.module.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
-        scaler.load_state_dict(state["scaler"])
-        method.load_state_dict(state["method"])
-        done_epochs, step = state["epoch"], state["step"]
-        best_rsum, best_epoch, history = state["best_rsum"], state["best_epoch"], state["history"]
-        set_rng_state(state["rng"])
-        metrics.resume(done_epochs)
+    loop = _Loop(cfg, target, method, ctx, out, steps_per_epoch)
+    if state is not None:
+        loop.restore(state)
     else:
-        metrics.reset()
-    resumed_from = done_epochs
+        loop.metrics.reset()
+    resumed_from = loop.done_epochs
     write_json(out / RUN_FILE, {"settings": settings, "target": target.describe(), "method": method.describe(),
                                 "train": {"shards": len(shards), "pairs": sum(s.rows for s in shards),
                                           "pairs_trained_per_epoch": pairs, "steps_per_epoch": steps_per_epoch,
                                           "unreadable_shards": [f"{s.shard}: {s.failure}" for s in shards if s.failure]}})
-
     dataset = TrainBatches(spec, target.preparer, cfg.batch_size, cfg.seed, cfg.shuffle_buffer, plan)
     workers = min(cfg.workers, len(dataset.units))
     started = time.perf_counter()
     with _progress(cfg.show_progress) as progress:
-        for epoch in range(done_epochs + 1, cfg.epochs + 1):
+        for epoch in range(loop.done_epochs + 1, cfg.epochs + 1):
             dataset.set_epoch(epoch)
-            loader = DataLoader(dataset, batch_size=None, num_workers=workers, pin_memory=device.type == "cuda",
+            loader = DataLoader(dataset, batch_size=None, num_workers=workers,
+                                pin_memory=target.device.type == "cuda",
                                 generator=torch.Generator().manual_seed(cfg.seed * 1000 + epoch))
-            method.on_epoch_start(epoch, ctx)
-            diag = DiagnosticsWriter(out / "diagnostics" / f"epoch-{epoch:03d}.parquet") if cfg.diagnostics else None
             task = progress.add_task("train", total=steps_per_epoch, epoch=epoch, loss=0.0, lr=0.0, rate=0.0)
-            record = _run_epoch(epoch, loader, target, method, ctx, optimizer, scheduler, scaler, cfg,
-                                diag, metrics, progress, task, step)
-            step = record["step"]
-            record.update(method.on_epoch_end(epoch, ctx))
+            record = loop.run_epoch(epoch, loader, lambda **kw: progress.update(task, **kw))
             if val_spec is not None:
                 val_metrics = evaluate_target(target, val_spec, cfg.val_batch_size, workers,
-                                              autocast_context(device, cfg.precision))
+                                              autocast_context(target.device, cfg.precision))
                 record.update({f"val_{k}": v for k, v in val_metrics.items()})
-            last_model = target.export(model_path(out, epoch_model_name(epoch), target.backend))
-            rsum = record.get("val_rsum")
-            if rsum is not None and (best_rsum is None or rsum > best_rsum):
-                best_rsum, best_epoch = rsum, epoch
-                target.export(model_path(out, BEST, target.backend))
-            record.update({"best_epoch": best_epoch, "best_rsum": best_rsum})
-            if diag is not None:
-                diag.close()
-            history.append(record)
-            metrics.write(record)
-            save_state(out, {"model": target.module.state_dict(), "optimizer": optimizer.state_dict(),
-                             "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(),
-                             "method": method.state_dict(), "epoch": epoch, "step": step, "best_rsum": best_rsum,
-                             "best_epoch": best_epoch, "history": history})
+            loop.finish_epoch(epoch, record)
             progress.update(task, visible=False)
-    best_model = model_path(out, BEST, target.backend) if best_epoch is not None else None
-    return TrainResult(out, history, best_epoch, best_rsum, best_model,
+    best_model = model_path(out, BEST, target.backend) if loop.best_epoch is not None else None
+    return TrainResult(out, loop.history, loop.best_epoch, loop.best_rsum, best_model,
                        model_path(out, epoch_model_name(cfg.epochs), target.backend), resumed_from,
                        time.perf_counter() - started)
 
 
-def _run_epoch(epoch, loader, target, method, ctx, optimizer, scheduler, scaler, cfg, diag, metrics, progress, task,
-               step) -> dict:
-    """One pass over the training data; returns the epoch's metrics record."""
-    totals = {"loss_sum": 0.0, "pairs": 0, "steps": 0, "errors": 0, "dropped": 0, "compute_s": 0.0, "data_s": 0.0}
-    failures: list[str] = []
-    epoch_start = waited = time.perf_counter()
-    for batch in loader:
-        stats = batch["stats"]
-        totals["errors"] += stats["errors"]
-        totals["dropped"] += stats["dropped"]
-        failures.extend(stats["failures"])
-        if len(batch["key"]) < 2:  # a lone pair has no negatives
-            continue
-        t0 = time.perf_counter()
-        totals["data_s"] += t0 - waited
+class _Loop:
+    """The optimisation state of a run and what one epoch does with it."""
+
+    def __init__(self, cfg: TrainConfig, target, method, ctx: MethodContext, out: Path, steps_per_epoch: int):
+        self.cfg, self.target, self.method, self.ctx, self.out = cfg, target, method, ctx, out
+        total = steps_per_epoch * cfg.epochs
+        self.optimizer = torch.optim.AdamW(param_groups(target.module, cfg.weight_decay), lr=cfg.lr,
+                                           betas=(0.9, 0.98), eps=1e-6)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda step: cosine_lr(step, cfg.warmup_steps, total, cfg.min_lr_ratio))
+        self.scaler = torch.amp.GradScaler(target.device.type, enabled=cfg.precision == "fp16")
+        self.metrics = MetricsLog(out / "metrics.jsonl")
+        self.done_epochs, self.step, self.best_rsum, self.best_epoch, self.history = 0, 0, None, None, []
+        self.diag: DiagnosticsWriter | None = None
+
+    def restore(self, state: dict) -> None:
+        self.target.module.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.scaler.load_state_dict(state["scaler"])
+        self.done_epochs, self.step = state["epoch"], state["step"]
+        self.best_rsum, self.best_epoch, self.history = state["best_rsum"], state["best_epoch"], state["history"]
+        set_rng_state(state["rng"])
+        self.metrics.resume(self.done_epochs)
+
+    def _step(self, batch: dict):
+        cfg, target = self.cfg, self.target
         with autocast_context(target.device, cfg.precision):
-            left = target.encode(ctx.left, batch["left"])
-            right = target.encode(ctx.right, batch["right"])
-            out = method.loss(batch, left, right, target.logit_scale(), ctx)
-        optimizer.zero_grad(set_to_none=True)
-        scaler.scale(out.loss).backward()
+            left = target.encode(self.ctx.left, batch["left"])
+            right = target.encode(self.ctx.right, batch["right"])
+            out = self.method.loss(batch, left, right, target.logit_scale(), self.ctx)
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scaler.scale(out.loss).backward()
         if cfg.grad_clip is not None:
-            scaler.unscale_(optimizer)
+            self.scaler.unscale_(self.optimizer)
             torch.nn.utils.clip_grad_norm_(target.module.parameters(), cfg.grad_clip)
-        scaler.step(optimizer)
-        scaler.update()
-        scheduler.step()
-        step += 1
-        loss = float(out.loss.detach())
-        n = len(batch["key"])
-        waited = time.perf_counter()
-        totals["compute_s"] += waited - t0
-        totals["loss_sum"] += loss * n
-        totals["pairs"] += n
-        totals["steps"] += 1
-        if diag is not None:
-            diag.add({"key": batch["key"], "shard": batch["shard"], "index": batch["index"].numpy(),
-                      "epoch": [epoch] * n, **{k: v.numpy() for k, v in out.per_pair.items()}})
-        lr = optimizer.param_groups[0]["lr"]
-        if step % cfg.log_every == 0:
-            metrics.write({"event": "step", "epoch": epoch, "step": step, "loss": loss, "lr": lr,
-                           "logit_scale": float(target.logit_scale().detach()), **out.metrics})
-        elapsed = waited - epoch_start
-        progress.update(task, advance=1, loss=loss, lr=lr, rate=totals["pairs"] / elapsed if elapsed else 0.0)
-    if totals["steps"] == 0:
-        raise UserError(f"epoch {epoch} had no batch of at least 2 usable pairs (errors: {totals['errors']}, "
-                        f"dropped: {totals['dropped']}, failed shards: {len(failures)})")
-    seconds = time.perf_counter() - epoch_start
-    return {"event": "epoch", "epoch": epoch, "step": step, "train_loss": totals["loss_sum"] / totals["pairs"],
-            "pairs": totals["pairs"], "steps": totals["steps"], "skipped_errors": totals["errors"],
-            "dropped": totals["dropped"], "failed_shards": failures, "seconds": seconds,
-            "compute_seconds_per_step": totals["compute_s"] / totals["steps"],
-            "data_seconds_per_step": totals["data_s"] / totals["steps"], "pairs_per_second": totals["pairs"] / seconds}
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.scheduler.step()
+        self.step += 1
+        return out
+
+    def run_epoch(self, epoch: int, loader, show) -> dict:
+        """One pass over the training data; returns the epoch's metrics record so far."""
+        cfg = self.cfg
+        self.method.on_epoch_start(epoch, self.ctx)
+        if cfg.diagnostics:
+            self.diag = DiagnosticsWriter(self.out / "diagnostics" / f"epoch-{epoch:03d}.parquet")
+        totals = {"loss_sum": 0.0, "pairs": 0, "steps": 0, "errors": 0, "dropped": 0, "compute_s": 0.0, "data_s": 0.0}
+        failures: list[str] = []
+        epoch_start = ready = time.perf_counter()
+        for batch in loader:
+            stats = batch["stats"]
+            totals["errors"] += stats["errors"]
+            totals["dropped"] += stats["dropped"]
+            failures.extend(stats["failures"])
+            if len(batch["key"]) < 2:  # a lone pair has no negatives
+                continue
+            began = time.perf_counter()
+            totals["data_s"] += began - ready
+            out = self._step(batch)
+            loss, n = float(out.loss.detach()), len(batch["key"])
+            ready = time.perf_counter()
+            totals["compute_s"] += ready - began
+            totals["loss_sum"] += loss * n
+            totals["pairs"] += n
+            totals["steps"] += 1
+            if self.diag is not None:
+                self.diag.add({"key": batch["key"], "shard": batch["shard"], "index": batch["index"].numpy(),
+                               "epoch": [epoch] * n, **{k: v.numpy() for k, v in out.per_pair.items()}})
+            lr = self.optimizer.param_groups[0]["lr"]
+            if self.step % cfg.log_every == 0:
+                self.metrics.write({"event": "step", "epoch": epoch, "step": self.step, "loss": loss, "lr": lr,
+                                    "logit_scale": float(self.target.logit_scale().detach()), **out.metrics})
+            elapsed = ready - epoch_start
+            show(advance=1, loss=loss, lr=lr, rate=totals["pairs"] / elapsed if elapsed else 0.0)
+        if totals["steps"] == 0:
+            if self.diag is not None:
+                self.diag.abort()
+            raise UserError(f"epoch {epoch} had no batch of at least 2 usable pairs (errors: {totals['errors']}, "
+                            f"dropped: {totals['dropped']}, failed shards: {len(failures)})")
+        seconds = time.perf_counter() - epoch_start
+        record = {"event": "epoch", "epoch": epoch, "step": self.step,
+                  "train_loss": totals["loss_sum"] / totals["pairs"], "pairs": totals["pairs"],
+                  "steps": totals["steps"], "skipped_errors": totals["errors"], "dropped": totals["dropped"],
+                  "failed_shards": failures, "seconds": seconds,
+                  "compute_seconds_per_step": totals["compute_s"] / totals["steps"],
+                  "data_seconds_per_step": totals["data_s"] / totals["steps"],
+                  "pairs_per_second": totals["pairs"] / seconds}
+        record.update(self.method.on_epoch_end(epoch, self.ctx))
+        return record
+
+    def finish_epoch(self, epoch: int, record: dict) -> None:
+        """Models, diagnostics, the metrics line, then state.pt: the epoch's commit point."""
+        target = self.target
+        target.export(model_path(self.out, epoch_model_name(epoch), target.backend))
+        rsum = record.get("val_rsum")
+        if rsum is not None and (self.best_rsum is None or rsum > self.best_rsum):
+            self.best_rsum, self.best_epoch = rsum, epoch
+            target.export(model_path(self.out, BEST, target.backend))
+        record.update({"best_epoch": self.best_epoch, "best_rsum": self.best_rsum})
+        if self.diag is not None:
+            self.diag.close()
+            self.diag = None
+        self.history.append(record)
+        self.metrics.write(record)
+        save_state(self.out, {"model": target.module.state_dict(), "optimizer": self.optimizer.state_dict(),
+                              "scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict(),
+                              "method": self.method.state_dict(), "epoch": epoch, "step": self.step,
+                              "best_rsum": self.best_rsum, "best_epoch": self.best_epoch, "history": self.history})
+        self.done_epochs = epoch
