@@ -11,16 +11,17 @@ import hashlib
 import json
 import time
 from collections import defaultdict
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
 import webdataset as wds
 from torch.utils.data import DataLoader, IterableDataset
 
-from pairclean.beta import BETA_MODES, BetaEstimate, ShuffledAccumulator, random_input_beta, shuffled_beta
+from pairclean.accel import OomBackoff, finish_batch
+from pairclean.beta import BETA_MODES, BetaCache, BetaEstimate, ShuffledAccumulator, cached_random_input_beta, shuffled_beta
 from pairclean.errors import UserError
-from pairclean.estimators import build_estimator, check_backend
+from pairclean.estimators import build_estimator, check_backend, resolve_precision
 from pairclean.finalize import finalize, read_provenance
 from pairclean.manifest import DatasetSpec, open_dataset
 from pairclean.scorer import WEIGHT_FUNCTIONS
@@ -34,8 +35,10 @@ class ScoreConfig:
     pretrained: str = "openai"
     backend: str = "open_clip"
     device: str = "auto"
-    precision: str = "fp32"
-    decode: str = "fast"  # fast (JPEG draft decode) | exact
+    precision: str = "fp32"  # fp32 | bf16 | fp16 | auto (resolved before anything is pinned)
+    decode: str = "fast"  # fast (JPEG draft decode) | exact | gpu (JPEGs decoded on the CUDA device)
+    compile: bool = False  # torch.compile the towers (eager fallback if compiling fails)
+    beta_cache: bool = True  # reuse a random-inputs beta computed earlier for the same weights/K/seed
     batch_size: int = 256
     workers: int = 2
     beta_mode: str = "random-inputs"
@@ -50,7 +53,8 @@ class ScoreConfig:
 
     def settings(self, spec: DatasetSpec, units: list[str]) -> dict:
         """What a resumed run must share with the run it continues."""
-        keep = {k: v for k, v in asdict(self).items() if k not in ("device", "batch_size", "workers", "overwrite", "resume", "show_progress")}
+        keep = {k: v for k, v in asdict(self).items() if k not in ("device", "batch_size", "workers", "overwrite", "resume", "show_progress",
+                                                                 "compile", "beta_cache")}
         return {**keep, "pair": spec.pair, "fields": asdict(spec.fields), "label_template": spec.label_template,
                 "units_sha1": hashlib.sha1(json.dumps(units).encode()).hexdigest(), "n_units": len(units)}
 
@@ -118,18 +122,21 @@ class ScoreResult:
         return self.pairs_scored_now / self.seconds if self.seconds > 0 else 0.0
 
 
-def compute_beta(estimator, spec: DatasetSpec, cfg: ScoreConfig) -> BetaEstimate | None:
-    """beta before scoring (random-inputs, fixed); None for shuffled (known only after scoring)."""
+def compute_beta(estimator, spec: DatasetSpec, cfg: ScoreConfig) -> tuple[BetaEstimate | None, str]:
+    """beta before scoring (random-inputs, fixed) and where it came from (given, cache, computed);
+    None for shuffled (known only after scoring)."""
     if cfg.beta_mode not in BETA_MODES:
         raise UserError(f"unknown beta mode {cfg.beta_mode!r}; choose one of {', '.join(BETA_MODES)}")
     if cfg.beta_mode == "fixed":
         if cfg.beta is None:
             raise UserError("--beta-mode fixed needs --beta VALUE")
-        return BetaEstimate("fixed", float(cfg.beta), None, None)
+        return BetaEstimate("fixed", float(cfg.beta), None, None), "given"
     if cfg.beta_mode == "shuffled":
-        return None
+        return None, "scored pairs"
     left, right = modalities(spec.pair)
-    return random_input_beta(estimator, left, right, k=cfg.beta_k, seed=cfg.seed, batch_size=min(cfg.batch_size, 256))
+    beta, hit = cached_random_input_beta(estimator, left, right, k=cfg.beta_k, seed=cfg.seed,
+                                         batch_size=min(cfg.batch_size, 256), cache=BetaCache() if cfg.beta_cache else None)
+    return beta, "cache" if hit else "computed"
 
 
 def _progress(enabled: bool, total_units: int):
@@ -152,6 +159,8 @@ def score(source: str | list[str] | DatasetSpec, out: str | Path, config: ScoreC
     spec = source if isinstance(source, DatasetSpec) else open_dataset(source)
     if estimator is None:
         check_backend(cfg.backend, modalities(spec.pair))  # before any output exists
+    if cfg.precision == "auto":  # pinned in the settings as what it means on this machine
+        cfg = replace(cfg, precision=resolve_precision(cfg.device, "auto"))
     if not out.parent.exists():
         raise UserError(f"output directory {out.parent} does not exist")
     units = list_units(spec)
@@ -163,17 +172,19 @@ def score(source: str | list[str] | DatasetSpec, out: str | Path, config: ScoreC
     if estimator is None:  # built (and so validated) before anything is written
         torch.manual_seed(cfg.seed)  # a randomly initialised model (--pretrained none) is then reproducible
         estimator = build_estimator(cfg.backend, model=cfg.model, pretrained=cfg.pretrained, device=cfg.device,
-                                    precision=cfg.precision, decode=cfg.decode)
+                                    precision=cfg.precision, decode=cfg.decode, compile=cfg.compile)
     start = store.begin(out, settings, units, overwrite=cfg.overwrite, resume=cfg.resume)
     units, resumed = start.units, start.resumed  # a resumed run keeps the unit list it started with
 
     saved = store.load_beta()
+    beta_started = time.perf_counter()
     if saved is not None:
-        beta = BetaEstimate(**saved)
+        beta, beta_source = BetaEstimate(**saved), "resumed"
     else:
-        beta = compute_beta(estimator, spec, cfg)
+        beta, beta_source = compute_beta(estimator, spec, cfg)
         if beta is not None:
             store.save_beta(beta.as_dict())
+    beta_seconds = time.perf_counter() - beta_started
 
     done = store.committed()
     todo = [u for u in units if u not in done]
@@ -191,6 +202,8 @@ def score(source: str | list[str] | DatasetSpec, out: str | Path, config: ScoreC
                   "input_shards": spec.shards, "dataset": spec.name, "beta_mode": cfg.beta_mode}
     summary = finalize(store, units, out, beta, cfg.weight_fn, cfg.seed, cfg.gmm_sample, provenance, records)
     summary["pairs_per_second"] = scored_now / elapsed if elapsed > 0 else 0.0
+    summary["scoring_seconds"] = elapsed
+    summary["beta_seconds"], summary["beta_source"] = beta_seconds, beta_source
     store.remove()
     return ScoreResult(out, summary, elapsed, scored_now, resumed, provenance)
 
@@ -207,16 +220,19 @@ def _score_units(spec: DatasetSpec, units: list[str], estimator, store: PartStor
                         persistent_workers=False)
     rows: dict[str, dict[str, list]] = defaultdict(lambda: defaultdict(list))
     accumulators: dict[str, ShuffledAccumulator] = defaultdict(ShuffledAccumulator)
+    backoff = {left_mod: OomBackoff(), right_mod: OomBackoff()}  # halves a side's chunks on out-of-memory
     scored = 0
     started = time.perf_counter()
     with _progress(cfg.show_progress, total_units) as progress:
         task = progress.add_task("score", total=total_units, completed=already, pairs=0, rate=0.0)
         for batch in loader:
+            if any(e is None for e in batch["error"]):
+                batch = finish_batch(estimator, batch, left_mod, right_mod)  # --decode gpu: JPEGs -> pixels here
             ok = [e is None for e in batch["error"]]
             sims = [None] * len(ok)
             if any(ok):
-                u = estimator.encode(left_mod, batch["left"])
-                v = estimator.encode(right_mod, batch["right"])
+                u = backoff[left_mod](lambda b: estimator.encode(left_mod, b), batch["left"])
+                v = backoff[right_mod](lambda b: estimator.encode(right_mod, b), batch["right"])
                 values = (u * v).sum(-1).cpu().tolist()
                 ok_units = [unit for unit, good in zip(batch["unit"], ok) if good]
                 for unit in dict.fromkeys(ok_units):

@@ -33,7 +33,6 @@ _ABORTS = (typer.Abort,)
 _ENVIRONMENT_ERRNOS = {errno.ENOSPC, errno.EACCES, errno.EPERM, errno.EROFS, errno.EDQUOT}
 
 
-
 def _version(value: bool) -> None:
     if value:
         from pairclean import __version__
@@ -52,6 +51,7 @@ def _register_commands() -> None:
     # Each module adds its commands to `app`; imported here so `app` is complete.
     from pairclean.cli import evaluate, filter, query, report, score  # noqa: F401
     from pairclean.cli import train  # noqa: F401
+    from pairclean.cli import bench  # noqa: F401
 
 
 def _crash_log(exc: BaseException) -> str:

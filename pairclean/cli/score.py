@@ -34,6 +34,7 @@ def summary_table(result) -> Table:
         table.add_row("status", "already complete: nothing was scored")
     else:
         table.add_row("throughput", f"{result.pairs_per_second:,.1f} pairs/s" + (" (resumed run)" if result.resumed else ""))
+        table.add_row("time: beta / scoring", f"{s['beta_seconds']:.1f} s ({s['beta_source']}) / {s['scoring_seconds']:.1f} s")
     return table
 
 
@@ -47,8 +48,10 @@ def score_command(
     pretrained: str = typer.Option("openai", help="Pretrained tag, local checkpoint path, or 'none' (random init)."),
     pair: Optional[str] = typer.Option(None, help="Pair kind: image-text, text-text, image-label, image-image."),
     device: str = typer.Option("auto", help="auto, cpu, cuda, cuda:1 ..."),
-    precision: str = typer.Option("fp32", help="fp32, bf16 (autocast), fp16 (CUDA only)."),
-    decode: str = typer.Option("fast", help="fast (JPEG draft decode at model size) or exact."),
+    precision: str = typer.Option("fp32", help="fp32, bf16 (autocast), fp16 (CUDA only), or auto (bf16/fp16 on CUDA, bf16 on CPUs with native bf16, else fp32)."),
+    decode: str = typer.Option("fast", help="fast (JPEG draft decode at model size), exact, or gpu (JPEGs decoded on the CUDA device; CPU workers otherwise)."),
+    compile: bool = typer.Option(False, "--compile", help="torch.compile the model (first batches slower; falls back to eager if compiling fails)."),
+    beta_cache: bool = typer.Option(True, help="Reuse a random-inputs beta computed before for the same weights, K and seed."),
     batch_size: int = typer.Option(256, help="Pairs per forward pass."),
     workers: int = typer.Option(2, help="DataLoader workers decoding and tokenising."),
     beta_mode: str = typer.Option("random-inputs", help="random-inputs, shuffled, or fixed."),
@@ -107,6 +110,7 @@ def score_command(
                       device=device, precision=precision, decode=decode,
                       batch_size=batch_size, workers=workers, beta_mode=beta_mode, beta=beta, beta_k=beta_k,
                       weight_fn=weight_fn, seed=seed, gmm_sample=gmm_sample, overwrite=overwrite, resume=resume,
+                      compile=compile, beta_cache=beta_cache,
                       show_progress=True)
     result = score(spec, out, cfg)
     console.print(summary_table(result))

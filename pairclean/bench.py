@@ -1,0 +1,401 @@
+"""`pairclean bench score`: how close end-to-end scoring comes to the model's own ceiling.
+
+Three measurements in one process, on one estimator (loaded once), same batch size and precision:
+
+(a) ceiling   - the estimator's encode on batches already in memory: the same rows per batch
+                and the same tokenised captions as the data (so the text tower runs the same
+                lengths), random pixels for images. No reading, no decoding.
+(b) end-to-end - `pairclean.pipeline.score` on the given shards: workers, decode, encode, sink,
+                finalize. Its scoring loop is what (b)/(a) compares; the whole call (beta and
+                finalize included) is reported beside it.
+(c) naive     - the loop most people write first: PIL decodes each image in full in the main
+                process, open_clip's own preprocess and tokenizer, batched open_clip
+                encode_image / encode_text, no workers.
+
+Peak memory is sampled per phase over the process tree (PSS, so forked workers' shared pages
+count once).
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import statistics
+import tempfile
+import threading
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+import torch
+from PIL import Image
+
+from pairclean.accel import OomBackoff
+from pairclean.atomic import write_json
+from pairclean.errors import UserError
+from pairclean.estimators import OpenClipEstimator, autocast_context, build_estimator, check_backend, resolve_precision
+from pairclean.manifest import DatasetSpec, open_dataset
+from pairclean.pipeline import ScoreConfig, score
+from pairclean.sources import UnitFailure, list_units, modalities, read_unit
+
+
+# ---------------------------------------------------------------- memory
+
+def _proc_kib(pid: int, field_name: str, filename: str) -> int | None:
+    try:
+        with open(f"/proc/{pid}/{filename}") as fh:
+            for line in fh:
+                if line.startswith(field_name + ":"):
+                    return int(line.split()[1])
+    except (OSError, ValueError):
+        return None
+    return None
+
+
+def _children(pid: int) -> list[int]:
+    kids: list[int] = []
+    try:
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{tid}/children") as fh:
+                kids.extend(int(x) for x in fh.read().split())
+    except OSError:
+        pass
+    return kids
+
+
+def tree_memory_mib(pid: int) -> float | None:
+    """PSS (else RSS) of `pid` and all its descendants, in MiB; None where /proc is missing."""
+    total, seen, stack = 0, set(), [pid]
+    while stack:
+        p = stack.pop()
+        if p in seen:
+            continue
+        seen.add(p)
+        kib = _proc_kib(p, "Pss", "smaps_rollup")
+        if kib is None:
+            kib = _proc_kib(p, "VmRSS", "status")
+        if kib is None:
+            if p == pid:
+                return None
+            continue
+        total += kib
+        stack.extend(_children(p))
+    return total / 1024
+
+
+class PeakMemory:
+    """Samples the memory of a process tree in a background thread; `.peak_mib` after exit.
+
+    Without /proc (macOS, Windows) it falls back to this process's ru_maxrss, which is a peak
+    since start rather than per phase.
+    """
+
+    def __init__(self, pid: int | None = None, interval: float = 0.05):
+        self.pid = pid or os.getpid()
+        self.interval = interval
+        self.peak_mib: float = 0.0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _sample(self) -> None:
+        value = tree_memory_mib(self.pid)
+        if value is None and self.pid == os.getpid():
+            import resource
+
+            value = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        if value is not None:
+            self.peak_mib = max(self.peak_mib, value)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            self._sample()
+
+    def __enter__(self) -> "PeakMemory":
+        self._sample()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._sample()
+
+
+def _gpu_peak_reset(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def _gpu_peak_mib(device: torch.device) -> float | None:
+    if device.type != "cuda":
+        return None
+    torch.cuda.synchronize(device)
+    return torch.cuda.max_memory_allocated(device) / 2**20
+
+
+# ---------------------------------------------------------------- results
+
+@dataclass
+class Phase:
+    name: str
+    pairs: int
+    seconds: float
+    peak_mib: float
+    gpu_peak_mib: float | None = None
+    load: tuple[float, float] = (0.0, 0.0)  # 1-minute load average before / after
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def pairs_per_second(self) -> float:
+        return self.pairs / self.seconds if self.seconds > 0 else 0.0
+
+
+@dataclass
+class BenchRound:
+    ceiling: Phase
+    end_to_end: Phase
+    naive: Phase | None
+
+    @property
+    def vs_ceiling(self) -> float:
+        return self.end_to_end.pairs_per_second / self.ceiling.pairs_per_second
+
+    @property
+    def vs_naive(self) -> float | None:
+        return self.end_to_end.pairs_per_second / self.naive.pairs_per_second if self.naive else None
+
+
+@dataclass
+class BenchReport:
+    config: dict
+    rounds: list[BenchRound]
+
+    def median(self, attr: str) -> float | None:
+        values = [getattr(r, attr) for r in self.rounds]
+        values = [v for v in values if v is not None]
+        return statistics.median(values) if values else None
+
+    def as_dict(self) -> dict:
+        def phase(p: Phase | None) -> dict | None:
+            return None if p is None else {**asdict(p), "pairs_per_second": p.pairs_per_second}
+
+        return {"config": self.config,
+                "rounds": [{"ceiling": phase(r.ceiling), "end_to_end": phase(r.end_to_end), "naive": phase(r.naive),
+                            "end_to_end_over_ceiling": r.vs_ceiling, "end_to_end_over_naive": r.vs_naive}
+                           for r in self.rounds],
+                "median_end_to_end_over_ceiling": self.median("vs_ceiling"),
+                "median_end_to_end_over_naive": self.median("vs_naive")}
+
+
+# ---------------------------------------------------------------- (a) the ceiling
+
+def _batch_plan(spec: DatasetSpec, batch_size: int, max_pairs: int) -> list[dict[str, list]]:
+    """The valid rows of the data as the pipeline batches them (per unit, `batch_size` rows
+    counted with error rows), text values kept, image bytes dropped."""
+    left, right = modalities(spec.pair)
+    plan: list[dict[str, list]] = []
+    seen = 0
+    for unit in list_units(spec):
+        rows, count = {"left": [], "right": []}, 0
+        for item in read_unit(spec, unit):
+            if isinstance(item, UnitFailure):
+                continue
+            if item.error is None:
+                rows["left"].append(item.left if left == "text" else None)
+                rows["right"].append(item.right if right == "text" else None)
+            count += 1
+            seen += 1
+            if count == batch_size or seen >= max_pairs:
+                if rows["left"]:
+                    plan.append(rows)
+                rows, count = {"left": [], "right": []}, 0
+            if seen >= max_pairs:
+                return plan
+        if rows["left"]:
+            plan.append(rows)
+    return plan
+
+
+def measure_ceiling(estimator, spec: DatasetSpec, batch_size: int, min_seconds: float,
+                    max_pairs: int = 8192) -> Phase:
+    """Encode in-memory batches shaped like the data's until `min_seconds` have passed (one pass at least)."""
+    left, right = modalities(spec.pair)
+    plan = _batch_plan(spec, batch_size, max_pairs)
+    if not plan:
+        raise UserError("no valid pair in the given shards to benchmark on")
+    generator = torch.Generator().manual_seed(0)
+    pixels = estimator.random_batch("image", batch_size, generator) if "image" in (left, right) else None
+    batches = []
+    for rows in plan:
+        n = len(rows["left"])
+        inputs = {}
+        for side, modality in (("left", left), ("right", right)):
+            if modality == "image":
+                inputs[side] = pixels[:n]
+            else:
+                prep = estimator.preparer
+                inputs[side] = prep.collate(modality, [prep.prepare(modality, t) for t in rows[side]])
+            if estimator.device.type == "cuda" and isinstance(inputs[side], torch.Tensor):
+                inputs[side] = inputs[side].pin_memory()  # as the pipeline's DataLoader hands them over
+        batches.append((n, inputs))
+    backoff = {left: OomBackoff(), right: OomBackoff()}
+
+    def step(inputs) -> None:
+        u = backoff[left](lambda b: estimator.encode(left, b), inputs["left"])
+        v = backoff[right](lambda b: estimator.encode(right, b), inputs["right"])
+        (u * v).sum(-1).cpu()  # the sync the pipeline also pays
+
+    step(batches[0][1])  # warm-up: allocator, oneDNN/cuDNN kernel choice, torch.compile
+    load0 = os.getloadavg()[0]
+    _gpu_peak_reset(estimator.device)
+    pairs, elapsed, passes = 0, 0.0, 0
+    with PeakMemory() as mem:
+        started = time.perf_counter()
+        while passes == 0 or elapsed < min_seconds:
+            for n, inputs in batches:
+                step(inputs)
+                pairs += n
+                elapsed = time.perf_counter() - started
+                if passes > 0 and elapsed >= min_seconds:
+                    break
+            passes += 1
+    extra = {"batches_per_pass": len(batches), "passes": passes,
+             "chunk_after_oom": {m: b.chunk for m, b in backoff.items() if b.halvings}}
+    extra.update(_text_trim_gain(estimator, left, right, batches))
+    return Phase("ceiling (model only)", pairs, elapsed, mem.peak_mib, _gpu_peak_mib(estimator.device),
+                 (load0, os.getloadavg()[0]), extra)
+
+
+def _text_trim_gain(estimator, left: str, right: str, batches) -> dict:
+    """Seconds per caption of the text tower with and without trimming, on the first batch:
+    what the exact trimming contributes (open_clip only)."""
+    if not getattr(estimator, "text_trim", False) or "text" not in (left, right):
+        return {}
+    side = "right" if right == "text" else "left"
+    tokens = batches[0][1][side].to(estimator.device)
+    n = tokens.shape[0]
+
+    def timed(fn) -> float:
+        best = float("inf")
+        for _ in range(2):  # the faster of two: the first call of a new shape pays for kernel setup
+            started = time.perf_counter()
+            with torch.no_grad(), autocast_context(estimator.device, estimator.precision):
+                fn(tokens).float().cpu()
+            best = min(best, time.perf_counter() - started)
+        return best / n
+
+    trimmed = timed(lambda t: estimator.encode("text", t))
+    full = timed(estimator.model.encode_text)
+    return {"text_tokens_trimmed": int(tokens.argmax(dim=-1).max()) + 1, "text_tokens_full": int(tokens.shape[1]),
+            "text_seconds_per_caption_trimmed": trimmed, "text_seconds_per_caption_full": full}
+
+
+# ---------------------------------------------------------------- (b) end to end
+
+def measure_end_to_end(estimator, spec: DatasetSpec, cfg: ScoreConfig, workdir: Path) -> Phase:
+    out = workdir / "bench-scores.parquet"
+    load0 = os.getloadavg()[0]
+    _gpu_peak_reset(estimator.device)
+    with PeakMemory() as mem:
+        started = time.perf_counter()
+        result = score(spec, out, replace(cfg, overwrite=True, show_progress=False), estimator=estimator)
+        whole = time.perf_counter() - started
+    s = result.summary
+    extra = {"whole_call_seconds": whole, "whole_call_pairs_per_second": result.pairs_scored_now / whole,
+             "beta_seconds": s.get("beta_seconds"), "beta_source": s.get("beta_source"),
+             "errors": s.get("errors"), "workers": cfg.workers}
+    return Phase("end-to-end scoring loop", result.pairs_scored_now, result.seconds, mem.peak_mib,
+                 _gpu_peak_mib(estimator.device), (load0, os.getloadavg()[0]), extra)
+
+
+# ---------------------------------------------------------------- (c) the naive loop
+
+def measure_naive(estimator, spec: DatasetSpec, batch_size: int, max_pairs: int) -> Phase | None:
+    """PIL full decode per sample + open_clip's own preprocess/tokenizer/encode, no workers.
+    None where it does not apply (not open_clip, or the left side is not an image)."""
+    left, right = modalities(spec.pair)
+    if not isinstance(estimator, OpenClipEstimator) or (left, right) != ("image", "text") or max_pairs <= 0:
+        return None
+    model, preprocess, tokenizer = estimator.model, estimator.preparer.preprocess, estimator.tokenizer
+    device = estimator.device
+    images: list[torch.Tensor] = []
+    texts: list[str] = []
+    pairs = 0
+
+    @torch.no_grad()
+    def flush() -> None:
+        with autocast_context(device, estimator.precision):
+            u = model.encode_image(torch.stack(images).to(device))
+            v = model.encode_text(tokenizer(texts).to(device))
+        torch.nn.functional.cosine_similarity(u.float(), v.float()).cpu()
+        images.clear()
+        texts.clear()
+
+    load0 = os.getloadavg()[0]
+    _gpu_peak_reset(device)
+    with PeakMemory() as mem:
+        started = time.perf_counter()
+        for unit in list_units(spec):
+            for item in read_unit(spec, unit):
+                if isinstance(item, UnitFailure) or item.error is not None:
+                    continue
+                try:
+                    image = Image.open(io.BytesIO(item.left)).convert("RGB")
+                except Exception:
+                    continue  # the naive loop skips what it cannot read
+                images.append(preprocess(image))
+                texts.append(item.right)
+                pairs += 1
+                if len(images) == batch_size:
+                    flush()
+                if pairs >= max_pairs:
+                    break
+            if pairs >= max_pairs:
+                break
+        if images:
+            flush()
+        elapsed = time.perf_counter() - started
+    return Phase("naive loop", pairs, elapsed, mem.peak_mib, _gpu_peak_mib(device), (load0, os.getloadavg()[0]))
+
+
+# ---------------------------------------------------------------- all three
+
+def bench_score(source: str | list[str] | DatasetSpec, cfg: ScoreConfig, naive_pairs: int = 512,
+                min_seconds: float = 10.0, repeat: int = 1, estimator=None, progress=None) -> BenchReport:
+    """Measure (a), (b), (c) `repeat` times, interleaved, with one estimator."""
+    if repeat < 1:
+        raise UserError("--repeat must be at least 1")
+    if cfg.batch_size < 1:
+        raise UserError("--batch-size must be at least 1")
+    spec = source if isinstance(source, DatasetSpec) else open_dataset(source)
+    if cfg.precision == "auto":
+        cfg = replace(cfg, precision=resolve_precision(cfg.device, "auto"))
+    if estimator is None:
+        check_backend(cfg.backend, modalities(spec.pair))
+        torch.manual_seed(cfg.seed)
+        estimator = build_estimator(cfg.backend, model=cfg.model, pretrained=cfg.pretrained, device=cfg.device,
+                                    precision=cfg.precision, decode=cfg.decode, compile=cfg.compile)
+    say = progress or (lambda message: None)
+    rounds = []
+    with tempfile.TemporaryDirectory(prefix="pairclean-bench-") as tmp:
+        for i in range(repeat):
+            tag = f"[{i + 1}/{repeat}] " if repeat > 1 else ""
+            say(f"{tag}(a) model-only ceiling ...")
+            ceiling = measure_ceiling(estimator, spec, cfg.batch_size, min_seconds)
+            say(f"{tag}(b) end-to-end pairclean score ...")
+            e2e = measure_end_to_end(estimator, spec, cfg, Path(tmp))
+            say(f"{tag}(c) naive reference loop ...")
+            naive = measure_naive(estimator, spec, cfg.batch_size, naive_pairs)
+            rounds.append(BenchRound(ceiling, e2e, naive))
+    config = {"model": cfg.model, "pretrained": cfg.pretrained, "backend": cfg.backend,
+              "device": str(estimator.device), "precision": estimator.precision if hasattr(estimator, "precision") else cfg.precision,
+              "batch_size": cfg.batch_size, "workers": cfg.workers, "decode": getattr(estimator, "decode", cfg.decode),
+              "compile": cfg.compile, "text_trim": getattr(estimator, "text_trim", False),
+              "torch_threads": torch.get_num_threads(), "cpu_count": os.cpu_count(), "torch": torch.__version__,
+              "shards": len(spec.shards), "pair": spec.pair}
+    return BenchReport(config, rounds)
+
+
+def write_report(report: BenchReport, path: Path) -> None:
+    write_json(path, report.as_dict())

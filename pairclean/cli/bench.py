@@ -1,0 +1,96 @@
+"""`pairclean bench ...`: throughput on the user's own hardware (`bench score` sizes a scoring job)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+from rich.table import Table
+
+from pairclean.cli import app, console, err_console
+from pairclean.manifest import open_dataset
+from pairclean.pipeline import ScoreConfig
+
+bench_app = typer.Typer(no_args_is_help=True, help="Measure throughput on this machine.")
+app.add_typer(bench_app, name="bench")
+
+
+def _mib(value: float | None) -> str:
+    return "-" if value is None else f"{value:,.0f} MiB"
+
+
+def report_tables(report) -> list[Table]:
+    tables = []
+    for i, r in enumerate(report.rounds):
+        title = "pairclean bench score" + (f" - round {i + 1}" if len(report.rounds) > 1 else "")
+        table = Table(title=title)
+        for name in ("phase", "pairs", "seconds", "pairs/s", "peak memory (PSS)", "GPU peak", "load 1m"):
+            table.add_column(name, justify="left" if name == "phase" else "right")
+        for phase in (r.ceiling, r.end_to_end, r.naive):
+            if phase is None:
+                table.add_row("naive loop", "-", "-", "n/a (open_clip image-text only)", "-", "-", "-")
+                continue
+            table.add_row(phase.name, f"{phase.pairs:,}", f"{phase.seconds:.1f}", f"{phase.pairs_per_second:,.1f}",
+                          _mib(phase.peak_mib), _mib(phase.gpu_peak_mib), f"{phase.load[0]:.1f} -> {phase.load[1]:.1f}")
+        e = r.end_to_end.extra
+        table.add_row("end-to-end whole call", f"{r.end_to_end.pairs:,}", f"{e['whole_call_seconds']:.1f}",
+                      f"{e['whole_call_pairs_per_second']:,.1f}", "", "", f"beta {e['beta_seconds']:.1f} s ({e['beta_source']})")
+        tables.append(table)
+    return tables
+
+
+def summary_lines(report) -> list[str]:
+    c = report.config
+    lines = [f"model {c['model']} ({c['pretrained']}) on {c['device']}, {c['precision']}, batch {c['batch_size']}, "
+             f"{c['workers']} workers, decode {c['decode']}, compile {c['compile']}, "
+             f"{c['torch_threads']} torch threads / {c['cpu_count']} CPUs"]
+    last = report.rounds[-1].ceiling.extra
+    if "text_tokens_trimmed" in last:
+        lines.append(f"text tower: {last['text_tokens_trimmed']} of {last['text_tokens_full']} positions per batch "
+                     f"(exact trimming), {last['text_seconds_per_caption_full'] / last['text_seconds_per_caption_trimmed']:.1f}x "
+                     "faster than the full context on the first batch")
+    ceiling, naive = report.median("vs_ceiling"), report.median("vs_naive")
+    median = " (medians over rounds)" if len(report.rounds) > 1 else ""
+    lines.append(f"end-to-end / ceiling = {ceiling:.2f}" + (f", end-to-end / naive = {naive:.2f}" if naive else "") + median)
+    return lines
+
+
+@bench_app.command("score")
+def bench_score_command(
+    source: List[str] = typer.Argument(..., help="Shards (as for `pairclean score`): a sample of your data."),
+    model: str = typer.Option("ViT-B-32", help="open_clip model name (or a pairclean tiny config)."),
+    pretrained: str = typer.Option("openai", help="Pretrained tag, local checkpoint path, or 'none' (random init, same FLOPs)."),
+    backend: str = typer.Option("open_clip", help="open_clip or sentence-transformers."),
+    pair: Optional[str] = typer.Option(None, help="Pair kind: image-text, text-text, image-label, image-image."),
+    device: str = typer.Option("auto", help="auto, cpu, cuda, cuda:1 ..."),
+    precision: str = typer.Option("fp32", help="fp32, bf16, fp16 (CUDA), or auto."),
+    decode: str = typer.Option("fast", help="fast, exact, or gpu (CUDA only; CPU workers otherwise)."),
+    compile: bool = typer.Option(False, "--compile", help="torch.compile the model."),
+    batch_size: int = typer.Option(256, help="Pairs per forward pass (all three measurements)."),
+    workers: int = typer.Option(2, help="DataLoader workers for the end-to-end run."),
+    beta_mode: str = typer.Option("random-inputs", help="As for `pairclean score` (timed apart from the scoring loop)."),
+    beta_k: int = typer.Option(1024, help="K for --beta-mode random-inputs."),
+    beta_cache: bool = typer.Option(True, help="Reuse a cached random-inputs beta."),
+    naive_pairs: int = typer.Option(512, help="Pairs for the naive reference loop (0 skips it)."),
+    min_seconds: float = typer.Option(10.0, help="Run the model-only ceiling at least this long."),
+    repeat: int = typer.Option(1, help="Rounds of (a)(b)(c), interleaved; ratios are reported per round and as medians."),
+    json_out: Optional[Path] = typer.Option(None, "--json", help="Also write the full report as JSON."),
+    allow_pipe: bool = typer.Option(False, help="Allow `pipe:` shard URLs, which run shell commands."),
+) -> None:
+    """Model-only ceiling vs end-to-end `pairclean score` vs a naive loop: pairs/s, ratios, peak memory."""
+    from pairclean.bench import bench_score, write_report
+
+    spec = open_dataset(source, pair=pair, allow_pipe=allow_pipe)
+    cfg = ScoreConfig(model=model, pretrained=pretrained, backend=backend, device=device, precision=precision,
+                      decode=decode, compile=compile, batch_size=batch_size, workers=workers, beta_mode=beta_mode,
+                      beta_k=beta_k, beta_cache=beta_cache)
+    report = bench_score(spec, cfg, naive_pairs=naive_pairs, min_seconds=min_seconds, repeat=repeat,
+                         progress=lambda message: err_console.print(message, highlight=False))
+    for table in report_tables(report):
+        console.print(table)
+    for line in summary_lines(report):
+        console.print(line, highlight=False)
+    if json_out is not None:
+        write_report(report, json_out)
+        console.print(f"report: {json_out}", highlight=False)
