@@ -73,7 +73,7 @@ def _where_rule(db: ScoresDB, predicate: str) -> Rule:
     sql = f"SELECT ({predicate}) AS keep FROM scores"
     try:
         statements = db.con.extract_statements(sql)
-        names, types = db._describe(sql) if len(statements) == 1 else ([], [])
+        names, types = db.describe(sql) if len(statements) == 1 else ([], [])
     except duckdb.Error as exc:
         raise UserError(f"bad --where predicate {predicate!r}: {duckdb_message(exc)}") from None
     if len(statements) != 1 or len(names) != 1:
@@ -128,7 +128,8 @@ def count_rules(db: ScoresDB, rules: list[Rule]) -> tuple[int, list[int], int]:
     """Run every rule over every row (so runtime errors surface before any output): totals."""
     counts = ", ".join(f"count(*) FILTER (WHERE r{j})" for j in range(len(rules)))
     try:
-        row = db.con.execute(f"SELECT count(*), {counts}, count(*) FILTER (WHERE keep) FROM ({_decision_sql(rules)})").fetchall()[0]
+        sql = f"SELECT count(*), {counts}, count(*) FILTER (WHERE keep) FROM ({_decision_sql(rules)})"
+        row = db.con.execute(sql).fetchall()[0]
     except duckdb.Error as exc:
         names = "; ".join(r.name for r in rules)
         raise UserError(f"bad predicate ({names}): {duckdb_message(exc)}") from None

@@ -98,9 +98,9 @@ class ScoresDB:
 
     def columns(self, view: str = "scores") -> dict[str, str]:
         """Column name -> DuckDB type of a view."""
-        return {name: str(kind) for name, kind in zip(*self._describe(f"SELECT * FROM {view}"))}
+        return {name: str(kind) for name, kind in zip(*self.describe(f"SELECT * FROM {view}"))}
 
-    def _describe(self, sql: str) -> tuple[list[str], list]:
+    def describe(self, sql: str) -> tuple[list[str], list]:
         rel = self.con.sql(sql)
         return rel.columns, rel.types
 
@@ -155,7 +155,8 @@ class ScoresDB:
             raise UserError("the statement returned no rows to show (use a SELECT)")
         return rel
 
-    def stream(self, rel: duckdb.DuckDBPyRelation, batch_rows: int = 65536) -> tuple[pa.Schema, Iterator[pa.RecordBatch]]:
+    def stream(self, rel: duckdb.DuckDBPyRelation,
+               batch_rows: int = 65536) -> tuple[pa.Schema, Iterator[pa.RecordBatch]]:
         """The result's schema and its record batches; errors met while running become UserError."""
         try:
             reader = rel.to_arrow_reader(batch_rows)

@@ -32,7 +32,7 @@ from pairclean.finalize import read_provenance
 from pairclean.gmm import FittedMixture
 from pairclean.manifest import DatasetSpec, open_dataset
 from pairclean.query import ScoresDB, match_shards
-from pairclean.sources import RawPair, list_units, read_unit
+from pairclean.sources import RawPair, read_unit
 
 CLEAN, NOISY, NEUTRAL, INK, MUTED = "#1b9e77", "#d95f02", "#5b6c8f", "#1f2430", "#6b7280"
 BETA_COLOUR, GMM_COLOUR = "#7570b3", "#e7298a"
@@ -402,16 +402,25 @@ def _shard_table(shards: list[dict], truth: bool, max_rows: int) -> str:
     return f'<table class="data"><thead>{head}</thead><tbody>{body}</tbody></table>{note}'
 
 
+def _estimator_line(est: dict) -> str:
+    """backend · model · pretrained tag, leaving out what the backend does not record."""
+    parts = [est.get("backend"), est.get("model"),
+             f"pretrained {est['pretrained']}" if est.get("pretrained") else None,
+             f"checkpoint sha256 {est['checkpoint_sha256'][:12]}…" if est.get("checkpoint_sha256") else None]
+    return " · ".join(str(p) for p in parts if p) or "not recorded"
+
+
 def _provenance_html(prov: dict, scores: Path) -> str:
     est = prov.get("estimator") or {}
     gmm = prov.get("gmm") or {}
     items = [
         ("scores file", str(scores)),
-        ("estimator", f"{est.get('backend', '?')} · {est.get('model', '?')} · pretrained {est.get('pretrained', '?')}"),
+        ("estimator", _estimator_line(est)),
         ("precision / device", f"{est.get('precision', '?')} / {est.get('device', '?')}"),
         ("pair kind", prov.get("pair", "?")),
         ("dataset", prov.get("dataset") or f"{len(prov.get('input_shards') or []):,} shards"),
-        ("β", f"{_num(prov.get('beta'), 4)} ± {_num(prov.get('beta_std'), 4)} ({prov.get('beta_mode')}, K = {prov.get('beta_k')})"),
+        ("β", f"{_num(prov.get('beta'), 4)} ± {_num(prov.get('beta_std'), 4)} "
+              f"({prov.get('beta_mode')}, K = {prov.get('beta_k')})"),
         ("weight function", str(prov.get("weight_fn"))),
         ("GMM", ", ".join(f"μ={m:.3f} σ²={v:.4f} π={w:.2f}" for m, v, w in
                           zip(gmm.get("means", []), gmm.get("variances", []), gmm.get("weights", [])))
@@ -438,7 +447,7 @@ section { background:var(--card); border:1px solid var(--line); border-radius:10
           margin:20px 0; }
 h2 { font-size:18px; margin:0 0 6px; }
 .lead { color:var(--muted); margin:0 0 14px; font-size:14px; }
-.stats { display:grid; grid-template-columns:repeat(auto-fit, minmax(165px, 1fr)); gap:12px; margin-top:-44px; }
+.stats { display:grid; grid-template-columns:repeat(auto-fit, minmax(150px, 1fr)); gap:12px; margin-top:-44px; }
 .stat { background:var(--card); border:1px solid var(--line); border-radius:10px; padding:12px 14px;
         box-shadow:0 1px 2px rgba(0,0,0,.04); }
 .stat-label { font-size:12px; color:var(--muted); text-transform:uppercase; letter-spacing:.5px; }
@@ -534,10 +543,14 @@ def build_report(scores: str | Path, out: str | Path, shards: list[str] | None =
     n = s["scored"]
     stats = [
         _card("pairs", f"{s['pairs']:,}", f"{s['scored']:,} scored"),
-        _card("errors", f"{s['errors']:,}", _pct(s["errors"] / s["pairs"]) + " of pairs", "warn" if s["errors"] else ""),
-        _card("β (cone bias)", _num(prov.get("beta"), 4), f"± {_num(prov.get('beta_std'), 4)} · {_e(prov.get('beta_mode'))}", "beta"),
-        _card("flagged by β rule", _pct(s["flagged_beta"] / n if n else None), f"{s['flagged_beta']:,} pairs with s − β ≤ 0", "beta"),
-        _card("flagged by GMM", _pct(s["flagged_gmm"] / n if n else None), f"{s['flagged_gmm']:,} pairs with p_clean < 0.5", "gmm"),
+        _card("errors", f"{s['errors']:,}", _pct(s["errors"] / s["pairs"]) + " of pairs",
+              "warn" if s["errors"] else ""),
+        _card("β (cone bias)", _num(prov.get("beta"), 4),
+              f"± {_num(prov.get('beta_std'), 4)} · {_e(prov.get('beta_mode'))}", "beta"),
+        _card("flagged by β rule", _pct(s["flagged_beta"] / n if n else None),
+              f"{s['flagged_beta']:,} pairs with s − β ≤ 0", "beta"),
+        _card("flagged by GMM", _pct(s["flagged_gmm"] / n if n else None),
+              f"{s['flagged_gmm']:,} pairs with p_clean < 0.5", "gmm"),
         _card("mean OSA weight", _num(s["mean_weight"], 4), f"{_pct(s['zero_weight'] / n if n else None)} weigh 0"),
     ]
     truth_html = ""
@@ -562,7 +575,8 @@ def build_report(scores: str | Path, out: str | Path, shards: list[str] | None =
         hist_lead += " Colours are the ground truth: how well each boundary separates them is what to look at."
     errors_html = ""
     if errors:
-        erows = "".join(f"<tr><td>{_e(e['error'])}</td><td>{e['n']:,}</td><td>{_e(e['example'])}</td></tr>" for e in errors)
+        erows = "".join(f"<tr><td>{_e(e['error'])}</td><td>{e['n']:,}</td><td>{_e(e['example'])}</td></tr>"
+                        for e in errors)
         errors_html = (f'<section id="errors"><h2>Pairs that could not be scored</h2>'
                        f'<p class="lead">{s["errors"]:,} pairs carry an error (weight 0, never kept by a '
                        f'predicate on the scores).</p><table class="data"><thead><tr><th>reason</th><th>pairs</th>'
@@ -582,8 +596,8 @@ def build_report(scores: str | Path, out: str | Path, shards: list[str] | None =
 <body>
 <header>
   <h1>{_e(heading)}</h1>
-  <div class="sub">{s['pairs']:,} pairs · {_e(prov.get('pair', '?'))} · estimator {_e(est.get('model', '?'))}
-  ({_e(est.get('pretrained', '?'))}) · generated {_e(time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime()))}</div>
+  <div class="sub">{s['pairs']:,} pairs · {_e(prov.get('pair', '?'))} · {_e(_estimator_line(est))}
+  · generated {_e(time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime()))}</div>
   <div style="height:44px"></div>
 </header>
 <main>

@@ -125,29 +125,34 @@ def test_histogram_and_gmm_boundary_agree_with_the_rows(coco_scores, truth):
 
 
 def test_text_pairs_show_the_samples_image_as_context(tmp_path, coco_src):
-    """A text-text dataset cut from an image dataset: the card shows both texts and the jpg member."""
-    images = sorted((coco_src / "val2017").glob("*.jpg"))[:3]
+    """A text-text dataset cut from an image dataset: the card shows both texts and the jpg member;
+    texts are escaped, and rows that could not be scored get their own section."""
+    images = sorted((coco_src / "val2017").glob("*.jpg"))[:4]
     shard = tmp_path / "tt-000000.tar"
     with wds.TarWriter(str(shard)) as sink:
         for i, img in enumerate(images):
-            sink.write({"__key__": f"k{i}", "jpg": img.read_bytes(), "txt": f"first text {i}", "txt2": f"second {i}"})
-    sims = [0.1, -0.3, 0.5]
+            sink.write({"__key__": f"k{i}", "jpg": img.read_bytes(), "txt": f"first <b>{i}</b> & co",
+                        "txt2": f"second {i}"})
+    sims = [0.1, -0.3, 0.5, None]
     provenance = {"pair": "text-text", "beta": 0.0, "beta_std": 0.01, "beta_mode": "fixed", "beta_k": 0,
                   "gmm": None, "estimator": {"backend": "sentence-transformers", "model": "all-MiniLM-L6-v2"},
                   "input_shards": [str(shard)]}
     schema = SCORES_SCHEMA.with_metadata({METADATA_KEY: json.dumps(provenance).encode()})
     scores = tmp_path / "scores.parquet"
     pq.write_table(pa.table({
-        "key": ["k0", "k1", "k2"], "shard": [str(shard)] * 3, "index": [0, 1, 2], "sim": sims,
-        "sim_debiased": sims, "weight": [0.1, 0.0, 0.5], "weight_norm": [0.2, 0.0, 1.0],
-        "osa_noisy": [False, True, False], "p_clean": [None] * 3, "gmm_noisy": [None] * 3, "error": [None] * 3,
+        "key": ["k0", "k1", "k2", "k3"], "shard": [str(shard)] * 4, "index": [0, 1, 2, 3], "sim": sims,
+        "sim_debiased": sims, "weight": [0.1, 0.0, 0.5, 0.0], "weight_norm": [0.2, 0.0, 1.0, 0.0],
+        "osa_noisy": [False, True, False, None], "p_clean": [None] * 4, "gmm_noisy": [None] * 4,
+        "error": [None, None, None, "empty second text"],
     }, schema=schema), scores)
     out = tmp_path / "r.html"
     result = build_report(scores, out, gallery=2, contrast=1, thumb=64)  # shards from the provenance
     assert result.thumbnails == 3 and result.media_note is None
     text = out.read_text()
-    assert re.findall(r'<p class="caption">(.*?)</p>', text) == ["first text 1", "second 1", "first text 0",
-                                                                 "second 0", "first text 2", "second 2"]
+    assert re.findall(r'<p class="caption">(.*?)</p>', text) == [
+        "first &lt;b&gt;1&lt;/b&gt; &amp; co", "second 1", "first &lt;b&gt;0&lt;/b&gt; &amp; co", "second 0",
+        "first &lt;b&gt;2&lt;/b&gt; &amp; co", "second 2"]
+    assert "Pairs that could not be scored" in text and "<td>empty second text</td><td>1</td><td>k3</td>" in text
 
 
 def test_missing_shards_are_noted_not_fatal(tmp_path, coco_scores, capsys):
