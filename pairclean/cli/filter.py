@@ -13,6 +13,7 @@ from rich.table import Table
 from pairclean.cli import app, console
 from pairclean.errors import UserError
 from pairclean.filter import FilterResult, filter_dataset
+from pairclean.finalize import read_provenance
 from pairclean.manifest import open_dataset
 
 
@@ -48,6 +49,14 @@ def result_table(result: FilterResult) -> Table:
     return table
 
 
+def _scored_pair(scores: Path) -> str | None:
+    """The pair kind the scores were made with: what the new manifest should say."""
+    try:
+        return read_provenance(scores).get("pair")
+    except (ValueError, OSError):
+        return None  # not a readable scores file: filter_dataset says so
+
+
 @app.command("filter")
 def filter_command(
     source: List[str] = typer.Argument(..., help="The scored shards: directory, glob, brace pattern, list file, Parquet files, or a manifest YAML."),
@@ -60,13 +69,13 @@ def filter_command(
     shard_size: int = typer.Option(10_000, help="WebDataset output: samples per shard at most."),
     shard_bytes: float = typer.Option(1e9, help="WebDataset output: bytes per shard at most."),
     prefix: str = typer.Option("shard", help="Output file names: PREFIX-000000.tar / .parquet."),
-    pair: Optional[str] = typer.Option(None, help="Pair kind written into the new manifest (default: the source's)."),
+    pair: Optional[str] = typer.Option(None, help="Pair kind written into the new manifest (default: the one the scores were made with)."),
     overwrite: bool = typer.Option(False, help="Replace a non-empty --out directory."),
 ) -> None:
     """Write the pairs the rules keep as new shards (members byte-identical), or preview with --dry-run."""
     if out is None and not dry_run:
         raise UserError("give --out DIR (or --dry-run)")
-    spec = open_dataset(source, pair=pair)
+    spec = open_dataset(source, pair=pair or _scored_pair(scores))
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("shards"),
                   TimeElapsedColumn(), console=console, transient=True) as bar:
         task = bar.add_task("dry run" if dry_run else "filtering", total=len(spec.shards))
