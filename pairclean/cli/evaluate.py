@@ -41,3 +41,60 @@ def retrieval_command(
                   + (f", {metrics['skipped']:,} unreadable pairs skipped" if metrics["skipped"] else ""))
     if json_out is not None:
         write_json(json_out, metrics)
+
+
+def detection_tables(result: dict):
+    """The detection metrics as rich tables: the rules, then the threshold-free figures."""
+    from rich.table import Table
+
+    def pct(value) -> str:
+        return "n/a" if value is None else f"{value:.2f}"
+
+    rules = result["rules"]
+    beta_t = rules["beta"].get("threshold")
+    decisions = {"beta": ("beta boundary", "sim <= " + (f"{beta_t:.4f}" if beta_t is not None else "beta")),
+                 "gmm": ("GMM", "p_clean < 0.5"),
+                 "oracle": ("oracle", "sim <= " + (f"{rules['oracle']['threshold']:.4f}"
+                                                              if rules["oracle"]["threshold"] is not None else "n/a"))}
+    table = Table(title=f"noise detection: {result['pairs']:,} pairs, {result['noisy']:,} noisy "
+                        f"({pct(result['noise_share'])}%)")
+    for name, justify in (("rule", "left"), ("noisy if", "left"), ("clean kept %", "right"),
+                          ("noise caught %", "right"), ("balanced %", "right"), ("precision %", "right")):
+        table.add_column(name, justify=justify)
+    for key, (label, when) in decisions.items():
+        m = rules[key]
+        table.add_row(label, when, pct(m["clean_kept"]), pct(m["noise_caught"]), pct(m["balanced_accuracy"]),
+                      pct(m["precision"]))
+    summary = Table(show_header=False)
+    summary.add_column(style="bold")
+    summary.add_column(justify="right")
+    auc, ap = result["roc_auc"], result["average_precision"]
+    summary.add_row("ROC-AUC (noise vs -sim)", "n/a" if auc is None else f"{auc:.4f}")
+    summary.add_row("average precision", "n/a" if ap is None else f"{ap:.4f}")
+    rank, best = result["mean_noise_rank"], result["mean_noise_rank_optimal"]
+    summary.add_row("mean noise rank by weight (optimum)", "n/a" if rank is None else f"{rank:,.1f} ({best:,.1f})")
+    summary.add_row("joined on", str(result.get("join")))
+    skipped = result.get("error_rows", 0) + result.get("unlabelled_rows", 0)
+    if skipped:
+        summary.add_row("left out", f"{result['error_rows']:,} error rows, {result['unlabelled_rows']:,} without truth")
+    return table, summary
+
+
+@evaluate_app.command("detection")
+def detection_command(
+    scores: Path = typer.Argument(..., help="Scores Parquet written by `pairclean score`."),
+    truth: Path = typer.Option(..., "--truth", help="Truth Parquet (columns noisy + shard/index or key), or a "
+                                                    "manifest YAML whose `truth:` names one (`pairclean corrupt` writes both)."),
+    json_out: Path | None = typer.Option(None, "--json", help="Metrics JSON to write (default: SCORES.detection.json)."),
+) -> None:
+    """Clean kept / noise caught / balanced accuracy per rule (beta, GMM, oracle), ROC-AUC, AP, mean noise rank."""
+    from pairclean.atomic import write_json
+    from pairclean.cli import console
+    from pairclean.metrics import evaluate_detection
+
+    result = evaluate_detection(scores, truth)
+    for table in detection_tables(result):
+        console.print(table)
+    target = json_out or scores.with_name(scores.stem + ".detection.json")
+    write_json(target, result)
+    console.print(f"metrics written to {target}")
