@@ -245,12 +245,14 @@ def _kept_tar_samples(shard: str, dec: ShardDecisions, failures: list[dict], tal
 
 def _tar_bytes_per_rule(shard: str, dec: ShardDecisions, failures: list[dict]) -> tuple[int, np.ndarray]:
     """Dry run: (bytes of the scored samples, bytes each rule keeps) from the headers."""
-    total, per_rule = 0, np.zeros(len(dec.flags), np.int64)
+    total, per_rule, i = 0, np.zeros(len(dec.flags), np.int64), -1
     for i, (key, size) in enumerate(tar_sample_sizes(shard, failures)):
         _check_key(shard, dec, i, key)
         if i < len(dec.scored) and dec.scored[i]:
             total += size
             per_rule += size * dec.flags[:, i]
+    if i + 1 < len(dec.scored):
+        raise _changed(shard, f"it has {i + 1} samples, the scores have index {len(dec.scored) - 1}")
     return total, per_rule
 
 
@@ -359,6 +361,8 @@ def filter_dataset(spec: DatasetSpec, scores: Path, out: Path, where: list[str] 
     if spec.format == "parquet" and (spec.fields.image_path or spec.fields.image2_path):
         raise UserError("this Parquet dataset names images by relative path: filtered files in another "
                         "directory could not find them; filter a Parquet that holds the image bytes")
+    if not dry_run and out.exists() and not out.is_dir():
+        raise UserError(f"{out} exists and is not a directory")
     if not dry_run and out.exists() and any(out.iterdir()) and not overwrite:
         raise UserError(f"{out} exists and is not empty; pass --overwrite to replace it")
     if shard_size < 1:
