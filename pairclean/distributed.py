@@ -78,6 +78,17 @@ def all_reduce_any(flag: bool) -> bool:
     return bool(t.item())
 
 
+def all_reduce_sum(value: float) -> float:
+    """The sum of `value` over all ranks (e.g. pairs scored, for the job's throughput)."""
+    if not is_distributed():
+        return value
+    t = torch.tensor([float(value)], dtype=torch.float64)
+    if dist.get_backend() == "nccl":
+        t = t.cuda()
+    dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return float(t.item())
+
+
 def default_device_for_rank(requested: str) -> str:
     """Under torchrun with CUDA, `auto` means this rank's own GPU."""
     if requested == "auto" and launched_by_torchrun() and torch.cuda.is_available():

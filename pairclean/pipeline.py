@@ -18,6 +18,7 @@ import torch
 import webdataset as wds
 from torch.utils.data import DataLoader, IterableDataset
 
+from pairclean import distributed
 from pairclean.accel import OomBackoff, finish_batch
 from pairclean.beta import BETA_MODES, BetaCache, BetaEstimate, ShuffledAccumulator, cached_random_input_beta, shuffled_beta
 from pairclean.errors import UserError
@@ -107,6 +108,23 @@ class PreparedBatches(IterableDataset):
             buf = self._empty()
 
 
+def on_main(fn):
+    """Run `fn` on rank 0 only and hand its result to every rank; a UserError on rank 0 is
+    raised on every rank (so no rank waits forever for a broadcast that never comes)."""
+    if not distributed.is_distributed():
+        return fn()
+    outcome = None
+    if distributed.is_main():
+        try:
+            outcome = ("ok", fn())
+        except UserError as exc:
+            outcome = ("error", str(exc))
+    kind, value = distributed.broadcast_object(outcome)
+    if kind == "error":
+        raise UserError(value)
+    return value
+
+
 @dataclass
 class ScoreResult:
     out: Path
@@ -152,6 +170,9 @@ def score(source: str | list[str] | DatasetSpec, out: str | Path, config: ScoreC
     """Score every pair of `source` and write `out` (Parquet); resumes an interrupted run."""
     cfg = config or ScoreConfig()
     out = Path(out)
+    distributed.init_from_env(device_type="cuda" if cfg.device in ("auto", "cuda") and torch.cuda.is_available() else "cpu")
+    if not distributed.is_main():
+        cfg = replace(cfg, show_progress=False)
     if cfg.weight_fn not in WEIGHT_FUNCTIONS:
         raise UserError(f"unknown weight function {cfg.weight_fn!r}; choose one of {', '.join(WEIGHT_FUNCTIONS)}")
     if cfg.batch_size < 1:
@@ -166,31 +187,41 @@ def score(source: str | list[str] | DatasetSpec, out: str | Path, config: ScoreC
     units = list_units(spec)
     store = PartStore(parts_dir_for(out))
     settings = cfg.settings(spec, units)
-    finished = store.finished(out, settings, overwrite=cfg.overwrite)
+    # Under torchrun, rank 0 alone decides (finished? fresh or resumed? beta) and tells the others.
+    finished = on_main(lambda: store.finished(out, settings, overwrite=cfg.overwrite))
     if finished is not None:  # the same command, re-run after it finished: nothing to do
         return ScoreResult(out, finished, 0.0, 0, True, read_provenance(out), already_complete=True)
     if estimator is None:  # built (and so validated) before anything is written
         torch.manual_seed(cfg.seed)  # a randomly initialised model (--pretrained none) is then reproducible
-        estimator = build_estimator(cfg.backend, model=cfg.model, pretrained=cfg.pretrained, device=cfg.device,
+        estimator = build_estimator(cfg.backend, model=cfg.model, pretrained=cfg.pretrained,
+                                    device=distributed.default_device_for_rank(cfg.device),
                                     precision=cfg.precision, decode=cfg.decode, compile=cfg.compile)
-    start = store.begin(out, settings, units, overwrite=cfg.overwrite, resume=cfg.resume)
-    units, resumed = start.units, start.resumed  # a resumed run keeps the unit list it started with
 
-    saved = store.load_beta()
-    beta_started = time.perf_counter()
-    if saved is not None:
-        beta, beta_source = BetaEstimate(**saved), "resumed"
-    else:
-        beta, beta_source = compute_beta(estimator, spec, cfg)
-        if beta is not None:
-            store.save_beta(beta.as_dict())
-    beta_seconds = time.perf_counter() - beta_started
+    def start_run():
+        start = store.begin(out, settings, units, overwrite=cfg.overwrite, resume=cfg.resume)
+        saved = store.load_beta()
+        began = time.perf_counter()
+        if saved is not None:
+            beta, source = BetaEstimate(**saved), "resumed"
+        else:
+            beta, source = compute_beta(estimator, spec, cfg)
+            if beta is not None:
+                store.save_beta(beta.as_dict())
+        done = store.committed()
+        return (start.units, start.resumed, beta, source, time.perf_counter() - began,
+                [u for u in start.units if u not in done], len(done))
 
-    done = store.committed()
-    todo = [u for u in units if u not in done]
+    units, resumed, beta, beta_source, beta_seconds, todo, n_done = on_main(start_run)
+    # Units are split across ranks after the committed ones are removed, so a job restarted
+    # with another world size still scores every remaining unit exactly once.
+    mine = list(wds.split_by_node(todo))
     started = time.perf_counter()
-    scored_now = _score_units(spec, todo, estimator, store, cfg, len(units), len(done))
+    scored_now = _score_units(spec, mine, estimator, store, cfg, len(units), n_done)
     elapsed = time.perf_counter() - started
+    scored_now = int(distributed.all_reduce_sum(scored_now))  # the whole job's pairs (also a barrier)
+    elapsed = distributed.all_reduce_sum(elapsed) / distributed.world_size()
+    if not distributed.is_main():
+        return ScoreResult(out, {}, elapsed, scored_now, resumed, {})
 
     records = store.committed()
     missing = [u for u in units if u not in records]
@@ -199,7 +230,8 @@ def score(source: str | list[str] | DatasetSpec, out: str | Path, config: ScoreC
     if beta is None:
         beta = shuffled_beta([records[u].get("shuffled") for u in units])
     provenance = {"estimator": estimator.provenance(), "pair": spec.pair, "seed": cfg.seed,
-                  "input_shards": spec.shards, "dataset": spec.name, "beta_mode": cfg.beta_mode}
+                  "input_shards": spec.shards, "dataset": spec.name, "beta_mode": cfg.beta_mode,
+                  "world_size": distributed.world_size()}
     summary = finalize(store, units, out, beta, cfg.weight_fn, cfg.seed, cfg.gmm_sample, provenance, records)
     summary["pairs_per_second"] = scored_now / elapsed if elapsed > 0 else 0.0
     summary["scoring_seconds"] = elapsed

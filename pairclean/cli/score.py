@@ -113,4 +113,5 @@ def score_command(
                       compile=compile, beta_cache=beta_cache,
                       show_progress=True)
     result = score(spec, out, cfg)
-    console.print(summary_table(result))
+    if result.summary:  # under torchrun only rank 0 finalizes and reports
+        console.print(summary_table(result))
