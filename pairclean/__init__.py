@@ -1,9 +1,28 @@
-"""pairclean: score, filter and train on image-text pairs with OSA weights and GMM cleanliness."""
+"""pairclean: score, filter and train on image-text pairs with OSA weights and GMM cleanliness.
+
+    import pairclean
+    result = pairclean.score("shards/", "scores.parquet", pairclean.ScoreConfig(model="ViT-B-32"))
+
+The public names are imported on first use, so `import pairclean` (and commands such as
+`pairclean query` that never touch a model) do not pay for importing torch.
+"""
+
+from importlib import import_module
 
 __version__ = "0.1.0"
 
-from pairclean.errors import UserError  # noqa: E402
-from pairclean.scorer import cone_weight, debias, normalised_weight, WEIGHT_FUNCTIONS  # noqa: E402
-from pairclean.pipeline import ScoreConfig, score  # noqa: E402
+_EXPORTS = {
+    "UserError": "pairclean.errors",
+    "cone_weight": "pairclean.scorer", "debias": "pairclean.scorer", "normalised_weight": "pairclean.scorer",
+    "cosine_similarity": "pairclean.scorer", "WEIGHT_FUNCTIONS": "pairclean.scorer",
+    "ScoreConfig": "pairclean.pipeline", "score": "pairclean.pipeline",
+    "TrainConfig": "pairclean.train", "train": "pairclean.train",
+    "open_dataset": "pairclean.manifest", "read_provenance": "pairclean.finalize",
+}
+__all__ = [*_EXPORTS, "__version__"]
 
-__all__ = ["UserError", "cone_weight", "debias", "normalised_weight", "WEIGHT_FUNCTIONS", "ScoreConfig", "score", "__version__"]
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'pairclean' has no attribute {name!r}")
