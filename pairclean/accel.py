@@ -136,6 +136,30 @@ def trimmed_encode_text(model: torch.nn.Module, text: torch.Tensor) -> torch.Ten
     return x
 
 
+def text_buckets(text: torch.Tensor, buckets: int = 4, min_rows: int = 16) -> list[torch.Tensor]:
+    """Row indices in up to `buckets` groups of similar caption length (at least `min_rows` each)."""
+    parts = min(buckets, max(1, text.shape[0] // min_rows))
+    if parts == 1:
+        return [torch.arange(text.shape[0], device=text.device)]
+    return list(text.argmax(dim=-1).argsort().tensor_split(parts))
+
+
+def bucketed_encode_text(model: torch.nn.Module, text: torch.Tensor) -> torch.Tensor:
+    """trimmed_encode_text per bucket of captions sorted by length, each cut at its own longest
+    caption: in a large batch one long caption no longer sets the length for all. Rows come
+    back in their original order, each still exact."""
+    groups = text_buckets(text)
+    if len(groups) == 1:
+        return trimmed_encode_text(model, text)
+    out = None
+    for rows in groups:
+        encoded = trimmed_encode_text(model, text[rows])
+        if out is None:
+            out = encoded.new_empty((text.shape[0], encoded.shape[1]))
+        out[rows] = encoded
+    return out
+
+
 # ---------------------------------------------------------------- torch.compile with a fallback
 
 class CompiledOrEager:

@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 from PIL import Image
 
-from pairclean.accel import OomBackoff
+from pairclean.accel import OomBackoff, text_buckets
 from pairclean.atomic import write_json
 from pairclean.errors import UserError
 from pairclean.estimators import OpenClipEstimator, autocast_context, build_estimator, check_backend, resolve_precision
@@ -170,6 +170,7 @@ class BenchRound:
 class BenchReport:
     config: dict
     rounds: list[BenchRound]
+    prepare_ms: dict[str, float] = field(default_factory=dict)  # worker CPU ms per pair and side
 
     def median(self, attr: str) -> float | None:
         values = [getattr(r, attr) for r in self.rounds]
@@ -180,7 +181,7 @@ class BenchReport:
         def phase(p: Phase | None) -> dict | None:
             return None if p is None else {**asdict(p), "pairs_per_second": p.pairs_per_second}
 
-        return {"config": self.config,
+        return {"config": self.config, "prepare_ms": self.prepare_ms,
                 "rounds": [{"ceiling": phase(r.ceiling), "end_to_end": phase(r.end_to_end), "naive": phase(r.naive),
                             "end_to_end_over_ceiling": r.vs_ceiling, "end_to_end_over_naive": r.vs_naive}
                            for r in self.rounds],
@@ -268,8 +269,8 @@ def measure_ceiling(estimator, spec: DatasetSpec, batch_size: int, min_seconds: 
 
 
 def _text_trim_gain(estimator, left: str, right: str, batches) -> dict:
-    """Seconds per caption of the text tower with and without trimming, on the first batch:
-    what the exact trimming contributes (open_clip only)."""
+    """Seconds per caption of the text tower with and without trimming on the first batch, and
+    the positions per caption it computes: what the exact trimming contributes (open_clip only)."""
     if not getattr(estimator, "text_trim", False) or "text" not in (left, right):
         return {}
     side = "right" if right == "text" else "left"
@@ -287,8 +288,51 @@ def _text_trim_gain(estimator, left: str, right: str, batches) -> dict:
 
     trimmed = timed(lambda t: estimator.encode("text", t))
     full = timed(estimator.model.encode_text)
-    return {"text_tokens_trimmed": int(tokens.argmax(dim=-1).max()) + 1, "text_tokens_full": int(tokens.shape[1]),
+    lengths = tokens.argmax(dim=-1) + 1
+    positions = sum(int(lengths[rows].max()) * len(rows) for rows in text_buckets(tokens)) / n
+    return {"text_tokens_trimmed": positions, "text_tokens_full": int(tokens.shape[1]),
             "text_seconds_per_caption_trimmed": trimmed, "text_seconds_per_caption_full": full}
+
+
+# ---------------------------------------------------------------- worker cost per pair
+
+def measure_prepare_cost(estimator, spec: DatasetSpec, max_items: int = 64) -> dict[str, float]:
+    """CPU milliseconds a DataLoader worker spends per pair on each side (decode + preprocess for
+    images, tokenising for texts), on this thread's CPU clock with one torch thread as in a
+    worker, so a busy machine does not inflate it. For open_clip, full decode ("exact") too."""
+    left, right = modalities(spec.pair)
+    items = []
+    for unit in list_units(spec):
+        for item in read_unit(spec, unit):
+            if not isinstance(item, UnitFailure) and item.error is None:
+                items.append(item)
+            if len(items) >= max_items:
+                break
+        if len(items) >= max_items:
+            break
+    if not items:
+        return {}
+    preparers = {"": estimator.preparer}
+    if isinstance(estimator, OpenClipEstimator) and "image" in (left, right) and estimator.preparer.draft_size:
+        p = estimator.preparer
+        preparers["exact "] = type(p)(p.preprocess, p.tokenizer, None)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    cost: dict[str, float] = {}
+    try:
+        for label, prep in preparers.items():
+            for side, modality in (("left", left), ("right", right)):
+                name = f"{label}{side} {modality}"
+                if label and modality != "image":
+                    continue
+                values = [getattr(it, side) for it in items]
+                started = time.thread_time()
+                prep.collate(modality, [prep.prepare(modality, v) for v in values])
+                cost[name] = (time.thread_time() - started) * 1000 / len(values)
+    finally:
+        torch.set_num_threads(threads)
+    cost["items"] = len(items)
+    return cost
 
 
 # ---------------------------------------------------------------- (b) end to end
@@ -377,6 +421,8 @@ def bench_score(source: str | list[str] | DatasetSpec, cfg: ScoreConfig, naive_p
         estimator = build_estimator(cfg.backend, model=cfg.model, pretrained=cfg.pretrained, device=cfg.device,
                                     precision=cfg.precision, decode=cfg.decode, compile=cfg.compile)
     say = progress or (lambda message: None)
+    say("worker cost per pair ...")
+    prepare_ms = measure_prepare_cost(estimator, spec)
     rounds = []
     with tempfile.TemporaryDirectory(prefix="pairclean-bench-") as tmp:
         for i in range(repeat):
@@ -394,7 +440,7 @@ def bench_score(source: str | list[str] | DatasetSpec, cfg: ScoreConfig, naive_p
               "compile": cfg.compile, "text_trim": getattr(estimator, "text_trim", False),
               "torch_threads": torch.get_num_threads(), "cpu_count": os.cpu_count(), "torch": torch.__version__,
               "shards": len(spec.shards), "pair": spec.pair}
-    return BenchReport(config, rounds)
+    return BenchReport(config, rounds, prepare_ms)
 
 
 def write_report(report: BenchReport, path: Path) -> None:

@@ -17,7 +17,7 @@ from typing import Any, Protocol
 import torch
 
 from pairclean.accel import (CompiledOrEager, DeviceJpegDecoder, RawJpeg, collate_images, device_decodable,
-                             notice_once, supports_text_trim, trimmed_encode_text)
+                             notice_once, supports_text_trim, bucketed_encode_text)
 from pairclean.decode import decode_image
 from pairclean.errors import UserError
 
@@ -210,7 +210,7 @@ class OpenClipEstimator:
         self.preparer = OpenClipPreparer(preprocess, self.tokenizer, draft, device_jpeg=self.device_decoder is not None)
         # The text tower runs only up to each batch's longest caption when that is exact (see accel).
         self.text_trim = supports_text_trim(net)
-        encode_text = (lambda tokens: trimmed_encode_text(net, tokens)) if self.text_trim else net.encode_text
+        encode_text = (lambda tokens: bucketed_encode_text(net, tokens)) if self.text_trim else net.encode_text
         self.compile = compile
         if compile:
             self._encode_image = CompiledOrEager(net.encode_image, "image")

@@ -53,6 +53,14 @@ def test_trimmed_text_tower_matches_the_full_context(tiny):
         torch.testing.assert_close(tiny.encode("text", tokens[i:i + 1]), full[i:i + 1], atol=1e-5, rtol=0)
 
 
+def test_length_buckets_keep_rows_in_order_and_exact(tiny):
+    words = "a large red star above a small blue circle on a green background near the top left corner".split()
+    captions = [" ".join(words[: 1 + (i * 7) % len(words)]) for i in range(40)]  # 40 rows: 2 buckets of 20
+    tokens = tiny.tokenizer(captions)
+    full = torch.nn.functional.normalize(tiny.model.encode_text(tokens).float(), dim=-1)
+    torch.testing.assert_close(tiny.encode("text", tokens), full, atol=1e-5, rtol=0)
+
+
 def test_text_trim_is_refused_where_it_would_not_be_exact(tiny):
     import open_clip
 

@@ -47,9 +47,16 @@ def summary_lines(report) -> list[str]:
              f"{c['torch_threads']} torch threads / {c['cpu_count']} CPUs"]
     last = report.rounds[-1].ceiling.extra
     if "text_tokens_trimmed" in last:
-        lines.append(f"text tower: {last['text_tokens_trimmed']} of {last['text_tokens_full']} positions per batch "
+        lines.append(f"text tower: {last['text_tokens_trimmed']:.1f} of {last['text_tokens_full']} positions per caption "
                      f"(exact trimming), {last['text_seconds_per_caption_full'] / last['text_seconds_per_caption_trimmed']:.1f}x "
                      "faster than the full context on the first batch")
+    cost = {k: v for k, v in report.prepare_ms.items() if k != "items"}
+    if cost:
+        per_pair = sum(v for k, v in cost.items() if not k.startswith("exact"))
+        top = max(r.ceiling.pairs_per_second for r in report.rounds)
+        shown = ", ".join(f"{k} {v:.2f} ms" for k, v in cost.items())
+        lines.append(f"worker CPU per pair ({report.prepare_ms['items']} pairs, one thread): {shown}; feeding the "
+                     f"ceiling's {top:,.1f} pairs/s takes about {top * per_pair / 1000:.2f} cores of decoding")
     ceiling, naive = report.median("vs_ceiling"), report.median("vs_naive")
     median = " (medians over rounds)" if len(report.rounds) > 1 else ""
     lines.append(f"end-to-end / ceiling = {ceiling:.2f}" + (f", end-to-end / naive = {naive:.2f}" if naive else "") + median)
