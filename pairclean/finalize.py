@@ -166,6 +166,7 @@ def finalize(store: PartStore, units: list[str], out: Path, beta: BetaEstimate, 
             writer.add_key_value_metadata({SUMMARY_KEY: json.dumps(summary, default=str).encode()})
         # The run manifest lands before the Parquet is renamed into place: an output file
         # that exists is always complete and always has its manifest.
-        write_json(run_manifest_path(out), {"output": str(out), "summary": summary, "provenance": provenance})
+        write_json(run_manifest_path(out), {"output": str(out), "summary": summary, "provenance": provenance},
+                   temp_dir=store.dir)  # temps live in the parts directory: a kill leaves nothing beside the output
     fault_point("finalize-renamed")
     return summary

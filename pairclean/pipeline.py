@@ -188,7 +188,7 @@ def score(source: str | list[str] | DatasetSpec, out: str | Path, config: ScoreC
     store = PartStore(parts_dir_for(out))
     settings = cfg.settings(spec, units)
     # Under torchrun, rank 0 alone decides (finished? fresh or resumed? beta) and tells the others.
-    finished = on_main(lambda: store.finished(out, settings, overwrite=cfg.overwrite))
+    finished = on_main(lambda: store.finished(out, settings, overwrite=cfg.overwrite, resume=cfg.resume))
     if finished is not None:  # the same command, re-run after it finished: nothing to do
         return ScoreResult(out, finished, 0.0, 0, True, read_provenance(out), already_complete=True)
     if estimator is None:  # built (and so validated) before anything is written
@@ -247,8 +247,10 @@ def _score_units(spec: DatasetSpec, units: list[str], estimator, store: PartStor
     left_mod, right_mod = modalities(spec.pair)
     dataset = PreparedBatches(spec, units, estimator.preparer, cfg.batch_size)
     workers = min(cfg.workers, len(units))
+    # Two ready batches per worker hide decoding (each worker builds whole batches) without
+    # holding more than 2 x workers batches of pixels in (pinned) memory.
     loader = DataLoader(dataset, batch_size=None, num_workers=workers,
-                        pin_memory=estimator.device.type == "cuda", prefetch_factor=4 if workers else None,
+                        pin_memory=estimator.device.type == "cuda", prefetch_factor=2 if workers else None,
                         persistent_workers=False)
     rows: dict[str, dict[str, list]] = defaultdict(lambda: defaultdict(list))
     accumulators: dict[str, ShuffledAccumulator] = defaultdict(ShuffledAccumulator)

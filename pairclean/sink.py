@@ -200,26 +200,39 @@ class PartStore:
                                 "re-run with the same inputs to resume, or pass --overwrite to start over")
         return RunStart(resumed=True, units=pinned)
 
-    def finished(self, out: Path, settings: dict, overwrite: bool = False) -> dict | None:
+    def finished(self, out: Path, settings: dict, overwrite: bool = False, resume: bool = False) -> dict | None:
         """The summary of `out` if it is already the complete result of a run with these settings
-        (nothing left to do), else None. A parts directory that a kill between the output's
+        (nothing left to do), else None; call it before loading a model, so that what `begin`
+        would refuse is refused at once. A parts directory that a kill between the output's
         rename and the cleanup left behind is removed here."""
         from pairclean.finalize import read_provenance, read_summary
 
-        if overwrite or not out.exists():
+        if overwrite and resume:
+            raise UserError("--resume and --overwrite contradict each other: --overwrite discards the unfinished run")
+        if overwrite:
+            return None
+        unfinished = (self.dir / "settings.json").is_file()
+        if not out.exists():
+            if resume and not unfinished:
+                raise UserError(f"nothing to resume: there is no unfinished run for {out} ({self.dir} not found)")
             return None
         try:
             provenance = read_provenance(out)
         except (ValueError, OSError):
-            return None  # not a pairclean output: begin() refuses to replace it
+            provenance = {}  # not a pairclean output
         if self.dir.is_dir():
             self._lock()
-            run = self.run_info() if (self.dir / "settings.json").is_file() else {}
+            run = self.run_info() if unfinished else {}
             if run and provenance.get("run_id") != run.get("run_id"):
                 self._unlock()
-                return None  # an unfinished run is here: begin() decides whether it may go on
+                if run.get("replaces_output"):
+                    return None  # a killed --overwrite run: begin() resumes it
+                raise UserError(f"{out} exists; pass --overwrite to replace it")
             self.remove()  # the finished run's leftover (or a run killed before it got going)
-        return read_summary(out) if provenance.get("settings_sha1") == settings_digest(settings) else None
+        if provenance and provenance.get("settings_sha1") == settings_digest(settings):
+            return read_summary(out)
+        detail = " (a finished run with other settings)" if provenance else ""
+        raise UserError(f"{out} exists{detail}; pass --overwrite to replace it")
 
     def begin(self, out: Path, settings: dict, units: list[str], overwrite: bool = False,
               resume: bool = False) -> RunStart:

@@ -127,7 +127,7 @@ def test_finished_run_rerun_is_a_no_op_and_other_settings_are_refused(coco_shard
     again = score(str(coco_shards), out, replace(fast_config, resume=True))
     assert again.already_complete and again.pairs_scored_now == 0 and again.summary["pairs"] == first.summary["pairs"]
     assert out.stat().st_mtime_ns == stamp
-    with pytest.raises(UserError, match="exists; pass --overwrite"):
+    with pytest.raises(UserError, match="other settings.*pass --overwrite"):
         score(str(coco_shards), out, replace(fast_config, weight_fn="linear"))
     assert out.stat().st_mtime_ns == stamp and not parts_dir_for(out).exists()
 
@@ -145,6 +145,10 @@ def test_killed_overwrite_run_resumes_and_replaces_the_output(coco_shards, fast_
 def test_resume_flag_settings_and_lock(tmp_path):
     out = tmp_path / "s.parquet"
     store = PartStore(parts_dir_for(out))
+    with pytest.raises(UserError, match="nothing to resume"):
+        store.finished(out, SETTINGS, resume=True)  # refused before any model is loaded
+    with pytest.raises(UserError, match="contradict"):
+        store.finished(out, SETTINGS, overwrite=True, resume=True)
     with pytest.raises(UserError, match="nothing to resume"):
         store.begin(out, SETTINGS, ["a.tar", "b.tar"], resume=True)
     with pytest.raises(UserError, match="contradict"):
@@ -220,3 +224,21 @@ def test_atomic_writes_never_clobber_and_never_leave_half_files(tmp_path):
     assert not any(is_temp_name(p.name) for p in tmp_path.iterdir())
     names = {temp_name(target).name for _ in range(50)}
     assert len(names) == 50 and all(f"-{os.getpid()}-" in n and is_temp_name(n) for n in names)
+
+
+@pytest.mark.slow
+def test_fault_injection_benchmark(tmp_path):
+    """The full benchmark: at least 20 SIGKILL trials on the toy world, finalize included."""
+    import subprocess
+    import sys
+
+    bench = Path(__file__).parent.parent / "benchmarks" / "fault_injection.py"
+    report = tmp_path / "report.json"
+    done = subprocess.run([sys.executable, str(bench), "--trials", "24", "--pairs", "240", "--shard-size", "30",
+                           "--workdir", str(tmp_path / "work"), "--json", str(report)],
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    tally = json.loads(report.read_text())["tally"]
+    assert tally["sigkills"] >= 20 and tally["kills_by_phase"].get("finalize", 0) >= 1
+    assert (tally["lost"], tally["duplicated"], tally["extra"], tally["value_mismatch"]) == (0, 0, 0, 0)
+    assert tally["leftover_files"] == 0 and tally["summaries_reconcile"] and not tally["order_differs"]
