@@ -5,12 +5,14 @@ from __future__ import annotations
 import multiprocessing
 import os
 import signal
+from dataclasses import replace
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from pairclean import embeddings
 from pairclean.cli import main
 from pairclean.embeddings import (EmbeddingScoreConfig, iter_batches, open_embeddings, random_embeddings_beta,
                                   score_embeddings, write_embeddings)
@@ -70,7 +72,9 @@ def test_clip_retrieval_layout_scores_the_cosine_of_each_row_pair(tmp_path):
     assert not parts_dir_for(tmp_path / "s.parquet").exists()
 
 
-def test_numpy_and_parquet_layouts_agree_and_bad_rows_become_errors(tmp_path):
+def test_numpy_and_parquet_layouts_agree_and_bad_rows_become_errors(tmp_path, monkeypatch):
+    monkeypatch.setattr(embeddings, "BLOCK_ROWS", 3)  # many blocks and jobs per batch, on two threads
+    monkeypatch.setattr(embeddings, "JOB_ROWS", 7)
     left, right = _pairs(50, seed=1)
     left[3] = 0.0  # a zero vector
     right[7, 2] = np.nan  # a non-finite one
@@ -88,7 +92,7 @@ def test_numpy_and_parquet_layouts_agree_and_bad_rows_become_errors(tmp_path):
     pq_spec = open_embeddings(str(tmp_path / "emb.parquet"), left_field="image_emb", right_field="text_emb", key_field="id")
     assert (np_spec.layout, pq_spec.layout, pq_spec.dim) == ("numpy", "parquet", DIM)
     # Small units and batches: keys must be sliced from the right row groups of the key file.
-    cfg = EmbeddingScoreConfig(beta_mode="fixed", beta=0.0, unit_rows=17, batch_rows=5)
+    cfg = EmbeddingScoreConfig(beta_mode="fixed", beta=0.0, unit_rows=17, batch_rows=15, threads=2)
     score_embeddings(np_spec, tmp_path / "np.parquet", cfg)
     score_embeddings(pq_spec, tmp_path / "pq.parquet", cfg)
     a, b = _read(tmp_path / "np.parquet"), _read(tmp_path / "pq.parquet")
@@ -174,9 +178,25 @@ def test_layout_problems_are_user_errors(tmp_path):
     pq.write_table(pa.table({"key": ["x"], "left_emb": [[1.0, 2.0]]}), tmp_path / "e.parquet")
     with pytest.raises(UserError, match="no column 'right_emb'"):
         open_embeddings(str(tmp_path / "e.parquet"))
+    np.save(tmp_path / "f.npy", np.asfortranarray(np.zeros((5, 4), np.float32)))
+    with pytest.raises(UserError, match="column-major"):
+        open_embeddings([str(tmp_path / "f.npy"), str(tmp_path / "a.npy")])
     pq.write_table(pa.table({"key": ["a", "b"]}), tmp_path / "k.parquet")
     with pytest.raises(UserError, match="has 2 rows but"):
         open_embeddings([str(tmp_path / "a.npy"), str(tmp_path / "a.npy")], keys=str(tmp_path / "k.parquet"))
+
+
+def test_a_file_cut_short_during_the_run_is_a_failed_unit_that_keeps_its_rows(tmp_path):
+    left, right = _pairs(64, seed=8)
+    np.save(tmp_path / "l.npy", left)
+    np.save(tmp_path / "r.npy", right)
+    spec = open_embeddings([str(tmp_path / "l.npy"), str(tmp_path / "r.npy")])
+    size = (tmp_path / "r.npy").stat().st_size
+    os.truncate(tmp_path / "r.npy", size - 10 * DIM * 4)  # the last 10 rows are gone
+    res = score_embeddings(spec, tmp_path / "s.parquet", replace(FIXED, unit_rows=32, batch_rows=8))
+    failures = res.summary["unit_failures"]
+    assert len(failures) == 1 and failures[0]["unit"].endswith("#rows=32-64") and "ended early" in failures[0]["reason"]
+    assert res.summary["pairs"] == failures[0]["rows"] + 32 == 48  # whole batches before the break are kept
 
 
 def test_batches_are_bounded_and_unit_chunks_cover_every_row_once(tmp_path):
@@ -184,12 +204,15 @@ def test_batches_are_bounded_and_unit_chunks_cover_every_row_once(tmp_path):
     np.save(tmp_path / "l.npy", left)
     np.save(tmp_path / "r.npy", right)
     spec = open_embeddings([str(tmp_path / "l.npy"), str(tmp_path / "r.npy")])
+    spec_left = left
     units = spec.units(40)
     assert [u.rsplit("#rows=", 1)[1] for u in units] == ["0-40", "40-80", "80-103"]
     seen = []
     for unit in units:
         for batch in iter_batches(spec, unit, 16):
-            assert len(batch.index) <= 16 and batch.left.shape == (len(batch.index), DIM)
+            left, right = batch.rows.arrays()
+            assert len(batch.index) <= 16 and left.shape == right.shape == (len(batch.index), DIM)
+            np.testing.assert_array_equal(left, spec_left[batch.index])
             seen.extend(batch.index.tolist())
     assert seen == list(range(103))
 
