@@ -111,18 +111,23 @@ class BetaCache:
     """random-inputs beta depends on the estimator, K, the seed and the batching, never on the
     data: computed once per (weights, provenance, K, seed, batch) and reused by later runs.
 
-    Only estimators holding their weights as a torch module (`estimator.model`) are cached.
+    The weights are identified by `weights_id` when the caller built the estimator itself from
+    a complete description (provenance + seed + library versions: a checkpoint is named by its
+    sha256, random init by its seed), else by hashing every weight; only estimators holding
+    their weights as a torch module (`estimator.model`) are cached.
     """
 
     def __init__(self, directory: Path | None = None):
         self.dir = Path(directory) if directory is not None else cache_dir() / "beta"
 
-    def key(self, estimator, left: str, right: str, k: int, seed: int, batch_size: int) -> str | None:
+    def key(self, estimator, left: str, right: str, k: int, seed: int, batch_size: int,
+            weights_id: str | None = None) -> str | None:
         model = getattr(estimator, "model", None)
         if not isinstance(model, torch.nn.Module):
             return None
         provenance = {**estimator.provenance(), "device": estimator.device.type}
-        ident = {"provenance": provenance, "weights": weights_fingerprint(model), "left": left, "right": right,
+        weights = weights_id if weights_id is not None else weights_fingerprint(model)
+        ident = {"provenance": provenance, "weights": weights, "left": left, "right": right,
                  "k": k, "seed": seed, "batch_size": batch_size, "torch": torch.__version__}
         return hashlib.sha1(json.dumps(ident, sort_keys=True, default=str).encode()).hexdigest()
 
@@ -141,9 +146,9 @@ class BetaCache:
 
 
 def cached_random_input_beta(estimator, left: str, right: str, k: int, seed: int, batch_size: int,
-                             cache: BetaCache | None) -> tuple[BetaEstimate, bool]:
+                             cache: BetaCache | None, weights_id: str | None = None) -> tuple[BetaEstimate, bool]:
     """(beta, whether it came from the cache)."""
-    key = cache.key(estimator, left, right, k, seed, batch_size) if cache is not None else None
+    key = cache.key(estimator, left, right, k, seed, batch_size, weights_id) if cache is not None else None
     if key is not None:
         hit = cache.get(key)
         if hit is not None:

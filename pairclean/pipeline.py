@@ -140,9 +140,12 @@ class ScoreResult:
         return self.pairs_scored_now / self.seconds if self.seconds > 0 else 0.0
 
 
-def compute_beta(estimator, spec: DatasetSpec, cfg: ScoreConfig) -> tuple[BetaEstimate | None, str]:
+def compute_beta(estimator, spec: DatasetSpec, cfg: ScoreConfig, built_from_config: bool = False
+                 ) -> tuple[BetaEstimate | None, str]:
     """beta before scoring (random-inputs, fixed) and where it came from (given, cache, computed);
-    None for shuffled (known only after scoring)."""
+    None for shuffled (known only after scoring). `built_from_config`: the estimator was built
+    from cfg (after seeding), so its provenance, the seed and the library versions name its
+    weights and the beta cache need not hash them."""
     if cfg.beta_mode not in BETA_MODES:
         raise UserError(f"unknown beta mode {cfg.beta_mode!r}; choose one of {', '.join(BETA_MODES)}")
     if cfg.beta_mode == "fixed":
@@ -152,8 +155,21 @@ def compute_beta(estimator, spec: DatasetSpec, cfg: ScoreConfig) -> tuple[BetaEs
     if cfg.beta_mode == "shuffled":
         return None, "scored pairs"
     left, right = modalities(spec.pair)
+    weights_id = None
+    if built_from_config:
+        from importlib.metadata import PackageNotFoundError, version
+
+        def known(package: str) -> str | None:
+            try:
+                return version(package)
+            except PackageNotFoundError:
+                return None
+
+        weights_id = json.dumps({"built_with_seed": cfg.seed, **{p: known(p) for p in
+                                 ("torch", "open_clip_torch", "sentence-transformers", "transformers")}})
     beta, hit = cached_random_input_beta(estimator, left, right, k=cfg.beta_k, seed=cfg.seed,
-                                         batch_size=min(cfg.batch_size, 256), cache=BetaCache() if cfg.beta_cache else None)
+                                         batch_size=min(cfg.batch_size, 256),
+                                         cache=BetaCache() if cfg.beta_cache else None, weights_id=weights_id)
     return beta, "cache" if hit else "computed"
 
 
@@ -191,6 +207,7 @@ def score(source: str | list[str] | DatasetSpec, out: str | Path, config: ScoreC
     finished = on_main(lambda: store.finished(out, settings, overwrite=cfg.overwrite, resume=cfg.resume))
     if finished is not None:  # the same command, re-run after it finished: nothing to do
         return ScoreResult(out, finished, 0.0, 0, True, read_provenance(out), already_complete=True)
+    built_from_config = estimator is None
     if estimator is None:  # built (and so validated) before anything is written
         torch.manual_seed(cfg.seed)  # a randomly initialised model (--pretrained none) is then reproducible
         estimator = build_estimator(cfg.backend, model=cfg.model, pretrained=cfg.pretrained,
@@ -204,7 +221,7 @@ def score(source: str | list[str] | DatasetSpec, out: str | Path, config: ScoreC
         if saved is not None:
             beta, source = BetaEstimate(**saved), "resumed"
         else:
-            beta, source = compute_beta(estimator, spec, cfg)
+            beta, source = compute_beta(estimator, spec, cfg, built_from_config)
             if beta is not None:
                 store.save_beta(beta.as_dict())
         done = store.committed()
