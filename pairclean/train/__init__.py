@@ -22,8 +22,9 @@
 Evaluate with `pairclean.retrieval.evaluate_retrieval(run_dir_or_model, val_shards)`.
 """
 
-from pairclean.train.methods import METHODS, LossOutput, Method, MethodContext, build_method, register_method
+from pairclean.train.methods import (METHODS, Embeddings, LossOutput, Method, MethodContext, build_method,
+                                     register_method)
 from pairclean.train.trainer import TrainConfig, TrainResult, train
 
-__all__ = ["TrainConfig", "TrainResult", "train", "METHODS", "Method", "MethodContext", "LossOutput",
+__all__ = ["TrainConfig", "TrainResult", "train", "METHODS", "Method", "MethodContext", "Embeddings", "LossOutput",
            "build_method", "register_method"]

@@ -5,7 +5,7 @@ A method is a class registered under a name (`--method NAME`) with an `Options` 
 
     setup(ctx) -> BatchPlan          once, before training (join scores, load an estimator ...)
     on_epoch_start(epoch, ctx)       e.g. per-epoch passes over the training set
-    loss(batch, left, right, scale, ctx) -> LossOutput   per step: loss + per-pair diagnostics
+    loss(batch, emb: Embeddings, ctx) -> LossOutput   per step: loss + per-pair diagnostics
     on_epoch_end(epoch, ctx) -> dict metrics for metrics.jsonl
     state_dict() / load_state_dict() what --resume must restore
 
@@ -47,6 +47,19 @@ class MethodContext:
 
 
 @dataclass
+class Embeddings:
+    """One step's L2-normalised embeddings. Under torch.distributed, `all_left`/`all_right` hold
+    every rank's rows (negatives across ranks) with this rank's at `offset`; alone, they are None."""
+
+    left: torch.Tensor
+    right: torch.Tensor
+    logit_scale: torch.Tensor
+    all_left: torch.Tensor | None = None
+    all_right: torch.Tensor | None = None
+    offset: int = 0
+
+
+@dataclass
 class LossOutput:
     loss: torch.Tensor
     per_pair: dict[str, torch.Tensor] = field(default_factory=dict)  # diagnostics columns, detached
@@ -73,11 +86,11 @@ class Method:
         """(per-pair loss weights or None for unweighted, extra per-pair diagnostics columns)."""
         return None, {}
 
-    def loss(self, batch: dict, left: torch.Tensor, right: torch.Tensor, logit_scale: torch.Tensor,
-             ctx: MethodContext) -> LossOutput:
+    def loss(self, batch: dict, emb: Embeddings, ctx: MethodContext) -> LossOutput:
         weights, extra = self.batch_weights(batch, ctx)
         reduction = getattr(self.options, "reduction", "mean")
-        loss, per_pair = weighted_infonce(left, right, logit_scale, weights, reduction=reduction)
+        loss, per_pair = weighted_infonce(emb.left, emb.right, emb.logit_scale, weights, reduction=reduction,
+                                          all_left=emb.all_left, all_right=emb.all_right, offset=emb.offset)
         diag = {"loss": per_pair, **extra}
         metrics = {}
         if weights is not None:

@@ -29,7 +29,7 @@ from pairclean.sources import modalities
 from pairclean.train.checkpoint import (BEST, RUN_FILE, STATE_FILE, epoch_model_name, load_state, model_path,
                                         read_run, save_state, set_rng_state)
 from pairclean.train.data import TrainBatches, index_shards
-from pairclean.train.methods import MethodContext, build_method
+from pairclean.train.methods import Embeddings, MethodContext, build_method
 from pairclean.train.metrics import DiagnosticsWriter, MetricsLog
 from pairclean.train.models import load_target
 
@@ -124,9 +124,9 @@ def _prepare_run_dir(out: Path, cfg: TrainConfig) -> bool:
     if out.exists() and any(out.iterdir()):
         if not (out / RUN_FILE).is_file():
             raise UserError(f"{out} exists, is not empty and holds no pairclean run: choose another --out")
-        if not cfg.overwrite:
+        if not (cfg.overwrite or cfg.resume):
             raise UserError(f"{out} holds a run: pass --resume to continue it or --overwrite to start over")
-        shutil.rmtree(out)
+        shutil.rmtree(out)  # --overwrite, or --resume of a run that never finished an epoch
     if not out.parent.exists():
         raise UserError(f"directory {out.parent} does not exist")
     out.mkdir(exist_ok=True)
@@ -243,9 +243,9 @@ class _Loop:
     def _step(self, batch: dict):
         cfg, target = self.cfg, self.target
         with autocast_context(target.device, cfg.precision):
-            left = target.encode(self.ctx.left, batch["left"])
-            right = target.encode(self.ctx.right, batch["right"])
-            out = self.method.loss(batch, left, right, target.logit_scale(), self.ctx)
+            emb = Embeddings(target.encode(self.ctx.left, batch["left"]), target.encode(self.ctx.right, batch["right"]),
+                             target.logit_scale())
+            out = self.method.loss(batch, emb, self.ctx)
         self.optimizer.zero_grad(set_to_none=True)
         self.scaler.scale(out.loss).backward()
         if cfg.grad_clip is not None:

@@ -33,6 +33,7 @@ from pairclean.atomic import atomic_path
 from pairclean.errors import UserError
 from pairclean.manifest import DatasetSpec
 from pairclean.packing import staged_directory
+from pairclean.query import ScoresDB, duckdb_message, sql_string
 from pairclean.train.data import DROPPED, ShardInfo, shard_keys
 
 JOINS = ("auto", "shard-index", "key")
@@ -57,27 +58,20 @@ class WeightJoin:
         return d
 
 
-def _literal(text: str) -> str:
-    return "'" + text.replace("'", "''") + "'"
-
-
-def _first_line(exc: Exception) -> str:
-    return str(exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__
-
-
 class _Scores:
-    """A DuckDB view over the scores file, with the user's column and predicate checked up front."""
+    """`query.ScoresDB` (views, spill directory) plus the user's weight column and predicate, checked."""
 
     def __init__(self, path: str | Path, column: str | None, predicate: str | None):
-        self.path = Path(path)
-        if not self.path.is_file():
-            raise UserError(f"scores file not found: {self.path}")
-        self.con = duckdb.connect()
+        self.db = ScoresDB(path)
+        self.path, self.con = self.db.path, self.db.con
         try:
-            self.con.execute(f"CREATE VIEW scores AS SELECT * FROM read_parquet({_literal(str(self.path))})")
-            self.names = [row[0] for row in self.con.execute("DESCRIBE scores").fetchall()]
-        except duckdb.Error as exc:
-            raise UserError(f"cannot read scores {self.path}: {_first_line(exc)}") from None
+            self._check(column, predicate)
+        except UserError:
+            self.db.close()
+            raise
+
+    def _check(self, column: str | None, predicate: str | None) -> None:
+        self.names = list(self.db.columns())
         if column is not None and column not in self.names:
             raise UserError(f"scores {self.path} has no column {column!r} (columns: {', '.join(self.names)})")
         self.weight_sql = f'COALESCE(CAST(s."{column}" AS DOUBLE), 0.0)' if column else "1.0"
@@ -85,23 +79,17 @@ class _Scores:
         try:
             self.con.execute(f"SELECT {self.keep_sql} FROM scores s LIMIT 0")
         except duckdb.Error as exc:
-            raise UserError(f"bad --filter predicate {predicate!r}: {_first_line(exc)}") from None
+            raise UserError(f"bad --filter predicate {predicate!r}: {duckdb_message(exc)}") from None
         if column is not None:
             try:
                 lowest = self.con.execute(f"SELECT min({self.weight_sql}) FROM scores s").fetchone()[0]
             except duckdb.Error as exc:
-                raise UserError(f"column {column!r} cannot serve as a weight: {_first_line(exc)}") from None
+                raise UserError(f"column {column!r} cannot serve as a weight: {duckdb_message(exc)}") from None
             if lowest is not None and lowest < 0:
                 raise UserError(f"column {column!r} has negative values (min {lowest:.4g}); loss weights must be >= 0")
 
-    def require(self, *columns: str) -> None:
-        missing = [c for c in columns if c not in self.names]
-        if missing:
-            raise UserError(f"scores {self.path} lacks column(s) {missing} needed to join")
-
     def shard_map(self, shards: list[ShardInfo]) -> dict[str, int]:
         """Scored shard name -> training shard id, by real path, else by unique file name."""
-        self.require("shard", "index")
         scored = [row[0] for row in self.con.execute("SELECT DISTINCT shard FROM scores WHERE shard IS NOT NULL").fetchall()]
         by_path = {os.path.realpath(s.shard): i for i, s in enumerate(shards)}
         mapping = {name: by_path[os.path.realpath(name)] for name in scored if os.path.realpath(name) in by_path}
@@ -126,10 +114,10 @@ def build_weight_arrays(scores: str | Path, spec: DatasetSpec, shards: list[Shar
     src = _Scores(scores, column, predicate)
     con = src.con
     out = Path(run_dir) / WEIGHTS_DIR
-    with staged_directory(out, overwrite=True) as tmp:
+    with src.db, staged_directory(out, overwrite=True) as tmp:
         keys_file = tmp / "train-keys.parquet"
         _write_train_keys(spec, shards, keys_file)
-        con.execute(f"CREATE VIEW train_keys AS SELECT * FROM read_parquet({_literal(str(keys_file))})")
+        con.execute(f"CREATE VIEW train_keys AS SELECT * FROM read_parquet({sql_string(str(keys_file))})")
         mode = _choose_join(src, shards, join)
         if mode == "shard-index":
             query = (f'SELECT m.shard_id, s."index" AS idx, {src.weight_sql} AS w, {src.keep_sql} AS keep '
@@ -141,7 +129,7 @@ def build_weight_arrays(scores: str | Path, spec: DatasetSpec, shards: list[Shar
             reader = con.sql(query).to_arrow_reader(batch_rows)
             files, counts = _write_arrays(reader, shards, tmp, on_missing)
         except duckdb.Error as exc:
-            raise UserError(f"joining {src.path} failed: {_first_line(exc)}") from None
+            raise UserError(f"joining {src.path} failed: {duckdb_message(exc)}") from None
         con.execute("DROP VIEW train_keys")
         keys_file.unlink()
     return WeightJoin(directory=str(out), shard_files={s.shard: files[i] for i, s in enumerate(shards)}, join=mode,
@@ -169,7 +157,6 @@ def _choose_join(src: _Scores, shards: list[ShardInfo], join: str) -> str:
         found = f"key {data_key!r}" if data_key is not None else "no pair"
         raise UserError(f"{shard} pair {index} is {scored_key!r} in the scores but the shard now holds {found}: "
                         "it changed after scoring; join by key")
-    src.require("key")
     _check_unique(con, "key", "key")
     return "key"
 

@@ -1,0 +1,286 @@
+"""Reproduce the training tables of docs/training.md.
+
+    python benchmarks/train_table.py toy --out /tmp/pc-toy            # toy world, 0% / 50% shuffle noise
+    python benchmarks/train_table.py coco-text --out /tmp/pc-coco     # MiniLM on COCO captions, 50% noise
+    python benchmarks/train_table.py step-time --out /tmp/pc-step     # --weights vs plain step time
+
+Each subcommand builds its data, runs `pairclean.train.train` for every row of its table,
+prints the table and writes it (JSON + Markdown) into --out. Finished runs are picked up
+again (resume), so a killed table continues where it stopped. The runs use one intra-op thread
+(`--threads`): on a shared 2-core machine, OpenMP's spinning threads made steps 10x slower.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import duckdb
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from pairclean.atomic import atomic_path, write_json
+from pairclean.corrupt import corrupt
+from pairclean.manifest import DatasetSpec, write_manifest
+from pairclean.metrics import evaluate_detection
+from pairclean.packing import write_shards
+from pairclean.pipeline import ScoreConfig, score
+from pairclean.query import sql_string
+from pairclean.retrieval import evaluate_retrieval
+from pairclean.synth.world import build_world
+from pairclean.train import TrainConfig, train
+
+console = Console(width=150)
+
+
+def show(title: str, columns: list[str], rows: list[list], out: Path, name: str, extra: dict) -> None:
+    """Print the table and write it as JSON and Markdown beside the runs."""
+    table = Table(title=title)
+    for i, name in enumerate(columns):
+        table.add_column(name, justify="left" if i == 0 else "right", no_wrap=i == 0)
+    for row in rows:
+        table.add_row(*(f"{v:.4g}" if isinstance(v, float) else str(v) for v in row))
+    console.print(table)
+    md = [f"| {' | '.join(columns)} |", "|" + "---|" * len(columns)]
+    md += ["| " + " | ".join(f"{v:.4g}" if isinstance(v, float) else str(v) for v in row) + " |" for row in rows]
+    with atomic_path(out / f"{name}.md") as tmp:
+        tmp.write_text(f"{title}\n\n" + "\n".join(md) + "\n")
+    write_json(out / f"{name}.json", {"title": title, "columns": columns, "rows": rows, **extra})
+
+
+def run_row(name: str, data: Path, out: Path, cfg: TrainConfig, val: Path) -> dict:
+    """One table row: train (or pick up a finished run: resume=True returns its record) and summarise."""
+    result = train(str(data), out, cfg, val=str(val))
+    last = result.epochs[-1]
+    row = {"run": name, "rsum": last["val_rsum"], "best_rsum": result.best_rsum, "i2t_r1": last["val_i2t_r1"],
+           "t2i_r1": last["val_t2i_r1"], "epochs": len(result.epochs),
+           "minutes": sum(r["seconds"] for r in result.epochs) / 60}
+    console.print(f"{name}: rSum {row['rsum']:.1f} (best {row['best_rsum']:.1f}), {row['minutes']:.1f} min")
+    return row
+
+
+def rows_with_share(rows: list[dict], clean: float) -> list[list]:
+    return [[r["run"], r["rsum"], 100.0 * r["rsum"] / clean, r["best_rsum"], r["i2t_r1"], r["t2i_r1"], r["epochs"],
+             r["minutes"]] for r in rows]
+
+
+ROW_COLUMNS = ["run", "rSum (last)", "% of clean", "rSum (best)", "i2t R@1", "t2i R@1", "epochs", "train min"]
+
+
+def detection_summary(scores: Path, truth: Path) -> dict:
+    d = evaluate_detection(scores, truth)
+    return {"roc_auc": d["roc_auc"], "beta_clean_kept": d["rules"]["beta"]["clean_kept"],
+            "beta_noise_caught": d["rules"]["beta"]["noise_caught"], "gmm_clean_kept": d["rules"]["gmm"]["clean_kept"],
+            "gmm_noise_caught": d["rules"]["gmm"]["noise_caught"], "noisy": d["noisy"], "pairs": d["pairs"]}
+
+
+def toy(args) -> None:
+    """Tiny CLIP from scratch on the toy world: clean vs 50% shuffle noise, plain / OSA / filter / online."""
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    worlds = {"train": (0, args.pairs), "val": (1, args.val_pairs), "estimator": (2, args.pairs)}
+    for name, (seed, n) in worlds.items():
+        if not (out / f"world-{name}").exists():
+            build_world(out / f"world-{name}", n, seed=seed, shard_size=args.shard_size)
+    clean, val = out / "world-train" / "manifest.yaml", out / "world-val" / "manifest.yaml"
+    noisy = out / f"noisy-{args.noise:g}"
+    if not noisy.exists():
+        corrupt(str(clean), noisy, args.noise, seed=0)
+    noisy_manifest = noisy / "manifest.yaml"
+
+    def cfg(pretrained: str = "none", **kw) -> TrainConfig:
+        return TrainConfig(model=args.model, pretrained=pretrained, epochs=args.epochs, batch_size=args.batch_size,
+                           lr=args.lr, weight_decay=0.1, warmup_steps=args.warmup_steps, workers=args.workers,
+                           seed=0, resume=True, **kw)
+
+    estimator = Path(args.estimator) if args.estimator else None
+    if estimator is None:  # the toy estimator: the from-scratch recipe on a disjoint clean world (seed 2)
+        est = train(str(out / "world-estimator" / "manifest.yaml"), out / "estimator", cfg(), val=str(val))
+        estimator = est.best_model
+    scores = out / "scores.parquet"
+    if not scores.exists():
+        score(str(noisy_manifest), scores, ScoreConfig(model=args.model, pretrained=str(estimator), batch_size=256,
+                                                       workers=args.workers, seed=0))
+    truth = noisy / "truth" / "truth.parquet"
+    detection = detection_summary(scores, truth)
+    console.print(f"estimator on the noisy set: {detection}")
+    oracle = out / "scores-with-truth.parquet"  # the scores plus the truth column, for the oracle filter row
+    if not oracle.exists():
+        duckdb.execute(f"COPY (SELECT s.*, t.noisy FROM read_parquet({sql_string(scores)}) s JOIN "
+                       f"read_parquet({sql_string(truth)}) t USING (shard, \"index\")) TO {sql_string(oracle)} "
+                       "(FORMAT parquet)")
+    init = "none" if args.init == "scratch" else str(estimator)
+    # Fine-tuning the estimator itself is the official OSA setting: its online estimator is then a
+    # frozen copy of the initial model; from scratch the online estimator is the toy estimator.
+    online = {} if args.init == "estimator" else {"estimator_model": args.model, "estimator_pretrained": str(estimator)}
+    noise = f"{args.noise:.0%} noise"
+    runs = [("0% noise, plain", clean, cfg(init)),
+            (f"{noise}, plain", noisy_manifest, cfg(init)),
+            (f"{noise}, OSA weights", noisy_manifest, cfg(init, method="osa-weights",
+                                                          method_options={"scores": str(scores)})),
+            (f"{noise}, filter weight > 0", noisy_manifest, cfg(init, method="filter",
+                                                                 method_options={"scores": str(scores),
+                                                                                 "filter": "weight > 0"})),
+            (f"{noise}, filter p_clean >= 0.5", noisy_manifest, cfg(init, method="filter",
+                                                                     method_options={"scores": str(scores),
+                                                                                     "filter": "p_clean >= 0.5"})),
+            (f"{noise}, online OSA", noisy_manifest, cfg(init, method="osa-online", method_options=online)),
+            (f"{noise}, oracle filter (truth)", noisy_manifest, cfg(init, method="filter",
+                                                                    method_options={"scores": str(oracle),
+                                                                                    "filter": "NOT noisy"}))]
+    rows = [run_row(name, data, out / f"run-{args.init}-{i}", c, val) for i, (name, data, c) in enumerate(runs)]
+    start = "from scratch" if args.init == "scratch" else "fine-tuned from the toy estimator"
+    show(f"toy world: {args.model} {start}, {args.pairs} pairs, {args.epochs} epochs, val {args.val_pairs} pairs",
+         ROW_COLUMNS, rows_with_share(rows, rows[0]["rsum"]), out, f"table-{args.init}",
+         {"detection": detection, "estimator": str(estimator), "args": vars(args)})
+
+
+def _coco_val(captions_json: Path, skip: int, n: int, out: Path) -> Path:
+    """Held-out images: (caption 0, caption j) for j = 1..4, so one query item has four right items."""
+    data = json.loads(captions_json.read_text())
+    by_image: dict[int, list[str]] = {}
+    for ann in data["annotations"]:
+        by_image.setdefault(int(ann["image_id"]), []).append(str(ann["caption"]).strip())
+    images = [i for i, caps in sorted(by_image.items()) if len(caps) >= 2][skip:skip + n]
+    out.mkdir(parents=True)
+    write_shards(({"__key__": f"{i:012d}_{j}", "txt": by_image[i][0], "txt2": by_image[i][j]}
+                  for i in images for j in range(1, min(len(by_image[i]), 5))), out, prefix="coco-val", maxcount=1000)
+    spec = DatasetSpec(format="webdataset", shards=[str(p) for p in sorted(out.glob("coco-val-*.tar"))],
+                       pair="text-text", name="coco-text-val")
+    write_manifest(out / "manifest.yaml", spec)
+    return out / "manifest.yaml"
+
+
+def coco_text(args) -> None:
+    """all-MiniLM-L6-v2 fine-tuned on COCO caption pairs: zero-shot, clean, 50% noise plain / OSA weights."""
+    from pairclean.coco_text import build_text_pairs
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    captions = Path(args.captions)
+    if not (out / "train").exists():
+        build_text_pairs(captions, out / "train", shard_size=args.shard_size, limit=args.pairs)
+    val = out / "val" / "manifest.yaml"
+    if not val.exists():
+        _coco_val(captions, args.pairs, args.val_images, out / "val")
+    noisy = out / f"noisy-{args.noise:g}"
+    if not noisy.exists():
+        corrupt(str(out / "train" / "manifest.yaml"), noisy, args.noise, seed=0)
+    scores = out / "scores.parquet"
+    if not scores.exists():
+        score(str(noisy / "manifest.yaml"), scores, ScoreConfig(backend="sentence-transformers", model=args.model,
+                                                                batch_size=128, workers=args.workers, seed=0))
+    detection = detection_summary(scores, noisy / "truth" / "truth.parquet")
+    console.print(f"estimator on the noisy set: {detection}")
+    zero_shot = evaluate_retrieval(args.model, str(val), workers=args.workers)
+    warmup = max(1, (args.pairs // args.batch_size) // 10)
+
+    def cfg(**kw) -> TrainConfig:
+        return TrainConfig(model=args.model, epochs=args.epochs, batch_size=args.batch_size, lr=args.lr,
+                           weight_decay=0.01, warmup_steps=warmup, workers=args.workers, seed=0, resume=True, **kw)
+
+    runs = [("0% noise, plain", out / "train" / "manifest.yaml", cfg()),
+            (f"{args.noise:.0%} noise, plain", noisy / "manifest.yaml", cfg()),
+            (f"{args.noise:.0%} noise, OSA weights", noisy / "manifest.yaml",
+             cfg(method="osa-weights", method_options={"scores": str(scores)}))]
+    rows = [run_row(name, data, out / f"run-{i}", c, val) for i, (name, data, c) in enumerate(runs)]
+    table = [["zero-shot (no training)", zero_shot["rsum"], 100.0 * zero_shot["rsum"] / rows[0]["rsum"], "-",
+              zero_shot["i2t_r1"], zero_shot["t2i_r1"], 0, 0.0]] + rows_with_share(rows, rows[0]["rsum"])
+    show(f"COCO captions text-text: {args.model}, {args.pairs} train pairs, {args.val_images} held-out images "
+         f"x 4 captions, {args.epochs} epoch(s)", ROW_COLUMNS, table, out, "table",
+         {"detection": detection, "zero_shot": zero_shot, "args": vars(args)})
+
+
+def step_time(args) -> None:
+    """Per-step wall time of osa-weights vs plain on the same shards, interleaved repeats."""
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    world = out / "world"
+    if not world.exists():
+        build_world(world, args.pairs, seed=0, shard_size=args.shard_size)
+    scores = out / "scores.parquet"
+    if not scores.exists():
+        score(str(world / "manifest.yaml"), scores, ScoreConfig(model=args.model, pretrained="none", beta_k=256,
+                                                                 batch_size=256, workers=args.workers, seed=0))
+    per_step: dict[str, list[float]] = {"plain": [], "osa-weights": []}
+    compute: dict[str, list[float]] = {"plain": [], "osa-weights": []}
+    setup: dict[str, list[float]] = {"plain": [], "osa-weights": []}
+    for repeat in range(args.repeats):
+        for method in ("plain", "osa-weights"):
+            options = {"scores": str(scores)} if method == "osa-weights" else {}
+            cfg = TrainConfig(model=args.model, pretrained="none", epochs=1, batch_size=args.batch_size, lr=1e-3,
+                              warmup_steps=10, workers=args.workers, method=method, method_options=options,
+                              overwrite=True, seed=0)
+            called = time.perf_counter()
+            result = train(str(world / "manifest.yaml"), out / f"run-{method}-{repeat}", cfg)
+            rec = result.epochs[0]
+            per_step[method].append(rec["seconds"] / rec["steps"])
+            compute[method].append(rec["compute_seconds_per_step"])
+            setup[method].append(time.perf_counter() - called - result.seconds)
+            console.print(f"repeat {repeat} {method}: {per_step[method][-1]:.4f} s/step "
+                          f"(compute {compute[method][-1]:.4f}), setup {setup[method][-1]:.2f} s")
+    med = {m: statistics.median(v) for m, v in per_step.items()}
+    med_compute = {m: statistics.median(v) for m, v in compute.items()}
+    med_setup = {m: statistics.median(v) for m, v in setup.items()}
+    ratio = med["osa-weights"] / med["plain"]
+    rows = [[m, med[m], med_compute[m], med_setup[m]] for m in ("plain", "osa-weights")]
+    rows.append(["ratio weights/plain", ratio, med_compute["osa-weights"] / med_compute["plain"],
+                 med_setup["osa-weights"] / med_setup["plain"]])
+    show(f"step time, {args.pairs} toy pairs, batch {args.batch_size}, {args.model}, median of {args.repeats}",
+         ["run", "s/step (wall)", "s/step (compute)", "setup s"], rows, out, "table",
+         {"per_step": per_step, "compute": compute, "setup": setup, "threads": torch.get_num_threads()})
+    console.print(f"step-time ratio --weights / plain: {ratio:.3f} (target <= 1.03)")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    sub = parser.add_subparsers(dest="table", required=True)
+    st = sub.add_parser("step-time", help="training step time with --weights vs plain")
+    st.add_argument("--out", required=True)
+    st.add_argument("--pairs", type=int, default=2048)
+    st.add_argument("--shard-size", type=int, default=512)
+    st.add_argument("--batch-size", type=int, default=64)
+    st.add_argument("--repeats", type=int, default=3)
+    st.add_argument("--workers", type=int, default=1)
+    st.add_argument("--model", default="pairclean-tiny")
+    ty = sub.add_parser("toy", help="toy world table (tiny CLIP from scratch)")
+    ty.add_argument("--out", required=True)
+    ty.add_argument("--pairs", type=int, default=8000)
+    ty.add_argument("--val-pairs", type=int, default=1000)
+    ty.add_argument("--noise", type=float, default=0.5)
+    ty.add_argument("--shard-size", type=int, default=1000)
+    ty.add_argument("--epochs", type=int, default=6)
+    ty.add_argument("--batch-size", type=int, default=128)
+    ty.add_argument("--lr", type=float, default=1e-3)
+    ty.add_argument("--warmup-steps", type=int, default=50)
+    ty.add_argument("--workers", type=int, default=1)
+    ty.add_argument("--model", default="pairclean-tiny")
+    ty.add_argument("--estimator", help="estimator checkpoint (default: trained here on a disjoint clean world)")
+    ty.add_argument("--init", choices=("scratch", "estimator"), default="scratch",
+                    help="train every row from scratch, or fine-tune the estimator (the paper's setting)")
+    ct = sub.add_parser("coco-text", help="COCO captions text-text table (all-MiniLM-L6-v2)")
+    ct.add_argument("--out", required=True)
+    ct.add_argument("--captions", default=str(Path(__file__).resolve().parents[2] / "shared" / "data" / "coco-captions"
+                                              / "captions_val2017.json"))
+    ct.add_argument("--pairs", type=int, default=2000)
+    ct.add_argument("--val-images", type=int, default=500)
+    ct.add_argument("--noise", type=float, default=0.5)
+    ct.add_argument("--shard-size", type=int, default=500)
+    ct.add_argument("--epochs", type=int, default=1)
+    ct.add_argument("--batch-size", type=int, default=64)
+    ct.add_argument("--lr", type=float, default=2e-5)
+    ct.add_argument("--workers", type=int, default=1)
+    ct.add_argument("--model", default="all-MiniLM-L6-v2")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    {"step-time": step_time, "toy": toy, "coco-text": coco_text}[args.table](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
