@@ -100,9 +100,12 @@ def test_sigkilled_runs_resume_to_the_uninterrupted_rows(coco_shards, fast_confi
     # 1. the second unit's part is in place, its commit record is not: the unit is redone
     assert forked(run, "part-written:2") == -signal.SIGKILL
     assert not out.exists() and len(list(parts_dir_for(out).glob("part-*.done.json"))) == 1
+    beta = parts_dir_for(out) / "beta.json"
+    beta_written = (beta.read_text(), beta.stat().st_mtime_ns)
     # 2. during finalize, after the first record batch of the output is written
     assert forked(run, "finalize-batch:2") == -signal.SIGKILL
     assert visible_files(out.parent) == {parts_dir_for(out).name}  # no output, no manifest yet
+    assert (beta.read_text(), beta.stat().st_mtime_ns) == beta_written  # computed once, reused
     # 3. after the output was renamed into place, before the parts were removed
     assert forked(run, "finalize-renamed:1") == -signal.SIGKILL
     assert out.exists() and parts_dir_for(out).exists()
