@@ -18,6 +18,8 @@ from pairclean.manifest import DatasetSpec, open_dataset
 from pairclean.packing import write_shards
 from pairclean.pipeline import score
 from pairclean.sources import RawPair, list_units, read_unit
+from pairclean.synth.world import png_bytes, render, sample_scene
+from pairclean.toy_pairs import build_toy_pairs, second_view
 
 LABELS = ["giraffe", "bus", "pizza", "dog", "cat", "train", "zebra", "kite"]
 
@@ -120,3 +122,23 @@ def test_image_label_pairs_from_the_cli_with_a_template(mixed, fast_config, tmp_
               "--label-template", "a photo", "--model", "pairclean-tiny", "--pretrained", "none"])
     assert exc.value.code == 2 and "label template" in capsys.readouterr().err
     assert not Path(tmp_path / "bad.parquet").exists()
+
+
+@pytest.mark.parametrize("kind", ["image-label", "image-image"])
+def test_toy_pairs_carry_their_mismatches_in_a_truth_file(kind, tmp_path):
+    spec = build_toy_pairs(tmp_path / kind, kind, 24, seed=3, noise=0.5, shard_size=10)
+    assert spec.pair == kind and len(spec.shards) == 3
+    read = open_dataset(str(tmp_path / kind / "manifest.yaml"))
+    pairs = _read_all(read)
+    truth = pq.read_table(read.truth).to_pydict()
+    assert [p.key for p in pairs] == truth["key"] and all(p.error is None for p in pairs)
+    assert [p.shard for p in pairs] == truth["shard"] and [p.index for p in pairs] == truth["index"]
+    own = [sample_scene(3, i) for i in range(24)]
+    if kind == "image-label":
+        mine = [f"This is a picture of {s.objects[0].shape}." for s in own]
+        assert [p.right == m for p, m in zip(pairs, mine)] == [not n for n in truth["noisy"]]
+    else:
+        views = [png_bytes(render(second_view(s, 3, i))) for i, s in enumerate(own)]
+        assert [p.right == v for p, v in zip(pairs, views)] == [not n for n in truth["noisy"]]
+        assert all(p.left != p.right for p in pairs)  # a second view is another rendering
+    assert sum(truth["selected"]) == 12 and 0 < sum(truth["noisy"]) <= 12
