@@ -118,7 +118,7 @@ def content_digest(value: bytes | str) -> str:
 class BatchPlan:
     """What the workers put into each batch besides the target's inputs."""
 
-    weights_dir: str | None = None  # per-shard weight arrays (`weights.WeightArrays` layout)
+    weights_dir: str | None = None  # per-shard weight arrays written by `weights.build_weight_arrays`
     shard_files: dict[str, str] | None = None  # shard -> array file name inside weights_dir
     extra_preparers: dict | None = None  # name -> preparer, e.g. an online estimator's own transforms
     pairs: int | None = None  # pairs the method trains on per epoch (sets the LR schedule); None: all
@@ -197,7 +197,7 @@ class TrainBatches(IterableDataset):
         return batch
 
     def __iter__(self):
-        rank, world, worker, workers = wds.utils.pytorch_worker_info()
+        rank, _, worker, _ = wds.utils.pytorch_worker_info()
         units = wds.split_by_worker(wds.split_by_node(self._unit_order()))
         stats = self._new_stats()
         pairs = self._pairs(iter(units), stats)

