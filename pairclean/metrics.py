@@ -94,7 +94,7 @@ def evaluate_detection(scores: str | Path, truth: str | Path) -> dict:
         if missing:
             raise UserError(f"{scores} lacks column(s) {', '.join(missing)}: score it with `pairclean score`")
         counts = db.con.execute("SELECT count(*), count(*) FILTER (WHERE sim IS NULL), "
-                                "count(*) FILTER (WHERE sim IS NOT NULL AND noisy IS NULL) FROM labeled").fetchone()
+                                "count(*) FILTER (WHERE sim IS NOT NULL AND noisy IS NULL) FROM labeled").fetchall()[0]
         table = db.con.sql(f"SELECT sim, weight, {', '.join(RULES.values())}, noisy FROM labeled "
                            "WHERE sim IS NOT NULL AND noisy IS NOT NULL").to_arrow_table()
         truth_rows = db.scalar("SELECT count(*) FROM truth")

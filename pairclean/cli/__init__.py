@@ -52,6 +52,7 @@ def _register_commands() -> None:
     from pairclean.cli import evaluate, filter, query, report, score  # noqa: F401
     from pairclean.cli import train  # noqa: F401
     from pairclean.cli import bench  # noqa: F401
+    from pairclean.cli import lab, synth  # noqa: F401
 
 
 def _crash_log(exc: BaseException) -> str:

@@ -52,15 +52,15 @@ def detection_tables(result: dict):
 
     rules = result["rules"]
     beta_t = rules["beta"].get("threshold")
-    decisions = {"beta": ("beta boundary", "sim <= " + (f"{beta_t:.4f}" if beta_t is not None else "beta")),
+    decisions = {"beta": ("beta", "sim <= " + (f"{beta_t:.4f}" if beta_t is not None else "beta")),
                  "gmm": ("GMM", "p_clean < 0.5"),
                  "oracle": ("oracle", "sim <= " + (f"{rules['oracle']['threshold']:.4f}"
                                                               if rules["oracle"]["threshold"] is not None else "n/a"))}
     table = Table(title=f"noise detection: {result['pairs']:,} pairs, {result['noisy']:,} noisy "
                         f"({pct(result['noise_share'])}%)")
-    for name, justify in (("rule", "left"), ("noisy if", "left"), ("clean kept %", "right"),
-                          ("noise caught %", "right"), ("balanced %", "right"), ("precision %", "right")):
-        table.add_column(name, justify=justify)
+    for name, justify in (("rule", "left"), ("noisy if", "left"), ("clean\nkept %", "right"),
+                          ("noise\ncaught %", "right"), ("balanced\nacc. %", "right"), ("precision\n%", "right")):
+        table.add_column(name, justify=justify, no_wrap=True)
     for key, (label, when) in decisions.items():
         m = rules[key]
         table.add_row(label, when, pct(m["clean_kept"]), pct(m["noise_caught"]), pct(m["balanced_accuracy"]),

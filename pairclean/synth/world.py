@@ -23,6 +23,7 @@ from pairclean.errors import UserError
 from pairclean.manifest import DatasetSpec, Fields, write_manifest
 from pairclean.packing import staged_directory, write_shards
 
+WORLD_VERSION = 1  # bump when rendering or captions change: cached estimators are then retrained
 IMAGE_SIZE = 64
 SUPERSAMPLE = 4  # drawn at 4x and box-filtered down: anti-aliased edges
 GRID = 3

@@ -1,0 +1,63 @@
+"""`pairclean corrupt` and `pairclean demo`: noise injection with ground truth, and the whole lab in one command."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+
+from pairclean.cli import app, console
+
+
+@app.command("corrupt")
+def corrupt_command(
+    source: List[str] = typer.Argument(..., help="Shards: directory, glob, brace pattern, list file, Parquet files, or a manifest YAML."),
+    out: Path = typer.Option(..., "--out", "-o", help="Directory for the noisy copy, truth/truth.parquet and manifest.yaml."),
+    ratio: float = typer.Option(..., help="Share of the pairs drawn for noise, in [0, 1]."),
+    seed: int = typer.Option(0, help="Noise seed."),
+    mode: str = typer.Option("shuffle", help="shuffle: permute the drawn captions (NCR); weak: replace ~30% of their words."),
+    pair: Optional[str] = typer.Option(None, help="Pair kind (image-text or text-text; text-text noises the second text)."),
+    overwrite: bool = typer.Option(False, help="Replace an existing output directory."),
+) -> None:
+    """Inject caption noise into a dataset; every other member stays byte-identical."""
+    from pairclean.corrupt import corrupt
+    from pairclean.manifest import open_dataset
+
+    spec = open_dataset(source, pair=pair)
+    result = corrupt(spec, out, ratio, seed=seed, mode=mode, overwrite=overwrite)
+    console.print(f"{result.pairs:,} pairs copied to {result.out}: {result.selected:,} drawn, {result.noisy:,} noisy "
+                  f"({result.selected - result.noisy:,} drawn pairs kept their caption)")
+    console.print(f"truth: {result.truth}\nmanifest: {result.manifest}", soft_wrap=True)
+
+
+PAPER_TABLE5 = "OSA paper (CLIP ViT-B/32 w/o DA, MS-COCO): clean kept / noise caught 93.88 / 97.49 at 20%, 93.91 / 99.35 at 50%"
+
+
+@app.command("demo")
+def demo_command(
+    out: Path = typer.Option(Path("demo-output"), "--out", "-o", help="Directory for everything the demo writes."),
+    pairs: int = typer.Option(2000, help="Evaluation pairs."),
+    ratio: float = typer.Option(0.5, help="Share of the pairs whose captions are shuffled."),
+    seed: int = typer.Option(0, help="Seed of the evaluation world and of the noise."),
+    retrain: bool = typer.Option(False, help="Train the estimator again even if a cached one exists."),
+    workers: int = typer.Option(1, help="DataLoader workers."),
+    device: str = typer.Option("auto", help="auto, cpu, cuda ..."),
+) -> None:
+    """Toy world -> tiny estimator (trained or cached) -> shuffle noise -> score -> detection table. Offline."""
+    from pairclean.cli.evaluate import detection_tables
+    from pairclean.demo import DemoConfig, run_demo
+
+    cfg = DemoConfig(out=out, pairs=pairs, world_seed=seed, ratio=ratio, noise_seed=seed, retrain=retrain,
+                     workers=workers, device=device, show_progress=True)
+    result = run_demo(cfg, say=lambda message: console.print(f"[bold]demo[/bold] {message}", soft_wrap=True))
+    for table in detection_tables(result.metrics):
+        console.print(table)
+    console.print(PAPER_TABLE5)
+    stages = ", ".join(f"{k} {v:.0f}s" for k, v in result.seconds.items() if k != "total")
+    console.print(f"done in {result.seconds['total']:.0f}s ({stages}; estimator "
+                  f"{'from the cache' if result.estimator_cached else 'trained now'})")
+    for name, path in result.files.items():
+        console.print(f"  {name:<10} {path}", soft_wrap=True, highlight=False)
+    console.print(f"query: duckdb -c \"SELECT key, sim, p_clean, osa_noisy FROM '{result.files['scores']}' "
+                  f"ORDER BY sim LIMIT 10\"", soft_wrap=True, highlight=False)

@@ -1,0 +1,75 @@
+"""`pairclean synth ...`: lab datasets (toy world, COCO-mini) and the toy world's estimator."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from pairclean.cli import app, console
+
+synth_app = typer.Typer(no_args_is_help=True, help="Build lab datasets with known ground truth, and the toy estimator.")
+app.add_typer(synth_app, name="synth")
+
+
+@synth_app.command("toy-world")
+def toy_world_command(
+    out: Path = typer.Option(..., "--out", "-o", help="Directory for the shards and manifest.yaml."),
+    pairs: int = typer.Option(2000, help="Number of image-caption pairs."),
+    seed: int = typer.Option(0, help="World seed: pair i depends only on (seed, i)."),
+    shard_size: int = typer.Option(1000, help="Pairs per tar shard."),
+    overwrite: bool = typer.Option(False, help="Replace an existing directory."),
+) -> None:
+    """Render coloured shapes (1-3 objects, colour, shape, size, layout) with captions that describe them."""
+    from pairclean.synth.world import build_world
+
+    spec = build_world(out, pairs, seed=seed, shard_size=shard_size, overwrite=overwrite)
+    console.print(f"{pairs:,} pairs in {len(spec.shards)} shard(s) under {out}; manifest {out / 'manifest.yaml'}")
+
+
+@synth_app.command("coco-mini")
+def coco_mini_command(
+    src: Path = typer.Option(..., "--src", help="shared/data/coco-mini (pairs.jsonl + images)."),
+    out: Path = typer.Option(..., "--out", "-o", help="Directory (shards) or .parquet file to write."),
+    parquet: bool = typer.Option(False, help="Write one Parquet file (image bytes column) instead of shards."),
+    all_captions: bool = typer.Option(False, help="One pair per caption instead of per image."),
+    limit: Optional[int] = typer.Option(None, help="At most this many pairs."),
+    shard_size: int = typer.Option(100, help="Pairs per tar shard."),
+    overwrite: bool = typer.Option(False, help="Replace an existing output."),
+) -> None:
+    """Real COCO JPEGs with their human captions, as WebDataset shards or Parquet."""
+    from pairclean.coco import build_parquet, build_shards
+    from pairclean.errors import UserError
+
+    if parquet:
+        if out.exists() and not overwrite:
+            raise UserError(f"{out} exists; pass --overwrite to replace it")
+        build_parquet(src, out, all_captions=all_captions, limit=limit)
+        console.print(f"wrote {out}")
+    else:
+        spec = build_shards(src, out, shard_size=shard_size, all_captions=all_captions, limit=limit, overwrite=overwrite)
+        console.print(f"{len(spec.shards)} shard(s) under {out}; manifest {out / 'manifest.yaml'}")
+
+
+@synth_app.command("train-estimator")
+def train_estimator_command(
+    out: Path = typer.Option(..., "--out", "-o", help="Directory for the training world, the run and estimator.pt."),
+    world: Optional[Path] = typer.Option(None, help="Train on this clean toy world instead of rendering one."),
+    pairs: int = typer.Option(8000, help="Clean training pairs to render."),
+    world_seed: int = typer.Option(1, help="Seed of the training world (evaluate on another seed)."),
+    epochs: int = typer.Option(6, help="Training epochs."),
+    batch_size: int = typer.Option(128, help="Pairs per step (in-batch negatives)."),
+    lr: float = typer.Option(2e-3, help="Peak learning rate (AdamW, warm-up then cosine)."),
+    seed: int = typer.Option(0, help="Training seed (initialisation and data order)."),
+    workers: int = typer.Option(1, help="DataLoader workers decoding the PNGs."),
+    device: str = typer.Option("auto", help="auto, cpu, cuda ..."),
+    overwrite: bool = typer.Option(False, help="Replace an existing directory."),
+) -> None:
+    """Train the tiny CLIP-style `pairclean-toy` estimator on clean toy-world pairs (pairclean's trainer)."""
+    from pairclean.synth.estimator import TOY_MODEL, EstimatorRecipe, train_estimator
+
+    recipe = EstimatorRecipe(pairs=pairs, world_seed=world_seed, epochs=epochs, batch_size=batch_size, lr=lr, seed=seed)
+    checkpoint = train_estimator(out, recipe, world=world, workers=workers, device=device, overwrite=overwrite,
+                                 show_progress=True, say=console.print)
+    console.print(f"estimator: {checkpoint}\nscore with: pairclean score DATA --model {TOY_MODEL} --pretrained {checkpoint}")

@@ -1,0 +1,167 @@
+"""`pairclean corrupt`: row counts kept, exactly the changed pairs marked noisy, other members untouched."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import duckdb
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+
+from pairclean.cli import main
+from pairclean.corrupt import corrupt, weaken
+from pairclean.errors import UserError
+from pairclean.manifest import DatasetSpec, load_manifest, open_dataset
+from pairclean.packing import staged_directory, write_shards
+from pairclean.sources import group_members, list_units, read_unit, tar_members
+from pairclean.synth.world import build_world
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory) -> Path:
+    """40 toy-world pairs in shards of 15, 15 and 10."""
+    out = tmp_path_factory.mktemp("corrupt") / "world"
+    build_world(out, 40, seed=5, shard_size=15)
+    return out
+
+
+def raw_samples(shard: str) -> list[dict]:
+    failures: list[str] = []
+    samples = list(group_members(tar_members(shard, failures), lcase=False))
+    assert not failures
+    return samples
+
+
+def pairs_of(source) -> list:
+    spec = source if isinstance(source, DatasetSpec) else open_dataset(source)
+    return [p for unit in list_units(spec) for p in read_unit(spec, unit)]
+
+
+def truth_rows(path) -> list[dict]:
+    return pq.read_table(path).to_pylist()
+
+
+def test_shuffle_keeps_rows_and_marks_exactly_the_changed_pairs(world, tmp_path):
+    result = corrupt(str(world), tmp_path / "noisy", ratio=0.5, seed=3)
+    before, after = pairs_of(str(world)), pairs_of(str(result.manifest))
+    assert [(Path(p.shard).name, p.index, p.key) for p in before] == [(Path(p.shard).name, p.index, p.key) for p in after]
+    for src in sorted(world.glob("*.tar")):  # same shard layout, same file names, same row count per shard
+        assert len(raw_samples(str(src))) == len(raw_samples(str(result.out / src.name)))
+    truth = truth_rows(result.truth)
+    assert [(t["shard"], t["index"]) for t in truth] == [(str(result.out / Path(p.shard).name), p.index) for p in before]
+    changed = [b.right != a.right for b, a in zip(before, after)]
+    assert [t["noisy"] for t in truth] == changed
+    assert [t["original_caption"] for t in truth] == [b.right for b in before]
+    assert [t["caption"] for t in truth] == [a.right for a in after]
+    assert sum(t["selected"] for t in truth) == result.selected == 20
+    assert result.noisy == sum(changed) >= 18  # a drawn pair keeps its caption only by drawing itself
+    # NCR: the selected captions are permuted among themselves
+    selected = [i for i, t in enumerate(truth) if t["selected"]]
+    assert sorted(before[i].right for i in selected) == sorted(after[i].right for i in selected)
+    assert all(before[i].right == after[i].right for i in range(40) if i not in selected)
+    for i in selected:  # the donor named in the truth gave the caption
+        donor = next(j for j, t in enumerate(truth) if (t["shard"], t["index"]) == (truth[i]["donor_shard"], truth[i]["donor_index"]))
+        assert after[i].right == before[donor].right
+
+
+def test_shuffle_copies_every_other_member_byte_for_byte(world, tmp_path):
+    result = corrupt(str(world), tmp_path / "noisy", ratio=1.0, seed=0)
+    for src in sorted(world.glob("*.tar")):
+        for a, b in zip(raw_samples(str(src)), raw_samples(str(result.out / src.name))):
+            assert a.keys() == b.keys()
+            assert a["__key__"] == b["__key__"]
+            assert a["png"] == b["png"] and a["json"] == b["json"]
+
+
+def test_manifest_points_at_the_truth_and_the_new_shards(world, tmp_path):
+    result = corrupt(str(world / "manifest.yaml"), tmp_path / "noisy", ratio=0.2, seed=1)
+    spec = load_manifest(result.manifest)
+    assert Path(spec.truth) == result.truth
+    assert [Path(s).name for s in spec.shards] == sorted(p.name for p in world.glob("*.tar"))
+    assert spec.fields.image == "png"
+    summary = json.loads((result.out / "corrupt.json").read_text())
+    assert summary["selected"] == round(0.2 * 40) and summary["mode"] == "shuffle"
+
+
+def test_same_seed_same_noise_other_seed_other_noise(world, tmp_path):
+    a = truth_rows(corrupt(str(world), tmp_path / "a", ratio=0.3, seed=7).truth)
+    b = truth_rows(corrupt(str(world), tmp_path / "b", ratio=0.3, seed=7).truth)
+    c = truth_rows(corrupt(str(world), tmp_path / "c", ratio=0.3, seed=8).truth)
+    strip = lambda rows: [(r["index"], r["noisy"], r["caption"]) for r in rows]  # noqa: E731
+    assert strip(a) == strip(b)
+    assert strip(a) != strip(c)
+
+
+def test_a_pair_whose_caption_did_not_change_stays_clean(tmp_path):
+    src = tmp_path / "dupes"
+    with staged_directory(src) as tmp:  # 8 pairs, only two distinct captions
+        write_shards(({"__key__": f"k{i}", "txt": "same words" if i % 4 else "other words", "cls": str(i)}
+                      for i in range(8)), tmp)
+    spec = open_dataset(str(src), pair="text-text")
+    spec.fields.text, spec.fields.text2 = "cls", "txt"
+    result = corrupt(spec, tmp_path / "out", ratio=1.0, seed=2)
+    truth = truth_rows(result.truth)
+    assert result.selected == 8
+    assert [t["noisy"] for t in truth] == [t["caption"] != t["original_caption"] for t in truth]
+    # Each 'other' caption that lands on a 'same' pair changes two pairs: 0, 2 or 4 of the 8 drawn.
+    assert result.noisy in (0, 2, 4) and result.noisy < result.selected
+
+
+def test_parquet_dataset_only_the_caption_column_changes(coco_parquet, tmp_path):
+    result = corrupt(str(coco_parquet), tmp_path / "noisy", ratio=0.5, seed=4)
+    original = pq.read_table(coco_parquet)
+    copy = pq.read_table(result.out / coco_parquet.name)
+    assert copy.schema.names == original.schema.names and copy.num_rows == original.num_rows == 16
+    assert copy.column("image").equals(original.column("image"))
+    assert copy.column("key").equals(original.column("key"))
+    truth = truth_rows(result.truth)
+    assert [t["noisy"] for t in truth] == [a != b for a, b in zip(original.column("caption").to_pylist(),
+                                                                   copy.column("caption").to_pylist())]
+    assert result.selected == 8 and result.noisy >= 6
+    assert [t["index"] for t in truth] == list(range(16))
+
+
+def test_weak_noise_replaces_about_thirty_percent_of_the_words(world, tmp_path):
+    result = corrupt(str(world), tmp_path / "weak", ratio=0.5, seed=1, mode="weak")
+    truth = truth_rows(result.truth)
+    assert result.selected == result.noisy == 20
+    for t in truth:
+        if not t["noisy"]:
+            assert t["caption"] == t["original_caption"]
+            continue
+        old, new = t["original_caption"].split(), t["caption"].split()
+        assert len(old) == len(new)
+        assert sum(a != b for a, b in zip(old, new)) == max(1, round(0.3 * len(old)))
+        assert t["donor_shard"] is None
+
+
+def test_weaken_never_keeps_a_replaced_word():
+    rng = np.random.default_rng(0)
+    vocabulary = ["a", "b"]
+    index = {w: i for i, w in enumerate(vocabulary)}
+    for _ in range(20):
+        assert weaken("a a a a", vocabulary, index, rng, share=1.0) == "b b b b"
+
+
+def test_refusals(world, tmp_path, coco_src):
+    with pytest.raises(UserError, match="ratio"):
+        corrupt(str(world), tmp_path / "x", ratio=1.5)
+    with pytest.raises(UserError, match="noise mode"):
+        corrupt(str(world), tmp_path / "x", ratio=0.5, mode="swap")
+    with pytest.raises(UserError, match="have none"):
+        corrupt(open_dataset(str(world), pair="image-image"), tmp_path / "x", ratio=0.5)
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "keep.txt").write_text("x")
+    with pytest.raises(UserError, match="not empty"):
+        corrupt(str(world), tmp_path / "full", ratio=0.5)
+
+
+def test_cli_corrupt_writes_dataset_and_truth(world, tmp_path, capsys):
+    out = tmp_path / "cli"
+    main(["corrupt", str(world), "--out", str(out), "--ratio", "0.25", "--seed", "9"])
+    printed = capsys.readouterr().out
+    assert "truth" in printed and str(out) in printed.replace("\n", "")
+    noisy = duckdb.sql(f"SELECT count(*) FILTER (WHERE selected), count(*) FROM '{out}/truth/truth.parquet'").fetchall()[0]
+    assert noisy == (10, 40)
