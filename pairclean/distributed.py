@@ -13,6 +13,8 @@ import os
 import torch
 import torch.distributed as dist
 
+from pairclean.errors import UserError
+
 
 def launched_by_torchrun() -> bool:
     return int(os.environ.get("WORLD_SIZE", "1")) > 1
@@ -67,17 +69,6 @@ def broadcast_object(obj=None, src: int = 0):
     return box[0]
 
 
-def all_reduce_any(flag: bool) -> bool:
-    """True on every rank if `flag` is True on any rank (e.g. an error one rank hit)."""
-    if not is_distributed():
-        return flag
-    t = torch.tensor([1 if flag else 0], dtype=torch.int64)
-    if dist.get_backend() == "nccl":
-        t = t.cuda()
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return bool(t.item())
-
-
 def all_reduce_sum(value: float) -> float:
     """The sum of `value` over all ranks (e.g. pairs scored, for the job's throughput)."""
     if not is_distributed():
@@ -87,6 +78,50 @@ def all_reduce_sum(value: float) -> float:
         t = t.cuda()
     dist.all_reduce(t, op=dist.ReduceOp.SUM)
     return float(t.item())
+
+
+def on_main(fn):
+    """Run `fn` on rank 0 only and hand its result to every rank; a UserError on rank 0 is
+    raised on every rank (so no rank waits forever for a broadcast that never comes)."""
+    if not is_distributed():
+        return fn()
+    outcome = None
+    if is_main():
+        try:
+            outcome = ("ok", fn())
+        except UserError as exc:
+            outcome = ("error", str(exc))
+    kind, value = broadcast_object(outcome)
+    if kind == "error":
+        raise UserError(value)
+    return value
+
+
+def all_reduce_min(value: float) -> float:
+    """The minimum of `value` over all ranks (e.g. whether every rank still has a full batch)."""
+    if not is_distributed():
+        return value
+    t = torch.tensor([float(value)], dtype=torch.float64)
+    if dist.get_backend() == "nccl":
+        t = t.cuda()
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return float(t.item())
+
+
+def all_reduce_mean(value: float) -> float:
+    return all_reduce_sum(value) / world_size()
+
+
+def gather_with_grad(tensor: torch.Tensor) -> torch.Tensor:
+    """Every rank's rows, concatenated in rank order, differentiable (open_clip's gather_with_grad):
+    the backward sends each rank the gradient of every rank's loss with respect to its own rows,
+    so with DistributedDataParallel's gradient averaging the update equals one process training
+    on the global batch."""
+    if not is_distributed():
+        return tensor
+    import torch.distributed.nn.functional as dist_fn
+
+    return torch.cat(dist_fn.all_gather(tensor), dim=0)
 
 
 def default_device_for_rank(requested: str) -> str:

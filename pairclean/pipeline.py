@@ -108,23 +108,6 @@ class PreparedBatches(IterableDataset):
             buf = self._empty()
 
 
-def on_main(fn):
-    """Run `fn` on rank 0 only and hand its result to every rank; a UserError on rank 0 is
-    raised on every rank (so no rank waits forever for a broadcast that never comes)."""
-    if not distributed.is_distributed():
-        return fn()
-    outcome = None
-    if distributed.is_main():
-        try:
-            outcome = ("ok", fn())
-        except UserError as exc:
-            outcome = ("error", str(exc))
-    kind, value = distributed.broadcast_object(outcome)
-    if kind == "error":
-        raise UserError(value)
-    return value
-
-
 @dataclass
 class ScoreResult:
     out: Path
@@ -204,7 +187,7 @@ def score(source: str | list[str] | DatasetSpec, out: str | Path, config: ScoreC
     store = PartStore(parts_dir_for(out))
     settings = cfg.settings(spec, units)
     # Under torchrun, rank 0 alone decides (finished? fresh or resumed? beta) and tells the others.
-    finished = on_main(lambda: store.finished(out, settings, overwrite=cfg.overwrite, resume=cfg.resume))
+    finished = distributed.on_main(lambda: store.finished(out, settings, overwrite=cfg.overwrite, resume=cfg.resume))
     if finished is not None:  # the same command, re-run after it finished: nothing to do
         return ScoreResult(out, finished, 0.0, 0, True, read_provenance(out), already_complete=True)
     built_from_config = estimator is None
@@ -228,7 +211,7 @@ def score(source: str | list[str] | DatasetSpec, out: str | Path, config: ScoreC
         return (start.units, start.resumed, beta, source, time.perf_counter() - began,
                 [u for u in start.units if u not in done], len(done))
 
-    units, resumed, beta, beta_source, beta_seconds, todo, n_done = on_main(start_run)
+    units, resumed, beta, beta_source, beta_seconds, todo, n_done = distributed.on_main(start_run)
     # Units are split across ranks after the committed ones are removed, so a job restarted
     # with another world size still scores every remaining unit exactly once.
     mine = list(wds.split_by_node(todo))

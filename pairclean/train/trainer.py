@@ -20,6 +20,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
+from pairclean import distributed
 from pairclean.atomic import write_json
 from pairclean.errors import UserError
 from pairclean.estimators import PRECISIONS, autocast_context, check_backend
@@ -153,10 +154,14 @@ def train(source: str | list[str] | DatasetSpec, out: str | Path, config: TrainC
     cfg = config or TrainConfig()
     cfg.check()
     out = Path(out)
+    distributed.init_from_env()
+    world = distributed.world_size()
+    if cfg.batch_size % world:
+        raise UserError(f"--batch-size {cfg.batch_size} (the global batch) must be a multiple of the {world} ranks")
     spec = _spec(source, pair)
     val_spec = _spec(val, pair or spec.pair) if val is not None else None
     method = build_method(cfg.method, cfg.method_options)
-    resuming = _prepare_run_dir(out, cfg)
+    resuming = distributed.on_main(lambda: _prepare_run_dir(out, cfg))  # rank 0 owns the run directory
     settings = _settings(cfg, spec, val_spec)
     state = None
     if resuming:
@@ -172,7 +177,8 @@ def train(source: str | list[str] | DatasetSpec, out: str | Path, config: TrainC
     torch.manual_seed(cfg.seed)
     np.random.seed(cfg.seed)
     random.seed(cfg.seed)
-    target = load_target(cfg.model, cfg.pretrained, backend=cfg.backend, device=cfg.device, temperature=cfg.temperature)
+    target = load_target(cfg.model, cfg.pretrained, backend=cfg.backend,
+                         device=distributed.default_device_for_rank(cfg.device), temperature=cfg.temperature)
     check_backend(target.backend, modalities(spec.pair))
     autocast_context(target.device, cfg.precision)  # refuses fp16 without CUDA before any work
     left_mod, right_mod = modalities(spec.pair)
@@ -188,14 +194,16 @@ def train(source: str | list[str] | DatasetSpec, out: str | Path, config: TrainC
     else:
         loop.metrics.reset()
     resumed_from = loop.done_epochs
-    write_json(out / RUN_FILE, {"settings": settings, "target": target.describe(), "method": method.describe(),
-                                "train": {"shards": len(shards), "pairs": sum(s.rows for s in shards),
-                                          "pairs_trained_per_epoch": pairs, "steps_per_epoch": steps_per_epoch,
-                                          "unreadable_shards": [f"{s.shard}: {s.failure}" for s in shards if s.failure]}})
-    dataset = TrainBatches(spec, target.preparer, cfg.batch_size, cfg.seed, cfg.shuffle_buffer, plan)
+    if distributed.is_main():
+        write_json(out / RUN_FILE, {"settings": settings, "world_size": world, "target": target.describe(), "method": method.describe(),
+                                    "train": {"shards": len(shards), "pairs": sum(s.rows for s in shards),
+                                              "pairs_trained_per_epoch": pairs, "steps_per_epoch": steps_per_epoch,
+                                              "unreadable_shards": [f"{s.shard}: {s.failure}" for s in shards if s.failure]}})
+    # Each rank reads its own shards (split_by_node) in batches of batch_size / world.
+    dataset = TrainBatches(spec, target.preparer, cfg.batch_size // world, cfg.seed, cfg.shuffle_buffer, plan)
     workers = min(cfg.workers, len(dataset.units))
     started = time.perf_counter()
-    with _progress(cfg.show_progress) as progress:
+    with _progress(cfg.show_progress and distributed.is_main()) as progress:
         for epoch in range(loop.done_epochs + 1, cfg.epochs + 1):
             dataset.set_epoch(epoch)
             loader = DataLoader(dataset, batch_size=None, num_workers=workers,
@@ -203,16 +211,29 @@ def train(source: str | list[str] | DatasetSpec, out: str | Path, config: TrainC
                                 generator=torch.Generator().manual_seed(cfg.seed * 1000 + epoch))
             task = progress.add_task("train", total=steps_per_epoch, epoch=epoch, loss=0.0, lr=0.0, rate=0.0)
             record = loop.run_epoch(epoch, loader, lambda **kw: progress.update(task, **kw))
-            if val_spec is not None:
+            if val_spec is not None and distributed.is_main():
                 val_metrics = evaluate_target(target, val_spec, cfg.val_batch_size, workers,
                                               autocast_context(target.device, cfg.precision))
                 record.update({f"val_{k}": v for k, v in val_metrics.items()})
             loop.finish_epoch(epoch, record)
+            distributed.barrier()  # the other ranks wait for rank 0's validation and checkpoints
             progress.update(task, visible=False)
     best_model = model_path(out, BEST, target.backend) if loop.best_epoch is not None else None
     return TrainResult(out, loop.history, loop.best_epoch, loop.best_rsum, best_model,
                        model_path(out, epoch_model_name(cfg.epochs), target.backend), resumed_from,
                        time.perf_counter() - started)
+
+
+class _Towers(torch.nn.Module):
+    """Both towers in one forward, so that DistributedDataParallel sees every step."""
+
+    def __init__(self, target, left: str, right: str):
+        super().__init__()
+        self.target, self.left, self.right = target, left, right
+        self.model = target.module  # registered: DDP syncs its gradients
+
+    def forward(self, left_batch, right_batch):
+        return self.target.encode(self.left, left_batch), self.target.encode(self.right, right_batch)
 
 
 class _Loop:
@@ -229,6 +250,12 @@ class _Loop:
         self.metrics = MetricsLog(out / "metrics.jsonl")
         self.done_epochs, self.step, self.best_rsum, self.best_epoch, self.history = 0, 0, None, None, []
         self.diag: DiagnosticsWriter | None = None
+        self.towers = _Towers(target, ctx.left, ctx.right)
+        if distributed.is_distributed():
+            from torch.nn.parallel import DistributedDataParallel
+
+            self.towers = DistributedDataParallel(
+                self.towers, device_ids=[target.device.index] if target.device.type == "cuda" else None)
 
     def restore(self, state: dict) -> None:
         self.target.module.load_state_dict(state["model"])
@@ -243,8 +270,11 @@ class _Loop:
     def _step(self, batch: dict):
         cfg, target = self.cfg, self.target
         with autocast_context(target.device, cfg.precision):
-            emb = Embeddings(target.encode(self.ctx.left, batch["left"]), target.encode(self.ctx.right, batch["right"]),
-                             target.logit_scale())
+            left, right = self.towers(batch["left"], batch["right"])
+            emb = Embeddings(left, right, target.logit_scale())
+            if distributed.is_distributed():  # negatives from every rank's rows
+                emb.all_left, emb.all_right = distributed.gather_with_grad(left), distributed.gather_with_grad(right)
+                emb.offset = distributed.rank() * left.shape[0]
             out = self.method.loss(batch, emb, self.ctx)
         self.optimizer.zero_grad(set_to_none=True)
         self.scaler.scale(out.loss).backward()
@@ -257,26 +287,44 @@ class _Loop:
         self.step += 1
         return out
 
+    def _batches(self, loader, totals: dict, failures: list):
+        """The epoch's usable batches. Under torch.distributed every rank takes a step only while
+        every rank has a full local batch (DDP needs the same steps everywhere); a rank's partial
+        batches are left out and counted as dropped."""
+        full = self.cfg.batch_size // distributed.world_size()
+        it = iter(loader)
+        while True:
+            batch = next(it, None)
+            while batch is not None:
+                stats = batch["stats"]
+                totals["errors"] += stats["errors"]
+                totals["dropped"] += stats["dropped"]
+                failures.extend(stats["failures"])
+                n = len(batch["key"])
+                if n >= 2 and (n == full or not distributed.is_distributed()):  # a lone pair has no negatives
+                    break
+                if distributed.is_distributed():
+                    totals["dropped"] += n
+                batch = next(it, None)
+            if not distributed.all_reduce_min(batch is not None):
+                return
+            yield batch
+
     def run_epoch(self, epoch: int, loader, show) -> dict:
         """One pass over the training data; returns the epoch's metrics record so far."""
         cfg = self.cfg
         self.method.on_epoch_start(epoch, self.ctx)
         if cfg.diagnostics:
-            self.diag = DiagnosticsWriter(self.out / "diagnostics" / f"epoch-{epoch:03d}.parquet")
+            rank = f"-rank{distributed.rank()}" if distributed.is_distributed() else ""
+            self.diag = DiagnosticsWriter(self.out / "diagnostics" / f"epoch-{epoch:03d}{rank}.parquet")
         totals = {"loss_sum": 0.0, "pairs": 0, "steps": 0, "errors": 0, "dropped": 0, "compute_s": 0.0, "data_s": 0.0}
         failures: list[str] = []
         epoch_start = ready = time.perf_counter()
-        for batch in loader:
-            stats = batch["stats"]
-            totals["errors"] += stats["errors"]
-            totals["dropped"] += stats["dropped"]
-            failures.extend(stats["failures"])
-            if len(batch["key"]) < 2:  # a lone pair has no negatives
-                continue
+        for batch in self._batches(loader, totals, failures):
             began = time.perf_counter()
             totals["data_s"] += began - ready
             out = self._step(batch)
-            loss, n = float(out.loss.detach()), len(batch["key"])
+            loss, n = distributed.all_reduce_mean(float(out.loss.detach())), len(batch["key"])
             ready = time.perf_counter()
             totals["compute_s"] += ready - began
             totals["loss_sum"] += loss * n
@@ -286,7 +334,7 @@ class _Loop:
                 self.diag.add({"key": batch["key"], "shard": batch["shard"], "index": batch["index"].numpy(),
                                "epoch": [epoch] * n, **{k: v.numpy() for k, v in out.per_pair.items()}})
             lr = self.optimizer.param_groups[0]["lr"]
-            if self.step % cfg.log_every == 0:
+            if self.step % cfg.log_every == 0 and distributed.is_main():
                 self.metrics.write({"event": "step", "epoch": epoch, "step": self.step, "loss": loss, "lr": lr,
                                     "logit_scale": float(self.target.logit_scale().detach()), **out.metrics})
             elapsed = ready - epoch_start
@@ -308,17 +356,22 @@ class _Loop:
         return record
 
     def finish_epoch(self, epoch: int, record: dict) -> None:
-        """Models, diagnostics, the metrics line, then state.pt: the epoch's commit point."""
+        """Models, diagnostics, the metrics line, then state.pt: the epoch's commit point
+        (written by rank 0 alone under torch.distributed)."""
         target = self.target
+        if self.diag is not None:
+            self.diag.close()
+            self.diag = None
+        if not distributed.is_main():
+            self.history.append(record)
+            self.done_epochs = epoch
+            return
         target.export(model_path(self.out, epoch_model_name(epoch), target.backend))
         rsum = record.get("val_rsum")
         if rsum is not None and (self.best_rsum is None or rsum > self.best_rsum):
             self.best_rsum, self.best_epoch = rsum, epoch
             target.export(model_path(self.out, BEST, target.backend))
         record.update({"best_epoch": self.best_epoch, "best_rsum": self.best_rsum})
-        if self.diag is not None:
-            self.diag.close()
-            self.diag = None
         self.history.append(record)
         self.metrics.write(record)
         save_state(self.out, {"model": target.module.state_dict(), "optimizer": self.optimizer.state_dict(),
