@@ -152,6 +152,14 @@ def _normalize_params(preprocess) -> tuple[list[float], list[float], int]:
     return mean, std, size
 
 
+def _plain_encode_image(model: torch.nn.Module, pixels: torch.Tensor) -> torch.Tensor:
+    return model.encode_image(pixels)
+
+
+def _plain_encode_text(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    return model.encode_text(tokens)
+
+
 class OpenClipEstimator:
     """Any open_clip model: a pretrained tag, a local checkpoint file, or `none` (random init)."""
 
@@ -216,14 +224,16 @@ class OpenClipEstimator:
         draft = self.image_size if decode in ("fast", "gpu") else None  # gpu: non-JPEGs still decode on CPU
         self.preparer = OpenClipPreparer(preprocess, self.tokenizer, draft, device_jpeg=self.device_decoder is not None)
         # The text tower runs only up to each batch's longest caption when that is exact (see accel).
+        # The towers take the model as an argument: a copy of this estimator with another
+        # `.model` (training's frozen online estimator) encodes with its own weights.
         self.text_trim = supports_text_trim(net)
-        encode_text = (lambda tokens: bucketed_encode_text(net, tokens)) if self.text_trim else net.encode_text
+        encode_text = bucketed_encode_text if self.text_trim else _plain_encode_text
         self.compile = compile
         if compile:
-            self._encode_image = CompiledOrEager(net.encode_image, "image")
+            self._encode_image = CompiledOrEager(_plain_encode_image, "image")
             self._encode_text = CompiledOrEager(encode_text, "text", dynamic=True if self.text_trim else None)
         else:
-            self._encode_image, self._encode_text = net.encode_image, encode_text
+            self._encode_image, self._encode_text = _plain_encode_image, encode_text
 
     @torch.no_grad()
     def encode(self, modality: str, batch: torch.Tensor) -> torch.Tensor:
@@ -232,9 +242,9 @@ class OpenClipEstimator:
             if modality == "image":
                 if self.channels_last:
                     batch = batch.contiguous(memory_format=torch.channels_last)
-                out = self._encode_image(batch)
+                out = self._encode_image(self.model, batch)
             else:
-                out = self._encode_text(batch)
+                out = self._encode_text(self.model, batch)
         return torch.nn.functional.normalize(out.float(), dim=-1)
 
     def random_batch(self, modality: str, n: int, generator: torch.Generator) -> torch.Tensor:

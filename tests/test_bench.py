@@ -61,6 +61,21 @@ def test_length_buckets_keep_rows_in_order_and_exact(tiny):
     torch.testing.assert_close(tiny.encode("text", tokens), full, atol=1e-5, rtol=0)
 
 
+def test_a_copy_with_another_model_encodes_with_that_model(tiny):
+    """Training's frozen online estimator is a copy of the estimator with `.model` replaced."""
+    import copy
+
+    frozen = copy.copy(tiny)
+    frozen.model = copy.deepcopy(tiny.model)
+    with torch.no_grad():
+        frozen.model.text_projection.mul_(-1.0)
+        frozen.model.visual.proj.mul_(-1.0)
+    tokens = tiny.tokenizer(["a red circle", "two blue squares"])
+    pixels = tiny.random_batch("image", 2, torch.Generator().manual_seed(0))
+    torch.testing.assert_close(frozen.encode("text", tokens), -tiny.encode("text", tokens))
+    torch.testing.assert_close(frozen.encode("image", pixels), -tiny.encode("image", pixels))
+
+
 def test_text_trim_is_refused_where_it_would_not_be_exact(tiny):
     import open_clip
 
