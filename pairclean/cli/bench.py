@@ -9,8 +9,6 @@ import typer
 from rich.table import Table
 
 from pairclean.cli import app, console, err_console
-from pairclean.manifest import open_dataset
-from pairclean.pipeline import ScoreConfig
 
 bench_app = typer.Typer(no_args_is_help=True, help="Measure throughput on this machine.")
 app.add_typer(bench_app, name="bench")
@@ -87,6 +85,9 @@ def bench_score_command(
 ) -> None:
     """Model-only ceiling vs end-to-end `pairclean score` vs a naive loop: pairs/s, ratios, peak memory."""
     from pairclean.bench import bench_score, write_report
+
+    from pairclean.manifest import open_dataset
+    from pairclean.pipeline import ScoreConfig
 
     spec = open_dataset(source, pair=pair, allow_pipe=allow_pipe)
     cfg = ScoreConfig(model=model, pretrained=pretrained, backend=backend, device=device, precision=precision,

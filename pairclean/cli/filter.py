@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import List, Optional
+from typing import TYPE_CHECKING, List, Optional
 
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -12,9 +12,9 @@ from rich.table import Table
 
 from pairclean.cli import app, console
 from pairclean.errors import UserError
-from pairclean.filter import FilterResult, filter_dataset
-from pairclean.finalize import read_provenance
-from pairclean.manifest import open_dataset
+
+if TYPE_CHECKING:
+    from pairclean.filter import FilterResult
 
 
 def _size(n: int | None) -> str:
@@ -52,6 +52,8 @@ def result_table(result: FilterResult) -> Table:
 def _scored_pair(scores: Path) -> str | None:
     """The pair kind the scores were made with: what the new manifest should say."""
     try:
+        from pairclean.finalize import read_provenance
+
         return read_provenance(scores).get("pair")
     except (ValueError, OSError):
         return None  # not a readable scores file: filter_dataset says so
@@ -75,6 +77,9 @@ def filter_command(
     """Write the pairs the rules keep as new shards (members byte-identical), or preview with --dry-run."""
     if out is None and not dry_run:
         raise UserError("give --out DIR (or --dry-run)")
+    from pairclean.filter import filter_dataset
+    from pairclean.manifest import open_dataset
+
     spec = open_dataset(source, pair=pair or _scored_pair(scores))
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("shards"),
                   TimeElapsedColumn(), console=console, transient=True) as bar:

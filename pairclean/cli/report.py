@@ -8,7 +8,6 @@ from typing import List, Optional
 import typer
 
 from pairclean.cli import app, console
-from pairclean.report import build_report
 
 
 @app.command("report")
@@ -24,6 +23,8 @@ def report_command(
     title: Optional[str] = typer.Option(None, help="Page title (default: the scores file name)."),
 ) -> None:
     """One self-contained HTML report: histogram with beta and GMM boundaries, per-shard statistics, gallery."""
+    from pairclean.report import build_report
+
     result = build_report(scores, out, shards=shards, truth=truth, gallery=gallery, contrast=contrast,
                           thumb=thumb, bins=bins, title=title)
     size = out.stat().st_size

@@ -10,9 +10,6 @@ import typer
 from rich.table import Table
 
 from pairclean.cli import app, console, err_console
-from pairclean.estimators import BACKEND_DEFAULT_MODEL, check_backend
-from pairclean.manifest import Fields, open_dataset
-from pairclean.pipeline import ScoreConfig, score
 
 
 def summary_table(result) -> Table:
@@ -83,6 +80,10 @@ def score_command(
     allow_pipe: bool = typer.Option(False, help="Allow `pipe:` shard URLs, which run shell commands."),
 ) -> None:
     """Score every pair: cosine, cone bias beta, OSA weight, GMM p_clean -> Parquet."""
+    from pairclean.estimators import BACKEND_DEFAULT_MODEL, check_backend
+    from pairclean.manifest import Fields, open_dataset
+    from pairclean.pipeline import ScoreConfig, score
+
     if from_embeddings:
         from pairclean.embeddings import EmbeddingScoreConfig, open_embeddings, score_embeddings
 

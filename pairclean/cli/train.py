@@ -10,7 +10,6 @@ from rich.table import Table
 
 from pairclean.cli import app, console
 from pairclean.errors import UserError
-from pairclean.train import TrainConfig, train
 
 
 def method_and_options(method: Optional[str], weights: Optional[str], scores: Optional[str], filter_sql: Optional[str],
@@ -111,6 +110,8 @@ def train_command(
         raise UserError("--estimator-model, --estimator-pretrained, --weight-fn and --beta-k go with --online")
     name, options = method_and_options(method, weights, scores, filter_sql, online, weight_column, join, on_missing,
                                        reduction, online_options, method_option or [])
+    from pairclean.train import TrainConfig, train
+
     cfg = TrainConfig(model=model, pretrained=pretrained, backend=backend, device=device, precision=precision,
                       epochs=epochs, batch_size=batch_size, lr=lr, weight_decay=weight_decay,
                       warmup_steps=warmup_steps, min_lr_ratio=min_lr_ratio, grad_clip=grad_clip or None,
