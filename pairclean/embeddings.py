@@ -244,12 +244,11 @@ _buffers = threading.local()  # per-thread, reused block buffers: no allocation,
 
 
 def _buffer(slot: str, dtype: np.dtype, dim: int) -> np.ndarray:
-    key = (slot, dtype.str, dim)
-    buf = getattr(_buffers, "map", {}).get(key)
-    if buf is None:
-        _buffers.map = {**getattr(_buffers, "map", {}), key: np.empty((BLOCK_ROWS, dim), dtype=dtype)}
-        buf = _buffers.map[key]
-    return buf
+    cache = _buffers.__dict__.setdefault("arrays", {})
+    key = (slot, dtype.str, dim, BLOCK_ROWS)
+    if key not in cache:
+        cache[key] = np.empty((BLOCK_ROWS, dim), dtype=dtype)
+    return cache[key]
 
 
 class ArrayRows:
@@ -279,7 +278,14 @@ class NpyFiles:
         self.dtype, self.dim = np.dtype(pair.dtype), pair.dim
         self.row_bytes = self.dim * self.dtype.itemsize
         self.offsets = [pair.left_offset, pair.right_offset]
-        self.fds = [os.open(path, os.O_RDONLY) for path in (pair.left, pair.right)]
+        self.paths = [pair.left, pair.right]
+        self.fds: list[int] = []
+        try:
+            for path in self.paths:
+                self.fds.append(os.open(path, os.O_RDONLY))
+        except OSError:
+            self.close()
+            raise
 
     def read(self, side: int, row: int, out: np.ndarray) -> None:
         view = memoryview(out).cast("B")
@@ -292,7 +298,7 @@ class NpyFiles:
                 n = len(data)
                 view[:n] = data
             if n == 0:
-                raise OSError(f"embedding file ended early (row {row + (len(out) * self.row_bytes - len(view)) // self.row_bytes})")
+                raise OSError(f"{self.paths[side]} ended early: rows {row}..{row + len(out) - 1} are not all there")
             view, offset = view[n:], offset + n
 
     def close(self) -> None:
