@@ -1,7 +1,8 @@
 """image-label and image-image pairs scored end to end on the toy world, with known mismatches.
 
-1. a toy world of image-text pairs (pairclean.synth.world) trains the tiny CLIP-style model
-   (`pairclean train`, from scratch, CPU) - it has never seen an image-label or image-image pair;
+1. the toy world's estimator (`pairclean synth train-estimator`: the `pairclean-toy` CLIP-style
+   model trained from scratch on clean toy image-text pairs; taken from the cache when an
+   identical recipe was trained before) - it has never seen an image-label or image-image pair;
 2. pairclean.toy_pairs writes held-out image-label pairs (one shape per image, label = the
    shape's name) and image-image pairs (two views of one scene), a share of them mismatched;
 3. each set is scored by `pairclean score --pair image-label|image-image` with that model (the
@@ -9,7 +10,7 @@
    image-image pair through the image tower), and measured by `pairclean evaluate detection`.
 
     python benchmarks/toy_pair_kinds.py --threads 1
-    python benchmarks/toy_pair_kinds.py --train-pairs 2000 --epochs 4 --pairs 500
+    python benchmarks/toy_pair_kinds.py --pairs 500 --noise 0.5
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import time
 from pathlib import Path
 
 from pairclean.atomic import write_json
-from pairclean.synth.world import build_world
+from pairclean.synth.estimator import CHECKPOINT, TOY_MODEL, EstimatorRecipe, cached_checkpoint
 from pairclean.toy_pairs import KINDS, build_toy_pairs
 
 
@@ -40,8 +41,6 @@ def pairclean(*args: str, threads: int | None = None) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--train-pairs", type=int, default=6000)
-    parser.add_argument("--epochs", type=int, default=10)
     parser.add_argument("--pairs", type=int, default=1000, help="pairs per evaluated set")
     parser.add_argument("--noise", type=float, default=0.3)
     parser.add_argument("--seed", type=int, default=0)
@@ -53,22 +52,20 @@ def main() -> None:
     work = (args.workdir or Path(tempfile.mkdtemp(prefix="pairclean-toykinds-"))).resolve()
     work.mkdir(parents=True, exist_ok=True)
 
-    train_dir, run = work / "train", work / "run"
-    build_world(train_dir, args.train_pairs, seed=args.seed + 1, shard_size=1000, overwrite=True)
-    train_seconds = pairclean("train", str(train_dir), "--out", str(run), "--overwrite", "--model", "pairclean-tiny",
-                              "--pretrained", "none", "--epochs", str(args.epochs), "--batch-size", "128",
-                              "--lr", "2e-3", "--warmup-steps", "20", "--workers", "1", "--seed", str(args.seed),
-                              "--no-diagnostics", threads=args.threads)
-    checkpoint = run / "model-best.pt"
-    if not checkpoint.is_file():
-        checkpoint = sorted(run.glob("model-epoch-*.pt"))[-1]
+    checkpoint = cached_checkpoint(EstimatorRecipe())
+    train_seconds = 0.0
+    if checkpoint is None:
+        train_seconds = pairclean("synth", "train-estimator", "--out", str(work / "estimator"), "--overwrite",
+                                  threads=args.threads)
+        checkpoint = work / "estimator" / CHECKPOINT
+    print(f"estimator: {checkpoint}", flush=True)
     results = []
     for kind in KINDS:
         data = work / kind
         build_toy_pairs(data, kind, args.pairs, seed=args.seed, noise=args.noise, shard_size=500, overwrite=True)
         scores = work / f"scores-{kind}.parquet"
         metrics_path = work / f"detection-{kind}.json"
-        pairclean("score", str(data / "manifest.yaml"), "--out", str(scores), "--overwrite", "--model", "pairclean-tiny",
+        pairclean("score", str(data / "manifest.yaml"), "--out", str(scores), "--overwrite", "--model", TOY_MODEL,
                   "--pretrained", str(checkpoint), "--device", "cpu", "--seed", str(args.seed), threads=args.threads)
         pairclean("evaluate", "detection", str(scores), "--truth", str(data / "manifest.yaml"), "--json", str(metrics_path))
         m = json.loads(metrics_path.read_text())
@@ -78,16 +75,16 @@ def main() -> None:
                         "beta_noise_caught": rules["beta"]["noise_caught"],
                         "gmm_balanced_accuracy": rules["gmm"]["balanced_accuracy"],
                         "oracle_balanced_accuracy": rules["oracle"]["balanced_accuracy"]})
-    print(f"\ntiny model trained from scratch on {args.train_pairs:,} toy image-text pairs, {args.epochs} epochs "
-          f"({train_seconds:.0f} s)")
+    print(f"\nestimator {TOY_MODEL} ({checkpoint}; " + (f"trained now in {train_seconds:.0f} s)" if train_seconds
+                                                        else "from the cache)"))
     print("pair kind | pairs (noisy) | ROC-AUC | beta: kept / caught | GMM bal. acc | oracle bal. acc")
     for r in results:
         print(f"{r['kind']} | {r['pairs']:,} ({r['noisy']:,}) | {r['roc_auc']:.4f} | {r['beta_clean_kept']:.2f} / "
               f"{r['beta_noise_caught']:.2f} (beta {r['beta']:.4f}) | {r['gmm_balanced_accuracy']:.2f} | "
               f"{r['oracle_balanced_accuracy']:.2f}")
     if args.json:
-        write_json(args.json, {"args": {k: str(v) for k, v in vars(args).items()}, "train_seconds": train_seconds,
-                               "results": results})
+        write_json(args.json, {"args": {k: str(v) for k, v in vars(args).items()}, "estimator": str(checkpoint),
+                               "train_seconds": train_seconds, "results": results})
 
 
 if __name__ == "__main__":

@@ -126,9 +126,10 @@ def test_image_label_pairs_from_the_cli_with_a_template(mixed, fast_config, tmp_
 
 @pytest.mark.parametrize("kind", ["image-label", "image-image"])
 def test_toy_pairs_carry_their_mismatches_in_a_truth_file(kind, tmp_path):
-    spec = build_toy_pairs(tmp_path / kind, kind, 24, seed=3, noise=0.5, shard_size=10)
-    assert spec.pair == kind and len(spec.shards) == 3
+    main(["synth", "toy-pairs", kind, "--out", str(tmp_path / kind), "--pairs", "24", "--seed", "3", "--noise", "0.5",
+          "--shard-size", "10"])
     read = open_dataset(str(tmp_path / kind / "manifest.yaml"))
+    assert read.pair == kind and len(read.shards) == 3
     pairs = _read_all(read)
     truth = pq.read_table(read.truth).to_pydict()
     assert [p.key for p in pairs] == truth["key"] and all(p.error is None for p in pairs)
@@ -142,3 +143,5 @@ def test_toy_pairs_carry_their_mismatches_in_a_truth_file(kind, tmp_path):
         assert [p.right == v for p, v in zip(pairs, views)] == [not n for n in truth["noisy"]]
         assert all(p.left != p.right for p in pairs)  # a second view is another rendering
     assert sum(truth["selected"]) == 12 and 0 < sum(truth["noisy"]) <= 12
+    with pytest.raises(UserError, match="noise share"):
+        build_toy_pairs(tmp_path / "bad", kind, 10, noise=1.0)

@@ -80,7 +80,7 @@ def test_text_only_backend_is_refused_for_image_pairs_before_anything_is_written
 def test_coco_caption_pairs_score_end_to_end(captions_json, minilm, tmp_path, capsys):
     pairs = caption_pairs(captions_json)
     assert len(pairs) == 16 and pairs[0]["key"] == "000000000139" and pairs[0]["text"] != pairs[0]["text2"]
-    build_text_pairs(captions_json, tmp_path / "wds", shard_size=6)
+    main(["synth", "coco-text", "--src", str(captions_json), "--out", str(tmp_path / "wds"), "--shard-size", "6"])
     build_text_pairs(captions_json, tmp_path / "pq", format="parquet", shard_size=6)
     wds_out, pq_out = tmp_path / "wds.parquet", tmp_path / "pq.parquet"
     main(["score", str(tmp_path / "wds" / "manifest.yaml"), "--out", str(wds_out), "--backend", "sentence-transformers",

@@ -73,3 +73,40 @@ def train_estimator_command(
     checkpoint = train_estimator(out, recipe, world=world, workers=workers, device=device, overwrite=overwrite,
                                  show_progress=True, say=console.print)
     console.print(f"estimator: {checkpoint}\nscore with: pairclean score DATA --model {TOY_MODEL} --pretrained {checkpoint}")
+
+
+@synth_app.command("coco-text")
+def coco_text_command(
+    src: Path = typer.Option(..., "--src", help="captions_val2017.json (or the directory holding it)."),
+    out: Path = typer.Option(..., "--out", "-o", help="Directory for the shards (or Parquet file) and manifest.yaml."),
+    parquet: bool = typer.Option(False, help="One Parquet file (caption, caption2 columns) instead of tar shards."),
+    limit: Optional[int] = typer.Option(None, help="First N images only."),
+    shard_size: int = typer.Option(1000, help="Pairs per tar shard (rows per Parquet row group)."),
+    overwrite: bool = typer.Option(False, help="Replace an existing directory."),
+) -> None:
+    """COCO captions as text-text pairs: one per image, (first caption, second caption) = clean."""
+    from pairclean.coco_text import build_text_pairs
+
+    spec = build_text_pairs(src, out, format="parquet" if parquet else "webdataset", shard_size=shard_size,
+                            limit=limit, overwrite=overwrite)
+    console.print(f"text-text pairs in {len(spec.shards)} file(s) under {out}; manifest {out / 'manifest.yaml'}",
+                  soft_wrap=True)
+
+
+@synth_app.command("toy-pairs")
+def toy_pairs_command(
+    kind: str = typer.Argument(..., help="image-label (one shape per image, label = its name) or image-image "
+                                         "(two views of one scene)."),
+    out: Path = typer.Option(..., "--out", "-o", help="Directory for the shards, manifest.yaml and truth/."),
+    pairs: int = typer.Option(1000, help="Number of pairs."),
+    noise: float = typer.Option(0.0, help="Share of the pairs whose labels / second images are permuted (truth written)."),
+    seed: int = typer.Option(0, help="World and noise seed."),
+    shard_size: int = typer.Option(1000, help="Pairs per tar shard."),
+    overwrite: bool = typer.Option(False, help="Replace an existing directory."),
+) -> None:
+    """Toy-world pairs of the kinds without captions, with known mismatches."""
+    from pairclean.toy_pairs import build_toy_pairs
+
+    spec = build_toy_pairs(out, kind, pairs, seed=seed, noise=noise, shard_size=shard_size, overwrite=overwrite)
+    console.print(f"{pairs:,} {kind} pairs in {len(spec.shards)} shard(s) under {out}; manifest {out / 'manifest.yaml'}"
+                  + (f"; truth {spec.truth}" if spec.truth else ""), soft_wrap=True)
