@@ -35,7 +35,7 @@ from pairclean.atomic import write_json
 from pairclean.errors import UserError
 from pairclean.estimators import OpenClipEstimator, autocast_context, build_estimator, check_backend, resolve_precision
 from pairclean.manifest import DatasetSpec, open_dataset
-from pairclean.pipeline import ScoreConfig, score
+from pairclean.pipeline import ScoreConfig, compute_beta, score
 from pairclean.sources import UnitFailure, list_units, modalities, read_unit
 
 
@@ -90,7 +90,7 @@ class PeakMemory:
     since start rather than per phase.
     """
 
-    def __init__(self, pid: int | None = None, interval: float = 0.05):
+    def __init__(self, pid: int | None = None, interval: float = 0.5):
         self.pid = pid or os.getpid()
         self.interval = interval
         self.peak_mib: float = 0.0
@@ -121,6 +121,19 @@ class PeakMemory:
         self._sample()
 
 
+def cpu_seconds() -> float:
+    """User + system CPU of this process and its finished children (the DataLoader workers of a
+    phase are joined when it ends): a phase's CPU per pair does not depend on how busy the
+    machine is, its wall time does."""
+    import resource
+
+    total = 0.0
+    for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN):
+        usage = resource.getrusage(who)
+        total += usage.ru_utime + usage.ru_stime
+    return total
+
+
 def _gpu_peak_reset(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -144,11 +157,16 @@ class Phase:
     peak_mib: float
     gpu_peak_mib: float | None = None
     load: tuple[float, float] = (0.0, 0.0)  # 1-minute load average before / after
+    cpu_seconds: float = 0.0  # this process + its workers
     extra: dict = field(default_factory=dict)
 
     @property
     def pairs_per_second(self) -> float:
         return self.pairs / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def cpu_ms_per_pair(self) -> float:
+        return 1000 * self.cpu_seconds / self.pairs if self.pairs else 0.0
 
 
 @dataclass
@@ -165,6 +183,16 @@ class BenchRound:
     def vs_naive(self) -> float | None:
         return self.end_to_end.pairs_per_second / self.naive.pairs_per_second if self.naive else None
 
+    @property
+    def cpu_vs_ceiling(self) -> float:
+        """Ceiling CPU per pair over end-to-end CPU per pair: the share of the machine's work
+        that is the model's own (1.0 = decoding, reading and writing cost nothing)."""
+        return self.ceiling.cpu_ms_per_pair / self.end_to_end.cpu_ms_per_pair
+
+    @property
+    def cpu_vs_naive(self) -> float | None:
+        return self.naive.cpu_ms_per_pair / self.end_to_end.cpu_ms_per_pair if self.naive else None
+
 
 @dataclass
 class BenchReport:
@@ -179,14 +207,18 @@ class BenchReport:
 
     def as_dict(self) -> dict:
         def phase(p: Phase | None) -> dict | None:
-            return None if p is None else {**asdict(p), "pairs_per_second": p.pairs_per_second}
+            return None if p is None else {**asdict(p), "pairs_per_second": p.pairs_per_second,
+                                           "cpu_ms_per_pair": p.cpu_ms_per_pair}
 
         return {"config": self.config, "prepare_ms": self.prepare_ms,
                 "rounds": [{"ceiling": phase(r.ceiling), "end_to_end": phase(r.end_to_end), "naive": phase(r.naive),
-                            "end_to_end_over_ceiling": r.vs_ceiling, "end_to_end_over_naive": r.vs_naive}
+                            "end_to_end_over_ceiling": r.vs_ceiling, "end_to_end_over_naive": r.vs_naive,
+                            "cpu_end_to_end_over_ceiling": r.cpu_vs_ceiling, "cpu_end_to_end_over_naive": r.cpu_vs_naive}
                            for r in self.rounds],
                 "median_end_to_end_over_ceiling": self.median("vs_ceiling"),
-                "median_end_to_end_over_naive": self.median("vs_naive")}
+                "median_end_to_end_over_naive": self.median("vs_naive"),
+                "median_cpu_end_to_end_over_ceiling": self.median("cpu_vs_ceiling"),
+                "median_cpu_end_to_end_over_naive": self.median("cpu_vs_naive")}
 
 
 # ---------------------------------------------------------------- (a) the ceiling
@@ -251,6 +283,7 @@ def measure_ceiling(estimator, spec: DatasetSpec, batch_size: int, min_seconds: 
     load0 = os.getloadavg()[0]
     _gpu_peak_reset(estimator.device)
     pairs, elapsed, passes = 0, 0.0, 0
+    cpu0 = cpu_seconds()
     with PeakMemory() as mem:
         started = time.perf_counter()
         while passes == 0 or elapsed < min_seconds:
@@ -261,11 +294,12 @@ def measure_ceiling(estimator, spec: DatasetSpec, batch_size: int, min_seconds: 
                 if passes > 0 and elapsed >= min_seconds:
                     break
             passes += 1
+    cpu = cpu_seconds() - cpu0
     extra = {"batches_per_pass": len(batches), "passes": passes,
              "chunk_after_oom": {m: b.chunk for m, b in backoff.items() if b.halvings}}
     extra.update(_text_trim_gain(estimator, left, right, batches))
     return Phase("ceiling (model only)", pairs, elapsed, mem.peak_mib, _gpu_peak_mib(estimator.device),
-                 (load0, os.getloadavg()[0]), extra)
+                 (load0, os.getloadavg()[0]), cpu, extra)
 
 
 def _text_trim_gain(estimator, left: str, right: str, batches) -> dict:
@@ -341,16 +375,18 @@ def measure_end_to_end(estimator, spec: DatasetSpec, cfg: ScoreConfig, workdir: 
     out = workdir / "bench-scores.parquet"
     load0 = os.getloadavg()[0]
     _gpu_peak_reset(estimator.device)
+    cpu0 = cpu_seconds()
     with PeakMemory() as mem:
         started = time.perf_counter()
         result = score(spec, out, replace(cfg, overwrite=True, show_progress=False), estimator=estimator)
         whole = time.perf_counter() - started
+    cpu = cpu_seconds() - cpu0  # the whole call: beta (none with shuffled/fixed/cached) and finalize included
     s = result.summary
     extra = {"whole_call_seconds": whole, "whole_call_pairs_per_second": result.pairs_scored_now / whole,
              "beta_seconds": s.get("beta_seconds"), "beta_source": s.get("beta_source"),
              "errors": s.get("errors"), "workers": cfg.workers}
     return Phase("end-to-end scoring loop", result.pairs_scored_now, result.seconds, mem.peak_mib,
-                 _gpu_peak_mib(estimator.device), (load0, os.getloadavg()[0]), extra)
+                 _gpu_peak_mib(estimator.device), (load0, os.getloadavg()[0]), cpu, extra)
 
 
 # ---------------------------------------------------------------- (c) the naive loop
@@ -378,6 +414,7 @@ def measure_naive(estimator, spec: DatasetSpec, batch_size: int, max_pairs: int)
 
     load0 = os.getloadavg()[0]
     _gpu_peak_reset(device)
+    cpu0 = cpu_seconds()
     with PeakMemory() as mem:
         started = time.perf_counter()
         for unit in list_units(spec):
@@ -400,7 +437,8 @@ def measure_naive(estimator, spec: DatasetSpec, batch_size: int, max_pairs: int)
         if images:
             flush()
         elapsed = time.perf_counter() - started
-    return Phase("naive loop", pairs, elapsed, mem.peak_mib, _gpu_peak_mib(device), (load0, os.getloadavg()[0]))
+    return Phase("naive loop", pairs, elapsed, mem.peak_mib, _gpu_peak_mib(device), (load0, os.getloadavg()[0]),
+                 cpu_seconds() - cpu0)
 
 
 # ---------------------------------------------------------------- all three
@@ -423,6 +461,9 @@ def bench_score(source: str | list[str] | DatasetSpec, cfg: ScoreConfig, naive_p
     say = progress or (lambda message: None)
     say("worker cost per pair ...")
     prepare_ms = measure_prepare_cost(estimator, spec)
+    if cfg.beta_mode == "random-inputs" and cfg.beta_cache:
+        say("beta (once; the measured runs read it from the beta cache) ...")
+        compute_beta(estimator, spec, cfg)
     rounds = []
     with tempfile.TemporaryDirectory(prefix="pairclean-bench-") as tmp:
         for i in range(repeat):
