@@ -48,14 +48,14 @@ def test_encodes_like_sentence_transformers_itself(minilm):
 
 
 def test_random_inputs_are_random_token_texts_and_reproducible(minilm):
-    a = minilm.random_batch("text", 32, torch.Generator().manual_seed(0))
-    b = minilm.random_batch("text", 32, torch.Generator().manual_seed(0))
-    c = minilm.random_batch("text", 32, torch.Generator().manual_seed(1))
+    a = minilm.random_batch("text", 16, torch.Generator().manual_seed(0))
+    b = minilm.random_batch("text", 16, torch.Generator().manual_seed(0))
+    c = minilm.random_batch("text", 16, torch.Generator().manual_seed(1))
     assert torch.equal(a["input_ids"], b["input_ids"]) and not torch.equal(a["input_ids"], c["input_ids"])
     tok = minilm.tokenizer
     assert (a["input_ids"][:, 0] == tok.cls_token_id).all()
     lengths = a["attention_mask"].sum(1)
-    assert lengths.min() >= 3 and (a["input_ids"][torch.arange(32), lengths - 1] == tok.sep_token_id).all()
+    assert lengths.min() >= 3 and (a["input_ids"][torch.arange(16), lengths - 1] == tok.sep_token_id).all()
     body = a["input_ids"][:, 1:][a["attention_mask"][:, 1:].bool()]
     assert not torch.isin(body, torch.tensor([tok.cls_token_id, tok.pad_token_id, tok.mask_token_id])).any()
     # Random texts sit near each other (the cone) but far from identical: beta is well inside (0, 1).
@@ -83,14 +83,14 @@ def test_coco_caption_pairs_score_end_to_end(captions_json, minilm, tmp_path, ca
     main(["synth", "coco-text", "--src", str(captions_json), "--out", str(tmp_path / "wds"), "--shard-size", "6"])
     build_text_pairs(captions_json, tmp_path / "pq", format="parquet", shard_size=6)
     wds_out, pq_out = tmp_path / "wds.parquet", tmp_path / "pq.parquet"
-    main(["score", str(tmp_path / "wds" / "manifest.yaml"), "--out", str(wds_out), "--backend", "sentence-transformers",
-          "--beta-k", "16", "--batch-size", "8", "--workers", "0", "--device", "cpu"])
-    assert "flagged by beta rule" in capsys.readouterr().out
-    prov = read_provenance(wds_out)
-    assert prov["pair"] == "text-text" and prov["estimator"]["model"] == "all-MiniLM-L6-v2" and prov["beta_k"] == 16
     score(str(tmp_path / "pq" / "manifest.yaml"), pq_out,
-          ScoreConfig(backend="sentence-transformers", beta_mode="fixed", beta=prov["beta"], batch_size=8, workers=0),
-          estimator=minilm)
+          ScoreConfig(backend="sentence-transformers", beta_k=8, batch_size=8, workers=0), estimator=minilm)
+    prov = read_provenance(pq_out)
+    assert prov["pair"] == "text-text" and prov["estimator"]["model"] == "all-MiniLM-L6-v2" and prov["beta_k"] == 8
+    main(["score", str(tmp_path / "wds" / "manifest.yaml"), "--out", str(wds_out), "--backend", "sentence-transformers",
+          "--beta-mode", "fixed", "--beta", str(prov["beta"]), "--batch-size", "8", "--workers", "0", "--device", "cpu"])
+    assert "flagged by beta rule" in capsys.readouterr().out
+    assert read_provenance(wds_out)["estimator"]["backend"] == "sentence-transformers"
     wds_rows, pq_rows = pq.read_table(wds_out).to_pydict(), pq.read_table(pq_out).to_pydict()
     assert wds_rows["key"] == pq_rows["key"] == [p["key"] for p in pairs]
     np.testing.assert_allclose(wds_rows["sim"], pq_rows["sim"], atol=1e-5)
