@@ -10,8 +10,11 @@ fixed --beta 0` does (through the API, to read the timings back), and reports pe
   total pairs/s    the whole command (start-up, finalize: GMM on up to 1M values, output write);
   CPU s            user + system time of the process: pairs per CPU-second says what the loop
                    costs independently of how busy the machine's cores were;
-  peak PSS         the process tree's proportional set size, sampled every 50 ms (mapped file
-                   pages count while mapped): it must not grow with the file (4x the rows).
+  peak PSS         the process tree's proportional set size, sampled every 50 ms: it must not
+                   grow with the file (4x the rows). Both runs fit the GMM on the same bounded
+                   sample (--gmm-sample, default 200,000), so that the comparison is about
+                   reading and scoring, whose memory is bounded by blocks and by a unit's
+                   columns (262,144 rows), not by the file.
 
     python benchmarks/embeddings_throughput.py                 # 1M x 512 float16
     python benchmarks/embeddings_throughput.py --dtype float32 --workdir /tmp/emb-bench
@@ -69,18 +72,18 @@ def write_one_file(directory: Path, rows: int, dim: int, dtype: str, seed: int) 
     shutil.rmtree(staging)
 
 
-def child(directory: str, out: str) -> None:
+def child(directory: str, out: str, gmm_sample: int) -> None:
     """The measured process: score via the API (as `pairclean score --from-embeddings --beta-mode
-    fixed --beta 0` does) and print the result's summary as JSON."""
+    fixed --beta 0 --gmm-sample N` does) and print the result's summary as JSON."""
     from pairclean.embeddings import EmbeddingScoreConfig, open_embeddings, score_embeddings
 
-    result = score_embeddings(open_embeddings(directory), out, EmbeddingScoreConfig(beta_mode="fixed", beta=0.0,
-                                                                                    overwrite=True))
+    cfg = EmbeddingScoreConfig(beta_mode="fixed", beta=0.0, gmm_sample=gmm_sample, overwrite=True)
+    result = score_embeddings(open_embeddings(directory), out, cfg)
     print(json.dumps(result.summary, default=str))
 
 
-def run_score(directory: Path, out: Path) -> dict:
-    cmd = [sys.executable, __file__, "--child", str(directory), str(out)]
+def run_score(directory: Path, out: Path, gmm_sample: int) -> dict:
+    cmd = [sys.executable, __file__, "--child", str(directory), str(out), str(gmm_sample)]
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     started = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -108,10 +111,12 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=2, help="runs per data size")
     parser.add_argument("--workdir", type=Path, help="keep the generated data here (reused when present)")
     parser.add_argument("--json", type=Path, help="write the results here")
-    parser.add_argument("--child", nargs=2, metavar=("DIR", "OUT"), help=argparse.SUPPRESS)
+    parser.add_argument("--gmm-sample", type=int, default=200_000,
+                        help="GMM fit sample in both runs (the same bound, so peak memory compares reading)")
+    parser.add_argument("--child", nargs=3, metavar=("DIR", "OUT", "GMM_SAMPLE"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        child(*args.child)
+        child(args.child[0], args.child[1], int(args.child[2]))
         return
 
     work = args.workdir or Path(tempfile.mkdtemp(prefix="pairclean-embbench-"))
@@ -129,7 +134,7 @@ def main() -> None:
         for round_ in range(args.repeat):
             for name, rows in sizes.items():
                 directory = work / f"{name}-{rows}x{args.dim}-{args.dtype}"
-                r = run_score(directory, work / f"scores-{name}.parquet")
+                r = run_score(directory, work / f"scores-{name}.parquet", args.gmm_sample)
                 r.update(data=name, round=round_ + 1)
                 results.append(r)
                 print(f"round {r['round']} {name:>7}: {r['rows']:>9,} pairs  scoring {r['scoring_pairs_per_s']:>11,.0f} "

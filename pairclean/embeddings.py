@@ -545,7 +545,7 @@ class EmbeddingScoreConfig:
     seed: int = 0
     gmm_sample: int = 1_000_000
     batch_rows: int = 65536  # rows read at a time: what bounds memory
-    unit_rows: int = 1 << 20  # rows per unit of an .npy pair: the grain of resume
+    unit_rows: int = 1 << 18  # rows per unit of an .npy pair: the grain of resume; its columns are held until commit
     threads: int = 0  # 0: torch.get_num_threads()
     overwrite: bool = False
     resume: bool = False
