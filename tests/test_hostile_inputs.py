@@ -480,13 +480,13 @@ def test_usage_errors_are_one_line_exit_2(argv, expect, capsys):
 
 
 def test_crash_is_one_line_with_a_log_holding_the_traceback(tmp_path, capsys, monkeypatch, coco_shards):
-    import pairclean.cli.score as score_cli
+    import pairclean.pipeline as score_api
 
     def broken(*args, **kwargs):
         raise RuntimeError("disk controller on fire\nsecond line")
 
     monkeypatch.setenv("PAIRCLEAN_LOG_DIR", str(tmp_path / "logs"))
-    monkeypatch.setattr(score_cli, "score", broken)
+    monkeypatch.setattr(score_api, "score", broken)
     code = _cli(["score", str(coco_shards), "--out", str(tmp_path / "s.parquet")])
     err = capsys.readouterr().err.strip()
     assert code == 1 and len(err.splitlines()) == 1 and "disk controller on fire" in err

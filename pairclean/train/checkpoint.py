@@ -37,7 +37,10 @@ def model_path(run_dir: Path, stem: str, backend: str) -> Path:
 
 
 def rng_state() -> dict:
-    state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    """RNG states as tensors and plain Python values, so state.pt loads with weights_only=True."""
+    name, keys, pos, has_gauss, gauss = np.random.get_state()
+    numpy_state = [name, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(gauss)]
+    state = {"torch": torch.get_rng_state(), "numpy": numpy_state, "python": random.getstate()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
@@ -45,7 +48,8 @@ def rng_state() -> dict:
 
 def set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
-    np.random.set_state(state["numpy"])
+    name, keys, pos, has_gauss, gauss = state["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
     random.setstate(state["python"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
@@ -57,8 +61,10 @@ def save_state(run_dir: Path, state: dict) -> None:
 
 
 def load_state(run_dir: Path) -> dict:
-    # The state holds optimizer and RNG objects, not only tensors: it is pairclean's own file.
-    return torch.load(Path(run_dir) / STATE_FILE, map_location="cpu", weights_only=False)
+    try:
+        return torch.load(Path(run_dir) / STATE_FILE, map_location="cpu", weights_only=True)
+    except Exception as exc:  # a corrupt or foreign file: one line, never arbitrary unpickling
+        raise UserError(f"cannot load {Path(run_dir) / STATE_FILE} safely: {str(exc).splitlines()[0][:200]}") from None
 
 
 def read_run(run_dir: Path) -> dict:
