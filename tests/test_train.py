@@ -67,8 +67,14 @@ def test_plain_run_writes_a_checkpoint_open_clip_loads(tmp_path, coco_shards):
     run = json.loads((tmp_path / "run" / "run.json").read_text())
     assert run["method"]["method"] == "plain" and run["train"]["pairs"] == 16
     assert len(_diagnostics(tmp_path / "run")) == 16
-    # The checkpoint evaluates to the rSum the trainer measured.
+    # The checkpoint evaluates to the rSum the trainer measured, from the run or as a bare file.
     metrics = evaluate_retrieval(tmp_path / "run", str(coco_shards), workers=0)
+    assert metrics["rsum"] == pytest.approx(rec["val_rsum"], abs=1e-6)
+    bare = tmp_path / "elsewhere.pt"
+    bare.write_bytes(result.last_model.read_bytes())
+    with pytest.raises(UserError, match="--arch"):
+        evaluate_retrieval(bare, str(coco_shards), workers=0)
+    metrics = evaluate_retrieval(bare, str(coco_shards), arch="pairclean-tiny", workers=0)
     assert metrics["rsum"] == pytest.approx(rec["val_rsum"], abs=1e-6)
 
 
