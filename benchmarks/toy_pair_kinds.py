@@ -4,7 +4,8 @@
    model trained from scratch on clean toy image-text pairs; taken from the cache when an
    identical recipe was trained before) - it has never seen an image-label or image-image pair;
 2. pairclean.toy_pairs writes held-out image-label pairs (one shape per image, label = the
-   shape's name) and image-image pairs (two views of one scene), a share of them mismatched;
+   shape's name, and a second set with its colour name) and image-image pairs (two views of one
+   scene), a share of them mismatched;
 3. each set is scored by `pairclean score --pair image-label|image-image` with that model (the
    label goes through the text tower as "This is a picture of {label}."; both images of an
    image-image pair through the image tower), and measured by `pairclean evaluate detection`.
@@ -26,7 +27,9 @@ from pathlib import Path
 
 from pairclean.atomic import write_json
 from pairclean.synth.estimator import CHECKPOINT, TOY_MODEL, EstimatorRecipe, cached_checkpoint
-from pairclean.toy_pairs import KINDS, build_toy_pairs
+from pairclean.toy_pairs import build_toy_pairs
+
+SETS = (("image-label", "shape"), ("image-label", "colour"), ("image-image", None))
 
 
 def pairclean(*args: str, threads: int | None = None) -> float:
@@ -60,17 +63,19 @@ def main() -> None:
         checkpoint = work / "estimator" / CHECKPOINT
     print(f"estimator: {checkpoint}", flush=True)
     results = []
-    for kind in KINDS:
-        data = work / kind
-        build_toy_pairs(data, kind, args.pairs, seed=args.seed, noise=args.noise, shard_size=500, overwrite=True)
-        scores = work / f"scores-{kind}.parquet"
-        metrics_path = work / f"detection-{kind}.json"
+    for kind, label in SETS:
+        name = kind + (f"-{label}" if label else "")
+        data = work / name
+        build_toy_pairs(data, kind, args.pairs, seed=args.seed, noise=args.noise, shard_size=500,
+                        label=label or "shape", overwrite=True)
+        scores = work / f"scores-{name}.parquet"
+        metrics_path = work / f"detection-{name}.json"
         pairclean("score", str(data / "manifest.yaml"), "--out", str(scores), "--overwrite", "--model", TOY_MODEL,
                   "--pretrained", str(checkpoint), "--device", "cpu", "--seed", str(args.seed), threads=args.threads)
         pairclean("evaluate", "detection", str(scores), "--truth", str(data / "manifest.yaml"), "--json", str(metrics_path))
         m = json.loads(metrics_path.read_text())
         rules = m["rules"]
-        results.append({"kind": kind, "pairs": m["pairs"], "noisy": m["noisy"], "roc_auc": m["roc_auc"],
+        results.append({"set": name, "pairs": m["pairs"], "noisy": m["noisy"], "roc_auc": m["roc_auc"],
                         "beta": rules["beta"]["threshold"], "beta_clean_kept": rules["beta"]["clean_kept"],
                         "beta_noise_caught": rules["beta"]["noise_caught"],
                         "gmm_balanced_accuracy": rules["gmm"]["balanced_accuracy"],
@@ -79,7 +84,7 @@ def main() -> None:
                                                         else "from the cache)"))
     print("pair kind | pairs (noisy) | ROC-AUC | beta: kept / caught | GMM bal. acc | oracle bal. acc")
     for r in results:
-        print(f"{r['kind']} | {r['pairs']:,} ({r['noisy']:,}) | {r['roc_auc']:.4f} | {r['beta_clean_kept']:.2f} / "
+        print(f"{r['set']} | {r['pairs']:,} ({r['noisy']:,}) | {r['roc_auc']:.4f} | {r['beta_clean_kept']:.2f} / "
               f"{r['beta_noise_caught']:.2f} (beta {r['beta']:.4f}) | {r['gmm_balanced_accuracy']:.2f} | "
               f"{r['oracle_balanced_accuracy']:.2f}")
     if args.json:

@@ -5,8 +5,8 @@ the generator instead: a share `noise` of the pairs is drawn (seeded) and their 
 images, are permuted among themselves; a pair that drew content equal to its own stays clean.
 
 image-label: scene i of the toy world keeps only its first object, so the image shows one shape
-and its label is that shape's name ("circle", ...); scored with the label template it becomes
-"This is a picture of circle.".
+and its label is that shape's name ("circle", ...) or, with `label="colour"`, its colour name;
+scored with the label template it becomes "This is a picture of circle.".
 image-image: scene i rendered twice: the same objects in the same cells, the second time on the
 background, object jitter and tints of another scene (a second view of the same content).
 
@@ -30,6 +30,7 @@ from pairclean.packing import staged_directory, write_shards
 from pairclean.synth.world import Scene, png_bytes, render, sample_scene
 
 KINDS = ("image-label", "image-image")
+LABELS = ("shape", "colour")  # which attribute of the object names an image-label pair's class
 TRUTH_NAME = "truth/truth.parquet"
 VIEW_SEED_OFFSET = 1_000_003  # second views borrow the look of scene i of world seed + this
 
@@ -62,10 +63,12 @@ def noise_plan(n: int, noise: float, seed: int) -> tuple[np.ndarray, np.ndarray]
 
 
 def build_toy_pairs(out: str | Path, kind: str, pairs: int, seed: int = 0, noise: float = 0.0,
-                    shard_size: int = 1000, overwrite: bool = False) -> DatasetSpec:
+                    shard_size: int = 1000, label: str = "shape", overwrite: bool = False) -> DatasetSpec:
     """Write `pairs` toy pairs of `kind` as WebDataset shards + manifest.yaml (+ truth when noise > 0)."""
     if kind not in KINDS:
         raise UserError(f"unknown toy pair kind {kind!r}; choose {' or '.join(KINDS)}")
+    if label not in LABELS:
+        raise UserError(f"unknown label attribute {label!r}; choose {' or '.join(LABELS)}")
     if pairs < 2 or shard_size < 1:
         raise UserError("need at least 2 pairs and a shard size of at least 1")
     out = Path(out).resolve()  # the truth's shard column must match the scores' (absolute) shard paths
@@ -73,7 +76,7 @@ def build_toy_pairs(out: str | Path, kind: str, pairs: int, seed: int = 0, noise
     scenes = [sample_scene(seed, i) for i in range(pairs)]
     if kind == "image-label":
         scenes = [single_object(s) for s in scenes]
-        right = [s.objects[0].shape for s in scenes]
+        right = [getattr(s.objects[0], label) for s in scenes]
     else:
         right = [png_bytes(render(second_view(s, seed, i))) for i, s in enumerate(scenes)]
     seconds = [right[d] for d in donor]
@@ -98,6 +101,7 @@ def build_toy_pairs(out: str | Path, kind: str, pairs: int, seed: int = 0, noise
                                          "selected": selected}), path)
             truth = str(out / TRUTH_NAME)
         spec = DatasetSpec(format="webdataset", shards=shards, pair=kind, fields=Fields(image="png", image2="png2"),
-                           truth=truth, name=f"toy-{kind}-seed{seed}" + (f"-noise{noise:g}" if noise else ""))
+                           truth=truth, name=f"toy-{kind}-seed{seed}" + (f"-{label}" if kind == "image-label" else "")
+                           + (f"-noise{noise:g}" if noise else ""))
         write_manifest(tmp / "manifest.yaml", spec, shards_relative_to=out)
     return spec

@@ -138,6 +138,9 @@ def test_toy_pairs_carry_their_mismatches_in_a_truth_file(kind, tmp_path):
     if kind == "image-label":
         mine = [f"This is a picture of {s.objects[0].shape}." for s in own]
         assert [p.right == m for p, m in zip(pairs, mine)] == [not n for n in truth["noisy"]]
+        colours = build_toy_pairs(tmp_path / "colours", kind, 24, seed=3, label="colour")
+        assert colours.truth is None
+        assert [p.right for p in _read_all(colours)] == [f"This is a picture of {s.objects[0].colour}." for s in own]
     else:
         views = [png_bytes(render(second_view(s, 3, i))) for i, s in enumerate(own)]
         assert [p.right == v for p, v in zip(pairs, views)] == [not n for n in truth["noisy"]]

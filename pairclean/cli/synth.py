@@ -102,11 +102,13 @@ def toy_pairs_command(
     noise: float = typer.Option(0.0, help="Share of the pairs whose labels / second images are permuted (truth written)."),
     seed: int = typer.Option(0, help="World and noise seed."),
     shard_size: int = typer.Option(1000, help="Pairs per tar shard."),
+    label: str = typer.Option("shape", help="image-label: the object's shape name or its colour name."),
     overwrite: bool = typer.Option(False, help="Replace an existing directory."),
 ) -> None:
     """Toy-world pairs of the kinds without captions, with known mismatches."""
     from pairclean.toy_pairs import build_toy_pairs
 
-    spec = build_toy_pairs(out, kind, pairs, seed=seed, noise=noise, shard_size=shard_size, overwrite=overwrite)
+    spec = build_toy_pairs(out, kind, pairs, seed=seed, noise=noise, shard_size=shard_size, label=label,
+                           overwrite=overwrite)
     console.print(f"{pairs:,} {kind} pairs in {len(spec.shards)} shard(s) under {out}; manifest {out / 'manifest.yaml'}"
                   + (f"; truth {spec.truth}" if spec.truth else ""), soft_wrap=True)
