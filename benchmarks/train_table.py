@@ -41,8 +41,8 @@ console = Console(width=150)
 def show(title: str, columns: list[str], rows: list[list], out: Path, name: str, extra: dict) -> None:
     """Print the table and write it as JSON and Markdown beside the runs."""
     table = Table(title=title)
-    for i, name in enumerate(columns):
-        table.add_column(name, justify="left" if i == 0 else "right", no_wrap=i == 0)
+    for i, column in enumerate(columns):
+        table.add_column(column, justify="left" if i == 0 else "right", no_wrap=i == 0)
     for row in rows:
         table.add_row(*(f"{v:.4g}" if isinstance(v, float) else str(v) for v in row))
     console.print(table)
@@ -94,13 +94,14 @@ def toy(args) -> None:
     noisy_manifest = noisy / "manifest.yaml"
 
     def cfg(pretrained: str = "none", **kw) -> TrainConfig:
-        return TrainConfig(model=args.model, pretrained=pretrained, epochs=args.epochs, batch_size=args.batch_size,
-                           lr=args.lr, weight_decay=0.1, warmup_steps=args.warmup_steps, workers=args.workers,
-                           seed=0, resume=True, **kw)
+        settings = {"epochs": args.epochs, "lr": args.lr, "warmup_steps": args.warmup_steps, **kw}
+        return TrainConfig(model=args.model, pretrained=pretrained, batch_size=args.batch_size, weight_decay=0.1,
+                           workers=args.workers, seed=0, resume=True, **settings)
 
     estimator = Path(args.estimator) if args.estimator else None
-    if estimator is None:  # the toy estimator: the from-scratch recipe on a disjoint clean world (seed 2)
-        est = train(str(out / "world-estimator" / "manifest.yaml"), out / "estimator", cfg(), val=str(val))
+    if estimator is None:  # the toy estimator: trained from scratch on a disjoint clean world (seed 2)
+        est = train(str(out / "world-estimator" / "manifest.yaml"), out / "estimator",
+                    cfg(epochs=args.estimator_epochs, lr=args.estimator_lr, warmup_steps=50), val=str(val))
         estimator = est.best_model
     scores = out / "scores.parquet"
     if not scores.exists():
@@ -262,6 +263,8 @@ def main(argv: list[str] | None = None) -> None:
     ty.add_argument("--workers", type=int, default=1)
     ty.add_argument("--model", default="pairclean-tiny")
     ty.add_argument("--estimator", help="estimator checkpoint (default: trained here on a disjoint clean world)")
+    ty.add_argument("--estimator-epochs", type=int, default=6, help="epochs of the estimator trained here")
+    ty.add_argument("--estimator-lr", type=float, default=1e-3, help="learning rate of the estimator trained here")
     ty.add_argument("--init", choices=("scratch", "estimator"), default="scratch",
                     help="train every row from scratch, or fine-tune the estimator (the paper's setting)")
     ct = sub.add_parser("coco-text", help="COCO captions text-text table (all-MiniLM-L6-v2)")
