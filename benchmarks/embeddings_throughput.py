@@ -8,8 +8,9 @@ fixed --beta 0` does (through the API, to read the timings back), and reports pe
   scoring pairs/s  the scoring loop (read batches, cosine + norm check, commit parts) = the
                    summary's pairs_per_second;
   total pairs/s    the whole command (start-up, finalize: GMM on up to 1M values, output write);
-  CPU s            user + system time of the process: pairs per CPU-second says what the loop
-                   costs independently of how busy the machine's cores were;
+  pairs/CPU-s      pairs per CPU-second (user + system, all threads) of the scoring loop, and of
+                   the whole process: what the work costs independently of how busy the
+                   machine's cores were (2 free cores give at most twice the loop's figure);
   peak PSS         the process tree's proportional set size, sampled every 50 ms: it must not
                    grow with the file (4x the rows). Both runs fit the GMM on the same bounded
                    sample (--gmm-sample, default 200,000), so that the comparison is about
@@ -96,7 +97,8 @@ def run_score(directory: Path, out: Path, gmm_sample: int) -> dict:
     summary = json.loads(stdout.strip().splitlines()[-1])
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     return {"rows": summary["pairs"], "scoring_pairs_per_s": summary["pairs_per_second"],
-            "scoring_seconds": summary["scoring_seconds"], "total_seconds": seconds,
+            "scoring_seconds": summary["scoring_seconds"],
+            "scoring_pairs_per_cpu_s": summary["pairs"] / summary["scoring_cpu_seconds"], "total_seconds": seconds,
             "total_pairs_per_s": summary["pairs"] / seconds, "cpu_seconds": cpu,
             "pairs_per_cpu_second": summary["pairs"] / cpu, "peak_tree_pss_mib": memory.peak_mib,
             "load_1m": os.getloadavg()[0]}
@@ -137,10 +139,11 @@ def main() -> None:
                 r = run_score(directory, work / f"scores-{name}.parquet", args.gmm_sample)
                 r.update(data=name, round=round_ + 1)
                 results.append(r)
-                print(f"round {r['round']} {name:>7}: {r['rows']:>9,} pairs  scoring {r['scoring_pairs_per_s']:>11,.0f} "
-                      f"pairs/s ({r['scoring_seconds']:.2f} s)  total {r['total_pairs_per_s']:>9,.0f} pairs/s "
-                      f"({r['total_seconds']:.1f} s)  {r['pairs_per_cpu_second']:>9,.0f} pairs/CPU-s  "
-                      f"peak PSS {r['peak_tree_pss_mib']:7.1f} MiB  load {r['load_1m']:.1f}", flush=True)
+                print(f"round {r['round']} {name:>7}: {r['rows']:>9,} pairs  scoring {r['scoring_pairs_per_s']:>9,.0f} "
+                      f"pairs/s ({r['scoring_seconds']:.2f} s, {r['scoring_pairs_per_cpu_s']:,.0f} pairs/CPU-s)  "
+                      f"whole process {r['total_pairs_per_s']:>7,.0f} pairs/s ({r['total_seconds']:.1f} s, "
+                      f"{r['pairs_per_cpu_second']:,.0f} pairs/CPU-s)  peak PSS {r['peak_tree_pss_mib']:6.1f} MiB  "
+                      f"load {r['load_1m']:.1f}", flush=True)
         full = [r for r in results if r["data"] == "full"]
         quarter = [r for r in results if r["data"] == "quarter"]
         best = max(full, key=lambda r: r["scoring_pairs_per_s"])

@@ -657,7 +657,7 @@ def score_embeddings(spec: EmbeddingSpec, out: str | Path, config: EmbeddingScor
     todo = [u for u in units if u not in done]
     intra_op = torch.get_num_threads()
     threads = cfg.threads or intra_op
-    started = time.perf_counter()
+    started, cpu_started = time.perf_counter(), time.process_time()
     scored = 0
     pool = ThreadPoolExecutor(threads) if threads > 1 else None
     # The pool is the parallelism; torch's own threads on 256-row conversions only contend
@@ -674,7 +674,7 @@ def score_embeddings(spec: EmbeddingSpec, out: str | Path, config: EmbeddingScor
         torch.set_num_threads(intra_op)
         if pool is not None:
             pool.shutdown()
-    elapsed = time.perf_counter() - started
+    elapsed, cpu = time.perf_counter() - started, time.process_time() - cpu_started
 
     records = store.committed()
     missing = [u for u in units if u not in records]
@@ -694,7 +694,7 @@ def score_embeddings(spec: EmbeddingSpec, out: str | Path, config: EmbeddingScor
                   "renormalised": {**not_unit, "max_norm_deviation": deviation}}
     summary = finalize(store, units, out, beta, cfg.weight_fn, cfg.seed, cfg.gmm_sample, provenance, records)
     summary.update(pairs_per_second=scored / elapsed if elapsed > 0 else 0.0, beta_source=beta_source,
-                   beta_seconds=beta_seconds, scoring_seconds=elapsed, not_unit_left=not_unit["left"], not_unit_right=not_unit["right"])
+                   beta_seconds=beta_seconds, scoring_seconds=elapsed, scoring_cpu_seconds=cpu, not_unit_left=not_unit["left"], not_unit_right=not_unit["right"])
     store.remove()
     return ScoreResult(out, summary, elapsed, scored, start.resumed, provenance)
 
