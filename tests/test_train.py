@@ -12,12 +12,16 @@ import torch
 
 from pairclean.coco import build_shards
 from pairclean.errors import UserError
+from pairclean.manifest import open_dataset
 from pairclean.pipeline import ScoreConfig, score
 from pairclean.retrieval import evaluate_retrieval
 from pairclean.scorer import cone_weight, debias, normalised_weight
 from pairclean.train import METHODS, TrainConfig, build_method, train
 from pairclean.train import trainer as trainer_module
+from pairclean.train.data import index_shards
 from pairclean.train.metrics import read_metrics
+from pairclean.train.models import load_target
+from pairclean.train.weights import build_weight_arrays
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -146,10 +150,12 @@ def test_missing_pairs_error_by_default_or_follow_the_policy(tmp_path, coco_shar
     result = train(str(coco_shards), tmp_path / "b",
                    tiny(method="osa-weights", method_options={"scores": str(partial), "on_missing": "drop"}))
     assert result.epochs[0]["pairs"] == 14 and result.epochs[0]["dropped"] == 2  # index 5 of the two 6-pair shards
-    train(str(coco_shards), tmp_path / "c",
-          tiny(method="osa-weights", method_options={"scores": str(partial), "on_missing": "keep"}))
-    kept = {(row["shard"].rsplit("/", 1)[-1], row["index"]): row["weight"] for row in _diagnostics(tmp_path / "c")}
-    assert kept[("coco-mini-000000.tar", 5)] == 1.0 and len(kept) == 16
+    spec = open_dataset(str(coco_shards))
+    shards = index_shards(spec)
+    (tmp_path / "c").mkdir()
+    join = build_weight_arrays(partial, spec, shards, tmp_path / "c", on_missing="keep")
+    first = np.load(tmp_path / "c" / "weights" / join.shard_files[shards[0].shard])
+    assert first[5] == 1.0 and join.missing == 2 and join.kept == 16 and join.dropped == 0
 
 
 @pytest.mark.parametrize("options, message", [
@@ -185,9 +191,9 @@ def test_online_osa_weights_come_from_the_scorer(tmp_path, coco_shards):
 
 
 def test_online_estimator_from_a_checkpoint(tmp_path, coco_shards):
-    first = train(str(coco_shards), tmp_path / "estimator", tiny())
+    checkpoint = load_target("pairclean-tiny", "none").export(tmp_path / "estimator.pt")
     cfg = tiny(method="osa-online", method_options={"estimator_model": "pairclean-tiny", "beta_k": 32,
-                                                    "estimator_pretrained": str(first.last_model)})
+                                                    "estimator_pretrained": str(checkpoint)})
     train(str(coco_shards), tmp_path / "run", cfg)
     run = json.loads((tmp_path / "run" / "run.json").read_text())
     assert run["method"]["estimator"]["checkpoint_sha256"] is not None
