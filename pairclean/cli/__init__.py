@@ -72,7 +72,11 @@ def _one_line(kind: str, message: str) -> None:
 def main(argv: list[str] | None = None) -> None:
     _register_commands()
     try:
-        app(args=argv, standalone_mode=False)
+        returned = app(args=argv, standalone_mode=False)
+        if returned == 130:  # typer hands a Ctrl-C inside a command back as this value
+            raise KeyboardInterrupt
+        if isinstance(returned, int) and returned:
+            sys.exit(returned)
     except UserError as exc:
         _one_line("error", str(exc).replace("\n", " "))
         sys.exit(2)
