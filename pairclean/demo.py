@@ -38,6 +38,7 @@ class DemoConfig:
     ratio: float = 0.5
     noise_seed: int = 0
     recipe: EstimatorRecipe = field(default_factory=EstimatorRecipe)
+    beta_k: int = 1024  # random inputs per side for the cone bias beta
     retrain: bool = False  # ignore the cached estimator
     cache_dir: Path | None = None
     workers: int = 1
@@ -97,7 +98,8 @@ def run_demo(cfg: DemoConfig | None = None, say: Callable[[str], None] | None = 
     say(f"scoring with {TOY_MODEL} -> {out / 'scores.parquet'}")
     scores = out / "scores.parquet"
     score(str(noisy.manifest), scores, ScoreConfig(model=TOY_MODEL, pretrained=str(checkpoint), device=cfg.device,
-                                                   workers=cfg.workers, seed=cfg.noise_seed, overwrite=True,
+                                                   workers=cfg.workers, beta_k=cfg.beta_k, seed=cfg.noise_seed,
+                                                   overwrite=True,
                                                    show_progress=cfg.show_progress))
     lap("score")
 

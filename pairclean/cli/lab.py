@@ -40,6 +40,7 @@ def demo_command(
     pairs: int = typer.Option(2000, help="Evaluation pairs."),
     ratio: float = typer.Option(0.5, help="Share of the pairs whose captions are shuffled."),
     seed: int = typer.Option(0, help="Seed of the evaluation world and of the noise."),
+    beta_k: int = typer.Option(1024, help="K random inputs per side for the cone bias beta."),
     retrain: bool = typer.Option(False, help="Train the estimator again even if a cached one exists."),
     workers: int = typer.Option(1, help="DataLoader workers."),
     device: str = typer.Option("auto", help="auto, cpu, cuda ..."),
@@ -48,12 +49,12 @@ def demo_command(
     from pairclean.cli.evaluate import detection_tables
     from pairclean.demo import DemoConfig, run_demo
 
-    cfg = DemoConfig(out=out, pairs=pairs, world_seed=seed, ratio=ratio, noise_seed=seed, retrain=retrain,
+    cfg = DemoConfig(out=out, pairs=pairs, world_seed=seed, ratio=ratio, noise_seed=seed, beta_k=beta_k, retrain=retrain,
                      workers=workers, device=device, show_progress=True)
     result = run_demo(cfg, say=lambda message: console.print(f"[bold]demo[/bold] {message}", soft_wrap=True))
     for table in detection_tables(result.metrics):
         console.print(table)
-    console.print(PAPER_TABLE5)
+    console.print(PAPER_TABLE5, soft_wrap=True)
     stages = ", ".join(f"{k} {v:.0f}s" for k, v in result.seconds.items() if k != "total")
     console.print(f"done in {result.seconds['total']:.0f}s ({stages}; estimator "
                   f"{'from the cache' if result.estimator_cached else 'trained now'})")

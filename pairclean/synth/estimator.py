@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
 import time
 from dataclasses import asdict, dataclass
@@ -20,6 +19,7 @@ from typing import Callable
 
 from pairclean import __version__
 from pairclean.atomic import atomic_path, write_json
+from pairclean.beta import cache_dir as pairclean_cache_dir
 from pairclean.errors import UserError
 from pairclean.estimators import CONFIG_DIR
 from pairclean.synth.world import WORLD_VERSION, build_world
@@ -54,16 +54,9 @@ class EstimatorRecipe:
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
-def default_cache_dir() -> Path:
-    """$PAIRCLEAN_CACHE, else $XDG_CACHE_HOME/pairclean, else ~/.cache/pairclean."""
-    if os.environ.get("PAIRCLEAN_CACHE"):
-        return Path(os.environ["PAIRCLEAN_CACHE"])
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "pairclean"
-
-
 def cached_checkpoint(recipe: EstimatorRecipe, cache_dir: Path | None = None) -> Path | None:
     """The cached checkpoint of this recipe, if one was trained before."""
-    path = (cache_dir or default_cache_dir()) / "toy-estimator" / recipe.cache_key() / CHECKPOINT
+    path = (cache_dir or pairclean_cache_dir()) / "toy-estimator" / recipe.cache_key() / CHECKPOINT
     return path if path.is_file() else None
 
 
@@ -111,7 +104,7 @@ def train_estimator(out: Path, recipe: EstimatorRecipe | None = None, world: Pat
 
 
 def _store_in_cache(checkpoint: Path, record: dict, recipe: EstimatorRecipe, cache_dir: Path | None) -> Path:
-    entry = (cache_dir or default_cache_dir()) / "toy-estimator" / recipe.cache_key()
+    entry = (cache_dir or pairclean_cache_dir()) / "toy-estimator" / recipe.cache_key()
     entry.mkdir(parents=True, exist_ok=True)
     with atomic_path(entry / CHECKPOINT) as tmp:
         shutil.copyfile(checkpoint, tmp)

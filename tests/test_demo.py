@@ -1,0 +1,77 @@
+"""`pairclean demo` end to end with a small recipe: every stage, the files it promises, the cache."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import duckdb
+import pytest
+
+from pairclean.cli import main
+from pairclean.demo import DemoConfig, run_demo
+from pairclean.errors import UserError
+from pairclean.synth.estimator import CHECKPOINT, EstimatorRecipe
+
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread():
+    """Tiny models on a shared 2-core machine: a second intra-op thread only spin-waits."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+SMALL = EstimatorRecipe(pairs=32, batch_size=16, epochs=1, warmup_steps=1)
+
+
+@pytest.fixture(scope="module")
+def first_run(tmp_path_factory):
+    root = tmp_path_factory.mktemp("demo")
+    cfg = DemoConfig(out=root / "demo", pairs=40, recipe=SMALL, cache_dir=root / "cache", workers=0, beta_k=64)
+    return cfg, run_demo(cfg)
+
+
+def test_demo_writes_every_stage(first_run):
+    cfg, result = first_run
+    assert not result.estimator_cached
+    assert result.checkpoint == cfg.out / "estimator" / CHECKPOINT
+    for name in ("world", "noisy", "truth", "scores", "detection", "summary"):
+        assert result.files[name].exists(), name
+    rows = duckdb.sql(f"SELECT count(*), count(sim) FROM '{result.files['scores']}'").fetchall()[0]
+    assert rows == (40, 40)
+    truth = duckdb.sql(f"SELECT count(*) FILTER (WHERE selected), count(*) FILTER (WHERE noisy) "
+                       f"FROM '{result.files['truth']}'").fetchall()[0]
+    assert truth[0] == 20 and result.metrics["noisy"] == truth[1]
+    assert result.metrics["pairs"] == 40 and set(result.metrics["rules"]) == {"beta", "gmm", "oracle"}
+    assert json.loads(result.files["detection"].read_text())["roc_auc"] == pytest.approx(result.metrics["roc_auc"])
+    summary = json.loads(result.files["summary"].read_text())
+    assert set(summary["seconds"]) == {"estimator", "world", "corrupt", "score", "evaluate", "total"}
+    assert summary["estimator_cached"] is False
+
+
+def test_demo_refuses_a_directory_that_is_not_its_own(tmp_path):
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("keep me")
+    with pytest.raises(UserError, match="not a demo output"):
+        run_demo(DemoConfig(out=tmp_path / "mine", recipe=SMALL, cache_dir=tmp_path / "cache"))
+    assert (tmp_path / "mine" / "notes.txt").read_text() == "keep me"
+
+
+def test_cli_demo_reuses_the_cached_estimator_and_repeats_the_figures(first_run, tmp_path, monkeypatch, capsys):
+    _, first = first_run
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("PAIRCLEAN_CACHE_DIR", str(cache))
+    entry = cache / "toy-estimator" / EstimatorRecipe().cache_key()  # the default recipe's slot
+    entry.mkdir(parents=True)
+    shutil.copyfile(first.checkpoint, entry / CHECKPOINT)
+    main(["demo", "--out", str(tmp_path / "out"), "--pairs", "40", "--workers", "0", "--beta-k", "64"])
+    out = capsys.readouterr().out
+    assert "oracle" in out and "ROC-AUC" in out and "93.88 / 97.49" in out
+    assert "from the cache" in out and "scores.parquet" in out
+    assert not (tmp_path / "out" / "estimator").exists()  # nothing trained
+    again = json.loads((tmp_path / "out" / "detection.json").read_text())
+    assert again["roc_auc"] == first.metrics["roc_auc"]  # same world, noise, weights: same figures
+    assert again["rules"] == first.metrics["rules"]

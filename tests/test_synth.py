@@ -1,0 +1,137 @@
+"""The toy world: deterministic under its seed, captions that describe what is drawn, and the
+tiny estimator's checkpoint loading through the normal open_clip path."""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from pairclean.cli import main
+from pairclean.errors import UserError
+from pairclean.manifest import load_manifest
+from pairclean.sources import group_members, tar_members
+from pairclean.synth.estimator import TOY_MODEL, EstimatorRecipe, cached_checkpoint, train_estimator
+from pairclean.synth.world import (COLOURS, GRID, IMAGE_SIZE, ToyObject, build_world, describe, relation, render,
+                                   sample, sample_scene)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread():
+    """Tiny models on a shared 2-core machine: a second intra-op thread only spin-waits."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def samples_of(directory: Path) -> list[dict]:
+    out = []
+    for shard in sorted(directory.glob("*.tar")):
+        failures: list[str] = []
+        out.extend(group_members(tar_members(str(shard), failures)))
+        assert not failures
+    return out
+
+
+def test_world_is_deterministic_under_its_seed(tmp_path):
+    build_world(tmp_path / "a", 12, seed=3, shard_size=5)
+    build_world(tmp_path / "b", 12, seed=3, shard_size=100)  # sharding does not change the pairs
+    build_world(tmp_path / "c", 12, seed=4)
+    a, b, c = samples_of(tmp_path / "a"), samples_of(tmp_path / "b"), samples_of(tmp_path / "c")
+    assert len(a) == 12 and len(list((tmp_path / "a").glob("*.tar"))) == 3
+    assert a == b  # every member byte for byte
+    assert [s["txt"] for s in a] != [s["txt"] for s in c]
+    assert [s["png"] for s in a] != [s["png"] for s in c]
+    spec = load_manifest(tmp_path / "a" / "manifest.yaml")
+    assert spec.fields.image == "png" and len(spec.shards) == 3
+
+
+def test_world_is_varied():
+    scenes = [sample_scene(0, i) for i in range(300)]
+    objects = [o for s in scenes for o in s.objects]
+    assert {len(s.objects) for s in scenes} == {1, 2, 3}
+    assert {o.colour for o in objects} == set(COLOURS)
+    assert {o.shape for o in objects} >= {"circle", "square", "triangle", "star"}
+    assert {o.size for o in objects} == {"small", "large"}
+    assert {(o.row, o.col) for o in objects} == {(r, c) for r in range(GRID) for c in range(GRID)}
+    assert len({s.background for s in scenes}) == 300
+    assert len({s.caption() for s in scenes}) > 290  # captions almost never repeat
+
+
+def test_captions_state_the_layout():
+    red = ToyObject("red", "circle", "small", row=0, col=0)
+    blue = ToyObject("blue", "square", "large", row=2, col=0)
+    green = ToyObject("green", "star", "small", row=2, col=2)
+    assert relation(red, blue) == "above"
+    assert relation(blue, green) == "to the left of"
+    assert relation(green, red) == "below and to the right of"
+    assert describe([red]) == "a small red circle in the top left"
+    assert describe([red, blue, green]) == ("a small red circle above a large blue square, "
+                                            "and a small green star in the bottom right")
+
+
+def test_image_shows_the_captioned_colour_where_the_caption_says():
+    for i in range(40):
+        scene = sample_scene(1, i)
+        if len(scene.objects) != 1 or scene.objects[0].shape in ("cross", "star"):
+            continue  # a cross or a star may leave its centre's neighbourhood uncovered
+        obj = scene.objects[0]
+        pixels = np.asarray(render(scene), dtype=np.int16)
+        assert pixels.shape == (IMAGE_SIZE, IMAGE_SIZE, 3)
+        cell = IMAGE_SIZE / GRID
+        y, x = int((obj.row + 0.5) * cell + scene.jitter[0][1]), int((obj.col + 0.5) * cell + scene.jitter[0][0])
+        assert np.abs(pixels[y, x] - np.asarray(COLOURS[obj.colour])).max() <= 20, scene.caption()
+        assert obj.colour in scene.caption() and obj.shape in scene.caption()
+
+
+def test_sample_members():
+    s = sample(2, 7)
+    assert s["__key__"] == "toy-2-0000007"
+    assert Image.open(io.BytesIO(s["png"])).size == (IMAGE_SIZE, IMAGE_SIZE)
+    scene = json.loads(s["json"])
+    assert "caption" not in scene  # a corrupted copy must not keep the true caption elsewhere
+    assert all(o["colour"] in s["txt"] for o in scene["objects"])
+
+
+def test_world_refuses_bad_sizes(tmp_path):
+    with pytest.raises(UserError, match="--pairs"):
+        build_world(tmp_path / "w", 0)
+    with pytest.raises(UserError, match="--shard-size"):
+        build_world(tmp_path / "w", 5, shard_size=0)
+
+
+def test_cli_toy_world(tmp_path, capsys):
+    main(["synth", "toy-world", "--out", str(tmp_path / "w"), "--pairs", "6", "--seed", "1"])
+    assert "6 pairs" in capsys.readouterr().out
+    assert [s["txt"].decode() for s in samples_of(tmp_path / "w")] == [sample_scene(1, i).caption() for i in range(6)]
+
+
+def test_estimator_trains_with_the_trainer_and_loads_through_open_clip(tmp_path):
+    import open_clip
+    import torch
+
+    from pairclean.estimators import register_model_configs
+
+    recipe = EstimatorRecipe(pairs=32, batch_size=16, epochs=1, warmup_steps=1)
+    cache = tmp_path / "cache"
+    assert cached_checkpoint(recipe, cache) is None
+    checkpoint = train_estimator(tmp_path / "est", recipe, workers=0, cache_dir=cache)
+    assert checkpoint == tmp_path / "est" / "estimator.pt"
+    assert cached_checkpoint(recipe, cache).read_bytes() == checkpoint.read_bytes()
+    assert (tmp_path / "est" / "run" / "run.json").is_file()  # pairclean.train's own run directory
+    record = json.loads((tmp_path / "est" / "estimator.json").read_text())
+    assert record["recipe"]["pairs"] == 32 and len(record["epochs"]) == 1
+    register_model_configs()
+    model, _, _ = open_clip.create_model_and_transforms(TOY_MODEL, pretrained=str(checkpoint), weights_only=True)
+    saved = torch.load(checkpoint, weights_only=True)
+    assert torch.equal(model.state_dict()["logit_scale"], saved["logit_scale"])
+    fresh, _, _ = open_clip.create_model_and_transforms(TOY_MODEL)
+    assert not torch.equal(fresh.state_dict()["text_projection"], saved["text_projection"])
+    assert EstimatorRecipe(pairs=64).cache_key() != recipe.cache_key()
