@@ -136,8 +136,10 @@ def trimmed_encode_text(model: torch.nn.Module, text: torch.Tensor) -> torch.Ten
     return x
 
 
-def text_buckets(text: torch.Tensor, buckets: int = 4, min_rows: int = 16) -> list[torch.Tensor]:
-    """Row indices in up to `buckets` groups of similar caption length (at least `min_rows` each)."""
+def text_buckets(text: torch.Tensor, buckets: int = 4, min_rows: int = 128) -> list[torch.Tensor]:
+    """Row indices in up to `buckets` groups of similar caption length, at least `min_rows` each:
+    smaller groups make each op too small to pay for its own dispatch and thread sync (measured
+    on 2 CPU threads: 4 groups of 16 captions cost 2.2x the CPU of one trimmed batch of 64)."""
     parts = min(buckets, max(1, text.shape[0] // min_rows))
     if parts == 1:
         return [torch.arange(text.shape[0], device=text.device)]

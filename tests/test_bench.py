@@ -16,7 +16,7 @@ from PIL import Image
 
 import pairclean.accel as accel
 from pairclean.accel import (CompiledOrEager, DeviceJpegDecoder, OomBackoff, RawJpeg, finish_batch,
-                             supports_text_trim, take_rows)
+                             supports_text_trim, take_rows, text_buckets)
 from pairclean.bench import PeakMemory, bench_score
 from pairclean.beta import BetaCache, cached_random_input_beta, weights_fingerprint
 from pairclean.cli import main
@@ -55,8 +55,9 @@ def test_trimmed_text_tower_matches_the_full_context(tiny):
 
 def test_length_buckets_keep_rows_in_order_and_exact(tiny):
     words = "a large red star above a small blue circle on a green background near the top left corner".split()
-    captions = [" ".join(words[: 1 + (i * 7) % len(words)]) for i in range(40)]  # 40 rows: 2 buckets of 20
+    captions = [" ".join(words[: 1 + (i * 7) % len(words)]) for i in range(300)]
     tokens = tiny.tokenizer(captions)
+    assert [len(rows) for rows in text_buckets(tokens)] == [150, 150]
     full = torch.nn.functional.normalize(tiny.model.encode_text(tokens).float(), dim=-1)
     torch.testing.assert_close(tiny.encode("text", tokens), full, atol=1e-5, rtol=0)
 
