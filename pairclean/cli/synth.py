@@ -59,8 +59,9 @@ def train_estimator_command(
     pairs: int = typer.Option(8000, help="Clean training pairs to render."),
     world_seed: int = typer.Option(1, help="Seed of the training world (evaluate on another seed)."),
     epochs: int = typer.Option(6, help="Training epochs."),
-    batch_size: int = typer.Option(128, help="Pairs per step (in-batch negatives)."),
-    lr: float = typer.Option(2e-3, help="Peak learning rate (AdamW, warm-up then cosine)."),
+    batch_size: int = typer.Option(256, help="Pairs per step (in-batch negatives)."),
+    lr: float = typer.Option(3e-3, help="Peak learning rate (AdamW, warm-up then cosine)."),
+    temperature: float = typer.Option(0.02, help="Fixed softmax temperature of the InfoNCE loss."),
     seed: int = typer.Option(0, help="Training seed (initialisation and data order)."),
     workers: int = typer.Option(1, help="DataLoader workers decoding the PNGs."),
     device: str = typer.Option("auto", help="auto, cpu, cuda ..."),
@@ -69,7 +70,8 @@ def train_estimator_command(
     """Train the tiny CLIP-style `pairclean-toy` estimator on clean toy-world pairs (pairclean's trainer)."""
     from pairclean.synth.estimator import TOY_MODEL, EstimatorRecipe, train_estimator
 
-    recipe = EstimatorRecipe(pairs=pairs, world_seed=world_seed, epochs=epochs, batch_size=batch_size, lr=lr, seed=seed)
+    recipe = EstimatorRecipe(pairs=pairs, world_seed=world_seed, epochs=epochs, batch_size=batch_size, lr=lr,
+                             temperature=temperature, seed=seed)
     checkpoint = train_estimator(out, recipe, world=world, workers=workers, device=device, overwrite=overwrite,
                                  show_progress=True, say=console.print)
     console.print(f"estimator: {checkpoint}\nscore with: pairclean score DATA --model {TOY_MODEL} --pretrained {checkpoint}")
