@@ -22,6 +22,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from pairclean import distributed
 from pairclean.beta import random_input_beta
 from pairclean.errors import UserError
 from pairclean.estimators import OpenClipEstimator, build_estimator, check_backend
@@ -181,6 +182,14 @@ class ScoresOptions:
     on_missing: str = "error"
 
 
+def _join_on_main(opts, ctx: MethodContext, column: str | None):
+    """The weight arrays, built once by rank 0 under torch.distributed (RUN_DIR is shared) and
+    announced to every rank; in one process, built here."""
+    return distributed.on_main(lambda: build_weight_arrays(opts.scores, ctx.spec, ctx.shards, ctx.run_dir,
+                                                           column=column, predicate=opts.filter, join=opts.join,
+                                                           on_missing=opts.on_missing))
+
+
 def _check_scores_options(name: str, opts) -> None:
     if not opts.scores:
         raise UserError(f"method {name} needs a scores file (--weights FILE or --scores FILE)")
@@ -211,8 +220,7 @@ class OsaWeights(Method):
 
     def setup(self, ctx: MethodContext) -> BatchPlan:
         o = self.options
-        self.join = build_weight_arrays(o.scores, ctx.spec, ctx.shards, ctx.run_dir, column=o.column,
-                                        predicate=o.filter, join=o.join, on_missing=o.on_missing)
+        self.join = _join_on_main(o, ctx, column=o.column)
         return BatchPlan(weights_dir=self.join.directory, shard_files=self.join.shard_files, pairs=self.join.kept)
 
     def batch_weights(self, batch: dict, ctx: MethodContext) -> tuple[torch.Tensor, dict]:
@@ -241,9 +249,7 @@ class Filter(Method):
         self.join = None
 
     def setup(self, ctx: MethodContext) -> BatchPlan:
-        o = self.options
-        self.join = build_weight_arrays(o.scores, ctx.spec, ctx.shards, ctx.run_dir, column=None,
-                                        predicate=o.filter, join=o.join, on_missing=o.on_missing)
+        self.join = _join_on_main(self.options, ctx, column=None)
         return BatchPlan(weights_dir=self.join.directory, shard_files=self.join.shard_files, pairs=self.join.kept)
 
     def describe(self) -> dict:
