@@ -3,8 +3,8 @@
 The 1x data is a toy world (pairclean.synth.world: PNG scenes + captions); the 10x data is the
 same shards hard-linked under ten names each, so it holds 10x the rows (distinct shard/index)
 at no extra build time. Each run is a separate `pairclean score` process with the tiny model;
-its process tree's PSS (workers' shared pages counted once) is sampled every 50 ms, and its
-own ru_maxrss comes from wait4.
+its RSS is sampled every 0.1 s, its process tree's PSS (workers' shared pages counted once)
+every second, and its ru_maxrss (the kernel's exact peak RSS of the main process) comes from wait4.
 
     python benchmarks/memory_scaling.py --pairs 4000 --shard-size 500 --repeat 2
 """
@@ -31,7 +31,7 @@ def run_score(shards: Path, out: Path, args) -> dict:
            "--workers", str(args.workers), "--no-beta-cache"]
     started = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    with PeakMemory(proc.pid, interval=0.05) as mem:
+    with PeakMemory(proc.pid, interval=0.1, pss_interval=1.0) as mem:
         _, status, usage = os.wait4(proc.pid, 0)
     seconds = time.perf_counter() - started
     output = proc.stdout.read()
@@ -41,7 +41,7 @@ def run_score(shards: Path, out: Path, args) -> dict:
     rows = int(subprocess.run(["duckdb", "-noheader", "-list", "-c", f"SELECT count(*) FROM '{out}'"],
                               capture_output=True, text=True, check=True).stdout.strip())
     return {"rows": rows, "seconds": seconds, "peak_tree_pss_mib": mem.peak_mib,
-            "main_maxrss_mib": usage.ru_maxrss / 1024}
+            "peak_main_rss_mib": mem.peak_rss_mib, "main_maxrss_mib": usage.ru_maxrss / 1024}
 
 
 def main() -> None:

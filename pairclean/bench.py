@@ -13,8 +13,8 @@ Three measurements in one process, on one estimator (loaded once), same batch si
                 tokenizer, batched encode_image / encode_text of the model as loaded (fp32
                 weights; under torch.autocast for bf16/fp16), no workers.
 
-Peak memory is sampled per phase over the process tree (PSS, so forked workers' shared pages
-count once).
+Peak memory per phase: this process's RSS, and PSS over the process tree (forked workers'
+shared pages counted once); see PeakMemory for the sampling.
 """
 
 from __future__ import annotations
@@ -65,62 +65,79 @@ def _children(pid: int) -> list[int]:
     return kids
 
 
-def tree_memory_mib(pid: int) -> float | None:
-    """PSS (else RSS) of `pid` and all its descendants, in MiB; None where /proc is missing."""
-    total, seen, stack = 0, set(), [pid]
+def _tree(pid: int) -> list[int]:
+    seen, stack = [], [pid]
     while stack:
         p = stack.pop()
-        if p in seen:
-            continue
-        seen.add(p)
-        kib = _proc_kib(p, "Pss", "smaps_rollup")
-        if kib is None:
-            kib = _proc_kib(p, "VmRSS", "status")
-        if kib is None:
-            if p == pid:
-                return None
-            continue
-        total += kib
-        stack.extend(_children(p))
-    return total / 1024
+        if p not in seen:
+            seen.append(p)
+            stack.extend(_children(p))
+    return seen
+
+
+def tree_pss_mib(pid: int) -> float | None:
+    """PSS of `pid` and its descendants in MiB (forked workers' shared pages counted once);
+    None where /proc has no smaps_rollup. Costs ~15 ms of kernel time per GB-sized process."""
+    values = [_proc_kib(p, "Pss", "smaps_rollup") for p in _tree(pid)]
+    return None if values[0] is None else sum(v for v in values if v is not None) / 1024
+
+
+def rss_mib(pid: int) -> float | None:
+    kib = _proc_kib(pid, "VmRSS", "status")
+    return None if kib is None else kib / 1024
 
 
 class PeakMemory:
-    """Samples the memory of a process tree in a background thread; `.peak_mib` after exit.
+    """Peak memory of a process (tree) while the block runs, sampled in a background thread.
 
-    Without /proc (macOS, Windows) it falls back to this process's ru_maxrss, which is a peak
-    since start rather than per phase.
+    `peak_rss_mib`: the process's own RSS every `interval` s (reading /proc/PID/status is free).
+    `peak_mib`: PSS of the process and its workers, every `pss_interval` s and at both ends
+    (smaps_rollup costs the kernel ~15 ms per read, so it is sampled rarely: a peak shorter than
+    that interval can be missed). Without /proc both fall back to this process's ru_maxrss.
     """
 
-    def __init__(self, pid: int | None = None, interval: float = 0.5):
+    def __init__(self, pid: int | None = None, interval: float = 0.2, pss_interval: float = 5.0):
         self.pid = pid or os.getpid()
-        self.interval = interval
+        self.interval, self.pss_interval = interval, pss_interval
+        self.peak_rss_mib: float = 0.0
         self.peak_mib: float = 0.0
+        self._last_pss = 0.0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
-    def _sample(self) -> None:
-        value = tree_memory_mib(self.pid)
-        if value is None and self.pid == os.getpid():
-            import resource
+    def _fallback(self) -> float | None:
+        if self.pid != os.getpid():
+            return None
+        import resource
 
-            value = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-        if value is not None:
-            self.peak_mib = max(self.peak_mib, value)
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+    def _sample(self, pss: bool) -> None:
+        rss = rss_mib(self.pid)
+        if rss is None:
+            rss = self._fallback()
+        if rss is not None:
+            self.peak_rss_mib = max(self.peak_rss_mib, rss)
+        if pss:
+            value = tree_pss_mib(self.pid)
+            value = value if value is not None else self._fallback()
+            if value is not None:
+                self.peak_mib = max(self.peak_mib, value)
+            self._last_pss = time.monotonic()
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
-            self._sample()
+            self._sample(time.monotonic() - self._last_pss >= self.pss_interval)
 
     def __enter__(self) -> "PeakMemory":
-        self._sample()
+        self._sample(True)
         self._thread.start()
         return self
 
     def __exit__(self, *exc) -> None:
         self._stop.set()
         self._thread.join()
-        self._sample()
+        self._sample(True)
 
 
 def cpu_seconds() -> float:
@@ -156,7 +173,8 @@ class Phase:
     name: str
     pairs: int
     seconds: float
-    peak_mib: float
+    peak_mib: float  # PSS of this process + its workers
+    peak_rss_mib: float  # this process
     gpu_peak_mib: float | None = None
     load: tuple[float, float] = (0.0, 0.0)  # 1-minute load average before / after
     cpu_seconds: float = 0.0  # this process + its workers
@@ -300,8 +318,8 @@ def measure_ceiling(estimator, spec: DatasetSpec, batch_size: int, min_seconds: 
     extra = {"batches_per_pass": len(batches), "passes": passes,
              "chunk_after_oom": {m: b.chunk for m, b in backoff.items() if b.halvings}}
     extra.update(_text_trim_gain(estimator, left, right, batches))
-    return Phase("ceiling (model only)", pairs, elapsed, mem.peak_mib, _gpu_peak_mib(estimator.device),
-                 (load0, os.getloadavg()[0]), cpu, extra)
+    return Phase("ceiling (model only)", pairs, elapsed, mem.peak_mib, mem.peak_rss_mib,
+                 _gpu_peak_mib(estimator.device), (load0, os.getloadavg()[0]), cpu, extra)
 
 
 def _text_trim_gain(estimator, left: str, right: str, batches) -> dict:
@@ -387,7 +405,7 @@ def measure_end_to_end(estimator, spec: DatasetSpec, cfg: ScoreConfig, workdir: 
     extra = {"whole_call_seconds": whole, "whole_call_pairs_per_second": result.pairs_scored_now / whole,
              "beta_seconds": s.get("beta_seconds"), "beta_source": s.get("beta_source"),
              "errors": s.get("errors"), "workers": cfg.workers}
-    return Phase("end-to-end scoring loop", result.pairs_scored_now, result.seconds, mem.peak_mib,
+    return Phase("end-to-end scoring loop", result.pairs_scored_now, result.seconds, mem.peak_mib, mem.peak_rss_mib,
                  _gpu_peak_mib(estimator.device), (load0, os.getloadavg()[0]), cpu, extra)
 
 
@@ -443,8 +461,8 @@ def measure_naive(estimator, spec: DatasetSpec, batch_size: int, max_pairs: int)
         if images:
             flush()
         elapsed = time.perf_counter() - started
-    return Phase("naive loop", pairs, elapsed, mem.peak_mib, _gpu_peak_mib(device), (load0, os.getloadavg()[0]),
-                 cpu_seconds() - cpu0)
+    return Phase("naive loop", pairs, elapsed, mem.peak_mib, mem.peak_rss_mib, _gpu_peak_mib(device),
+                 (load0, os.getloadavg()[0]), cpu_seconds() - cpu0)
 
 
 # ---------------------------------------------------------------- all three

@@ -23,17 +23,19 @@ def report_tables(report) -> list[Table]:
     for i, r in enumerate(report.rounds):
         title = "pairclean bench score" + (f" - round {i + 1}" if len(report.rounds) > 1 else "")
         table = Table(title=title)
-        for name in ("phase", "pairs", "seconds", "pairs/s", "CPU ms/pair", "peak memory (PSS)", "GPU peak", "load 1m"):
+        for name in ("phase", "pairs", "seconds", "pairs/s", "CPU ms/pair", "peak PSS (+workers)", "peak RSS",
+                     "GPU peak", "load 1m"):
             table.add_column(name, justify="left" if name == "phase" else "right")
         for phase in (r.ceiling, r.end_to_end, r.naive):
             if phase is None:
-                table.add_row("naive loop", "-", "-", "n/a (open_clip image-text only)", "-", "-", "-", "-")
+                table.add_row("naive loop", "-", "-", "n/a (open_clip image-text only)", "-", "-", "-", "-", "-")
                 continue
             table.add_row(phase.name, f"{phase.pairs:,}", f"{phase.seconds:.1f}", f"{phase.pairs_per_second:,.1f}",
-                          f"{phase.cpu_ms_per_pair:,.1f}", _mib(phase.peak_mib), _mib(phase.gpu_peak_mib), f"{phase.load[0]:.1f} -> {phase.load[1]:.1f}")
+                          f"{phase.cpu_ms_per_pair:,.1f}", _mib(phase.peak_mib), _mib(phase.peak_rss_mib),
+                          _mib(phase.gpu_peak_mib), f"{phase.load[0]:.1f} -> {phase.load[1]:.1f}")
         e = r.end_to_end.extra
         table.add_row("end-to-end whole call", f"{r.end_to_end.pairs:,}", f"{e['whole_call_seconds']:.1f}",
-                      f"{e['whole_call_pairs_per_second']:,.1f}", "", "", "", f"beta {e['beta_seconds']:.1f} s ({e['beta_source']})")
+                      f"{e['whole_call_pairs_per_second']:,.1f}", "", "", "", "", f"beta {e['beta_seconds']:.1f} s ({e['beta_source']})")
         tables.append(table)
     return tables
 
