@@ -57,7 +57,7 @@ def demo_command(
     console.print(PAPER_TABLE5, soft_wrap=True)
     stages = ", ".join(f"{k} {v:.0f}s" for k, v in result.seconds.items() if k != "total")
     console.print(f"done in {result.seconds['total']:.0f}s ({stages}; estimator "
-                  f"{'from the cache' if result.estimator_cached else 'trained now'})")
+                  f"{'from the cache' if result.estimator_cached else 'trained now'})", soft_wrap=True)
     for name, path in result.files.items():
         console.print(f"  {name:<10} {path}", soft_wrap=True, highlight=False)
     console.print(f"query: duckdb -c \"SELECT key, sim, p_clean, osa_noisy FROM '{result.files['scores']}' "
