@@ -27,7 +27,7 @@ def corrupt_command(
     spec = open_dataset(source, pair=pair)
     result = corrupt(spec, out, ratio, seed=seed, mode=mode, overwrite=overwrite)
     console.print(f"{result.pairs:,} pairs copied to {result.out}: {result.selected:,} drawn, {result.noisy:,} noisy "
-                  f"({result.selected - result.noisy:,} drawn pairs kept their caption)")
+                  f"({result.selected - result.noisy:,} drawn pairs kept their caption)", soft_wrap=True)
     console.print(f"truth: {result.truth}\nmanifest: {result.manifest}", soft_wrap=True)
 
 
