@@ -96,12 +96,12 @@ def toy(args) -> None:
     def cfg(pretrained: str = "none", **kw) -> TrainConfig:
         settings = {"epochs": args.epochs, "lr": args.lr, "warmup_steps": args.warmup_steps, **kw}
         return TrainConfig(model=args.model, pretrained=pretrained, batch_size=args.batch_size, weight_decay=0.1,
-                           workers=args.workers, seed=0, resume=True, **settings)
+                           temperature=args.temperature, workers=args.workers, seed=0, resume=True, **settings)
 
     estimator = Path(args.estimator) if args.estimator else None
     if estimator is None:  # the toy estimator: trained from scratch on a disjoint clean world (seed 2)
         est = train(str(out / "world-estimator" / "manifest.yaml"), out / "estimator",
-                    cfg(epochs=args.estimator_epochs, lr=args.estimator_lr, warmup_steps=50), val=str(val))
+                    cfg(epochs=args.estimator_epochs, lr=args.estimator_lr, warmup_steps=args.warmup_steps), val=str(val))
         estimator = est.best_model
     scores = out / "scores.parquet"
     if not scores.exists():
@@ -256,15 +256,17 @@ def main(argv: list[str] | None = None) -> None:
     ty.add_argument("--val-pairs", type=int, default=1000)
     ty.add_argument("--noise", type=float, default=0.5)
     ty.add_argument("--shard-size", type=int, default=1000)
-    ty.add_argument("--epochs", type=int, default=6)
-    ty.add_argument("--batch-size", type=int, default=128)
-    ty.add_argument("--lr", type=float, default=1e-3)
-    ty.add_argument("--warmup-steps", type=int, default=50)
+    # Defaults: the toy estimator's recipe (pairclean.synth.estimator.EstimatorRecipe), for every row.
+    ty.add_argument("--epochs", type=int, default=10)
+    ty.add_argument("--batch-size", type=int, default=256)
+    ty.add_argument("--lr", type=float, default=3e-3)
+    ty.add_argument("--warmup-steps", type=int, default=30)
+    ty.add_argument("--temperature", type=float, default=0.02, help="fixed InfoNCE temperature (0: learned)")
     ty.add_argument("--workers", type=int, default=1)
-    ty.add_argument("--model", default="pairclean-tiny")
+    ty.add_argument("--model", default="pairclean-toy")
     ty.add_argument("--estimator", help="estimator checkpoint (default: trained here on a disjoint clean world)")
     ty.add_argument("--estimator-epochs", type=int, default=6, help="epochs of the estimator trained here")
-    ty.add_argument("--estimator-lr", type=float, default=1e-3, help="learning rate of the estimator trained here")
+    ty.add_argument("--estimator-lr", type=float, default=3e-3, help="learning rate of the estimator trained here")
     ty.add_argument("--init", choices=("scratch", "estimator"), default="scratch",
                     help="train every row from scratch, or fine-tune the estimator (the paper's setting)")
     ct = sub.add_parser("coco-text", help="COCO captions text-text table (all-MiniLM-L6-v2)")
@@ -281,6 +283,8 @@ def main(argv: list[str] | None = None) -> None:
     ct.add_argument("--workers", type=int, default=1)
     ct.add_argument("--model", default="all-MiniLM-L6-v2")
     args = parser.parse_args(argv)
+    if getattr(args, "temperature", None) == 0:
+        args.temperature = None
     torch.set_num_threads(args.threads)
     {"step-time": step_time, "toy": toy, "coco-text": coco_text}[args.table](args)
 

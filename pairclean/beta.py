@@ -126,6 +126,8 @@ class BetaCache:
         if not isinstance(model, torch.nn.Module):
             return None
         provenance = {**estimator.provenance(), "device": estimator.device.type}
+        if provenance.get("checkpoint_sha256"):  # the file's hash names the weights; its path may be relative
+            provenance.pop("pretrained", None)
         weights = weights_id if weights_id is not None else weights_fingerprint(model)
         ident = {"provenance": provenance, "weights": weights, "left": left, "right": right,
                  "k": k, "seed": seed, "batch_size": batch_size, "torch": torch.__version__}

@@ -110,7 +110,7 @@ class PartStore:
                           "sim": pa.array(values, type=pa.float32(), mask=bad),
                           "error": pc.if_else(unexplained, pa.scalar(NON_FINITE), error)}, schema=PART_SCHEMA)
         with atomic_path(self.part_path(unit), temp_dir=self.dir) as tmp:
-            pq.write_table(table, tmp)
+            pq.write_table(table, tmp, use_dictionary=["shard", "error"])  # keys are unique: no dictionary
         fault_point("part-written")
         n_errors = table.num_rows - table.column("error").null_count
         write_json(self.record_path(unit), {**record, "unit": unit, "rows": table.num_rows, "errors": n_errors},

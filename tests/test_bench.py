@@ -297,3 +297,14 @@ def test_real_torch_compile_encodes_like_eager(tiny, coco_src):
     torch.testing.assert_close(compiled.encode("image", pixels), tiny.encode("image", pixels), atol=1e-4, rtol=0)
     torch.testing.assert_close(compiled.encode("text", tokens), tiny.encode("text", tokens), atol=1e-4, rtol=0)
     torch.testing.assert_close(compiled.encode("text", tokens[:2]), tiny.encode("text", tokens[:2]), atol=1e-4, rtol=0)
+
+
+def test_beta_cache_names_a_checkpoint_by_its_hash_not_its_path(tiny, tmp_path, monkeypatch):
+    """The same checkpoint given by a relative and an absolute path hits the same cache entry."""
+    ckpt = tmp_path / "tiny.pt"
+    torch.save(tiny.model.state_dict(), ckpt)
+    monkeypatch.chdir(tmp_path)
+    cache = BetaCache(tmp_path / "cache")
+    keys = [cache.key(OpenClipEstimator("pairclean-tiny", pretrained=path, device="cpu"), "image", "text", 16, 0, 8)
+            for path in ("tiny.pt", str(ckpt))]
+    assert keys[0] == keys[1]
