@@ -83,7 +83,9 @@ def toy(args) -> None:
     """Tiny CLIP from scratch on the toy world: clean vs 50% shuffle noise, plain / OSA / filter / online."""
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    worlds = {"train": (0, args.pairs), "val": (1, args.val_pairs), "estimator": (2, args.pairs)}
+    if args.init == "estimator":  # fine-tuning the estimator: every row trains its architecture
+        args.model = args.estimator_model
+    worlds = {"train": (0, args.pairs), "val": (args.val_seed, args.val_pairs), "estimator": (2, args.pairs)}
     for name, (seed, n) in worlds.items():
         if not (out / f"world-{name}").exists():
             build_world(out / f"world-{name}", n, seed=seed, shard_size=args.shard_size)
@@ -94,18 +96,21 @@ def toy(args) -> None:
     noisy_manifest = noisy / "manifest.yaml"
 
     def cfg(pretrained: str = "none", **kw) -> TrainConfig:
-        settings = {"epochs": args.epochs, "lr": args.lr, "warmup_steps": args.warmup_steps, **kw}
-        return TrainConfig(model=args.model, pretrained=pretrained, batch_size=args.batch_size, weight_decay=0.1,
-                           temperature=args.temperature, workers=args.workers, seed=0, resume=True, **settings)
+        settings = {"model": args.model, "epochs": args.epochs, "lr": args.lr, "warmup_steps": args.warmup_steps,
+                    "batch_size": args.batch_size, "temperature": args.temperature, **kw}
+        return TrainConfig(pretrained=pretrained, weight_decay=0.1, workers=args.workers, seed=0, resume=True,
+                           **settings)
 
     estimator = Path(args.estimator) if args.estimator else None
     if estimator is None:  # the toy estimator: trained from scratch on a disjoint clean world (seed 2)
         est = train(str(out / "world-estimator" / "manifest.yaml"), out / "estimator",
-                    cfg(epochs=args.estimator_epochs, lr=args.estimator_lr, warmup_steps=args.warmup_steps), val=str(val))
+                    cfg(model=args.estimator_model, epochs=args.estimator_epochs, lr=args.estimator_lr,
+                        batch_size=args.estimator_batch_size, warmup_steps=args.estimator_warmup_steps,
+                        temperature=args.estimator_temperature), val=str(val))
         estimator = est.best_model
     scores = out / "scores.parquet"
     if not scores.exists():
-        score(str(noisy_manifest), scores, ScoreConfig(model=args.model, pretrained=str(estimator), batch_size=256,
+        score(str(noisy_manifest), scores, ScoreConfig(model=args.estimator_model, pretrained=str(estimator), batch_size=256,
                                                        workers=args.workers, seed=0))
     truth = noisy / "truth" / "truth.parquet"
     detection = detection_summary(scores, truth)
@@ -118,7 +123,8 @@ def toy(args) -> None:
     init = "none" if args.init == "scratch" else str(estimator)
     # Fine-tuning the estimator itself is the official OSA setting: its online estimator is then a
     # frozen copy of the initial model; from scratch the online estimator is the toy estimator.
-    online = {} if args.init == "estimator" else {"estimator_model": args.model, "estimator_pretrained": str(estimator)}
+    online = {} if args.init == "estimator" else {"estimator_model": args.estimator_model,
+                                                  "estimator_pretrained": str(estimator)}
     noise = f"{args.noise:.0%} noise"
     runs = [("0% noise, plain", clean, cfg(init)),
             (f"{noise}, plain", noisy_manifest, cfg(init)),
@@ -254,19 +260,25 @@ def main(argv: list[str] | None = None) -> None:
     ty.add_argument("--out", required=True)
     ty.add_argument("--pairs", type=int, default=8000)
     ty.add_argument("--val-pairs", type=int, default=1000)
+    ty.add_argument("--val-seed", type=int, default=1, help="world seed of the validation set (3 when --estimator is "
+                                                            "the demo's, whose training world is seed 1)")
     ty.add_argument("--noise", type=float, default=0.5)
     ty.add_argument("--shard-size", type=int, default=1000)
-    # Defaults: the toy estimator's recipe (pairclean.synth.estimator.EstimatorRecipe), for every row.
-    ty.add_argument("--epochs", type=int, default=10)
-    ty.add_argument("--batch-size", type=int, default=256)
-    ty.add_argument("--lr", type=float, default=3e-3)
-    ty.add_argument("--warmup-steps", type=int, default=30)
-    ty.add_argument("--temperature", type=float, default=0.02, help="fixed InfoNCE temperature (0: learned)")
+    ty.add_argument("--epochs", type=int, default=12)
+    ty.add_argument("--batch-size", type=int, default=128)
+    ty.add_argument("--lr", type=float, default=1e-3)
+    ty.add_argument("--warmup-steps", type=int, default=50)
+    ty.add_argument("--temperature", type=float, default=0.0, help="fixed InfoNCE temperature (0: learned)")
     ty.add_argument("--workers", type=int, default=1)
-    ty.add_argument("--model", default="pairclean-toy")
+    ty.add_argument("--model", default="pairclean-tiny", help="the model every row trains")
     ty.add_argument("--estimator", help="estimator checkpoint (default: trained here on a disjoint clean world)")
+    # The estimator trained here follows the toy estimator's recipe (pairclean.synth.estimator.EstimatorRecipe).
+    ty.add_argument("--estimator-model", default="pairclean-toy")
     ty.add_argument("--estimator-epochs", type=int, default=6, help="epochs of the estimator trained here")
     ty.add_argument("--estimator-lr", type=float, default=3e-3, help="learning rate of the estimator trained here")
+    ty.add_argument("--estimator-batch-size", type=int, default=256)
+    ty.add_argument("--estimator-warmup-steps", type=int, default=30)
+    ty.add_argument("--estimator-temperature", type=float, default=0.02, help="0: learned")
     ty.add_argument("--init", choices=("scratch", "estimator"), default="scratch",
                     help="train every row from scratch, or fine-tune the estimator (the paper's setting)")
     ct = sub.add_parser("coco-text", help="COCO captions text-text table (all-MiniLM-L6-v2)")
@@ -283,8 +295,9 @@ def main(argv: list[str] | None = None) -> None:
     ct.add_argument("--workers", type=int, default=1)
     ct.add_argument("--model", default="all-MiniLM-L6-v2")
     args = parser.parse_args(argv)
-    if getattr(args, "temperature", None) == 0:
-        args.temperature = None
+    for name in ("temperature", "estimator_temperature"):
+        if getattr(args, name, None) == 0:
+            setattr(args, name, None)
     torch.set_num_threads(args.threads)
     {"step-time": step_time, "toy": toy, "coco-text": coco_text}[args.table](args)
 

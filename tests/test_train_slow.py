@@ -31,13 +31,15 @@ def test_step_time_table(tmp_path, runner):
 
 def test_toy_table(tmp_path, runner):
     runner.main(["toy", "--out", str(tmp_path), "--pairs", "96", "--val-pairs", "32", "--shard-size", "48",
-                 "--epochs", "1", "--batch-size", "16", "--warmup-steps", "2"])
+                 "--epochs", "1", "--batch-size", "16", "--warmup-steps", "2", "--estimator-epochs", "1",
+                 "--estimator-batch-size", "16", "--estimator-warmup-steps", "2"])
     table = json.loads((tmp_path / "table-scratch.json").read_text())
     assert len(table["rows"]) == 7 and table["rows"][0][2] == pytest.approx(100.0)
     assert 0 < table["detection"]["noisy"] < table["detection"]["pairs"]
     # A second call finds every run finished and rebuilds the same table without training.
     runner.main(["toy", "--out", str(tmp_path), "--pairs", "96", "--val-pairs", "32", "--shard-size", "48",
-                 "--epochs", "1", "--batch-size", "16", "--warmup-steps", "2"])
+                 "--epochs", "1", "--batch-size", "16", "--warmup-steps", "2", "--estimator-epochs", "1",
+                 "--estimator-batch-size", "16", "--estimator-warmup-steps", "2"])
     assert json.loads((tmp_path / "table-scratch.json").read_text())["rows"] == table["rows"]
 
 
