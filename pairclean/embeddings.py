@@ -42,7 +42,7 @@ from pairclean.beta import BETA_MODES, BetaEstimate, ShuffledAccumulator, shuffl
 from pairclean.errors import UserError
 from pairclean.finalize import finalize, read_provenance
 from pairclean.manifest import PAIR_KINDS
-from pairclean.pipeline import ScoreResult, _progress
+from pairclean.pipeline import ScoreResult, scoring_progress
 from pairclean.scorer import WEIGHT_FUNCTIONS
 from pairclean.sink import PartStore, parts_dir_for
 
@@ -664,7 +664,7 @@ def score_embeddings(spec: EmbeddingSpec, out: str | Path, config: EmbeddingScor
     # (measured: 10x more CPU per pair with 2 intra-op threads on a busy machine).
     torch.set_num_threads(1)
     try:
-        with _progress(cfg.show_progress, len(units)) as progress:
+        with scoring_progress(cfg.show_progress, len(units)) as progress:
             task = progress.add_task("score", total=len(units), completed=len(done), pairs=0, rate=0.0)
             for unit in todo:
                 scored += _commit_unit(store, unit, spec, cfg, pool, shuffled=beta is None)

@@ -156,7 +156,7 @@ def compute_beta(estimator, spec: DatasetSpec, cfg: ScoreConfig, built_from_conf
     return beta, "cache" if hit else "computed"
 
 
-def _progress(enabled: bool, total_units: int):
+def scoring_progress(enabled: bool, total_units: int):
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     return Progress(TextColumn("[bold]scoring"), BarColumn(), MofNCompleteColumn(), TextColumn("units"),
@@ -257,7 +257,7 @@ def _score_units(spec: DatasetSpec, units: list[str], estimator, store: PartStor
     backoff = {left_mod: OomBackoff(), right_mod: OomBackoff()}  # halves a side's chunks on out-of-memory
     scored = 0
     started = time.perf_counter()
-    with _progress(cfg.show_progress, total_units) as progress:
+    with scoring_progress(cfg.show_progress, total_units) as progress:
         task = progress.add_task("score", total=total_units, completed=already, pairs=0, rate=0.0)
         for batch in loader:
             if any(e is None for e in batch["error"]):
