@@ -32,6 +32,7 @@ from pairclean.packing import write_shards
 from pairclean.pipeline import ScoreConfig, score
 from pairclean.query import sql_string
 from pairclean.retrieval import evaluate_retrieval
+from pairclean.synth.estimator import TOY_MODEL, EstimatorRecipe
 from pairclean.synth.world import build_world
 from pairclean.train import TrainConfig, train
 
@@ -272,13 +273,14 @@ def main(argv: list[str] | None = None) -> None:
     ty.add_argument("--workers", type=int, default=1)
     ty.add_argument("--model", default="pairclean-tiny", help="the model every row trains")
     ty.add_argument("--estimator", help="estimator checkpoint (default: trained here on a disjoint clean world)")
-    # The estimator trained here follows the toy estimator's recipe (pairclean.synth.estimator.EstimatorRecipe).
-    ty.add_argument("--estimator-model", default="pairclean-toy")
-    ty.add_argument("--estimator-epochs", type=int, default=6, help="epochs of the estimator trained here")
-    ty.add_argument("--estimator-lr", type=float, default=3e-3, help="learning rate of the estimator trained here")
-    ty.add_argument("--estimator-batch-size", type=int, default=256)
-    ty.add_argument("--estimator-warmup-steps", type=int, default=30)
-    ty.add_argument("--estimator-temperature", type=float, default=0.02, help="0: learned")
+    # The estimator trained here follows the toy estimator's recipe (the demo's) unless told otherwise.
+    recipe = EstimatorRecipe()
+    ty.add_argument("--estimator-model", default=TOY_MODEL)
+    ty.add_argument("--estimator-epochs", type=int, default=recipe.epochs, help="epochs of the estimator trained here")
+    ty.add_argument("--estimator-lr", type=float, default=recipe.lr, help="learning rate of the estimator trained here")
+    ty.add_argument("--estimator-batch-size", type=int, default=recipe.batch_size)
+    ty.add_argument("--estimator-warmup-steps", type=int, default=recipe.warmup_steps)
+    ty.add_argument("--estimator-temperature", type=float, default=recipe.temperature or 0.0, help="0: learned")
     ty.add_argument("--init", choices=("scratch", "estimator"), default="scratch",
                     help="train every row from scratch, or fine-tune the estimator (the paper's setting)")
     ct = sub.add_parser("coco-text", help="COCO captions text-text table (all-MiniLM-L6-v2)")

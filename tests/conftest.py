@@ -77,3 +77,15 @@ def tiny_scores(source: Path, out: Path) -> Path:
 def coco_scores(tmp_path_factory, coco_shards) -> Path:
     """Scores of coco_shards by the tiny random model, scored once for the query/filter/report tests."""
     return tiny_scores(coco_shards, tmp_path_factory.mktemp("coco-scores") / "scores.parquet")
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Tiny models on a shared 2-core machine: a second intra-op thread only spin-waits
+    (OpenMP contention made steps up to 10x slower). Modules opt in with `usefixtures`."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -13,15 +13,7 @@ from pairclean.demo import DemoConfig, run_demo
 from pairclean.errors import UserError
 from pairclean.synth.estimator import CHECKPOINT, EstimatorRecipe
 
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    """Tiny models on a shared 2-core machine: a second intra-op thread only spin-waits."""
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 SMALL = EstimatorRecipe(pairs=32, batch_size=16, epochs=1, warmup_steps=1)

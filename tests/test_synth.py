@@ -20,15 +20,7 @@ from pairclean.synth.world import (COLOURS, GRID, IMAGE_SIZE, ToyObject, build_w
                                    sample, sample_scene)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    """Tiny models on a shared 2-core machine: a second intra-op thread only spin-waits."""
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def samples_of(directory: Path) -> list[dict]:

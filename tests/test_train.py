@@ -24,13 +24,7 @@ from pairclean.train.models import load_target
 from pairclean.train.weights import build_weight_arrays
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Test machines share their cores: one intra-op thread avoids OpenMP spin contention (10x here)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def tiny(**overrides) -> TrainConfig:
