@@ -11,8 +11,9 @@ fixed --beta 0` does (through the API, to read the timings back), and reports pe
   pairs/CPU-s      pairs per CPU-second (user + system, all threads) of the scoring loop, and of
                    the whole process: what the work costs independently of how busy the
                    machine's cores were (2 free cores give at most twice the loop's figure);
-  peak PSS         the process tree's proportional set size, sampled every 50 ms: it must not
-                   grow with the file (4x the rows). Both runs fit the GMM on the same bounded
+  peak RSS         the scoring process's resident high-water mark (the kernel's VmHWM, exact,
+                   reported by the process itself at its end; it has no worker processes): it
+                   must not grow with the file (4x the rows). Both runs fit the GMM on the same bounded
                    sample (--gmm-sample, default 200,000), so that the comparison is about
                    reading and scoring, whose memory is bounded by blocks and by a unit's
                    columns (262,144 rows), not by the file.
@@ -36,7 +37,6 @@ from pathlib import Path
 
 import numpy as np
 
-from pairclean.bench import PeakMemory
 from pairclean.embeddings import write_embeddings
 
 GENERATE_ROWS = 1 << 16  # rows generated at a time
@@ -80,7 +80,8 @@ def child(directory: str, out: str, gmm_sample: int) -> None:
 
     cfg = EmbeddingScoreConfig(beta_mode="fixed", beta=0.0, gmm_sample=gmm_sample, overwrite=True)
     result = score_embeddings(open_embeddings(directory), out, cfg)
-    print(json.dumps(result.summary, default=str))
+    peak_rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+    print(json.dumps({**result.summary, "peak_rss_mib": peak_rss_mib}, default=str))
 
 
 def run_score(directory: Path, out: Path, gmm_sample: int) -> dict:
@@ -88,8 +89,7 @@ def run_score(directory: Path, out: Path, gmm_sample: int) -> dict:
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     started = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    with PeakMemory(proc.pid) as memory:
-        stdout, stderr = proc.communicate()
+    stdout, stderr = proc.communicate()
     seconds = time.perf_counter() - started
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     if proc.returncode != 0:
@@ -100,7 +100,7 @@ def run_score(directory: Path, out: Path, gmm_sample: int) -> dict:
             "scoring_seconds": summary["scoring_seconds"],
             "scoring_pairs_per_cpu_s": summary["pairs"] / summary["scoring_cpu_seconds"], "total_seconds": seconds,
             "total_pairs_per_s": summary["pairs"] / seconds, "cpu_seconds": cpu,
-            "pairs_per_cpu_second": summary["pairs"] / cpu, "peak_tree_pss_mib": memory.peak_mib,
+            "pairs_per_cpu_second": summary["pairs"] / cpu, "peak_rss_mib": summary["peak_rss_mib"],
             "load_1m": os.getloadavg()[0]}
 
 
@@ -142,14 +142,14 @@ def main() -> None:
                 print(f"round {r['round']} {name:>7}: {r['rows']:>9,} pairs  scoring {r['scoring_pairs_per_s']:>9,.0f} "
                       f"pairs/s ({r['scoring_seconds']:.2f} s, {r['scoring_pairs_per_cpu_s']:,.0f} pairs/CPU-s)  "
                       f"whole process {r['total_pairs_per_s']:>7,.0f} pairs/s ({r['total_seconds']:.1f} s, "
-                      f"{r['pairs_per_cpu_second']:,.0f} pairs/CPU-s)  peak PSS {r['peak_tree_pss_mib']:6.1f} MiB  "
+                      f"{r['pairs_per_cpu_second']:,.0f} pairs/CPU-s)  peak RSS {r['peak_rss_mib']:6.1f} MiB  "
                       f"load {r['load_1m']:.1f}", flush=True)
         full = [r for r in results if r["data"] == "full"]
         quarter = [r for r in results if r["data"] == "quarter"]
         best = max(full, key=lambda r: r["scoring_pairs_per_s"])
         print(f"best scoring rate on {best['rows']:,} pairs: {best['scoring_pairs_per_s']:,.0f} pairs/s; "
-              f"peak PSS full / quarter: {max(r['peak_tree_pss_mib'] for r in full):.1f} / "
-              f"{max(r['peak_tree_pss_mib'] for r in quarter):.1f} MiB")
+              f"peak RSS full / quarter: {max(r['peak_rss_mib'] for r in full):.1f} / "
+              f"{max(r['peak_rss_mib'] for r in quarter):.1f} MiB")
         if args.json:
             args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "results": results},
                                             indent=2))
