@@ -86,10 +86,13 @@ def toy(args) -> None:
     out.mkdir(parents=True, exist_ok=True)
     if args.init == "estimator":  # fine-tuning the estimator: every row trains its architecture
         args.model = args.estimator_model
-    worlds = {"train": (0, args.pairs), "val": (args.val_seed, args.val_pairs), "estimator": (2, args.pairs)}
-    for name, (seed, n) in worlds.items():
+    captions = args.captions_per_scene
+    worlds = {"train": (0, args.pairs, captions), "val": (args.val_seed, args.val_pairs, captions)}
+    if not args.estimator:
+        worlds["estimator"] = (2, args.pairs, 1)
+    for name, (seed, n, k) in worlds.items():
         if not (out / f"world-{name}").exists():
-            build_world(out / f"world-{name}", n, seed=seed, shard_size=args.shard_size)
+            build_world(out / f"world-{name}", n, seed=seed, shard_size=args.shard_size, captions_per_scene=k)
     clean, val = out / "world-train" / "manifest.yaml", out / "world-val" / "manifest.yaml"
     noisy = out / f"noisy-{args.noise:g}"
     if not noisy.exists():
@@ -143,7 +146,8 @@ def toy(args) -> None:
                                                                                     "filter": "NOT noisy"}))]
     rows = [run_row(name, data, out / f"run-{args.init}-{i}", c, val) for i, (name, data, c) in enumerate(runs)]
     start = "from scratch" if args.init == "scratch" else "fine-tuned from the toy estimator"
-    show(f"toy world: {args.model} {start}, {args.pairs} pairs, {args.epochs} epochs, val {args.val_pairs} pairs",
+    scenes = f" ({args.pairs // captions} scenes x {captions} captions)" if captions > 1 else ""
+    show(f"toy world: {args.model} {start}, {args.pairs} pairs{scenes}, {args.epochs} epochs, val {args.val_pairs} pairs",
          ROW_COLUMNS, rows_with_share(rows, rows[0]["rsum"]), out, f"table-{args.init}",
          {"detection": detection, "estimator": str(estimator), "args": vars(args)})
 
@@ -263,6 +267,9 @@ def main(argv: list[str] | None = None) -> None:
     ty.add_argument("--val-pairs", type=int, default=1000)
     ty.add_argument("--val-seed", type=int, default=1, help="world seed of the validation set (3 when --estimator is "
                                                             "the demo's, whose training world is seed 1)")
+    ty.add_argument("--captions-per-scene", type=int, default=1,
+                    help="COCO-style worlds: each scene under this many captions, in training and validation "
+                         "(retrieval then uses the multi-caption protocol)")
     ty.add_argument("--noise", type=float, default=0.5)
     ty.add_argument("--shard-size", type=int, default=1000)
     ty.add_argument("--epochs", type=int, default=12)

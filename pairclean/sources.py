@@ -157,14 +157,19 @@ def _wds_pair(spec: DatasetSpec, sample: dict, shard: str, index: int) -> RawPai
 
 class _HeaderWatch(tarfile.TarInfo):
     """tarfile ends its member loop *silently* on an empty, truncated or corrupt header; a
-    subclass made per archive remembers which header error ended the loop."""
+    subclass made per archive remembers which header error ended the loop.
+
+    It wraps `fromtarfile`, the public classmethod `TarFile.next()` calls for every header, not
+    `frombuf`: Python builds with the 2025 tarfile security fixes (3.12.11+, 3.13.4+, and
+    distribution backports such as Ubuntu's 3.12.3) parse headers through a private `_frombuf`,
+    so a `frombuf` hook never sees the end-of-archive marker and every shard looked truncated."""
 
     stop: Exception | None = None
 
     @classmethod
-    def frombuf(cls, buf, encoding, errors):
+    def fromtarfile(cls, tarfile_):
         try:
-            return super().frombuf(buf, encoding, errors)
+            return super().fromtarfile(tarfile_)
         except tarfile.HeaderError as exc:
             cls.stop = exc
             raise

@@ -211,6 +211,32 @@ def test_truncated_tar_keeps_the_rows_before_the_cut_and_reports_the_shard(tmp_p
     assert len(pairs) == 4 and not failures
 
 
+def test_end_of_archive_is_recognised_when_tarfile_parses_headers_privately(tmp_path, jpeg, monkeypatch):
+    """Python builds with the 2025 tarfile security fixes parse headers through a private
+    `_frombuf`, never calling `TarInfo.frombuf`: a hook on `frombuf` then saw no end-of-archive
+    marker and reported every whole shard as truncated (seen on Ubuntu's Python 3.12.3)."""
+    parse = tarfile.TarInfo.frombuf.__func__
+
+    def private_fromtarfile(cls, archive):  # what those builds do, with frombuf out of the path
+        buf = archive.fileobj.read(tarfile.BLOCKSIZE)
+        info = parse(cls, buf, archive.encoding, archive.errors)
+        info.offset = archive.fileobj.tell() - tarfile.BLOCKSIZE
+        return info._proc_member(archive)
+
+    def frombuf_unused(cls, *args):
+        raise AssertionError("frombuf is not on this tarfile's path")
+
+    monkeypatch.setattr(tarfile.TarInfo, "fromtarfile", classmethod(private_fromtarfile))
+    monkeypatch.setattr(tarfile.TarInfo, "frombuf", classmethod(frombuf_unused))
+    full = write_tar(tmp_path / "full.tar", _four_pairs(jpeg))
+    pairs, failures = _read(full)
+    assert len(pairs) == 4 and not failures
+    member = 512 + (len(jpeg) + 511) // 512 * 512
+    (tmp_path / "cut.tar").write_bytes(full.read_bytes()[:member + 1024])
+    pairs, failures = _read(tmp_path / "cut.tar")
+    assert len(pairs) == 1 and "without an end-of-archive marker" in failures[0].reason
+
+
 def test_corrupt_member_header_is_reported_not_silently_ended(tmp_path, jpeg):
     data = bytearray(write_tar(tmp_path / "t.tar", _four_pairs(jpeg)).read_bytes())
     second_header = 512 + (len(jpeg) + 511) // 512 * 512

@@ -16,8 +16,8 @@ from pairclean.errors import UserError
 from pairclean.manifest import load_manifest
 from pairclean.sources import group_members, tar_members
 from pairclean.synth.estimator import TOY_MODEL, EstimatorRecipe, cached_checkpoint, train_estimator
-from pairclean.synth.world import (COLOURS, GRID, IMAGE_SIZE, ToyObject, build_world, describe, relation, render,
-                                   sample, sample_scene)
+from pairclean.synth.world import (COLOURS, GRID, IMAGE_SIZE, PREFIXES, ToyObject, build_world, describe, relation,
+                                   render, sample_scene, samples)
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -84,12 +84,42 @@ def test_image_shows_the_captioned_colour_where_the_caption_says():
 
 
 def test_sample_members():
-    s = sample(2, 7)
+    [s] = samples(2, 7)
     assert s["__key__"] == "toy-2-0000007"
     assert Image.open(io.BytesIO(s["png"])).size == (IMAGE_SIZE, IMAGE_SIZE)
     scene = json.loads(s["json"])
     assert "caption" not in scene  # a corrupted copy must not keep the true caption elsewhere
     assert all(o["colour"] in s["txt"] for o in scene["objects"])
+
+
+def test_several_captions_per_scene_say_the_same_facts():
+    """COCO-style scenes: K captions of one image, the first the single-caption world's own, the
+    others other orders and openings of the same objects and layout, distinct while they last."""
+    for index in range(40):
+        scene = sample_scene(0, index)
+        captions = scene.captions(5, 0, index)
+        assert captions[0] == scene.caption()
+        variants = len(PREFIXES) * {1: 1, 2: 2, 3: 6}[len(scene.objects)]
+        assert len(set(captions)) == min(5, variants)
+        for text in captions:
+            for obj in scene.objects:
+                assert obj.phrase() in text
+        if len(scene.objects) == 2:  # the relation is turned round with the order
+            a, b = scene.objects
+            both = {f"{a.phrase()} {relation(a, b)} {b.phrase()}", f"{b.phrase()} {relation(b, a)} {a.phrase()}"}
+            assert all(any(t == p + d for p in PREFIXES for d in both) for t in captions), captions
+    group = samples(0, 3, captions_per_scene=5)
+    assert [s["__key__"] for s in group] == [f"toy-0-0000003-{j}" for j in range(5)]
+    assert len({s["png"] for s in group}) == 1 and len({s["txt"] for s in group}) == 5
+
+
+def test_world_with_several_captions(tmp_path):
+    spec = build_world(tmp_path / "w", 15, seed=2, shard_size=4, captions_per_scene=5)
+    got = samples_of(tmp_path / "w")
+    assert len(got) == 15 and spec.name == "toy-world-seed2-5-captions"
+    assert [g["__key__"] for g in got[:6]] == [f"toy-2-{i:07d}-{j}" for i in (0, 1) for j in range(5)][:6]
+    with pytest.raises(UserError, match="multiple of --captions-per-scene"):
+        build_world(tmp_path / "x", 12, captions_per_scene=5)
 
 
 def test_world_refuses_bad_sizes(tmp_path):

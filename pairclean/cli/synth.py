@@ -19,12 +19,15 @@ def toy_world_command(
     pairs: int = typer.Option(2000, help="Number of image-caption pairs."),
     seed: int = typer.Option(0, help="World seed: pair i depends only on (seed, i)."),
     shard_size: int = typer.Option(1000, help="Pairs per tar shard."),
+    captions_per_scene: int = typer.Option(1, help="Captions per scene, one pair each (MS-COCO has 5); "
+                                                   "--pairs must be a multiple."),
     overwrite: bool = typer.Option(False, help="Replace an existing directory."),
 ) -> None:
     """Render coloured shapes (1-3 objects, colour, shape, size, layout) with captions that describe them."""
     from pairclean.synth.world import build_world
 
-    spec = build_world(out, pairs, seed=seed, shard_size=shard_size, overwrite=overwrite)
+    spec = build_world(out, pairs, seed=seed, shard_size=shard_size, overwrite=overwrite,
+                       captions_per_scene=captions_per_scene)
     console.print(f"{pairs:,} pairs in {len(spec.shards)} shard(s) under {out}; manifest {out / 'manifest.yaml'}")
 
 

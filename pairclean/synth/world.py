@@ -6,12 +6,15 @@ and shape and the layout: one object gets its location ("in the top left"), two 
 relation ("above and to the left of"), a third object its location. A contrastive model has to
 bind colour to shape and read positions to tell two scenes apart.
 
-Scene i depends only on (seed, i), so a world is the same however it is sharded.
+Scene i depends only on (seed, i), so a world is the same however it is sharded. Like MS-COCO, a
+world can give each scene several captions (`captions_per_scene`): the same facts in other words
+(another object order, with the relations turned round, and another opening), one pair each.
 """
 
 from __future__ import annotations
 
 import io
+import itertools
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -64,6 +67,18 @@ class Scene:
 
     def caption(self) -> str:
         return self.prefix + describe(self.objects)
+
+    def captions(self, n: int, seed: int, index: int) -> list[str]:
+        """`n` captions of this scene: its own `caption()` first, then other (object order, prefix)
+        wordings in a seeded order, distinct while there are enough (a one-object scene has
+        five: one per prefix), repeating after that."""
+        own = (tuple(range(len(self.objects))), self.prefix)
+        others = [(order, prefix) for order in itertools.permutations(range(len(self.objects)))
+                  for prefix in PREFIXES if (order, prefix) != own]
+        np.random.default_rng([seed, index, 1]).shuffle(others)
+        variants = [own] + others
+        return [variants[j % len(variants)][1] + describe([self.objects[k] for k in variants[j % len(variants)][0]])
+                for j in range(n)]
 
     def as_dict(self) -> dict:
         return {"objects": [asdict(o) for o in self.objects]}
@@ -161,24 +176,35 @@ def png_bytes(img: Image.Image) -> bytes:
     return buf.getvalue()
 
 
-def sample(seed: int, index: int) -> dict:
-    """One WebDataset sample: png image, txt caption, json scene (the objects only: a corrupted
-    copy must not carry the original caption in another member)."""
+def samples(seed: int, index: int, captions_per_scene: int = 1) -> list[dict]:
+    """Scene `index`'s WebDataset samples, one per caption: png image, txt caption, json scene (the
+    objects only: a corrupted copy must not carry the original caption in another member). With
+    one caption the key is `toy-SEED-INDEX`, else `toy-SEED-INDEX-J`."""
     scene = sample_scene(seed, index)
-    return {"__key__": f"toy-{seed}-{index:07d}", "png": png_bytes(render(scene)), "txt": scene.caption(),
-            "json": json.dumps(scene.as_dict(), sort_keys=True)}
+    png, objects = png_bytes(render(scene)), json.dumps(scene.as_dict(), sort_keys=True)
+    if captions_per_scene == 1:
+        return [{"__key__": f"toy-{seed}-{index:07d}", "png": png, "txt": scene.caption(), "json": objects}]
+    return [{"__key__": f"toy-{seed}-{index:07d}-{j}", "png": png, "txt": text, "json": objects}
+            for j, text in enumerate(scene.captions(captions_per_scene, seed, index))]
 
 
-def build_world(out: Path, pairs: int, seed: int = 0, shard_size: int = 1000, overwrite: bool = False) -> DatasetSpec:
-    """Write `pairs` toy-world samples as WebDataset shards plus manifest.yaml into `out`."""
+def build_world(out: Path, pairs: int, seed: int = 0, shard_size: int = 1000, overwrite: bool = False,
+                captions_per_scene: int = 1) -> DatasetSpec:
+    """Write `pairs` toy-world samples (pairs / captions_per_scene scenes) as WebDataset shards
+    plus manifest.yaml into `out`."""
     if pairs < 1:
         raise UserError("--pairs must be at least 1")
     if shard_size < 1:
         raise UserError("--shard-size must be at least 1")
+    if captions_per_scene < 1 or pairs % captions_per_scene:
+        raise UserError(f"--pairs ({pairs}) must be a multiple of --captions-per-scene ({captions_per_scene})")
     out = Path(out)
+    scenes = pairs // captions_per_scene
+    name = f"toy-world-seed{seed}" + (f"-{captions_per_scene}-captions" if captions_per_scene > 1 else "")
     with staged_directory(out, overwrite) as tmp:
-        write_shards((sample(seed, i) for i in range(pairs)), tmp, prefix="toy", maxcount=shard_size)
+        write_shards((s for i in range(scenes) for s in samples(seed, i, captions_per_scene)), tmp, prefix="toy",
+                     maxcount=shard_size)
         spec = DatasetSpec(format="webdataset", shards=[str(out / p.name) for p in sorted(tmp.glob("toy-*.tar"))],
-                           fields=Fields(image="png"), name=f"toy-world-seed{seed}")
+                           fields=Fields(image="png"), name=name)
         write_manifest(tmp / "manifest.yaml", spec, shards_relative_to=out)
     return spec
