@@ -144,7 +144,11 @@ def toy(args) -> None:
             (f"{noise}, oracle filter (truth)", noisy_manifest, cfg(init, method="filter",
                                                                     method_options={"scores": str(oracle),
                                                                                     "filter": "NOT noisy"}))]
-    rows = [run_row(name, data, out / f"run-{args.init}-{i}", c, val) for i, (name, data, c) in enumerate(runs)]
+    chosen = range(len(runs)) if args.rows is None else [int(r) for r in args.rows.split(",") if r]
+    rows = [run_row(name, data, out / f"run-{args.init}-{i}", c, val) for i, (name, data, c) in enumerate(runs)
+            if i in chosen]
+    if len(rows) < len(runs):  # a partial table (--rows): the rows are printed, no table is written
+        return
     start = "from scratch" if args.init == "scratch" else "fine-tuned from the toy estimator"
     scenes = f" ({args.pairs // captions} scenes x {captions} captions)" if captions > 1 else ""
     show(f"toy world: {args.model} {start}, {args.pairs} pairs{scenes}, {args.epochs} epochs, val {args.val_pairs} pairs",
@@ -288,6 +292,8 @@ def main(argv: list[str] | None = None) -> None:
     ty.add_argument("--estimator-batch-size", type=int, default=recipe.batch_size)
     ty.add_argument("--estimator-warmup-steps", type=int, default=recipe.warmup_steps)
     ty.add_argument("--estimator-temperature", type=float, default=recipe.temperature or 0.0, help="0: learned")
+    ty.add_argument("--rows", help="run only these rows (comma-separated indices, 0 = the clean run; '' builds the "
+                                   "data only); the table itself needs every row")
     ty.add_argument("--init", choices=("scratch", "estimator"), default="scratch",
                     help="train every row from scratch, or fine-tune the estimator (the paper's setting)")
     ct = sub.add_parser("coco-text", help="COCO captions text-text table (all-MiniLM-L6-v2)")

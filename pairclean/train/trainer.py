@@ -332,7 +332,7 @@ class _Loop:
             totals["steps"] += 1
             if self.diag is not None:
                 self.diag.add({"key": batch["key"], "shard": batch["shard"], "index": batch["index"].numpy(),
-                               "epoch": [epoch] * n, **{k: v.numpy() for k, v in out.per_pair.items()}})
+                               "epoch": [epoch] * n, **{k: v.float().cpu().numpy() for k, v in out.per_pair.items()}})
             lr = self.optimizer.param_groups[0]["lr"]
             if self.step % cfg.log_every == 0 and distributed.is_main():
                 self.metrics.write({"event": "step", "epoch": epoch, "step": self.step, "loss": loss, "lr": lr,
