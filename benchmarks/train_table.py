@@ -102,7 +102,7 @@ def toy(args) -> None:
     def cfg(pretrained: str = "none", **kw) -> TrainConfig:
         settings = {"model": args.model, "epochs": args.epochs, "lr": args.lr, "warmup_steps": args.warmup_steps,
                     "batch_size": args.batch_size, "temperature": args.temperature, **kw}
-        return TrainConfig(pretrained=pretrained, weight_decay=0.1, workers=args.workers, seed=0, resume=True,
+        return TrainConfig(pretrained=pretrained, weight_decay=0.1, workers=args.workers, seed=args.seed, resume=True,
                            **settings)
 
     estimator = Path(args.estimator) if args.estimator else None
@@ -213,7 +213,8 @@ def coco_text(args) -> None:
 
 
 def step_time(args) -> None:
-    """Per-step wall time of osa-weights vs plain on the same shards, interleaved repeats."""
+    """Per-step wall time of osa-weights vs plain on the same shards: a discarded warm-up run, then
+    interleaved repeats in alternating order, medians."""
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     world = out / "world"
@@ -226,14 +227,20 @@ def step_time(args) -> None:
     per_step: dict[str, list[float]] = {"plain": [], "osa-weights": []}
     compute: dict[str, list[float]] = {"plain": [], "osa-weights": []}
     setup: dict[str, list[float]] = {"plain": [], "osa-weights": []}
+
+    def run(method: str, name: str):
+        options = {"scores": str(scores)} if method == "osa-weights" else {}
+        cfg = TrainConfig(model=args.model, pretrained="none", epochs=1, batch_size=args.batch_size, lr=1e-3,
+                          warmup_steps=10, workers=args.workers, method=method, method_options=options,
+                          overwrite=True, seed=0)
+        return train(str(world / "manifest.yaml"), out / name, cfg)
+
+    run("plain", "run-warmup")  # first-run costs (allocator, kernels, page cache) land in no measurement
     for repeat in range(args.repeats):
-        for method in ("plain", "osa-weights"):
-            options = {"scores": str(scores)} if method == "osa-weights" else {}
-            cfg = TrainConfig(model=args.model, pretrained="none", epochs=1, batch_size=args.batch_size, lr=1e-3,
-                              warmup_steps=10, workers=args.workers, method=method, method_options=options,
-                              overwrite=True, seed=0)
+        order = ("plain", "osa-weights") if repeat % 2 == 0 else ("osa-weights", "plain")  # neither always goes first
+        for method in order:
             called = time.perf_counter()
-            result = train(str(world / "manifest.yaml"), out / f"run-{method}-{repeat}", cfg)
+            result = run(method, f"run-{method}-{repeat}")
             rec = result.epochs[0]
             per_step[method].append(rec["seconds"] / rec["steps"])
             compute[method].append(rec["compute_seconds_per_step"])
@@ -262,7 +269,7 @@ def main(argv: list[str] | None = None) -> None:
     st.add_argument("--pairs", type=int, default=2048)
     st.add_argument("--shard-size", type=int, default=512)
     st.add_argument("--batch-size", type=int, default=64)
-    st.add_argument("--repeats", type=int, default=3)
+    st.add_argument("--repeats", type=int, default=5)
     st.add_argument("--workers", type=int, default=1)
     st.add_argument("--model", default="pairclean-tiny")
     ty = sub.add_parser("toy", help="toy world table (tiny CLIP from scratch)")
@@ -292,6 +299,8 @@ def main(argv: list[str] | None = None) -> None:
     ty.add_argument("--estimator-batch-size", type=int, default=recipe.batch_size)
     ty.add_argument("--estimator-warmup-steps", type=int, default=recipe.warmup_steps)
     ty.add_argument("--estimator-temperature", type=float, default=recipe.temperature or 0.0, help="0: learned")
+    ty.add_argument("--seed", type=int, default=0, help="training seed of every row (initialisation, data order); "
+                                                        "the data, noise and scores keep theirs")
     ty.add_argument("--rows", help="run only these rows (comma-separated indices, 0 = the clean run; '' builds the "
                                    "data only); the table itself needs every row")
     ty.add_argument("--init", choices=("scratch", "estimator"), default="scratch",

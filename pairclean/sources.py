@@ -160,9 +160,9 @@ class _HeaderWatch(tarfile.TarInfo):
     subclass made per archive remembers which header error ended the loop.
 
     It wraps `fromtarfile`, the public classmethod `TarFile.next()` calls for every header, not
-    `frombuf`: Python builds with the 2025 tarfile security fixes (3.12.11+, 3.13.4+, and
-    distribution backports such as Ubuntu's 3.12.3) parse headers through a private `_frombuf`,
-    so a `frombuf` hook never sees the end-of-archive marker and every shard looked truncated."""
+    `frombuf`: newer tarfiles (seen: Ubuntu's Python 3.12.3 build) route `fromtarfile` through
+    private `_fromtarfile`/`_frombuf`, so a `frombuf` hook never saw the end-of-archive marker
+    and every whole shard looked truncated."""
 
     stop: Exception | None = None
 

@@ -212,9 +212,9 @@ def test_truncated_tar_keeps_the_rows_before_the_cut_and_reports_the_shard(tmp_p
 
 
 def test_end_of_archive_is_recognised_when_tarfile_parses_headers_privately(tmp_path, jpeg, monkeypatch):
-    """Python builds with the 2025 tarfile security fixes parse headers through a private
+    """Newer tarfiles (seen: Ubuntu's Python 3.12.3 build) parse headers through a private
     `_frombuf`, never calling `TarInfo.frombuf`: a hook on `frombuf` then saw no end-of-archive
-    marker and reported every whole shard as truncated (seen on Ubuntu's Python 3.12.3)."""
+    marker and reported every whole shard as truncated."""
     parse = tarfile.TarInfo.frombuf.__func__
 
     def private_fromtarfile(cls, archive):  # what those builds do, with frombuf out of the path
