@@ -51,3 +51,17 @@ def test_coco_text_table(tmp_path, runner, shared_data):
     table = json.loads((tmp_path / "table.json").read_text())
     assert [row[0] for row in table["rows"]][:2] == ["zero-shot (no training)", "0% noise, plain"]
     assert table["zero_shot"]["queries_i2t"] == 16 and table["zero_shot"]["queries_t2i"] == 64
+
+
+def test_toy_table_five_captions_selected_rows(tmp_path, runner):
+    """A COCO-style world (5 captions per scene) and --rows: only the chosen runs, no table."""
+    runner.main(["toy", "--out", str(tmp_path), "--pairs", "100", "--val-pairs", "50", "--shard-size", "50",
+                 "--captions-per-scene", "5", "--epochs", "1", "--batch-size", "20", "--warmup-steps", "2",
+                 "--estimator-epochs", "1", "--estimator-batch-size", "20", "--estimator-warmup-steps", "2",
+                 "--seed", "1", "--rows", "0,2"])
+    assert sorted(p.name for p in tmp_path.glob("run-scratch-*")) == ["run-scratch-0", "run-scratch-2"]
+    assert not (tmp_path / "table-scratch.json").exists()
+    run = json.loads((tmp_path / "run-scratch-2" / "run.json").read_text())
+    assert run["settings"]["seed"] == 1
+    val = sorted((tmp_path / "world-val").glob("*.tar"))
+    assert val and "-5-captions" in (tmp_path / "world-val" / "manifest.yaml").read_text()
