@@ -77,8 +77,8 @@ class Scene:
                   for prefix in PREFIXES if (order, prefix) != own]
         np.random.default_rng([seed, index, 1]).shuffle(others)
         variants = [own] + others
-        return [variants[j % len(variants)][1] + describe([self.objects[k] for k in variants[j % len(variants)][0]])
-                for j in range(n)]
+        chosen = (variants[j % len(variants)] for j in range(n))
+        return [prefix + describe([self.objects[k] for k in order]) for order, prefix in chosen]
 
     def as_dict(self) -> dict:
         return {"objects": [asdict(o) for o in self.objects]}
