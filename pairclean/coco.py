@@ -36,6 +36,7 @@ def read_pairs(src: Path, all_captions: bool = False, limit: int | None = None) 
 def build_shards(src: Path, out: Path, shard_size: int = 100, all_captions: bool = False,
                  limit: int | None = None, overwrite: bool = False) -> DatasetSpec:
     pairs = read_pairs(src, all_captions, limit)
+    out = Path(out)
     with staged_directory(out, overwrite) as tmp:
         write_shards(({"__key__": p["key"], "jpg": (Path(src) / p["image"]).read_bytes(), "txt": p["caption"]}
                       for p in pairs), tmp, prefix="coco-mini", maxcount=shard_size)

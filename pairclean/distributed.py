@@ -7,6 +7,7 @@ Without those variables every helper is a no-op, so the same code runs single-pr
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
 
@@ -30,6 +31,16 @@ def init_from_env(device_type: str | None = None, timeout_minutes: int = 120) ->
     if backend == "nccl":
         torch.cuda.set_device(local_rank())
     dist.init_process_group(backend=backend, timeout=datetime.timedelta(minutes=timeout_minutes))
+    atexit.register(leave_group)
+
+
+def leave_group() -> None:
+    """Destroy the process group while the interpreter is still whole. A process that exits with
+    the group alive leaves gloo's worker threads holding tensors; tearing those down during
+    interpreter finalisation aborts the process (SIGABRT, "terminate called without an active
+    exception"), seen on a rank that finished before rank 0 had written the output."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def is_distributed() -> bool:

@@ -102,3 +102,22 @@ def test_two_rank_training_follows_one_process_with_the_same_global_batch(coco_s
     assert (tmp_path / "two" / "model-epoch-002.pt").is_file()
     assert sorted(p.name for p in (tmp_path / "two" / "diagnostics").iterdir())[:2] == \
         ["epoch-001-rank0.parquet", "epoch-001-rank1.parquet"]
+
+
+def test_every_rank_leaves_the_process_group_before_the_interpreter_shuts_down(tmp_path):
+    # A rank that exits with its gloo group alive can abort during interpreter finalisation (seen
+    # in CI: rank 1 SIGABRT "terminate called without an active exception"). atexit handlers run
+    # last-registered-first, so this probe, registered before the group exists, runs after
+    # pairclean's own exit handler and sees whether the group was destroyed.
+    probe = tmp_path / "probe.py"
+    probe.write_text(
+        "import atexit, sys, torch.distributed as dist\n"
+        "from pairclean import distributed\n"
+        "atexit.register(lambda: sys.stdout.write(f'initialised at exit: {dist.is_initialized()}\\n'))\n"
+        "distributed.init_from_env('cpu')\n"
+        "assert distributed.all_reduce_sum(1) == 2\n")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                           str(probe)], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("initialised at exit: False") == 2, proc.stdout
