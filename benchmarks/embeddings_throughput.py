@@ -37,6 +37,7 @@ from pathlib import Path
 
 import numpy as np
 
+from pairclean.bench import high_water_rss_mib
 from pairclean.embeddings import write_embeddings
 
 GENERATE_ROWS = 1 << 16  # rows generated at a time
@@ -80,7 +81,7 @@ def child(directory: str, out: str, gmm_sample: int) -> None:
 
     cfg = EmbeddingScoreConfig(beta_mode="fixed", beta=0.0, gmm_sample=gmm_sample, overwrite=True)
     result = score_embeddings(open_embeddings(directory), out, cfg)
-    peak_rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+    peak_rss_mib = high_water_rss_mib()  # not ru_maxrss: Linux carries the parent's across fork + exec
     print(json.dumps({**result.summary, "peak_rss_mib": peak_rss_mib}, default=str))
 
 

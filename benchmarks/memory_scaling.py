@@ -4,7 +4,8 @@ The 1x data is a toy world (pairclean.synth.world: PNG scenes + captions); the 1
 same shards hard-linked under ten names each, so it holds 10x the rows (distinct shard/index)
 at no extra build time. Each run is a separate `pairclean score` process with the tiny model;
 its RSS is sampled every 0.1 s, its process tree's PSS (workers' shared pages counted once)
-every second, and its ru_maxrss (the kernel's exact peak RSS of the main process) comes from wait4.
+every second, and the kernel's own peak RSS of the main process (VmHWM) is read with the samples
+(not wait4's ru_maxrss: Linux carries the parent's peak across fork + exec into it).
 
     python benchmarks/memory_scaling.py --pairs 4000 --shard-size 500 --repeat 2
 """
@@ -32,7 +33,7 @@ def run_score(shards: Path, out: Path, args) -> dict:
     started = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     with PeakMemory(proc.pid, interval=0.1, pss_interval=1.0) as mem:
-        _, status, usage = os.wait4(proc.pid, 0)
+        _, status = os.waitpid(proc.pid, 0)
     seconds = time.perf_counter() - started
     output = proc.stdout.read()
     proc.returncode = os.waitstatus_to_exitcode(status)
@@ -41,7 +42,7 @@ def run_score(shards: Path, out: Path, args) -> dict:
     rows = int(subprocess.run(["duckdb", "-noheader", "-list", "-c", f"SELECT count(*) FROM '{out}'"],
                               capture_output=True, text=True, check=True).stdout.strip())
     return {"rows": rows, "seconds": seconds, "peak_tree_pss_mib": mem.peak_mib,
-            "peak_main_rss_mib": mem.peak_rss_mib, "main_maxrss_mib": usage.ru_maxrss / 1024}
+            "peak_main_rss_mib": mem.peak_rss_mib, "main_hwm_mib": mem.high_water_mib}
 
 
 def main() -> None:
@@ -76,11 +77,11 @@ def main() -> None:
                 r.update(data=name, round=round_ + 1, load_1m=os.getloadavg()[0])
                 results.append(r)
                 print(f"round {round_ + 1} {name:>4}: {r['rows']:>7,} rows  {r['seconds']:6.1f} s  "
-                      f"peak tree PSS {r['peak_tree_pss_mib']:7.1f} MiB  main maxrss {r['main_maxrss_mib']:7.1f} MiB  "
+                      f"peak tree PSS {r['peak_tree_pss_mib']:7.1f} MiB  main peak RSS {r['main_hwm_mib']:7.1f} MiB  "
                       f"load {r['load_1m']:.1f}", flush=True)
         small = [r for r in results if r["data"] == "1x"]
         big = [r for r in results if r["data"] != "1x"]
-        for key in ("peak_tree_pss_mib", "main_maxrss_mib"):
+        for key in ("peak_tree_pss_mib", "main_hwm_mib"):
             a = max(r[key] for r in small)
             b = max(r[key] for r in big)
             print(f"{key}: 1x {a:.1f} MiB, {args.factor}x {b:.1f} MiB, ratio {b / a:.3f}")

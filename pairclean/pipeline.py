@@ -19,7 +19,7 @@ import webdataset as wds
 from torch.utils.data import DataLoader, IterableDataset
 
 from pairclean import distributed
-from pairclean.accel import OomBackoff, finish_batch
+from pairclean.accel import OomBackoff, finish_batch, steady_worker_memory
 from pairclean.beta import BETA_MODES, BetaCache, BetaEstimate, ShuffledAccumulator, cached_random_input_beta, shuffled_beta
 from pairclean.errors import UserError
 from pairclean.estimators import build_estimator, check_backend, resolve_precision
@@ -251,7 +251,7 @@ def _score_units(spec: DatasetSpec, units: list[str], estimator, store: PartStor
     # holding more than 2 x workers batches of pixels in (pinned) memory.
     loader = DataLoader(dataset, batch_size=None, num_workers=workers,
                         pin_memory=estimator.device.type == "cuda", prefetch_factor=2 if workers else None,
-                        persistent_workers=False)
+                        persistent_workers=False, worker_init_fn=steady_worker_memory)
     rows: dict[str, dict[str, list]] = defaultdict(lambda: defaultdict(list))
     accumulators: dict[str, ShuffledAccumulator] = defaultdict(ShuffledAccumulator)
     backoff = {left_mod: OomBackoff(), right_mod: OomBackoff()}  # halves a side's chunks on out-of-memory

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 from torch.utils.data import DataLoader
 
+from pairclean.accel import steady_worker_memory
 from pairclean.errors import UserError
 from pairclean.manifest import DatasetSpec, open_dataset
 from pairclean.sources import modalities
@@ -79,7 +80,7 @@ def embed_pairs(target, spec: DatasetSpec, batch_size: int = 256, workers: int =
     left_mod, right_mod = modalities(spec.pair)
     dataset = TrainBatches(spec, target.preparer, batch_size, seed=0, shuffle=False, plan=BatchPlan(left_digest=True))
     workers = min(workers, len(dataset.units))
-    loader = DataLoader(dataset, batch_size=None, num_workers=workers)
+    loader = DataLoader(dataset, batch_size=None, num_workers=workers, worker_init_fn=steady_worker_memory)
     item_of: dict[str, int] = {}
     lefts, rights, owners, skipped = [], [], [], 0
     was_training = target.module.training

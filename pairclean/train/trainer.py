@@ -21,6 +21,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from pairclean import distributed
+from pairclean.accel import steady_worker_memory
 from pairclean.atomic import write_json
 from pairclean.errors import UserError
 from pairclean.estimators import PRECISIONS, autocast_context, check_backend
@@ -207,7 +208,7 @@ def train(source: str | list[str] | DatasetSpec, out: str | Path, config: TrainC
         for epoch in range(loop.done_epochs + 1, cfg.epochs + 1):
             dataset.set_epoch(epoch)
             loader = DataLoader(dataset, batch_size=None, num_workers=workers,
-                                pin_memory=target.device.type == "cuda",
+                                pin_memory=target.device.type == "cuda", worker_init_fn=steady_worker_memory,
                                 generator=torch.Generator().manual_seed(cfg.seed * 1000 + epoch))
             task = progress.add_task("train", total=steps_per_epoch, epoch=epoch, loss=0.0, lr=0.0, rate=0.0)
             record = loop.run_epoch(epoch, loader, lambda **kw: progress.update(task, **kw))
