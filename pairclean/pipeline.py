@@ -19,7 +19,7 @@ import webdataset as wds
 from torch.utils.data import DataLoader, IterableDataset
 
 from pairclean import distributed
-from pairclean.accel import OomBackoff, finish_batch, steady_worker_memory
+from pairclean.accel import OomBackoff, finish_batch, notice_once, steady_worker_memory
 from pairclean.beta import BETA_MODES, BetaCache, BetaEstimate, ShuffledAccumulator, cached_random_input_beta, shuffled_beta
 from pairclean.errors import UserError
 from pairclean.estimators import build_estimator, check_backend, resolve_precision
@@ -219,6 +219,8 @@ def score(source: str | list[str] | DatasetSpec, out: str | Path, config: ScoreC
     scored_now = _score_units(spec, mine, estimator, store, cfg, len(units), n_done)
     elapsed = time.perf_counter() - started
     scored_now = int(distributed.all_reduce_sum(scored_now))  # the whole job's pairs (also a barrier)
+    if distributed.is_main() and (notice := small_shards_notice(scored_now, len(todo), cfg.batch_size)):
+        notice_once("small-shards", notice)
     elapsed = distributed.all_reduce_sum(elapsed) / distributed.world_size()
     if not distributed.is_main():
         return ScoreResult(out, {}, elapsed, scored_now, resumed, {})
@@ -238,6 +240,17 @@ def score(source: str | list[str] | DatasetSpec, out: str | Path, config: ScoreC
     summary["beta_seconds"], summary["beta_source"] = beta_seconds, beta_source
     store.remove()
     return ScoreResult(out, summary, elapsed, scored_now, resumed, provenance)
+
+
+def small_shards_notice(pairs: int, units: int, batch_size: int) -> str | None:
+    """Say so when the shards, not --batch-size, set the batch size: a batch never spans two
+    units (for bit-identical resume), so units under half a batch leave batches under half full."""
+    if units < 4 or pairs == 0 or pairs / units >= batch_size / 2:
+        return None
+    per_unit = pairs / units
+    return (f"the shards hold {per_unit:,.0f} pairs on average and a batch never spans two shards, so batches "
+            f"were about {per_unit / batch_size:.0%} of --batch-size {batch_size}; on a GPU that caps throughput "
+            f"(ViT-B-32 on an H100: 1.8k pairs/s in 40-pair batches, ~10k in 512): use shards of thousands of pairs")
 
 
 def _score_units(spec: DatasetSpec, units: list[str], estimator, store: PartStore, cfg: ScoreConfig,
