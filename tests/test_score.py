@@ -165,7 +165,8 @@ def test_local_checkpoint_loads_through_open_clip_and_is_hashed(coco_shards, tmp
     assert prov["checkpoint_sha256"] == file_sha256(ckpt)
 
 
-def test_shards_smaller_than_half_a_batch_are_pointed_out(coco_src, fast_config, tmp_path, caplog):
+def test_shards_smaller_than_half_a_batch_are_pointed_out(coco_src, fast_config, tmp_path, caplog, capsys):
+    import logging
     from dataclasses import replace
 
     from pairclean import accel
@@ -174,9 +175,11 @@ def test_shards_smaller_than_half_a_batch_are_pointed_out(coco_src, fast_config,
     shards = tmp_path / "small"
     build_shards(coco_src, shards, shard_size=3)  # 6 shards of at most 3 pairs
     accel._said.discard("small-shards")  # said at most once per process
-    with caplog.at_level("WARNING", logger="pairclean"):
+    with caplog.at_level(logging.WARNING, logger="pairclean"):
         score(str(shards), tmp_path / "a.parquet", replace(fast_config, batch_size=4))
     assert "the shards hold" not in caplog.text  # 2.7 pairs per shard fill most of a 4-pair batch
-    with caplog.at_level("WARNING", logger="pairclean"):
-        score(str(shards), tmp_path / "b.parquet", replace(fast_config, batch_size=32))
-    assert "the shards hold 3 pairs on average" in caplog.text and "of --batch-size 32" in caplog.text
+    main(["score", str(shards), "--out", str(tmp_path / "b.parquet"), "--model", "pairclean-tiny",
+          "--pretrained", "none", "--beta-k", "64", "--workers", "0", "--batch-size", "32"])
+    err = capsys.readouterr().err
+    assert "warning: the shards hold 3 pairs on average" in err and "of --batch-size 32" in err
+    assert "WARNING:pairclean" not in err and logging.getLogger("pairclean").propagate  # the CLI's, and only while it runs

@@ -6,7 +6,9 @@ and the path of a log file holding the traceback.
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import logging
 import os
 import sys
 import tempfile
@@ -65,8 +67,29 @@ def _crash_log(exc: BaseException) -> str:
     return path
 
 
-def _one_line(kind: str, message: str) -> None:
-    err_console.print(f"[red]{kind}:[/red] {message}", highlight=False, soft_wrap=True)
+def _one_line(kind: str, message: str, colour: str = "red") -> None:
+    err_console.print(f"[{colour}]{kind}:[/{colour}] {message}", highlight=False, soft_wrap=True)
+
+
+class _NoticeLines(logging.Handler):
+    def emit(self, record: logging.LogRecord) -> None:
+        _one_line("warning", record.getMessage(), colour="yellow")
+
+
+@contextlib.contextmanager
+def _notices_as_lines():
+    """pairclean's warnings as `warning: ...` lines on stderr while a command runs, and only
+    there: not also through a root handler that a dependency's `logging.warning()` installed
+    (which printed them a second time as `WARNING:pairclean:...`)."""
+    logger = logging.getLogger("pairclean")
+    handler, propagate = _NoticeLines(), logger.propagate
+    logger.addHandler(handler)
+    logger.propagate = False
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.propagate = propagate
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -75,7 +98,8 @@ def main(argv: list[str] | None = None) -> None:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     _register_commands()
     try:
-        returned = app(args=argv, standalone_mode=False)
+        with _notices_as_lines():
+            returned = app(args=argv, standalone_mode=False)
         if returned == 130:  # typer hands a Ctrl-C inside a command back as this value
             raise KeyboardInterrupt
         if isinstance(returned, int) and returned:
