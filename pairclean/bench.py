@@ -43,15 +43,18 @@ from pairclean.sources import UnitFailure, list_units, modalities, read_unit
 
 # ---------------------------------------------------------------- memory
 
-def _proc_kib(pid: int, field_name: str, filename: str) -> int | None:
+def _proc_kib(pid: int, filename: str, *names: str) -> dict[str, int]:
+    """The `Name: N kB` fields `names` of /proc/PID/FILENAME in one read; {} without /proc."""
+    found: dict[str, int] = {}
     try:
         with open(f"/proc/{pid}/{filename}") as fh:
             for line in fh:
-                if line.startswith(field_name + ":"):
-                    return int(line.split()[1])
+                name, _, value = line.partition(":")
+                if name in names:
+                    found[name] = int(value.split()[0])
     except (OSError, ValueError):
-        return None
-    return None
+        return {}
+    return found
 
 
 def _children(pid: int) -> list[int]:
@@ -78,13 +81,8 @@ def _tree(pid: int) -> list[int]:
 def tree_pss_mib(pid: int) -> float | None:
     """PSS of `pid` and its descendants in MiB (forked workers' shared pages counted once);
     None where /proc has no smaps_rollup. Costs ~15 ms of kernel time per GB-sized process."""
-    values = [_proc_kib(p, "Pss", "smaps_rollup") for p in _tree(pid)]
+    values = [_proc_kib(p, "smaps_rollup", "Pss").get("Pss") for p in _tree(pid)]
     return None if values[0] is None else sum(v for v in values if v is not None) / 1024
-
-
-def rss_mib(pid: int) -> float | None:
-    kib = _proc_kib(pid, "VmRSS", "status")
-    return None if kib is None else kib / 1024
 
 
 def high_water_rss_mib(pid: int | None = None) -> float | None:
@@ -92,7 +90,7 @@ def high_water_rss_mib(pid: int | None = None) -> float | None:
     ru_maxrss, which Linux carries across fork and exec, it is not raised to the parent's RSS
     at the time of the spawn (a benchmark that wrote 4.5 GB of memmaps before starting its
     child read 4.5 GB as the child's ru_maxrss)."""
-    kib = _proc_kib(pid or os.getpid(), "VmHWM", "status")
+    kib = _proc_kib(pid or os.getpid(), "status", "VmHWM").get("VmHWM")
     return None if kib is None else kib / 1024
 
 
@@ -126,12 +124,11 @@ class PeakMemory:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
     def _sample(self, pss: bool) -> None:
-        rss = rss_mib(self.pid)
-        if rss is None:
-            rss = self._fallback()
+        status = _proc_kib(self.pid, "status", "VmRSS", "VmHWM")  # one read for both
+        rss = status["VmRSS"] / 1024 if "VmRSS" in status else self._fallback()
         if rss is not None:
             self.peak_rss_mib = max(self.peak_rss_mib, rss)
-        self.high_water_mib = max(self.high_water_mib, high_water_rss_mib(self.pid) or 0.0)
+        self.high_water_mib = max(self.high_water_mib, status.get("VmHWM", 0) / 1024)
         if pss:
             value = tree_pss_mib(self.pid)
             value = value if value is not None else self._fallback()

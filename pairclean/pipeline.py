@@ -245,9 +245,9 @@ def score(source: str | list[str] | DatasetSpec, out: str | Path, config: ScoreC
 def small_shards_notice(pairs: int, units: int, batch_size: int) -> str | None:
     """Say so when the shards, not --batch-size, set the batch size: a batch never spans two
     units (for bit-identical resume), so units under half a batch leave batches under half full."""
-    if units < 4 or pairs == 0 or pairs / units >= batch_size / 2:
+    per_unit = pairs / units if units else 0.0
+    if units < 4 or per_unit == 0 or per_unit >= batch_size / 2:
         return None
-    per_unit = pairs / units
     return (f"the shards hold {per_unit:,.0f} pairs on average and a batch never spans two shards, so batches "
             f"were about {per_unit / batch_size:.0%} of --batch-size {batch_size}; on a GPU that caps throughput "
             f"(ViT-B-32 on an H100: 1.8k pairs/s in 40-pair batches, ~10k in 512): use shards of thousands of pairs")
