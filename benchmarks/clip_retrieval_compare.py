@@ -64,7 +64,7 @@ def ensure_venv(venv: Path) -> Path:
 
 
 def make_data(coco: Path, work: Path, shard_size: int) -> list[Path]:
-    from pairclean.coco import build_shards
+    from pairclean.lab.coco import build_shards
 
     shards = work / "shards"
     if not (shards / "manifest.yaml").is_file():

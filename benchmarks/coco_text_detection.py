@@ -1,6 +1,6 @@
 """Noise detection on real data with a real pretrained estimator: COCO caption pairs + all-MiniLM-L6-v2.
 
-One pair per COCO val2017 image, (first caption, second caption) = clean (pairclean.coco_text);
+One pair per COCO val2017 image, (first caption, second caption) = clean (pairclean.lab.coco_text);
 `corrupt` shuffles the second captions of 20% and 50% of the pairs; every noisy copy is scored
 by `pairclean score --backend sentence-transformers --model all-MiniLM-L6-v2` and measured by
 `pairclean evaluate detection`, each a separate CLI process, as a user would run them.
@@ -25,9 +25,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from pairclean.atomic import write_json
-from pairclean.coco_text import build_text_pairs
-from pairclean.corrupt import corrupt
+from pairclean.ops.atomic import write_json
+from pairclean.lab.coco_text import build_text_pairs
+from pairclean.lab.corrupt import corrupt
 
 REPO = Path(__file__).resolve().parents[1]
 CAPTIONS = REPO.parent / "shared" / "data" / "coco-captions" / "captions_val2017.json"

@@ -13,7 +13,7 @@ same command until it exits 0. The kill points cycle through:
     finalize-batch:k  after the k-th record batch of the output temp file
     finalize-renamed:1  the output is in place, the parts directory not yet removed
 
-(`PAIRCLEAN_FAULT=NAME:K` makes the process SIGKILL itself there; see pairclean/faults.py.)
+(`PAIRCLEAN_FAULT=NAME:K` makes the process SIGKILL itself there; see pairclean/ops/faults.py.)
 After a kill the benchmark notes what the process left on disk (committed parts, temp files,
 output); after the trial it checks that no parts directory or temp file is left.
 
@@ -41,11 +41,11 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
-from pairclean.atomic import is_temp_name
+from pairclean.ops.atomic import is_temp_name
 from pairclean.cli import main as main_cli
-from pairclean.finalize import run_manifest_path
-from pairclean.sink import parts_dir_for
-from pairclean.synth.world import build_world
+from pairclean.scoring.finalize import run_manifest_path
+from pairclean.scoring.parts import parts_dir_for
+from pairclean.lab.synth.world import build_world
 
 MODES = ("timer", "part-written", "committed", "before-rename", "finalize-batch", "finalize-renamed")
 

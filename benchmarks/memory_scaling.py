@@ -1,6 +1,6 @@
 """Peak memory of `pairclean score` on 1x and 10x the data: it must not grow with the dataset.
 
-The 1x data is a toy world (pairclean.synth.world: PNG scenes + captions); the 10x data is the
+The 1x data is a toy world (pairclean.lab.synth.world: PNG scenes + captions); the 10x data is the
 same shards hard-linked under ten names each, so it holds 10x the rows (distinct shard/index)
 at no extra build time. Each run is a separate `pairclean score` process with the tiny model;
 its RSS is sampled every 0.1 s, its process tree's PSS (workers' shared pages counted once)
@@ -22,8 +22,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from pairclean.bench import PeakMemory
-from pairclean.synth.world import build_world
+from pairclean.ops.bench import PeakMemory
+from pairclean.lab.synth.world import build_world
 
 
 def run_score(shards: Path, out: Path, args) -> dict:

@@ -3,7 +3,7 @@
 1. the toy world's estimator (`pairclean synth train-estimator`: the `pairclean-toy` CLIP-style
    model trained from scratch on clean toy image-text pairs; taken from the cache when an
    identical recipe was trained before) - it has never seen an image-label or image-image pair;
-2. pairclean.toy_pairs writes held-out image-label pairs (one shape per image, label = the
+2. pairclean.lab.toy_pairs writes held-out image-label pairs (one shape per image, label = the
    shape's name, and a second set with its colour name) and image-image pairs (two views of one
    scene), a share of them mismatched;
 3. each set is scored by `pairclean score --pair image-label|image-image` with that model (the
@@ -25,9 +25,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from pairclean.atomic import write_json
-from pairclean.synth.estimator import CHECKPOINT, TOY_MODEL, EstimatorRecipe, cached_checkpoint
-from pairclean.toy_pairs import build_toy_pairs
+from pairclean.ops.atomic import write_json
+from pairclean.lab.synth.estimator import CHECKPOINT, TOY_MODEL, EstimatorRecipe, cached_checkpoint
+from pairclean.lab.toy_pairs import build_toy_pairs
 
 SETS = (("image-label", "shape"), ("image-label", "colour"), ("image-image", None))
 

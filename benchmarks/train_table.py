@@ -24,16 +24,16 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from pairclean.atomic import atomic_path, write_json
-from pairclean.corrupt import corrupt
-from pairclean.manifest import DatasetSpec, write_manifest
-from pairclean.metrics import evaluate_detection
-from pairclean.packing import write_shards
-from pairclean.pipeline import ScoreConfig, score
-from pairclean.query import sql_string
-from pairclean.retrieval import evaluate_retrieval
-from pairclean.synth.estimator import TOY_MODEL, EstimatorRecipe
-from pairclean.synth.world import build_world
+from pairclean.ops.atomic import atomic_path, write_json
+from pairclean.lab.corrupt import corrupt
+from pairclean.data.manifest import DatasetSpec, write_manifest
+from pairclean.scores.evaluation import evaluate_detection
+from pairclean.data.writer import write_shards
+from pairclean.scoring.run import ScoreConfig, score
+from pairclean.curate.query import sql_string
+from pairclean.train.retrieval import evaluate_retrieval
+from pairclean.lab.synth.estimator import TOY_MODEL, EstimatorRecipe
+from pairclean.lab.synth.world import build_world
 from pairclean.train import TrainConfig, train
 
 console = Console(width=150)
@@ -174,7 +174,7 @@ def _coco_val(captions_json: Path, skip: int, n: int, out: Path) -> Path:
 
 def coco_text(args) -> None:
     """all-MiniLM-L6-v2 fine-tuned on COCO caption pairs: zero-shot, clean, 50% noise plain / OSA weights."""
-    from pairclean.coco_text import build_text_pairs
+    from pairclean.lab.coco_text import build_text_pairs
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -13,11 +13,11 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     "UserError": "pairclean.errors",
-    "cone_weight": "pairclean.scorer", "debias": "pairclean.scorer", "normalised_weight": "pairclean.scorer",
-    "cosine_similarity": "pairclean.scorer", "WEIGHT_FUNCTIONS": "pairclean.scorer",
-    "ScoreConfig": "pairclean.pipeline", "score": "pairclean.pipeline",
+    "cone_weight": "pairclean.core.scorer", "debias": "pairclean.core.scorer", "normalised_weight": "pairclean.core.scorer",
+    "cosine_similarity": "pairclean.core.scorer", "WEIGHT_FUNCTIONS": "pairclean.core.scorer",
+    "ScoreConfig": "pairclean.scoring.run", "score": "pairclean.scoring.run",
     "TrainConfig": "pairclean.train", "train": "pairclean.train",
-    "open_dataset": "pairclean.manifest", "read_provenance": "pairclean.finalize",
+    "open_dataset": "pairclean.data.manifest", "read_provenance": "pairclean.scoring.finalize",
 }
 __all__ = [*_EXPORTS, "__version__"]
 

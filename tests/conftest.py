@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from pairclean.coco import build_parquet, build_shards
-from pairclean.pipeline import ScoreConfig
+from pairclean.lab.coco import build_parquet, build_shards
+from pairclean.scoring.run import ScoreConfig
 
 TESTS = Path(__file__).parent
 COCO_MINI = TESTS / "data" / "coco-mini"
@@ -65,8 +65,8 @@ def shared_data() -> Path:
 
 def tiny_scores(source: Path, out: Path) -> Path:
     """Score `source` with the tiny random open_clip model (seconds): real scores files for tests."""
-    from pairclean.manifest import open_dataset
-    from pairclean.pipeline import score
+    from pairclean.data.manifest import open_dataset
+    from pairclean.scoring.run import score
 
     score(open_dataset(str(source)), out, ScoreConfig(model="pairclean-tiny", pretrained="none", beta_k=64,
                                                       batch_size=8, workers=0, seed=0))

@@ -14,16 +14,16 @@ import pytest
 import torch
 from PIL import Image
 
-import pairclean.accel as accel
-from pairclean.accel import (CompiledOrEager, DeviceJpegDecoder, OomBackoff, RawJpeg, finish_batch,
+import pairclean.backends.accel as accel
+from pairclean.backends.accel import (CompiledOrEager, DeviceJpegDecoder, OomBackoff, RawJpeg, finish_batch,
                              supports_text_trim, take_rows, text_buckets)
-from pairclean.bench import PeakMemory, bench_score, high_water_rss_mib
-from pairclean.beta import BetaCache, cached_random_input_beta, weights_fingerprint
+from pairclean.ops.bench import PeakMemory, bench_score, high_water_rss_mib
+from pairclean.core.beta import BetaCache, cached_random_input_beta, weights_fingerprint
 from pairclean.cli import main
-from pairclean.coco import read_pairs
+from pairclean.lab.coco import read_pairs
 from pairclean.errors import UserError
-from pairclean.estimators import OpenClipEstimator, OpenClipPreparer, cpu_bf16_native, resolve_precision
-from pairclean.pipeline import score
+from pairclean.backends.open_clip import OpenClipEstimator, OpenClipPreparer, cpu_bf16_native, resolve_precision
+from pairclean.scoring.run import score
 
 
 @pytest.fixture(scope="module")

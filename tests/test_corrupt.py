@@ -11,12 +11,12 @@ import pyarrow.parquet as pq
 import pytest
 
 from pairclean.cli import main
-from pairclean.corrupt import corrupt, weaken
+from pairclean.lab.corrupt import corrupt, weaken
 from pairclean.errors import UserError
-from pairclean.manifest import DatasetSpec, load_manifest, open_dataset
-from pairclean.packing import staged_directory, write_shards
-from pairclean.sources import group_members, list_units, read_unit, tar_members
-from pairclean.synth.world import build_world
+from pairclean.data.manifest import DatasetSpec, load_manifest, open_dataset
+from pairclean.data.writer import staged_directory, write_shards
+from pairclean.data.reader import group_members, list_units, read_unit, tar_members
+from pairclean.lab.synth.world import build_world
 
 
 @pytest.fixture(scope="module")

@@ -9,9 +9,9 @@ import duckdb
 import pytest
 
 from pairclean.cli import main
-from pairclean.demo import DemoConfig, run_demo
+from pairclean.lab.demo import DemoConfig, run_demo
 from pairclean.errors import UserError
-from pairclean.synth.estimator import CHECKPOINT, EstimatorRecipe
+from pairclean.lab.synth.estimator import CHECKPOINT, EstimatorRecipe
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -10,8 +10,8 @@ import sys
 import pyarrow.parquet as pq
 import pytest
 
-from pairclean.coco import build_shards
-from pairclean.pipeline import ScoreConfig, score
+from pairclean.lab.coco import build_shards
+from pairclean.scoring.run import ScoreConfig, score
 
 TINY = ["--model", "pairclean-tiny", "--pretrained", "none", "--beta-k", "64", "--workers", "0", "--batch-size", "4"]
 
@@ -112,7 +112,7 @@ def test_every_rank_leaves_the_process_group_before_the_interpreter_shuts_down(t
     probe = tmp_path / "probe.py"
     probe.write_text(
         "import atexit, sys, torch.distributed as dist\n"
-        "from pairclean import distributed\n"
+        "from pairclean.ops import distributed\n"
         "atexit.register(lambda: sys.stdout.write(f'initialised at exit: {dist.is_initialized()}\\n'))\n"
         "distributed.init_from_env('cpu')\n"
         "assert distributed.all_reduce_sum(1) == 2\n")

@@ -12,14 +12,14 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from pairclean import embeddings
+from pairclean.scoring import embeddings
 from pairclean.cli import main
-from pairclean.embeddings import (EmbeddingScoreConfig, iter_batches, open_embeddings, random_embeddings_beta,
+from pairclean.scoring.embeddings import (EmbeddingScoreConfig, iter_batches, open_embeddings, random_embeddings_beta,
                                   score_embeddings, write_embeddings)
 from pairclean.errors import UserError
-from pairclean.finalize import SCORES_SCHEMA, read_provenance
-from pairclean.scorer import cosine_similarity
-from pairclean.sink import parts_dir_for
+from pairclean.scoring.finalize import SCORES_SCHEMA, read_provenance
+from pairclean.core.scorer import cosine_similarity
+from pairclean.scoring.parts import parts_dir_for
 
 DIM = 16
 

@@ -18,8 +18,8 @@ from conftest import tiny_scores
 
 from pairclean.cli import main
 from pairclean.errors import UserError
-from pairclean.filter import filter_dataset
-from pairclean.manifest import load_manifest, open_dataset
+from pairclean.curate.filter import filter_dataset
+from pairclean.data.manifest import load_manifest, open_dataset
 
 ISSUE_PREDICATE = "p_clean >= 0.5 AND weight > 0"
 

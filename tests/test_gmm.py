@@ -1,7 +1,7 @@
 import numpy as np
 from sklearn.mixture import GaussianMixture
 
-from pairclean.gmm import clean_posterior, fit_similarity_mixture
+from pairclean.core.mixture import clean_posterior, fit_similarity_mixture
 
 
 def test_closed_form_posterior_equals_sklearn_and_clean_is_higher_mean():

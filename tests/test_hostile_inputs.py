@@ -25,12 +25,12 @@ import pytest
 from PIL import Image
 
 from pairclean.cli import main
-from pairclean.decode import DecodeError, decode_image
+from pairclean.data.decode import DecodeError, decode_image
 from pairclean.errors import UserError
-from pairclean.finalize import run_manifest_path
-from pairclean.manifest import DatasetSpec, Fields, open_dataset
-from pairclean.pipeline import score
-from pairclean.sources import MAX_TEXT_CHARS, UnitFailure, list_units, read_unit
+from pairclean.scoring.finalize import run_manifest_path
+from pairclean.data.manifest import DatasetSpec, Fields, open_dataset
+from pairclean.scoring.run import score
+from pairclean.data.reader import MAX_TEXT_CHARS, UnitFailure, list_units, read_unit
 
 BOMB_SIDE = 50_000
 
@@ -159,7 +159,7 @@ def test_bomb_is_refused_from_the_header_without_allocating(tmp_path):
     that allocated the pixels would need 2.5 GB."""
     bomb = tmp_path / "bomb.png"
     bomb.write_bytes(png_bomb())
-    decode_py = Path(__file__).parent.parent / "pairclean" / "decode.py"
+    decode_py = Path(__file__).parent.parent / "pairclean" / "data" / "decode.py"
     code = f"""
 import importlib.util, resource, json
 spec = importlib.util.spec_from_file_location("decode", {str(decode_py)!r})
@@ -258,7 +258,7 @@ def test_repeated_keys_are_separate_pairs(tmp_path, jpeg):
 
 
 def test_oversized_member_is_refused_unread(tmp_path, jpeg, monkeypatch):
-    import pairclean.sources as sources
+    import pairclean.data.reader as sources
 
     monkeypatch.setattr(sources, "MAX_MEMBER_BYTES", 1000)
     pairs, failures = _read(write_tar(tmp_path / "o.tar", [("x.jpg", jpeg), ("x.txt", b"fine")]))
@@ -368,8 +368,8 @@ def hostile_run(tmp_path_factory, coco_src):
     """One scoring run over six hostile shards (workers=0 keeps shard order = read order)."""
     import torch
 
-    from pairclean.estimators import build_estimator
-    from pairclean.pipeline import ScoreConfig
+    from pairclean.backends.open_clip import build_estimator
+    from pairclean.scoring.run import ScoreConfig
 
     root = tmp_path_factory.mktemp("hostile")
     jpegs = sorted((coco_src / "val2017").glob("*.jpg"))
@@ -506,7 +506,7 @@ def test_usage_errors_are_one_line_exit_2(argv, expect, capsys):
 
 
 def test_crash_is_one_line_with_a_log_holding_the_traceback(tmp_path, capsys, monkeypatch, coco_shards):
-    import pairclean.pipeline as score_api
+    import pairclean.scoring.run as score_api
 
     def broken(*args, **kwargs):
         raise RuntimeError("disk controller on fire\nsecond line")

@@ -3,7 +3,7 @@
 import pytest
 
 from pairclean.errors import UserError
-from pairclean.manifest import open_dataset, resolve_shards
+from pairclean.data.manifest import open_dataset, resolve_shards
 
 
 def test_directory_glob_brace_and_list_file_agree(coco_shards, tmp_path):

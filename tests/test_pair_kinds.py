@@ -11,15 +11,15 @@ import pyarrow.parquet as pq
 import pytest
 
 from pairclean.cli import main
-from pairclean.coco import read_pairs
+from pairclean.lab.coco import read_pairs
 from pairclean.errors import UserError
-from pairclean.finalize import read_provenance
-from pairclean.manifest import DatasetSpec, open_dataset
-from pairclean.packing import write_shards
-from pairclean.pipeline import score
-from pairclean.sources import RawPair, list_units, read_unit
-from pairclean.synth.world import png_bytes, render, sample_scene
-from pairclean.toy_pairs import build_toy_pairs, second_view
+from pairclean.scoring.finalize import read_provenance
+from pairclean.data.manifest import DatasetSpec, open_dataset
+from pairclean.data.writer import write_shards
+from pairclean.scoring.run import score
+from pairclean.data.reader import RawPair, list_units, read_unit
+from pairclean.lab.synth.world import png_bytes, render, sample_scene
+from pairclean.lab.toy_pairs import build_toy_pairs, second_view
 
 LABELS = ["giraffe", "bus", "pizza", "dog", "cat", "train", "zebra", "kite"]
 

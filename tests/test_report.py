@@ -23,10 +23,10 @@ import webdataset as wds
 from PIL import Image
 
 from pairclean.cli import main
-from pairclean.finalize import METADATA_KEY, SCORES_SCHEMA, read_provenance
-from pairclean.gmm import FittedMixture
-from pairclean.query import ScoresDB
-from pairclean.report import _histogram, build_report, gmm_boundaries
+from pairclean.scoring.finalize import METADATA_KEY, SCORES_SCHEMA, read_provenance
+from pairclean.core.mixture import FittedMixture
+from pairclean.curate.query import ScoresDB
+from pairclean.curate.report import _histogram, build_report, gmm_boundaries
 
 GALLERY, CONTRAST, THUMB = 6, 4, 160
 CHROMIUM = shutil.which("chromium")

@@ -1,7 +1,7 @@
 """Resume and atomicity: SIGKILLed runs continue to the same rows as an uninterrupted run, and no
 file ever looks complete when it is not.
 
-Kills are real SIGKILLs (pairclean.faults) of forked children: a fork inherits the imported
+Kills are real SIGKILLs (pairclean.ops.faults) of forked children: a fork inherits the imported
 torch/open_clip, so a killed run costs a second, not an interpreter start. Every run in the
 kill test is forked with one intra-op thread, so reference and resumed runs compute alike.
 """
@@ -21,11 +21,11 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from pairclean.atomic import atomic_path, is_temp_name, temp_name
+from pairclean.ops.atomic import atomic_path, is_temp_name, temp_name
 from pairclean.errors import UserError
-from pairclean.finalize import run_manifest_path
-from pairclean.pipeline import score
-from pairclean.sink import NON_FINITE, PartStore, parts_dir_for
+from pairclean.scoring.finalize import run_manifest_path
+from pairclean.scoring.run import score
+from pairclean.scoring.parts import NON_FINITE, PartStore, parts_dir_for
 
 SETTINGS = {"model": "m", "beta_mode": "random-inputs", "weight_fn": "cubic", "units_sha1": "x", "n_units": 2}
 

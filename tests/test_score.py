@@ -12,10 +12,10 @@ import pyarrow.parquet as pq
 import pytest
 
 from pairclean.cli import main
-from pairclean.coco import build_parquet, read_pairs
-from pairclean.finalize import read_provenance, run_manifest_path
-from pairclean.pipeline import score
-from pairclean.sink import parts_dir_for
+from pairclean.lab.coco import build_parquet, read_pairs
+from pairclean.scoring.finalize import read_provenance, run_manifest_path
+from pairclean.scoring.run import score
+from pairclean.scoring.parts import parts_dir_for
 
 
 def _rows(path):
@@ -151,7 +151,7 @@ def test_local_checkpoint_loads_through_open_clip_and_is_hashed(coco_shards, tmp
     import open_clip
     import torch
 
-    from pairclean.estimators import file_sha256, register_model_configs
+    from pairclean.backends.open_clip import file_sha256, register_model_configs
 
     register_model_configs()
     torch.manual_seed(1)
@@ -169,8 +169,8 @@ def test_shards_smaller_than_half_a_batch_are_pointed_out(coco_src, fast_config,
     import logging
     from dataclasses import replace
 
-    from pairclean import accel
-    from pairclean.coco import build_shards
+    from pairclean.backends import accel
+    from pairclean.lab.coco import build_shards
 
     shards = tmp_path / "small"
     build_shards(coco_src, shards, shard_size=3)  # 6 shards of at most 3 pairs

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from pairclean.scorer import (CUBIC_PEAK, beta_noisy, cone_weight, cosine_similarity, debias,
+from pairclean.core.scorer import (CUBIC_PEAK, beta_noisy, cone_weight, cosine_similarity, debias,
                               normalised_weight)
 
 

@@ -13,10 +13,10 @@ from PIL import Image
 
 from pairclean.cli import main
 from pairclean.errors import UserError
-from pairclean.manifest import load_manifest
-from pairclean.sources import group_members, tar_members
-from pairclean.synth.estimator import TOY_MODEL, EstimatorRecipe, cached_checkpoint, train_estimator
-from pairclean.synth.world import (COLOURS, GRID, IMAGE_SIZE, PREFIXES, ToyObject, build_world, describe, relation,
+from pairclean.data.manifest import load_manifest
+from pairclean.data.reader import group_members, tar_members
+from pairclean.lab.synth.estimator import TOY_MODEL, EstimatorRecipe, cached_checkpoint, train_estimator
+from pairclean.lab.synth.world import (COLOURS, GRID, IMAGE_SIZE, PREFIXES, ToyObject, build_world, describe, relation,
                                    render, sample_scene, samples)
 
 
@@ -139,7 +139,7 @@ def test_estimator_trains_with_the_trainer_and_loads_through_open_clip(tmp_path)
     import open_clip
     import torch
 
-    from pairclean.estimators import register_model_configs
+    from pairclean.backends.open_clip import register_model_configs
 
     recipe = EstimatorRecipe(pairs=32, batch_size=16, epochs=1, warmup_steps=1)
     cache = tmp_path / "cache"

@@ -10,16 +10,16 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from pairclean.coco import build_shards
+from pairclean.lab.coco import build_shards
 from pairclean.errors import UserError
-from pairclean.manifest import open_dataset
-from pairclean.pipeline import ScoreConfig, score
-from pairclean.retrieval import evaluate_retrieval
-from pairclean.scorer import cone_weight, debias, normalised_weight
+from pairclean.data.manifest import open_dataset
+from pairclean.scoring.run import ScoreConfig, score
+from pairclean.train.retrieval import evaluate_retrieval
+from pairclean.core.scorer import cone_weight, debias, normalised_weight
 from pairclean.train import METHODS, TrainConfig, build_method, train
 from pairclean.train import trainer as trainer_module
 from pairclean.train.data import index_shards
-from pairclean.train.metrics import read_metrics
+from pairclean.train.logs import read_metrics
 from pairclean.train.models import load_target
 from pairclean.train.weights import build_weight_arrays
 
@@ -48,7 +48,7 @@ def _diagnostics(run_dir, epoch=1):
 def test_plain_run_writes_a_checkpoint_open_clip_loads(tmp_path, coco_shards):
     import open_clip
 
-    from pairclean.estimators import register_model_configs
+    from pairclean.backends.open_clip import register_model_configs
 
     result = train(str(coco_shards), tmp_path / "run", tiny(), val=str(coco_shards))
     assert [r["epoch"] for r in result.epochs] == [1]
@@ -241,8 +241,8 @@ def test_cli_train_with_weights_then_evaluate(tmp_path, coco_shards, scores, cap
 
 
 def _text_pairs(coco_src, out):
-    from pairclean.manifest import DatasetSpec, write_manifest
-    from pairclean.packing import write_shards
+    from pairclean.data.manifest import DatasetSpec, write_manifest
+    from pairclean.data.writer import write_shards
 
     out.mkdir()
     rows = [json.loads(line) for line in (coco_src / "pairs.jsonl").read_text().splitlines()]

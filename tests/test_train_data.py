@@ -9,9 +9,9 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from pairclean.estimators import OpenClipEstimator
-from pairclean.manifest import open_dataset
-from pairclean.sources import UnitFailure, read_unit
+from pairclean.backends.open_clip import OpenClipEstimator
+from pairclean.data.manifest import open_dataset
+from pairclean.data.reader import UnitFailure, read_unit
 from pairclean.train.data import TrainBatches, index_shards, tar_keys
 
 

@@ -89,10 +89,10 @@ def bench_score_command(
     allow_pipe: bool = typer.Option(False, help="Allow `pipe:` shard URLs, which run shell commands."),
 ) -> None:
     """Model-only ceiling vs end-to-end `pairclean score` vs a naive loop: pairs/s, ratios, peak memory."""
-    from pairclean.bench import bench_score, write_report
+    from pairclean.ops.bench import bench_score, write_report
 
-    from pairclean.manifest import open_dataset
-    from pairclean.pipeline import ScoreConfig
+    from pairclean.data.manifest import open_dataset
+    from pairclean.scoring.run import ScoreConfig
 
     spec = open_dataset(source, pair=pair, allow_pipe=allow_pipe)
     cfg = ScoreConfig(model=model, pretrained=pretrained, backend=backend, device=device, precision=precision,

@@ -27,9 +27,9 @@ def retrieval_command(
     """R@1/5/10 both ways and rSum; an image with several captions is one query (hit if any caption is found)."""
     from rich.table import Table
 
-    from pairclean.atomic import write_json
+    from pairclean.ops.atomic import write_json
     from pairclean.cli import console
-    from pairclean.retrieval import METRIC_NAMES, evaluate_retrieval
+    from pairclean.train.retrieval import METRIC_NAMES, evaluate_retrieval
 
     metrics = evaluate_retrieval(model, data, arch=arch, pair=pair, batch_size=batch_size, workers=workers, device=device)
     table = Table(title=f"retrieval: {model}")
@@ -88,9 +88,9 @@ def detection_command(
     json_out: Path | None = typer.Option(None, "--json", help="Metrics JSON to write (default: SCORES.detection.json)."),
 ) -> None:
     """Clean kept / noise caught / balanced accuracy per rule (beta, GMM, oracle), ROC-AUC, AP, mean noise rank."""
-    from pairclean.atomic import write_json
+    from pairclean.ops.atomic import write_json
     from pairclean.cli import console
-    from pairclean.metrics import evaluate_detection
+    from pairclean.scores.evaluation import evaluate_detection
 
     result = evaluate_detection(scores, truth)
     for table in detection_tables(result):

@@ -14,7 +14,7 @@ from pairclean.cli import app, console
 from pairclean.errors import UserError
 
 if TYPE_CHECKING:
-    from pairclean.filter import FilterResult
+    from pairclean.curate.filter import FilterResult
 
 
 def _size(n: int | None) -> str:
@@ -52,7 +52,7 @@ def result_table(result: FilterResult) -> Table:
 def _scored_pair(scores: Path) -> str | None:
     """The pair kind the scores were made with: what the new manifest should say."""
     try:
-        from pairclean.finalize import read_provenance
+        from pairclean.scoring.finalize import read_provenance
 
         return read_provenance(scores).get("pair")
     except (ValueError, OSError):
@@ -77,8 +77,8 @@ def filter_command(
     """Write the pairs the rules keep as new shards (members byte-identical), or preview with --dry-run."""
     if out is None and not dry_run:
         raise UserError("give --out DIR (or --dry-run)")
-    from pairclean.filter import filter_dataset
-    from pairclean.manifest import open_dataset
+    from pairclean.curate.filter import filter_dataset
+    from pairclean.data.manifest import open_dataset
 
     spec = open_dataset(source, pair=pair or _scored_pair(scores))
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("shards"),

@@ -21,8 +21,8 @@ def corrupt_command(
     overwrite: bool = typer.Option(False, help="Replace an existing output directory."),
 ) -> None:
     """Inject caption noise into a dataset; every other member stays byte-identical."""
-    from pairclean.corrupt import corrupt
-    from pairclean.manifest import open_dataset
+    from pairclean.lab.corrupt import corrupt
+    from pairclean.data.manifest import open_dataset
 
     spec = open_dataset(source, pair=pair)
     result = corrupt(spec, out, ratio, seed=seed, mode=mode, overwrite=overwrite)
@@ -47,7 +47,7 @@ def demo_command(
 ) -> None:
     """Toy world -> tiny estimator (trained or cached) -> shuffle noise -> score -> detection table. Offline."""
     from pairclean.cli.evaluate import detection_tables
-    from pairclean.demo import DemoConfig, run_demo
+    from pairclean.lab.demo import DemoConfig, run_demo
 
     cfg = DemoConfig(out=out, pairs=pairs, world_seed=seed, ratio=ratio, noise_seed=seed, beta_k=beta_k, retrain=retrain,
                      workers=workers, device=device, show_progress=True)

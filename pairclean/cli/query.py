@@ -9,7 +9,7 @@ import typer
 
 from pairclean.cli import app, console
 from pairclean.errors import UserError
-from pairclean.query import OUTPUT_FORMATS, ScoresDB, rich_result, write_result
+from pairclean.curate.query import OUTPUT_FORMATS, ScoresDB, rich_result, write_result
 
 
 @app.command("query")

@@ -23,7 +23,7 @@ def report_command(
     title: Optional[str] = typer.Option(None, help="Page title (default: the scores file name)."),
 ) -> None:
     """One self-contained HTML report: histogram with beta and GMM boundaries, per-shard statistics, gallery."""
-    from pairclean.report import build_report
+    from pairclean.curate.report import build_report
 
     result = build_report(scores, out, shards=shards, truth=truth, gallery=gallery, contrast=contrast,
                           thumb=thumb, bins=bins, title=title)

@@ -80,12 +80,12 @@ def score_command(
     allow_pipe: bool = typer.Option(False, help="Allow `pipe:` shard URLs, which run shell commands."),
 ) -> None:
     """Score every pair: cosine, cone bias beta, OSA weight, GMM p_clean -> Parquet."""
-    from pairclean.estimators import BACKEND_DEFAULT_MODEL, check_backend
-    from pairclean.manifest import Fields, open_dataset
-    from pairclean.pipeline import ScoreConfig, score
+    from pairclean.backends.open_clip import BACKEND_DEFAULT_MODEL, check_backend
+    from pairclean.data.manifest import Fields, open_dataset
+    from pairclean.scoring.run import ScoreConfig, score
 
     if from_embeddings:
-        from pairclean.embeddings import EmbeddingScoreConfig, open_embeddings, score_embeddings
+        from pairclean.scoring.embeddings import EmbeddingScoreConfig, open_embeddings, score_embeddings
 
         spec = open_embeddings(source, embedding_layout, pair, left_emb_field, right_emb_field, key_field, keys)
         rand = open_embeddings(random_embeddings, left_field=left_emb_field, right_field=right_emb_field) \

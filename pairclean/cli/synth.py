@@ -24,7 +24,7 @@ def toy_world_command(
     overwrite: bool = typer.Option(False, help="Replace an existing directory."),
 ) -> None:
     """Render coloured shapes (1-3 objects, colour, shape, size, layout) with captions that describe them."""
-    from pairclean.synth.world import build_world
+    from pairclean.lab.synth.world import build_world
 
     spec = build_world(out, pairs, seed=seed, shard_size=shard_size, overwrite=overwrite,
                        captions_per_scene=captions_per_scene)
@@ -42,7 +42,7 @@ def coco_mini_command(
     overwrite: bool = typer.Option(False, help="Replace an existing output."),
 ) -> None:
     """Real COCO JPEGs with their human captions, as WebDataset shards or Parquet."""
-    from pairclean.coco import build_parquet, build_shards
+    from pairclean.lab.coco import build_parquet, build_shards
     from pairclean.errors import UserError
 
     if parquet:
@@ -72,7 +72,7 @@ def train_estimator_command(
     overwrite: bool = typer.Option(False, help="Replace an existing directory."),
 ) -> None:
     """Train the tiny CLIP-style `pairclean-toy` estimator on clean toy-world pairs (pairclean's trainer)."""
-    from pairclean.synth.estimator import TOY_MODEL, EstimatorRecipe, train_estimator
+    from pairclean.lab.synth.estimator import TOY_MODEL, EstimatorRecipe, train_estimator
 
     recipe = EstimatorRecipe(pairs=pairs, world_seed=world_seed, epochs=epochs, batch_size=batch_size, lr=lr,
                              temperature=temperature, seed=seed)
@@ -91,7 +91,7 @@ def coco_text_command(
     overwrite: bool = typer.Option(False, help="Replace an existing directory."),
 ) -> None:
     """COCO captions as text-text pairs: one per image, (first caption, second caption) = clean."""
-    from pairclean.coco_text import build_text_pairs
+    from pairclean.lab.coco_text import build_text_pairs
 
     spec = build_text_pairs(src, out, format="parquet" if parquet else "webdataset", shard_size=shard_size,
                             limit=limit, overwrite=overwrite)
@@ -112,7 +112,7 @@ def toy_pairs_command(
     overwrite: bool = typer.Option(False, help="Replace an existing directory."),
 ) -> None:
     """Toy-world pairs of the kinds without captions, with known mismatches."""
-    from pairclean.toy_pairs import build_toy_pairs
+    from pairclean.lab.toy_pairs import build_toy_pairs
 
     spec = build_toy_pairs(out, kind, pairs, seed=seed, noise=noise, shard_size=shard_size, label=label,
                            overwrite=overwrite)

@@ -119,7 +119,7 @@ def train_command(
                       shuffle_buffer=shuffle_buffer, val_batch_size=val_batch_size, log_every=log_every,
                       diagnostics=diagnostics, seed=seed, resume=resume, overwrite=overwrite, show_progress=True)
     result = train(source, out, cfg, val=val or None, pair=pair)
-    from pairclean import distributed
+    from pairclean.ops import distributed
 
     if not distributed.is_main():  # under torchrun rank 0 reports
         return

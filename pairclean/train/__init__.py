@@ -18,8 +18,8 @@
 
 `result.last_model` / `result.best_model` of an open_clip run is a plain state_dict:
 `open_clip.create_model_and_transforms(MODEL, pretrained=str(path), weights_only=True)` loads it
-(pairclean's tiny configs after `pairclean.estimators.register_model_configs()`).
-Evaluate with `pairclean.retrieval.evaluate_retrieval(run_dir_or_model, val_shards)`.
+(pairclean's tiny configs after `pairclean.backends.open_clip.register_model_configs()`).
+Evaluate with `pairclean.train.retrieval.evaluate_retrieval(run_dir_or_model, val_shards)`.
 """
 
 from pairclean.train.methods import (METHODS, Embeddings, LossOutput, Method, MethodContext, build_method,

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from pairclean.atomic import atomic_path
+from pairclean.ops.atomic import atomic_path
 from pairclean.errors import UserError
 
 RUN_FILE = "run.json"

@@ -29,8 +29,8 @@ from torch.utils.data import IterableDataset
 from webdataset.tariterators import meta_prefix, meta_suffix
 
 from pairclean.errors import UserError
-from pairclean.manifest import DatasetSpec
-from pairclean.sources import UnitFailure, group_members, list_units, modalities, read_unit, unit_shard
+from pairclean.data.manifest import DatasetSpec
+from pairclean.data.reader import UnitFailure, group_members, list_units, modalities, read_unit, unit_shard
 
 DROPPED = -1.0  # weight-array value of a pair the method leaves out (filtered); NaN = not in the scores
 _SKIP_META = re.compile(r"__[^/]*__($|/)")  # webdataset's tar_file_iterator skip_meta, as sources applies it

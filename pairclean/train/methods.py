@@ -22,12 +22,12 @@ from typing import Any, ClassVar
 
 import torch
 
-from pairclean import distributed
-from pairclean.beta import random_input_beta
+from pairclean.ops import distributed
+from pairclean.core.beta import random_input_beta
 from pairclean.errors import UserError
-from pairclean.estimators import OpenClipEstimator, build_estimator, check_backend
-from pairclean.manifest import DatasetSpec
-from pairclean.scorer import WEIGHT_FUNCTIONS, cone_weight, debias, normalised_weight
+from pairclean.backends.open_clip import OpenClipEstimator, build_estimator, check_backend
+from pairclean.data.manifest import DatasetSpec
+from pairclean.core.scorer import WEIGHT_FUNCTIONS, cone_weight, debias, normalised_weight
 from pairclean.train.data import BatchPlan, ShardInfo
 from pairclean.train.loss import REDUCTIONS, weighted_infonce
 from pairclean.train.models import is_sentence_transformer
@@ -280,7 +280,7 @@ def _same_inputs(a, b) -> bool:
 
 @register_method
 class OsaOnline(Method):
-    """OSA weights computed in the loop by a frozen estimator through pairclean.scorer."""
+    """OSA weights computed in the loop by a frozen estimator through pairclean.core.scorer."""
 
     name = "osa-online"
     Options = OsaOnlineOptions

@@ -4,8 +4,8 @@ A target exposes what the trainer, the loss and retrieval evaluation need: a pic
 `preparer` for DataLoader workers, `encode(modality, batch)` -> L2-normalised embeddings (with
 gradients in train mode), `logit_scale()`, `export(path)` for a standalone model file, and
 `describe()` for the run's config. open_clip targets are built through
-`pairclean.estimators.OpenClipEstimator`, so loading, validation and preprocessing are the
-scorer's own; sentence-transformers targets through `pairclean.st_estimator`.
+`pairclean.backends.open_clip.OpenClipEstimator`, so loading, validation and preprocessing are the
+scorer's own; sentence-transformers targets through `pairclean.backends.sentence_transformers`.
 """
 
 from __future__ import annotations
@@ -18,11 +18,11 @@ from typing import Any
 
 import torch
 
-from pairclean.atomic import atomic_path
+from pairclean.ops.atomic import atomic_path
 from pairclean.errors import UserError
-from pairclean.estimators import OpenClipEstimator
-from pairclean.packing import staged_directory
-from pairclean.st_estimator import SentenceTransformerEstimator, resolve_model
+from pairclean.backends.open_clip import OpenClipEstimator
+from pairclean.data.writer import staged_directory
+from pairclean.backends.sentence_transformers import SentenceTransformerEstimator, resolve_model
 
 BACKENDS = ("auto", "open_clip", "sentence-transformers")
 ST_DEFAULT_TEMPERATURE = 0.05  # sentence-transformers' MultipleNegativesRankingLoss scale 20

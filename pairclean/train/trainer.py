@@ -20,19 +20,19 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
-from pairclean import distributed
-from pairclean.accel import steady_worker_memory
-from pairclean.atomic import write_json
+from pairclean.ops import distributed
+from pairclean.backends.accel import steady_worker_memory
+from pairclean.ops.atomic import write_json
 from pairclean.errors import UserError
-from pairclean.estimators import PRECISIONS, autocast_context, check_backend
-from pairclean.manifest import DatasetSpec, open_dataset
-from pairclean.retrieval import evaluate_target
-from pairclean.sources import modalities
+from pairclean.backends.open_clip import PRECISIONS, autocast_context, check_backend
+from pairclean.data.manifest import DatasetSpec, open_dataset
+from pairclean.train.retrieval import evaluate_target
+from pairclean.data.reader import modalities
 from pairclean.train.checkpoint import (BEST, RUN_FILE, STATE_FILE, epoch_model_name, load_state, model_path,
                                         read_run, save_state, set_rng_state)
 from pairclean.train.data import TrainBatches, index_shards
 from pairclean.train.methods import Embeddings, MethodContext, build_method
-from pairclean.train.metrics import DiagnosticsWriter, MetricsLog
+from pairclean.train.logs import DiagnosticsWriter, MetricsLog
 from pairclean.train.models import load_target
 
 # Settings that may change between a run and its resumption without changing its result.

@@ -29,11 +29,11 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from pairclean.atomic import atomic_path
+from pairclean.ops.atomic import atomic_path
 from pairclean.errors import UserError
-from pairclean.manifest import DatasetSpec
-from pairclean.packing import staged_directory
-from pairclean.query import ScoresDB, duckdb_message, sql_string
+from pairclean.data.manifest import DatasetSpec
+from pairclean.data.writer import staged_directory
+from pairclean.curate.query import ScoresDB, duckdb_message, sql_string
 from pairclean.train.data import DROPPED, ShardInfo, shard_keys
 
 JOINS = ("auto", "shard-index", "key")

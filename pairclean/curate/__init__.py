@@ -1,0 +1,1 @@
+"""Consumers of a scores file: query, filter / re-shard, report."""

@@ -1,0 +1,1 @@
+"""Dataset access: manifests, the one reader that turns shards into rows, decoding, dataset writers."""

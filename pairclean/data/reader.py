@@ -1,0 +1,353 @@
+"""Sources: read raw pairs from WebDataset tar shards or Parquet files, one unit at a time.
+
+A *unit* is the resumable, distributable piece of work: one tar shard, or one row group of a
+Parquet file (`path#rg=N`). Reading yields RawPair records in order and, when the unit itself
+is broken (truncated tar, vanished file, unreadable Parquet), a final UnitFailure.
+
+Tar shards are opened with webdataset's `gopen` (local files, `pipe:`, http/gs URLs) and
+their members are split into samples by webdataset's `base_plus_ext`, but members are read and
+grouped here rather than by `tarfile_samples`, because that silently loses data on three
+hostile inputs: tarfile ends without an error on a truncated or corrupt member *header*, a
+repeated key (`a.jpg a.txt a.jpg a.txt`) makes `group_by_keys` drop the second pair, and a
+member of any size is read into memory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import tarfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Iterator
+
+import pyarrow.parquet as pq
+import webdataset as wds
+from webdataset.tariterators import base_plus_ext, meta_prefix, meta_suffix
+
+from pairclean.errors import UserError
+from pairclean.data.manifest import DatasetSpec
+
+# Text encoders keep the first 77 (CLIP) or 256 (MiniLM) tokens, far fewer than 4096 characters;
+# a longer caption only costs tokeniser time (CLIP's BPE is quadratic in the length of a word).
+MAX_TEXT_CHARS = 4096
+MAX_MEMBER_BYTES = 256 << 20  # a tar member bigger than this is refused without being read
+_SKIP_META = re.compile(r"__[^/]*__($|/)")  # webdataset's tar_file_iterator skip_meta
+
+
+@dataclass
+class RawPair:
+    key: str
+    shard: str
+    index: int
+    left: bytes | str | None = None
+    right: bytes | str | None = None
+    error: str | None = None
+
+
+@dataclass
+class UnitFailure:
+    unit: str
+    reason: str
+
+
+def modalities(pair: str) -> tuple[str, str]:
+    """(left, right) modality of a pair kind."""
+    return {"image-text": ("image", "text"), "text-text": ("text", "text"),
+            "image-label": ("image", "text"), "image-image": ("image", "image")}[pair]
+
+
+def list_units(spec: DatasetSpec) -> list[str]:
+    """Every unit of the dataset, in a stable order (the order of the output rows).
+
+    A shard listed twice (overlapping patterns, a repeated line in a list file) is one unit:
+    its pairs would otherwise be scored, and written, twice.
+    """
+    shards = list(dict.fromkeys(spec.shards))
+    if not spec.allow_pipe and any(s.startswith("pipe:") for s in shards):
+        raise UserError("refusing shell `pipe:` shard URLs: pass --allow-pipe to run shell commands from shard lists")
+    if spec.format == "webdataset":
+        return shards
+    units = []
+    for path in shards:
+        try:
+            n = pq.ParquetFile(path).metadata.num_row_groups
+        except Exception:
+            n = 1  # read_unit reports the failure for this file
+        units.extend(f"{path}#rg={i}" for i in range(max(n, 1)))
+    return units
+
+
+def unit_shard(unit: str) -> str:
+    """The shard (file) a unit belongs to: what the output's `shard` column holds."""
+    return unit.rsplit("#rg=", 1)[0] if "#rg=" in unit else unit
+
+
+class _Oversized:
+    """Stands in for a tar member that was too big to read."""
+
+    def __init__(self, name: str, size: int):
+        self.reason = f"member {name} is {size:,} bytes, over the {MAX_MEMBER_BYTES:,}-byte limit"
+
+
+def _decode_text(raw: bytes | str | None, what: str) -> tuple[str | None, str | None]:
+    if raw is None:
+        return None, f"missing {what}"
+    if isinstance(raw, bytes):
+        try:
+            raw = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            return None, f"{what} is not valid UTF-8"
+    text = raw.strip()
+    if not text:
+        return None, f"empty {what}"
+    return text[:MAX_TEXT_CHARS], None
+
+
+def _wds_text(sample: dict, ext: str, json_key: str | None) -> tuple[str | None, str | None]:
+    if ext in sample:
+        if isinstance(sample[ext], _Oversized):
+            return None, sample[ext].reason
+        return _decode_text(sample[ext], "caption")
+    if json_key and "json" in sample:
+        if isinstance(sample["json"], _Oversized):
+            return None, sample["json"].reason
+        try:
+            value = json.loads(sample["json"]).get(json_key)
+        except Exception:
+            return None, "json member is not valid JSON"
+        return _decode_text(value if value is None or isinstance(value, str) else str(value), "caption")
+    return None, "missing caption"
+
+
+def _wds_image(sample: dict, candidates: list[str]) -> tuple[bytes | None, str | None]:
+    for ext in candidates:
+        if ext in sample:
+            if isinstance(sample[ext], _Oversized):
+                return None, sample[ext].reason
+            return sample[ext], None
+    return None, f"no image member (looked for {', '.join(candidates)})"
+
+
+def _fill(pair: RawPair, side: str, value, error) -> None:
+    setattr(pair, side, value)
+    if error and pair.error is None:
+        pair.error = error
+
+
+def _wds_pair(spec: DatasetSpec, sample: dict, shard: str, index: int) -> RawPair:
+    f = spec.fields
+    pair = RawPair(key=sample.get("__key__", f"{index}"), shard=shard, index=index)
+    if spec.pair in ("image-text", "image-label", "image-image"):
+        _fill(pair, "left", *_wds_image(sample, f.image_candidates()))
+    if spec.pair == "image-text":
+        _fill(pair, "right", *_wds_text(sample, f.text, f.json_text_key))
+    elif spec.pair == "image-label":
+        label, err = _wds_text(sample, f.label, None)
+        _fill(pair, "right", spec.label_template.format(label=label) if label else None, err and err.replace("caption", "label"))
+    elif spec.pair == "image-image":
+        _fill(pair, "right", *_wds_image(sample, f.image_candidates(second=True)))
+    elif spec.pair == "text-text":
+        _fill(pair, "left", *_wds_text(sample, f.text, f.json_text_key))
+        second, err = _wds_text(sample, f.text2, None)
+        _fill(pair, "right", second, err and err.replace("caption", "second text"))
+    return pair
+
+
+class _HeaderWatch(tarfile.TarInfo):
+    """tarfile ends its member loop *silently* on an empty, truncated or corrupt header; a
+    subclass made per archive remembers which header error ended the loop.
+
+    It wraps `fromtarfile`, the public classmethod `TarFile.next()` calls for every header, not
+    `frombuf`: newer tarfiles (seen: Ubuntu's Python 3.12.3 build) route `fromtarfile` through
+    private `_fromtarfile`/`_frombuf`, so a `frombuf` hook never saw the end-of-archive marker
+    and every whole shard looked truncated."""
+
+    stop: Exception | None = None
+
+    @classmethod
+    def fromtarfile(cls, tarfile_):
+        try:
+            return super().fromtarfile(tarfile_)
+        except tarfile.HeaderError as exc:
+            cls.stop = exc
+            raise
+
+
+def _end_of_archive_problem(stop: Exception | None, members: int) -> str | None:
+    """Why the member loop ended, if it was not the end-of-archive marker."""
+    if isinstance(stop, tarfile.EOFHeaderError):
+        return None
+    where = f"after {members} member(s)"
+    if isinstance(stop, tarfile.EmptyHeaderError):
+        return f"truncated tar: the file ends {where} without an end-of-archive marker"
+    if isinstance(stop, tarfile.TruncatedHeaderError):
+        return f"truncated tar: the file ends inside a member header {where}"
+    if isinstance(stop, tarfile.InvalidHeaderError):
+        return f"corrupt tar: unreadable member header {where} ({stop}); the rest of the shard was not read"
+    return f"tar ended unexpectedly {where}"
+
+
+def _error_line(exc: BaseException) -> str:
+    text = str(exc.args[0]) if exc.args else str(exc)
+    return f"{type(exc).__name__}: {text}".splitlines()[0][:300]
+
+
+def tar_members(url: str, failures: list[str]) -> Iterator[dict]:
+    """The regular members of one tar shard as {"fname", "data"}, in archive order, skipping
+    what webdataset skips (`__meta__` members). Anything that ends the shard early (unreadable
+    stream, truncated or corrupt tar, a failing `pipe:`/curl) is appended to `failures`."""
+    watch = type("_Watch", (_HeaderWatch,), {})
+    members = 0
+    stream = None
+    try:
+        stream = wds.gopen(url)
+        with tarfile.open(fileobj=stream, mode="r|*", tarinfo=watch) as archive:
+            for info in archive:
+                archive.members = []  # stream mode keeps every TarInfo otherwise
+                name = info.name
+                if not info.isreg() or _SKIP_META.match(name) or (
+                        "/" not in name and name.startswith(meta_prefix) and name.endswith(meta_suffix)):
+                    continue
+                members += 1
+                if info.size > MAX_MEMBER_BYTES:
+                    yield {"fname": name, "data": _Oversized(name, info.size)}
+                    continue
+                yield {"fname": name, "data": archive.extractfile(info).read()}
+        problem = _end_of_archive_problem(watch.stop, members)
+        if problem:
+            failures.append(problem)
+    except tarfile.ReadError as exc:
+        failures.append(f"truncated tar: the file ends inside member data after {members} member(s)"
+                        if "unexpected end" in str(exc) else f"unreadable tar: {_error_line(exc)}")
+    except Exception as exc:  # any way a shard can break: the rows read so far are kept
+        failures.append(_error_line(exc))
+    finally:
+        if stream is not None:
+            try:
+                stream.close()  # a pipe's exit status is checked here
+            except Exception as exc:
+                if not failures:
+                    failures.append(_error_line(exc))
+
+
+def group_members(files: Iterable[dict], lcase: bool = True) -> Iterator[dict]:
+    """Group consecutive members into samples by key, like webdataset's `group_by_keys`, except
+    that a suffix already present in the current sample starts a new sample: keys may repeat,
+    even back to back, and each occurrence is its own pair."""
+    current = None
+    for member in files:
+        prefix, suffix = base_plus_ext(member["fname"])
+        if prefix is None:
+            continue
+        if lcase:
+            suffix = suffix.lower()
+        if current is None or prefix != current["__key__"] or suffix in current:
+            if current is not None:
+                yield current
+            current = {"__key__": prefix}
+        current[suffix] = member["data"]
+    if current is not None:
+        yield current
+
+
+def _read_tar(spec: DatasetSpec, unit: str) -> Iterator[RawPair | UnitFailure]:
+    failures: list[str] = []
+    for index, sample in enumerate(group_members(tar_members(unit, failures))):
+        yield _wds_pair(spec, sample, unit, index)
+    if failures:
+        yield UnitFailure(unit, failures[0])
+
+
+def safe_join(root: Path, relative: str) -> Path | None:
+    """Resolve a path from a Parquet column under the dataset root; None if it escapes the root."""
+    root = root.resolve()
+    candidate = (root / relative).resolve()
+    return candidate if candidate == root or root in candidate.parents else None
+
+
+def _read_image_path(root: Path, value) -> tuple[bytes | None, str | None]:
+    if value is None:
+        return None, "missing image path"
+    path = safe_join(root, str(value))
+    if path is None:
+        return None, f"image path escapes the dataset root: {value}"
+    try:
+        return path.read_bytes(), None
+    except OSError as exc:
+        return None, f"cannot read image file {value}: {exc.strerror or exc}"
+
+
+def _parquet_columns(spec: DatasetSpec) -> dict[str, str | None]:
+    f = spec.fields
+    cols = {"key": f.key}
+    if spec.pair in ("image-text", "image-label", "image-image"):
+        cols["left_image"] = f.image_path or f.image
+    if spec.pair == "image-text":
+        cols["right_text"] = f.text
+    elif spec.pair == "image-label":
+        cols["right_label"] = f.label
+    elif spec.pair == "image-image":
+        cols["right_image"] = f.image2_path or f.image2
+    elif spec.pair == "text-text":
+        cols["left_text"] = f.text
+        cols["right_text"] = f.text2
+    return cols
+
+
+def _read_parquet(spec: DatasetSpec, unit: str) -> Iterator[RawPair | UnitFailure]:
+    path, rg = unit.rsplit("#rg=", 1)
+    rg = int(rg)
+    try:
+        pf = pq.ParquetFile(path)
+        offset = sum(pf.metadata.row_group(i).num_rows for i in range(rg))
+        cols = _parquet_columns(spec)
+        available = set(pf.schema_arrow.names)
+        missing = [c for c in cols.values() if c not in available and c != spec.fields.key]
+        if missing:
+            yield UnitFailure(unit, f"column(s) {missing} not in {path} (has {sorted(available)})")
+            return
+        table = pf.read_row_group(rg, columns=[c for c in dict.fromkeys(cols.values()) if c in available])
+    except Exception as exc:
+        yield UnitFailure(unit, f"cannot read Parquet: {str(exc).splitlines()[0][:300]}")
+        return
+    root = Path(path).parent
+    f = spec.fields
+    by_path = {"left_image": f.image_path is not None, "right_image": f.image2_path is not None}
+    data = {role: (table.column(col).to_pylist() if col in table.column_names else None) for role, col in cols.items()}
+    for i in range(table.num_rows):
+        keys = data["key"]
+        pair = RawPair(key=str(keys[i]) if keys is not None else f"{Path(path).stem}/{offset + i}", shard=path, index=offset + i)
+        for role, values in data.items():
+            if role == "key":
+                continue
+            side, kind = role.split("_")
+            value = values[i]
+            if kind == "image":
+                if by_path[role]:
+                    _fill(pair, side, *_read_image_path(root, value))
+                else:
+                    _fill(pair, side, value, None if value is not None else "missing image")
+            elif kind == "label":
+                label, err = _decode_text(None if value is None else str(value), "label")
+                _fill(pair, side, spec.label_template.format(label=label) if label else None, err)
+            else:
+                # The same words as the tar path: a text-text pair's right side is its "second text".
+                _fill(pair, side, *_decode_text(value, "second text" if side == "right" and spec.pair == "text-text"
+                                                else "caption"))
+        yield pair
+
+
+def read_unit(spec: DatasetSpec, unit: str) -> Iterator[RawPair | UnitFailure]:
+    """Yield the unit's pairs in order (index = position in its shard), then any UnitFailure."""
+    if spec.format == "parquet":
+        yield from _read_parquet(spec, unit)
+    else:
+        if unit.startswith("pipe:") and not spec.allow_pipe:
+            yield UnitFailure(unit, "refusing a shell `pipe:` URL without --allow-pipe")
+            return
+        if "://" not in unit and not unit.startswith("pipe:") and not os.path.exists(unit):
+            yield UnitFailure(unit, "shard not found (it disappeared after the run started?)")
+            return
+        yield from _read_tar(spec, unit)

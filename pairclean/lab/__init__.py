@@ -1,0 +1,1 @@
+"""The lab: noise injection, synthetic worlds, COCO builders, the demo."""

@@ -1,0 +1,59 @@
+"""COCO-mini (real JPEGs + human captions, shared/data/coco-mini) as WebDataset shards or Parquet.
+
+Used by tests, benchmarks and `pairclean synth coco-mini`: one pair per image with its first
+caption (or every caption with --all-captions), key = the COCO image id.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from pairclean.errors import UserError
+from pairclean.data.manifest import DatasetSpec, write_manifest
+from pairclean.data.writer import staged_directory, write_shards
+
+
+def read_pairs(src: Path, all_captions: bool = False, limit: int | None = None) -> list[dict]:
+    lines_path = Path(src) / "pairs.jsonl"
+    if not lines_path.is_file():
+        raise UserError(f"{lines_path} not found: point --src at shared/data/coco-mini")
+    pairs = []
+    for line in lines_path.read_text().splitlines():
+        rec = json.loads(line)
+        captions = rec["captions"] if all_captions else rec["captions"][:1]
+        for j, caption in enumerate(captions):
+            pairs.append({"key": f"{rec['image_id']:012d}" + (f"_{j}" if all_captions else ""),
+                          "image": rec["image"], "caption": caption})
+        if limit and len(pairs) >= limit:
+            break
+    return pairs[:limit] if limit else pairs
+
+
+def build_shards(src: Path, out: Path, shard_size: int = 100, all_captions: bool = False,
+                 limit: int | None = None, overwrite: bool = False) -> DatasetSpec:
+    pairs = read_pairs(src, all_captions, limit)
+    out = Path(out)
+    with staged_directory(out, overwrite) as tmp:
+        write_shards(({"__key__": p["key"], "jpg": (Path(src) / p["image"]).read_bytes(), "txt": p["caption"]}
+                      for p in pairs), tmp, prefix="coco-mini", maxcount=shard_size)
+    shards = [str(p) for p in sorted(out.glob("coco-mini-*.tar"))]
+    spec = DatasetSpec(format="webdataset", shards=shards, name="coco-mini")
+    write_manifest(out / "manifest.yaml", spec)
+    return spec
+
+
+def build_parquet(src: Path, out_file: Path, by_path: bool = False, all_captions: bool = False,
+                  limit: int | None = None) -> Path:
+    """Images as a bytes column, or (by_path) as paths relative to the Parquet file's directory."""
+    pairs = read_pairs(src, all_captions, limit)
+    columns = {"key": [p["key"] for p in pairs], "caption": [p["caption"] for p in pairs]}
+    if by_path:
+        columns["image_path"] = [p["image"] for p in pairs]
+    else:
+        columns["image"] = [(Path(src) / p["image"]).read_bytes() for p in pairs]
+    pq.write_table(pa.table(columns), out_file, row_group_size=64)
+    return out_file

@@ -1,0 +1,70 @@
+"""COCO captions as text-text pairs: two human captions of the same image are a clean pair.
+
+The real-estimator lab world (product.md): captions_val2017.json (5,000 images) becomes one pair
+per image, (first caption, second caption) in annotation-file order, key = the image id.
+`pairclean corrupt` then swaps second captions between images to make known noise.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from pairclean.ops.atomic import atomic_path
+from pairclean.errors import UserError
+from pairclean.data.manifest import DatasetSpec, write_manifest
+from pairclean.data.writer import staged_directory, write_shards
+
+FORMATS = ("webdataset", "parquet")
+
+
+def caption_pairs(captions_json: str | Path, limit: int | None = None) -> list[dict]:
+    """[{key, text, text2}] in image-id order; images with fewer than two captions are skipped."""
+    path = Path(captions_json)
+    if path.is_dir():
+        path = path / "captions_val2017.json"
+    try:
+        data = json.loads(path.read_text())
+        annotations = data["annotations"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise UserError(f"cannot read COCO captions from {path}: {str(exc).splitlines()[0][:200]}") from None
+    by_image: dict[int, list[str]] = defaultdict(list)
+    for ann in annotations:
+        caption = str(ann.get("caption", "")).strip()
+        if caption:
+            by_image[int(ann["image_id"])].append(caption)
+    pairs = [{"key": f"{image_id:012d}", "text": caps[0], "text2": caps[1]}
+             for image_id, caps in sorted(by_image.items()) if len(caps) >= 2]
+    return pairs[:limit] if limit else pairs
+
+
+def build_text_pairs(captions_json: str | Path, out: str | Path, format: str = "webdataset",
+                     shard_size: int = 1000, limit: int | None = None, overwrite: bool = False) -> DatasetSpec:
+    """Write the caption pairs as WebDataset shards (txt, txt2) or one Parquet file, plus manifest.yaml."""
+    if format not in FORMATS:
+        raise UserError(f"unknown format {format!r}; choose {' or '.join(FORMATS)}")
+    if shard_size < 1:
+        raise UserError("--shard-size must be at least 1")
+    pairs = caption_pairs(captions_json, limit)
+    if not pairs:
+        raise UserError(f"no image in {captions_json} has two captions")
+    out = Path(out)
+    with staged_directory(out, overwrite) as tmp:
+        if format == "webdataset":
+            write_shards(({"__key__": p["key"], "txt": p["text"], "txt2": p["text2"]} for p in pairs),
+                         tmp, prefix="coco-text", maxcount=shard_size)
+            names = sorted(p.name for p in tmp.glob("coco-text-*.tar"))
+        else:
+            names = ["coco-text.parquet"]
+            table = pa.table({"key": [p["key"] for p in pairs], "caption": [p["text"] for p in pairs],
+                              "caption2": [p["text2"] for p in pairs]})
+            with atomic_path(tmp / names[0]) as part:
+                pq.write_table(table, part, row_group_size=shard_size)
+        spec = DatasetSpec(format=format, shards=[str(tmp / n) for n in names], pair="text-text", name="coco-text")
+        write_manifest(tmp / "manifest.yaml", spec)
+    spec.shards = [str(out / n) for n in names]
+    return spec

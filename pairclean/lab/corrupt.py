@@ -1,0 +1,356 @@
+"""Inject synthetic noise into a dataset and write the ground truth beside it.
+
+`shuffle` (the NCR protocol): a share `ratio` of the captions is chosen and permuted among
+themselves; a pair whose caption text did not change (it drew its own caption, or an identical
+one) stays clean. `weak` (the weak noise of the DiffNCL benchmarks): a share `ratio` of the
+captions gets about 30% of its words replaced by random words of the dataset's own vocabulary.
+
+Three streaming passes, memory bounded by a batch:
+1. every pair is read with `sources.read_unit` and (position, shard, index, key, caption) is
+   spilled to a temp Parquet file;
+2. DuckDB (on a temp database file, so it spills) picks the noisy positions and the permutation
+   by ordering on md5 hashes of (seed, position): the choice depends only on the seed and the
+   row order, not on numpy's or DuckDB's version; it writes the replacements sorted by position;
+3. the dataset is read again and written to the new directory with only the caption member (or
+   column) replaced, every other member byte-identical, one output shard per input shard with
+   the same file name, while the truth Parquet (key, shard, index, noisy, original_caption, ...)
+   is streamed out.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable, Iterator
+
+import duckdb
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from pairclean.ops.atomic import write_json
+from pairclean.errors import UserError
+from pairclean.data.manifest import DatasetSpec, open_dataset, write_manifest
+from pairclean.data.writer import staged_directory, write_shards
+from pairclean.curate.query import sql_string
+from pairclean.data.reader import UnitFailure, group_members, list_units, read_unit, tar_members, unit_shard
+
+MODES = ("shuffle", "weak")
+WEAK_SHARE = 0.3  # share of a caption's words replaced by weak noise
+TRUTH_NAME = "truth/truth.parquet"  # under the output directory; a subdirectory, so scoring the directory skips it
+_BATCH = 65536
+_ROWS_SCHEMA = pa.schema([("pos", pa.int64()), ("shard", pa.string()), ("index", pa.int64()),
+                          ("key", pa.string()), ("caption", pa.string())])
+TRUTH_SCHEMA = pa.schema([
+    ("key", pa.string()), ("shard", pa.string()), ("index", pa.int64()),
+    ("noisy", pa.bool_()),  # the caption now differs from the pair's own
+    ("selected", pa.bool_()),  # drawn for noise (a drawn pair can keep its caption)
+    ("original_caption", pa.string()), ("caption", pa.string()),
+    ("donor_shard", pa.string()), ("donor_index", pa.int64()),  # shuffle: where the new caption came from
+])
+
+
+@dataclass
+class CorruptResult:
+    out: Path
+    truth: Path
+    manifest: Path
+    mode: str
+    ratio: float
+    seed: int
+    pairs: int
+    eligible: int  # pairs with a readable caption: the ones noise is drawn from
+    selected: int
+    noisy: int
+
+    def as_dict(self) -> dict:
+        return {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(self).items()}
+
+
+def caption_field(spec: DatasetSpec) -> str:
+    """The member extension / column whose text the noise replaces."""
+    if spec.pair == "image-text":
+        return spec.fields.text
+    if spec.pair == "text-text":
+        return spec.fields.text2
+    raise UserError(f"corrupt replaces captions: {spec.pair} pairs have none (use image-text or text-text)")
+
+
+def weaken(caption: str, vocabulary: list[str], index: dict[str, int], rng: np.random.Generator,
+           share: float = WEAK_SHARE) -> str:
+    """Replace round(share * words) (at least one) words by other vocabulary words."""
+    words = caption.split()
+    n = min(len(words), max(1, round(share * len(words))))
+    for p in rng.choice(len(words), size=n, replace=False):
+        own = index.get(words[p].lower())
+        pick = int(rng.integers(len(vocabulary) - (own is not None)))
+        if own is not None and pick >= own:
+            pick += 1  # skip the word itself: a replacement always changes the word
+        words[p] = vocabulary[pick]
+    return " ".join(words)
+
+
+def _output_name(shard: str, fmt: str) -> str:
+    name = os.path.basename(shard)
+    if fmt == "parquet":
+        return name
+    for suffix in (".tar.gz", ".tgz", ".tar"):
+        if name.endswith(suffix):
+            return name[: -len(suffix)] + ".tar"
+    return name + ".tar"
+
+
+def _check_source(spec: DatasetSpec, ratio: float, mode: str) -> None:
+    if mode not in MODES:
+        raise UserError(f"unknown noise mode {mode!r}; choose one of {', '.join(MODES)}")
+    if not 0.0 <= ratio <= 1.0:
+        raise UserError(f"--ratio must be within [0, 1], got {ratio}")
+    caption_field(spec)
+    remote = [s for s in spec.shards if "://" in s or s.startswith("pipe:")]
+    if remote:
+        raise UserError(f"corrupt reads local shards twice; copy {remote[0]} (and the other URLs) to disk first")
+    if spec.format == "parquet" and (spec.fields.image_path or spec.fields.image2_path):
+        raise UserError("this Parquet dataset names images by relative path: corrupted files in another "
+                        "directory could not find them; use a Parquet that holds the image bytes")
+    names = [_output_name(s, spec.format) for s in dict.fromkeys(spec.shards)]
+    if len(set(names)) != len(names):
+        raise UserError("two input shards share a file name: corrupt keeps file names, so rename one of them")
+
+
+def _spill_rows(spec: DatasetSpec, units: list[str], path: Path, progress) -> tuple[int, int]:
+    """Pass 1: (pos, shard, index, key, caption) of every pair; caption NULL for error rows."""
+    pairs = eligible = 0
+    buf: dict[str, list] = {name: [] for name in _ROWS_SCHEMA.names}
+    with pq.ParquetWriter(path, _ROWS_SCHEMA) as writer:
+        def flush():
+            writer.write_table(pa.table(buf, schema=_ROWS_SCHEMA))
+            for values in buf.values():
+                values.clear()
+
+        for unit in units:
+            for item in read_unit(spec, unit):
+                if isinstance(item, UnitFailure):
+                    raise UserError(f"cannot read {item.unit}: {item.reason}; corrupt copies whole shards, "
+                                    "so repair that shard or leave it out")
+                caption = item.right if item.error is None else None
+                for name, value in (("pos", pairs), ("shard", item.shard), ("index", item.index),
+                                    ("key", item.key), ("caption", caption)):
+                    buf[name].append(value)
+                pairs += 1
+                eligible += caption is not None
+                if len(buf["pos"]) >= _BATCH:
+                    flush()
+            if progress:
+                progress(f"read {unit_shard(unit)}")
+        flush()
+    return pairs, eligible
+
+
+def _plan(con: duckdb.DuckDBPyConnection, rows: Path, repl: Path, mode: str, k: int, seed: int) -> None:
+    """Pass 2: the replacement table (pos, donor_shard, donor_index, new_caption) sorted by pos."""
+    rows_sql = f"read_parquet({sql_string(rows)})"
+    con.execute(f"""CREATE TABLE picked AS SELECT pos, caption FROM {rows_sql} WHERE caption IS NOT NULL
+                    ORDER BY md5(concat(?, ':pick:', pos)), pos LIMIT {int(k)}""", [str(seed)])
+    if mode == "shuffle":
+        select = f"""
+            WITH dest AS (SELECT pos, row_number() OVER (ORDER BY pos) AS r FROM picked),
+                 donor AS (SELECT pos AS donor_pos, caption,
+                                  row_number() OVER (ORDER BY md5(concat(?, ':perm:', pos)), pos) AS r FROM picked)
+            SELECT dest.pos, rows.shard AS donor_shard, rows."index" AS donor_index, donor.caption AS new_caption
+            FROM dest JOIN donor USING (r) JOIN {rows_sql} AS rows ON rows.pos = donor.donor_pos
+            ORDER BY dest.pos"""
+        params = [str(seed)]
+    else:
+        select = """SELECT pos, NULL::VARCHAR AS donor_shard, NULL::BIGINT AS donor_index, NULL::VARCHAR AS new_caption
+                    FROM picked ORDER BY pos"""
+        params = []
+    con.execute(f"COPY ({select}) TO {sql_string(repl)} (FORMAT parquet)", params)
+
+
+def _vocabulary(con: duckdb.DuckDBPyConnection, rows: Path) -> list[str]:
+    words = [r[0] for r in con.execute(
+        f"""SELECT DISTINCT w FROM (SELECT unnest(regexp_extract_all(lower(caption), '[^\\s[:punct:]]+')) AS w
+            FROM read_parquet({sql_string(rows)}) WHERE caption IS NOT NULL) WHERE w <> '' ORDER BY w""").fetchall()]
+    if len(words) < 2:
+        raise UserError("weak noise needs captions with at least two distinct words")
+    return words
+
+
+def _records(path: Path) -> Iterator[dict]:
+    for batch in pq.ParquetFile(path).iter_batches(batch_size=_BATCH):
+        yield from batch.to_pylist()
+
+
+class _Noise:
+    """Walks the spilled rows and the replacement table in position order, one pair at a time,
+    and streams the truth rows."""
+
+    def __init__(self, rows: Path, repl: Path, mode: str, seed: int, vocabulary: list[str] | None,
+                 names: dict[str, str], truth_path: Path, weak_share: float):
+        self.rows = _records(rows)
+        self.repl = _records(repl)
+        self.next_repl = next(self.repl, None)
+        self.mode, self.seed, self.vocabulary, self.weak_share = mode, seed, vocabulary, weak_share
+        self.word_index = {w: i for i, w in enumerate(vocabulary)} if vocabulary else {}
+        self.names = names  # input shard -> output shard path
+        self.truth_path = truth_path
+        self.writer = pq.ParquetWriter(truth_path, TRUTH_SCHEMA)
+        self.buf: dict[str, list] = {name: [] for name in TRUTH_SCHEMA.names}
+        self.selected = self.noisy = 0
+
+    def next(self, shard: str, index: int, key: str | None) -> str | None:
+        """The new caption of the next pair (None: unchanged); checks it is the pair pass 1 read."""
+        row = next(self.rows, None)
+        if row is None or row["shard"] != shard or row["index"] != index or (key is not None and row["key"] != key):
+            seen = "nothing" if row is None else f"{row['key']!r} at {row['shard']}#{row['index']}"
+            raise UserError(f"{shard} changed while it was being corrupted (pass 1 read {seen} where the copy "
+                            f"finds {key!r} #{index}); run again on a dataset nobody is writing")
+        repl = self.next_repl if self.next_repl is not None and self.next_repl["pos"] == row["pos"] else None
+        new = None
+        if repl is not None:
+            self.next_repl = next(self.repl, None)
+            self.selected += 1
+            if self.mode == "shuffle":
+                new = repl["new_caption"]
+            else:
+                rng = np.random.default_rng([self.seed, row["pos"]])
+                new = weaken(row["caption"], self.vocabulary, self.word_index, rng, self.weak_share)
+        noisy = new is not None and new != row["caption"]
+        donor = repl is not None and self.mode == "shuffle"
+        for name, value in (("key", row["key"]), ("shard", self.names[shard]), ("index", index), ("noisy", noisy),
+                            ("selected", repl is not None), ("original_caption", row["caption"]),
+                            ("caption", new if noisy else row["caption"]),
+                            ("donor_shard", self.names[repl["donor_shard"]] if donor else None),
+                            ("donor_index", repl["donor_index"] if donor else None)):
+            self.buf[name].append(value)
+        if len(self.buf["key"]) >= _BATCH:
+            self._flush()
+        self.noisy += noisy
+        return new if noisy else None
+
+    def _flush(self) -> None:
+        self.writer.write_table(pa.table(self.buf, schema=TRUTH_SCHEMA))
+        for values in self.buf.values():
+            values.clear()
+
+    def finish(self) -> None:
+        if next(self.rows, None) is not None:
+            raise UserError("the dataset lost pairs while it was being corrupted; run again on a stable dataset")
+        self._flush()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+def _member(sample: dict, ext: str) -> str | None:
+    """The sample's member for extension `ext` (member names keep their case in the copy)."""
+    return next((k for k in sample if not k.startswith("__") and k.lower() == ext.lower()), None)
+
+
+def _replace_caption(sample: dict, spec: DatasetSpec, field: str, new: str) -> None:
+    member = _member(sample, field)
+    if member is not None:
+        sample[member] = new.encode("utf-8")
+        return
+    member = _member(sample, "json")  # sources read the caption from the json member
+    obj = json.loads(sample[member])
+    obj[spec.fields.json_text_key] = new
+    sample[member] = json.dumps(obj, ensure_ascii=False).encode("utf-8")
+
+
+def _copy_tar(spec: DatasetSpec, shard: str, tmp: Path, noise: _Noise, field: str) -> None:
+    failures: list[str] = []
+
+    def samples() -> Iterator[dict]:
+        for i, sample in enumerate(group_members(tar_members(shard, failures), lcase=False)):
+            new = noise.next(shard, i, sample["__key__"])
+            if new is not None:
+                _replace_caption(sample, spec, field, new)
+            yield {k: v for k, v in sample.items() if k == "__key__" or not k.startswith("__")}
+        if failures:
+            raise UserError(f"cannot read {shard}: {failures[0]}")
+
+    prefix = f".{os.getpid()}-{_output_name(shard, 'webdataset')[:-4]}"
+    written = write_shards(samples(), tmp, prefix=prefix, maxcount=sys.maxsize, maxsize=float("inf"), encoder=False)
+    os.replace(written[0], tmp / _output_name(shard, "webdataset"))
+
+
+def _copy_parquet(path: str, tmp: Path, noise: _Noise, field: str) -> None:
+    pf = pq.ParquetFile(path)
+    schema = pf.schema_arrow
+    if field not in schema.names:
+        raise UserError(f"{path} has no caption column {field!r} (has {', '.join(schema.names)})")
+    column = schema.get_field_index(field)
+    meta = pf.metadata
+    codec = meta.row_group(0).column(0).compression if meta.num_row_groups and meta.num_columns else "ZSTD"
+    with pq.ParquetWriter(tmp / _output_name(path, "parquet"), schema,
+                          compression="none" if codec == "UNCOMPRESSED" else codec.lower()) as writer:
+        offset = 0
+        for rg in range(meta.num_row_groups):
+            table = pf.read_row_group(rg)
+            values = table.column(column).to_pylist()
+            changed = False
+            for i in range(table.num_rows):
+                new = noise.next(path, offset + i, None)
+                if new is not None:
+                    values[i] = new
+                    changed = True
+            if changed:
+                table = table.set_column(column, schema.field(column), pa.array(values, type=schema.field(column).type))
+            writer.write_table(table, row_group_size=max(table.num_rows, 1))
+            offset += table.num_rows
+
+
+def corrupt(source: str | list[str] | DatasetSpec, out: str | Path, ratio: float, seed: int = 0,
+            mode: str = "shuffle", overwrite: bool = False, weak_share: float = WEAK_SHARE,
+            progress: Callable[[str], None] | None = None) -> CorruptResult:
+    """Write a noisy copy of `source` to the directory `out` with `out/truth/truth.parquet`,
+    `out/manifest.yaml` (whose `truth:` points at it) and `out/corrupt.json`."""
+    spec = source if isinstance(source, DatasetSpec) else open_dataset(source)
+    _check_source(spec, ratio, mode)
+    if not 0.0 < weak_share <= 1.0:
+        raise UserError(f"the weak-noise word share must be within (0, 1], got {weak_share}")
+    out = Path(out)
+    field = caption_field(spec)
+    units = list_units(spec)
+    shards = list(dict.fromkeys(spec.shards))
+    with tempfile.TemporaryDirectory(prefix="pairclean-corrupt-") as work, staged_directory(out, overwrite) as tmp:
+        work = Path(work)
+        rows, repl = work / "rows.parquet", work / "replacements.parquet"
+        pairs, eligible = _spill_rows(spec, units, rows, progress)
+        k = round(ratio * eligible)
+        con = duckdb.connect(str(work / "plan.duckdb"))
+        try:
+            con.execute(f"SET temp_directory = {sql_string(work / 'spill')}")
+            _plan(con, rows, repl, mode, k, seed)
+            vocabulary = _vocabulary(con, rows) if mode == "weak" and k else None
+        finally:
+            con.close()
+        names = {s: str(out / _output_name(s, spec.format)) for s in shards}
+        (tmp / "truth").mkdir()
+        noise = _Noise(rows, repl, mode, seed, vocabulary, names, tmp / TRUTH_NAME, weak_share)
+        try:
+            for shard in shards:
+                if spec.format == "webdataset":
+                    _copy_tar(spec, shard, tmp, noise, field)
+                else:
+                    _copy_parquet(shard, tmp, noise, field)
+                if progress:
+                    progress(f"wrote {names[shard]}")
+            noise.finish()
+        finally:
+            noise.close()
+        new_spec = DatasetSpec(format=spec.format, shards=list(names.values()), pair=spec.pair, fields=spec.fields,
+                               label_template=spec.label_template, truth=str(out / TRUTH_NAME),
+                               name=f"{spec.name or 'dataset'}-{mode}-{ratio:g}")
+        write_manifest(tmp / "manifest.yaml", new_spec, shards_relative_to=out)
+        result = CorruptResult(out=out, truth=out / TRUTH_NAME, manifest=out / "manifest.yaml", mode=mode, ratio=ratio,
+                               seed=seed, pairs=pairs, eligible=eligible, selected=noise.selected, noisy=noise.noisy)
+        write_json(tmp / "corrupt.json", {**result.as_dict(), "source": spec.shards, "source_format": spec.format,
+                                          "pair": spec.pair, "caption_field": field, "weak_share": weak_share,
+                                          "selection": "md5(seed:pick:position) order, first round(ratio * eligible)"})
+    return result

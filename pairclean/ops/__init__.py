@@ -1,0 +1,1 @@
+"""Operations: atomic writes, torch.distributed, fault points, benchmarks."""

@@ -1,0 +1,541 @@
+"""`pairclean bench score`: how close end-to-end scoring comes to the model's own ceiling.
+
+Three measurements in one process, on one estimator (loaded once), same batch size and precision:
+
+(a) ceiling   - the estimator's encode on batches already in memory: the same rows per batch
+                and the same tokenised captions as the data (so the text tower runs the same
+                lengths), random pixels for images. No reading, no decoding.
+(b) end-to-end - `pairclean.scoring.run.score` on the given shards: workers, decode, encode, sink,
+                finalize. Its scoring loop is what (b)/(a) compares; the whole call (beta and
+                finalize included) is reported beside it.
+(c) naive     - the loop most people write first, as open_clip's README shows it: PIL decodes
+                each image in full in the main process, open_clip's own preprocess and
+                tokenizer, batched encode_image / encode_text of the model as loaded (fp32
+                weights; under torch.autocast for bf16/fp16), no workers.
+
+Peak memory per phase: this process's RSS, and PSS over the process tree (forked workers'
+shared pages counted once); see PeakMemory for the sampling.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+import os
+import statistics
+import tempfile
+import threading
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+import torch
+from PIL import Image
+
+from pairclean.backends.accel import OomBackoff, text_buckets
+from pairclean.ops.atomic import write_json
+from pairclean.errors import UserError
+from pairclean.backends.open_clip import OpenClipEstimator, autocast_context, build_estimator, check_backend, resolve_precision
+from pairclean.data.manifest import DatasetSpec, open_dataset
+from pairclean.scoring.run import ScoreConfig, compute_beta, score
+from pairclean.data.reader import UnitFailure, list_units, modalities, read_unit
+
+
+# ---------------------------------------------------------------- memory
+
+def _proc_kib(pid: int, filename: str, *names: str) -> dict[str, int]:
+    """The `Name: N kB` fields `names` of /proc/PID/FILENAME in one read; {} without /proc."""
+    found: dict[str, int] = {}
+    try:
+        with open(f"/proc/{pid}/{filename}") as fh:
+            for line in fh:
+                name, _, value = line.partition(":")
+                if name in names:
+                    found[name] = int(value.split()[0])
+    except (OSError, ValueError):
+        return {}
+    return found
+
+
+def _children(pid: int) -> list[int]:
+    kids: list[int] = []
+    try:
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{tid}/children") as fh:
+                kids.extend(int(x) for x in fh.read().split())
+    except OSError:
+        pass
+    return kids
+
+
+def _tree(pid: int) -> list[int]:
+    seen, stack = [], [pid]
+    while stack:
+        p = stack.pop()
+        if p not in seen:
+            seen.append(p)
+            stack.extend(_children(p))
+    return seen
+
+
+def tree_pss_mib(pid: int) -> float | None:
+    """PSS of `pid` and its descendants in MiB (forked workers' shared pages counted once);
+    None where /proc has no smaps_rollup. Costs ~15 ms of kernel time per GB-sized process."""
+    values = [_proc_kib(p, "smaps_rollup", "Pss").get("Pss") for p in _tree(pid)]
+    return None if values[0] is None else sum(v for v in values if v is not None) / 1024
+
+
+def high_water_rss_mib(pid: int | None = None) -> float | None:
+    """The kernel's peak RSS of `pid` since it exec'd (VmHWM); None without /proc. Unlike
+    ru_maxrss, which Linux carries across fork and exec, it is not raised to the parent's RSS
+    at the time of the spawn (a benchmark that wrote 4.5 GB of memmaps before starting its
+    child read 4.5 GB as the child's ru_maxrss)."""
+    kib = _proc_kib(pid or os.getpid(), "status", "VmHWM").get("VmHWM")
+    return None if kib is None else kib / 1024
+
+
+class PeakMemory:
+    """Peak memory of a process (tree) while the block runs, sampled in a background thread.
+
+    `peak_rss_mib`: the process's own RSS every `interval` s (reading /proc/PID/status is free).
+    `high_water_mib`: the kernel's own peak RSS of the process since exec (VmHWM), last read at
+    the end of the block or the last sample before the process exited: exact for a child run
+    to its end inside the block, except growth in its final `interval`.
+    `peak_mib`: PSS of the process and its workers, every `pss_interval` s and at both ends
+    (smaps_rollup costs the kernel ~15 ms per read, so it is sampled rarely: a peak shorter than
+    that interval can be missed). Without /proc both fall back to this process's ru_maxrss.
+    """
+
+    def __init__(self, pid: int | None = None, interval: float = 0.2, pss_interval: float = 5.0):
+        self.pid = pid or os.getpid()
+        self.interval, self.pss_interval = interval, pss_interval
+        self.peak_rss_mib: float = 0.0
+        self.peak_mib: float = 0.0
+        self.high_water_mib: float = 0.0
+        self._last_pss = 0.0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _fallback(self) -> float | None:
+        if self.pid != os.getpid():
+            return None
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+    def _sample(self, pss: bool) -> None:
+        status = _proc_kib(self.pid, "status", "VmRSS", "VmHWM")  # one read for both
+        rss = status["VmRSS"] / 1024 if "VmRSS" in status else self._fallback()
+        if rss is not None:
+            self.peak_rss_mib = max(self.peak_rss_mib, rss)
+        self.high_water_mib = max(self.high_water_mib, status.get("VmHWM", 0) / 1024)
+        if pss:
+            value = tree_pss_mib(self.pid)
+            value = value if value is not None else self._fallback()
+            if value is not None:
+                self.peak_mib = max(self.peak_mib, value)
+            self._last_pss = time.monotonic()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            self._sample(time.monotonic() - self._last_pss >= self.pss_interval)
+
+    def __enter__(self) -> "PeakMemory":
+        self._sample(True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._sample(True)
+
+
+def cpu_seconds() -> float:
+    """User + system CPU of this process and its finished children (the DataLoader workers of a
+    phase are joined when it ends): a phase's CPU per pair does not depend on how busy the
+    machine is, its wall time does."""
+    import resource
+
+    total = 0.0
+    for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN):
+        usage = resource.getrusage(who)
+        total += usage.ru_utime + usage.ru_stime
+    return total
+
+
+def _gpu_peak_reset(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def _gpu_peak_mib(device: torch.device) -> float | None:
+    if device.type != "cuda":
+        return None
+    torch.cuda.synchronize(device)
+    return torch.cuda.max_memory_allocated(device) / 2**20
+
+
+# ---------------------------------------------------------------- results
+
+@dataclass
+class Phase:
+    name: str
+    pairs: int
+    seconds: float
+    peak_mib: float  # PSS of this process + its workers
+    peak_rss_mib: float  # this process
+    gpu_peak_mib: float | None = None
+    load: tuple[float, float] = (0.0, 0.0)  # 1-minute load average before / after
+    cpu_seconds: float = 0.0  # this process + its workers
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def pairs_per_second(self) -> float:
+        return self.pairs / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def cpu_ms_per_pair(self) -> float:
+        return 1000 * self.cpu_seconds / self.pairs if self.pairs else 0.0
+
+
+@dataclass
+class BenchRound:
+    ceiling: Phase
+    end_to_end: Phase
+    naive: Phase | None
+
+    @property
+    def vs_ceiling(self) -> float:
+        return self.end_to_end.pairs_per_second / self.ceiling.pairs_per_second
+
+    @property
+    def vs_naive(self) -> float | None:
+        return self.end_to_end.pairs_per_second / self.naive.pairs_per_second if self.naive else None
+
+    @property
+    def cpu_vs_ceiling(self) -> float:
+        """Ceiling CPU per pair over end-to-end CPU per pair: the share of the machine's work
+        that is the model's own (1.0 = decoding, reading and writing cost nothing)."""
+        return self.ceiling.cpu_ms_per_pair / self.end_to_end.cpu_ms_per_pair
+
+    @property
+    def cpu_vs_naive(self) -> float | None:
+        return self.naive.cpu_ms_per_pair / self.end_to_end.cpu_ms_per_pair if self.naive else None
+
+
+@dataclass
+class BenchReport:
+    config: dict
+    rounds: list[BenchRound]
+    prepare_ms: dict[str, float] = field(default_factory=dict)  # worker CPU ms per pair and side
+
+    def median(self, attr: str) -> float | None:
+        values = [getattr(r, attr) for r in self.rounds]
+        values = [v for v in values if v is not None]
+        return statistics.median(values) if values else None
+
+    def as_dict(self) -> dict:
+        def phase(p: Phase | None) -> dict | None:
+            return None if p is None else {**asdict(p), "pairs_per_second": p.pairs_per_second,
+                                           "cpu_ms_per_pair": p.cpu_ms_per_pair}
+
+        return {"config": self.config, "prepare_ms": self.prepare_ms,
+                "rounds": [{"ceiling": phase(r.ceiling), "end_to_end": phase(r.end_to_end), "naive": phase(r.naive),
+                            "end_to_end_over_ceiling": r.vs_ceiling, "end_to_end_over_naive": r.vs_naive,
+                            "cpu_end_to_end_over_ceiling": r.cpu_vs_ceiling, "cpu_end_to_end_over_naive": r.cpu_vs_naive}
+                           for r in self.rounds],
+                "median_end_to_end_over_ceiling": self.median("vs_ceiling"),
+                "median_end_to_end_over_naive": self.median("vs_naive"),
+                "median_cpu_end_to_end_over_ceiling": self.median("cpu_vs_ceiling"),
+                "median_cpu_end_to_end_over_naive": self.median("cpu_vs_naive")}
+
+
+# ---------------------------------------------------------------- (a) the ceiling
+
+def _batch_plan(spec: DatasetSpec, batch_size: int, max_pairs: int) -> list[dict[str, list]]:
+    """The valid rows of the data as the pipeline batches them (per unit, `batch_size` rows
+    counted with error rows), text values kept, image bytes dropped."""
+    left, right = modalities(spec.pair)
+    plan: list[dict[str, list]] = []
+    seen = 0
+    for unit in list_units(spec):
+        rows, count = {"left": [], "right": []}, 0
+        for item in read_unit(spec, unit):
+            if isinstance(item, UnitFailure):
+                continue
+            if item.error is None:
+                rows["left"].append(item.left if left == "text" else None)
+                rows["right"].append(item.right if right == "text" else None)
+            count += 1
+            seen += 1
+            if count == batch_size or seen >= max_pairs:
+                if rows["left"]:
+                    plan.append(rows)
+                rows, count = {"left": [], "right": []}, 0
+            if seen >= max_pairs:
+                return plan
+        if rows["left"]:
+            plan.append(rows)
+    return plan
+
+
+def measure_ceiling(estimator, spec: DatasetSpec, batch_size: int, min_seconds: float,
+                    max_pairs: int = 8192) -> Phase:
+    """Encode in-memory batches shaped like the data's until `min_seconds` have passed (one pass at least)."""
+    left, right = modalities(spec.pair)
+    plan = _batch_plan(spec, batch_size, max_pairs)
+    if not plan:
+        raise UserError("no valid pair in the given shards to benchmark on")
+    generator = torch.Generator().manual_seed(0)
+    pixels = estimator.random_batch("image", batch_size, generator) if "image" in (left, right) else None
+    batches = []
+    for rows in plan:
+        n = len(rows["left"])
+        inputs = {}
+        for side, modality in (("left", left), ("right", right)):
+            if modality == "image":
+                inputs[side] = pixels[:n]
+            else:
+                prep = estimator.preparer
+                inputs[side] = prep.collate(modality, [prep.prepare(modality, t) for t in rows[side]])
+            if estimator.device.type == "cuda" and isinstance(inputs[side], torch.Tensor):
+                inputs[side] = inputs[side].pin_memory()  # as the pipeline's DataLoader hands them over
+        batches.append((n, inputs))
+    backoff = {left: OomBackoff(), right: OomBackoff()}
+
+    def step(inputs) -> None:
+        u = backoff[left](lambda b: estimator.encode(left, b), inputs["left"])
+        v = backoff[right](lambda b: estimator.encode(right, b), inputs["right"])
+        (u * v).sum(-1).cpu()  # the sync the pipeline also pays
+
+    # Warm-up on every distinct input shape (rows, and trimmed caption length per text bucket):
+    # oneDNN/cuDNN build kernels per shape and torch.compile per shape, a one-time cost that a
+    # long job amortises. The end-to-end run that follows meets the same shapes.
+    seen: set = set()
+    for _, inputs in batches:
+        shape = _shape_key(inputs)
+        if shape not in seen:
+            seen.add(shape)
+            step(inputs)
+    load0 = os.getloadavg()[0]
+    _gpu_peak_reset(estimator.device)
+    pairs, elapsed, passes = 0, 0.0, 0
+    cpu0 = cpu_seconds()
+    with PeakMemory() as mem:
+        started = time.perf_counter()
+        while passes == 0 or elapsed < min_seconds:
+            for n, inputs in batches:
+                step(inputs)
+                pairs += n
+                elapsed = time.perf_counter() - started
+                if passes > 0 and elapsed >= min_seconds:
+                    break
+            passes += 1
+    cpu = cpu_seconds() - cpu0
+    extra = {"batches_per_pass": len(batches), "passes": passes, "warmup_shapes": len(seen),
+             "chunk_after_oom": {m: b.chunk for m, b in backoff.items() if b.halvings}}
+    extra.update(_text_trim_gain(estimator, left, right, batches))
+    return Phase("ceiling (model only)", pairs, elapsed, mem.peak_mib, mem.peak_rss_mib,
+                 _gpu_peak_mib(estimator.device), (load0, os.getloadavg()[0]), cpu, extra)
+
+
+def _shape_key(inputs: dict) -> tuple:
+    key = []
+    for value in inputs.values():
+        if isinstance(value, torch.Tensor) and value.dtype in (torch.int32, torch.int64) and value.dim() == 2:
+            key.append(tuple((len(rows), int(value[rows].argmax(dim=-1).max())) for rows in text_buckets(value)))
+        else:
+            key.append(tuple(getattr(value, "shape", ())) or type(value).__name__)
+    return tuple(key)
+
+
+def _text_trim_gain(estimator, left: str, right: str, batches) -> dict:
+    """Seconds per caption of the text tower with and without trimming on the first batch, and
+    the positions per caption it computes: what the exact trimming contributes (open_clip only)."""
+    if not getattr(estimator, "text_trim", False) or "text" not in (left, right):
+        return {}
+    side = "right" if right == "text" else "left"
+    tokens = batches[0][1][side].to(estimator.device)
+    n = tokens.shape[0]
+
+    def timed(fn) -> float:
+        best = float("inf")
+        for _ in range(2):  # the faster of two: the first call of a new shape pays for kernel setup
+            started = time.perf_counter()
+            with torch.no_grad(), autocast_context(estimator.device, estimator.precision):
+                fn(tokens).float().cpu()
+            best = min(best, time.perf_counter() - started)
+        return best / n
+
+    trimmed = timed(lambda t: estimator.encode("text", t))
+    full = timed(estimator.model.encode_text)
+    lengths = tokens.argmax(dim=-1) + 1
+    positions = sum(int(lengths[rows].max()) * len(rows) for rows in text_buckets(tokens)) / n
+    return {"text_tokens_trimmed": positions, "text_tokens_full": int(tokens.shape[1]),
+            "text_seconds_per_caption_trimmed": trimmed, "text_seconds_per_caption_full": full}
+
+
+# ---------------------------------------------------------------- worker cost per pair
+
+def measure_prepare_cost(estimator, spec: DatasetSpec, max_items: int = 64) -> dict[str, float]:
+    """CPU milliseconds a DataLoader worker spends per pair on each side (decode + preprocess for
+    images, tokenising for texts), on this thread's CPU clock with one torch thread as in a
+    worker, so a busy machine does not inflate it. For open_clip, full decode ("exact") too."""
+    left, right = modalities(spec.pair)
+    items = []
+    for unit in list_units(spec):
+        for item in read_unit(spec, unit):
+            if not isinstance(item, UnitFailure) and item.error is None:
+                items.append(item)
+            if len(items) >= max_items:
+                break
+        if len(items) >= max_items:
+            break
+    if not items:
+        return {}
+    preparers = {"": estimator.preparer}
+    if isinstance(estimator, OpenClipEstimator) and "image" in (left, right) and estimator.preparer.draft_size:
+        p = estimator.preparer
+        preparers["exact "] = type(p)(p.preprocess, p.tokenizer, None)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    cost: dict[str, float] = {}
+    try:
+        for label, prep in preparers.items():
+            for side, modality in (("left", left), ("right", right)):
+                name = f"{label}{side} {modality}"
+                if label and modality != "image":
+                    continue
+                values = [getattr(it, side) for it in items]
+                started = time.thread_time()
+                prep.collate(modality, [prep.prepare(modality, v) for v in values])
+                cost[name] = (time.thread_time() - started) * 1000 / len(values)
+    finally:
+        torch.set_num_threads(threads)
+    cost["items"] = len(items)
+    return cost
+
+
+# ---------------------------------------------------------------- (b) end to end
+
+def measure_end_to_end(estimator, spec: DatasetSpec, cfg: ScoreConfig, workdir: Path) -> Phase:
+    out = workdir / "bench-scores.parquet"
+    load0 = os.getloadavg()[0]
+    _gpu_peak_reset(estimator.device)
+    cpu0 = cpu_seconds()
+    with PeakMemory() as mem:
+        started = time.perf_counter()
+        result = score(spec, out, replace(cfg, overwrite=True, show_progress=False), estimator=estimator)
+        whole = time.perf_counter() - started
+    cpu = cpu_seconds() - cpu0  # the whole call: beta (none with shuffled/fixed/cached) and finalize included
+    s = result.summary
+    extra = {"whole_call_seconds": whole, "whole_call_pairs_per_second": result.pairs_scored_now / whole,
+             "beta_seconds": s.get("beta_seconds"), "beta_source": s.get("beta_source"),
+             "errors": s.get("errors"), "workers": cfg.workers}
+    return Phase("end-to-end scoring loop", result.pairs_scored_now, result.seconds, mem.peak_mib, mem.peak_rss_mib,
+                 _gpu_peak_mib(estimator.device), (load0, os.getloadavg()[0]), cpu, extra)
+
+
+# ---------------------------------------------------------------- (c) the naive loop
+
+def measure_naive(estimator, spec: DatasetSpec, batch_size: int, max_pairs: int) -> Phase | None:
+    """PIL full decode per sample + open_clip's own preprocess/tokenizer/encode, no workers.
+    None where it does not apply (not open_clip, or the left side is not an image)."""
+    left, right = modalities(spec.pair)
+    if not isinstance(estimator, OpenClipEstimator) or (left, right) != ("image", "text") or max_pairs <= 0:
+        return None
+    model, preprocess, tokenizer = estimator.model, estimator.preparer.preprocess, estimator.tokenizer
+    device = estimator.device
+    if estimator.precision != "fp32":
+        # The estimator keeps its matmul weights in bf16/fp16, open_clip loads them as fp32: an fp32
+        # copy (of the rounded values; only the timing is used) runs the way the README's loop does.
+        model = copy.deepcopy(model).float()
+    images: list[torch.Tensor] = []
+    texts: list[str] = []
+    pairs = 0
+
+    @torch.no_grad()
+    def flush() -> None:
+        with autocast_context(device, estimator.precision):
+            u = model.encode_image(torch.stack(images).to(device))
+            v = model.encode_text(tokenizer(texts).to(device))
+        torch.nn.functional.cosine_similarity(u.float(), v.float()).cpu()
+        images.clear()
+        texts.clear()
+
+    load0 = os.getloadavg()[0]
+    _gpu_peak_reset(device)
+    cpu0 = cpu_seconds()
+    with PeakMemory() as mem:
+        started = time.perf_counter()
+        for unit in list_units(spec):
+            for item in read_unit(spec, unit):
+                if isinstance(item, UnitFailure) or item.error is not None:
+                    continue
+                try:
+                    image = Image.open(io.BytesIO(item.left)).convert("RGB")
+                except Exception:
+                    continue  # the naive loop skips what it cannot read
+                images.append(preprocess(image))
+                texts.append(item.right)
+                pairs += 1
+                if len(images) == batch_size:
+                    flush()
+                if pairs >= max_pairs:
+                    break
+            if pairs >= max_pairs:
+                break
+        if images:
+            flush()
+        elapsed = time.perf_counter() - started
+    return Phase("naive loop", pairs, elapsed, mem.peak_mib, mem.peak_rss_mib, _gpu_peak_mib(device),
+                 (load0, os.getloadavg()[0]), cpu_seconds() - cpu0)
+
+
+# ---------------------------------------------------------------- all three
+
+def bench_score(source: str | list[str] | DatasetSpec, cfg: ScoreConfig, naive_pairs: int = 512,
+                min_seconds: float = 10.0, repeat: int = 1, estimator=None, progress=None) -> BenchReport:
+    """Measure (a), (b), (c) `repeat` times, interleaved, with one estimator."""
+    if repeat < 1:
+        raise UserError("--repeat must be at least 1")
+    if cfg.batch_size < 1:
+        raise UserError("--batch-size must be at least 1")
+    spec = source if isinstance(source, DatasetSpec) else open_dataset(source)
+    if cfg.precision == "auto":
+        cfg = replace(cfg, precision=resolve_precision(cfg.device, "auto"))
+    if estimator is None:
+        check_backend(cfg.backend, modalities(spec.pair))
+        torch.manual_seed(cfg.seed)
+        estimator = build_estimator(cfg.backend, model=cfg.model, pretrained=cfg.pretrained, device=cfg.device,
+                                    precision=cfg.precision, decode=cfg.decode, compile=cfg.compile)
+    say = progress or (lambda message: None)
+    say("worker cost per pair ...")
+    prepare_ms = measure_prepare_cost(estimator, spec)
+    if cfg.beta_mode == "random-inputs" and cfg.beta_cache:
+        say("beta (once; the measured runs read it from the beta cache) ...")
+        compute_beta(estimator, spec, cfg)
+    rounds = []
+    with tempfile.TemporaryDirectory(prefix="pairclean-bench-") as tmp:
+        for i in range(repeat):
+            tag = f"[{i + 1}/{repeat}] " if repeat > 1 else ""
+            say(f"{tag}(a) model-only ceiling ...")
+            ceiling = measure_ceiling(estimator, spec, cfg.batch_size, min_seconds)
+            say(f"{tag}(b) end-to-end pairclean score ...")
+            e2e = measure_end_to_end(estimator, spec, cfg, Path(tmp))
+            say(f"{tag}(c) naive reference loop ...")
+            naive = measure_naive(estimator, spec, cfg.batch_size, naive_pairs)
+            rounds.append(BenchRound(ceiling, e2e, naive))
+    config = {"model": cfg.model, "pretrained": cfg.pretrained, "backend": cfg.backend,
+              "device": str(estimator.device), "precision": estimator.precision if hasattr(estimator, "precision") else cfg.precision,
+              "batch_size": cfg.batch_size, "workers": cfg.workers, "decode": getattr(estimator, "decode", cfg.decode),
+              "compile": cfg.compile, "text_trim": getattr(estimator, "text_trim", False),
+              "torch_threads": torch.get_num_threads(), "cpu_count": os.cpu_count(), "torch": torch.__version__,
+              "shards": len(spec.shards), "pair": spec.pair}
+    return BenchReport(config, rounds, prepare_ms)
+
+
+def write_report(report: BenchReport, path: Path) -> None:
+    write_json(path, report.as_dict())

@@ -1,0 +1,1 @@
+"""The scores file contract and what reads it: schema, metadata, decision rules, truth metrics."""

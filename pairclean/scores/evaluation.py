@@ -1,0 +1,130 @@
+"""Noise-detection metrics: how well a scores file separates the pairs a truth file marks noisy.
+
+Per decision rule (the OSA beta boundary `osa_noisy`, the GMM rule `gmm_noisy`, and the oracle:
+the single threshold on `sim` with the best balanced accuracy, which no rule computed without
+labels can beat): clean kept % (OSA Table 5's "accuracy"), noise caught % ("recall") and their
+mean, the balanced accuracy. Threshold-free: ROC-AUC and average precision of `-sim` as a noise
+detector (sklearn), and OSA Table 11's mean noise rank: the mean rank of the noisy pairs when
+all pairs are sorted by weight, highest first (ties share their mean rank), against its optimum
+(every noisy pair ranked last).
+
+Scores and truth are joined by `pairclean.curate.query.ScoresDB`: on (shard, index), then on (shard file
+name, index), else on key. The metrics need every labelled similarity in memory at once (a sort),
+8 bytes per pair per column.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+from scipy.stats import rankdata
+from sklearn.metrics import average_precision_score, roc_auc_score, roc_curve
+
+from pairclean.errors import UserError
+
+RULES = {"beta": "osa_noisy", "gmm": "gmm_noisy"}
+
+
+def _share(numerator: int, denominator: int) -> float | None:
+    return 100.0 * numerator / denominator if denominator else None
+
+
+def rule_metrics(noisy, flagged) -> dict:
+    """Clean kept %, noise caught %, balanced accuracy % and precision % of a noisy/clean decision."""
+    noisy = np.asarray(noisy, dtype=bool)
+    flagged = np.asarray(flagged, dtype=bool)
+    clean = ~noisy
+    kept = _share(int((clean & ~flagged).sum()), int(clean.sum()))
+    caught = _share(int((noisy & flagged).sum()), int(noisy.sum()))
+    return {"clean_kept": kept, "noise_caught": caught,
+            "balanced_accuracy": (kept + caught) / 2 if kept is not None and caught is not None else None,
+            "precision": _share(int((noisy & flagged).sum()), int(flagged.sum())), "flagged": int(flagged.sum())}
+
+
+def oracle_threshold(noisy, sim) -> dict:
+    """The threshold t (flag sim <= t) with the best balanced accuracy, and that rule's metrics."""
+    noisy = np.asarray(noisy, dtype=bool)
+    sim = np.asarray(sim, dtype=np.float64)
+    if noisy.all() or not noisy.any():
+        return {"threshold": None, **rule_metrics(noisy, np.zeros_like(noisy))}
+    fpr, tpr, thresholds = roc_curve(noisy, -sim, drop_intermediate=False)
+    best = int(np.argmax(tpr + (1 - fpr)))
+    threshold = float(-thresholds[best])
+    return {"threshold": threshold, **rule_metrics(noisy, sim <= threshold)}
+
+
+def mean_noise_rank(noisy, weight) -> tuple[float | None, float | None]:
+    """(mean rank of the noisy pairs by weight descending, ties averaged; its optimum N - (k - 1) / 2)."""
+    noisy = np.asarray(noisy, dtype=bool)
+    k = int(noisy.sum())
+    if k == 0:
+        return None, None
+    ranks = rankdata(-np.asarray(weight, dtype=np.float64), method="average")
+    return float(ranks[noisy].mean()), float(len(noisy) - (k - 1) / 2)
+
+
+def detection_metrics(noisy, sim, weight, decisions: dict[str, np.ndarray]) -> dict:
+    """Every metric for one labelled set of pairs; `decisions` maps a rule name to its noisy flags."""
+    noisy = np.asarray(noisy, dtype=bool)
+    sim = np.asarray(sim, dtype=np.float64)
+    both = bool(noisy.any() and (~noisy).any())
+    rank, optimum = mean_noise_rank(noisy, weight)
+    rank_sim, _ = mean_noise_rank(noisy, sim)
+    return {
+        "pairs": int(len(noisy)), "noisy": int(noisy.sum()),
+        "noise_share": 100.0 * float(noisy.mean()) if len(noisy) else None,
+        "rules": {**{name: rule_metrics(noisy, flags) for name, flags in decisions.items()},
+                  "oracle": oracle_threshold(noisy, sim)},
+        "roc_auc": float(roc_auc_score(noisy, -sim)) if both else None,
+        "average_precision": float(average_precision_score(noisy, -sim)) if both else None,
+        "mean_noise_rank": rank, "mean_noise_rank_optimal": optimum, "mean_noise_rank_by_sim": rank_sim,
+    }
+
+
+def evaluate_detection(scores: str | Path, truth: str | Path) -> dict:
+    """Join a scores file with a truth file (Parquet, or a manifest whose `truth:` names one) and
+    measure every rule; rows with an error or without a truth label are counted, not scored."""
+    from pairclean.scoring.finalize import read_provenance
+    from pairclean.curate.query import ScoresDB
+
+    truth = resolve_truth(truth)
+    with ScoresDB(scores, truth) as db:
+        missing = [c for c in ("sim", "weight", *RULES.values()) if c not in db.columns("labeled")]
+        if missing:
+            raise UserError(f"{scores} lacks column(s) {', '.join(missing)}: score it with `pairclean score`")
+        counts = db.con.execute("SELECT count(*), count(*) FILTER (WHERE sim IS NULL), "
+                                "count(*) FILTER (WHERE sim IS NOT NULL AND noisy IS NULL) FROM labeled").fetchall()[0]
+        table = db.con.sql(f"SELECT sim, weight, {', '.join(RULES.values())}, noisy FROM labeled "
+                           "WHERE sim IS NOT NULL AND noisy IS NOT NULL").to_arrow_table()
+        truth_rows = db.scalar("SELECT count(*) FROM truth")
+        join = db.truth_join
+    if table.num_rows == 0:
+        raise UserError(f"no scored pair of {scores} has a truth label in {truth}")
+    column = {name: table.column(name).to_numpy(zero_copy_only=False) for name in table.column_names}
+    result = detection_metrics(column["noisy"].astype(bool), column["sim"], column["weight"],
+                               {name: column[col].astype(bool) for name, col in RULES.items()})
+    try:
+        provenance = read_provenance(scores)
+    except ValueError:
+        provenance = {}
+    result["rules"]["beta"]["threshold"] = provenance.get("beta")
+    result["rules"]["gmm"]["threshold"] = None  # p_clean < 0.5: the crossing depends on both components
+    result.update({"scores": str(scores), "truth": str(truth), "join": join, "scores_rows": int(counts[0]),
+                   "error_rows": int(counts[1]), "unlabelled_rows": int(counts[2]), "truth_rows": int(truth_rows),
+                   "estimator": provenance.get("estimator"), "beta_mode": provenance.get("beta_mode"),
+                   "weight_fn": provenance.get("weight_fn")})
+    return result
+
+
+def resolve_truth(truth: str | Path) -> Path:
+    """A truth Parquet path, or the `truth:` entry of a dataset manifest."""
+    truth = Path(truth)
+    if truth.suffix in (".yaml", ".yml"):
+        from pairclean.data.manifest import load_manifest
+
+        spec = load_manifest(truth)
+        if not spec.truth:
+            raise UserError(f"manifest {truth} names no truth file")
+        return Path(spec.truth)
+    return truth

@@ -1,0 +1,1 @@
+"""The scoring run: producers of similarities -> parts -> finalize into one scores file."""

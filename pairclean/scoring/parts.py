@@ -1,0 +1,294 @@
+"""The score sink: one Parquet part per unit plus a JSON commit record, both written atomically.
+
+The commit record is the truth: a part without one is redone on resume, so a killed run loses
+and duplicates nothing. The parts directory also pins the run's settings, its unit list and its
+beta, so that a resumed run cannot silently mix scores computed under different settings, and
+holds a lock so that two processes never write the same run.
+
+    <out>.parts/settings.json   what a resumed run must share (written last when a run starts)
+    <out>.parts/units.json      the run's units, in output order
+    <out>.parts/run.json        run id; whether the run replaces an existing output (--overwrite)
+    <out>.parts/beta.json       beta, computed once
+    <out>.parts/part-*.parquet + part-*.done.json   one part + commit record per unit
+    <out>.parts/lock            locked (lockf) by the live run
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from pairclean.ops.atomic import atomic_path, remove_stale_temps, write_json
+from pairclean.errors import UserError
+from pairclean.ops.faults import fault_point
+from pairclean.data.reader import unit_shard
+
+PART_SCHEMA = pa.schema([
+    ("key", pa.string()),
+    ("shard", pa.string()),
+    ("index", pa.int64()),
+    ("sim", pa.float32()),
+    ("error", pa.string()),
+])
+UNIT_KEYS = ("units_sha1", "n_units")  # settings that describe the unit list (compared separately)
+NON_FINITE = "no finite similarity"  # NaN/inf from the estimator, or a row it never scored
+_HELD: dict[str, int] = {}  # parts directories whose run lock this process holds -> descriptor
+
+
+def parts_dir_for(out: Path) -> Path:
+    return out.with_name(out.name + ".parts")
+
+
+def settings_digest(settings: dict) -> str:
+    """Identity of a run's settings, stored in the output's provenance."""
+    return hashlib.sha1(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def _canonical(obj) -> dict:
+    return json.loads(json.dumps(obj, default=str))
+
+
+@dataclass
+class RunStart:
+    """What `PartStore.begin` decided: a fresh or a resumed run, and its units in output order."""
+
+    resumed: bool
+    units: list[str]
+
+
+class PartStore:
+    def __init__(self, directory: Path):
+        self.dir = Path(directory)
+        self._lock_fd: int | None = None
+        self._lock_key = ""
+
+    @staticmethod
+    def _stem(unit: str) -> str:
+        return "part-" + hashlib.sha1(unit.encode()).hexdigest()[:20]
+
+    def part_path(self, unit: str) -> Path:
+        return self.dir / f"{self._stem(unit)}.parquet"
+
+    def record_path(self, unit: str) -> Path:
+        return self.dir / f"{self._stem(unit)}.done.json"
+
+    def committed(self) -> dict[str, dict]:
+        """Commit records of finished units, keyed by unit (only those whose part file exists)."""
+        records = {}
+        if not self.dir.is_dir():
+            return records
+        for path in self.dir.glob("part-*.done.json"):
+            try:
+                record = json.loads(path.read_text())
+            except (OSError, ValueError):
+                continue  # an unreadable record means the unit is redone
+            if self.part_path(record["unit"]).is_file():
+                records[record["unit"]] = record
+        return records
+
+    def commit(self, unit: str, columns: dict, record: dict) -> None:
+        """Write the unit's part, then its commit record. Row and error counts are taken from the
+        rows themselves; a row without a finite similarity and without an error reason becomes
+        an error row (it could be neither scored nor weighted). Columns: lists or arrays."""
+        values = pa.array(columns["sim"], type=pa.float32(), from_pandas=True).to_numpy(zero_copy_only=False)
+        bad = ~np.isfinite(values)  # NaN, inf, and None (null -> NaN)
+        error = pa.array(columns["error"], type=pa.string())
+        unexplained = pa.array(bad & ~error.is_valid().to_numpy(zero_copy_only=False))
+        table = pa.table({"key": columns["key"], "shard": columns["shard"], "index": columns["index"],
+                          "sim": pa.array(values, type=pa.float32(), mask=bad),
+                          "error": pc.if_else(unexplained, pa.scalar(NON_FINITE), error)}, schema=PART_SCHEMA)
+        with atomic_path(self.part_path(unit), temp_dir=self.dir) as tmp:
+            pq.write_table(table, tmp, use_dictionary=["shard", "error"])  # keys are unique: no dictionary
+        fault_point("part-written")
+        n_errors = table.num_rows - table.column("error").null_count
+        write_json(self.record_path(unit), {**record, "unit": unit, "rows": table.num_rows, "errors": n_errors},
+                   temp_dir=self.dir)
+        fault_point("committed")
+
+    # -- starting, resuming, finishing ------------------------------------------------------
+
+    def _lock(self) -> None:
+        """Hold an exclusive lock on the run for the life of this process.
+
+        A POSIX record lock (lockf): it belongs to the process, so it is released when the
+        process dies however it dies (a SIGKILLed run never blocks its own resume), DataLoader
+        workers forked from it do not inherit it, and it works over NFS. One descriptor per
+        directory per process (closing any descriptor of the file drops a POSIX lock), so a
+        retry in the same process after an exception takes the lock over.
+        """
+        if self._lock_fd is not None:
+            return
+        key = str(self.dir.resolve())
+        fd = _HELD.get(key)
+        if fd is None:
+            fd = os.open(self.dir / "lock", os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                os.close(fd)
+                raise UserError(f"another pairclean process is writing {self.dir}; wait for it or stop it first") from None
+            _HELD[key] = fd
+        self._lock_fd, self._lock_key = fd, key
+
+    def _unlock(self) -> None:
+        if self._lock_fd is not None:
+            _HELD.pop(self._lock_key, None)
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+    def _clear(self) -> None:
+        """Empty the directory except the lock file we hold."""
+        for entry in self.dir.iterdir():
+            if entry.name == "lock":
+                continue
+            if entry.is_dir():
+                shutil.rmtree(entry)
+            else:
+                entry.unlink()
+
+    def _read(self, name: str) -> dict | list | None:
+        path = self.dir / name
+        try:
+            return json.loads(path.read_text())
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError) as exc:
+            raise UserError(f"{path} is unreadable ({exc}); pass --overwrite to start the run over") from None
+
+    def _start(self, settings: dict, units: list[str], replaces_output: bool) -> RunStart:
+        self._clear()
+        write_json(self.dir / "units.json", units, temp_dir=self.dir)
+        write_json(self.dir / "run.json", {"run_id": uuid.uuid4().hex, "replaces_output": replaces_output,
+                                           "started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())},
+                   temp_dir=self.dir)
+        write_json(self.dir / "settings.json", settings, temp_dir=self.dir)  # last: marks a usable run
+        return RunStart(resumed=False, units=units)
+
+    def _resume(self, settings: dict, units: list[str], earlier: dict) -> RunStart:
+        """Continue the run in this directory: same settings, same units (shards that vanished
+        since it started become failed units; new shards are refused)."""
+        current = _canonical(settings)
+        differ = sorted(k for k in set(earlier) | set(current)
+                        if k not in UNIT_KEYS and earlier.get(k) != current.get(k))
+        if differ:
+            shown = "; ".join(f"{k}: {earlier.get(k)!r} -> {current.get(k)!r}" for k in differ)
+            raise UserError(f"{self.dir} holds an unfinished run with different settings ({shown}); "
+                            "re-run with the same settings to resume, or pass --overwrite to start over")
+        pinned = self._read("units.json")
+        if pinned is None:
+            raise UserError(f"{self.dir} has no units.json; pass --overwrite to start the run over")
+        if pinned != units:
+            listed, known = set(units), set(pinned)
+            added = [u for u in units if u not in known]
+            dropped = [u for u in pinned if u not in listed and os.path.exists(unit_shard(u))]
+            if added or dropped:  # the user changed the inputs (a vanished shard is only a failed unit)
+                detail = "; ".join(([f"{len(added)} new (first: {added[0]})"] if added else []) +
+                                   ([f"{len(dropped)} no longer listed (first: {dropped[0]})"] if dropped else []))
+                raise UserError(f"the input shards differ from the unfinished run in {self.dir} ({detail}); "
+                                "re-run with the same inputs to resume, or pass --overwrite to start over")
+        return RunStart(resumed=True, units=pinned)
+
+    def finished(self, out: Path, settings: dict, overwrite: bool = False, resume: bool = False) -> dict | None:
+        """The summary of `out` if it is already the complete result of a run with these settings
+        (nothing left to do), else None; call it before loading a model, so that what `begin`
+        would refuse is refused at once. A parts directory that a kill between the output's
+        rename and the cleanup left behind is removed here."""
+        from pairclean.scoring.finalize import read_provenance, read_summary
+
+        if overwrite and resume:
+            raise UserError("--resume and --overwrite contradict each other: --overwrite discards the unfinished run")
+        if overwrite:
+            return None
+        unfinished = (self.dir / "settings.json").is_file()
+        if not out.exists():
+            if resume and not unfinished:
+                raise UserError(f"nothing to resume: there is no unfinished run for {out} ({self.dir} not found)")
+            return None
+        try:
+            provenance = read_provenance(out)
+        except (ValueError, OSError):
+            provenance = {}  # not a pairclean output
+        if self.dir.is_dir():
+            self._lock()
+            run = self.run_info() if unfinished else {}
+            if run and provenance.get("run_id") != run.get("run_id"):
+                self._unlock()
+                if run.get("replaces_output"):
+                    return None  # a killed --overwrite run: begin() resumes it
+                raise UserError(f"{out} exists; pass --overwrite to replace it")
+            self.remove()  # the finished run's leftover (or a run killed before it got going)
+        if provenance and provenance.get("settings_sha1") == settings_digest(settings):
+            return read_summary(out)
+        detail = " (a finished run with other settings)" if provenance else ""
+        raise UserError(f"{out} exists{detail}; pass --overwrite to replace it")
+
+    def begin(self, out: Path, settings: dict, units: list[str], overwrite: bool = False,
+              resume: bool = False) -> RunStart:
+        """Start a run or resume the unfinished one (call `finished` first).
+
+        Re-running the same command always continues where it stopped; `resume=True` insists
+        that there is something to continue; `overwrite=True` discards any earlier output and
+        unfinished run. A complete output is never replaced without `overwrite`.
+        """
+        if overwrite and resume:
+            raise UserError("--resume and --overwrite contradict each other: --overwrite discards the unfinished run")
+        existed = self.dir.is_dir()
+        if existed:
+            self._lock()
+        try:
+            earlier = self._read("settings.json") if existed else None
+            run = self.run_info() if earlier is not None else {}
+            if overwrite:
+                self.dir.mkdir(parents=True, exist_ok=True)
+                self._lock()
+                return self._start(settings, units, replaces_output=out.exists())
+            if out.exists():
+                if earlier is not None and run.get("replaces_output"):
+                    return self._resume(settings, units, earlier)  # an --overwrite run, killed: carry on
+                raise UserError(f"{out} exists; pass --overwrite to replace it")
+            if earlier is not None:
+                return self._resume(settings, units, earlier)
+            if resume:
+                raise UserError(f"nothing to resume: there is no unfinished run for {out} ({self.dir} not found)")
+            self.dir.mkdir(parents=True, exist_ok=True)
+            self._lock()
+            return self._start(settings, units, replaces_output=False)
+        except UserError:
+            if not existed and self.dir.is_dir():
+                self.remove()
+            else:
+                self._unlock()
+            raise
+        finally:
+            if self._lock_fd is not None:
+                remove_stale_temps(self.dir)
+
+    def run_info(self) -> dict:
+        """run.json: the run id (stored in the output's provenance) and whether it replaces an output."""
+        return self._read("run.json") or {}
+
+    def settings_sha1(self) -> str | None:
+        settings = self._read("settings.json")
+        return settings_digest(settings) if settings is not None else None
+
+    def load_beta(self) -> dict | None:
+        return self._read("beta.json")
+
+    def save_beta(self, beta: dict) -> None:
+        write_json(self.dir / "beta.json", beta, temp_dir=self.dir)
+
+    def remove(self) -> None:
+        shutil.rmtree(self.dir, ignore_errors=True)
+        self._unlock()
