@@ -15,7 +15,7 @@ _EXPORTS = {
     "UserError": "pairclean.errors",
     "cone_weight": "pairclean.core.scorer", "debias": "pairclean.core.scorer", "normalised_weight": "pairclean.core.scorer",
     "cosine_similarity": "pairclean.core.scorer", "WEIGHT_FUNCTIONS": "pairclean.core.scorer",
-    "ScoreConfig": "pairclean.scoring.run", "score": "pairclean.scoring.run",
+    "ScoreConfig": "pairclean.scoring.model", "score": "pairclean.scoring.model",
     "TrainConfig": "pairclean.train", "train": "pairclean.train",
     "open_dataset": "pairclean.data.manifest", "read_provenance": "pairclean.scoring.finalize",
 }

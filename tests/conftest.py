@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from pairclean.lab.coco import build_parquet, build_shards
-from pairclean.scoring.run import ScoreConfig
+from pairclean.scoring.model import ScoreConfig
 
 TESTS = Path(__file__).parent
 COCO_MINI = TESTS / "data" / "coco-mini"
@@ -66,7 +66,7 @@ def shared_data() -> Path:
 def tiny_scores(source: Path, out: Path) -> Path:
     """Score `source` with the tiny random open_clip model (seconds): real scores files for tests."""
     from pairclean.data.manifest import open_dataset
-    from pairclean.scoring.run import score
+    from pairclean.scoring.model import score
 
     score(open_dataset(str(source)), out, ScoreConfig(model="pairclean-tiny", pretrained="none", beta_k=64,
                                                       batch_size=8, workers=0, seed=0))

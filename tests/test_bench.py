@@ -23,7 +23,7 @@ from pairclean.cli import main
 from pairclean.lab.coco import read_pairs
 from pairclean.errors import UserError
 from pairclean.backends.open_clip import OpenClipEstimator, OpenClipPreparer, cpu_bf16_native, resolve_precision
-from pairclean.scoring.run import score
+from pairclean.scoring.model import score
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from pairclean.lab.coco import build_shards
-from pairclean.scoring.run import ScoreConfig, score
+from pairclean.scoring.model import ScoreConfig, score
 
 TINY = ["--model", "pairclean-tiny", "--pretrained", "none", "--beta-k", "64", "--workers", "0", "--batch-size", "4"]
 

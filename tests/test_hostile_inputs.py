@@ -29,7 +29,7 @@ from pairclean.data.decode import DecodeError, decode_image
 from pairclean.errors import UserError
 from pairclean.scoring.finalize import run_manifest_path
 from pairclean.data.manifest import DatasetSpec, Fields, open_dataset
-from pairclean.scoring.run import score
+from pairclean.scoring.model import score
 from pairclean.data.reader import MAX_TEXT_CHARS, UnitFailure, list_units, read_unit
 
 BOMB_SIDE = 50_000
@@ -369,7 +369,7 @@ def hostile_run(tmp_path_factory, coco_src):
     import torch
 
     from pairclean.backends.open_clip import build_estimator
-    from pairclean.scoring.run import ScoreConfig
+    from pairclean.scoring.model import ScoreConfig
 
     root = tmp_path_factory.mktemp("hostile")
     jpegs = sorted((coco_src / "val2017").glob("*.jpg"))
@@ -506,7 +506,7 @@ def test_usage_errors_are_one_line_exit_2(argv, expect, capsys):
 
 
 def test_crash_is_one_line_with_a_log_holding_the_traceback(tmp_path, capsys, monkeypatch, coco_shards):
-    import pairclean.scoring.run as score_api
+    import pairclean.scoring.model as score_api
 
     def broken(*args, **kwargs):
         raise RuntimeError("disk controller on fire\nsecond line")

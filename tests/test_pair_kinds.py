@@ -16,7 +16,7 @@ from pairclean.errors import UserError
 from pairclean.scoring.finalize import read_provenance
 from pairclean.data.manifest import DatasetSpec, open_dataset
 from pairclean.data.writer import write_shards
-from pairclean.scoring.run import score
+from pairclean.scoring.model import score
 from pairclean.data.reader import RawPair, list_units, read_unit
 from pairclean.lab.synth.world import png_bytes, render, sample_scene
 from pairclean.lab.toy_pairs import build_toy_pairs, second_view

@@ -13,7 +13,7 @@ import torch
 from pairclean.lab.coco import build_shards
 from pairclean.errors import UserError
 from pairclean.data.manifest import open_dataset
-from pairclean.scoring.run import ScoreConfig, score
+from pairclean.scoring.model import ScoreConfig, score
 from pairclean.train.retrieval import evaluate_retrieval
 from pairclean.core.scorer import cone_weight, debias, normalised_weight
 from pairclean.train import METHODS, TrainConfig, build_method, train

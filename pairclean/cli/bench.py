@@ -8,6 +8,7 @@ from typing import List, Optional
 import typer
 from rich.table import Table
 
+from pairclean.cli.progress import RichProgress
 from pairclean.cli import app, console, err_console
 
 bench_app = typer.Typer(no_args_is_help=True, help="Measure throughput on this machine.")
@@ -92,14 +93,14 @@ def bench_score_command(
     from pairclean.ops.bench import bench_score, write_report
 
     from pairclean.data.manifest import open_dataset
-    from pairclean.scoring.run import ScoreConfig
+    from pairclean.scoring.model import ScoreConfig
 
     spec = open_dataset(source, pair=pair, allow_pipe=allow_pipe)
     cfg = ScoreConfig(model=model, pretrained=pretrained, backend=backend, device=device, precision=precision,
                       decode=decode, compile=compile, batch_size=batch_size, workers=workers, beta_mode=beta_mode,
                       beta_k=beta_k, beta_cache=beta_cache)
     report = bench_score(spec, cfg, naive_pairs=naive_pairs, min_seconds=min_seconds, repeat=repeat,
-                         progress=lambda message: err_console.print(message, highlight=False))
+                         progress=RichProgress(err_console))
     for table in report_tables(report):
         console.print(table)
     for line in summary_lines(report):

@@ -7,6 +7,7 @@ from typing import List, Optional
 
 import typer
 
+from pairclean.cli.progress import RichProgress
 from pairclean.cli import app, console
 
 
@@ -50,8 +51,8 @@ def demo_command(
     from pairclean.lab.demo import DemoConfig, run_demo
 
     cfg = DemoConfig(out=out, pairs=pairs, world_seed=seed, ratio=ratio, noise_seed=seed, beta_k=beta_k, retrain=retrain,
-                     workers=workers, device=device, show_progress=True)
-    result = run_demo(cfg, say=lambda message: console.print(f"[bold]demo[/bold] {message}", soft_wrap=True))
+                     workers=workers, device=device, progress=RichProgress(console, prefix="demo"))
+    result = run_demo(cfg)
     for table in detection_tables(result.metrics):
         console.print(table)
     console.print(PAPER_TABLE5, soft_wrap=True)

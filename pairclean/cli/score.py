@@ -9,6 +9,7 @@ from typing import List, Optional
 import typer
 from rich.table import Table
 
+from pairclean.cli.progress import RichProgress
 from pairclean.cli import app, console, err_console
 
 
@@ -82,7 +83,7 @@ def score_command(
     """Score every pair: cosine, cone bias beta, OSA weight, GMM p_clean -> Parquet."""
     from pairclean.backends.open_clip import BACKEND_DEFAULT_MODEL, check_backend
     from pairclean.data.manifest import Fields, open_dataset
-    from pairclean.scoring.run import ScoreConfig, score
+    from pairclean.scoring.model import ScoreConfig, score
 
     if from_embeddings:
         from pairclean.scoring.embeddings import EmbeddingScoreConfig, open_embeddings, score_embeddings
@@ -94,7 +95,7 @@ def score_command(
             warnings.simplefilter("always")
             result = score_embeddings(spec, out, EmbeddingScoreConfig(
                 beta_mode=beta_mode, beta=beta, random_embeddings=rand, weight_fn=weight_fn, seed=seed,
-                gmm_sample=gmm_sample, overwrite=overwrite, resume=resume, show_progress=True))
+                gmm_sample=gmm_sample, overwrite=overwrite, resume=resume, progress=RichProgress(console)))
         console.print(summary_table(result))
         for w in caught:
             err_console.print(f"[yellow]warning:[/yellow] {w.message}", highlight=False, soft_wrap=True)
@@ -111,8 +112,7 @@ def score_command(
                       device=device, precision=precision, decode=decode,
                       batch_size=batch_size, workers=workers, beta_mode=beta_mode, beta=beta, beta_k=beta_k,
                       weight_fn=weight_fn, seed=seed, gmm_sample=gmm_sample, overwrite=overwrite, resume=resume,
-                      compile=compile, beta_cache=beta_cache,
-                      show_progress=True)
+                      compile=compile, beta_cache=beta_cache, progress=RichProgress(console))
     result = score(spec, out, cfg)
     if result.summary:  # under torchrun only rank 0 finalizes and reports
         console.print(summary_table(result))

@@ -7,6 +7,7 @@ from typing import Optional
 
 import typer
 
+from pairclean.cli.progress import RichProgress
 from pairclean.cli import app, console
 
 synth_app = typer.Typer(no_args_is_help=True, help="Build lab datasets with known ground truth, and the toy estimator.")
@@ -77,7 +78,7 @@ def train_estimator_command(
     recipe = EstimatorRecipe(pairs=pairs, world_seed=world_seed, epochs=epochs, batch_size=batch_size, lr=lr,
                              temperature=temperature, seed=seed)
     checkpoint = train_estimator(out, recipe, world=world, workers=workers, device=device, overwrite=overwrite,
-                                 show_progress=True, say=console.print)
+                                 progress=RichProgress(console))
     console.print(f"estimator: {checkpoint}\nscore with: pairclean score DATA --model {TOY_MODEL} --pretrained {checkpoint}")
 
 

@@ -8,6 +8,7 @@ from typing import List, Optional
 import typer
 from rich.table import Table
 
+from pairclean.cli.progress import RichProgress
 from pairclean.cli import app, console
 from pairclean.errors import UserError
 
@@ -117,7 +118,7 @@ def train_command(
                       warmup_steps=warmup_steps, min_lr_ratio=min_lr_ratio, grad_clip=grad_clip or None,
                       temperature=temperature, method=name, method_options=options, workers=workers,
                       shuffle_buffer=shuffle_buffer, val_batch_size=val_batch_size, log_every=log_every,
-                      diagnostics=diagnostics, seed=seed, resume=resume, overwrite=overwrite, show_progress=True)
+                      diagnostics=diagnostics, seed=seed, resume=resume, overwrite=overwrite, progress=RichProgress(console))
     result = train(source, out, cfg, val=val or None, pair=pair)
     from pairclean.ops import distributed
 

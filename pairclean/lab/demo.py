@@ -15,15 +15,16 @@ the scores find the noise. Everything lands under one output directory:
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
+from pairclean.config import pinned_settings, unpinned
 from pairclean.ops.atomic import write_json
+from pairclean.ops.progress import SILENT, Progress
 from pairclean.lab.corrupt import corrupt
 from pairclean.errors import UserError
 from pairclean.scores.evaluation import evaluate_detection
-from pairclean.scoring.run import ScoreConfig, score
+from pairclean.scoring.model import ScoreConfig, score
 from pairclean.lab.synth.estimator import TOY_MODEL, EstimatorRecipe, cached_checkpoint, train_estimator
 from pairclean.lab.synth.world import build_world
 
@@ -43,7 +44,7 @@ class DemoConfig:
     cache_dir: Path | None = None
     workers: int = 1
     device: str = "auto"
-    show_progress: bool = False
+    progress: Progress = unpinned(SILENT)  # step notes and the training/scoring bars
 
 
 @dataclass
@@ -63,10 +64,10 @@ def _check_out(out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
 
 
-def run_demo(cfg: DemoConfig | None = None, say: Callable[[str], None] | None = None) -> DemoResult:
+def run_demo(cfg: DemoConfig | None = None) -> DemoResult:
     cfg = cfg or DemoConfig()
     out = Path(cfg.out)
-    say = say or (lambda message: None)
+    say = cfg.progress.note
     _check_out(out)
     seconds: dict[str, float] = {}
     clock = time.perf_counter()
@@ -83,7 +84,7 @@ def run_demo(cfg: DemoConfig | None = None, say: Callable[[str], None] | None = 
         say(f"reusing the cached estimator {checkpoint}")
     else:
         checkpoint = train_estimator(out / "estimator", cfg.recipe, workers=cfg.workers, device=cfg.device,
-                                     overwrite=True, show_progress=cfg.show_progress, cache_dir=cfg.cache_dir, say=say)
+                                     overwrite=True, progress=cfg.progress, cache_dir=cfg.cache_dir)
     lap("estimator")
 
     say(f"rendering the evaluation world: {cfg.pairs:,} pairs (seed {cfg.world_seed}) -> {out / 'world'}")
@@ -99,8 +100,7 @@ def run_demo(cfg: DemoConfig | None = None, say: Callable[[str], None] | None = 
     scores = out / "scores.parquet"
     score(str(noisy.manifest), scores, ScoreConfig(model=TOY_MODEL, pretrained=str(checkpoint), device=cfg.device,
                                                    workers=cfg.workers, beta_k=cfg.beta_k, seed=cfg.noise_seed,
-                                                   overwrite=True,
-                                                   show_progress=cfg.show_progress))
+                                                   overwrite=True, progress=cfg.progress))
     lap("score")
 
     metrics = evaluate_detection(scores, noisy.manifest)
@@ -110,7 +110,7 @@ def run_demo(cfg: DemoConfig | None = None, say: Callable[[str], None] | None = 
 
     files = {"world": out / "world", "noisy": out / "noisy", "truth": noisy.truth, "scores": scores,
              "detection": out / "detection.json", "checkpoint": checkpoint, "summary": out / MARKER}
-    write_json(out / MARKER, {"settings": {**asdict(cfg), "out": str(out)}, "estimator_cached": cached,
+    write_json(out / MARKER, {"settings": {**pinned_settings(cfg), "out": str(out)}, "estimator_cached": cached,
                               "seconds": seconds, "files": {k: str(v) for k, v in files.items()},
                               "corrupt": noisy.as_dict()})
     return DemoResult(out, checkpoint, cached, metrics, seconds, files)

@@ -5,7 +5,7 @@ Three measurements in one process, on one estimator (loaded once), same batch si
 (a) ceiling   - the estimator's encode on batches already in memory: the same rows per batch
                 and the same tokenised captions as the data (so the text tower runs the same
                 lengths), random pixels for images. No reading, no decoding.
-(b) end-to-end - `pairclean.scoring.run.score` on the given shards: workers, decode, encode, sink,
+(b) end-to-end - `pairclean.scoring.model.score` on the given shards: workers, decode, encode, sink,
                 finalize. Its scoring loop is what (b)/(a) compares; the whole call (beta and
                 finalize included) is reported beside it.
 (c) naive     - the loop most people write first, as open_clip's README shows it: PIL decodes
@@ -34,10 +34,11 @@ from PIL import Image
 
 from pairclean.backends.accel import OomBackoff, text_buckets
 from pairclean.ops.atomic import write_json
+from pairclean.ops.progress import SILENT, Progress
 from pairclean.errors import UserError
 from pairclean.backends.open_clip import OpenClipEstimator, autocast_context, build_estimator, check_backend, resolve_precision
 from pairclean.data.manifest import DatasetSpec, open_dataset
-from pairclean.scoring.run import ScoreConfig, compute_beta, score
+from pairclean.scoring.model import ModelProducer, ScoreConfig, score
 from pairclean.data.reader import UnitFailure, list_units, modalities, read_unit
 
 
@@ -427,7 +428,7 @@ def measure_end_to_end(estimator, spec: DatasetSpec, cfg: ScoreConfig, workdir: 
     cpu0 = cpu_seconds()
     with PeakMemory() as mem:
         started = time.perf_counter()
-        result = score(spec, out, replace(cfg, overwrite=True, show_progress=False), estimator=estimator)
+        result = score(spec, out, replace(cfg, overwrite=True, progress=SILENT), estimator=estimator)
         whole = time.perf_counter() - started
     cpu = cpu_seconds() - cpu0  # the whole call: beta (none with shuffled/fixed/cached) and finalize included
     s = result.summary
@@ -497,7 +498,7 @@ def measure_naive(estimator, spec: DatasetSpec, batch_size: int, max_pairs: int)
 # ---------------------------------------------------------------- all three
 
 def bench_score(source: str | list[str] | DatasetSpec, cfg: ScoreConfig, naive_pairs: int = 512,
-                min_seconds: float = 10.0, repeat: int = 1, estimator=None, progress=None) -> BenchReport:
+                min_seconds: float = 10.0, repeat: int = 1, estimator=None, progress: Progress = SILENT) -> BenchReport:
     """Measure (a), (b), (c) `repeat` times, interleaved, with one estimator."""
     if repeat < 1:
         raise UserError("--repeat must be at least 1")
@@ -511,12 +512,12 @@ def bench_score(source: str | list[str] | DatasetSpec, cfg: ScoreConfig, naive_p
         torch.manual_seed(cfg.seed)
         estimator = build_estimator(cfg.backend, model=cfg.model, pretrained=cfg.pretrained, device=cfg.device,
                                     precision=cfg.precision, decode=cfg.decode, compile=cfg.compile)
-    say = progress or (lambda message: None)
+    say = progress.note
     say("worker cost per pair ...")
     prepare_ms = measure_prepare_cost(estimator, spec)
     if cfg.beta_mode == "random-inputs" and cfg.beta_cache:
         say("beta (once; the measured runs read it from the beta cache) ...")
-        compute_beta(estimator, spec, cfg)
+        ModelProducer(spec, cfg, estimator).random_beta()
     rounds = []
     with tempfile.TemporaryDirectory(prefix="pairclean-bench-") as tmp:
         for i in range(repeat):

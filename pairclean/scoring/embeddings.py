@@ -20,12 +20,9 @@ or the shuffled-pairs diagnostic.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 import re
 import threading
-import time
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -38,13 +35,11 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import torch
 
-from pairclean.core.beta import BETA_MODES, BetaEstimate, ShuffledAccumulator, shuffled_beta
-from pairclean.errors import UserError
-from pairclean.scoring.finalize import finalize, read_provenance
+from pairclean.config import unpinned
+from pairclean.core.beta import BETA_MODES, BetaEstimate, ShuffledAccumulator
 from pairclean.data.manifest import PAIR_KINDS
-from pairclean.scoring.run import ScoreResult, scoring_progress
-from pairclean.core.scorer import WEIGHT_FUNCTIONS
-from pairclean.scoring.parts import PartStore, parts_dir_for
+from pairclean.errors import UserError
+from pairclean.scoring.run import Commit, Producer, RunConfig, ScoreResult, run_scoring
 
 LAYOUTS = ("clip-retrieval", "numpy", "parquet")
 UNIT_TOLERANCE = 1e-2  # |norm - 1| above this is "not unit length" (float16 storage rounds to ~1e-3)
@@ -533,58 +528,15 @@ def random_embeddings_beta(spec: EmbeddingSpec, batch_rows: int = 65536) -> Beta
     return BetaEstimate("random-inputs", mean, float(np.sqrt(var)), min(k_left, k_right))
 
 
-# -- the run --------------------------------------------------------------------------------------
+# -- the producer --------------------------------------------------------------------------------
 
 
 @dataclass
-class EmbeddingScoreConfig:
-    beta_mode: str = "random-inputs"
-    beta: float | None = None  # for beta_mode == "fixed"
-    random_embeddings: EmbeddingSpec | None = None  # for beta_mode == "random-inputs"
-    weight_fn: str = "cubic"
-    seed: int = 0
-    gmm_sample: int = 1_000_000
-    batch_rows: int = 65536  # rows read at a time: what bounds memory
+class EmbeddingScoreConfig(RunConfig):
+    random_embeddings: EmbeddingSpec | None = unpinned(None)  # for beta_mode random-inputs (pinned by its paths)
+    batch_rows: int = unpinned(65536)  # rows read at a time: what bounds memory
     unit_rows: int = 1 << 18  # rows per unit of an .npy pair: the grain of resume; its columns are held until commit
-    threads: int = 0  # 0: torch.get_num_threads()
-    overwrite: bool = False
-    resume: bool = False
-    show_progress: bool = False
-
-    def settings(self, spec: EmbeddingSpec, units: list[str]) -> dict:
-        """What a resumed run must share with the run it continues."""
-        rand = self.random_embeddings
-        return {"source": "embeddings", "layout": spec.layout, "pair": spec.pair, "left_field": spec.left_field,
-                "right_field": spec.right_field, "key_field": spec.key_field, "beta_mode": self.beta_mode,
-                "beta": self.beta, "random_embeddings": rand.inputs() if rand else None,
-                "weight_fn": self.weight_fn, "seed": self.seed, "gmm_sample": self.gmm_sample,
-                "unit_rows": self.unit_rows,
-                "units_sha1": hashlib.sha1(json.dumps(units).encode()).hexdigest(), "n_units": len(units)}
-
-
-def check_beta_settings(cfg: EmbeddingScoreConfig) -> None:
-    """Refuse a beta that cannot be had from embeddings alone, before anything is written."""
-    if cfg.beta_mode not in BETA_MODES:
-        raise UserError(f"unknown beta mode {cfg.beta_mode!r}; choose one of {', '.join(BETA_MODES)}")
-    if cfg.beta_mode == "fixed" and cfg.beta is None:
-        raise UserError("--beta-mode fixed needs --beta VALUE")
-    if cfg.beta_mode == "random-inputs" and cfg.random_embeddings is None:
-        raise UserError("scoring from embeddings has no model to draw random inputs with: pass "
-                        "--random-embeddings PATH (embeddings of random inputs from the same model), "
-                        "or --beta-mode fixed --beta VALUE, or --beta-mode shuffled (a diagnostic)")
-    if cfg.beta_mode != "random-inputs" and cfg.random_embeddings is not None:
-        raise UserError(f"--random-embeddings is only used with --beta-mode random-inputs, not {cfg.beta_mode}")
-
-
-def embeddings_beta(cfg: EmbeddingScoreConfig) -> tuple[BetaEstimate | None, str]:
-    """(beta, or None for shuffled which is known after scoring; a sentence saying where it came from)."""
-    if cfg.beta_mode == "fixed":
-        return BetaEstimate("fixed", float(cfg.beta), None, None), "given by the user (--beta)"
-    if cfg.beta_mode == "shuffled":
-        return None, "mean cosine of shuffled in-dataset pairs (a diagnostic: it sits inside the noisy distribution)"
-    beta = random_embeddings_beta(cfg.random_embeddings, cfg.batch_rows)
-    where = ", ".join(cfg.random_embeddings.sources)
-    return beta, f"computed from random-input embeddings supplied by the user ({where})"
+    threads: int = unpinned(0)  # 0: torch.get_num_threads()
 
 
 def _default_keys(shard: str, index: np.ndarray) -> pa.Array:
@@ -592,7 +544,7 @@ def _default_keys(shard: str, index: np.ndarray) -> pa.Array:
     return pc.binary_join_element_wise(Path(shard).stem, pc.cast(pa.array(index), pa.string()), "/")
 
 
-def _score_unit(unit: str, spec: EmbeddingSpec, cfg: EmbeddingScoreConfig, pool: ThreadPoolExecutor | None,
+def _score_unit(unit: str, spec: EmbeddingSpec, batch_rows: int, pool: ThreadPoolExecutor | None,
                 shuffled: bool) -> tuple[dict, dict]:
     """Score one unit batch by batch: (its part's columns, its commit record). A unit that breaks
     keeps its rows so far and says why in the record."""
@@ -602,7 +554,7 @@ def _score_unit(unit: str, spec: EmbeddingSpec, cfg: EmbeddingScoreConfig, pool:
     accumulator = ShuffledAccumulator() if shuffled else None
     failure = None
     try:
-        for batch in iter_batches(spec, unit, cfg.batch_rows):
+        for batch in iter_batches(spec, unit, batch_rows):
             scores = score_batch(batch, pool, accumulator)
             keys.append(batch.keys if batch.keys is not None else _default_keys(batch.shard, batch.index))
             shards.append(pa.repeat(batch.shard, len(batch.index)))
@@ -623,92 +575,86 @@ def _score_unit(unit: str, spec: EmbeddingSpec, cfg: EmbeddingScoreConfig, pool:
     return columns, record
 
 
+class EmbeddingsProducer(Producer):
+    """Similarities of precomputed embedding pairs: no model, no GPU."""
+
+    def __init__(self, spec: EmbeddingSpec, cfg: EmbeddingScoreConfig):
+        if cfg.batch_rows < 1 or cfg.unit_rows < 1:
+            raise UserError("batch and unit sizes must be at least 1 row")
+        if cfg.beta_mode != "random-inputs" and cfg.random_embeddings is not None:
+            raise UserError(f"--random-embeddings is only used with --beta-mode random-inputs, not {cfg.beta_mode}")
+        self.spec, self.cfg = spec, cfg
+        # random-inputs needs embeddings of random inputs from the same model: there is no model to draw them
+        self.beta_modes = BETA_MODES if cfg.random_embeddings is not None else ("fixed", "shuffled")
+
+    def missing_beta_hint(self) -> str:
+        return ("scoring from embeddings has no model to draw random inputs with: pass "
+                "--random-embeddings PATH (embeddings of random inputs from the same model), "
+                "or --beta-mode fixed --beta VALUE, or --beta-mode shuffled (a diagnostic)")
+
+    def units(self) -> list[str]:
+        return self.spec.units(self.cfg.unit_rows)
+
+    def settings(self) -> dict:
+        spec, rand = self.spec, self.cfg.random_embeddings
+        return {"source": "embeddings", "layout": spec.layout, "pair": spec.pair, "left_field": spec.left_field,
+                "right_field": spec.right_field, "key_field": spec.key_field,
+                "random_embeddings": rand.inputs() if rand else None}
+
+    def random_beta(self) -> tuple[BetaEstimate, str]:
+        rand = self.cfg.random_embeddings
+        beta = random_embeddings_beta(rand, self.cfg.batch_rows)
+        return beta, f"computed from random-input embeddings supplied by the user ({', '.join(rand.sources)})"
+
+    def score(self, units: list[str], commit: Commit, task) -> int:
+        intra_op = torch.get_num_threads()
+        threads = self.cfg.threads or intra_op
+        scored = 0
+        pool = ThreadPoolExecutor(threads) if threads > 1 else None
+        # A unit's part is written on its own thread while the next unit is scored (pyarrow's write
+        # releases the GIL); waiting for it before the next commit keeps parts in order and memory at
+        # two units' columns. The `finally` waits for a commit in flight: a stopped run leaves whole parts.
+        writer = ThreadPoolExecutor(1)
+        pending = None
+        # The pool is the parallelism; torch's own threads on block-sized conversions only contend
+        # (measured: 10x more CPU per pair with 2 intra-op threads on a busy machine).
+        torch.set_num_threads(1)
+        try:
+            for unit in units:
+                columns, record = _score_unit(unit, self.spec, self.cfg.batch_rows, pool,
+                                              shuffled=self.cfg.beta_mode == "shuffled")
+                if pending is not None:
+                    pending.result()
+                pending = writer.submit(commit, unit, columns, record)
+                scored += len(columns["error"])
+            if pending is not None:
+                pending.result()
+        finally:
+            writer.shutdown(wait=True)
+            torch.set_num_threads(intra_op)
+            if pool is not None:
+                pool.shutdown()
+        return scored
+
+    def finish(self, records: dict[str, dict], scored_now: int, todo: int) -> tuple[dict, dict]:
+        units = list(records)
+        not_unit = {side: sum(records[u].get(f"not_unit_{side}", 0) for u in units) for side in ("left", "right")}
+        deviation = max((records[u].get("max_norm_deviation", 0.0) for u in units), default=0.0)
+        if not_unit["left"] or not_unit["right"]:
+            warnings.warn(f"{not_unit['left']:,} left and {not_unit['right']:,} right vectors were not unit length "
+                          f"(largest |norm - 1| = {deviation:.3g}); they were re-normalised", stacklevel=2)
+        spec = self.spec
+        estimator = {"backend": "precomputed-embeddings", "layout": spec.layout, "embedding_dim": spec.dim,
+                     "dtype": sorted({n.dtype for n in spec.npy}) or None}
+        provenance = {"estimator": estimator, "pair": spec.pair, "input_shards": spec.inputs(), "dataset": None,
+                      "renormalised": {**not_unit, "max_norm_deviation": deviation}}
+        return provenance, {"not_unit_left": not_unit["left"], "not_unit_right": not_unit["right"]}
+
+
 def score_embeddings(spec: EmbeddingSpec, out: str | Path, config: EmbeddingScoreConfig | None = None) -> ScoreResult:
     """Score every row pair of precomputed embeddings into `out`, resumably, like `score()`."""
     cfg = config or EmbeddingScoreConfig()
-    out = Path(out)
-    if cfg.weight_fn not in WEIGHT_FUNCTIONS:
-        raise UserError(f"unknown weight function {cfg.weight_fn!r}; choose one of {', '.join(WEIGHT_FUNCTIONS)}")
-    if cfg.batch_rows < 1 or cfg.unit_rows < 1:
-        raise UserError("batch and unit sizes must be at least 1 row")
-    if not out.parent.exists():
-        raise UserError(f"output directory {out.parent} does not exist")
-    units = spec.units(cfg.unit_rows)
-    store = PartStore(parts_dir_for(out))
-    settings = cfg.settings(spec, units)
-    finished = store.finished(out, settings, overwrite=cfg.overwrite)
-    if finished is not None:
-        return ScoreResult(out, finished, 0.0, 0, True, read_provenance(out), already_complete=True)
-    check_beta_settings(cfg)
-    start = store.begin(out, settings, units, overwrite=cfg.overwrite, resume=cfg.resume)
-    units = start.units
-
-    beta_started = time.perf_counter()
-    saved = store.load_beta()
-    if saved is not None:
-        beta, beta_source = BetaEstimate(**{k: v for k, v in saved.items() if k != "source"}), saved.get("source")
-    else:
-        beta, beta_source = embeddings_beta(cfg)
-        if beta is not None:
-            store.save_beta({**beta.as_dict(), "source": beta_source})
-    beta_seconds = time.perf_counter() - beta_started
-
-    done = store.committed()
-    todo = [u for u in units if u not in done]
-    intra_op = torch.get_num_threads()
-    threads = cfg.threads or intra_op
-    started, cpu_started = time.perf_counter(), time.process_time()
-    scored = 0
-    pool = ThreadPoolExecutor(threads) if threads > 1 else None
-    # A unit's part is written on its own thread while the next unit is scored (pyarrow's write
-    # releases the GIL); waiting for it before the next commit keeps parts in order and memory at
-    # two units' columns. The `finally` waits for a commit in flight: a stopped run leaves whole parts.
-    writer = ThreadPoolExecutor(1)
-    pending = None
-    # The pool is the parallelism; torch's own threads on block-sized conversions only contend
-    # (measured: 10x more CPU per pair with 2 intra-op threads on a busy machine).
-    torch.set_num_threads(1)
-    try:
-        with scoring_progress(cfg.show_progress, len(units)) as progress:
-            task = progress.add_task("score", total=len(units), completed=len(done), pairs=0, rate=0.0)
-            for unit in todo:
-                columns, record = _score_unit(unit, spec, cfg, pool, shuffled=beta is None)
-                if pending is not None:
-                    pending.result()
-                pending = writer.submit(store.commit, unit, columns, record)
-                scored += len(columns["error"])
-                elapsed = time.perf_counter() - started
-                progress.update(task, advance=1, pairs=scored, rate=scored / elapsed if elapsed else 0.0)
-            if pending is not None:
-                pending.result()
-    finally:
-        writer.shutdown(wait=True)
-        torch.set_num_threads(intra_op)
-        if pool is not None:
-            pool.shutdown()
-    elapsed, cpu = time.perf_counter() - started, time.process_time() - cpu_started
-
-    records = store.committed()
-    missing = [u for u in units if u not in records]
-    if missing:
-        raise RuntimeError(f"{len(missing)} unit(s) were not committed (first: {missing[0]})")
-    if beta is None:
-        beta = shuffled_beta([records[u].get("shuffled") for u in units])
-    not_unit = {side: sum(records[u].get(f"not_unit_{side}", 0) for u in units) for side in ("left", "right")}
-    deviation = max((records[u].get("max_norm_deviation", 0.0) for u in units), default=0.0)
-    if not_unit["left"] or not_unit["right"]:
-        warnings.warn(f"{not_unit['left']:,} left and {not_unit['right']:,} right vectors were not unit length "
-                      f"(largest |norm - 1| = {deviation:.3g}); they were re-normalised", stacklevel=2)
-    estimator = {"backend": "precomputed-embeddings", "layout": spec.layout, "embedding_dim": spec.dim,
-                 "dtype": sorted({n.dtype for n in spec.npy}) or None}
-    provenance = {"estimator": estimator, "pair": spec.pair, "seed": cfg.seed, "input_shards": spec.inputs(),
-                  "dataset": None, "beta_mode": cfg.beta_mode, "beta_source": beta_source,
-                  "renormalised": {**not_unit, "max_norm_deviation": deviation}}
-    summary = finalize(store, units, out, beta, cfg.weight_fn, cfg.seed, cfg.gmm_sample, provenance, records)
-    summary.update(pairs_per_second=scored / elapsed if elapsed > 0 else 0.0, beta_source=beta_source,
-                   beta_seconds=beta_seconds, scoring_seconds=elapsed, scoring_cpu_seconds=cpu, not_unit_left=not_unit["left"], not_unit_right=not_unit["right"])
-    store.remove()
-    return ScoreResult(out, summary, elapsed, scored, start.resumed, provenance)
+    return run_scoring(EmbeddingsProducer(spec, cfg), out, cfg)
 
 
 def write_embeddings(directory: str | Path, chunks: Iterable[tuple[np.ndarray, np.ndarray, list[str] | None]],

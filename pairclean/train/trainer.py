@@ -1,5 +1,5 @@
 """The training loop: weighted symmetric InfoNCE, AdamW, warm-up + cosine, clipping, autocast,
-a checkpoint per epoch plus the best by validation rSum, exact resume, JSONL metrics, rich progress.
+a checkpoint per epoch plus the best by validation rSum, exact resume, JSONL metrics, progress reports.
 
 Order of an epoch's end (state.pt last, it is the commit point of the epoch): validation ->
 model-epoch-NNN (+ model-best) -> diagnostics -> metrics line -> state.pt. A run killed anywhere
@@ -20,7 +20,9 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
+from pairclean.config import pinned_settings, unpinned
 from pairclean.ops import distributed
+from pairclean.ops.progress import SILENT, Progress
 from pairclean.backends.accel import steady_worker_memory
 from pairclean.ops.atomic import write_json
 from pairclean.errors import UserError
@@ -35,8 +37,6 @@ from pairclean.train.methods import Embeddings, MethodContext, build_method
 from pairclean.train.logs import DiagnosticsWriter, MetricsLog
 from pairclean.train.models import load_target
 
-# Settings that may change between a run and its resumption without changing its result.
-UNPINNED = ("device", "show_progress", "resume", "overwrite", "val_batch_size")
 
 
 @dataclass
@@ -44,7 +44,7 @@ class TrainConfig:
     model: str = "ViT-B-32"  # open_clip name (or pairclean tiny config), or a sentence-transformers dir/name
     pretrained: str = "openai"  # open_clip: tag, checkpoint path, or "none" (random init)
     backend: str = "auto"  # auto | open_clip | sentence-transformers
-    device: str = "auto"
+    device: str = unpinned("auto")
     precision: str = "fp32"  # fp32 | bf16 (autocast) | fp16 (CUDA, with a grad scaler)
     epochs: int = 5
     batch_size: int = 256
@@ -58,13 +58,13 @@ class TrainConfig:
     method_options: dict = field(default_factory=dict)
     workers: int = 2
     shuffle_buffer: int = 1000
-    val_batch_size: int = 256
+    val_batch_size: int = unpinned(256)
     log_every: int = 10
     diagnostics: bool = True
     seed: int = 0
-    resume: bool = False
-    overwrite: bool = False
-    show_progress: bool = False
+    resume: bool = unpinned(False)
+    overwrite: bool = unpinned(False)
+    progress: Progress = unpinned(SILENT)
 
     def check(self) -> None:
         if self.epochs < 1:
@@ -136,17 +136,8 @@ def _prepare_run_dir(out: Path, cfg: TrainConfig) -> bool:
 
 
 def _settings(cfg: TrainConfig, spec: DatasetSpec, val: DatasetSpec | None) -> dict:
-    keep = {k: v for k, v in asdict(cfg).items() if k not in UNPINNED}
-    return {**keep, "pair": spec.pair, "train_shards": spec.shards, "fields": asdict(spec.fields),
+    return {**pinned_settings(cfg), "pair": spec.pair, "train_shards": spec.shards, "fields": asdict(spec.fields),
             "val_shards": val.shards if val else None}
-
-
-def _progress(enabled: bool):
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    return Progress(TextColumn("[bold]epoch {task.fields[epoch]}"), BarColumn(), MofNCompleteColumn(),
-                    TextColumn("steps  loss {task.fields[loss]:.4f}  lr {task.fields[lr]:.2e}"),
-                    TextColumn("{task.fields[rate]:,.0f} pairs/s"), TimeElapsedColumn(), disable=not enabled)
 
 
 def train(source: str | list[str] | DatasetSpec, out: str | Path, config: TrainConfig | None = None,
@@ -204,21 +195,20 @@ def train(source: str | list[str] | DatasetSpec, out: str | Path, config: TrainC
     dataset = TrainBatches(spec, target.preparer, cfg.batch_size // world, cfg.seed, cfg.shuffle_buffer, plan)
     workers = min(cfg.workers, len(dataset.units))
     started = time.perf_counter()
-    with _progress(cfg.show_progress and distributed.is_main()) as progress:
-        for epoch in range(loop.done_epochs + 1, cfg.epochs + 1):
-            dataset.set_epoch(epoch)
-            loader = DataLoader(dataset, batch_size=None, num_workers=workers,
-                                pin_memory=target.device.type == "cuda", worker_init_fn=steady_worker_memory,
-                                generator=torch.Generator().manual_seed(cfg.seed * 1000 + epoch))
-            task = progress.add_task("train", total=steps_per_epoch, epoch=epoch, loss=0.0, lr=0.0, rate=0.0)
-            record = loop.run_epoch(epoch, loader, lambda **kw: progress.update(task, **kw))
-            if val_spec is not None and distributed.is_main():
-                val_metrics = evaluate_target(target, val_spec, cfg.val_batch_size, workers,
-                                              autocast_context(target.device, cfg.precision))
-                record.update({f"val_{k}": v for k, v in val_metrics.items()})
-            loop.finish_epoch(epoch, record)
-            distributed.barrier()  # the other ranks wait for rank 0's validation and checkpoints
-            progress.update(task, visible=False)
+    progress = cfg.progress if distributed.is_main() else SILENT
+    for epoch in range(loop.done_epochs + 1, cfg.epochs + 1):
+        dataset.set_epoch(epoch)
+        loader = DataLoader(dataset, batch_size=None, num_workers=workers,
+                            pin_memory=target.device.type == "cuda", worker_init_fn=steady_worker_memory,
+                            generator=torch.Generator().manual_seed(cfg.seed * 1000 + epoch))
+        with progress.task(f"epoch {epoch}", total=steps_per_epoch, loss=0.0, lr=0.0, rate=0.0) as task:
+            record = loop.run_epoch(epoch, loader, task)
+        if val_spec is not None and distributed.is_main():
+            val_metrics = evaluate_target(target, val_spec, cfg.val_batch_size, workers,
+                                          autocast_context(target.device, cfg.precision))
+            record.update({f"val_{k}": v for k, v in val_metrics.items()})
+        loop.finish_epoch(epoch, record)
+        distributed.barrier()  # the other ranks wait for rank 0's validation and checkpoints
     best_model = model_path(out, BEST, target.backend) if loop.best_epoch is not None else None
     return TrainResult(out, loop.history, loop.best_epoch, loop.best_rsum, best_model,
                        model_path(out, epoch_model_name(cfg.epochs), target.backend), resumed_from,
@@ -311,7 +301,7 @@ class _Loop:
                 return
             yield batch
 
-    def run_epoch(self, epoch: int, loader, show) -> dict:
+    def run_epoch(self, epoch: int, loader, task) -> dict:
         """One pass over the training data; returns the epoch's metrics record so far."""
         cfg = self.cfg
         self.method.on_epoch_start(epoch, self.ctx)
@@ -339,7 +329,7 @@ class _Loop:
                 self.metrics.write({"event": "step", "epoch": epoch, "step": self.step, "loss": loss, "lr": lr,
                                     "logit_scale": float(self.target.logit_scale().detach()), **out.metrics})
             elapsed = ready - epoch_start
-            show(advance=1, loss=loss, lr=lr, rate=totals["pairs"] / elapsed if elapsed else 0.0)
+            task.update(advance=1, loss=loss, lr=lr, rate=totals["pairs"] / elapsed if elapsed else 0.0)
         if totals["steps"] == 0:
             if self.diag is not None:
                 self.diag.abort()

@@ -15,10 +15,10 @@ import shutil
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable
 
 from pairclean import __version__
 from pairclean.ops.atomic import atomic_path, write_json
+from pairclean.ops.progress import SILENT, Progress
 from pairclean.core.beta import cache_dir as pairclean_cache_dir
 from pairclean.errors import UserError
 from pairclean.backends.open_clip import CONFIG_DIR
@@ -62,8 +62,8 @@ def cached_checkpoint(recipe: EstimatorRecipe, cache_dir: Path | None = None) ->
 
 
 def train_estimator(out: Path, recipe: EstimatorRecipe | None = None, world: Path | None = None, workers: int = 1,
-                    device: str = "auto", overwrite: bool = False, show_progress: bool = False,
-                    cache_dir: Path | None = None, say: Callable[[str], None] | None = None) -> Path:
+                    device: str = "auto", overwrite: bool = False, progress: Progress = SILENT,
+                    cache_dir: Path | None = None) -> Path:
     """Train the toy estimator into `out` (world/, run/, estimator.pt, estimator.json) and return
     the checkpoint; also store it in the cache (unless `world` is a user's own split, which the
     recipe does not describe)."""
@@ -78,17 +78,15 @@ def train_estimator(out: Path, recipe: EstimatorRecipe | None = None, world: Pat
     started = time.perf_counter()
     if world is None:
         world = out / "world"
-        if say:
-            say(f"rendering {recipe.pairs:,} clean training pairs (seed {recipe.world_seed}) -> {world}")
+        progress.note(f"rendering {recipe.pairs:,} clean training pairs (seed {recipe.world_seed}) -> {world}")
         build_world(world, recipe.pairs, seed=recipe.world_seed, overwrite=True)
     world_seconds = time.perf_counter() - started
     config = TrainConfig(model=TOY_MODEL, pretrained="none", backend="open_clip", device=device,
                          epochs=recipe.epochs, batch_size=recipe.batch_size, lr=recipe.lr,
                          weight_decay=recipe.weight_decay, warmup_steps=recipe.warmup_steps,
                          temperature=recipe.temperature, seed=recipe.seed,
-                         workers=workers, diagnostics=False, overwrite=True, show_progress=show_progress)
-    if say:
-        say(f"training {TOY_MODEL} for {recipe.epochs} epochs (batch {recipe.batch_size}) -> {out / 'run'}")
+                         workers=workers, diagnostics=False, overwrite=True, progress=progress)
+    progress.note(f"training {TOY_MODEL} for {recipe.epochs} epochs (batch {recipe.batch_size}) -> {out / 'run'}")
     manifest = world / "manifest.yaml"
     result = train(str(manifest) if manifest.is_file() else str(world), out / "run", config)
     checkpoint = out / CHECKPOINT
