@@ -14,10 +14,12 @@ import json
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
 
+from pairclean.errors import UserError
 from pairclean.ops.atomic import write_json
 
 BETA_MODES = ("random-inputs", "shuffled", "fixed")
@@ -87,6 +89,30 @@ def shuffled_beta(states: list[dict | None]) -> BetaEstimate:
     sv = np.sum([s["sum_v"] for s in states], axis=0)
     diag = sum(s["sum_diag"] for s in states)
     return BetaEstimate("shuffled", float((su @ sv - diag) / (n * (n - 1))), None, n)
+
+
+BETA_GIVEN = "given by the user (--beta)"
+
+
+def check_beta_mode(mode: str, beta: float | None, supported: tuple[str, ...] = BETA_MODES, hint: str = "") -> None:
+    """Refuse a beta that cannot be had, before anything is written (scoring and online training)."""
+    if mode not in BETA_MODES:
+        raise UserError(f"unknown beta mode {mode!r}; choose one of {', '.join(BETA_MODES)}")
+    if mode == "fixed" and beta is None:
+        raise UserError("--beta-mode fixed needs --beta VALUE")
+    if mode not in supported:
+        raise UserError(hint or f"beta mode {mode} is not available here; choose one of {', '.join(supported)}")
+
+
+def resolve_beta(mode: str, beta: float | None, random_inputs: Callable[[], tuple[BetaEstimate, str]]
+                 ) -> tuple[BetaEstimate | None, str]:
+    """beta before scoring and a sentence saying where it came from; None for shuffled, which is
+    known only once every pair is scored. The one place the beta modes are told apart."""
+    if mode == "fixed":
+        return BetaEstimate("fixed", float(beta), None, None), BETA_GIVEN
+    if mode == "shuffled":
+        return None, "mean cosine of shuffled in-dataset pairs (a diagnostic: it sits inside the noisy distribution)"
+    return random_inputs()
 
 
 def cache_dir() -> Path:

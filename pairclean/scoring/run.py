@@ -23,7 +23,7 @@ from typing import Callable, ClassVar
 import webdataset as wds
 
 from pairclean.config import pinned_settings, unpinned
-from pairclean.core.beta import BETA_MODES, BetaEstimate, shuffled_beta
+from pairclean.core.beta import BETA_MODES, BetaEstimate, check_beta_mode, resolve_beta, shuffled_beta
 from pairclean.core.scorer import WEIGHT_FUNCTIONS
 from pairclean.errors import UserError
 from pairclean.ops import distributed
@@ -99,30 +99,6 @@ class ScoreResult:
     @property
     def pairs_per_second(self) -> float:
         return self.pairs_scored_now / self.seconds if self.seconds > 0 else 0.0
-
-
-BETA_GIVEN = "given by the user (--beta)"
-
-
-def check_beta_mode(mode: str, beta: float | None, supported: tuple[str, ...] = BETA_MODES, hint: str = "") -> None:
-    """Refuse a beta that cannot be had, before anything is written (scoring and online training)."""
-    if mode not in BETA_MODES:
-        raise UserError(f"unknown beta mode {mode!r}; choose one of {', '.join(BETA_MODES)}")
-    if mode == "fixed" and beta is None:
-        raise UserError("--beta-mode fixed needs --beta VALUE")
-    if mode not in supported:
-        raise UserError(hint or f"beta mode {mode} is not available here; choose one of {', '.join(supported)}")
-
-
-def resolve_beta(mode: str, beta: float | None, random_inputs: Callable[[], tuple[BetaEstimate, str]]
-                 ) -> tuple[BetaEstimate | None, str]:
-    """beta before scoring and a sentence saying where it came from; None for shuffled, which is
-    known only once every pair is scored. The one place the beta modes are told apart."""
-    if mode == "fixed":
-        return BetaEstimate("fixed", float(beta), None, None), BETA_GIVEN
-    if mode == "shuffled":
-        return None, "mean cosine of shuffled in-dataset pairs (a diagnostic: it sits inside the noisy distribution)"
-    return random_inputs()
 
 
 def units_settings(units: list[str]) -> dict:

@@ -23,7 +23,7 @@ from typing import Any, ClassVar
 import torch
 
 from pairclean.ops import distributed
-from pairclean.core.beta import random_input_beta
+from pairclean.core.beta import check_beta_mode, random_input_beta, resolve_beta
 from pairclean.errors import UserError
 from pairclean.backends.open_clip import OpenClipEstimator, build_estimator, check_backend
 from pairclean.data.manifest import DatasetSpec
@@ -289,10 +289,8 @@ class OsaOnline(Method):
         o = self.options
         if o.weight_fn not in WEIGHT_FUNCTIONS:
             raise UserError(f"unknown weight function {o.weight_fn!r}; choose one of {', '.join(WEIGHT_FUNCTIONS)}")
-        if o.beta_mode not in ("random-inputs", "fixed"):
-            raise UserError("online OSA needs --beta-mode random-inputs or fixed (shuffled needs a full pass)")
-        if o.beta_mode == "fixed" and o.beta is None:
-            raise UserError("beta_mode fixed needs beta=VALUE")
+        check_beta_mode(o.beta_mode, o.beta, supported=("random-inputs", "fixed"),
+                        hint="online OSA needs --beta-mode random-inputs or fixed (shuffled needs a full pass)")
         if o.reduction not in REDUCTIONS:
             raise UserError(f"unknown reduction {o.reduction!r}; choose one of {', '.join(REDUCTIONS)}")
         self.beta = None
@@ -312,10 +310,9 @@ class OsaOnline(Method):
             self.estimator = build_estimator(backend, model=o.estimator_model, pretrained=o.estimator_pretrained,
                                              device=str(target.device))
         if self.beta is None:  # a resumed run keeps the beta it started with
-            if o.beta_mode == "fixed":
-                self.beta = float(o.beta)
-            else:
-                self.beta = random_input_beta(self.estimator, ctx.left, ctx.right, k=o.beta_k, seed=ctx.seed).beta
+            estimate, _ = resolve_beta(o.beta_mode, o.beta, lambda: (random_input_beta(
+                self.estimator, ctx.left, ctx.right, k=o.beta_k, seed=ctx.seed), "computed"))
+            self.beta = estimate.beta
         if o.estimator_model is None or _same_inputs(target.estimator, self.estimator):
             return BatchPlan()
         return BatchPlan(extra_preparers={"estimator": self.estimator.preparer})
