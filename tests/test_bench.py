@@ -304,7 +304,7 @@ def test_bench_score_cli_measures_all_three_and_prints_ratios(coco_shards, tmp_p
 
 
 def test_bench_refuses_bad_settings(coco_shards, fast_config):
-    with pytest.raises(UserError, match="--repeat"):
+    with pytest.raises(UserError, match="repeat must be at least 1"):
         bench_score(str(coco_shards), fast_config, repeat=0)
 
 

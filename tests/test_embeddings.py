@@ -160,7 +160,7 @@ def test_a_beta_that_cannot_be_had_is_refused_before_anything_is_written(tmp_pat
     spec = open_embeddings(str(tmp_path / "emb"))
     with pytest.raises(UserError, match="no model to draw random inputs"):
         score_embeddings(spec, tmp_path / "s.parquet", EmbeddingScoreConfig())
-    with pytest.raises(UserError, match="--beta-mode fixed needs --beta"):
+    with pytest.raises(UserError, match="beta_mode fixed needs beta set to a value"):
         score_embeddings(spec, tmp_path / "s.parquet", EmbeddingScoreConfig(beta_mode="fixed"))
     assert not parts_dir_for(tmp_path / "s.parquet").exists() and not (tmp_path / "s.parquet").exists()
 

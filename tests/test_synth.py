@@ -118,14 +118,14 @@ def test_world_with_several_captions(tmp_path):
     got = samples_of(tmp_path / "w")
     assert len(got) == 15 and spec.name == "toy-world-seed2-5-captions"
     assert [g["__key__"] for g in got[:6]] == [f"toy-2-{i:07d}-{j}" for i in (0, 1) for j in range(5)][:6]
-    with pytest.raises(UserError, match="multiple of --captions-per-scene"):
+    with pytest.raises(UserError, match="multiple of captions_per_scene"):
         build_world(tmp_path / "x", 12, captions_per_scene=5)
 
 
 def test_world_refuses_bad_sizes(tmp_path):
-    with pytest.raises(UserError, match="--pairs"):
+    with pytest.raises(UserError, match="pairs must be at least 1"):
         build_world(tmp_path / "w", 0)
-    with pytest.raises(UserError, match="--shard-size"):
+    with pytest.raises(UserError, match="shard_size must be at least 1"):
         build_world(tmp_path / "w", 5, shard_size=0)
 
 

@@ -18,7 +18,7 @@ import traceback
 import typer
 from rich.console import Console
 
-from pairclean.errors import UserError
+from pairclean.errors import ConfigError, UserError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Find and neutralise mismatched pairs in CLIP-style training data.")
@@ -55,6 +55,11 @@ def _register_commands() -> None:
     from pairclean.cli import train  # noqa: F401
     from pairclean.cli import bench  # noqa: F401
     from pairclean.cli import lab, synth  # noqa: F401
+
+
+def flag_for(field: str) -> str:
+    """The command-line flag of a config field: the library says `batch_size`, the CLI `--batch-size`."""
+    return "--" + field.replace("_", "-")
 
 
 def _crash_log(exc: BaseException) -> str:
@@ -105,7 +110,8 @@ def main(argv: list[str] | None = None) -> None:
         if isinstance(returned, int) and returned:
             sys.exit(returned)
     except UserError as exc:
-        _one_line("error", str(exc).replace("\n", " "))
+        message = exc.worded(flag_for) if isinstance(exc, ConfigError) else str(exc)
+        _one_line("error", message.replace("\n", " "))
         sys.exit(2)
     except _EXITS as exc:
         sys.exit(getattr(exc, "exit_code", 0))

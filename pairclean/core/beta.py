@@ -19,7 +19,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from pairclean.errors import UserError
+from pairclean.errors import ConfigError, UserError
 from pairclean.ops.atomic import write_json
 
 BETA_MODES = ("random-inputs", "shuffled", "fixed")
@@ -99,7 +99,7 @@ def check_beta_mode(mode: str, beta: float | None, supported: tuple[str, ...] = 
     if mode not in BETA_MODES:
         raise UserError(f"unknown beta mode {mode!r}; choose one of {', '.join(BETA_MODES)}")
     if mode == "fixed" and beta is None:
-        raise UserError("--beta-mode fixed needs --beta VALUE")
+        raise ConfigError("beta_mode fixed needs beta set to a value", "beta_mode", "beta")
     if mode not in supported:
         raise UserError(hint or f"beta mode {mode} is not available here; choose one of {', '.join(supported)}")
 

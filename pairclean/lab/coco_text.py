@@ -15,7 +15,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pairclean.ops.atomic import atomic_path
-from pairclean.errors import UserError
+from pairclean.errors import ConfigError, UserError
 from pairclean.data.manifest import DatasetSpec, write_manifest
 from pairclean.data.writer import staged_directory, write_shards
 
@@ -48,7 +48,7 @@ def build_text_pairs(captions_json: str | Path, out: str | Path, format: str = "
     if format not in FORMATS:
         raise UserError(f"unknown format {format!r}; choose {' or '.join(FORMATS)}")
     if shard_size < 1:
-        raise UserError("--shard-size must be at least 1")
+        raise ConfigError("shard_size must be at least 1", "shard_size")
     pairs = caption_pairs(captions_json, limit)
     if not pairs:
         raise UserError(f"no image in {captions_json} has two captions")

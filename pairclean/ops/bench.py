@@ -35,7 +35,7 @@ from PIL import Image
 from pairclean.backends.accel import OomBackoff, text_buckets
 from pairclean.ops.atomic import write_json
 from pairclean.ops.progress import SILENT, Progress
-from pairclean.errors import UserError
+from pairclean.errors import ConfigError, UserError
 from pairclean.backends.open_clip import OpenClipEstimator, autocast_context, build_estimator, check_backend, resolve_precision
 from pairclean.data.manifest import DatasetSpec, open_dataset
 from pairclean.scoring.model import ModelProducer, ScoreConfig, score
@@ -501,9 +501,9 @@ def bench_score(source: str | list[str] | DatasetSpec, cfg: ScoreConfig, naive_p
                 min_seconds: float = 10.0, repeat: int = 1, estimator=None, progress: Progress = SILENT) -> BenchReport:
     """Measure (a), (b), (c) `repeat` times, interleaved, with one estimator."""
     if repeat < 1:
-        raise UserError("--repeat must be at least 1")
+        raise ConfigError("repeat must be at least 1", "repeat")
     if cfg.batch_size < 1:
-        raise UserError("--batch-size must be at least 1")
+        raise ConfigError("batch_size must be at least 1", "batch_size")
     spec = source if isinstance(source, DatasetSpec) else open_dataset(source)
     if cfg.precision == "auto":
         cfg = replace(cfg, precision=resolve_precision(cfg.device, "auto"))

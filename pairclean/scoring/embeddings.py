@@ -38,7 +38,7 @@ import torch
 from pairclean.config import unpinned
 from pairclean.core.beta import BETA_MODES, BetaEstimate, ShuffledAccumulator
 from pairclean.data.manifest import PAIR_KINDS
-from pairclean.errors import UserError
+from pairclean.errors import ConfigError, UserError
 from pairclean.scoring.run import Commit, Producer, RunConfig, ScoreResult, run_scoring
 
 LAYOUTS = ("clip-retrieval", "numpy", "parquet")
@@ -580,9 +580,10 @@ class EmbeddingsProducer(Producer):
 
     def __init__(self, spec: EmbeddingSpec, cfg: EmbeddingScoreConfig):
         if cfg.batch_rows < 1 or cfg.unit_rows < 1:
-            raise UserError("batch and unit sizes must be at least 1 row")
+            raise ConfigError("batch_rows and unit_rows must be at least 1", "batch_rows", "unit_rows")
         if cfg.beta_mode != "random-inputs" and cfg.random_embeddings is not None:
-            raise UserError(f"--random-embeddings is only used with --beta-mode random-inputs, not {cfg.beta_mode}")
+            raise ConfigError(f"random_embeddings is only used with beta_mode random-inputs, not {cfg.beta_mode}",
+                              "random_embeddings", "beta_mode")
         self.spec, self.cfg = spec, cfg
         # random-inputs needs embeddings of random inputs from the same model: there is no model to draw them
         self.beta_modes = BETA_MODES if cfg.random_embeddings is not None else ("fixed", "shuffled")

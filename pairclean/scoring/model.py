@@ -23,7 +23,7 @@ from pairclean.config import unpinned
 from pairclean.core.beta import BetaCache, BetaEstimate, ShuffledAccumulator, cached_random_input_beta
 from pairclean.data.manifest import DatasetSpec, open_dataset
 from pairclean.data.reader import UnitFailure, list_units, modalities, read_unit
-from pairclean.errors import UserError
+from pairclean.errors import ConfigError
 from pairclean.scoring.run import Commit, Producer, RunConfig, ScoreResult, run_scoring
 
 
@@ -106,7 +106,7 @@ class ModelProducer(Producer):
 
     def __init__(self, spec: DatasetSpec, cfg: ScoreConfig, estimator=None):
         if cfg.batch_size < 1:
-            raise UserError("--batch-size must be at least 1")
+            raise ConfigError("batch_size must be at least 1", "batch_size")
         if estimator is None:
             check_backend(cfg.backend, modalities(spec.pair))  # before any output exists
         self.spec, self.cfg, self.estimator = spec, cfg, estimator

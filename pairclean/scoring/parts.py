@@ -31,7 +31,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from pairclean.ops.atomic import atomic_path, remove_stale_temps, write_json
-from pairclean.errors import UserError
+from pairclean.errors import ConfigError, UserError
 from pairclean.ops.faults import fault_point
 from pairclean.data.reader import unit_shard
 
@@ -208,7 +208,7 @@ class PartStore:
         from pairclean.scoring.finalize import read_provenance, read_summary
 
         if overwrite and resume:
-            raise UserError("--resume and --overwrite contradict each other: --overwrite discards the unfinished run")
+            raise ConfigError("resume and overwrite contradict each other: overwrite discards the unfinished run", "resume", "overwrite")
         if overwrite:
             return None
         unfinished = (self.dir / "settings.json").is_file()
@@ -243,7 +243,7 @@ class PartStore:
         unfinished run. A complete output is never replaced without `overwrite`.
         """
         if overwrite and resume:
-            raise UserError("--resume and --overwrite contradict each other: --overwrite discards the unfinished run")
+            raise ConfigError("resume and overwrite contradict each other: overwrite discards the unfinished run", "resume", "overwrite")
         existed = self.dir.is_dir()
         if existed:
             self._lock()

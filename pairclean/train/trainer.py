@@ -25,7 +25,7 @@ from pairclean.ops import distributed
 from pairclean.ops.progress import SILENT, Progress
 from pairclean.backends.accel import steady_worker_memory
 from pairclean.ops.atomic import write_json
-from pairclean.errors import UserError
+from pairclean.errors import ConfigError, UserError
 from pairclean.backends.open_clip import PRECISIONS, autocast_context, check_backend
 from pairclean.data.manifest import DatasetSpec, open_dataset
 from pairclean.train.retrieval import evaluate_target
@@ -68,19 +68,21 @@ class TrainConfig:
 
     def check(self) -> None:
         if self.epochs < 1:
-            raise UserError("--epochs must be at least 1")
+            raise ConfigError("epochs must be at least 1", "epochs")
         if self.batch_size < 2:
-            raise UserError("--batch-size must be at least 2 (in-batch negatives)")
+            raise ConfigError("batch_size must be at least 2 (in-batch negatives)", "batch_size")
         if self.lr <= 0 or self.weight_decay < 0 or self.warmup_steps < 0:
-            raise UserError("--lr must be positive, --weight-decay and --warmup-steps non-negative")
+            raise ConfigError("lr must be positive, weight_decay and warmup_steps non-negative", "lr", "weight_decay",
+                              "warmup_steps")
         if not 0 <= self.min_lr_ratio <= 1:
-            raise UserError("--min-lr-ratio must be within [0, 1]")
+            raise ConfigError("min_lr_ratio must be within [0, 1]", "min_lr_ratio")
         if self.grad_clip is not None and self.grad_clip <= 0:
-            raise UserError("--grad-clip must be positive (or omitted)")
+            raise ConfigError("grad_clip must be positive (or None)", "grad_clip")
         if self.precision not in PRECISIONS:
             raise UserError(f"unknown precision {self.precision!r}; choose one of {', '.join(PRECISIONS)}")
         if self.log_every < 1 or self.workers < 0 or self.shuffle_buffer < 0:
-            raise UserError("--log-every must be >= 1, --workers and --shuffle-buffer >= 0")
+            raise ConfigError("log_every must be >= 1, workers and shuffle_buffer >= 0", "log_every", "workers",
+                              "shuffle_buffer")
 
 
 @dataclass
@@ -149,7 +151,8 @@ def train(source: str | list[str] | DatasetSpec, out: str | Path, config: TrainC
     distributed.init_from_env()
     world = distributed.world_size()
     if cfg.batch_size % world:
-        raise UserError(f"--batch-size {cfg.batch_size} (the global batch) must be a multiple of the {world} ranks")
+        raise ConfigError(f"batch_size {cfg.batch_size} (the global batch) must be a multiple of the {world} ranks",
+                          "batch_size")
     spec = _spec(source, pair)
     val_spec = _spec(val, pair or spec.pair) if val is not None else None
     method = build_method(cfg.method, cfg.method_options)

@@ -20,7 +20,7 @@ from pairclean import __version__
 from pairclean.ops.atomic import atomic_path, write_json
 from pairclean.ops.progress import SILENT, Progress
 from pairclean.core.beta import cache_dir as pairclean_cache_dir
-from pairclean.errors import UserError
+from pairclean.errors import ConfigError, UserError
 from pairclean.backends.open_clip import CONFIG_DIR
 from pairclean.lab.synth.world import WORLD_VERSION, build_world
 
@@ -45,7 +45,7 @@ class EstimatorRecipe:
 
     def check(self) -> None:
         if self.pairs < self.batch_size:
-            raise UserError(f"--pairs ({self.pairs}) must be at least the batch size ({self.batch_size})")
+            raise ConfigError(f"pairs ({self.pairs}) must be at least batch_size ({self.batch_size})", "pairs", "batch_size")
 
     def cache_key(self) -> str:
         """Recipe + model config + world version + pairclean version: a change to any retrains."""

@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageDraw
 
-from pairclean.errors import UserError
+from pairclean.errors import ConfigError
 from pairclean.data.manifest import DatasetSpec, Fields, write_manifest
 from pairclean.data.writer import staged_directory, write_shards
 
@@ -193,11 +193,12 @@ def build_world(out: Path, pairs: int, seed: int = 0, shard_size: int = 1000, ov
     """Write `pairs` toy-world samples (pairs / captions_per_scene scenes) as WebDataset shards
     plus manifest.yaml into `out`."""
     if pairs < 1:
-        raise UserError("--pairs must be at least 1")
+        raise ConfigError("pairs must be at least 1", "pairs")
     if shard_size < 1:
-        raise UserError("--shard-size must be at least 1")
+        raise ConfigError("shard_size must be at least 1", "shard_size")
     if captions_per_scene < 1 or pairs % captions_per_scene:
-        raise UserError(f"--pairs ({pairs}) must be a multiple of --captions-per-scene ({captions_per_scene})")
+        raise ConfigError(f"pairs ({pairs}) must be a multiple of captions_per_scene ({captions_per_scene})",
+                          "pairs", "captions_per_scene")
     out = Path(out)
     scenes = pairs // captions_per_scene
     name = f"toy-world-seed{seed}" + (f"-{captions_per_scene}-captions" if captions_per_scene > 1 else "")
