@@ -213,7 +213,7 @@ def test_run_directory_guards(tmp_path, coco_shards):
     with pytest.raises(UserError, match="holds no pairclean run"):
         train(str(coco_shards), other, tiny())
     assert (other / "notes.txt").exists()
-    with pytest.raises(UserError, match="batch-size"):
+    with pytest.raises(UserError, match="batch_size"):
         train(str(coco_shards), tmp_path / "run", tiny(batch_size=1))
     with pytest.raises(UserError, match="fp16"):
         train(str(coco_shards), tmp_path / "run", tiny(precision="fp16", device="cpu"))
