@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import List, Optional
 
 import typer
 from rich.table import Table
 
 from pairclean.cli.progress import RichProgress
-from pairclean.cli import app, console, err_console
+from pairclean.cli import app, console, err_console, options
 
 bench_app = typer.Typer(no_args_is_help=True, help="Measure throughput on this machine.")
 app.add_typer(bench_app, name="bench")
@@ -69,33 +67,42 @@ def summary_lines(report) -> list[str]:
 
 @bench_app.command("score")
 def bench_score_command(
-    source: List[str] = typer.Argument(..., help="Shards (as for `pairclean score`): a sample of your data."),
+    source: options.Source,
     model: str = typer.Option("ViT-B-32", help="open_clip model name (or a pairclean tiny config)."),
-    pretrained: str = typer.Option("openai", help="Pretrained tag, local checkpoint path, or 'none' (random init, same FLOPs)."),
-    backend: str = typer.Option("open_clip", help="open_clip or sentence-transformers."),
-    pair: Optional[str] = typer.Option(None, help="Pair kind: image-text, text-text, image-label, image-image."),
-    device: str = typer.Option("auto", help="auto, cpu, cuda, cuda:1 ..."),
-    precision: str = typer.Option("fp32", help="fp32, bf16, fp16 (CUDA), or auto."),
-    decode: str = typer.Option("fast", help="fast, exact, or gpu (CUDA only; CPU workers otherwise)."),
-    compile: bool = typer.Option(False, "--compile", help="torch.compile the model."),
+    pretrained: options.Pretrained = "openai",
+    backend: options.Backend = "open_clip",
+    pair: options.Pair = None,
+    image_field: options.ImageField = None,
+    image_path_field: options.ImagePathField = None,
+    text_field: options.TextField = None,
+    json_text_key: options.JsonTextKey = None,
+    key_field: options.KeyField = None,
+    text2_field: options.Text2Field = None,
+    image2_field: options.Image2Field = None,
+    image2_path_field: options.Image2PathField = None,
+    label_field: options.LabelField = None,
+    label_template: options.LabelTemplate = None,
+    device: options.Device = "auto",
+    precision: options.Precision = "fp32",
+    decode: options.Decode = "fast",
+    compile: options.Compile = False,
     batch_size: int = typer.Option(256, help="Pairs per forward pass (all three measurements)."),
     workers: int = typer.Option(2, help="DataLoader workers for the end-to-end run."),
-    beta_mode: str = typer.Option("random-inputs", help="As for `pairclean score` (timed apart from the scoring loop)."),
-    beta_k: int = typer.Option(1024, help="K for --beta-mode random-inputs."),
-    beta_cache: bool = typer.Option(True, help="Reuse a cached random-inputs beta."),
+    beta_mode: options.BetaMode = "random-inputs",
+    beta_k: options.BetaK = 1024,
+    beta_cache: options.BetaCache = True,
     naive_pairs: int = typer.Option(512, help="Pairs for the naive reference loop (0 skips it)."),
     min_seconds: float = typer.Option(10.0, help="Run the model-only ceiling at least this long."),
     repeat: int = typer.Option(1, help="Rounds of (a)(b)(c), interleaved; ratios are reported per round and as medians."),
-    json_out: Optional[Path] = typer.Option(None, "--json", help="Also write the full report as JSON."),
-    allow_pipe: bool = typer.Option(False, help="Allow `pipe:` shard URLs, which run shell commands."),
+    json_out: options.JsonOut = None,
+    allow_pipe: options.AllowPipe = False,
 ) -> None:
     """Model-only ceiling vs end-to-end `pairclean score` vs a naive loop: pairs/s, ratios, peak memory."""
     from pairclean.ops.bench import bench_score, write_report
 
-    from pairclean.data.manifest import open_dataset
     from pairclean.scoring.model import ScoreConfig
 
-    spec = open_dataset(source, pair=pair, allow_pipe=allow_pipe)
+    spec = options.dataset(source, pair, allow_pipe, label_template, image=image_field, image_path=image_path_field, text=text_field, json_text_key=json_text_key, key=key_field, text2=text2_field, image2=image2_field, image2_path=image2_path_field, label=label_field)
     cfg = ScoreConfig(model=model, pretrained=pretrained, backend=backend, device=device, precision=precision,
                       decode=decode, compile=compile, batch_size=batch_size, workers=workers, beta_mode=beta_mode,
                       beta_k=beta_k, beta_cache=beta_cache)

@@ -9,7 +9,7 @@ import typer
 from rich.table import Table
 
 from pairclean.cli.progress import RichProgress
-from pairclean.cli import app, console
+from pairclean.cli import app, console, options
 from pairclean.errors import UserError
 
 
@@ -33,20 +33,20 @@ def method_and_options(method: Optional[str], weights: Optional[str], scores: Op
             method = "plain"
     if filter_sql and not scores:
         raise UserError("--filter needs the scores to evaluate it on: --scores FILE (or --weights FILE)")
-    options: dict = {}
+    chosen: dict = {}
     if method in ("osa-weights", "filter"):
-        options.update({"scores": scores, "filter": filter_sql, "join": join, "on_missing": on_missing})
+        chosen.update({"scores": scores, "filter": filter_sql, "join": join, "on_missing": on_missing})
     if method == "osa-weights":
-        options.update({"column": weight_column, "reduction": reduction})
+        chosen.update({"column": weight_column, "reduction": reduction})
     if method == "osa-online":
-        options.update({**online_options, "reduction": reduction})
-    options = {k: v for k, v in options.items() if v is not None}
+        chosen.update({**online_options, "reduction": reduction})
+    chosen = {k: v for k, v in chosen.items() if v is not None}
     for item in extra:
         if "=" not in item:
             raise UserError(f"--method-option takes key=value, not {item!r}")
         key, value = item.split("=", 1)
-        options[key.strip().replace("-", "_")] = value
-    return method, options
+        chosen[key.strip().replace("-", "_")] = value
+    return method, chosen
 
 
 def epochs_table(result) -> Table:
@@ -64,13 +64,24 @@ def epochs_table(result) -> Table:
 
 @app.command("train")
 def train_command(
-    source: List[str] = typer.Argument(..., help="Training shards: directory, glob, brace pattern, list file, Parquet files, or a manifest YAML."),
+    source: options.Source,
     out: Path = typer.Option(..., "--out", "-o", help="Run directory (checkpoints, metrics.jsonl, run.json)."),
     val: Optional[List[str]] = typer.Option(None, "--val", help="Validation pairs: R@K and rSum each epoch, best checkpoint by rSum."),
     model: str = typer.Option("ViT-B-32", help="open_clip model name (or a pairclean tiny config), or a sentence-transformers directory / all-MiniLM-L6-v2."),
-    pretrained: str = typer.Option("openai", help="open_clip: pretrained tag, local checkpoint path, or 'none' (train from scratch)."),
+    pretrained: options.Pretrained = "openai",
     backend: str = typer.Option("auto", help="auto, open_clip, or sentence-transformers."),
-    pair: Optional[str] = typer.Option(None, help="Pair kind: image-text, text-text, image-label, image-image."),
+    pair: options.Pair = None,
+    image_field: options.ImageField = None,
+    image_path_field: options.ImagePathField = None,
+    text_field: options.TextField = None,
+    json_text_key: options.JsonTextKey = None,
+    key_field: options.KeyField = None,
+    text2_field: options.Text2Field = None,
+    image2_field: options.Image2Field = None,
+    image2_path_field: options.Image2PathField = None,
+    label_field: options.LabelField = None,
+    label_template: options.LabelTemplate = None,
+    allow_pipe: options.AllowPipe = False,
     weights: Optional[str] = typer.Option(None, help="Scores Parquet: weight each pair's loss by a column of it (method osa-weights)."),
     weight_column: Optional[str] = typer.Option(None, help="Column of the scores used as weight (default weight_norm, the OSA weight in [0, 1])."),
     scores: Optional[str] = typer.Option(None, help="Scores Parquet for --filter without weighting."),
@@ -93,8 +104,8 @@ def train_command(
     min_lr_ratio: float = typer.Option(0.0, help="The cosine ends at lr x this."),
     grad_clip: Optional[float] = typer.Option(1.0, help="Max gradient norm (0 disables)."),
     temperature: Optional[float] = typer.Option(None, help="Fixed softmax temperature (default: open_clip learns it; sentence-transformers 0.05)."),
-    device: str = typer.Option("auto", help="auto, cpu, cuda, cuda:1 ..."),
-    precision: str = typer.Option("fp32", help="fp32, bf16 (autocast), fp16 (CUDA only)."),
+    device: options.Device = "auto",
+    precision: options.Precision = "fp32",
     workers: int = typer.Option(2, help="DataLoader workers reading, decoding and tokenising."),
     shuffle_buffer: int = typer.Option(1000, help="Pairs in each worker's shuffle buffer."),
     val_batch_size: int = typer.Option(256, help="Pairs per forward pass during validation."),
@@ -109,17 +120,20 @@ def train_command(
                       "weight_fn": weight_fn, "beta_k": beta_k}
     if not online and any(v is not None for v in online_options.values()):
         raise UserError("--estimator-model, --estimator-pretrained, --weight-fn and --beta-k go with --online")
-    name, options = method_and_options(method, weights, scores, filter_sql, online, weight_column, join, on_missing,
+    name, method_options = method_and_options(method, weights, scores, filter_sql, online, weight_column, join, on_missing,
                                        reduction, online_options, method_option or [])
     from pairclean.train import TrainConfig, train
 
     cfg = TrainConfig(model=model, pretrained=pretrained, backend=backend, device=device, precision=precision,
                       epochs=epochs, batch_size=batch_size, lr=lr, weight_decay=weight_decay,
                       warmup_steps=warmup_steps, min_lr_ratio=min_lr_ratio, grad_clip=grad_clip or None,
-                      temperature=temperature, method=name, method_options=options, workers=workers,
+                      temperature=temperature, method=name, method_options=method_options, workers=workers,
                       shuffle_buffer=shuffle_buffer, val_batch_size=val_batch_size, log_every=log_every,
                       diagnostics=diagnostics, seed=seed, resume=resume, overwrite=overwrite, progress=RichProgress(console))
-    result = train(source, out, cfg, val=val or None, pair=pair)
+    fields = dict(image=image_field, image_path=image_path_field, text=text_field, json_text_key=json_text_key, key=key_field, text2=text2_field, image2=image2_field, image2_path=image2_path_field, label=label_field)
+    spec = options.dataset(source, pair, allow_pipe, label_template, **fields)
+    val_spec = options.dataset(val, spec.pair, allow_pipe, label_template, **fields) if val else None
+    result = train(spec, out, cfg, val=val_spec)
     from pairclean.ops import distributed
 
     if not distributed.is_main():  # under torchrun rank 0 reports
