@@ -231,18 +231,6 @@ def _skipped(info: tarfile.TarInfo) -> bool:
         "/" not in name and name.startswith(meta_prefix) and name.endswith(meta_suffix))
 
 
-def _capped_bytes(archive: tarfile.TarFile, info: tarfile.TarInfo) -> bytes | _Oversized:
-    """Pairs mode: the member's bytes, or a stand-in when it is too big to hold in memory."""
-    if info.size > MAX_MEMBER_BYTES:
-        return _Oversized(info.name, info.size)
-    return archive.extractfile(info).read()
-
-
-def _whole_bytes(archive: tarfile.TarFile, info: tarfile.TarInfo) -> bytes:
-    """Raw mode: the member's bytes whatever their size, since a copy must be complete."""
-    return archive.extractfile(info).read()
-
-
 def _present_size(archive: tarfile.TarFile, info: tarfile.TarInfo) -> int:
     """Header mode: the member's size once its last byte is known to be in the file, so that a
     member whose data is cut off ends the listing where reading it ends the other modes."""
@@ -253,18 +241,31 @@ def _present_size(archive: tarfile.TarFile, info: tarfile.TarInfo) -> int:
     return info.size
 
 
+def _capped_bytes(archive: tarfile.TarFile, info: tarfile.TarInfo) -> bytes | _Oversized:
+    """Pairs mode: the member's bytes, or a stand-in when it is too big to hold in memory."""
+    if info.size > MAX_MEMBER_BYTES:
+        _present_size(archive, info)
+        return _Oversized(info.name, info.size)
+    return archive.extractfile(info).read()
+
+
+def _whole_bytes(archive: tarfile.TarFile, info: tarfile.TarInfo) -> bytes:
+    """Raw mode: the member's bytes whatever their size, since a copy must be complete."""
+    return archive.extractfile(info).read()
+
+
 Member = Callable[[tarfile.TarFile, tarfile.TarInfo], object]
 
 
-def _tar_members(url: str, on_failure: OnFailure, member: Member, allow_pipe: bool,
+def _tar_members(url: str, problems: list[str], member: Member, allow_pipe: bool,
                  seek: bool = False) -> Iterator[tuple[str, object]]:
     """(name, member(archive, info)) of the shard's members in archive order, less the skipped
     ones. Whatever ends the shard early (a vanished file, an unreadable stream, a truncated or
-    corrupt tar, a failing `pipe:`/curl) goes to `on_failure` once, after the members before it.
-    `seek` opens a local shard for random access, so data that is not read is seeked over."""
+    corrupt tar, a failing `pipe:`/curl) is appended to `problems`. `seek` opens a local shard
+    for random access, so data that is not read is seeked over."""
     problem = _refusal(url, allow_pipe)
     if problem:
-        on_failure(UnitFailure(url, problem))
+        problems.append(problem)
         return
     watch = type("_Watch", (_HeaderWatch,), {})
     members = 0
@@ -292,7 +293,7 @@ def _tar_members(url: str, on_failure: OnFailure, member: Member, allow_pipe: bo
             except Exception as exc:
                 problem = problem or _error_line(exc)
     if problem:
-        on_failure(UnitFailure(url, problem))
+        problems.append(problem)
 
 
 def _grouped(members: Iterator[tuple[str, object]]) -> Iterator[tuple[str, dict[str, object]]]:
@@ -315,8 +316,13 @@ def _grouped(members: Iterator[tuple[str, object]]) -> Iterator[tuple[str, dict[
 
 def _tar_samples(url: str, on_failure: OnFailure, member: Member, allow_pipe: bool,
                  seek: bool = False) -> Iterator[Sample]:
-    for index, (key, members) in enumerate(_grouped(_tar_members(url, on_failure, member, allow_pipe, seek))):
+    """The grouped samples, then the failure, if any, to the error policy: once, after every row
+    before the break (the last sample is only complete when the member loop has ended)."""
+    problems: list[str] = []
+    for index, (key, members) in enumerate(_grouped(_tar_members(url, problems, member, allow_pipe, seek))):
         yield Sample(key, url, index, members)
+    if problems:
+        on_failure(UnitFailure(url, problems[0]))
 
 
 def read_samples(url: str, on_failure: OnFailure, allow_pipe: bool = False) -> Iterator[Sample]:
