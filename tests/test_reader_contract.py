@@ -7,6 +7,7 @@ then cut or corrupted); the filter case runs `pairclean score` and `pairclean fi
 
 from __future__ import annotations
 
+import gzip
 import io
 import tarfile
 from pathlib import Path
@@ -89,6 +90,10 @@ def hostile_shards(root: Path, jpeg: bytes) -> dict[str, Path]:
     for name, members in built.items():
         shards[name] = write_tar(root / f"{name}.tar", members)
     shards["symlink-member"] = _with_symlink(root / "symlink.tar", four)
+    compressed = gzip.compress(full)
+    for name, data in (("gzip-whole", compressed), ("gzip-cut", compressed[:len(compressed) * 2 // 3])):
+        shards[name] = root / f"{name}.tar.gz"
+        shards[name].write_bytes(data)
     return shards
 
 
@@ -109,7 +114,7 @@ def test_every_mode_yields_the_same_rows_on_every_hostile_shard(tmp_path, jpeg, 
     monkeypatch.setattr(reader, "MAX_MEMBER_BYTES", 1000)  # every jpg is "oversized" for the pairs mode
     shards = hostile_shards(tmp_path, jpeg)
     broken = {"cut-in-member-data", "cut-in-a-header", "cut-at-a-member-boundary", "cut-in-the-third-jpg",
-              "cut-in-padding", "corrupt-header", "empty-file", "not-a-tar", "vanished"}
+              "cut-in-padding", "corrupt-header", "empty-file", "not-a-tar", "vanished", "gzip-cut"}
     for name, path in shards.items():
         modes = rows_by_mode(str(path))
         pairs = modes.pop("pairs")

@@ -254,10 +254,10 @@ def _whole_bytes(archive: tarfile.TarFile, info: tarfile.TarInfo) -> bytes:
     return archive.extractfile(info).read()
 
 
-Member = Callable[[tarfile.TarFile, tarfile.TarInfo], object]
+ReadMember = Callable[[tarfile.TarFile, tarfile.TarInfo], object]
 
 
-def _tar_members(url: str, problems: list[str], member: Member, allow_pipe: bool,
+def _tar_members(url: str, problems: list[str], member: ReadMember, allow_pipe: bool,
                  seek: bool = False) -> Iterator[tuple[str, object]]:
     """(name, member(archive, info)) of the shard's members in archive order, less the skipped
     ones. Whatever ends the shard early (a vanished file, an unreadable stream, a truncated or
@@ -281,9 +281,10 @@ def _tar_members(url: str, problems: list[str], member: Member, allow_pipe: bool
                 members += 1
                 yield info.name, member(archive, info)
         problem = _end_of_archive_problem(watch.stop, members)
-    except tarfile.ReadError as exc:
-        problem = (f"truncated tar: the file ends inside member data after {members} member(s)"
-                   if "unexpected end" in str(exc) else f"unreadable tar: {_error_line(exc)}")
+    except (tarfile.ReadError, EOFError) as exc:  # EOFError: a cut .tar.gz opened for random access
+        cut = isinstance(exc, EOFError) or "unexpected end" in str(exc)
+        problem = (f"truncated tar: the file ends inside member data after {members} member(s)" if cut
+                   else f"unreadable tar: {_error_line(exc)}")
     except Exception as exc:  # any way a shard can break: the rows read so far are kept
         problem = _error_line(exc)
     finally:
@@ -314,7 +315,7 @@ def _grouped(members: Iterator[tuple[str, object]]) -> Iterator[tuple[str, dict[
         yield key, sample
 
 
-def _tar_samples(url: str, on_failure: OnFailure, member: Member, allow_pipe: bool,
+def _tar_samples(url: str, on_failure: OnFailure, member: ReadMember, allow_pipe: bool,
                  seek: bool = False) -> Iterator[Sample]:
     """The grouped samples, then the failure, if any, to the error policy: once, after every row
     before the break (the last sample is only complete when the member loop has ended)."""

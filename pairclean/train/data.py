@@ -16,7 +16,6 @@ import hashlib
 import os
 import random
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Iterator
 
 import numpy as np
