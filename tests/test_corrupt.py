@@ -15,7 +15,7 @@ from pairclean.lab.corrupt import corrupt, weaken
 from pairclean.errors import UserError
 from pairclean.data.manifest import DatasetSpec, load_manifest, open_dataset
 from pairclean.data.writer import staged_directory, write_shards
-from pairclean.data.reader import group_members, list_units, read_unit, tar_members
+from pairclean.data.reader import list_units, read_samples, read_unit
 from pairclean.lab.synth.world import build_world
 
 
@@ -28,8 +28,8 @@ def world(tmp_path_factory) -> Path:
 
 
 def raw_samples(shard: str) -> list[dict]:
-    failures: list[str] = []
-    samples = list(group_members(tar_members(shard, failures), lcase=False))
+    failures: list = []
+    samples = [{"__key__": s.key, **s.members} for s in read_samples(shard, failures.append)]
     assert not failures
     return samples
 

@@ -14,7 +14,7 @@ from PIL import Image
 from pairclean.cli import main
 from pairclean.errors import UserError
 from pairclean.data.manifest import load_manifest
-from pairclean.data.reader import group_members, tar_members
+from pairclean.data.reader import read_samples
 from pairclean.lab.synth.estimator import TOY_MODEL, EstimatorRecipe, cached_checkpoint, train_estimator
 from pairclean.lab.synth.world import (COLOURS, GRID, IMAGE_SIZE, PREFIXES, ToyObject, build_world, describe, relation,
                                    render, sample_scene, samples)
@@ -26,8 +26,8 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 def samples_of(directory: Path) -> list[dict]:
     out = []
     for shard in sorted(directory.glob("*.tar")):
-        failures: list[str] = []
-        out.extend(group_members(tar_members(str(shard), failures)))
+        failures: list = []
+        out.extend({"__key__": s.key, **s.members} for s in read_samples(str(shard), failures.append))
         assert not failures
     return out
 

@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import math
 import os
-import re
-import tarfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator
@@ -24,20 +22,17 @@ import duckdb
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
-from webdataset.gopen import gopen
-from webdataset.tariterators import group_by_keys, meta_prefix, meta_suffix, tar_file_expander, url_opener
 
 from pairclean.ops.atomic import write_json
 from pairclean.errors import UserError
 from pairclean.scoring.finalize import read_provenance
 from pairclean.data.manifest import DatasetSpec, write_manifest
+from pairclean.data.reader import OnFailure, UnitFailure, list_samples, read_samples
 from pairclean.data.writer import staged_directory, write_shards
 from pairclean.curate.query import ScoresDB, duckdb_message, match_shards
 
 NUMERIC_TYPES = ("FLOAT", "DOUBLE", "TINYINT", "SMALLINT", "INTEGER", "BIGINT", "HUGEINT", "UTINYINT",
                  "USMALLINT", "UINTEGER", "UBIGINT", "DECIMAL")
-# tar_file_iterator's default `skip_meta`: members it never hands to group_by_keys.
-_SKIP_META = re.compile(r"__[^/]*__($|/)")
 
 
 @dataclass
@@ -171,52 +166,12 @@ def shard_decisions(db: ScoresDB, rules: list[Rule], shard: str, lo: int | None 
     return ShardDecisions(scored, keys, flags)
 
 
-def _local(url: str) -> bool:
-    return "://" not in url and not url.startswith("pipe:")
-
-
-def _recorder(failures: list[dict], url: str) -> Callable[[Exception], bool]:
-    def record(exc: Exception) -> bool:
-        reason = f"{type(exc).__name__}: {exc.args[0] if exc.args else exc}".splitlines()[0][:300]
-        failures.append({"shard": url, "reason": reason})
-        return True  # like scoring: keep what could be read, report the shard
+def _recorder(failures: list[dict]) -> OnFailure:
+    """The error policy of scoring: keep what could be read, report the shard (in filter.json)."""
+    def record(failure: UnitFailure) -> None:
+        failures.append({"shard": failure.unit, "reason": failure.reason})
 
     return record
-
-
-def tar_samples(url: str, failures: list[dict]) -> Iterator[dict]:
-    """The shard's samples as scoring numbered them, member names and bytes exactly as stored.
-
-    Same webdataset stages as sources' `tarfile_samples`, but suffixes keep their case."""
-    handler = _recorder(failures, url)
-    files = tar_file_expander(url_opener([{"url": url}], handler=handler), handler=handler)
-    return group_by_keys(files, lcase=False, handler=handler)
-
-
-def tar_sample_sizes(url: str, failures: list[dict]) -> Iterator[tuple[str, int]]:
-    """(key, member bytes) per sample from the tar headers alone: local shards are seeked over,
-    not read. Members are skipped and grouped as webdataset does when reading."""
-    handler = _recorder(failures, url)
-
-    def headers() -> Iterator[dict]:
-        try:
-            tar = tarfile.open(url, mode="r:*") if _local(url) else tarfile.open(fileobj=gopen(url), mode="r|*")
-            with tar:
-                for info in tar:
-                    name = info.name
-                    if not info.isreg() or _SKIP_META.match(name) or (
-                            "/" not in name and name.startswith(meta_prefix) and name.endswith(meta_suffix)):
-                        continue
-                    yield {"fname": name, "data": info.size, "__url__": url}
-        except (OSError, tarfile.TarError) as exc:
-            handler(exc)
-
-    for sample in group_by_keys(headers(), lcase=False, handler=handler):
-        yield sample["__key__"], sum(v for k, v in sample.items() if not k.startswith("__"))
-
-
-def _member_bytes(sample: dict) -> int:
-    return sum(len(v) for k, v in sample.items() if not k.startswith("__"))
 
 
 def _changed(shard: str, detail: str) -> UserError:
@@ -230,24 +185,27 @@ def _check_key(shard: str, dec: ShardDecisions, i: int, key: str) -> None:
         raise _changed(shard, f"sample {i} is {key!r} in the shard but {dec.keys[i]!r} in the scores")
 
 
-def _kept_tar_samples(shard: str, dec: ShardDecisions, failures: list[dict], tally: dict) -> Iterator[dict]:
-    """The kept samples of one shard, members as read (metadata like __url__ dropped)."""
+def _kept_tar_samples(spec: DatasetSpec, shard: str, dec: ShardDecisions, failures: list[dict],
+                      tally: dict) -> Iterator[dict]:
+    """The kept samples of one shard, members exactly as stored."""
     i = -1
-    for i, sample in enumerate(tar_samples(shard, failures)):
-        _check_key(shard, dec, i, sample["__key__"])
+    for i, sample in enumerate(read_samples(shard, _recorder(failures), spec.allow_pipe)):
+        _check_key(shard, dec, i, sample.key)
         if i < len(dec.keep) and dec.keep[i]:
             tally["pairs"] += 1
-            tally["bytes"] += _member_bytes(sample)
-            yield {k: v for k, v in sample.items() if k == "__key__" or not k.startswith("__")}
+            tally["bytes"] += sum(len(data) for data in sample.members.values())
+            yield {"__key__": sample.key, **sample.members}
     if i + 1 < len(dec.scored):
         raise _changed(shard, f"it has {i + 1} samples, the scores have index {len(dec.scored) - 1}")
 
 
-def _tar_bytes_per_rule(shard: str, dec: ShardDecisions, failures: list[dict]) -> tuple[int, np.ndarray]:
+def _tar_bytes_per_rule(spec: DatasetSpec, shard: str, dec: ShardDecisions,
+                        failures: list[dict]) -> tuple[int, np.ndarray]:
     """Dry run: (bytes of the scored samples, bytes each rule keeps) from the headers."""
     total, per_rule, i = 0, np.zeros(len(dec.flags), np.int64), -1
-    for i, (key, size) in enumerate(tar_sample_sizes(shard, failures)):
-        _check_key(shard, dec, i, key)
+    for i, sample in enumerate(list_samples(shard, _recorder(failures), spec.allow_pipe)):
+        _check_key(shard, dec, i, sample.key)
+        size = sum(sample.members.values())
         if i < len(dec.scored) and dec.scored[i]:
             total += size
             per_rule += size * dec.flags[:, i]
@@ -391,7 +349,7 @@ def _dry_run_bytes(db, rules, spec, mapping, result: FilterResult, progress) -> 
     for shard in spec.shards:
         if spec.format == "webdataset":
             dec = shard_decisions(db, rules, mapping[shard])
-            t, r = _tar_bytes_per_rule(shard, dec, result.read_failures)
+            t, r = _tar_bytes_per_rule(spec, shard, dec, result.read_failures)
         else:
             t, r = _parquet_bytes_per_rule(db, rules, shard, mapping[shard])
         total += t
@@ -414,7 +372,7 @@ def _write(db, rules, spec, mapping, result: FilterResult, scores: Path, shard_s
             def samples() -> Iterator[dict]:
                 for shard in spec.shards:
                     dec = shard_decisions(db, rules, mapping[shard])
-                    yield from _kept_tar_samples(shard, dec, result.read_failures, tally)
+                    yield from _kept_tar_samples(spec, shard, dec, result.read_failures, tally)
                     if progress:
                         progress(shard)
 

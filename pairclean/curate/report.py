@@ -33,6 +33,7 @@ from pairclean.core.mixture import FittedMixture
 from pairclean.data.manifest import DatasetSpec, open_dataset
 from pairclean.curate.query import ScoresDB, match_shards
 from pairclean.data.reader import RawPair, read_unit
+from pairclean.data.units import Unit
 
 CLEAN, NOISY, NEUTRAL, INK, MUTED = "#1b9e77", "#d95f02", "#5b6c8f", "#1f2430", "#6b7280"
 BETA_COLOUR, GMM_COLOUR = "#7570b3", "#e7298a"
@@ -163,7 +164,7 @@ def _units_for(spec: DatasetSpec, path: str, indices: set[int]) -> dict[str, set
     units: dict[str, set[int]] = {}
     for i in indices:
         g = int(np.searchsorted(starts, i, side="right") - 1)
-        units.setdefault(f"{path}#rg={g}", set()).add(i)
+        units.setdefault(str(Unit.row_group(path, g)), set()).add(i)
     return units
 
 

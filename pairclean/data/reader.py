@@ -1,15 +1,21 @@
-"""Sources: read raw pairs from WebDataset tar shards or Parquet files, one unit at a time.
+"""The one reader: the only code that turns a shard into rows, so every command numbers rows alike.
 
-A *unit* is the resumable, distributable piece of work: one tar shard, or one row group of a
-Parquet file (`path#rg=N`). Reading yields RawPair records in order and, when the unit itself
-is broken (truncated tar, vanished file, unreadable Parquet), a final UnitFailure.
+A row is `(shard, index, key)`: its position in the shard after the members are grouped into
+samples. Three modes read a tar shard with one member-skip rule and one grouping rule:
+`read_unit` gives RawPairs (scoring, training, report, corrupt's pass 1), `read_samples` the
+members exactly as stored (filter and corrupt copy them), `list_samples` the member sizes from the
+headers alone (train's key checks, filter's dry run). A *unit* (see `units`) is one tar shard or
+one Parquet row group; when it breaks (truncated tar, vanished file, unreadable Parquet) the rows
+before the break are kept and a UnitFailure goes to the caller's error policy, like webdataset's
+`handler=`: `read_unit` yields it as its last item, a list's `append` records it, `raise_failure`
+stops the command.
 
 Tar shards are opened with webdataset's `gopen` (local files, `pipe:`, http/gs URLs) and
-their members are split into samples by webdataset's `base_plus_ext`, but members are read and
-grouped here rather than by `tarfile_samples`, because that silently loses data on three
-hostile inputs: tarfile ends without an error on a truncated or corrupt member *header*, a
-repeated key (`a.jpg a.txt a.jpg a.txt`) makes `group_by_keys` drop the second pair, and a
-member of any size is read into memory.
+member names are split by webdataset's `base_plus_ext`, but members are read and grouped here
+rather than by `tarfile_samples`, because that silently loses data on three hostile inputs:
+tarfile ends without an error on a truncated or corrupt member *header*, a repeated key
+(`a.jpg a.txt a.jpg a.txt`) makes `group_by_keys` drop the second pair, and a member of any size
+is read into memory.
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ import re
 import tarfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Callable, Iterator
 
 import pyarrow.parquet as pq
 import webdataset as wds
@@ -28,11 +34,12 @@ from webdataset.tariterators import base_plus_ext, meta_prefix, meta_suffix
 
 from pairclean.errors import UserError
 from pairclean.data.manifest import DatasetSpec
+from pairclean.data.units import Unit, is_local
 
 # Text encoders keep the first 77 (CLIP) or 256 (MiniLM) tokens, far fewer than 4096 characters;
 # a longer caption only costs tokeniser time (CLIP's BPE is quadratic in the length of a word).
 MAX_TEXT_CHARS = 4096
-MAX_MEMBER_BYTES = 256 << 20  # a tar member bigger than this is refused without being read
+MAX_MEMBER_BYTES = 256 << 20  # a tar member bigger than this is refused without being read (pairs mode)
 _SKIP_META = re.compile(r"__[^/]*__($|/)")  # webdataset's tar_file_iterator skip_meta
 
 
@@ -50,6 +57,24 @@ class RawPair:
 class UnitFailure:
     unit: str
     reason: str
+
+
+OnFailure = Callable[[UnitFailure], None]  # the error policy: return to keep the rows read so far, or raise
+
+
+def raise_failure(failure: UnitFailure) -> None:
+    """The error policy of commands that copy shards whole: a shard that breaks stops the command."""
+    raise UserError(f"cannot read {failure.unit}: {failure.reason}")
+
+
+@dataclass
+class Sample:
+    """A tar sample as stored: member suffix (case kept) -> bytes (`read_samples`) or size (`list_samples`)."""
+
+    key: str
+    shard: str
+    index: int
+    members: dict[str, bytes | int]
 
 
 def modalities(pair: str) -> tuple[str, str]:
@@ -75,13 +100,8 @@ def list_units(spec: DatasetSpec) -> list[str]:
             n = pq.ParquetFile(path).metadata.num_row_groups
         except Exception:
             n = 1  # read_unit reports the failure for this file
-        units.extend(f"{path}#rg={i}" for i in range(max(n, 1)))
+        units.extend(str(Unit.row_group(path, i)) for i in range(max(n, 1)))
     return units
-
-
-def unit_shard(unit: str) -> str:
-    """The shard (file) a unit belongs to: what the output's `shard` column holds."""
-    return unit.rsplit("#rg=", 1)[0] if "#rg=" in unit else unit
 
 
 class _Oversized:
@@ -136,9 +156,10 @@ def _fill(pair: RawPair, side: str, value, error) -> None:
         pair.error = error
 
 
-def _wds_pair(spec: DatasetSpec, sample: dict, shard: str, index: int) -> RawPair:
+def _wds_pair(spec: DatasetSpec, raw: Sample) -> RawPair:
     f = spec.fields
-    pair = RawPair(key=sample.get("__key__", f"{index}"), shard=shard, index=index)
+    pair = RawPair(key=raw.key, shard=raw.shard, index=raw.index)
+    sample = {suffix.lower(): value for suffix, value in raw.members.items()}
     if spec.pair in ("image-text", "image-label", "image-image"):
         _fill(pair, "left", *_wds_image(sample, f.image_candidates()))
     if spec.pair == "image-text":
@@ -194,70 +215,133 @@ def _error_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text}".splitlines()[0][:300]
 
 
-def tar_members(url: str, failures: list[str]) -> Iterator[dict]:
-    """The regular members of one tar shard as {"fname", "data"}, in archive order, skipping
-    what webdataset skips (`__meta__` members). Anything that ends the shard early (unreadable
-    stream, truncated or corrupt tar, a failing `pipe:`/curl) is appended to `failures`."""
+def _refusal(url: str, allow_pipe: bool) -> str | None:
+    if url.startswith("pipe:") and not allow_pipe:
+        return "refusing a shell `pipe:` URL without --allow-pipe"
+    if is_local(url) and not os.path.exists(url):
+        return "shard not found (it disappeared after the run started?)"
+    return None
+
+
+def _skipped(info: tarfile.TarInfo) -> bool:
+    """The member-skip rule: what webdataset's tar_file_iterator never hands on (all but regular
+    files, and `__meta__`-style members)."""
+    name = info.name
+    return not info.isreg() or bool(_SKIP_META.match(name)) or (
+        "/" not in name and name.startswith(meta_prefix) and name.endswith(meta_suffix))
+
+
+def _present_size(archive: tarfile.TarFile, info: tarfile.TarInfo) -> int:
+    """Header mode: the member's size once its last byte is known to be in the file, so that a
+    member whose data is cut off ends the listing where reading it ends the other modes."""
+    if info.size:
+        archive.fileobj.seek(info.offset_data + info.size - 1)
+        if not archive.fileobj.read(1):
+            raise tarfile.ReadError("unexpected end of data")
+    return info.size
+
+
+def _capped_bytes(archive: tarfile.TarFile, info: tarfile.TarInfo) -> bytes | _Oversized:
+    """Pairs mode: the member's bytes, or a stand-in when it is too big to hold in memory."""
+    if info.size > MAX_MEMBER_BYTES:
+        _present_size(archive, info)
+        return _Oversized(info.name, info.size)
+    return archive.extractfile(info).read()
+
+
+def _whole_bytes(archive: tarfile.TarFile, info: tarfile.TarInfo) -> bytes:
+    """Raw mode: the member's bytes whatever their size, since a copy must be complete."""
+    return archive.extractfile(info).read()
+
+
+ReadMember = Callable[[tarfile.TarFile, tarfile.TarInfo], object]
+
+
+def _tar_members(url: str, problems: list[str], member: ReadMember, allow_pipe: bool,
+                 seek: bool = False) -> Iterator[tuple[str, object]]:
+    """(name, member(archive, info)) of the shard's members in archive order, less the skipped
+    ones. Whatever ends the shard early (a vanished file, an unreadable stream, a truncated or
+    corrupt tar, a failing `pipe:`/curl) is appended to `problems`. `seek` opens a local shard
+    for random access, so data that is not read is seeked over."""
+    problem = _refusal(url, allow_pipe)
+    if problem:
+        problems.append(problem)
+        return
     watch = type("_Watch", (_HeaderWatch,), {})
     members = 0
     stream = None
     try:
         stream = wds.gopen(url)
-        with tarfile.open(fileobj=stream, mode="r|*", tarinfo=watch) as archive:
+        mode = "r:*" if seek and is_local(url) else "r|*"
+        with tarfile.open(fileobj=stream, mode=mode, tarinfo=watch) as archive:
             for info in archive:
-                archive.members = []  # stream mode keeps every TarInfo otherwise
-                name = info.name
-                if not info.isreg() or _SKIP_META.match(name) or (
-                        "/" not in name and name.startswith(meta_prefix) and name.endswith(meta_suffix)):
+                archive.members = []  # tarfile keeps every TarInfo otherwise
+                if _skipped(info):
                     continue
                 members += 1
-                if info.size > MAX_MEMBER_BYTES:
-                    yield {"fname": name, "data": _Oversized(name, info.size)}
-                    continue
-                yield {"fname": name, "data": archive.extractfile(info).read()}
+                yield info.name, member(archive, info)
         problem = _end_of_archive_problem(watch.stop, members)
-        if problem:
-            failures.append(problem)
-    except tarfile.ReadError as exc:
-        failures.append(f"truncated tar: the file ends inside member data after {members} member(s)"
-                        if "unexpected end" in str(exc) else f"unreadable tar: {_error_line(exc)}")
+    except (tarfile.ReadError, EOFError) as exc:  # EOFError: a cut .tar.gz opened for random access
+        cut = isinstance(exc, EOFError) or "unexpected end" in str(exc)
+        problem = (f"truncated tar: the file ends inside member data after {members} member(s)" if cut
+                   else f"unreadable tar: {_error_line(exc)}")
     except Exception as exc:  # any way a shard can break: the rows read so far are kept
-        failures.append(_error_line(exc))
+        problem = _error_line(exc)
     finally:
         if stream is not None:
             try:
                 stream.close()  # a pipe's exit status is checked here
             except Exception as exc:
-                if not failures:
-                    failures.append(_error_line(exc))
+                problem = problem or _error_line(exc)
+    if problem:
+        problems.append(problem)
 
 
-def group_members(files: Iterable[dict], lcase: bool = True) -> Iterator[dict]:
-    """Group consecutive members into samples by key, like webdataset's `group_by_keys`, except
-    that a suffix already present in the current sample starts a new sample: keys may repeat,
-    even back to back, and each occurrence is its own pair."""
-    current = None
-    for member in files:
-        prefix, suffix = base_plus_ext(member["fname"])
+def _grouped(members: Iterator[tuple[str, object]]) -> Iterator[tuple[str, dict[str, object]]]:
+    """The grouping rule: consecutive members with one key make a sample, as in webdataset's
+    `group_by_keys`, except that a suffix already in the sample (compared case-blind) starts a new
+    one: keys may repeat, even back to back, and each occurrence is its own row."""
+    key, sample = None, {}
+    for name, value in members:
+        prefix, suffix = base_plus_ext(name)
         if prefix is None:
             continue
-        if lcase:
-            suffix = suffix.lower()
-        if current is None or prefix != current["__key__"] or suffix in current:
-            if current is not None:
-                yield current
-            current = {"__key__": prefix}
-        current[suffix] = member["data"]
-    if current is not None:
-        yield current
+        if sample and (prefix != key or suffix.lower() in {s.lower() for s in sample}):
+            yield key, sample
+            sample = {}
+        key = prefix
+        sample[suffix] = value
+    if sample:
+        yield key, sample
+
+
+def _tar_samples(url: str, on_failure: OnFailure, member: ReadMember, allow_pipe: bool,
+                 seek: bool = False) -> Iterator[Sample]:
+    """The grouped samples, then the failure, if any, to the error policy: once, after every row
+    before the break (the last sample is only complete when the member loop has ended)."""
+    problems: list[str] = []
+    for index, (key, members) in enumerate(_grouped(_tar_members(url, problems, member, allow_pipe, seek))):
+        yield Sample(key, url, index, members)
+    if problems:
+        on_failure(UnitFailure(url, problems[0]))
+
+
+def read_samples(url: str, on_failure: OnFailure, allow_pipe: bool = False) -> Iterator[Sample]:
+    """Raw mode: the tar shard's samples with every member's bytes exactly as stored."""
+    return _tar_samples(url, on_failure, _whole_bytes, allow_pipe)
+
+
+def list_samples(url: str, on_failure: OnFailure, allow_pipe: bool = False) -> Iterator[Sample]:
+    """Header mode: the tar shard's samples with each member's size in bytes; a local shard's
+    member data is seeked over, not read."""
+    return _tar_samples(url, on_failure, _present_size, allow_pipe, seek=True)
 
 
 def _read_tar(spec: DatasetSpec, unit: str) -> Iterator[RawPair | UnitFailure]:
-    failures: list[str] = []
-    for index, sample in enumerate(group_members(tar_members(unit, failures))):
-        yield _wds_pair(spec, sample, unit, index)
-    if failures:
-        yield UnitFailure(unit, failures[0])
+    failures: list[UnitFailure] = []
+    for sample in _tar_samples(unit, failures.append, _capped_bytes, spec.allow_pipe):
+        yield _wds_pair(spec, sample)
+    yield from failures
 
 
 def safe_join(root: Path, relative: str) -> Path | None:
@@ -296,9 +380,22 @@ def _parquet_columns(spec: DatasetSpec) -> dict[str, str | None]:
     return cols
 
 
+def _positional_key(path: str, index: int) -> str:
+    """The key of a Parquet row when the file has no key column."""
+    return f"{Path(path).stem}/{index}"
+
+
+def parquet_keys(spec: DatasetSpec, path: str) -> list[str]:
+    """Header mode for Parquet: the keys of every row of the file, reading the key column alone."""
+    pf = pq.ParquetFile(path)
+    if spec.fields.key in pf.schema_arrow.names:
+        return [str(k) for k in pf.read(columns=[spec.fields.key]).column(0).to_pylist()]
+    return [_positional_key(path, i) for i in range(pf.metadata.num_rows)]
+
+
 def _read_parquet(spec: DatasetSpec, unit: str) -> Iterator[RawPair | UnitFailure]:
-    path, rg = unit.rsplit("#rg=", 1)
-    rg = int(rg)
+    parsed = Unit.parse(unit)
+    path, rg = parsed.path, parsed.part
     try:
         pf = pq.ParquetFile(path)
         offset = sum(pf.metadata.row_group(i).num_rows for i in range(rg))
@@ -318,7 +415,8 @@ def _read_parquet(spec: DatasetSpec, unit: str) -> Iterator[RawPair | UnitFailur
     data = {role: (table.column(col).to_pylist() if col in table.column_names else None) for role, col in cols.items()}
     for i in range(table.num_rows):
         keys = data["key"]
-        pair = RawPair(key=str(keys[i]) if keys is not None else f"{Path(path).stem}/{offset + i}", shard=path, index=offset + i)
+        pair = RawPair(key=str(keys[i]) if keys is not None else _positional_key(path, offset + i), shard=path,
+                       index=offset + i)
         for role, values in data.items():
             if role == "key":
                 continue
@@ -340,14 +438,7 @@ def _read_parquet(spec: DatasetSpec, unit: str) -> Iterator[RawPair | UnitFailur
 
 
 def read_unit(spec: DatasetSpec, unit: str) -> Iterator[RawPair | UnitFailure]:
-    """Yield the unit's pairs in order (index = position in its shard), then any UnitFailure."""
+    """Pairs mode: the unit's pairs in order (index = position in its shard), then any UnitFailure."""
     if spec.format == "parquet":
-        yield from _read_parquet(spec, unit)
-    else:
-        if unit.startswith("pipe:") and not spec.allow_pipe:
-            yield UnitFailure(unit, "refusing a shell `pipe:` URL without --allow-pipe")
-            return
-        if "://" not in unit and not unit.startswith("pipe:") and not os.path.exists(unit):
-            yield UnitFailure(unit, "shard not found (it disappeared after the run started?)")
-            return
-        yield from _read_tar(spec, unit)
+        return _read_parquet(spec, unit)
+    return _read_tar(spec, unit)

@@ -6,7 +6,7 @@ one) stays clean. `weak` (the weak noise of the DiffNCL benchmarks): a share `ra
 captions gets about 30% of its words replaced by random words of the dataset's own vocabulary.
 
 Three streaming passes, memory bounded by a batch:
-1. every pair is read with `sources.read_unit` and (position, shard, index, key, caption) is
+1. every pair is read with the reader's `read_unit` and (position, shard, index, key, caption) is
    spilled to a temp Parquet file;
 2. DuckDB (on a temp database file, so it spills) picks the noisy positions and the permutation
    by ordering on md5 hashes of (seed, position): the choice depends only on the seed and the
@@ -37,7 +37,8 @@ from pairclean.errors import UserError
 from pairclean.data.manifest import DatasetSpec, open_dataset, write_manifest
 from pairclean.data.writer import staged_directory, write_shards
 from pairclean.curate.query import sql_string
-from pairclean.data.reader import UnitFailure, group_members, list_units, read_unit, tar_members, unit_shard
+from pairclean.data.reader import UnitFailure, list_units, raise_failure, read_samples, read_unit
+from pairclean.data.units import is_local, unit_shard
 
 MODES = ("shuffle", "weak")
 WEAK_SHARE = 0.3  # share of a caption's words replaced by weak noise
@@ -110,7 +111,7 @@ def _check_source(spec: DatasetSpec, ratio: float, mode: str) -> None:
     if not 0.0 <= ratio <= 1.0:
         raise UserError(f"--ratio must be within [0, 1], got {ratio}")
     caption_field(spec)
-    remote = [s for s in spec.shards if "://" in s or s.startswith("pipe:")]
+    remote = [s for s in spec.shards if not is_local(s)]
     if remote:
         raise UserError(f"corrupt reads local shards twice; copy {remote[0]} (and the other URLs) to disk first")
     if spec.format == "parquet" and (spec.fields.image_path or spec.fields.image2_path):
@@ -246,33 +247,29 @@ class _Noise:
         self.writer.close()
 
 
-def _member(sample: dict, ext: str) -> str | None:
+def _member(members: dict, ext: str) -> str | None:
     """The sample's member for extension `ext` (member names keep their case in the copy)."""
-    return next((k for k in sample if not k.startswith("__") and k.lower() == ext.lower()), None)
+    return next((k for k in members if k.lower() == ext.lower()), None)
 
 
-def _replace_caption(sample: dict, spec: DatasetSpec, field: str, new: str) -> None:
-    member = _member(sample, field)
+def _replace_caption(members: dict, spec: DatasetSpec, field: str, new: str) -> None:
+    member = _member(members, field)
     if member is not None:
-        sample[member] = new.encode("utf-8")
+        members[member] = new.encode("utf-8")
         return
-    member = _member(sample, "json")  # sources read the caption from the json member
-    obj = json.loads(sample[member])
+    member = _member(members, "json")  # the reader takes the caption from the json member
+    obj = json.loads(members[member])
     obj[spec.fields.json_text_key] = new
-    sample[member] = json.dumps(obj, ensure_ascii=False).encode("utf-8")
+    members[member] = json.dumps(obj, ensure_ascii=False).encode("utf-8")
 
 
 def _copy_tar(spec: DatasetSpec, shard: str, tmp: Path, noise: _Noise, field: str) -> None:
-    failures: list[str] = []
-
     def samples() -> Iterator[dict]:
-        for i, sample in enumerate(group_members(tar_members(shard, failures), lcase=False)):
-            new = noise.next(shard, i, sample["__key__"])
+        for sample in read_samples(shard, raise_failure):
+            new = noise.next(shard, sample.index, sample.key)
             if new is not None:
-                _replace_caption(sample, spec, field, new)
-            yield {k: v for k, v in sample.items() if k == "__key__" or not k.startswith("__")}
-        if failures:
-            raise UserError(f"cannot read {shard}: {failures[0]}")
+                _replace_caption(sample.members, spec, field, new)
+            yield {"__key__": sample.key, **sample.members}
 
     prefix = f".{os.getpid()}-{_output_name(shard, 'webdataset')[:-4]}"
     written = write_shards(samples(), tmp, prefix=prefix, maxcount=sys.maxsize, maxsize=float("inf"), encoder=False)

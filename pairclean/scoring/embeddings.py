@@ -38,6 +38,7 @@ import torch
 from pairclean.config import unpinned
 from pairclean.core.beta import BETA_MODES, BetaEstimate, ShuffledAccumulator
 from pairclean.data.manifest import PAIR_KINDS
+from pairclean.data.units import Unit
 from pairclean.errors import ConfigError, UserError
 from pairclean.scoring.run import Commit, Producer, RunConfig, ScoreResult, run_scoring
 
@@ -82,8 +83,9 @@ class EmbeddingSpec:
     def units(self, unit_rows: int) -> list[str]:
         """Every unit in output order: row chunks of each .npy pair, or each Parquet row group."""
         if self.layout == "parquet":
-            return [f"{path}#rg={i}" for path in self.parquet for i in range(max(pq.ParquetFile(path).num_row_groups, 1))]
-        return [f"{n.left}#rows={a}-{min(a + unit_rows, n.rows)}" for n in self.npy for a in range(0, n.rows, unit_rows)]
+            return [str(Unit.row_group(path, i)) for path in self.parquet
+                    for i in range(max(pq.ParquetFile(path).num_row_groups, 1))]
+        return [str(Unit.rows(n.left, a, min(a + unit_rows, n.rows))) for n in self.npy for a in range(0, n.rows, unit_rows)]
 
 
 # -- opening the layouts ---------------------------------------------------------------------
@@ -336,12 +338,6 @@ class EmbeddingBatch:
     bad: dict[int, str] = field(default_factory=dict)  # row position -> reason it has no usable vector
 
 
-def _parse_rows(unit: str) -> tuple[str, int, int]:
-    path, rows = unit.rsplit("#rows=", 1)
-    start, stop = rows.split("-")
-    return path, int(start), int(stop)
-
-
 def _read_keys(pair: NpyPair, start: int, stop: int) -> pa.Array | None:
     """Keys of rows [start, stop) from the pair's key file, reading only the row groups they span."""
     if pair.keys is None:
@@ -359,7 +355,8 @@ def _read_keys(pair: NpyPair, start: int, stop: int) -> pa.Array | None:
 
 
 def _npy_batches(spec: EmbeddingSpec, unit: str, batch_rows: int) -> Iterator[EmbeddingBatch]:
-    left_path, start, stop = _parse_rows(unit)
+    parsed = Unit.parse(unit)
+    left_path, start, stop = parsed.path, parsed.part.start, parsed.part.stop
     pair = next(n for n in spec.npy if n.left == left_path)
     keys = _read_keys(pair, start, stop)
     files = NpyFiles(pair)
@@ -392,13 +389,14 @@ def _list_column(column: pa.Array, dim: int, what: str) -> tuple[np.ndarray, dic
 
 
 def _parquet_batches(spec: EmbeddingSpec, unit: str, batch_rows: int) -> Iterator[EmbeddingBatch]:
-    path, rg = unit.rsplit("#rg=", 1)
+    parsed = Unit.parse(unit)
+    path, rg = parsed.path, parsed.part
     pf = pq.ParquetFile(path)
     if pf.num_row_groups == 0:
         return
-    offset = sum(pf.metadata.row_group(i).num_rows for i in range(int(rg)))
+    offset = sum(pf.metadata.row_group(i).num_rows for i in range(rg))
     columns = [spec.left_field, spec.right_field] + ([spec.key_field] if spec.key_field else [])
-    for batch in pf.iter_batches(batch_size=batch_rows, row_groups=[int(rg)], columns=columns):
+    for batch in pf.iter_batches(batch_size=batch_rows, row_groups=[rg], columns=columns):
         left, bad = _list_column(batch.column(spec.left_field), spec.dim, "left")
         right, bad_right = _list_column(batch.column(spec.right_field), spec.dim, "right")
         for i, reason in bad_right.items():

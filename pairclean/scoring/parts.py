@@ -33,7 +33,7 @@ import pyarrow.parquet as pq
 from pairclean.ops.atomic import atomic_path, remove_stale_temps, write_json
 from pairclean.errors import ConfigError, UserError
 from pairclean.ops.faults import fault_point
-from pairclean.data.reader import unit_shard
+from pairclean.data.units import unit_shard
 
 PART_SCHEMA = pa.schema([
     ("key", pa.string()),

@@ -1,10 +1,10 @@
 """The training data path: shard index, per-shard weight arrays, shuffled prepared batches.
 
 `index_shards` counts the pairs of every shard without reading pixel data (Parquet metadata;
-tar headers grouped by `sources.group_members`, so indexes match `sources.read_unit`).
+the reader's header listing of a tar shard, whose indexes are those `read_unit` gives).
 `TrainBatches` is an IterableDataset: units (tar shards / Parquet row groups) are shuffled per
 epoch, split by node (torch.distributed rank, a no-op in one process) then by DataLoader worker
-(webdataset's `split_by_node` / `split_by_worker`), read with `sources.read_unit`, joined with
+(webdataset's `split_by_node` / `split_by_worker`), read with the reader's `read_unit`, joined with
 the shard's weight array when the shard is opened, shuffled in a bounded buffer, prepared and
 collated in the worker. The order depends only on (seed, epoch, rank, worker), so a resumed run
 sees the same batches.
@@ -15,10 +15,7 @@ from __future__ import annotations
 import hashlib
 import os
 import random
-import re
-import tarfile
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Iterator
 
 import numpy as np
@@ -26,14 +23,13 @@ import pyarrow.parquet as pq
 import torch
 import webdataset as wds
 from torch.utils.data import IterableDataset
-from webdataset.tariterators import meta_prefix, meta_suffix
 
 from pairclean.errors import UserError
 from pairclean.data.manifest import DatasetSpec
-from pairclean.data.reader import UnitFailure, group_members, list_units, modalities, read_unit, unit_shard
+from pairclean.data.reader import UnitFailure, list_samples, list_units, modalities, parquet_keys, read_unit
+from pairclean.data.units import is_local, unit_shard
 
 DROPPED = -1.0  # weight-array value of a pair the method leaves out (filtered); NaN = not in the scores
-_SKIP_META = re.compile(r"__[^/]*__($|/)")  # webdataset's tar_file_iterator skip_meta, as sources applies it
 
 
 @dataclass
@@ -43,60 +39,29 @@ class ShardInfo:
     failure: str | None = None  # the shard could only be listed partly
 
 
-def _tar_member_names(path: str) -> Iterator[dict]:
-    """The members `sources.tar_members` yields, in order, without reading their data (seekable listing)."""
-    with tarfile.open(path, "r:") as tar:
-        for member in tar:
-            tar.members = []  # the listing keeps no per-member state
-            name = member.name
-            if not member.isreg() or _SKIP_META.match(name) or (
-                    "/" not in name and name.startswith(meta_prefix) and name.endswith(meta_suffix)):
-                continue
-            yield {"fname": name, "data": b""}
-
-
-def tar_keys(path: str) -> tuple[list[str], str | None]:
-    """The sample keys of a local tar shard in order (grouped by `sources.group_members`, so the
-    positions are the indexes `read_unit` gives), and the reason if the listing stopped early."""
-    keys: list[str] = []
-    try:
-        for sample in group_members(_tar_member_names(path)):
-            keys.append(sample["__key__"])
-    except (tarfile.TarError, OSError) as exc:
-        return keys, f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
-    return keys, None
-
-
-def parquet_keys(spec: DatasetSpec, path: str) -> list[str]:
-    """Keys of a Parquet shard as `sources.read_unit` names them (key column, else `stem/index`)."""
-    pf = pq.ParquetFile(path)
-    if spec.fields.key in pf.schema_arrow.names:
-        return [str(k) for k in pf.read(columns=[spec.fields.key]).column(0).to_pylist()]
-    return [f"{Path(path).stem}/{i}" for i in range(pf.metadata.num_rows)]
-
-
-def _is_local(shard: str) -> bool:
-    return "://" not in shard and not shard.startswith("pipe:")
+def tar_keys(shard: str, allow_pipe: bool = False) -> tuple[list[str], str | None]:
+    """The sample keys of a tar shard by position (the indexes `read_unit` gives), from its
+    headers, and the reason if the listing stopped early."""
+    failures: list[UnitFailure] = []
+    keys = [sample.key for sample in list_samples(shard, failures.append, allow_pipe)]
+    return keys, failures[0].reason if failures else None
 
 
 def index_shards(spec: DatasetSpec) -> list[ShardInfo]:
     """Pairs per shard, in the spec's order."""
     out = []
-    for shard in dict.fromkeys(spec.shards):  # a shard listed twice is one unit (sources.list_units)
+    for shard in dict.fromkeys(spec.shards):  # a shard listed twice is one unit (reader.list_units)
         if spec.format == "parquet":
             try:
                 rows = pq.ParquetFile(shard).metadata.num_rows
             except Exception as exc:
                 raise UserError(f"cannot read Parquet shard {shard}: {str(exc).splitlines()[0][:200]}") from None
             out.append(ShardInfo(shard, rows))
-        elif _is_local(shard):
-            if not os.path.isfile(shard):
+        else:
+            if is_local(shard) and not os.path.isfile(shard):
                 raise UserError(f"shard not found: {shard}")
-            keys, failure = tar_keys(shard)
+            keys, failure = tar_keys(shard, spec.allow_pipe)
             out.append(ShardInfo(shard, len(keys), failure))
-        else:  # remote shards cannot be listed without reading them
-            rows = sum(1 for item in read_unit(spec, shard) if not isinstance(item, UnitFailure))
-            out.append(ShardInfo(shard, rows))
     return out
 
 
@@ -104,9 +69,7 @@ def shard_keys(spec: DatasetSpec, shard: str) -> list[str]:
     """Keys of one shard by position (for joining scores by key)."""
     if spec.format == "parquet":
         return parquet_keys(spec, shard)
-    if _is_local(shard):
-        return tar_keys(shard)[0]
-    return [item.key for item in read_unit(spec, shard) if not isinstance(item, UnitFailure)]
+    return tar_keys(shard, spec.allow_pipe)[0]
 
 
 def content_digest(value: bytes | str) -> str:

@@ -1,0 +1,204 @@
+"""The reader contract: every mode numbers a shard's rows alike, so what scoring wrote can be
+filtered, listed for training and copied, even on hostile shards.
+
+The shards are built for real with the hostile-input suite's builders (tarfile member by member,
+then cut or corrupted); the filter case runs `pairclean score` and `pairclean filter` end to end.
+"""
+
+from __future__ import annotations
+
+import gzip
+import io
+import tarfile
+from pathlib import Path
+
+import duckdb
+import pytest
+from test_hostile_inputs import _four_pairs, write_tar
+
+import pairclean.data.reader as reader
+from pairclean.cli import main
+from pairclean.curate.filter import filter_dataset
+from pairclean.data.manifest import DatasetSpec, load_manifest, open_dataset
+from pairclean.data.reader import UnitFailure, list_samples, parquet_keys, raise_failure, read_samples, read_unit
+from pairclean.data.units import Unit, UnitKind, unit_shard
+from pairclean.errors import UserError
+
+TINY = ["--model", "pairclean-tiny", "--pretrained", "none", "--beta-k", "64", "--workers", "0", "--batch-size", "4"]
+
+
+@pytest.fixture(scope="module")
+def jpeg(coco_src) -> bytes:
+    return next((coco_src / "val2017").glob("*.jpg")).read_bytes()
+
+
+def _with_symlink(path: Path, members: list[tuple[str, bytes]]) -> Path:
+    """A tar whose second entry is a symlink (not a regular member: every mode skips it)."""
+    link = tarfile.TarInfo("k0.png")
+    link.type, link.linkname = tarfile.SYMTYPE, "k0.jpg"
+    with tarfile.open(path, "w", format=tarfile.USTAR_FORMAT) as tf:
+        for i, (name, data) in enumerate(members):
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tf.addfile(info, io.BytesIO(data))
+            if i == 0:
+                tf.addfile(link)
+    return path
+
+
+def hostile_shards(root: Path, jpeg: bytes) -> dict[str, Path]:
+    """Every hostile tar the hostile-input suite reads, plus the shapes only a copy or a listing
+    meets (metadata members, suffix case, members without a suffix, a cut inside padding)."""
+    four = _four_pairs(jpeg)
+    full = write_tar(root / "full.tar", four).read_bytes()
+    member = 512 + (len(jpeg) + 511) // 512 * 512  # header + padded data of one jpg member
+    shards = {"whole": root / "full.tar"}
+
+    def cut(name: str, size: int) -> None:
+        (root / f"{name}.tar").write_bytes(full[:size])
+        shards[name] = root / f"{name}.tar"
+
+    cut("cut-in-member-data", member // 2)
+    cut("cut-in-a-header", member + 200)
+    cut("cut-at-a-member-boundary", member + 1024)
+    cut("cut-in-the-third-jpg", 2 * (member + 1024) + member // 2)
+    cut("cut-in-padding", member + 512 + 200)  # the 1st caption's bytes are whole, its padding is not
+    corrupt = bytearray(full)
+    corrupt[member + 5] ^= 0xFF
+    (root / "corrupt-header.tar").write_bytes(bytes(corrupt))
+    shards["corrupt-header"] = root / "corrupt-header.tar"
+    shards["empty-file"] = root / "empty.tar"
+    shards["empty-file"].write_bytes(b"")
+    shards["not-a-tar"] = root / "garbage.tar"
+    shards["not-a-tar"].write_bytes(b"this is not a tar file " * 100)
+    shards["vanished"] = root / "never-written.tar"
+
+    built = {
+        "repeated-keys": [("a.jpg", jpeg), ("a.txt", b"one"), ("a.jpg", jpeg), ("a.txt", b"two"),
+                          ("b.jpg", jpeg), ("b.txt", b"three"), ("a.jpg", jpeg), ("a.txt", b"four")],
+        "meta-members": [("__meta__", b"{}"), ("k.jpg", jpeg), ("__info__", b"[]"), ("k.txt", b"cap"),
+                         ("__cache__/k.txt", b"x"), ("m.jpg", jpeg), ("m.txt", b"cap")],
+        "mixed-case-suffixes": [("a.JPG", jpeg), ("a.txt", b"one"), ("a.jpg", jpeg), ("a.TXT", b"two"),
+                                ("b.Jpg", jpeg), ("b.json.GZ", b"\x1f\x8b"), ("b.json.gz", b"\x1f\x8b")],
+        "no-suffix-and-dirs": [("README", b"notes"), ("d/x.jpg", jpeg), ("d/x.txt", b"in a dir"),
+                               ("e/x.jpg", jpeg), ("e/x.txt", b"same stem, other dir")],
+        "captions": [("missing.jpg", jpeg), ("empty.jpg", jpeg), ("empty.txt", b"  \n\t "),
+                     ("latin1.jpg", jpeg), ("latin1.txt", "caf\xe9".encode("latin-1")),
+                     ("noimage.txt", b"a caption without an image")],
+        "oversized-member": [("x.jpg", jpeg), ("x.txt", b"fine"), ("y.jpg", jpeg), ("y.txt", b"also fine")],
+    }
+    for name, members in built.items():
+        shards[name] = write_tar(root / f"{name}.tar", members)
+    shards["symlink-member"] = _with_symlink(root / "symlink.tar", four)
+    compressed = gzip.compress(full)
+    for name, data in (("gzip-whole", compressed), ("gzip-cut", compressed[:len(compressed) * 2 // 3])):
+        shards[name] = root / f"{name}.tar.gz"
+        shards[name].write_bytes(data)
+    return shards
+
+
+def rows_by_mode(shard: str) -> dict[str, tuple[list[tuple[str, int, str]], bool]]:
+    """(shard, index, key) of every row, and whether the shard broke, as each mode reads it."""
+    spec = DatasetSpec("webdataset", [shard])
+    items = list(read_unit(spec, shard))
+    out = {"pairs": ([(p.shard, p.index, p.key) for p in items if not isinstance(p, UnitFailure)],
+                     any(isinstance(p, UnitFailure) for p in items))}
+    for mode, read in (("raw samples", read_samples), ("header listing", list_samples)):
+        failures: list[UnitFailure] = []
+        rows = [(s.shard, s.index, s.key) for s in read(shard, failures.append)]
+        out[mode] = (rows, bool(failures))
+    return out
+
+
+def test_every_mode_yields_the_same_rows_on_every_hostile_shard(tmp_path, jpeg, monkeypatch):
+    monkeypatch.setattr(reader, "MAX_MEMBER_BYTES", 1000)  # every jpg is "oversized" for the pairs mode
+    shards = hostile_shards(tmp_path, jpeg)
+    broken = {"cut-in-member-data", "cut-in-a-header", "cut-at-a-member-boundary", "cut-in-the-third-jpg",
+              "cut-in-padding", "corrupt-header", "empty-file", "not-a-tar", "vanished", "gzip-cut"}
+    for name, path in shards.items():
+        modes = rows_by_mode(str(path))
+        pairs = modes.pop("pairs")
+        for mode, got in modes.items():
+            assert got == pairs, (name, mode)
+        assert pairs[1] == (name in broken), name
+    keys = {name: [k for _, _, k in rows_by_mode(str(shards[name]))["pairs"][0]] for name in shards}
+    assert keys["repeated-keys"] == ["a", "a", "b", "a"]
+    assert keys["meta-members"] == ["k", "m"]
+    assert keys["mixed-case-suffixes"] == ["a", "a", "b", "b"]
+    assert keys["no-suffix-and-dirs"] == ["d/x", "e/x"]
+    assert keys["cut-in-padding"] == ["k0"] and keys["cut-in-the-third-jpg"] == ["k0", "k1"]
+
+
+def test_raw_samples_are_the_members_as_stored_and_listing_their_sizes(tmp_path, jpeg):
+    shard = str(hostile_shards(tmp_path, jpeg)["mixed-case-suffixes"])
+    raw = list(read_samples(shard, raise_failure))
+    assert [s.members for s in raw] == [{"JPG": jpeg, "txt": b"one"}, {"jpg": jpeg, "TXT": b"two"},
+                                        {"Jpg": jpeg, "json.GZ": b"\x1f\x8b"}, {"json.gz": b"\x1f\x8b"}]
+    listed = list(list_samples(shard, raise_failure))
+    assert [s.members for s in listed] == [{k: len(v) for k, v in s.members.items()} for s in raw]
+
+
+def test_error_policy_records_or_raises_after_the_rows_before_the_break(tmp_path, jpeg):
+    shard = str(hostile_shards(tmp_path, jpeg)["cut-in-the-third-jpg"])
+    failures: list[UnitFailure] = []
+    assert [s.key for s in read_samples(shard, failures.append)] == ["k0", "k1"]
+    assert len(failures) == 1 and failures[0].unit == shard and "truncated tar" in failures[0].reason
+    seen = []
+    with pytest.raises(UserError, match=r"cannot read .*cut-in-the-third-jpg.tar: truncated tar"):
+        for sample in list_samples(shard, raise_failure):
+            seen.append(sample.key)
+    assert seen == ["k0", "k1"]
+
+
+def test_parquet_keys_are_the_keys_read_unit_gives(tmp_path, coco_parquet):
+    import pyarrow.parquet as pq
+
+    no_keys = tmp_path / "nokey.parquet"
+    pq.write_table(pq.read_table(coco_parquet).drop_columns(["key"]), no_keys, row_group_size=5)
+    for path in (str(coco_parquet), str(no_keys)):
+        spec = DatasetSpec("parquet", [path])
+        read = [p.key for unit in reader.list_units(spec) for p in read_unit(spec, unit)]
+        assert parquet_keys(spec, path) == read and len(read) == 16
+    assert parquet_keys(DatasetSpec("parquet", [str(no_keys)]), str(no_keys))[:2] == ["nokey/0", "nokey/1"]
+
+
+@pytest.mark.parametrize("text, unit", [
+    ("shards/a-000.tar", Unit("shards/a-000.tar")),
+    ("pipe:curl -s https://host/a.tar", Unit("pipe:curl -s https://host/a.tar")),
+    ("/d/x.parquet#rg=12", Unit("/d/x.parquet", UnitKind.ROW_GROUP, 12)),
+    ("/d/img_emb/left.npy#rows=0-262144", Unit("/d/img_emb/left.npy", UnitKind.ROWS, range(0, 262144))),
+    ("/d/odd#rg=name.tar", Unit("/d/odd#rg=name.tar")),  # not a row-group suffix: a tar path
+])
+def test_unit_strings_round_trip(text, unit):
+    assert Unit.parse(text) == unit and str(unit) == text
+    assert unit_shard(text) == unit.path
+
+
+def test_filter_cli_on_back_to_back_repeated_keys(tmp_path, coco_src, capsys):
+    """Scored as 5 pairs (a, a, b, a, c): the filter must see the same 5 and copy the kept ones whole."""
+    jpegs = [p.read_bytes() for p in sorted((coco_src / "val2017").glob("*.jpg"))[:5]]
+    members = [("a.jpg", jpegs[0]), ("a.txt", b"a photo of one thing"), ("a.jpg", jpegs[1]), ("a.txt", b"another"),
+               ("b.jpg", jpegs[2]), ("b.txt", b"a third photo"), ("a.jpg", jpegs[3]), ("a.txt", b"the key again"),
+               ("c.jpg", jpegs[4]), ("c.txt", b"the last one")]
+    shard = write_tar(tmp_path / "dups-000000.tar", members)
+    scores = tmp_path / "scores.parquet"
+    main(["score", str(shard), "--out", str(scores), *TINY])
+    rule = "key = 'a' OR sim >= (SELECT max(sim) FROM scores WHERE key <> 'a')"  # the three `a` and b or c
+    con = duckdb.connect()
+    con.execute(f"CREATE VIEW scores AS SELECT * FROM read_parquet('{scores}')")
+    assert con.execute("SELECT count(*) FROM scores").fetchone()[0] == 5
+    expected = [i for (i,) in con.execute(f"SELECT \"index\" FROM scores WHERE {rule} ORDER BY \"index\"").fetchall()]
+    assert {0, 1, 3} <= set(expected) and len(expected) == 4
+
+    out = tmp_path / "kept"
+    main(["filter", str(shard), "--scores", str(scores), "--where", rule, "--out", str(out)])
+    assert f"wrote {len(expected)} pairs" in capsys.readouterr().out
+    written = []
+    for path in load_manifest(out / "manifest.yaml").shards:
+        with tarfile.open(path) as tar:
+            written += [(m.name, tar.extractfile(m).read()) for m in tar.getmembers() if m.isreg()]
+    assert written == [m for i in expected for m in members[2 * i:2 * i + 2]]  # byte-identical, in order
+
+    dry = filter_dataset(open_dataset(str(shard)), scores, tmp_path / "dry", where=[rule], dry_run=True)
+    assert dry.kept_pairs == 4 and dry.kept_bytes == sum(len(data) for _, data in written)
+    assert dry.total_bytes == sum(len(data) for _, data in members) and not dry.read_failures
