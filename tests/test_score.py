@@ -13,7 +13,7 @@ import pytest
 
 from pairclean.cli import main
 from pairclean.lab.coco import build_parquet, read_pairs
-from pairclean.scoring.finalize import read_provenance, run_manifest_path
+from pairclean.scores.contract import read_provenance, run_manifest_path
 from pairclean.scoring.run import score
 from pairclean.scoring.parts import parts_dir_for
 

@@ -29,7 +29,7 @@ from webdataset.tariterators import group_by_keys, meta_prefix, meta_suffix, tar
 
 from pairclean.ops.atomic import write_json
 from pairclean.errors import UserError
-from pairclean.scoring.finalize import read_provenance
+from pairclean.scores.contract import read_provenance
 from pairclean.data.manifest import DatasetSpec, write_manifest
 from pairclean.data.writer import staged_directory, write_shards
 from pairclean.curate.query import ScoresDB, duckdb_message, match_shards

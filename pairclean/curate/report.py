@@ -28,7 +28,7 @@ from pairclean import __version__
 from pairclean.ops.atomic import atomic_path
 from pairclean.data.decode import DecodeError, decode_image
 from pairclean.errors import UserError
-from pairclean.scoring.finalize import read_provenance
+from pairclean.scores.contract import read_provenance
 from pairclean.core.mixture import FittedMixture
 from pairclean.data.manifest import DatasetSpec, open_dataset
 from pairclean.curate.query import ScoresDB, match_shards

@@ -40,7 +40,9 @@ import torch
 
 from pairclean.core.beta import BETA_MODES, BetaEstimate, ShuffledAccumulator, shuffled_beta
 from pairclean.errors import UserError
-from pairclean.scoring.finalize import finalize, read_provenance
+from pairclean.scores.contract import read_provenance
+from pairclean.scores.rules import DEFAULT_RULES, build_rules
+from pairclean.scoring.finalize import finalize
 from pairclean.data.manifest import PAIR_KINDS
 from pairclean.scoring.run import ScoreResult, scoring_progress
 from pairclean.core.scorer import WEIGHT_FUNCTIONS
@@ -544,12 +546,16 @@ class EmbeddingScoreConfig:
     weight_fn: str = "cubic"
     seed: int = 0
     gmm_sample: int = 1_000_000
+    rules: tuple[str, ...] = DEFAULT_RULES  # decision-rule specs NAME[:key=value,...] (pairclean.scores.rules)
     batch_rows: int = 65536  # rows read at a time: what bounds memory
     unit_rows: int = 1 << 18  # rows per unit of an .npy pair: the grain of resume; its columns are held until commit
     threads: int = 0  # 0: torch.get_num_threads()
     overwrite: bool = False
     resume: bool = False
     show_progress: bool = False
+
+    def __post_init__(self):
+        build_rules(self.rules)  # an unknown rule or option fails before anything is scored
 
     def settings(self, spec: EmbeddingSpec, units: list[str]) -> dict:
         """What a resumed run must share with the run it continues."""
@@ -558,7 +564,7 @@ class EmbeddingScoreConfig:
                 "right_field": spec.right_field, "key_field": spec.key_field, "beta_mode": self.beta_mode,
                 "beta": self.beta, "random_embeddings": rand.inputs() if rand else None,
                 "weight_fn": self.weight_fn, "seed": self.seed, "gmm_sample": self.gmm_sample,
-                "unit_rows": self.unit_rows,
+                "rules": list(self.rules), "unit_rows": self.unit_rows,
                 "units_sha1": hashlib.sha1(json.dumps(units).encode()).hexdigest(), "n_units": len(units)}
 
 
@@ -704,7 +710,8 @@ def score_embeddings(spec: EmbeddingSpec, out: str | Path, config: EmbeddingScor
     provenance = {"estimator": estimator, "pair": spec.pair, "seed": cfg.seed, "input_shards": spec.inputs(),
                   "dataset": None, "beta_mode": cfg.beta_mode, "beta_source": beta_source,
                   "renormalised": {**not_unit, "max_norm_deviation": deviation}}
-    summary = finalize(store, units, out, beta, cfg.weight_fn, cfg.seed, cfg.gmm_sample, provenance, records)
+    summary = finalize(store, units, out, beta, cfg.weight_fn, cfg.seed, cfg.gmm_sample, provenance, records,
+                       cfg.rules)
     summary.update(pairs_per_second=scored / elapsed if elapsed > 0 else 0.0, beta_source=beta_source,
                    beta_seconds=beta_seconds, scoring_seconds=elapsed, scoring_cpu_seconds=cpu, not_unit_left=not_unit["left"], not_unit_right=not_unit["right"])
     store.remove()

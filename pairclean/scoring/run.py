@@ -23,7 +23,9 @@ from pairclean.backends.accel import OomBackoff, finish_batch, notice_once, stea
 from pairclean.core.beta import BETA_MODES, BetaCache, BetaEstimate, ShuffledAccumulator, cached_random_input_beta, shuffled_beta
 from pairclean.errors import UserError
 from pairclean.backends.open_clip import build_estimator, check_backend, resolve_precision
-from pairclean.scoring.finalize import finalize, read_provenance
+from pairclean.scores.contract import read_provenance
+from pairclean.scores.rules import DEFAULT_RULES, build_rules
+from pairclean.scoring.finalize import finalize
 from pairclean.data.manifest import DatasetSpec, open_dataset
 from pairclean.core.scorer import WEIGHT_FUNCTIONS
 from pairclean.scoring.parts import PartStore, parts_dir_for
@@ -48,9 +50,13 @@ class ScoreConfig:
     weight_fn: str = "cubic"
     seed: int = 0
     gmm_sample: int = 1_000_000
+    rules: tuple[str, ...] = DEFAULT_RULES  # decision-rule specs NAME[:key=value,...] (pairclean.scores.rules)
     overwrite: bool = False
     resume: bool = False  # insist on continuing an unfinished run (re-running resumes anyway)
     show_progress: bool = False
+
+    def __post_init__(self):
+        build_rules(self.rules)  # an unknown rule or option fails before anything is scored
 
     def settings(self, spec: DatasetSpec, units: list[str]) -> dict:
         """What a resumed run must share with the run it continues."""
@@ -234,7 +240,8 @@ def score(source: str | list[str] | DatasetSpec, out: str | Path, config: ScoreC
     provenance = {"estimator": estimator.provenance(), "pair": spec.pair, "seed": cfg.seed,
                   "input_shards": spec.shards, "dataset": spec.name, "beta_mode": cfg.beta_mode,
                   "world_size": distributed.world_size()}
-    summary = finalize(store, units, out, beta, cfg.weight_fn, cfg.seed, cfg.gmm_sample, provenance, records)
+    summary = finalize(store, units, out, beta, cfg.weight_fn, cfg.seed, cfg.gmm_sample, provenance, records,
+                       cfg.rules)
     summary["pairs_per_second"] = scored_now / elapsed if elapsed > 0 else 0.0
     summary["scoring_seconds"] = elapsed
     summary["beta_seconds"], summary["beta_source"] = beta_seconds, beta_source
