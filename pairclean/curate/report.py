@@ -156,7 +156,10 @@ def _media_spec(shards: list[str] | None, provenance: dict) -> tuple[DatasetSpec
     present = [s for s in recorded if os.path.exists(s)]
     if not recorded or len(present) < len(recorded):
         return None, "pass --shards to see the pairs: the scored shards are not where the scores say"
-    return open_dataset(present, pair=pair), None
+    try:
+        return open_dataset(present, pair=pair), None
+    except UserError as exc:  # e.g. scored from precomputed embeddings: the inputs hold no pairs to show
+        return None, f"pass --shards to see the pairs: the scored inputs are not a dataset of pairs ({exc})"
 
 
 def _units_for(spec: DatasetSpec, path: str, indices: set[int]) -> dict[str, set[int]]:

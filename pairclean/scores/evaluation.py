@@ -1,13 +1,13 @@
 """Noise-detection metrics: how well a scores file separates the pairs a truth file marks noisy.
 
 Per decision rule the file records (`pairclean.scores.rules`: by default the OSA beta boundary
-`osa_noisy` and the GMM rule `gmm_noisy`), and the oracle (the single threshold on `sim` with the
-best balanced accuracy, which no rule computed without labels can beat): clean kept % (OSA Table
-5's "accuracy"), noise caught % ("recall"), their mean, the balanced accuracy, and precision %,
-all from one confusion count (`truth_metrics`), which the report uses too. Threshold-free: ROC-AUC and average precision of `-sim` as a noise
-detector (sklearn), and OSA Table 11's mean noise rank: the mean rank of the noisy pairs when
-all pairs are sorted by weight, highest first (ties share their mean rank), against its optimum
-(every noisy pair ranked last).
+and the GMM rule) and the oracle (the single threshold on `sim` with the best balanced accuracy,
+which no rule computed without labels can beat): clean kept % (OSA Table 5's "accuracy"), noise
+caught % ("recall"), their mean, the balanced accuracy, and precision %, all from one confusion
+count (`truth_metrics`), which the report uses too. Threshold-free: ROC-AUC and average precision
+of `-sim` as a noise detector (sklearn), and OSA Table 11's mean noise rank: the mean rank of the
+noisy pairs when all pairs are sorted by weight, highest first (ties share their mean rank),
+against its optimum (every noisy pair ranked last).
 
 Scores and truth are joined by `pairclean.curate.query.ScoresDB`: on (shard, index), then on (shard file
 name, index), else on key. The metrics need every labelled similarity in memory at once (a sort),
