@@ -33,7 +33,7 @@ from pairclean.scores.evaluation import truth_metrics
 from pairclean.scores.rules import RuleRecord, recorded_rules
 from pairclean.core.mixture import FittedMixture
 from pairclean.data.manifest import DatasetSpec, open_dataset
-from pairclean.curate.query import ScoresDB, match_shards
+from pairclean.curate.query import ScoresDB, match_shards, sql_identifier
 from pairclean.data.reader import RawPair, read_unit
 
 CLEAN, NOISY, NEUTRAL, INK, MUTED = "#1b9e77", "#d95f02", "#5b6c8f", "#1f2430", "#6b7280"
@@ -69,7 +69,7 @@ def _rows(db: ScoresDB, sql: str, params: list | None = None) -> list[dict]:
 
 def _summary(db: ScoresDB, view: str, rules: list[RuleRecord]) -> dict:
     """Counts and similarity statistics; `flagged` maps each rule's name to its flagged pairs."""
-    flagged = "".join(f", count(*) FILTER (WHERE {r.decision} AND sim IS NOT NULL)" for r in rules)
+    flagged = "".join(f", count(*) FILTER (WHERE {sql_identifier(r.decision)} AND sim IS NOT NULL)" for r in rules)
     row = db.con.execute(f"""
         SELECT count(*) AS pairs, count(sim) AS scored, count(error) AS errors,
                count(*) FILTER (WHERE weight = 0 AND sim IS NOT NULL) AS zero_weight,
@@ -87,10 +87,10 @@ def _truth_metrics(db: ScoresDB, rules: list[RuleRecord]) -> dict:
                                      "WHERE sim IS NOT NULL").fetchone()
     out = {"labelled": labelled, "noisy": noisy, "rules": {}}
     for rule in rules:
+        flagged = sql_identifier(rule.decision)
         counts = db.con.execute(f"""
-            SELECT count(*) FILTER (WHERE {rule.decision} AND noisy), count(*) FILTER (WHERE NOT {rule.decision} AND noisy),
-                   count(*) FILTER (WHERE {rule.decision} AND NOT noisy),
-                   count(*) FILTER (WHERE NOT {rule.decision} AND NOT noisy)
+            SELECT count(*) FILTER (WHERE {flagged} AND noisy), count(*) FILTER (WHERE NOT {flagged} AND noisy),
+                   count(*) FILTER (WHERE {flagged} AND NOT noisy), count(*) FILTER (WHERE NOT {flagged} AND NOT noisy)
             FROM labeled WHERE sim IS NOT NULL""").fetchone()
         out["rules"][rule.name] = truth_metrics(*counts)
     return out
@@ -112,19 +112,20 @@ def _histogram(db: ScoresDB, view: str, lo: float, hi: float, bins: int, split: 
 def _per_shard(db: ScoresDB, view: str, truth: bool, rules: list[RuleRecord]) -> list[dict]:
     """Per shard: counts, mean similarity and weight, and `share` flagged by each rule (by name)."""
     extra = ", avg(noisy::INT) FILTER (WHERE sim IS NOT NULL) AS share_true" if truth else ""
-    shares = "".join(f', avg({r.decision}::INT) FILTER (WHERE sim IS NOT NULL) AS "share {r.name}"' for r in rules)
+    shares = "".join(f", avg({sql_identifier(r.decision)}::INT) FILTER (WHERE sim IS NOT NULL) AS share_{i}"
+                     for i, r in enumerate(rules))
     rows = _rows(db, f"""
         SELECT shard, count(*) AS pairs, count(error) AS errors, avg(sim) AS mean_sim,
                avg(weight) FILTER (WHERE sim IS NOT NULL) AS mean_weight{extra}{shares}
         FROM {view} GROUP BY shard ORDER BY shard""")
-    return [{**row, "share": {r.name: row.pop(f"share {r.name}") for r in rules}} for row in rows]
+    return [{**row, "share": {r.name: row.pop(f"share_{i}") for i, r in enumerate(rules)}} for row in rows]
 
 
 def _gallery_rows(db: ScoresDB, view: str, n: int, lowest: bool, truth: bool, rules: list[RuleRecord]) -> list[dict]:
     if n <= 0:
         return []
     order = "ASC" if lowest else "DESC"
-    extra = "".join(f", {column}" for r in rules for column in r.columns) + (", noisy" if truth else "")
+    extra = "".join(f", {sql_identifier(column)}" for r in rules for column in r.columns) + (", noisy" if truth else "")
     return _rows(db, f"""
         SELECT key, shard, "index", sim, sim_debiased, weight{extra}
         FROM {view} WHERE sim IS NOT NULL AND NOT isnan(sim)

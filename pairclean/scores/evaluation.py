@@ -95,7 +95,7 @@ def evaluate_detection(scores: str | Path, truth: str | Path) -> dict:
     """Join a scores file with a truth file (Parquet, or a manifest whose `truth:` names one) and
     measure every rule the file holds; rows with an error or without a truth label are counted,
     not scored. Each rule's entry carries its table label, `noisy_if` and `threshold`."""
-    from pairclean.curate.query import ScoresDB
+    from pairclean.curate.query import ScoresDB, sql_identifier
 
     truth = resolve_truth(truth)
     try:
@@ -111,7 +111,7 @@ def evaluate_detection(scores: str | Path, truth: str | Path) -> dict:
                             "score it with `pairclean score`")
         counts = db.con.execute("SELECT count(*), count(*) FILTER (WHERE sim IS NULL), "
                                 "count(*) FILTER (WHERE sim IS NOT NULL AND noisy IS NULL) FROM labeled").fetchall()[0]
-        table = db.con.sql(f"SELECT sim, weight, {''.join(f'{d}, ' for d in decisions)}noisy FROM labeled "
+        table = db.con.sql(f"SELECT sim, weight, {''.join(f'{sql_identifier(d)}, ' for d in decisions)}noisy FROM labeled "
                            "WHERE sim IS NOT NULL AND noisy IS NOT NULL").to_arrow_table()
         truth_rows = db.scalar("SELECT count(*) FROM truth")
         join = db.truth_join

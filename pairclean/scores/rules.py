@@ -211,10 +211,12 @@ def build_rules(specs) -> list[DecisionRule]:
 
 
 def recorded_rules(provenance: dict, columns) -> list[RuleRecord]:
-    """The rules a scores file holds: as its provenance records them, else (files written before
-    rules were recorded) the default rules whose decision column it has, with the file's beta."""
+    """The rules a scores file holds: as its provenance records them (those whose columns it
+    still has), else (files written before rules were recorded) the default rules whose decision
+    column it has, with the file's beta."""
     if "rules" in provenance:
-        return [RuleRecord(**entry) for entry in provenance["rules"]]
+        return [record for record in (RuleRecord(**entry) for entry in provenance["rules"])
+                if all(column in columns for column in record.columns)]
     present = []
     for name in DEFAULT_RULES:
         rule = REGISTRY[name]()
