@@ -94,6 +94,8 @@ class DecisionRule(ABC):
 
 def register(cls: type[DecisionRule]) -> type[DecisionRule]:
     """Class decorator: make a rule available by its name."""
+    if cls.name in REGISTRY:
+        raise TypeError(f"a rule named {cls.name} is already registered ({REGISTRY[cls.name].__qualname__})")
     if cls.decision not in dict(cls.columns):
         raise TypeError(f"rule {cls.name}: decision column {cls.decision} is not among its columns")
     REGISTRY[cls.name] = cls
