@@ -43,7 +43,7 @@ import pyarrow.parquet as pq
 
 from pairclean.ops.atomic import is_temp_name
 from pairclean.cli import main as main_cli
-from pairclean.scoring.finalize import run_manifest_path
+from pairclean.scores.contract import run_manifest_path
 from pairclean.scoring.parts import parts_dir_for
 from pairclean.lab.synth.world import build_world
 

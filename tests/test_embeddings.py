@@ -17,7 +17,7 @@ from pairclean.cli import main
 from pairclean.scoring.embeddings import (EmbeddingScoreConfig, iter_batches, open_embeddings, random_embeddings_beta,
                                   score_embeddings, write_embeddings)
 from pairclean.errors import UserError
-from pairclean.scoring.finalize import SCORES_SCHEMA, read_provenance
+from pairclean.scores.contract import SCORES_SCHEMA, read_provenance
 from pairclean.core.scorer import cosine_similarity
 from pairclean.scoring.parts import parts_dir_for
 

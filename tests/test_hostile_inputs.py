@@ -27,7 +27,7 @@ from PIL import Image
 from pairclean.cli import main
 from pairclean.data.decode import DecodeError, decode_image
 from pairclean.errors import UserError
-from pairclean.scoring.finalize import run_manifest_path
+from pairclean.scores.contract import run_manifest_path
 from pairclean.data.manifest import DatasetSpec, Fields, open_dataset
 from pairclean.scoring.model import score
 from pairclean.data.reader import MAX_TEXT_CHARS, UnitFailure, list_units, read_unit

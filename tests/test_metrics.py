@@ -10,7 +10,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from pairclean.cli import main
-from pairclean.scoring.finalize import METADATA_KEY, SCORES_SCHEMA
+from pairclean.scores.contract import METADATA_KEY, SCORES_SCHEMA
 from pairclean.scores.evaluation import detection_metrics, evaluate_detection, mean_noise_rank, oracle_threshold, rule_metrics
 
 # Five pairs, two noisy. Sorted by sim: 0.1 N, 0.4 C, 0.5 N, 0.8 C, 0.9 C.

@@ -23,7 +23,7 @@ import webdataset as wds
 from PIL import Image
 
 from pairclean.cli import main
-from pairclean.scoring.finalize import METADATA_KEY, SCORES_SCHEMA, read_provenance
+from pairclean.scores.contract import METADATA_KEY, SCORES_SCHEMA, read_provenance
 from pairclean.core.mixture import FittedMixture
 from pairclean.curate.query import ScoresDB
 from pairclean.curate.report import _histogram, build_report, gmm_boundaries

@@ -23,7 +23,7 @@ import pytest
 
 from pairclean.ops.atomic import atomic_path, is_temp_name, temp_name
 from pairclean.errors import UserError
-from pairclean.scoring.finalize import run_manifest_path
+from pairclean.scores.contract import run_manifest_path
 from pairclean.scoring.model import score
 from pairclean.scoring.parts import NON_FINITE, PartStore, parts_dir_for
 

@@ -12,8 +12,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from pairclean.cli import main
-from pairclean.lab.coco import build_parquet, read_pairs
-from pairclean.scoring.finalize import read_provenance, run_manifest_path
+from pairclean.lab.coco import read_pairs
+from pairclean.scores.contract import read_provenance, run_manifest_path
 from pairclean.scoring.model import score
 from pairclean.scoring.parts import parts_dir_for
 

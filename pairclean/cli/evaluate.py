@@ -50,21 +50,14 @@ def detection_tables(result: dict):
     def pct(value) -> str:
         return "n/a" if value is None else f"{value:.2f}"
 
-    rules = result["rules"]
-    beta_t = rules["beta"].get("threshold")
-    decisions = {"beta": ("beta", "sim <= " + (f"{beta_t:.4f}" if beta_t is not None else "beta")),
-                 "gmm": ("GMM", "p_clean < 0.5"),
-                 "oracle": ("oracle", "sim <= " + (f"{rules['oracle']['threshold']:.4f}"
-                                                              if rules["oracle"]["threshold"] is not None else "n/a"))}
     table = Table(title=f"noise detection: {result['pairs']:,} pairs, {result['noisy']:,} noisy "
                         f"({pct(result['noise_share'])}%)")
     for name, justify in (("rule", "left"), ("noisy if", "left"), ("clean\nkept %", "right"),
                           ("noise\ncaught %", "right"), ("balanced\nacc. %", "right"), ("precision\n%", "right")):
         table.add_column(name, justify=justify, no_wrap=True)
-    for key, (label, when) in decisions.items():
-        m = rules[key]
-        table.add_row(label, when, pct(m["clean_kept"]), pct(m["noise_caught"]), pct(m["balanced_accuracy"]),
-                      pct(m["precision"]))
+    for m in result["rules"].values():  # the file's decision rules, then the oracle
+        table.add_row(m["label"], m["noisy_if"], pct(m["clean_kept"]), pct(m["noise_caught"]),
+                      pct(m["balanced_accuracy"]), pct(m["precision"]))
     summary = Table(show_header=False)
     summary.add_column(style="bold")
     summary.add_column(justify="right")
@@ -87,7 +80,7 @@ def detection_command(
                                                     "manifest YAML whose `truth:` names one (`pairclean corrupt` writes both)."),
     json_out: Path | None = typer.Option(None, "--json", help="Metrics JSON to write (default: SCORES.detection.json)."),
 ) -> None:
-    """Clean kept / noise caught / balanced accuracy per rule (beta, GMM, oracle), ROC-AUC, AP, mean noise rank."""
+    """Clean kept / noise caught / balanced accuracy / precision per rule in the file and the oracle, ROC-AUC, AP, mean noise rank."""
     from pairclean.ops.atomic import write_json
     from pairclean.cli import console
     from pairclean.scores.evaluation import evaluate_detection

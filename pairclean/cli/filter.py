@@ -52,7 +52,7 @@ def result_table(result: FilterResult) -> Table:
 def _scored_pair(scores: Path) -> str | None:
     """The pair kind the scores were made with: what the new manifest should say."""
     try:
-        from pairclean.scoring.finalize import read_provenance
+        from pairclean.scores.contract import read_provenance
 
         return read_provenance(scores).get("pair")
     except (ValueError, OSError):

@@ -11,6 +11,10 @@ from rich.table import Table
 
 from pairclean.cli.progress import RichProgress
 from pairclean.cli import app, console, err_console
+from pairclean.scores.rules import DEFAULT_RULES, REGISTRY
+
+RULE_HELP = "; ".join(f"{name}" + (f" ({', '.join(cls.OPTIONS)})" if cls.OPTIONS else "") + f": {cls.__doc__.split(chr(10))[0]}"
+                      for name, cls in REGISTRY.items() if name not in DEFAULT_RULES)
 
 
 def summary_table(result) -> Table:
@@ -26,8 +30,8 @@ def summary_table(result) -> Table:
                                        f"reasons in {result.out.stem}.run.json)")
     std = f" ± {s['beta_std']:.4f}" if s.get("beta_std") is not None else ""
     table.add_row(f"beta ({s['beta_mode']}, K={s['beta_k']})", f"{s['beta']:.4f}{std}")
-    table.add_row("flagged by beta rule (s~ <= 0)", f"{s['share_flagged_beta']:.1%}")
-    table.add_row("flagged by GMM (p_clean < 0.5)", f"{s['share_flagged_gmm']:.1%}")
+    for rule in s["rules"]:
+        table.add_row(f"flagged by {rule['label']} rule ({rule['noisy_if']})", f"{rule['share_flagged']:.1%}")
     if result.already_complete:
         table.add_row("status", "already complete: nothing was scored")
     else:
@@ -57,7 +61,9 @@ def score_command(
     beta_k: int = typer.Option(1024, help="K random inputs per side for --beta-mode random-inputs."),
     weight_fn: str = typer.Option("cubic", help="cubic, linear, cosine, official."),
     seed: int = typer.Option(0, help="Seed for beta's random inputs and the GMM."),
-    gmm_sample: int = typer.Option(1_000_000, help="Fit the GMM on at most this many similarities."),
+    gmm_sample: int = typer.Option(1_000_000, help="Fit the GMM (and every decision rule) on at most this many similarities."),
+    rule: Optional[List[str]] = typer.Option(None, "--rule", help="Also decide with this rule, NAME[:key=value,...] "
+                                             "(repeatable; beta and gmm always run): " + RULE_HELP),
     image_field: Optional[str] = typer.Option(None, help="Image member extensions (';'-separated) or Parquet bytes column."),
     image_path_field: Optional[str] = typer.Option(None, help="Parquet column of image paths relative to the file."),
     text_field: Optional[str] = typer.Option(None, help="Caption member extension or Parquet column."),
@@ -85,6 +91,7 @@ def score_command(
     from pairclean.data.manifest import Fields, open_dataset
     from pairclean.scoring.model import ScoreConfig, score
 
+    rules = (*DEFAULT_RULES, *(rule or ()))
     if from_embeddings:
         from pairclean.scoring.embeddings import EmbeddingScoreConfig, open_embeddings, score_embeddings
 
@@ -95,7 +102,7 @@ def score_command(
             warnings.simplefilter("always")
             result = score_embeddings(spec, out, EmbeddingScoreConfig(
                 beta_mode=beta_mode, beta=beta, random_embeddings=rand, weight_fn=weight_fn, seed=seed,
-                gmm_sample=gmm_sample, overwrite=overwrite, resume=resume, progress=RichProgress(console)))
+                gmm_sample=gmm_sample, rules=rules, overwrite=overwrite, resume=resume, progress=RichProgress(console)))
         console.print(summary_table(result))
         for w in caught:
             err_console.print(f"[yellow]warning:[/yellow] {w.message}", highlight=False, soft_wrap=True)
@@ -111,7 +118,7 @@ def score_command(
     cfg = ScoreConfig(model=model or BACKEND_DEFAULT_MODEL[backend], backend=backend, pretrained=pretrained,
                       device=device, precision=precision, decode=decode,
                       batch_size=batch_size, workers=workers, beta_mode=beta_mode, beta=beta, beta_k=beta_k,
-                      weight_fn=weight_fn, seed=seed, gmm_sample=gmm_sample, overwrite=overwrite, resume=resume,
+                      weight_fn=weight_fn, seed=seed, gmm_sample=gmm_sample, rules=rules, overwrite=overwrite, resume=resume,
                       compile=compile, beta_cache=beta_cache, progress=RichProgress(console))
     result = score(spec, out, cfg)
     if result.summary:  # under torchrun only rank 0 finalizes and reports

@@ -25,7 +25,7 @@ import pyarrow.parquet as pq
 
 from pairclean.ops.atomic import write_json
 from pairclean.errors import UserError
-from pairclean.scoring.finalize import read_provenance
+from pairclean.scores.contract import read_provenance
 from pairclean.data.manifest import DatasetSpec, write_manifest
 from pairclean.data.reader import OnFailure, UnitFailure, list_samples, read_samples
 from pairclean.data.writer import staged_directory, write_shards

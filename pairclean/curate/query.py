@@ -36,6 +36,11 @@ def sql_string(value: str) -> str:
     return "'" + str(value).replace("'", "''") + "'"
 
 
+def sql_identifier(name: str) -> str:
+    """A quoted SQL identifier (column names recorded in a file's metadata go into queries)."""
+    return '"' + str(name).replace('"', '""') + '"'
+
+
 def duckdb_message(exc: BaseException) -> str:
     """DuckDB's error as one line: its first line plus the candidate-bindings hint, no caret art."""
     lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]

@@ -28,15 +28,18 @@ from pairclean import __version__
 from pairclean.ops.atomic import atomic_path
 from pairclean.data.decode import DecodeError, decode_image
 from pairclean.errors import UserError
-from pairclean.scoring.finalize import read_provenance
+from pairclean.scores.contract import read_provenance
+from pairclean.scores.evaluation import truth_metrics
+from pairclean.scores.rules import RuleRecord, recorded_rules
 from pairclean.core.mixture import FittedMixture
 from pairclean.data.manifest import DatasetSpec, open_dataset
-from pairclean.curate.query import ScoresDB, match_shards
+from pairclean.curate.query import ScoresDB, match_shards, sql_identifier
 from pairclean.data.reader import RawPair, read_unit
 from pairclean.data.units import Unit
 
 CLEAN, NOISY, NEUTRAL, INK, MUTED = "#1b9e77", "#d95f02", "#5b6c8f", "#1f2430", "#6b7280"
 BETA_COLOUR, GMM_COLOUR = "#7570b3", "#e7298a"
+RULE_COLOURS = (BETA_COLOUR, GMM_COLOUR, "#66a61e", "#e6ab02", "#a6761d")  # per rule, in the file's rule order
 
 
 @dataclass
@@ -65,31 +68,32 @@ def _rows(db: ScoresDB, sql: str, params: list | None = None) -> list[dict]:
     return [dict(zip(names, r)) for r in rel.fetchall()]
 
 
-def _summary(db: ScoresDB, view: str) -> dict:
-    return _rows(db, f"""
+def _summary(db: ScoresDB, view: str, rules: list[RuleRecord]) -> dict:
+    """Counts and similarity statistics; `flagged` maps each rule's name to its flagged pairs."""
+    flagged = "".join(f", count(*) FILTER (WHERE {sql_identifier(r.decision)} AND sim IS NOT NULL)" for r in rules)
+    row = db.con.execute(f"""
         SELECT count(*) AS pairs, count(sim) AS scored, count(error) AS errors,
-               count(*) FILTER (WHERE osa_noisy AND sim IS NOT NULL) AS flagged_beta,
-               count(*) FILTER (WHERE gmm_noisy AND sim IS NOT NULL) AS flagged_gmm,
                count(*) FILTER (WHERE weight = 0 AND sim IS NOT NULL) AS zero_weight,
                avg(sim) AS mean_sim, min(sim) AS min_sim, max(sim) AS max_sim,
-               avg(weight) FILTER (WHERE sim IS NOT NULL) AS mean_weight
-        FROM {view}""")[0]
+               avg(weight) FILTER (WHERE sim IS NOT NULL) AS mean_weight{flagged}
+        FROM {view}""").fetchone()
+    names = ("pairs", "scored", "errors", "zero_weight", "mean_sim", "min_sim", "max_sim", "mean_weight")
+    return {**dict(zip(names, row)), "flagged": {r.name: n for r, n in zip(rules, row[len(names):])}}
 
 
-def _truth_metrics(db: ScoresDB) -> dict:
-    """Precision / recall / F1 of each rule against the truth labels, from counts."""
-    out = {}
-    for rule, column in (("beta rule", "osa_noisy"), ("GMM", "gmm_noisy")):
-        c = _rows(db, f"""
-            SELECT count(*) FILTER (WHERE {column} AND noisy) AS tp,
-                   count(*) FILTER (WHERE {column} AND NOT noisy) AS fp,
-                   count(*) FILTER (WHERE NOT {column} AND noisy) AS fn,
-                   count(*) FILTER (WHERE noisy) AS noisy, count(noisy) AS labelled
-            FROM labeled WHERE sim IS NOT NULL""")[0]
-        precision = c["tp"] / (c["tp"] + c["fp"]) if c["tp"] + c["fp"] else float("nan")
-        recall = c["tp"] / (c["tp"] + c["fn"]) if c["tp"] + c["fn"] else float("nan")
-        f1 = 2 * precision * recall / (precision + recall) if precision + recall > 0 else float("nan")
-        out[rule] = {**c, "precision": precision, "recall": recall, "f1": f1}
+def _truth_metrics(db: ScoresDB, rules: list[RuleRecord]) -> dict:
+    """The scored pairs with a label, the truly noisy among them, and `truth_metrics` of each rule
+    (by name) against the labels, counted by DuckDB."""
+    labelled, noisy = db.con.execute("SELECT count(noisy), count(*) FILTER (WHERE noisy) FROM labeled "
+                                     "WHERE sim IS NOT NULL").fetchone()
+    out = {"labelled": labelled, "noisy": noisy, "rules": {}}
+    for rule in rules:
+        flagged = sql_identifier(rule.decision)
+        counts = db.con.execute(f"""
+            SELECT count(*) FILTER (WHERE {flagged} AND noisy), count(*) FILTER (WHERE NOT {flagged} AND noisy),
+                   count(*) FILTER (WHERE {flagged} AND NOT noisy), count(*) FILTER (WHERE NOT {flagged} AND NOT noisy)
+            FROM labeled WHERE sim IS NOT NULL""").fetchone()
+        out["rules"][rule.name] = truth_metrics(*counts)
     return out
 
 
@@ -106,23 +110,25 @@ def _histogram(db: ScoresDB, view: str, lo: float, hi: float, bins: int, split: 
     return np.linspace(lo, hi, bins + 1), counts
 
 
-def _per_shard(db: ScoresDB, view: str, truth: bool) -> list[dict]:
+def _per_shard(db: ScoresDB, view: str, truth: bool, rules: list[RuleRecord]) -> list[dict]:
+    """Per shard: counts, mean similarity and weight, and `share` flagged by each rule (by name)."""
     extra = ", avg(noisy::INT) FILTER (WHERE sim IS NOT NULL) AS share_true" if truth else ""
-    return _rows(db, f"""
+    shares = "".join(f", avg({sql_identifier(r.decision)}::INT) FILTER (WHERE sim IS NOT NULL) AS share_{i}"
+                     for i, r in enumerate(rules))
+    rows = _rows(db, f"""
         SELECT shard, count(*) AS pairs, count(error) AS errors, avg(sim) AS mean_sim,
-               avg(osa_noisy::INT) FILTER (WHERE sim IS NOT NULL) AS share_beta,
-               avg(gmm_noisy::INT) FILTER (WHERE sim IS NOT NULL) AS share_gmm,
-               avg(weight) FILTER (WHERE sim IS NOT NULL) AS mean_weight{extra}
+               avg(weight) FILTER (WHERE sim IS NOT NULL) AS mean_weight{extra}{shares}
         FROM {view} GROUP BY shard ORDER BY shard""")
+    return [{**row, "share": {r.name: row.pop(f"share_{i}") for i, r in enumerate(rules)}} for row in rows]
 
 
-def _gallery_rows(db: ScoresDB, view: str, n: int, lowest: bool, truth: bool) -> list[dict]:
+def _gallery_rows(db: ScoresDB, view: str, n: int, lowest: bool, truth: bool, rules: list[RuleRecord]) -> list[dict]:
     if n <= 0:
         return []
     order = "ASC" if lowest else "DESC"
-    extra = ", noisy" if truth else ""
+    extra = "".join(f", {sql_identifier(column)}" for r in rules for column in r.columns) + (", noisy" if truth else "")
     return _rows(db, f"""
-        SELECT key, shard, "index", sim, sim_debiased, weight, p_clean, osa_noisy, gmm_noisy{extra}
+        SELECT key, shard, "index", sim, sim_debiased, weight{extra}
         FROM {view} WHERE sim IS NOT NULL AND NOT isnan(sim)
         ORDER BY sim {order}, shard, "index" LIMIT ?""", [n])
 
@@ -152,7 +158,10 @@ def _media_spec(shards: list[str] | None, provenance: dict) -> tuple[DatasetSpec
     present = [s for s in recorded if os.path.exists(s)]
     if not recorded or len(present) < len(recorded):
         return None, "pass --shards to see the pairs: the scored shards are not where the scores say"
-    return open_dataset(present, pair=pair), None
+    try:
+        return open_dataset(present, pair=pair), None
+    except UserError as exc:  # e.g. scored from precomputed embeddings: the inputs hold no pairs to show
+        return None, f"pass --shards to see the pairs: the scored inputs are not a dataset of pairs ({exc})"
 
 
 def _units_for(spec: DatasetSpec, path: str, indices: set[int]) -> dict[str, set[int]]:
@@ -294,21 +303,22 @@ def similarity_figure(edges: np.ndarray, counts: dict, beta: float | None, mixtu
     return _svg_uri(fig)
 
 
-def shard_figure(shards: list[dict], truth: bool) -> str:
-    """Share of pairs flagged per shard (in shard order), to spot a bad source at a glance."""
+def shard_figure(shards: list[dict], truth: bool, rules: list[RuleRecord]) -> str:
+    """Share of pairs flagged per shard and rule (in shard order), to spot a bad source at a glance."""
     n = len(shards)
     fig = Figure(figsize=(11, 2.9), dpi=100, layout="constrained")
     ax = fig.add_subplot()
     _style(ax)
     x = np.arange(n)
-    gmm = np.array([s["share_gmm"] if s["share_gmm"] is not None else np.nan for s in shards], float)
-    beta = np.array([s["share_beta"] if s["share_beta"] is not None else np.nan for s in shards], float)
-    if n <= 80:
-        ax.bar(x - 0.2, beta, width=0.4, color=BETA_COLOUR, alpha=0.8, label="flagged by β rule")
-        ax.bar(x + 0.2, gmm, width=0.4, color=GMM_COLOUR, alpha=0.8, label="flagged by GMM")
-    else:
-        ax.plot(x, beta, color=BETA_COLOUR, linewidth=1, label="flagged by β rule")
-        ax.plot(x, gmm, color=GMM_COLOUR, linewidth=1, label="flagged by GMM")
+    width = 0.8 / max(len(rules), 1)
+    for i, rule in enumerate(rules):
+        share = np.array([s["share"][rule.name] if s["share"][rule.name] is not None else np.nan for s in shards],
+                         float)
+        colour, label = RULE_COLOURS[i % len(RULE_COLOURS)], f"flagged by {rule.label} rule"
+        if n <= 80:
+            ax.bar(x + (i - (len(rules) - 1) / 2) * width, share, width=width, color=colour, alpha=0.8, label=label)
+        else:
+            ax.plot(x, share, color=colour, linewidth=1, label=label)
     if truth:
         true = np.array([s["share_true"] if s["share_true"] is not None else np.nan for s in shards], float)
         ax.plot(x, true, color=INK, marker="o" if n <= 80 else None, markersize=4, linewidth=1.2,
@@ -352,7 +362,7 @@ def _badge(text: str, tone: str) -> str:
     return f'<span class="badge {tone}">{_e(text)}</span>'
 
 
-def _gallery(rows: list[dict], media: dict, truth: bool, empty_note: str) -> str:
+def _gallery(rows: list[dict], media: dict, truth: bool, rules: list[RuleRecord], empty_note: str) -> str:
     if not rows:
         return f'<p class="muted">{_e(empty_note)}</p>'
     cards = []
@@ -366,8 +376,10 @@ def _gallery(rows: list[dict], media: dict, truth: bool, empty_note: str) -> str
         elif m is not None and not m.texts:
             pics = f'<div class="pics"><div class="noimg">{_e(m.note or "no image")}</div></div>'
         texts = "".join(f'<p class="caption">{_e(t)}</p>' for t in (m.texts if m else []))
-        badges = [_badge("β: noisy", "bad") if r["osa_noisy"] else _badge("β: clean", "good"),
-                  _badge("GMM: noisy", "bad") if r["gmm_noisy"] else _badge("GMM: clean", "good")]
+        badges = [_badge(f"{rule.label}: noisy", "bad") if r[rule.decision] else _badge(f"{rule.label}: clean", "good")
+                  for rule in rules]
+        rule_values = "".join(f'<span>{_e(column)} <b>{_num(r[column])}</b></span>'
+                              for rule in rules for column in rule.columns if column != rule.decision)
         if truth and r.get("noisy") is not None:
             badges.append(_badge("truth: noisy", "truth-bad") if r["noisy"] else _badge("truth: clean", "truth-good"))
         cards.append(f"""
@@ -379,7 +391,7 @@ def _gallery(rows: list[dict], media: dict, truth: bool, empty_note: str) -> str
     <div class="metrics"><span title="cosine similarity">s <b>{_num(r['sim'])}</b></span>
       <span title="debiased similarity s − β">s̃ <b>{_num(r['sim_debiased'])}</b></span>
       <span title="OSA weight">w <b>{_num(r['weight'], 4)}</b></span>
-      <span title="GMM posterior of the clean component">p<sub>clean</sub> <b>{_num(r['p_clean'])}</b></span></div>
+      {rule_values}</div>
     <div class="badges">{''.join(badges)}</div>
     <div class="where">key {_e(r['key'])}</div>
     <div class="where" title="{_e(r['shard'])}">{_e(os.path.basename(r['shard']))} #{int(r['index'])}</div>
@@ -388,16 +400,19 @@ def _gallery(rows: list[dict], media: dict, truth: bool, empty_note: str) -> str
     return f'<div class="gallery">{"".join(cards)}</div>'
 
 
-def _shard_table(shards: list[dict], truth: bool, max_rows: int) -> str:
-    ranked = sorted(shards, key=lambda s: (-(s["share_gmm"] or 0), s["shard"]))[:max_rows]
-    head = ("<tr><th>shard</th><th>pairs</th><th>errors</th><th>mean s</th><th>flagged β</th>"
-            "<th>flagged GMM</th><th>mean weight</th>" + ("<th>truly noisy</th>" if truth else "") + "</tr>")
+def _shard_table(shards: list[dict], truth: bool, max_rows: int, rules: list[RuleRecord]) -> str:
+    ranked = sorted(shards, key=lambda s: (-max((v or 0) for v in s["share"].values()) if rules else 0,
+                                           s["shard"]))[:max_rows]
+    head = ("<tr><th>shard</th><th>pairs</th><th>errors</th><th>mean s</th>"
+            + "".join(f"<th>flagged {_e(r.label)}</th>" for r in rules)
+            + "<th>mean weight</th>" + ("<th>truly noisy</th>" if truth else "") + "</tr>")
     body = "".join(
         f'<tr><td title="{_e(s["shard"])}">{_e(os.path.basename(s["shard"]))}</td><td>{s["pairs"]:,}</td>'
-        f'<td>{s["errors"]:,}</td><td>{_num(s["mean_sim"])}</td><td>{_pct(s["share_beta"])}</td>'
-        f'<td>{_pct(s["share_gmm"])}</td><td>{_num(s["mean_weight"], 4)}</td>'
+        f'<td>{s["errors"]:,}</td><td>{_num(s["mean_sim"])}</td>'
+        + "".join(f'<td>{_pct(s["share"][r.name])}</td>' for r in rules)
+        + f'<td>{_num(s["mean_weight"], 4)}</td>'
         + (f'<td>{_pct(s["share_true"])}</td>' if truth else "") + "</tr>" for s in ranked)
-    note = (f'<p class="muted">The {max_rows} shards with the highest GMM-flagged share of {len(shards):,}; '
+    note = (f'<p class="muted">The {max_rows} shards with the highest share flagged by any rule, of {len(shards):,}; '
             f'all of them: <code>pairclean query SCORES -f docs/queries/share-flagged-per-shard.sql</code>.</p>'
             if len(shards) > max_rows else "")
     return f'<table class="data"><thead>{head}</thead><tbody>{body}</tbody></table>{note}'
@@ -454,6 +469,7 @@ h2 { font-size:18px; margin:0 0 6px; }
 .stat-label { font-size:12px; color:var(--muted); text-transform:uppercase; letter-spacing:.5px; }
 .stat-value { font-size:24px; font-weight:600; margin-top:2px; }
 .stat-sub { font-size:12px; color:var(--muted); }
+.stat.rule { border-top:3px solid var(--muted); }
 .stat.beta { border-top:3px solid var(--beta); } .stat.gmm { border-top:3px solid var(--gmm); }
 .stat.warn { border-top:3px solid var(--bad); }
 img.figure { width:100%; height:auto; display:block; }
@@ -519,20 +535,21 @@ def build_report(scores: str | Path, out: str | Path, shards: list[str] | None =
     with ScoresDB(scores, truth=truth) as db:
         has_truth = truth is not None
         view = "labeled" if has_truth else "scores"
-        s = _summary(db, view)
+        rules = recorded_rules(prov, db.columns(view))
+        s = _summary(db, view, rules)
         if s["pairs"] == 0:
             raise UserError(f"{scores} holds no pairs")
-        metrics = _truth_metrics(db) if has_truth else None
+        metrics = _truth_metrics(db, rules) if has_truth else None
         lo = s["min_sim"] if s["min_sim"] is not None else 0.0
         hi = s["max_sim"] if s["max_sim"] is not None else 1.0
         if prov.get("beta") is not None:
             lo, hi = min(lo, prov["beta"]), max(hi, prov["beta"])
         pad = max(hi - lo, 1e-3) * 0.03
         edges, counts = _histogram(db, view, lo - pad, hi + pad, bins, has_truth)
-        per_shard = _per_shard(db, view, has_truth)
-        low_rows = _gallery_rows(db, view, min(gallery, s["scored"]), True, has_truth)
+        per_shard = _per_shard(db, view, has_truth, rules)
+        low_rows = _gallery_rows(db, view, min(gallery, s["scored"]), True, has_truth, rules)
         # Few pairs: the highest are the ones not already shown as lowest.
-        high_rows = _gallery_rows(db, view, min(contrast, s["scored"] - len(low_rows)), False, has_truth)
+        high_rows = _gallery_rows(db, view, min(contrast, s["scored"] - len(low_rows)), False, has_truth, rules)
         errors = _error_reasons(db)
         truth_join = db.truth_join
 
@@ -548,24 +565,26 @@ def build_report(scores: str | Path, out: str | Path, shards: list[str] | None =
               "warn" if s["errors"] else ""),
         _card("β (cone bias)", _num(prov.get("beta"), 4),
               f"± {_num(prov.get('beta_std'), 4)} · {_e(prov.get('beta_mode'))}", "beta"),
-        _card("flagged by β rule", _pct(s["flagged_beta"] / n if n else None),
-              f"{s['flagged_beta']:,} pairs with s − β ≤ 0", "beta"),
-        _card("flagged by GMM", _pct(s["flagged_gmm"] / n if n else None),
-              f"{s['flagged_gmm']:,} pairs with p_clean < 0.5", "gmm"),
+        *(_card(f"flagged by {rule.label} rule", _pct(s["flagged"][rule.name] / n if n else None),
+                f"{s['flagged'][rule.name]:,} pairs with {_e(rule.noisy_if)}", f"rule {rule.name}") for rule in rules),
         _card("mean OSA weight", _num(s["mean_weight"], 4), f"{_pct(s['zero_weight'] / n if n else None)} weigh 0"),
     ]
     truth_html = ""
     if metrics is not None:
-        labelled = metrics["GMM"]["labelled"]
-        noisy = metrics["GMM"]["noisy"]
+        labelled, noisy = metrics["labelled"], metrics["noisy"]
         stats.append(_card("truly noisy", _pct(noisy / labelled if labelled else None),
                            f"{noisy:,} of {labelled:,} labelled (joined on {_e(truth_join)})", "warn"))
-        rows = "".join(f"<tr><td>{_e(rule)}</td><td>{m['tp'] + m['fp']:,}</td><td>{m['tp']:,}</td>"
-                       f"<td>{_pct(m['precision'])}</td><td>{_pct(m['recall'])}</td><td>{_num(m['f1'])}</td></tr>"
-                       for rule, m in metrics.items())
-        truth_html = ("<h3>Against the truth labels</h3><table class=\"data\"><thead><tr><th>rule</th><th>flagged</th>"
-                      "<th>truly noisy among them</th><th>precision</th><th>recall</th><th>F1</th></tr></thead>"
-                      f"<tbody>{rows}</tbody></table>")
+
+        def percent(value: float | None) -> str:  # truth_metrics' shares are in %
+            return _pct(None if value is None else value / 100)
+
+        rows = "".join(f"<tr><td>{_e(rule.label)}</td><td>{_e(rule.noisy_if)}</td><td>{m['flagged']:,}</td>"
+                       f"<td>{percent(m['clean_kept'])}</td><td>{percent(m['noise_caught'])}</td>"
+                       f"<td>{percent(m['balanced_accuracy'])}</td><td>{percent(m['precision'])}</td></tr>"
+                       for rule in rules for m in [metrics["rules"][rule.name]])
+        truth_html = ("<h3>Against the truth labels</h3><table class=\"data\"><thead><tr><th>rule</th><th>noisy if</th>"
+                      "<th>flagged</th><th>clean kept</th><th>noise caught</th><th>balanced accuracy</th>"
+                      f"<th>precision</th></tr></thead><tbody>{rows}</tbody></table>")
 
     boundaries = gmm_boundaries(mixture, float(edges[0]), float(edges[-1])) if mixture else []
     hist_lead = ("Cosine similarity of every scored pair. A pair is flagged by the OSA rule when its debiased "
@@ -614,21 +633,21 @@ def build_report(scores: str | Path, out: str | Path, shards: list[str] | None =
 <section id="shards">
   <h2>Per shard</h2>
   <p class="lead">A shard far above the others usually means a broken source (wrong captions, a scraper bug).</p>
-  <img class="figure" alt="flagged share per shard" src="{shard_figure(per_shard, has_truth)}">
-  {_shard_table(per_shard, has_truth, max_shard_rows)}
+  <img class="figure" alt="flagged share per shard" src="{shard_figure(per_shard, has_truth, rules)}">
+  {_shard_table(per_shard, has_truth, max_shard_rows, rules)}
 </section>
 
 <section id="lowest">
   <h2>The {len(low_rows)} lowest-scoring pairs</h2>
   <p class="lead">The most likely mismatches: lowest cosine similarity first.</p>
   {media_html}
-  {_gallery(low_rows, media, has_truth, "no scored pairs")}
+  {_gallery(low_rows, media, has_truth, rules, "no scored pairs")}
 </section>
 
 <section id="highest">
   <h2>The {len(high_rows)} highest-scoring pairs</h2>
   <p class="lead">For contrast: what the estimator considers a good match.</p>
-  {_gallery(high_rows, media, has_truth, "every scored pair is shown above (or --contrast 0)")}
+  {_gallery(high_rows, media, has_truth, rules, "every scored pair is shown above (or --contrast 0)")}
 </section>
 
 {errors_html}

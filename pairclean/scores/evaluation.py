@@ -1,12 +1,13 @@
 """Noise-detection metrics: how well a scores file separates the pairs a truth file marks noisy.
 
-Per decision rule (the OSA beta boundary `osa_noisy`, the GMM rule `gmm_noisy`, and the oracle:
-the single threshold on `sim` with the best balanced accuracy, which no rule computed without
-labels can beat): clean kept % (OSA Table 5's "accuracy"), noise caught % ("recall") and their
-mean, the balanced accuracy. Threshold-free: ROC-AUC and average precision of `-sim` as a noise
-detector (sklearn), and OSA Table 11's mean noise rank: the mean rank of the noisy pairs when
-all pairs are sorted by weight, highest first (ties share their mean rank), against its optimum
-(every noisy pair ranked last).
+Per decision rule the file records (`pairclean.scores.rules`: by default the OSA beta boundary
+and the GMM rule) and the oracle (the single threshold on `sim` with the best balanced accuracy,
+which no rule computed without labels can beat): clean kept % (OSA Table 5's "accuracy"), noise
+caught % ("recall"), their mean, the balanced accuracy, and precision %, all from one confusion
+count (`truth_metrics`), which the report uses too. Threshold-free: ROC-AUC and average precision
+of `-sim` as a noise detector (sklearn), and OSA Table 11's mean noise rank: the mean rank of the
+noisy pairs when all pairs are sorted by weight, highest first (ties share their mean rank),
+against its optimum (every noisy pair ranked last).
 
 Scores and truth are joined by `pairclean.curate.query.ScoresDB`: on (shard, index), then on (shard file
 name, index), else on key. The metrics need every labelled similarity in memory at once (a sort),
@@ -22,24 +23,32 @@ from scipy.stats import rankdata
 from sklearn.metrics import average_precision_score, roc_auc_score, roc_curve
 
 from pairclean.errors import UserError
-
-RULES = {"beta": "osa_noisy", "gmm": "gmm_noisy"}
+from pairclean.scores.contract import read_provenance
+from pairclean.scores.rules import recorded_rules
 
 
 def _share(numerator: int, denominator: int) -> float | None:
     return 100.0 * numerator / denominator if denominator else None
 
 
+def truth_metrics(caught: int, missed: int, false_alarms: int, kept: int) -> dict:
+    """Clean kept %, noise caught %, balanced accuracy % and precision % of a noisy/clean decision,
+    from its confusion counts: noisy pairs flagged (caught) and not (missed), clean pairs flagged
+    (false alarms) and not (kept). None where a share has no denominator."""
+    clean_kept = _share(kept, kept + false_alarms)
+    noise_caught = _share(caught, caught + missed)
+    return {"clean_kept": clean_kept, "noise_caught": noise_caught,
+            "balanced_accuracy": (clean_kept + noise_caught) / 2
+            if clean_kept is not None and noise_caught is not None else None,
+            "precision": _share(caught, caught + false_alarms), "flagged": caught + false_alarms}
+
+
 def rule_metrics(noisy, flagged) -> dict:
-    """Clean kept %, noise caught %, balanced accuracy % and precision % of a noisy/clean decision."""
+    """`truth_metrics` of per-pair truth labels and decisions."""
     noisy = np.asarray(noisy, dtype=bool)
     flagged = np.asarray(flagged, dtype=bool)
-    clean = ~noisy
-    kept = _share(int((clean & ~flagged).sum()), int(clean.sum()))
-    caught = _share(int((noisy & flagged).sum()), int(noisy.sum()))
-    return {"clean_kept": kept, "noise_caught": caught,
-            "balanced_accuracy": (kept + caught) / 2 if kept is not None and caught is not None else None,
-            "precision": _share(int((noisy & flagged).sum()), int(flagged.sum())), "flagged": int(flagged.sum())}
+    return truth_metrics(int((noisy & flagged).sum()), int((noisy & ~flagged).sum()),
+                         int((~noisy & flagged).sum()), int((~noisy & ~flagged).sum()))
 
 
 def oracle_threshold(noisy, sim) -> dict:
@@ -84,18 +93,25 @@ def detection_metrics(noisy, sim, weight, decisions: dict[str, np.ndarray]) -> d
 
 def evaluate_detection(scores: str | Path, truth: str | Path) -> dict:
     """Join a scores file with a truth file (Parquet, or a manifest whose `truth:` names one) and
-    measure every rule; rows with an error or without a truth label are counted, not scored."""
-    from pairclean.scoring.finalize import read_provenance
-    from pairclean.curate.query import ScoresDB
+    measure every rule the file holds; rows with an error or without a truth label are counted,
+    not scored. Each rule's entry carries its table label, `noisy_if` and `threshold`."""
+    from pairclean.curate.query import ScoresDB, sql_identifier
 
     truth = resolve_truth(truth)
+    try:
+        provenance = read_provenance(scores)
+    except (ValueError, OSError):
+        provenance = {}
     with ScoresDB(scores, truth) as db:
-        missing = [c for c in ("sim", "weight", *RULES.values()) if c not in db.columns("labeled")]
-        if missing:
-            raise UserError(f"{scores} lacks column(s) {', '.join(missing)}: score it with `pairclean score`")
+        rules = recorded_rules(provenance, db.columns("labeled"))
+        decisions = [rule.decision for rule in rules]
+        missing = [c for c in ("sim", "weight", *decisions) if c not in db.columns("labeled")]
+        if missing or not rules:
+            raise UserError(f"{scores} lacks column(s) {', '.join(missing) or 'of any decision rule'}: "
+                            "score it with `pairclean score`")
         counts = db.con.execute("SELECT count(*), count(*) FILTER (WHERE sim IS NULL), "
                                 "count(*) FILTER (WHERE sim IS NOT NULL AND noisy IS NULL) FROM labeled").fetchall()[0]
-        table = db.con.sql(f"SELECT sim, weight, {', '.join(RULES.values())}, noisy FROM labeled "
+        table = db.con.sql(f"SELECT sim, weight, {''.join(f'{sql_identifier(d)}, ' for d in decisions)}noisy FROM labeled "
                            "WHERE sim IS NOT NULL AND noisy IS NOT NULL").to_arrow_table()
         truth_rows = db.scalar("SELECT count(*) FROM truth")
         join = db.truth_join
@@ -103,13 +119,12 @@ def evaluate_detection(scores: str | Path, truth: str | Path) -> dict:
         raise UserError(f"no scored pair of {scores} has a truth label in {truth}")
     column = {name: table.column(name).to_numpy(zero_copy_only=False) for name in table.column_names}
     result = detection_metrics(column["noisy"].astype(bool), column["sim"], column["weight"],
-                               {name: column[col].astype(bool) for name, col in RULES.items()})
-    try:
-        provenance = read_provenance(scores)
-    except ValueError:
-        provenance = {}
-    result["rules"]["beta"]["threshold"] = provenance.get("beta")
-    result["rules"]["gmm"]["threshold"] = None  # p_clean < 0.5: the crossing depends on both components
+                               {rule.name: column[rule.decision].astype(bool) for rule in rules})
+    for rule in rules:
+        result["rules"][rule.name].update(threshold=rule.threshold, label=rule.label, noisy_if=rule.noisy_if)
+    oracle = result["rules"]["oracle"]
+    oracle.update(label="oracle", noisy_if="sim <= " + (f"{oracle['threshold']:.4f}"
+                                                        if oracle["threshold"] is not None else "n/a"))
     result.update({"scores": str(scores), "truth": str(truth), "join": join, "scores_rows": int(counts[0]),
                    "error_rows": int(counts[1]), "unlabelled_rows": int(counts[2]), "truth_rows": int(truth_rows),
                    "estimator": provenance.get("estimator"), "beta_mode": provenance.get("beta_mode"),

@@ -34,6 +34,7 @@ from pairclean.ops.atomic import atomic_path, remove_stale_temps, write_json
 from pairclean.errors import ConfigError, UserError
 from pairclean.ops.faults import fault_point
 from pairclean.data.units import unit_shard
+from pairclean.scores.contract import read_provenance, read_summary
 
 PART_SCHEMA = pa.schema([
     ("key", pa.string()),
@@ -205,8 +206,6 @@ class PartStore:
         (nothing left to do), else None; call it before loading a model, so that what `begin`
         would refuse is refused at once. A parts directory that a kill between the output's
         rename and the cleanup left behind is removed here."""
-        from pairclean.scoring.finalize import read_provenance, read_summary
-
         if overwrite and resume:
             raise ConfigError("resume and overwrite contradict each other: overwrite discards the unfinished run", "resume", "overwrite")
         if overwrite:

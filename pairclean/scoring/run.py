@@ -28,7 +28,9 @@ from pairclean.core.scorer import WEIGHT_FUNCTIONS
 from pairclean.errors import UserError
 from pairclean.ops import distributed
 from pairclean.ops.progress import SILENT, Progress
-from pairclean.scoring.finalize import finalize, read_provenance
+from pairclean.scores.contract import read_provenance
+from pairclean.scores.rules import DEFAULT_RULES, build_rules
+from pairclean.scoring.finalize import finalize
 from pairclean.scoring.parts import PartStore, parts_dir_for
 
 # commit(unit, columns, record): the producer hands each finished unit's rows to the run.
@@ -44,9 +46,13 @@ class RunConfig:
     weight_fn: str = "cubic"
     seed: int = 0
     gmm_sample: int = 1_000_000
+    rules: tuple[str, ...] = DEFAULT_RULES  # decision-rule specs NAME[:key=value,...] (pairclean.scores.rules)
     overwrite: bool = unpinned(False)
     resume: bool = unpinned(False)  # insist on continuing an unfinished run (re-running resumes anyway)
     progress: Progress = unpinned(SILENT)
+
+    def __post_init__(self):
+        build_rules(self.rules)  # an unknown rule or option fails before anything is scored
 
 
 class Producer(ABC):
@@ -170,7 +176,8 @@ def run_scoring(producer: Producer, out: str | Path, cfg: RunConfig) -> ScoreRes
     produced, extra = producer.finish(records, scored_now, len(todo))
     provenance = {**produced, "seed": cfg.seed, "beta_mode": cfg.beta_mode, "beta_source": beta_source,
                   "world_size": distributed.world_size()}
-    summary = finalize(store, units, out, beta, cfg.weight_fn, cfg.seed, cfg.gmm_sample, provenance, records)
+    summary = finalize(store, units, out, beta, cfg.weight_fn, cfg.seed, cfg.gmm_sample, provenance, records,
+                       cfg.rules)
     summary.update(extra, pairs_per_second=scored_now / elapsed if elapsed > 0 else 0.0, scoring_seconds=elapsed,
                    scoring_cpu_seconds=cpu, beta_seconds=beta_seconds, beta_source=beta_source)
     store.remove()

@@ -1,0 +1,127 @@
+"""The scores file contract: its columns, the metadata keys, and the typed provenance and summary.
+
+A scores file is one Parquet file: the base columns, then each decision rule's columns in rule
+order, then `error`. Its schema metadata holds the provenance (how the scores were made, written
+first); its file metadata holds the run summary (counts, added at close), which the run manifest
+`OUT.run.json` beside it repeats. Everything that reads a scores file goes through here.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Iterable, TypedDict
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from pairclean.ops.atomic import write_json
+from pairclean.scores.rules import DEFAULT_RULES, REGISTRY, DecisionRule, RuleRecord
+
+BASE_COLUMNS = [
+    ("key", pa.string()),
+    ("shard", pa.string()),
+    ("index", pa.int64()),
+    ("sim", pa.float32()),
+    ("sim_debiased", pa.float32()),
+    ("weight", pa.float32()),
+    ("weight_norm", pa.float32()),
+]
+ERROR_COLUMN = ("error", pa.string())
+METADATA_KEY = b"pairclean"  # schema metadata: the provenance
+SUMMARY_KEY = b"pairclean_summary"  # file metadata: the summary
+
+
+def scores_schema(rules: Iterable[DecisionRule | type[DecisionRule]]) -> pa.Schema:
+    """The columns of a scores file holding these rules."""
+    return pa.schema([*BASE_COLUMNS, *(column for rule in rules for column in rule.columns), ERROR_COLUMN])
+
+
+SCORES_SCHEMA = scores_schema(REGISTRY[name] for name in DEFAULT_RULES)
+
+
+class Provenance(TypedDict, total=False):
+    """How a scores file was made (producers add their own entries, e.g. `renormalised`)."""
+
+    estimator: dict
+    pair: str
+    seed: int
+    input_shards: list[str]
+    dataset: str | None
+    world_size: int
+    pairclean_version: str
+    beta: float
+    beta_std: float | None
+    beta_k: int
+    beta_mode: str
+    weight_fn: str
+    official_scale: float | None
+    gmm: dict | None  # the GMM rule's fitted mixture (FittedMixture fields)
+    gmm_sample: int  # similarities in the sample the rules were fitted on
+    rules: list[dict]  # RuleRecord fields, one entry per rule in column order
+    run_id: str | None
+    settings_sha1: str
+    finished_at: str
+
+
+class Summary(TypedDict, total=False):
+    """The run summary; also `flagged_NAME` and `share_flagged_NAME` for every rule NAME."""
+
+    pairs: int  # = scored + errors
+    scored: int
+    errors: int
+    unit_failures: list[dict]
+    failed_units: int
+    units: int
+    beta: float
+    beta_std: float | None
+    beta_k: int
+    beta_mode: str
+    rules: list[dict]  # name, label, decision, noisy_if, flagged, share_flagged
+    # added by the scoring run after finalize
+    pairs_per_second: float
+    scoring_seconds: float
+    beta_seconds: float
+    beta_source: str
+
+
+def flagged_summary(records: list[RuleRecord], flagged: dict[str, int], scored: int) -> dict:
+    """The summary's per-rule entries: flagged counts and shares among the scored pairs."""
+    share = {name: count / scored if scored else 0.0 for name, count in flagged.items()}
+    return {"rules": [{"name": r.name, "label": r.label, "decision": r.decision, "noisy_if": r.noisy_if,
+                       "flagged": flagged[r.name], "share_flagged": share[r.name]} for r in records],
+            **{f"flagged_{name}": count for name, count in flagged.items()},
+            **{f"share_flagged_{name}": value for name, value in share.items()}}
+
+
+def run_manifest_path(out: Path) -> Path:
+    return out.with_name(out.stem + ".run.json")
+
+
+def provenance_metadata(provenance: Provenance) -> dict[bytes, bytes]:
+    return {METADATA_KEY: json.dumps(provenance, default=str).encode()}
+
+
+def summary_metadata(summary: Summary) -> dict[bytes, bytes]:
+    return {SUMMARY_KEY: json.dumps(summary, default=str).encode()}
+
+
+def write_run_manifest(out: Path, summary: Summary, provenance: Provenance, temp_dir: Path) -> None:
+    write_json(run_manifest_path(out), {"output": str(out), "summary": summary, "provenance": provenance},
+               temp_dir=temp_dir)
+
+
+def read_provenance(scores: str | Path) -> Provenance:
+    """The provenance stored in a scores file's Parquet key-value metadata."""
+    meta = pq.ParquetFile(scores).schema_arrow.metadata or {}
+    if METADATA_KEY not in meta:
+        raise ValueError(f"{scores} has no pairclean provenance (not written by pairclean score?)")
+    return json.loads(meta[METADATA_KEY])
+
+
+def read_summary(scores: str | Path) -> Summary:
+    """The run summary stored in a scores file (the same one its run manifest holds)."""
+    meta = pq.ParquetFile(scores).metadata.metadata or {}  # file key-value metadata, added at close
+    if SUMMARY_KEY not in meta:
+        raise ValueError(f"{scores} has no pairclean summary (not written by pairclean score?)")
+    return json.loads(meta[SUMMARY_KEY])

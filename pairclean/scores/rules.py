@@ -1,0 +1,228 @@
+"""Decision rules: each turns similarities into a noisy/clean decision column of the scores file.
+
+A rule is one class registered by name (`@register`): the columns it writes (name, Arrow type),
+`fit` on finalize's uniform sample of similarities, `derive` on each record batch (numpy in,
+columns out), its decision column (True = flagged noisy) and `noisy_if`, a human description of
+its fitted threshold that every table shows. finalize, score's summary, `evaluate detection`, the
+report and the demo iterate the rules a file records in its provenance (`recorded_rules`), so a new
+rule needs no edit anywhere else. A rule that cannot decide on some data (a mixture that does not
+separate) says so in `noisy_if`, which every table prints.
+
+Rules are named at score time as specs `NAME[:key=value,...]` (`ScoreConfig.rules`, `--rule`).
+The rules' own computations are imported when they run: the CLI lists the registry at start-up
+without importing torch or sklearn.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar
+
+import numpy as np
+import pyarrow as pa
+
+from pairclean.errors import UserError
+
+if TYPE_CHECKING:
+    from pairclean.core.mixture import FittedMixture
+
+DEFAULT_RULES = ("beta", "gmm")
+REGISTRY: dict[str, type[DecisionRule]] = {}
+
+
+@dataclass(frozen=True)
+class FitContext:
+    """What a rule may use besides the sample: the run's cone bias and seed."""
+
+    beta: float | None
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class RuleRecord:
+    """What a scores file records about one of its rules (an entry of provenance["rules"])."""
+
+    name: str
+    label: str
+    decision: str
+    columns: list[str]
+    noisy_if: str
+    threshold: float | None  # the similarity at or below which pairs are flagged, when one exists
+    options: dict
+
+
+class DecisionRule(ABC):
+    """One way to decide which pairs are noisy. Subclasses set the class attributes, take their
+    options as keyword arguments (`OPTIONS` maps each to its type) and implement the methods."""
+
+    name: ClassVar[str]  # registry key: `--rule NAME`, summary keys flagged_NAME / share_flagged_NAME
+    label: ClassVar[str]  # how tables name it
+    columns: ClassVar[tuple[tuple[str, pa.DataType], ...]]  # written in this order
+    decision: ClassVar[str]  # the bool column among `columns`: True = flagged noisy
+    OPTIONS: ClassVar[dict[str, type]] = {}
+
+    def __init__(self, **options):
+        self.options = options
+
+    @abstractmethod
+    def fit(self, sample: np.ndarray, context: FitContext) -> None:
+        """Learn the threshold from a uniform sample of the valid similarities (may be empty)."""
+
+    @abstractmethod
+    def derive(self, sim: np.ndarray) -> dict[str, np.ndarray]:
+        """Every column of the rule for a batch of similarities (NaN where a pair has no score;
+        finalize writes those rows as NULL)."""
+
+    @abstractmethod
+    def noisy_if(self) -> str:
+        """The fitted decision in words, e.g. "sim <= 0.4350" or "p_clean < 0.5"."""
+
+    def threshold(self) -> float | None:
+        """The similarity at or below which this rule flags, when the rule is such a threshold."""
+        return None
+
+    def provenance(self) -> dict:
+        """Top-level provenance entries this rule owns (what it fitted, for readers of the file)."""
+        return {}
+
+    def record(self) -> RuleRecord:
+        return RuleRecord(name=self.name, label=self.label, decision=self.decision,
+                          columns=[name for name, _ in self.columns], noisy_if=self.noisy_if(),
+                          threshold=self.threshold(), options=dict(self.options))
+
+
+def register(cls: type[DecisionRule]) -> type[DecisionRule]:
+    """Class decorator: make a rule available by its name."""
+    if cls.name in REGISTRY:
+        raise TypeError(f"a rule named {cls.name} is already registered ({REGISTRY[cls.name].__qualname__})")
+    if cls.decision not in dict(cls.columns):
+        raise TypeError(f"rule {cls.name}: decision column {cls.decision} is not among its columns")
+    REGISTRY[cls.name] = cls
+    return cls
+
+
+@register
+class BetaRule(DecisionRule):
+    """The OSA boundary: a pair is noisy when its debiased similarity s - beta is <= 0 (Table 5)."""
+
+    name, label, decision = "beta", "beta", "osa_noisy"
+    columns = (("osa_noisy", pa.bool_()),)
+
+    def fit(self, sample, context):
+        self.beta = context.beta
+
+    def derive(self, sim):
+        from pairclean.core.scorer import beta_noisy, debias
+
+        return {"osa_noisy": beta_noisy(debias(sim, self.beta))}
+
+    def noisy_if(self):
+        return f"sim <= {self.beta:.4f}" if self.beta is not None else "sim <= beta"
+
+    def threshold(self):
+        return self.beta
+
+
+@register
+class GmmRule(DecisionRule):
+    """Two Gaussians over the similarities: noisy when the clean component's posterior is < 0.5.
+
+    NCR/SDD style; the mixture is recorded in the provenance under "gmm"."""
+
+    name, label, decision = "gmm", "GMM", "gmm_noisy"
+    columns = (("p_clean", pa.float32()), ("gmm_noisy", pa.bool_()))
+
+    def fit(self, sample, context):
+        from pairclean.core.mixture import fit_similarity_mixture
+
+        self.mixture: FittedMixture | None = fit_similarity_mixture(sample, seed=context.seed) \
+            if len(sample) >= 2 else None
+
+    def derive(self, sim):
+        p = self.mixture.p_clean(np.nan_to_num(sim, nan=0.0)) if self.mixture is not None \
+            else np.full(len(sim), np.nan)
+        return {"p_clean": p, "gmm_noisy": p < 0.5}
+
+    def noisy_if(self):
+        return "p_clean < 0.5"  # the crossing in sim depends on both components (one or two boundaries)
+
+    def provenance(self):
+        return {"gmm": self.mixture.as_dict() if self.mixture is not None else None}
+
+
+@register
+class TopFractionRule(DecisionRule):
+    """Keep the `keep` share of the pairs with the highest similarity, flag the rest.
+
+    DataComp style; the cut is the (1 - keep) quantile of the sample (default keep=0.8)."""
+
+    name, label, decision = "top-fraction", "top-fraction", "top_fraction_noisy"
+    columns = (("top_fraction_noisy", pa.bool_()),)
+    OPTIONS = {"keep": float}
+
+    def __init__(self, keep: float = 0.8):
+        if not 0 < keep <= 1:
+            raise UserError(f"rule top-fraction: keep must be in (0, 1], got {keep}")
+        super().__init__(keep=keep)
+        self.cut: float | None = None
+
+    def fit(self, sample, context):
+        self.cut = float(np.quantile(sample, 1 - self.options["keep"])) if len(sample) else None
+
+    def derive(self, sim):
+        return {"top_fraction_noisy": sim <= self.cut if self.cut is not None else np.zeros(len(sim), bool)}
+
+    def noisy_if(self):
+        return f"sim <= {self.cut:.4f}" if self.cut is not None else "nothing (no similarity to rank)"
+
+    def threshold(self):
+        return self.cut
+
+
+def parse_rule(spec: str) -> DecisionRule:
+    """A rule from its spec `NAME[:key=value,...]`; an unknown name or option is a UserError."""
+    name, _, rest = spec.strip().partition(":")
+    if name not in REGISTRY:
+        raise UserError(f"unknown rule {name!r} in {spec!r}: choose from {', '.join(REGISTRY)}")
+    cls = REGISTRY[name]
+    options = {}
+    for item in filter(None, (part.strip() for part in rest.split(","))):
+        key, eq, value = item.partition("=")
+        if not eq or key not in cls.OPTIONS:
+            allowed = ", ".join(cls.OPTIONS) or "none"
+            raise UserError(f"rule {name}: bad option {item!r} (options: {allowed}; write NAME:key=value)")
+        try:
+            options[key] = cls.OPTIONS[key](value)
+        except ValueError:
+            raise UserError(f"rule {name}: option {key} must be a {cls.OPTIONS[key].__name__}, got {value!r}") from None
+    return cls(**options)
+
+
+def build_rules(specs) -> list[DecisionRule]:
+    """The rules named by `specs`; no two may write the same column (a rule is enabled once)."""
+    rules = [parse_rule(spec) for spec in specs]
+    owner: dict[str, str] = {}
+    for rule in rules:
+        for column, _ in rule.columns:
+            if column in owner:
+                raise UserError(f"rules {owner[column]} and {rule.name} both write column {column}: "
+                                "enable each rule once")
+            owner[column] = rule.name
+    return rules
+
+
+def recorded_rules(provenance: dict, columns) -> list[RuleRecord]:
+    """The rules a scores file holds: as its provenance records them (those whose columns it
+    still has), else (files written before rules were recorded) the default rules whose decision
+    column it has, with the file's beta."""
+    if "rules" in provenance:
+        return [record for record in (RuleRecord(**entry) for entry in provenance["rules"])
+                if all(column in columns for column in record.columns)]
+    present = []
+    for name in DEFAULT_RULES:
+        rule = REGISTRY[name]()
+        if rule.decision in columns:
+            rule.fit(np.array([]), FitContext(beta=provenance.get("beta")))
+            present.append(rule.record())
+    return present
