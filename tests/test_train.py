@@ -20,7 +20,7 @@ from pairclean.train import METHODS, TrainConfig, build_method, train
 from pairclean.train import trainer as trainer_module
 from pairclean.train.data import index_shards
 from pairclean.train.logs import read_metrics
-from pairclean.train.models import load_target
+from pairclean.backends import load_target
 from pairclean.train.weights import build_weight_arrays
 
 

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import warnings
 from pathlib import Path
 from typing import List, Optional
 
 import typer
 from rich.table import Table
 
-from pairclean.cli import app, console, err_console
+from pairclean.cli import app, console
 
 
 def summary_table(result) -> Table:
@@ -80,7 +79,7 @@ def score_command(
     allow_pipe: bool = typer.Option(False, help="Allow `pipe:` shard URLs, which run shell commands."),
 ) -> None:
     """Score every pair: cosine, cone bias beta, OSA weight, GMM p_clean -> Parquet."""
-    from pairclean.backends.open_clip import BACKEND_DEFAULT_MODEL, check_backend
+    from pairclean.backends import check_backend, default_model
     from pairclean.data.manifest import Fields, open_dataset
     from pairclean.scoring.run import ScoreConfig, score
 
@@ -90,14 +89,10 @@ def score_command(
         spec = open_embeddings(source, embedding_layout, pair, left_emb_field, right_emb_field, key_field, keys)
         rand = open_embeddings(random_embeddings, left_field=left_emb_field, right_field=right_emb_field) \
             if random_embeddings else None
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            result = score_embeddings(spec, out, EmbeddingScoreConfig(
-                beta_mode=beta_mode, beta=beta, random_embeddings=rand, weight_fn=weight_fn, seed=seed,
-                gmm_sample=gmm_sample, overwrite=overwrite, resume=resume, show_progress=True))
+        result = score_embeddings(spec, out, EmbeddingScoreConfig(
+            beta_mode=beta_mode, beta=beta, random_embeddings=rand, weight_fn=weight_fn, seed=seed,
+            gmm_sample=gmm_sample, overwrite=overwrite, resume=resume, show_progress=True))
         console.print(summary_table(result))
-        for w in caught:
-            err_console.print(f"[yellow]warning:[/yellow] {w.message}", highlight=False, soft_wrap=True)
         return
     overrides = {k: v for k, v in {"image": image_field, "image_path": image_path_field, "text": text_field,
                                    "json_text_key": json_text_key, "key": key_field, "text2": text2_field,
@@ -107,7 +102,7 @@ def score_command(
     if overrides:
         spec.fields = Fields(**{**spec.fields.__dict__, **overrides})
     backend = check_backend(backend)
-    cfg = ScoreConfig(model=model or BACKEND_DEFAULT_MODEL[backend], backend=backend, pretrained=pretrained,
+    cfg = ScoreConfig(model=model or default_model(backend), backend=backend, pretrained=pretrained,
                       device=device, precision=precision, decode=decode,
                       batch_size=batch_size, workers=workers, beta_mode=beta_mode, beta=beta, beta_k=beta_k,
                       weight_fn=weight_fn, seed=seed, gmm_sample=gmm_sample, overwrite=overwrite, resume=resume,

@@ -26,7 +26,6 @@ import os
 import re
 import threading
 import time
-import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,6 +39,7 @@ import torch
 
 from pairclean.core.beta import BETA_MODES, BetaEstimate, ShuffledAccumulator, shuffled_beta
 from pairclean.errors import UserError
+from pairclean.ops.notices import notice
 from pairclean.scoring.finalize import finalize, read_provenance
 from pairclean.data.manifest import PAIR_KINDS
 from pairclean.scoring.run import ScoreResult, scoring_progress
@@ -697,8 +697,8 @@ def score_embeddings(spec: EmbeddingSpec, out: str | Path, config: EmbeddingScor
     not_unit = {side: sum(records[u].get(f"not_unit_{side}", 0) for u in units) for side in ("left", "right")}
     deviation = max((records[u].get("max_norm_deviation", 0.0) for u in units), default=0.0)
     if not_unit["left"] or not_unit["right"]:
-        warnings.warn(f"{not_unit['left']:,} left and {not_unit['right']:,} right vectors were not unit length "
-                      f"(largest |norm - 1| = {deviation:.3g}); they were re-normalised", stacklevel=2)
+        notice(f"{not_unit['left']:,} left and {not_unit['right']:,} right vectors were not unit length "
+               f"(largest |norm - 1| = {deviation:.3g}); they were re-normalised")
     estimator = {"backend": "precomputed-embeddings", "layout": spec.layout, "embedding_dim": spec.dim,
                  "dtype": sorted({n.dtype for n in spec.npy}) or None}
     provenance = {"estimator": estimator, "pair": spec.pair, "seed": cfg.seed, "input_shards": spec.inputs(),

@@ -19,10 +19,14 @@ import webdataset as wds
 from torch.utils.data import DataLoader, IterableDataset
 
 from pairclean.ops import distributed
-from pairclean.backends.accel import OomBackoff, finish_batch, notice_once, steady_worker_memory
+from pairclean.backends import build_estimator, check_backend
+from pairclean.backends.base import resolve_precision
+from pairclean.backends.device_jpeg import finish_batch
+from pairclean.backends.oom import OomBackoff
+from pairclean.ops.notices import notice_once
+from pairclean.ops.worker_memory import steady_worker_memory
 from pairclean.core.beta import BETA_MODES, BetaCache, BetaEstimate, ShuffledAccumulator, cached_random_input_beta, shuffled_beta
 from pairclean.errors import UserError
-from pairclean.backends.open_clip import build_estimator, check_backend, resolve_precision
 from pairclean.scoring.finalize import finalize, read_provenance
 from pairclean.data.manifest import DatasetSpec, open_dataset
 from pairclean.core.scorer import WEIGHT_FUNCTIONS

@@ -21,10 +21,11 @@ import torch
 from torch.utils.data import DataLoader
 
 from pairclean.ops import distributed
-from pairclean.backends.accel import steady_worker_memory
+from pairclean.ops.worker_memory import steady_worker_memory
 from pairclean.ops.atomic import write_json
 from pairclean.errors import UserError
-from pairclean.backends.open_clip import PRECISIONS, autocast_context, check_backend
+from pairclean.backends import check_backend, load_target
+from pairclean.backends.base import PRECISIONS, autocast_context
 from pairclean.data.manifest import DatasetSpec, open_dataset
 from pairclean.train.retrieval import evaluate_target
 from pairclean.data.reader import modalities
@@ -33,7 +34,6 @@ from pairclean.train.checkpoint import (BEST, RUN_FILE, STATE_FILE, epoch_model_
 from pairclean.train.data import TrainBatches, index_shards
 from pairclean.train.methods import Embeddings, MethodContext, build_method
 from pairclean.train.logs import DiagnosticsWriter, MetricsLog
-from pairclean.train.models import load_target
 
 # Settings that may change between a run and its resumption without changing its result.
 UNPINNED = ("device", "show_progress", "resume", "overwrite", "val_batch_size")
