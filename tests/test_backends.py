@@ -19,6 +19,7 @@ from pairclean.lab.coco_text import build_text_pairs
 from pairclean.scoring.finalize import read_provenance
 from pairclean.scoring.run import ScoreConfig, score
 from pairclean.train import TrainConfig, train
+from pairclean.train.retrieval import evaluate_retrieval
 
 
 class BytePreparer:
@@ -104,6 +105,12 @@ class ByteBackend(Backend):
     def target(cls, model: str, pretrained: str, device: str, temperature: float | None) -> ByteTarget:
         return ByteTarget(model, device, temperature)
 
+    @classmethod
+    def exported(cls, description: dict, weights: Path, device: str) -> ByteTarget:
+        target = ByteTarget(description["model"], device, description["temperature"])
+        target.module.load_state_dict(torch.load(weights, weights_only=True))
+        return target
+
 
 @pytest.fixture
 def byte_backend():
@@ -141,7 +148,7 @@ def test_a_registered_class_is_a_backend_for_every_dispatch_point(byte_backend):
         load_target("bytes-8", backend="tensorflow")
 
 
-def test_a_registered_backend_scores_and_trains_end_to_end(byte_backend, text_pairs, tmp_path):
+def test_a_registered_backend_scores_trains_and_reloads_end_to_end(byte_backend, text_pairs, tmp_path):
     torch.manual_seed(0)
     result = score(str(text_pairs), tmp_path / "scores.parquet",
                    ScoreConfig(backend="bytes", model="bytes-8", beta_k=16, batch_size=8, workers=0, device="cpu"))
@@ -149,7 +156,9 @@ def test_a_registered_backend_scores_and_trains_end_to_end(byte_backend, text_pa
     assert pq.read_table(tmp_path / "scores.parquet").num_rows == 16
     trained = train(str(text_pairs), tmp_path / "run", TrainConfig(model="bytes-8", epochs=1, batch_size=8, workers=0,
                                                                   device="cpu", lr=1e-3, warmup_steps=1))
-    assert len(trained.epochs) == 1 and trained.last_model.is_file()
+    assert len(trained.epochs) == 1 and trained.last_model.name == "model-epoch-001.pt" and trained.last_model.is_file()
+    metrics = evaluate_retrieval(tmp_path / "run", str(text_pairs), device="cpu")  # reloaded by the backend it recorded
+    assert 0.0 <= metrics["rsum"] <= 600.0
 
 
 def test_building_an_estimator_leaves_the_root_logger_alone(caplog):

@@ -6,7 +6,8 @@ Importing the package registers the built-in backends (open_clip, sentence-trans
 
 from pairclean.backends import open_clip, sentence_transformers  # noqa: F401  (registers the built-in backends)
 from pairclean.backends.base import (BACKENDS, Backend, Estimator, Target, build_estimator, check_backend,
-                                     default_model, detect_backend, load_target, register_backend, resolve_backend)
+                                     default_model, detect_backend, export_name, load_exported, load_target,
+                                     register_backend, resolve_backend)
 
 __all__ = ["BACKENDS", "Backend", "Estimator", "Target", "build_estimator", "check_backend", "default_model",
-           "detect_backend", "load_target", "register_backend", "resolve_backend"]
+           "detect_backend", "export_name", "load_exported", "load_target", "register_backend", "resolve_backend"]

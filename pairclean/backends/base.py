@@ -3,8 +3,8 @@
 A backend is one registered `Backend` class: it names the modalities it encodes, its default
 model, its aliases and how `auto` recognises its models, and it builds both the frozen
 `Estimator` (scoring, beta, online OSA) and the trainable `Target` (`pairclean train`,
-retrieval evaluation) of one model. `check_backend`, `resolve_backend`, `build_estimator` and
-`load_target` are the only places that choose a backend. Helpers every backend shares (device,
+retrieval evaluation) of one model. `check_backend`, `resolve_backend`, `build_estimator`,
+`load_target` and `load_exported` are the only places that choose a backend. Helpers every backend shares (device,
 precision, autocast, checkpoint hashes, random texts for beta) live here, so backend modules
 import this one and never each other.
 """
@@ -76,6 +76,7 @@ class Backend:
     modalities: ClassVar[tuple[str, ...]]
     default_model: ClassVar[str]
     aliases: ClassVar[tuple[str, ...]] = ()
+    export_suffix: ClassVar[str] = ".pt"  # what the target's export adds to a model's name ("": a directory)
 
     @classmethod
     def detects(cls, model: str) -> bool:
@@ -91,6 +92,11 @@ class Backend:
     def target(cls, model: str, pretrained: str, device: str, temperature: float | None) -> Target:
         """The trainable target (temperature None: the backend's own)."""
         raise NotImplementedError(f"the {cls.name} backend builds no training target")
+
+    @classmethod
+    def exported(cls, description: dict, weights: Path, device: str) -> Target:
+        """The target a `pairclean train` run exported to `weights`, from the run's `target` description."""
+        raise NotImplementedError(f"the {cls.name} backend reloads no trained model")
 
 
 BACKENDS: dict[str, type[Backend]] = {}
@@ -145,6 +151,16 @@ def load_target(model: str, pretrained: str = "none", backend: str = "auto", dev
     if temperature is not None and temperature <= 0:
         raise UserError("--temperature must be positive")
     return BACKENDS[resolve_backend(backend, model)].target(model, pretrained, device, temperature)
+
+
+def load_exported(description: dict, weights: str | os.PathLike, device: str = "auto") -> Target:
+    """A model `pairclean train` exported, by the backend its run recorded."""
+    return BACKENDS[check_backend(description["backend"])].exported(description, Path(weights), device)
+
+
+def export_name(stem: str, backend: str) -> str:
+    """The file or directory name the backend's target exports a model called `stem` to."""
+    return stem + BACKENDS[check_backend(backend)].export_suffix
 
 
 # ---------------------------------------------------------------- shared by the backends

@@ -302,3 +302,7 @@ class OpenClipBackend(Backend):
     @classmethod
     def target(cls, model: str, pretrained: str, device: str, temperature: float | None) -> OpenClipTarget:
         return OpenClipTarget(model, pretrained, device=device, temperature=temperature)
+
+    @classmethod
+    def exported(cls, description: dict, weights: Path, device: str) -> OpenClipTarget:
+        return OpenClipTarget(description["model"], str(weights), device=device)

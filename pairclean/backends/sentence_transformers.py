@@ -169,6 +169,7 @@ class SentenceTransformersBackend(Backend):
     modalities = ("text",)
     default_model = "all-MiniLM-L6-v2"
     aliases = ("sentence_transformers", "st")
+    export_suffix = ""  # a model directory
 
     @classmethod
     def detects(cls, model: str) -> bool:
@@ -184,3 +185,7 @@ class SentenceTransformersBackend(Backend):
     @classmethod
     def target(cls, model: str, pretrained: str, device: str, temperature: float | None) -> SentenceTransformerTarget:
         return SentenceTransformerTarget(model, device=device, temperature=temperature)
+
+    @classmethod
+    def exported(cls, description: dict, weights: Path, device: str) -> SentenceTransformerTarget:
+        return SentenceTransformerTarget(str(weights), device=device, temperature=description.get("temperature"))

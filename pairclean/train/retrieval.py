@@ -116,7 +116,7 @@ def load_trained(model: str | Path, arch: str | None = None, device: str = "auto
     """A model to evaluate: a `pairclean train` run directory or checkpoint, a sentence-transformers
     directory or bundled name, or (with `arch`) an open_clip checkpoint path or pretrained tag."""
     from pairclean.train.checkpoint import resolve_trained_model
-    from pairclean.backends import detect_backend, load_target
+    from pairclean.backends import detect_backend, load_exported, load_target
 
     path = Path(model)
     if arch is not None:
@@ -125,11 +125,7 @@ def load_trained(model: str | Path, arch: str | None = None, device: str = "auto
         target = load_target(str(model), backend="sentence-transformers", device=device)
     else:
         desc, weights = resolve_trained_model(path)
-        if desc["backend"] == "sentence-transformers":
-            target = load_target(str(weights), backend="sentence-transformers", device=device,
-                                 temperature=desc.get("temperature"))
-        else:
-            target = load_target(desc["model"], pretrained=str(weights), backend="open_clip", device=device)
+        target = load_exported(desc, weights, device=device)
     target.module.eval()
     return target
 
