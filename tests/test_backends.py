@@ -3,7 +3,6 @@ through the same dispatch points, and building an estimator leaves the host's lo
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 
@@ -11,11 +10,11 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
+from conftest import text_pairs
 from pairclean.backends import (BACKENDS, Backend, build_estimator, check_backend, default_model, detect_backend,
                                 load_target, register_backend, resolve_backend)
 from pairclean.backends.base import frozen_copy, move_batch, pick_device
 from pairclean.errors import UserError
-from pairclean.lab.coco_text import build_text_pairs
 from pairclean.scoring.finalize import read_provenance
 from pairclean.scoring.run import ScoreConfig, score
 from pairclean.train import TrainConfig, train
@@ -120,16 +119,8 @@ def byte_backend():
 
 
 @pytest.fixture(scope="module")
-def text_pairs(tmp_path_factory, coco_src) -> Path:
-    """tests/data/coco-mini's caption pairs (two captions of one image) as WebDataset shards."""
-    records = [json.loads(line) for line in (coco_src / "pairs.jsonl").read_text().splitlines()]
-    annotations = [{"image_id": r["image_id"], "id": 10 * r["image_id"] + j, "caption": c}
-                   for r in records for j, c in enumerate(r["captions"])]
-    root = tmp_path_factory.mktemp("text-pairs")
-    captions = root / "captions.json"
-    captions.write_text(json.dumps({"images": [{"id": r["image_id"]} for r in records], "annotations": annotations}))
-    build_text_pairs(captions, root / "wds", shard_size=6)
-    return root / "wds" / "manifest.yaml"
+def text_pairs_manifest(tmp_path_factory, coco_src) -> Path:
+    return text_pairs(coco_src, tmp_path_factory.mktemp("text-pairs") / "wds")
 
 
 def test_a_registered_class_is_a_backend_for_every_dispatch_point(byte_backend):
@@ -148,16 +139,16 @@ def test_a_registered_class_is_a_backend_for_every_dispatch_point(byte_backend):
         load_target("bytes-8", backend="tensorflow")
 
 
-def test_a_registered_backend_scores_trains_and_reloads_end_to_end(byte_backend, text_pairs, tmp_path):
+def test_a_registered_backend_scores_trains_and_reloads_end_to_end(byte_backend, text_pairs_manifest, tmp_path):
     torch.manual_seed(0)
-    result = score(str(text_pairs), tmp_path / "scores.parquet",
+    result = score(str(text_pairs_manifest), tmp_path / "scores.parquet",
                    ScoreConfig(backend="bytes", model="bytes-8", beta_k=16, batch_size=8, workers=0, device="cpu"))
     assert result.pairs_scored_now == 16 and read_provenance(tmp_path / "scores.parquet")["estimator"]["backend"] == "bytes"
     assert pq.read_table(tmp_path / "scores.parquet").num_rows == 16
-    trained = train(str(text_pairs), tmp_path / "run", TrainConfig(model="bytes-8", epochs=1, batch_size=8, workers=0,
+    trained = train(str(text_pairs_manifest), tmp_path / "run", TrainConfig(model="bytes-8", epochs=1, batch_size=8, workers=0,
                                                                   device="cpu", lr=1e-3, warmup_steps=1))
     assert len(trained.epochs) == 1 and trained.last_model.name == "model-epoch-001.pt" and trained.last_model.is_file()
-    metrics = evaluate_retrieval(tmp_path / "run", str(text_pairs), device="cpu")  # reloaded by the backend it recorded
+    metrics = evaluate_retrieval(tmp_path / "run", str(text_pairs_manifest), device="cpu")  # reloaded by the backend it recorded
     assert 0.0 <= metrics["rsum"] <= 600.0
 
 
