@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -61,6 +62,20 @@ def shared_data() -> Path:
     if not SHARED_DATA.is_dir():
         pytest.skip("../shared/data is not beside this checkout")
     return SHARED_DATA
+
+
+def text_pairs(coco_src: Path, out: Path) -> Path:
+    """The 16 COCO pairs as text-text pairs (two captions of one image) in WebDataset shards of 8."""
+    from pairclean.data.manifest import DatasetSpec, write_manifest
+    from pairclean.data.writer import write_shards
+
+    out.mkdir()
+    rows = [json.loads(line) for line in (coco_src / "pairs.jsonl").read_text().splitlines()]
+    write_shards(({"__key__": str(r["image_id"]), "txt": r["captions"][0], "txt2": r["captions"][1]} for r in rows),
+                 out, prefix="text", maxcount=8)
+    spec = DatasetSpec(format="webdataset", shards=[str(p) for p in sorted(out.glob("text-*.tar"))], pair="text-text")
+    write_manifest(out / "manifest.yaml", spec)
+    return out / "manifest.yaml"
 
 
 def tiny_scores(source: Path, out: Path) -> Path:

@@ -14,15 +14,18 @@ import pytest
 import torch
 from PIL import Image
 
-import pairclean.backends.accel as accel
-from pairclean.backends.accel import (CompiledOrEager, DeviceJpegDecoder, OomBackoff, RawJpeg, finish_batch,
-                             supports_text_trim, take_rows, text_buckets)
+import pairclean.ops.notices as notices
+from pairclean.backends.base import cpu_bf16_native, resolve_precision
+from pairclean.backends.compiled import CompiledOrEager
+from pairclean.backends.device_jpeg import DeviceJpegDecoder, RawJpeg, finish_batch
+from pairclean.backends.oom import OomBackoff, take_rows
+from pairclean.backends.text_trim import supports_text_trim, text_buckets
 from pairclean.ops.bench import PeakMemory, bench_score, high_water_rss_mib
 from pairclean.core.beta import BetaCache, cached_random_input_beta, weights_fingerprint
 from pairclean.cli import main
 from pairclean.lab.coco import read_pairs
 from pairclean.errors import UserError
-from pairclean.backends.open_clip import OpenClipEstimator, OpenClipPreparer, cpu_bf16_native, resolve_precision
+from pairclean.backends.open_clip import OpenClipEstimator, OpenClipPreparer
 from pairclean.scoring.model import score
 
 
@@ -34,7 +37,7 @@ def tiny():
 
 @pytest.fixture(autouse=True)
 def _fresh_notices():
-    accel._said.clear()  # every test sees its own once-only notices
+    notices._said.clear()  # every test sees its own once-only notices
     yield
 
 

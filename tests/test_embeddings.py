@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import multiprocessing
 import os
 import signal
@@ -108,16 +109,17 @@ def test_numpy_and_parquet_layouts_agree_and_bad_rows_become_errors(tmp_path, mo
     assert all(a["sim"][i] is None and a["weight"][i] == 0 for i in errors)
 
 
-def test_vectors_that_are_not_unit_length_are_renormalised_with_a_warning(tmp_path):
+def test_vectors_that_are_not_unit_length_are_renormalised_with_a_warning(tmp_path, caplog):
     left, right = _pairs(40, seed=2)
     np.save(tmp_path / "l.npy", left)
     np.save(tmp_path / "r.npy", right)
     np.save(tmp_path / "l3.npy", left * 3.0)
     np.save(tmp_path / "r3.npy", right * np.linspace(0.5, 2.0, 40)[:, None].astype(np.float32))
     unit = score_embeddings(open_embeddings([str(tmp_path / "l.npy"), str(tmp_path / "r.npy")]), tmp_path / "u.parquet", FIXED)
-    with pytest.warns(UserWarning, match="40 left and 39 right vectors were not unit length"):
+    with caplog.at_level(logging.WARNING, logger="pairclean"):  # pairclean's warning channel
         scaled = score_embeddings(open_embeddings([str(tmp_path / "l3.npy"), str(tmp_path / "r3.npy")]),
                                   tmp_path / "x.parquet", FIXED)
+    assert "40 left and 39 right vectors were not unit length" in caplog.text
     np.testing.assert_allclose(_read(tmp_path / "u.parquet")["sim"], _read(tmp_path / "x.parquet")["sim"], atol=1e-6)
     assert unit.summary["not_unit_left"] == 0 and scaled.summary["not_unit_left"] == 40
     assert read_provenance(tmp_path / "x.parquet")["renormalised"]["max_norm_deviation"] == pytest.approx(2.0, abs=1e-5)

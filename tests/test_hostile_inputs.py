@@ -368,7 +368,7 @@ def hostile_run(tmp_path_factory, coco_src):
     """One scoring run over six hostile shards (workers=0 keeps shard order = read order)."""
     import torch
 
-    from pairclean.backends.open_clip import build_estimator
+    from pairclean.backends import build_estimator
     from pairclean.scoring.model import ScoreConfig
 
     root = tmp_path_factory.mktemp("hostile")

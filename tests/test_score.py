@@ -151,7 +151,8 @@ def test_local_checkpoint_loads_through_open_clip_and_is_hashed(coco_shards, tmp
     import open_clip
     import torch
 
-    from pairclean.backends.open_clip import file_sha256, register_model_configs
+    from pairclean.backends.base import file_sha256
+    from pairclean.backends.open_clip import register_model_configs
 
     register_model_configs()
     torch.manual_seed(1)
@@ -169,12 +170,12 @@ def test_shards_smaller_than_half_a_batch_are_pointed_out(coco_src, fast_config,
     import logging
     from dataclasses import replace
 
-    from pairclean.backends import accel
+    from pairclean.ops import notices
     from pairclean.lab.coco import build_shards
 
     shards = tmp_path / "small"
     build_shards(coco_src, shards, shard_size=3)  # 6 shards of at most 3 pairs
-    accel._said.discard("small-shards")  # said at most once per process
+    notices._said.discard("small-shards")  # said at most once per process
     with caplog.at_level(logging.WARNING, logger="pairclean"):
         score(str(shards), tmp_path / "a.parquet", replace(fast_config, batch_size=4))
     assert "the shards hold" not in caplog.text  # 2.7 pairs per shard fill most of a 4-pair batch

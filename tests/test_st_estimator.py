@@ -12,7 +12,7 @@ import torch
 from pairclean.cli import main
 from pairclean.lab.coco_text import build_text_pairs, caption_pairs
 from pairclean.errors import UserError
-from pairclean.backends.open_clip import build_estimator, check_backend
+from pairclean.backends import build_estimator, check_backend
 from pairclean.scores.contract import read_provenance
 from pairclean.scoring.model import ScoreConfig, score
 from pairclean.scoring.parts import parts_dir_for

@@ -10,6 +10,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
+from conftest import text_pairs as _text_pairs
 from pairclean.lab.coco import build_shards
 from pairclean.errors import UserError
 from pairclean.data.manifest import open_dataset
@@ -20,7 +21,7 @@ from pairclean.train import METHODS, TrainConfig, build_method, train
 from pairclean.train import trainer as trainer_module
 from pairclean.train.data import index_shards
 from pairclean.train.logs import read_metrics
-from pairclean.train.models import load_target
+from pairclean.backends import load_target
 from pairclean.train.weights import build_weight_arrays
 
 
@@ -238,19 +239,6 @@ def test_cli_train_with_weights_then_evaluate(tmp_path, coco_shards, scores, cap
     with pytest.raises(SystemExit):
         main(["train", str(coco_shards), "--out", str(tmp_path / "x"), "--filter", "p_clean > 0.5"])
     assert "--scores FILE" in capsys.readouterr().err
-
-
-def _text_pairs(coco_src, out):
-    from pairclean.data.manifest import DatasetSpec, write_manifest
-    from pairclean.data.writer import write_shards
-
-    out.mkdir()
-    rows = [json.loads(line) for line in (coco_src / "pairs.jsonl").read_text().splitlines()]
-    write_shards(({"__key__": str(r["image_id"]), "txt": r["captions"][0], "txt2": r["captions"][1]} for r in rows),
-                 out, prefix="text", maxcount=8)
-    spec = DatasetSpec(format="webdataset", shards=[str(p) for p in sorted(out.glob("text-*.tar"))], pair="text-text")
-    write_manifest(out / "manifest.yaml", spec)
-    return out / "manifest.yaml"
 
 
 def test_sentence_transformer_target_trains_online_and_evaluates(tmp_path, coco_src):

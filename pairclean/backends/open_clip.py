@@ -1,112 +1,32 @@
-"""Estimators: frozen dual encoders that map the left and right items of pairs to unit vectors.
+"""The open_clip backend: any open_clip model as a frozen estimator (image and text) or a training target.
 
-The Estimator protocol is small so other backends can plug in: a picklable `preparer` (runs in
-DataLoader workers: decode + preprocess images, tokenise texts), `encode(modality, batch)` on the
-device, and `random_batch(modality, n, generator)` for the cone bias beta.
+A model is named by an open_clip architecture (pairclean's own tiny configs included) plus a
+pretrained tag, a local checkpoint file, or `none` (random init).
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
+import math
 import os
-from contextlib import nullcontext
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
-from pairclean.backends.accel import (CompiledOrEager, DeviceJpegDecoder, RawJpeg, collate_images, device_decodable,
-                             notice_once, supports_text_trim, bucketed_encode_text)
+from pairclean.backends.base import (Backend, autocast_context, file_sha256, frozen_copy, move_batch, pick_device,
+                                     random_vocabulary_texts, register_backend, resolve_precision)
+from pairclean.backends.compiled import CompiledOrEager
+from pairclean.backends.device_jpeg import DeviceJpegDecoder, RawJpeg, collate_images, device_decodable
+from pairclean.backends.text_trim import bucketed_encode_text, supports_text_trim
 from pairclean.data.decode import decode_image
 from pairclean.errors import UserError
+from pairclean.ops.atomic import atomic_path
+from pairclean.ops.notices import notice_once
 
 CONFIG_DIR = Path(__file__).parent / "model_configs"
-PRECISIONS = ("fp32", "bf16", "fp16")
 DECODES = ("fast", "exact", "gpu")
-
-
-class Preparer(Protocol):
-    def prepare(self, modality: str, value: Any) -> Any: ...
-    def collate(self, modality: str, items: list) -> Any: ...
-
-
-class Estimator(Protocol):
-    preparer: Preparer
-    device: torch.device
-
-    def encode(self, modality: str, batch: Any) -> torch.Tensor: ...
-    def random_batch(self, modality: str, n: int, generator: torch.Generator) -> Any: ...
-    def provenance(self) -> dict: ...
-
-
-def pick_device(requested: str = "auto") -> torch.device:
-    if requested == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(requested)
-    except RuntimeError as exc:
-        raise UserError(f"unknown device {requested!r}: {exc}") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise UserError(f"device {requested} requested but CUDA is not available")
-    return device
-
-
-def autocast_context(device: torch.device, precision: str):
-    """Autocast for bf16/fp16; fp16 only on CUDA (CPU fp16 matmuls are slow and lossy)."""
-    if precision not in PRECISIONS:
-        raise UserError(f"unknown precision {precision!r}; choose one of {', '.join(PRECISIONS)}")
-    if precision == "fp32":
-        return nullcontext()
-    if precision == "fp16" and device.type != "cuda":
-        raise UserError("--precision fp16 needs a CUDA device; use bf16 or fp32 on CPU")
-    dtype = torch.bfloat16 if precision == "bf16" else torch.float16
-    return torch.autocast(device_type=device.type, dtype=dtype)
-
-
-def cpu_bf16_native() -> bool:
-    """True when this CPU multiplies bf16 in hardware (AVX512-BF16 or AMX): bf16 autocast then
-    beats fp32; elsewhere oneDNN emulates it, usually slower than fp32."""
-    try:
-        with open("/proc/cpuinfo") as fh:
-            flags = next((line for line in fh if line.startswith("flags")), "").split()
-        if flags:
-            return "avx512_bf16" in flags or "amx_bf16" in flags
-    except OSError:
-        pass
-    try:  # not Linux: oneDNN's own check (true on some CPUs that only emulate bf16)
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    except (AttributeError, RuntimeError):
-        return False
-
-
-def resolve_precision(device: str | torch.device, precision: str) -> str:
-    """`auto` -> the fastest safe precision here: bf16 (or fp16) on CUDA, bf16 on CPUs with native
-    bf16, fp32 otherwise. Explicit choices pass through, with a notice when bf16 is emulated."""
-    device = device if isinstance(device, torch.device) else pick_device(device)
-    if precision == "auto":
-        if device.type == "cuda":
-            return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
-        return "bf16" if device.type == "cpu" and cpu_bf16_native() else "fp32"
-    autocast_context(device, precision)  # UserError for unknown / impossible combinations
-    if precision == "bf16" and device.type == "cpu" and not cpu_bf16_native():
-        notice_once("bf16-emulated", "this CPU has no native bf16 (AVX512-BF16/AMX): --precision bf16 is emulated "
-                                     "and probably slower than fp32")
-    return precision
-
-
-def file_sha256(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while block := fh.read(chunk):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def random_vocabulary_texts(words: list[str], n: int, generator: torch.Generator, max_words: int = 15) -> list[str]:
-    """n random texts of 1..max_words vocabulary entries: beta's random inputs for Hugging Face tokenizers."""
-    lengths = torch.randint(1, max_words + 1, (n,), generator=generator)
-    return [" ".join(words[i] for i in torch.randint(0, len(words), (int(k),), generator=generator)) for k in lengths]
 
 
 def register_model_configs() -> None:
@@ -115,6 +35,51 @@ def register_model_configs() -> None:
 
     if CONFIG_DIR.is_dir() and any(CONFIG_DIR.glob("*.json")):
         open_clip.add_model_config(CONFIG_DIR)
+
+
+class _BelowErrorFromOpenClip(logging.Filter):
+    def __init__(self):
+        super().__init__()
+        import open_clip
+
+        self.package = os.path.dirname(open_clip.__file__) + os.sep
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno >= logging.ERROR or not record.pathname.startswith(self.package)
+
+
+class _AsIfUnconfigured(logging.Handler):
+    """Stands in for a bare root logger's missing handler: a record no other handler took goes to
+    Python's last resort, as it would have without this one."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        logger = logging.getLogger(record.name)
+        while logger is not None and logger is not logging.root:
+            if logger.handlers:
+                return
+            logger = logger.parent if logger.propagate else None
+        if logging.lastResort is not None and record.levelno >= logging.lastResort.level:
+            logging.lastResort.handle(record)
+
+
+@contextmanager
+def _open_clip_logging_contained():
+    """open_clip logs through the root logger (`logging.info`, `logging.warning`, e.g. on purpose-made
+    random init), and on a root logger without handlers the first such call installs a stderr
+    handler for the whole process. While open_clip builds a model: drop its records below ERROR,
+    and keep root from being configured; afterwards the host's logging is exactly as it was."""
+    root = logging.getLogger()
+    quiet = _BelowErrorFromOpenClip()
+    placeholder = _AsIfUnconfigured() if not root.handlers else None
+    root.addFilter(quiet)
+    if placeholder is not None:
+        root.addHandler(placeholder)
+    try:
+        yield
+    finally:
+        if placeholder is not None:
+            root.removeHandler(placeholder)
+        root.removeFilter(quiet)
 
 
 class OpenClipPreparer:
@@ -163,6 +128,7 @@ def _plain_encode_text(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Te
 class OpenClipEstimator:
     """Any open_clip model: a pretrained tag, a local checkpoint file, or `none` (random init)."""
 
+    @_open_clip_logging_contained()
     def __init__(self, model: str = "ViT-B-32", pretrained: str = "openai", device: str = "auto",
                  precision: str = "fp32", decode: str = "fast", compile: bool = False):
         import open_clip
@@ -184,8 +150,8 @@ class OpenClipEstimator:
             tags = ", ".join(open_clip.list_pretrained_tags_by_model(model)) or "none"
             raise UserError(f"--pretrained {weights!r} is neither a file nor a tag of {model} (tags: {tags}); use a checkpoint path or `none`")
         try:
-            logging.getLogger().setLevel(logging.ERROR)  # open_clip warns on purpose-made random init
-            net, _, preprocess = open_clip.create_model_and_transforms(model, pretrained=weights, device=self.device, weights_only=True)
+            net, _, preprocess = open_clip.create_model_and_transforms(model, pretrained=weights, device=self.device,
+                                                                       weights_only=True)
         except UserError:
             raise
         except Exception as exc:
@@ -223,7 +189,7 @@ class OpenClipEstimator:
         self.decode = decode
         draft = self.image_size if decode in ("fast", "gpu") else None  # gpu: non-JPEGs still decode on CPU
         self.preparer = OpenClipPreparer(preprocess, self.tokenizer, draft, device_jpeg=self.device_decoder is not None)
-        # The text tower runs only up to each batch's longest caption when that is exact (see accel).
+        # The text tower runs only up to each batch's longest caption when that is exact (see text_trim).
         # The towers take the model as an argument: a copy of this estimator with another
         # `.model` (training's frozen online estimator) encodes with its own weights.
         self.text_trim = supports_text_trim(net)
@@ -276,31 +242,67 @@ class OpenClipEstimator:
                 "device": str(self.device), "decode": self.decode, "image_size": self.image_size,
                 "image_mean": self.mean, "image_std": self.std}
 
-
-BACKEND_MODALITIES = {"open_clip": ("image", "text"), "sentence-transformers": ("text",)}
-BACKEND_DEFAULT_MODEL = {"open_clip": "ViT-B-32", "sentence-transformers": "all-MiniLM-L6-v2"}
-BACKEND_ALIASES = {"open-clip": "open_clip", "openclip": "open_clip", "sentence_transformers": "sentence-transformers",
-                   "st": "sentence-transformers"}
-
-
-def check_backend(backend: str, needed: tuple[str, ...] = ()) -> str:
-    """The canonical backend name; UserError if unknown or if it cannot encode a needed modality."""
-    name = BACKEND_ALIASES.get(backend, backend)
-    if name not in BACKEND_MODALITIES:
-        raise UserError(f"unknown backend {backend!r}; choose {' or '.join(BACKEND_MODALITIES)}")
-    missing = [m for m in dict.fromkeys(needed) if m not in BACKEND_MODALITIES[name]]
-    if missing:
-        raise UserError(f"the {name} backend cannot encode {', '.join(missing)}: "
-                        f"it encodes {', '.join(BACKEND_MODALITIES[name])} only")
-    return name
+    def input_signature(self) -> tuple:
+        """Image size and normalisation, tokenizer class and context length."""
+        return ("open_clip", self.image_size, tuple(self.mean), tuple(self.std), type(self.tokenizer),
+                getattr(self.tokenizer, "context_length", None))
 
 
-def build_estimator(backend: str = "open_clip", **kwargs) -> Estimator:
-    name = check_backend(backend)
-    if name == "sentence-transformers":
-        from pairclean.backends.sentence_transformers import SentenceTransformerEstimator
+class OpenClipTarget:
+    """An open_clip model (pretrained tag, local checkpoint, or `none` = random init) under training."""
 
-        return SentenceTransformerEstimator(model=kwargs.get("model", "all-MiniLM-L6-v2"),
-                                            device=kwargs.get("device", "auto"),
-                                            precision=kwargs.get("precision", "fp32"))
-    return OpenClipEstimator(**kwargs)
+    backend = "open_clip"
+
+    def __init__(self, model: str, pretrained: str, device: str = "auto", temperature: float | None = None):
+        self.estimator = OpenClipEstimator(model=model, pretrained=pretrained, device=device, precision="fp32")
+        self.module = self.estimator.model
+        self.module.requires_grad_(True).train()
+        self.device = self.estimator.device
+        self.preparer = self.estimator.preparer
+        self.temperature = temperature
+        if temperature is not None:  # a fixed temperature replaces the learned one
+            self.module.logit_scale.requires_grad_(False)
+            with torch.no_grad():
+                self.module.logit_scale.fill_(math.log(1.0 / temperature))
+
+    def encode(self, modality: str, batch: torch.Tensor) -> torch.Tensor:
+        batch = move_batch(batch, self.device)
+        out = self.module.encode_image(batch) if modality == "image" else self.module.encode_text(batch)
+        return torch.nn.functional.normalize(out.float(), dim=-1)
+
+    def logit_scale(self) -> torch.Tensor:
+        return self.module.logit_scale.exp().clamp(max=100.0)  # CLIP's clamp at 100
+
+    def frozen_estimator(self) -> OpenClipEstimator:
+        return frozen_copy(self.estimator, self.module)
+
+    def export(self, path: Path) -> Path:
+        """A plain state_dict: `open_clip.create_model_and_transforms(name, pretrained=path)` loads it."""
+        path = Path(path).with_suffix(".pt")
+        with atomic_path(path) as tmp:
+            torch.save(self.module.state_dict(), tmp)
+        return path
+
+    def describe(self) -> dict:
+        return {"backend": self.backend, "model": self.estimator.model_name, "pretrained": self.estimator.pretrained,
+                "temperature": self.temperature, "image_size": self.estimator.image_size}
+
+
+@register_backend
+class OpenClipBackend(Backend):
+    name = "open_clip"
+    modalities = ("image", "text")
+    default_model = "ViT-B-32"
+    aliases = ("open-clip", "openclip")
+
+    @classmethod
+    def estimator(cls, model: str, **options) -> OpenClipEstimator:
+        return OpenClipEstimator(model, **options)
+
+    @classmethod
+    def target(cls, model: str, pretrained: str, device: str, temperature: float | None) -> OpenClipTarget:
+        return OpenClipTarget(model, pretrained, device=device, temperature=temperature)
+
+    @classmethod
+    def exported(cls, description: dict, weights: Path, device: str) -> OpenClipTarget:
+        return OpenClipTarget(description["model"], str(weights), device=device)

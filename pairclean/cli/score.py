@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import warnings
 from pathlib import Path
 from typing import List, Optional
 
@@ -10,7 +9,7 @@ import typer
 from rich.table import Table
 
 from pairclean.cli.progress import RichProgress
-from pairclean.cli import app, console, err_console
+from pairclean.cli import app, console, options
 from pairclean.scores.rules import DEFAULT_RULES, REGISTRY
 
 RULE_HELP = "; ".join(f"{name}" + (f" ({', '.join(cls.OPTIONS)})" if cls.OPTIONS else "") + f": {cls.__doc__.split(chr(10))[0]}"
@@ -42,38 +41,38 @@ def summary_table(result) -> Table:
 
 @app.command("score")
 def score_command(
-    source: List[str] = typer.Argument(..., help="Shards: directory, glob, brace pattern, list file, Parquet files, or a manifest YAML."),
+    source: options.Source,
     out: Path = typer.Option(..., "--out", "-o", help="Scores Parquet to write."),
     model: Optional[str] = typer.Option(None, help="open_clip model name or pairclean tiny config (default ViT-B-32); "
                                                    "sentence-transformers: name or local directory (default all-MiniLM-L6-v2)."),
-    backend: str = typer.Option("open_clip", help="Estimator: open_clip (images and text) or sentence-transformers (text-text pairs)."),
-    pretrained: str = typer.Option("openai", help="Pretrained tag, local checkpoint path, or 'none' (random init)."),
-    pair: Optional[str] = typer.Option(None, help="Pair kind: image-text, text-text, image-label, image-image."),
-    device: str = typer.Option("auto", help="auto, cpu, cuda, cuda:1 ..."),
-    precision: str = typer.Option("fp32", help="fp32, bf16 (autocast), fp16 (CUDA only), or auto (bf16/fp16 on CUDA, bf16 on CPUs with native bf16, else fp32)."),
-    decode: str = typer.Option("fast", help="fast (JPEG draft decode at model size), exact, or gpu (JPEGs decoded on the CUDA device; CPU workers otherwise)."),
-    compile: bool = typer.Option(False, "--compile", help="torch.compile the model (first batches slower; falls back to eager if compiling fails)."),
-    beta_cache: bool = typer.Option(True, help="Reuse a random-inputs beta computed before for the same weights, K and seed."),
+    backend: options.Backend = "open_clip",
+    pretrained: options.Pretrained = "openai",
+    pair: options.Pair = None,
+    device: options.Device = "auto",
+    precision: options.Precision = "fp32",
+    decode: options.Decode = "fast",
+    compile: options.Compile = False,
+    beta_cache: options.BetaCache = True,
     batch_size: int = typer.Option(256, help="Pairs per forward pass."),
     workers: int = typer.Option(2, help="DataLoader workers decoding and tokenising."),
-    beta_mode: str = typer.Option("random-inputs", help="random-inputs, shuffled, or fixed."),
+    beta_mode: options.BetaMode = "random-inputs",
     beta: Optional[float] = typer.Option(None, help="beta value for --beta-mode fixed."),
-    beta_k: int = typer.Option(1024, help="K random inputs per side for --beta-mode random-inputs."),
+    beta_k: options.BetaK = 1024,
     weight_fn: str = typer.Option("cubic", help="cubic, linear, cosine, official."),
     seed: int = typer.Option(0, help="Seed for beta's random inputs and the GMM."),
     gmm_sample: int = typer.Option(1_000_000, help="Fit the GMM (and every decision rule) on at most this many similarities."),
     rule: Optional[List[str]] = typer.Option(None, "--rule", help="Also decide with this rule, NAME[:key=value,...] "
                                              "(repeatable; beta and gmm always run): " + RULE_HELP),
-    image_field: Optional[str] = typer.Option(None, help="Image member extensions (';'-separated) or Parquet bytes column."),
-    image_path_field: Optional[str] = typer.Option(None, help="Parquet column of image paths relative to the file."),
-    text_field: Optional[str] = typer.Option(None, help="Caption member extension or Parquet column."),
-    json_text_key: Optional[str] = typer.Option(None, help="Caption key inside a json member."),
-    key_field: Optional[str] = typer.Option(None, help="Parquet id column."),
-    text2_field: Optional[str] = typer.Option(None, help="text-text pairs: second text member or Parquet column."),
-    image2_field: Optional[str] = typer.Option(None, help="image-image pairs: second image member extensions or Parquet bytes column."),
-    image2_path_field: Optional[str] = typer.Option(None, help="image-image pairs: Parquet column of second-image paths."),
-    label_field: Optional[str] = typer.Option(None, help="image-label pairs: label member or Parquet column."),
-    label_template: Optional[str] = typer.Option(None, help='image-label pairs: the sentence a label becomes (default "This is a picture of {label}.").'),
+    image_field: options.ImageField = None,
+    image_path_field: options.ImagePathField = None,
+    text_field: options.TextField = None,
+    json_text_key: options.JsonTextKey = None,
+    key_field: options.KeyField = None,
+    text2_field: options.Text2Field = None,
+    image2_field: options.Image2Field = None,
+    image2_path_field: options.Image2PathField = None,
+    label_field: options.LabelField = None,
+    label_template: options.LabelTemplate = None,
     from_embeddings: bool = typer.Option(False, "--from-embeddings", help="SOURCE holds precomputed embeddings (clip-retrieval output "
                                          "directory, LEFT.npy RIGHT.npy, or Parquet with two embedding columns): no model is run."),
     embedding_layout: str = typer.Option("auto", help="--from-embeddings: auto, clip-retrieval, numpy or parquet."),
@@ -84,11 +83,10 @@ def score_command(
                                                           "in any of the layouts (repeat for two .npy files); beta = their mean cross cosine."),
     overwrite: bool = typer.Option(False, help="Replace an existing output (and discard an unfinished run)."),
     resume: bool = typer.Option(False, help="Continue an unfinished run, failing if there is none (re-running the same command resumes anyway)."),
-    allow_pipe: bool = typer.Option(False, help="Allow `pipe:` shard URLs, which run shell commands."),
+    allow_pipe: options.AllowPipe = False,
 ) -> None:
     """Score every pair: cosine, cone bias beta, OSA weight, GMM p_clean -> Parquet."""
-    from pairclean.backends.open_clip import BACKEND_DEFAULT_MODEL, check_backend
-    from pairclean.data.manifest import Fields, open_dataset
+    from pairclean.backends import check_backend, default_model
     from pairclean.scoring.model import ScoreConfig, score
 
     rules = (*DEFAULT_RULES, *(rule or ()))
@@ -98,24 +96,16 @@ def score_command(
         spec = open_embeddings(source, embedding_layout, pair, left_emb_field, right_emb_field, key_field, keys)
         rand = open_embeddings(random_embeddings, left_field=left_emb_field, right_field=right_emb_field) \
             if random_embeddings else None
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            result = score_embeddings(spec, out, EmbeddingScoreConfig(
-                beta_mode=beta_mode, beta=beta, random_embeddings=rand, weight_fn=weight_fn, seed=seed,
-                gmm_sample=gmm_sample, rules=rules, overwrite=overwrite, resume=resume, progress=RichProgress(console)))
+        result = score_embeddings(spec, out, EmbeddingScoreConfig(
+            beta_mode=beta_mode, beta=beta, random_embeddings=rand, weight_fn=weight_fn, seed=seed,
+            gmm_sample=gmm_sample, rules=rules, overwrite=overwrite, resume=resume, progress=RichProgress(console)))
         console.print(summary_table(result))
-        for w in caught:
-            err_console.print(f"[yellow]warning:[/yellow] {w.message}", highlight=False, soft_wrap=True)
         return
-    overrides = {k: v for k, v in {"image": image_field, "image_path": image_path_field, "text": text_field,
-                                   "json_text_key": json_text_key, "key": key_field, "text2": text2_field,
-                                   "image2": image2_field, "image2_path": image2_path_field,
-                                   "label": label_field}.items() if v is not None}
-    spec = open_dataset(source, pair=pair, allow_pipe=allow_pipe, label_template=label_template)
-    if overrides:
-        spec.fields = Fields(**{**spec.fields.__dict__, **overrides})
+    spec = options.dataset(source, pair, allow_pipe, label_template, image=image_field, image_path=image_path_field,
+                           text=text_field, json_text_key=json_text_key, key=key_field, text2=text2_field,
+                           image2=image2_field, image2_path=image2_path_field, label=label_field)
     backend = check_backend(backend)
-    cfg = ScoreConfig(model=model or BACKEND_DEFAULT_MODEL[backend], backend=backend, pretrained=pretrained,
+    cfg = ScoreConfig(model=model or default_model(backend), backend=backend, pretrained=pretrained,
                       device=device, precision=precision, decode=decode,
                       batch_size=batch_size, workers=workers, beta_mode=beta_mode, beta=beta, beta_k=beta_k,
                       weight_fn=weight_fn, seed=seed, gmm_sample=gmm_sample, rules=rules, overwrite=overwrite, resume=resume,

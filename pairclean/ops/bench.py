@@ -32,11 +32,14 @@ from pathlib import Path
 import torch
 from PIL import Image
 
-from pairclean.backends.accel import OomBackoff, text_buckets
+from pairclean.backends import build_estimator, check_backend
+from pairclean.backends.base import autocast_context, resolve_precision
+from pairclean.backends.oom import OomBackoff
 from pairclean.ops.atomic import write_json
 from pairclean.ops.progress import SILENT, Progress
 from pairclean.errors import ConfigError, UserError
-from pairclean.backends.open_clip import OpenClipEstimator, autocast_context, build_estimator, check_backend, resolve_precision
+from pairclean.backends.open_clip import OpenClipEstimator
+from pairclean.backends.text_trim import text_buckets
 from pairclean.data.manifest import DatasetSpec, open_dataset
 from pairclean.scoring.model import ModelProducer, ScoreConfig, score
 from pairclean.data.reader import UnitFailure, list_units, modalities, read_unit
@@ -530,7 +533,7 @@ def bench_score(source: str | list[str] | DatasetSpec, cfg: ScoreConfig, naive_p
             naive = measure_naive(estimator, spec, cfg.batch_size, naive_pairs)
             rounds.append(BenchRound(ceiling, e2e, naive))
     config = {"model": cfg.model, "pretrained": cfg.pretrained, "backend": cfg.backend,
-              "device": str(estimator.device), "precision": estimator.precision if hasattr(estimator, "precision") else cfg.precision,
+              "device": str(estimator.device), "precision": estimator.precision,
               "batch_size": cfg.batch_size, "workers": cfg.workers, "decode": getattr(estimator, "decode", cfg.decode),
               "compile": cfg.compile, "text_trim": getattr(estimator, "text_trim", False),
               "torch_threads": torch.get_num_threads(), "cpu_count": os.cpu_count(), "torch": torch.__version__,

@@ -23,7 +23,6 @@ from __future__ import annotations
 import os
 import re
 import threading
-import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,6 +39,7 @@ from pairclean.core.beta import BETA_MODES, BetaEstimate, ShuffledAccumulator
 from pairclean.data.manifest import PAIR_KINDS
 from pairclean.data.units import Unit
 from pairclean.errors import ConfigError, UserError
+from pairclean.ops.notices import notice
 from pairclean.scoring.run import Commit, Producer, RunConfig, ScoreResult, run_scoring
 
 LAYOUTS = ("clip-retrieval", "numpy", "parquet")
@@ -640,8 +640,8 @@ class EmbeddingsProducer(Producer):
         not_unit = {side: sum(records[u].get(f"not_unit_{side}", 0) for u in units) for side in ("left", "right")}
         deviation = max((records[u].get("max_norm_deviation", 0.0) for u in units), default=0.0)
         if not_unit["left"] or not_unit["right"]:
-            warnings.warn(f"{not_unit['left']:,} left and {not_unit['right']:,} right vectors were not unit length "
-                          f"(largest |norm - 1| = {deviation:.3g}); they were re-normalised", stacklevel=2)
+            notice(f"{not_unit['left']:,} left and {not_unit['right']:,} right vectors were not unit length "
+                   f"(largest |norm - 1| = {deviation:.3g}); they were re-normalised")
         spec = self.spec
         estimator = {"backend": "precomputed-embeddings", "layout": spec.layout, "embedding_dim": spec.dim,
                      "dtype": sorted({n.dtype for n in spec.npy}) or None}

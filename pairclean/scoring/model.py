@@ -17,8 +17,12 @@ import torch
 import webdataset as wds
 from torch.utils.data import DataLoader, IterableDataset
 
-from pairclean.backends.accel import OomBackoff, finish_batch, notice_once, steady_worker_memory
-from pairclean.backends.open_clip import build_estimator, check_backend, resolve_precision
+from pairclean.backends import build_estimator, check_backend
+from pairclean.backends.base import resolve_precision
+from pairclean.backends.device_jpeg import finish_batch
+from pairclean.backends.oom import OomBackoff
+from pairclean.ops.notices import notice_once
+from pairclean.ops.worker_memory import steady_worker_memory
 from pairclean.config import unpinned
 from pairclean.core.beta import BetaCache, BetaEstimate, ShuffledAccumulator, cached_random_input_beta
 from pairclean.data.manifest import DatasetSpec, open_dataset

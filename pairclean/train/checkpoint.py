@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from pairclean.backends import export_name
 from pairclean.ops.atomic import atomic_path
 from pairclean.errors import UserError
 
@@ -33,7 +34,7 @@ def epoch_model_name(epoch: int) -> str:
 
 
 def model_path(run_dir: Path, stem: str, backend: str) -> Path:
-    return Path(run_dir) / (stem if backend == "sentence-transformers" else f"{stem}.pt")
+    return Path(run_dir) / export_name(stem, backend)
 
 
 def rng_state() -> dict:

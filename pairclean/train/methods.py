@@ -25,12 +25,11 @@ import torch
 from pairclean.ops import distributed
 from pairclean.core.beta import check_beta_mode, random_input_beta, resolve_beta
 from pairclean.errors import UserError
-from pairclean.backends.open_clip import OpenClipEstimator, build_estimator, check_backend
+from pairclean.backends import build_estimator, resolve_backend
 from pairclean.data.manifest import DatasetSpec
 from pairclean.core.scorer import WEIGHT_FUNCTIONS, cone_weight, debias, normalised_weight
 from pairclean.train.data import BatchPlan, ShardInfo
 from pairclean.train.loss import REDUCTIONS, weighted_infonce
-from pairclean.train.models import is_sentence_transformer
 from pairclean.train.weights import JOINS, ON_MISSING, build_weight_arrays
 
 
@@ -270,12 +269,9 @@ class OsaOnlineOptions:
 
 
 def _same_inputs(a, b) -> bool:
-    """Whether two open_clip models take the same prepared tensors (size, normalisation, tokenizer)."""
-    if not (isinstance(a, OpenClipEstimator) and isinstance(b, OpenClipEstimator)):
-        return False
-    ta, tb = a.tokenizer, b.tokenizer
-    return (a.image_size, a.mean, a.std) == (b.image_size, b.mean, b.std) and type(ta) is type(tb) and \
-        getattr(ta, "context_length", None) == getattr(tb, "context_length", None)
+    """Whether two estimators take the same prepared inputs (see Estimator.input_signature)."""
+    signature = a.input_signature()
+    return signature is not None and signature == b.input_signature()
 
 
 @register_method
@@ -302,10 +298,7 @@ class OsaOnline(Method):
         if o.estimator_model is None:
             self.estimator = target.frozen_estimator()
         else:
-            backend = o.estimator_backend
-            if backend == "auto":
-                backend = "sentence-transformers" if is_sentence_transformer(o.estimator_model) else "open_clip"
-            check_backend(backend, (ctx.left, ctx.right))
+            backend = resolve_backend(o.estimator_backend, o.estimator_model, (ctx.left, ctx.right))
             torch.manual_seed(ctx.seed)  # a randomly initialised estimator is then reproducible
             self.estimator = build_estimator(backend, model=o.estimator_model, pretrained=o.estimator_pretrained,
                                              device=str(target.device))

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from torch.utils.data import DataLoader
 
-from pairclean.backends.accel import steady_worker_memory
+from pairclean.ops.worker_memory import steady_worker_memory
 from pairclean.errors import UserError
 from pairclean.data.manifest import DatasetSpec, open_dataset
 from pairclean.data.reader import modalities
@@ -116,20 +116,16 @@ def load_trained(model: str | Path, arch: str | None = None, device: str = "auto
     """A model to evaluate: a `pairclean train` run directory or checkpoint, a sentence-transformers
     directory or bundled name, or (with `arch`) an open_clip checkpoint path or pretrained tag."""
     from pairclean.train.checkpoint import resolve_trained_model
-    from pairclean.train.models import is_sentence_transformer, load_target
+    from pairclean.backends import detect_backend, load_exported, load_target
 
     path = Path(model)
     if arch is not None:
         target = load_target(arch, pretrained=str(model), backend="open_clip", device=device)
-    elif not path.exists() and is_sentence_transformer(str(model)):  # e.g. all-MiniLM-L6-v2, untrained
+    elif not path.exists() and detect_backend(str(model)) == "sentence-transformers":  # e.g. all-MiniLM-L6-v2, untrained
         target = load_target(str(model), backend="sentence-transformers", device=device)
     else:
         desc, weights = resolve_trained_model(path)
-        if desc["backend"] == "sentence-transformers":
-            target = load_target(str(weights), backend="sentence-transformers", device=device,
-                                 temperature=desc.get("temperature"))
-        else:
-            target = load_target(desc["model"], pretrained=str(weights), backend="open_clip", device=device)
+        target = load_exported(desc, weights, device=device)
     target.module.eval()
     return target
 

@@ -23,10 +23,11 @@ from torch.utils.data import DataLoader
 from pairclean.config import pinned_settings, unpinned
 from pairclean.ops import distributed
 from pairclean.ops.progress import SILENT, Progress
-from pairclean.backends.accel import steady_worker_memory
+from pairclean.ops.worker_memory import steady_worker_memory
 from pairclean.ops.atomic import write_json
 from pairclean.errors import ConfigError, UserError
-from pairclean.backends.open_clip import PRECISIONS, autocast_context, check_backend
+from pairclean.backends import check_backend, load_target
+from pairclean.backends.base import PRECISIONS, autocast_context
 from pairclean.data.manifest import DatasetSpec, open_dataset
 from pairclean.train.retrieval import evaluate_target
 from pairclean.data.reader import modalities
@@ -35,7 +36,6 @@ from pairclean.train.checkpoint import (BEST, RUN_FILE, STATE_FILE, epoch_model_
 from pairclean.train.data import TrainBatches, index_shards
 from pairclean.train.methods import Embeddings, MethodContext, build_method
 from pairclean.train.logs import DiagnosticsWriter, MetricsLog
-from pairclean.train.models import load_target
 
 
 

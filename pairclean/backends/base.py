@@ -1,0 +1,248 @@
+"""What an encoder backend is, and the one registry that dispatches to backends.
+
+A backend is one registered `Backend` class: it names the modalities it encodes, its default
+model, its aliases and how `auto` recognises its models, and it builds both the frozen
+`Estimator` (scoring, beta, online OSA) and the trainable `Target` (`pairclean train`,
+retrieval evaluation) of one model. `check_backend`, `resolve_backend`, `build_estimator`,
+`load_target` and `load_exported` are the only places that choose a backend. Helpers every backend shares (device,
+precision, autocast, checkpoint hashes, random texts for beta) live here, so backend modules
+import this one and never each other.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import os
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Any, ClassVar, Protocol
+
+import torch
+
+from pairclean.errors import UserError
+from pairclean.ops.notices import notice_once
+
+PRECISIONS = ("fp32", "bf16", "fp16")
+FALLBACK_BACKEND = "open_clip"  # what `auto` picks when no backend recognises the model: open_clip names look like anything
+
+
+class Preparer(Protocol):
+    """Runs in DataLoader workers (so it must pickle): decode + preprocess images, tokenise texts."""
+
+    def prepare(self, modality: str, value: Any) -> Any: ...
+    def collate(self, modality: str, items: list) -> Any: ...
+
+
+class Estimator(Protocol):
+    """A frozen dual encoder that maps each side of a pair to unit vectors."""
+
+    device: torch.device
+    precision: str
+    preparer: Preparer
+    model: torch.nn.Module  # the weights: the beta cache fingerprints them, training copies them
+    device_decoder: Any  # a DeviceJpegDecoder when JPEGs are decoded on the device (--decode gpu), else None
+
+    def encode(self, modality: str, batch: Any) -> torch.Tensor: ...
+    def random_batch(self, modality: str, n: int, generator: torch.Generator) -> Any: ...
+    def provenance(self) -> dict: ...
+
+    def input_signature(self) -> tuple | None:
+        """What the prepared inputs depend on; two estimators with the same signature (not None)
+        take the same collated batches, so a second one needs no preparer of its own."""
+        ...
+
+
+class Target(Protocol):
+    """A dual encoder under training: what the trainer, the loss and retrieval evaluation use."""
+
+    backend: str
+    device: torch.device
+    preparer: Preparer
+    module: torch.nn.Module  # the trained weights (optimiser, DDP, checkpoints)
+    estimator: Estimator  # the estimator around `module`: its preparer and input signature
+
+    def encode(self, modality: str, batch: Any) -> torch.Tensor: ...
+    def logit_scale(self) -> torch.Tensor: ...
+    def frozen_estimator(self) -> Estimator: ...
+    def export(self, path: Path) -> Path: ...
+    def describe(self) -> dict: ...
+
+
+class Backend:
+    """One encoder family. Subclass, fill in the class attributes, and decorate with `register_backend`."""
+
+    name: ClassVar[str]
+    modalities: ClassVar[tuple[str, ...]]
+    default_model: ClassVar[str]
+    aliases: ClassVar[tuple[str, ...]] = ()
+    export_suffix: ClassVar[str] = ".pt"  # what the target's export adds to a model's name ("": a directory)
+
+    @classmethod
+    def detects(cls, model: str) -> bool:
+        """Whether `--backend auto` should choose this backend for `model`."""
+        return False
+
+    @classmethod
+    def estimator(cls, model: str, **options) -> Estimator:
+        """The frozen estimator; options: pretrained, device, precision, decode, compile."""
+        raise NotImplementedError(f"the {cls.name} backend builds no estimator")
+
+    @classmethod
+    def target(cls, model: str, pretrained: str, device: str, temperature: float | None) -> Target:
+        """The trainable target (temperature None: the backend's own)."""
+        raise NotImplementedError(f"the {cls.name} backend builds no training target")
+
+    @classmethod
+    def exported(cls, description: dict, weights: Path, device: str) -> Target:
+        """The target a `pairclean train` run exported to `weights`, from the run's `target` description."""
+        raise NotImplementedError(f"the {cls.name} backend reloads no trained model")
+
+
+BACKENDS: dict[str, type[Backend]] = {}
+
+
+def register_backend(cls: type[Backend]) -> type[Backend]:
+    BACKENDS[cls.name] = cls
+    return cls
+
+
+def _canonical(backend: str) -> str | None:
+    if backend in BACKENDS:
+        return backend
+    return next((name for name, cls in BACKENDS.items() if backend in cls.aliases), None)
+
+
+def check_backend(backend: str, needed: tuple[str, ...] = ()) -> str:
+    """The canonical backend name; UserError if unknown or if it cannot encode a needed modality."""
+    name = _canonical(backend)
+    if name is None:
+        raise UserError(f"unknown backend {backend!r}; choose {' or '.join(BACKENDS)}")
+    encodes = BACKENDS[name].modalities
+    missing = [m for m in dict.fromkeys(needed) if m not in encodes]
+    if missing:
+        raise UserError(f"the {name} backend cannot encode {', '.join(missing)}: it encodes {', '.join(encodes)} only")
+    return name
+
+
+def detect_backend(model: str) -> str:
+    """The backend that recognises `model` (a directory, a bundled name, ...), else open_clip."""
+    return next((name for name, cls in BACKENDS.items() if cls.detects(model)), FALLBACK_BACKEND)
+
+
+def resolve_backend(backend: str, model: str, needed: tuple[str, ...] = ()) -> str:
+    """check_backend, with `auto` chosen from the model."""
+    return check_backend(detect_backend(model) if backend == "auto" else backend, needed)
+
+
+def default_model(backend: str) -> str:
+    return BACKENDS[check_backend(backend)].default_model
+
+
+def build_estimator(backend: str = FALLBACK_BACKEND, model: str | None = None, **options) -> Estimator:
+    """The frozen estimator of `model` (None: the backend's default model)."""
+    cls = BACKENDS[check_backend(backend)]
+    return cls.estimator(model or cls.default_model, **options)
+
+
+def load_target(model: str, pretrained: str = "none", backend: str = "auto", device: str = "auto",
+                temperature: float | None = None) -> Target:
+    """The model to train; `auto` recognises the backend from the model."""
+    if temperature is not None and temperature <= 0:
+        raise UserError("--temperature must be positive")
+    return BACKENDS[resolve_backend(backend, model)].target(model, pretrained, device, temperature)
+
+
+def load_exported(description: dict, weights: str | os.PathLike, device: str = "auto") -> Target:
+    """A model `pairclean train` exported, by the backend its run recorded."""
+    return BACKENDS[check_backend(description["backend"])].exported(description, Path(weights), device)
+
+
+def export_name(stem: str, backend: str) -> str:
+    """The file or directory name the backend's target exports a model called `stem` to."""
+    return stem + BACKENDS[check_backend(backend)].export_suffix
+
+
+# ---------------------------------------------------------------- shared by the backends
+
+def pick_device(requested: str = "auto") -> torch.device:
+    if requested == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(requested)
+    except RuntimeError as exc:
+        raise UserError(f"unknown device {requested!r}: {exc}") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise UserError(f"device {requested} requested but CUDA is not available")
+    return device
+
+
+def autocast_context(device: torch.device, precision: str):
+    """Autocast for bf16/fp16; fp16 only on CUDA (CPU fp16 matmuls are slow and lossy)."""
+    if precision not in PRECISIONS:
+        raise UserError(f"unknown precision {precision!r}; choose one of {', '.join(PRECISIONS)}")
+    if precision == "fp32":
+        return nullcontext()
+    if precision == "fp16" and device.type != "cuda":
+        raise UserError("--precision fp16 needs a CUDA device; use bf16 or fp32 on CPU")
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float16
+    return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+def cpu_bf16_native() -> bool:
+    """True when this CPU multiplies bf16 in hardware (AVX512-BF16 or AMX): bf16 autocast then
+    beats fp32; elsewhere oneDNN emulates it, usually slower than fp32."""
+    try:
+        with open("/proc/cpuinfo") as fh:
+            flags = next((line for line in fh if line.startswith("flags")), "").split()
+        if flags:
+            return "avx512_bf16" in flags or "amx_bf16" in flags
+    except OSError:
+        pass
+    try:  # not Linux: oneDNN's own check (true on some CPUs that only emulate bf16)
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def resolve_precision(device: str | torch.device, precision: str) -> str:
+    """`auto` -> the fastest safe precision here: bf16 (or fp16) on CUDA, bf16 on CPUs with native
+    bf16, fp32 otherwise. Explicit choices pass through, with a notice when bf16 is emulated."""
+    device = device if isinstance(device, torch.device) else pick_device(device)
+    if precision == "auto":
+        if device.type == "cuda":
+            return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
+        return "bf16" if device.type == "cpu" and cpu_bf16_native() else "fp32"
+    autocast_context(device, precision)  # UserError for unknown / impossible combinations
+    if precision == "bf16" and device.type == "cpu" and not cpu_bf16_native():
+        notice_once("bf16-emulated", "this CPU has no native bf16 (AVX512-BF16/AMX): --precision bf16 is emulated "
+                                     "and probably slower than fp32")
+    return precision
+
+
+def file_sha256(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while block := fh.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def random_vocabulary_texts(words: list[str], n: int, generator: torch.Generator, max_words: int = 15) -> list[str]:
+    """n random texts of 1..max_words vocabulary entries: beta's random inputs for Hugging Face tokenizers."""
+    lengths = torch.randint(1, max_words + 1, (n,), generator=generator)
+    return [" ".join(words[i] for i in torch.randint(0, len(words), (int(k),), generator=generator)) for k in lengths]
+
+
+def move_batch(batch: Any, device: torch.device) -> Any:
+    """A collated batch (a tensor, or a dict of tensors) on `device`."""
+    if isinstance(batch, dict):
+        return {k: move_batch(v, device) for k, v in batch.items()}
+    return batch.to(device, non_blocking=True) if isinstance(batch, torch.Tensor) else batch
+
+
+def frozen_copy(estimator: Estimator, module: torch.nn.Module) -> Estimator:
+    """The estimator around a frozen copy of `module` as it is now (the official OSA code's online estimator)."""
+    frozen = copy.copy(estimator)
+    frozen.model = copy.deepcopy(module).eval().requires_grad_(False)
+    return frozen

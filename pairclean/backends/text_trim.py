@@ -1,0 +1,67 @@
+"""Exact text trimming for open_clip's CLIP text tower: encode only up to each batch's longest caption."""
+
+from __future__ import annotations
+
+import torch
+
+
+def supports_text_trim(model: torch.nn.Module) -> bool:
+    """True for open_clip's CLIP text tower with causal attention and EOT (argmax) pooling.
+
+    There the EOT position only sees the tokens before it, so padding after the longest
+    caption of a batch can be cut without changing any output.
+    """
+    try:
+        from open_clip.model import CLIP
+    except ImportError:  # pragma: no cover - open_clip is a dependency
+        return False
+    if not isinstance(model, CLIP) or type(model).encode_text is not CLIP.encode_text:
+        return False
+    mask = getattr(model, "attn_mask", None)
+    if model.text_pool_type != "argmax" or mask is None or mask.dim() != 2:
+        return False
+    causal = torch.full_like(mask, float("-inf")).triu(1)
+    return bool(torch.equal(mask, causal))
+
+
+def trimmed_encode_text(model: torch.nn.Module, text: torch.Tensor) -> torch.Tensor:
+    """open_clip CLIP.encode_text over the first L positions, L = the last EOT of the batch + 1."""
+    from open_clip.transformer import text_global_pool
+
+    length = int(text.argmax(dim=-1).max()) + 1
+    text = text[:, :length]
+    cast_dtype = model.transformer.get_cast_dtype()
+    x = model.token_embedding(text).to(cast_dtype)
+    x = x + model.positional_embedding[:length].to(cast_dtype)
+    x = model.transformer(x, attn_mask=model.attn_mask[:length, :length])
+    x = model.ln_final(x)
+    x = text_global_pool(x, text, model.text_pool_type)
+    if model.text_projection is not None:
+        x = model.text_projection(x) if isinstance(model.text_projection, torch.nn.Linear) else x @ model.text_projection
+    return x
+
+
+def text_buckets(text: torch.Tensor, buckets: int = 4, min_rows: int = 128) -> list[torch.Tensor]:
+    """Row indices in up to `buckets` groups of similar caption length, at least `min_rows` each:
+    smaller groups make each op too small to pay for its own dispatch and thread sync (measured
+    on 2 CPU threads: 4 groups of 16 captions cost 2.2x the CPU of one trimmed batch of 64)."""
+    parts = min(buckets, max(1, text.shape[0] // min_rows))
+    if parts == 1:
+        return [torch.arange(text.shape[0], device=text.device)]
+    return list(text.argmax(dim=-1).argsort().tensor_split(parts))
+
+
+def bucketed_encode_text(model: torch.nn.Module, text: torch.Tensor) -> torch.Tensor:
+    """trimmed_encode_text per bucket of captions sorted by length, each cut at its own longest
+    caption: in a large batch one long caption no longer sets the length for all. Rows come
+    back in their original order, each still exact."""
+    groups = text_buckets(text)
+    if len(groups) == 1:
+        return trimmed_encode_text(model, text)
+    out = None
+    for rows in groups:
+        encoded = trimmed_encode_text(model, text[rows])
+        if out is None:
+            out = encoded.new_empty((text.shape[0], encoded.shape[1]))
+        out[rows] = encoded
+    return out

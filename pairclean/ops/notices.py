@@ -1,0 +1,26 @@
+"""pairclean's one warning channel: the "pairclean" logger.
+
+The library never prints: it logs a warning here, and the CLI shows each as a `warning: ...` line
+on stderr while a command runs (see `pairclean.cli`). A Python caller sees them through its own
+logging configuration, or Python's last-resort handler when it has none.
+"""
+
+from __future__ import annotations
+
+import logging
+
+log = logging.getLogger("pairclean")
+
+_said: set[str] = set()
+
+
+def notice(message: str) -> None:
+    """A warning about this call (e.g. the counts of one run)."""
+    log.warning(message)
+
+
+def notice_once(key: str, message: str) -> None:
+    """A warning printed once per process, however many batches hit the same condition."""
+    if key not in _said:
+        _said.add(key)
+        notice(message)
