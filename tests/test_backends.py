@@ -15,8 +15,8 @@ from pairclean.backends import (BACKENDS, Backend, build_estimator, check_backen
                                 load_target, register_backend, resolve_backend)
 from pairclean.backends.base import frozen_copy, move_batch, pick_device
 from pairclean.errors import UserError
-from pairclean.scoring.finalize import read_provenance
-from pairclean.scoring.run import ScoreConfig, score
+from pairclean.scores.contract import read_provenance
+from pairclean.scoring.model import ScoreConfig, score
 from pairclean.train import TrainConfig, train
 from pairclean.train.retrieval import evaluate_retrieval
 
