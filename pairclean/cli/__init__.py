@@ -16,14 +16,9 @@ import time
 import traceback
 
 import typer
-from rich.console import Console
 
+from pairclean.cli.app import app, console, err_console
 from pairclean.errors import ConfigError, UserError
-
-app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
-                  help="Find and neutralise mismatched pairs in CLIP-style training data.")
-console = Console()
-err_console = Console(stderr=True)
 
 try:  # typer >= 0.22 runs on its own copy of click; older typer on click itself
     from typer import TyperException as _CliError
@@ -51,10 +46,17 @@ def _root(version: bool = typer.Option(False, "--version", callback=_version, is
 
 def _register_commands() -> None:
     # Each module adds its commands to `app`; imported here so `app` is complete.
-    from pairclean.cli import evaluate, filter, query, report, score  # noqa: F401
-    from pairclean.cli import train  # noqa: F401
-    from pairclean.cli import bench  # noqa: F401
-    from pairclean.cli import lab, synth  # noqa: F401
+    from pairclean.cli import (  # noqa: F401  # noqa: F401
+        bench,  # noqa: F401
+        evaluate,
+        filter,
+        lab,
+        query,
+        report,
+        score,
+        synth,
+        train,  # noqa: F401
+    )
 
 
 def flag_for(field: str) -> str:

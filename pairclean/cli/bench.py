@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-
 import typer
 from rich.table import Table
 
+import pairclean.cli.options as options
+from pairclean.cli.app import app, console, err_console
 from pairclean.cli.progress import RichProgress
-from pairclean.cli import app, console, err_console, options
 
 bench_app = typer.Typer(no_args_is_help=True, help="Measure throughput on this machine.")
 app.add_typer(bench_app, name="bench")
@@ -99,7 +99,6 @@ def bench_score_command(
 ) -> None:
     """Model-only ceiling vs end-to-end `pairclean score` vs a naive loop: pairs/s, ratios, peak memory."""
     from pairclean.ops.bench import bench_score, write_report
-
     from pairclean.scoring.model import ScoreConfig
 
     spec = options.dataset(source, pair, allow_pipe, label_template, image=image_field, image_path=image_path_field, text=text_field, json_text_key=json_text_key, key=key_field, text2=text2_field, image2=image2_field, image2_path=image2_path_field, label=label_field)

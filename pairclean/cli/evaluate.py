@@ -6,7 +6,7 @@ from pathlib import Path
 
 import typer
 
-from pairclean.cli import app
+from pairclean.cli.app import app, console
 
 evaluate_app = typer.Typer(no_args_is_help=True, help="Measure detection quality or retrieval quality.")
 app.add_typer(evaluate_app, name="evaluate")
@@ -28,7 +28,6 @@ def retrieval_command(
     from rich.table import Table
 
     from pairclean.ops.atomic import write_json
-    from pairclean.cli import console
     from pairclean.train.retrieval import METRIC_NAMES, evaluate_retrieval
 
     metrics = evaluate_retrieval(model, data, arch=arch, pair=pair, batch_size=batch_size, workers=workers, device=device)
@@ -82,7 +81,6 @@ def detection_command(
 ) -> None:
     """Clean kept / noise caught / balanced accuracy / precision per rule in the file and the oracle, ROC-AUC, AP, mean noise rank."""
     from pairclean.ops.atomic import write_json
-    from pairclean.cli import console
     from pairclean.scores.evaluation import evaluate_detection
 
     result = evaluate_detection(scores, truth)

@@ -7,8 +7,8 @@ from typing import List, Optional
 
 import typer
 
+from pairclean.cli.app import app, console
 from pairclean.cli.progress import RichProgress
-from pairclean.cli import app, console
 
 
 @app.command("corrupt")
@@ -22,8 +22,8 @@ def corrupt_command(
     overwrite: bool = typer.Option(False, help="Replace an existing output directory."),
 ) -> None:
     """Inject caption noise into a dataset; every other member stays byte-identical."""
-    from pairclean.lab.corrupt import corrupt
     from pairclean.data.manifest import open_dataset
+    from pairclean.lab.corrupt import corrupt
 
     spec = open_dataset(source, pair=pair)
     result = corrupt(spec, out, ratio, seed=seed, mode=mode, overwrite=overwrite)

@@ -6,8 +6,9 @@ import contextlib
 from typing import Iterator
 
 from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
+from rich.progress import Progress as RichBars
 from rich.text import Text
-from rich.progress import BarColumn, MofNCompleteColumn, Progress as RichBars, TextColumn, TimeElapsedColumn
 
 from pairclean.ops.progress import Progress, ProgressTask
 

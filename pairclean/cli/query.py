@@ -7,9 +7,9 @@ from typing import Optional
 
 import typer
 
-from pairclean.cli import app, console
-from pairclean.errors import UserError
+from pairclean.cli.app import app, console
 from pairclean.curate.query import OUTPUT_FORMATS, ScoresDB, rich_result, write_result
+from pairclean.errors import UserError
 
 
 @app.command("query")

@@ -7,7 +7,7 @@ from typing import List, Optional
 
 import typer
 
-from pairclean.cli import app, console
+from pairclean.cli.app import app, console
 
 
 @app.command("report")

@@ -8,8 +8,9 @@ from typing import List, Optional
 import typer
 from rich.table import Table
 
+import pairclean.cli.options as options
+from pairclean.cli.app import app, console
 from pairclean.cli.progress import RichProgress
-from pairclean.cli import app, console, options
 from pairclean.scores.rules import DEFAULT_RULES, REGISTRY
 
 RULE_HELP = "; ".join(f"{name}" + (f" ({', '.join(cls.OPTIONS)})" if cls.OPTIONS else "") + f": {cls.__doc__.split(chr(10))[0]}"
@@ -91,7 +92,11 @@ def score_command(
 
     rules = (*DEFAULT_RULES, *(rule or ()))
     if from_embeddings:
-        from pairclean.scoring.embeddings import EmbeddingScoreConfig, open_embeddings, score_embeddings
+        from pairclean.scoring.embeddings import (
+            EmbeddingScoreConfig,
+            open_embeddings,
+            score_embeddings,
+        )
 
         spec = open_embeddings(source, embedding_layout, pair, left_emb_field, right_emb_field, key_field, keys)
         rand = open_embeddings(random_embeddings, left_field=left_emb_field, right_field=right_emb_field) \

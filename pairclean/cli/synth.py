@@ -7,8 +7,8 @@ from typing import Optional
 
 import typer
 
+from pairclean.cli.app import app, console
 from pairclean.cli.progress import RichProgress
-from pairclean.cli import app, console
 
 synth_app = typer.Typer(no_args_is_help=True, help="Build lab datasets with known ground truth, and the toy estimator.")
 app.add_typer(synth_app, name="synth")
@@ -43,8 +43,8 @@ def coco_mini_command(
     overwrite: bool = typer.Option(False, help="Replace an existing output."),
 ) -> None:
     """Real COCO JPEGs with their human captions, as WebDataset shards or Parquet."""
-    from pairclean.lab.coco import build_parquet, build_shards
     from pairclean.errors import UserError
+    from pairclean.lab.coco import build_parquet, build_shards
 
     if parquet:
         if out.exists() and not overwrite:
@@ -73,7 +73,11 @@ def train_estimator_command(
     overwrite: bool = typer.Option(False, help="Replace an existing directory."),
 ) -> None:
     """Train the tiny CLIP-style `pairclean-toy` estimator on clean toy-world pairs (pairclean's trainer)."""
-    from pairclean.lab.synth.estimator import TOY_MODEL, EstimatorRecipe, train_estimator
+    from pairclean.lab.synth.estimator import (
+        TOY_MODEL,
+        EstimatorRecipe,
+        train_estimator,
+    )
 
     recipe = EstimatorRecipe(pairs=pairs, world_seed=world_seed, epochs=epochs, batch_size=batch_size, lr=lr,
                              temperature=temperature, seed=seed)

@@ -8,8 +8,9 @@ from typing import List, Optional
 import typer
 from rich.table import Table
 
+import pairclean.cli.options as options
+from pairclean.cli.app import app, console
 from pairclean.cli.progress import RichProgress
-from pairclean.cli import app, console, options
 from pairclean.errors import UserError
 
 
