@@ -171,3 +171,12 @@ def test_two_network_gsc_run_is_evaluated_with_both_networks(tmp_path, coco_shar
     for r in rows:
         assert r["y"] == pytest.approx(min(r["y_cm"], r["y_im"]))
         assert r["partition"] == ("clean" if (r["y"] + r["y_peer"]) / 2 >= 0.5 else "noisy")
+
+
+def test_method_option_help_lists_every_method_with_its_defaults(capsys):
+    from pairclean.cli import main
+
+    main(["train", "--method-option", "help"])  # no data, no --out: the listing comes first
+    out = capsys.readouterr().out
+    for text in ("sdd", "alpha=20.0", "beta=30.0", "gsc", "tau1=0.07", "gamma=0.01", "networks=1", "osa-weights"):
+        assert text in out
