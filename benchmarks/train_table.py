@@ -3,6 +3,9 @@
     python benchmarks/train_table.py toy --out /tmp/pc-toy            # toy world, 0% / 50% shuffle noise
     python benchmarks/train_table.py coco-text --out /tmp/pc-coco     # MiniLM on COCO captions, 50% noise
     python benchmarks/train_table.py step-time --out /tmp/pc-step     # --weights vs plain step time
+    python benchmarks/train_table.py step-time --out /tmp/pc-step-methods --methods sdd,gsc,gsc-2 --repeats 3
+    python benchmarks/train_table.py methods --out /tmp/pc-methods --estimator /tmp/demo-estimator.pt
+                                                                      # SDD, GSC vs plain / OSA / oracle, 3 seeds
 
 Each subcommand builds its data, runs `pairclean.train.train` for every row of its table,
 prints the table and writes it (JSON + Markdown) into --out. Finished runs are picked up
@@ -17,8 +20,8 @@ import json
 import statistics
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import duckdb
 import torch
@@ -81,8 +84,7 @@ def detection_summary(scores: Path, truth: Path) -> dict:
             "gmm_noise_caught": d["rules"]["gmm"]["noise_caught"], "noisy": d["noisy"], "pairs": d["pairs"]}
 
 
-@dataclass
-class ToyData:
+class ToyData(NamedTuple):
     clean: Path  # manifests
     val: Path
     noisy: Path
@@ -208,7 +210,8 @@ def methods_table(args) -> None:
             ("OSA weights", noisy, {"method": "osa-weights", "method_options": {"scores": scores}}, None),
             ("oracle filter", noisy, {"method": "filter", "method_options": {"scores": str(world.oracle),
                                                                                "filter": "NOT noisy"}}, None),
-            ("SDD", noisy, {"method": "sdd"}, "sdd"),
+            ("SDD", noisy, {"method": "sdd", "method_options": {"alpha": str(args.sdd_alpha),
+                                                                 "beta": str(args.sdd_beta)}}, "sdd"),
             ("GSC, one network", noisy, {"method": "gsc"}, "gsc"),
             ("GSC, two networks", noisy, {"method": "gsc", "method_options": {"networks": "2"}}, "gsc")]
     chosen = range(len(rows)) if args.rows is None else [int(r) for r in args.rows.split(",") if r]
@@ -318,9 +321,15 @@ def coco_text(args) -> None:
          {"detection": detection, "zero_shot": zero_shot, "args": vars(args)})
 
 
+# Step-time rows: method and options. From a random init no pair clears SDD's alpha = 20 (cos 0.2),
+# so SDD keeps every pair and banks every pair here: its whole machinery runs on every step.
+STEP_METHODS = {"osa-weights": ("osa-weights", "scores"), "sdd": ("sdd", {"alpha": "-100", "beta": "-100"}),
+                "gsc": ("gsc", {}), "gsc-2": ("gsc", {"networks": "2"})}
+
+
 def step_time(args) -> None:
-    """Per-step wall time of osa-weights vs plain on the same shards: a discarded warm-up run, then
-    interleaved repeats in alternating order, medians."""
+    """Per-step wall time of each method vs plain on the same shards: a discarded warm-up run, then
+    interleaved repeats in rotating order, medians."""
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     world = out / "world"
@@ -330,40 +339,48 @@ def step_time(args) -> None:
     if not scores.exists():
         score(str(world / "manifest.yaml"), scores, ScoreConfig(model=args.model, pretrained="none", beta_k=256,
                                                                  batch_size=256, workers=args.workers, seed=0))
-    per_step: dict[str, list[float]] = {"plain": [], "osa-weights": []}
-    compute: dict[str, list[float]] = {"plain": [], "osa-weights": []}
-    setup: dict[str, list[float]] = {"plain": [], "osa-weights": []}
+    names = ["plain"] + [m for m in args.methods.split(",") if m]
+    unknown = [m for m in names[1:] if m not in STEP_METHODS]
+    if unknown:
+        raise SystemExit(f"unknown --methods {unknown}; choose from {', '.join(STEP_METHODS)}")
+    per_step: dict[str, list[float]] = {m: [] for m in names}
+    compute: dict[str, list[float]] = {m: [] for m in names}
+    setup: dict[str, list[float]] = {m: [] for m in names}
 
-    def run(method: str, name: str):
-        options = {"scores": str(scores)} if method == "osa-weights" else {}
+    def run(name: str, run_name: str):
+        method, options = STEP_METHODS.get(name, ("plain", {}))
+        options = {"scores": str(scores)} if options == "scores" else options
         cfg = TrainConfig(model=args.model, pretrained="none", epochs=1, batch_size=args.batch_size, lr=1e-3,
                           warmup_steps=10, workers=args.workers, method=method, method_options=options,
                           overwrite=True, seed=0)
-        return train(str(world / "manifest.yaml"), out / name, cfg)
+        return train(str(world / "manifest.yaml"), out / run_name, cfg)
 
     run("plain", "run-warmup")  # first-run costs (allocator, kernels, page cache) land in no measurement
     for repeat in range(args.repeats):
-        order = ("plain", "osa-weights") if repeat % 2 == 0 else ("osa-weights", "plain")  # neither always goes first
-        for method in order:
+        shift = repeat % len(names)  # no method always goes first
+        for name in names[shift:] + names[:shift]:
             called = time.perf_counter()
-            result = run(method, f"run-{method}-{repeat}")
+            result = run(name, f"run-{name}-{repeat}")
             rec = result.epochs[0]
-            per_step[method].append(rec["seconds"] / rec["steps"])
-            compute[method].append(rec["compute_seconds_per_step"])
-            setup[method].append(time.perf_counter() - called - result.seconds)
-            console.print(f"repeat {repeat} {method}: {per_step[method][-1]:.4f} s/step "
-                          f"(compute {compute[method][-1]:.4f}), setup {setup[method][-1]:.2f} s")
+            per_step[name].append(rec["seconds"] / rec["steps"])
+            compute[name].append(rec["compute_seconds_per_step"])
+            setup[name].append(time.perf_counter() - called - result.seconds)
+            console.print(f"repeat {repeat} {name}: {per_step[name][-1]:.4f} s/step "
+                          f"(compute {compute[name][-1]:.4f}), setup {setup[name][-1]:.2f} s")
     med = {m: statistics.median(v) for m, v in per_step.items()}
     med_compute = {m: statistics.median(v) for m, v in compute.items()}
     med_setup = {m: statistics.median(v) for m, v in setup.items()}
-    ratio = med["osa-weights"] / med["plain"]
-    rows = [[m, med[m], med_compute[m], med_setup[m]] for m in ("plain", "osa-weights")]
-    rows.append(["ratio weights/plain", ratio, med_compute["osa-weights"] / med_compute["plain"],
-                 med_setup["osa-weights"] / med_setup["plain"]])
+    rows = [[m, med[m], med_compute[m], med_setup[m]] for m in names]
+    for m in names[1:]:
+        label = "weights" if m == "osa-weights" else m
+        rows.append([f"ratio {label}/plain", med[m] / med["plain"], med_compute[m] / med_compute["plain"],
+                     med_setup[m] / med_setup["plain"]])
     show(f"step time, {args.pairs} toy pairs, batch {args.batch_size}, {args.model}, median of {args.repeats}",
          ["run", "s/step (wall)", "s/step (compute)", "setup s"], rows, out, "table",
          {"per_step": per_step, "compute": compute, "setup": setup, "threads": torch.get_num_threads()})
-    console.print(f"step-time ratio --weights / plain: {ratio:.3f} (target <= 1.03)")
+    for m in names[1:]:
+        target = " (target <= 1.03)" if m == "osa-weights" else ""
+        console.print(f"step-time ratio {m} / plain: {med[m] / med['plain']:.3f}{target}")
 
 
 def toy_arguments(parser, **defaults) -> None:
@@ -407,7 +424,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     sub = parser.add_subparsers(dest="table", required=True)
-    st = sub.add_parser("step-time", help="training step time with --weights vs plain")
+    st = sub.add_parser("step-time", help="training step time of methods (default --weights) vs plain")
     st.add_argument("--out", required=True)
     st.add_argument("--pairs", type=int, default=2048)
     st.add_argument("--shard-size", type=int, default=512)
@@ -415,6 +432,8 @@ def main(argv: list[str] | None = None) -> None:
     st.add_argument("--repeats", type=int, default=5)
     st.add_argument("--workers", type=int, default=1)
     st.add_argument("--model", default="pairclean-tiny")
+    st.add_argument("--methods", default="osa-weights",
+                    help=f"methods timed against plain, comma-separated, from: {', '.join(STEP_METHODS)}")
     ty = sub.add_parser("toy", help="toy world table (tiny CLIP from scratch)")
     toy_arguments(ty)
     mt = sub.add_parser("methods", help="robust-training methods (SDD, GSC) against plain, OSA and the oracle, "
@@ -422,6 +441,8 @@ def main(argv: list[str] | None = None) -> None:
     toy_arguments(mt, noise=0.4, pairs=8000, val_pairs=5000, val_seed=3, captions_per_scene=5, epochs=4, lr=3e-4,
                   warmup_steps=20, temperature=0.02, init="estimator")
     mt.add_argument("--seeds", default="0,1,2", help="training seeds (comma-separated)")
+    mt.add_argument("--sdd-alpha", type=float, default=20.0, help="SDD's self-drop threshold (100 cos; the paper's 20)")
+    mt.add_argument("--sdd-beta", type=float, default=30.0, help="SDD's memory-bank threshold (100 cos; the paper's 30)")
     ct = sub.add_parser("coco-text", help="COCO captions text-text table (all-MiniLM-L6-v2)")
     ct.add_argument("--out", required=True)
     ct.add_argument("--captions", default=str(Path(__file__).resolve().parents[2] / "shared" / "data" / "coco-captions"
