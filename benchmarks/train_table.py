@@ -193,7 +193,7 @@ PARTITION_SQL = {"sdd": "partition = 'noisy'", "sdd_or_vague": "partition IN ('n
 
 def partition_accuracy(run_dir: Path, truth: Path, predicate: str) -> float:
     """Share of pairs whose predicted noisy flag (a SQL predicate over the last epoch's pair table) is the truth."""
-    last = sorted((run_dir / "diagnostics").glob("pairs-epoch-*.parquet"))[-1]
+    last = max((run_dir / "diagnostics").glob("pairs-epoch-*.parquet"))
     return 100.0 * duckdb.execute(f"SELECT avg(CAST(({predicate}) = t.noisy AS DOUBLE)) FROM read_parquet("
                                   f"{sql_string(last)}) d JOIN read_parquet({sql_string(truth)}) t "
                                   "USING (shard, \"index\")").fetchone()[0]
@@ -256,7 +256,7 @@ def methods_table(args) -> None:
         table.append([name, spread([r["rsum"] for r in rs]), spread([100.0 * r["rsum"] / oracle for r in rs]),
                       " / ".join(f"{r['rsum']:.1f}" for r in rs), acc,
                       f"{statistics.mean(r['minutes'] for r in rs):.1f}"])
-    table.append([f"(reference) OSA scores: beta rule / GMM", "-", "-", "-", f"{osa_acc:.1f} / {gmm_acc:.1f}", "-"])
+    table.append(["(reference) OSA scores: beta rule / GMM", "-", "-", "-", f"{osa_acc:.1f} / {gmm_acc:.1f}", "-"])
     start = "fine-tuning the toy estimator" if args.init == "estimator" else "from scratch"
     show(f"robust-training methods, toy world {args.pairs} pairs ({args.pairs // args.captions_per_scene} scenes x "
          f"{args.captions_per_scene} captions), {args.noise:.0%} shuffle noise, {args.model} {start}, {args.epochs} "

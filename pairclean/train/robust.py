@@ -218,7 +218,7 @@ class Network:
         self.target.module.load_state_dict(target.module.state_dict())
 
     @classmethod
-    def fresh(cls, ctx, seed_offset: int) -> "Network":
+    def fresh(cls, ctx, seed_offset: int) -> Network:
         """A newly built target (random init seeded with seed + seed_offset; pretrained weights as the main one)."""
         cfg = ctx.config
         with torch.random.fork_rng(devices=[]):
