@@ -3,6 +3,9 @@
     python benchmarks/train_table.py toy --out /tmp/pc-toy            # toy world, 0% / 50% shuffle noise
     python benchmarks/train_table.py coco-text --out /tmp/pc-coco     # MiniLM on COCO captions, 50% noise
     python benchmarks/train_table.py step-time --out /tmp/pc-step     # --weights vs plain step time
+    python benchmarks/train_table.py step-time --out /tmp/pc-step-methods --methods sdd,gsc,gsc-2 --repeats 3
+    python benchmarks/train_table.py methods --out /tmp/pc-methods --estimator /tmp/demo-estimator.pt
+                                                                      # SDD, GSC vs plain / OSA / oracle, 3 seeds
 
 Each subcommand builds its data, runs `pairclean.train.train` for every row of its table,
 prints the table and writes it (JSON + Markdown) into --out. Finished runs are picked up
@@ -18,6 +21,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import duckdb
 import torch
@@ -80,9 +84,26 @@ def detection_summary(scores: Path, truth: Path) -> dict:
             "gmm_noise_caught": d["rules"]["gmm"]["noise_caught"], "noisy": d["noisy"], "pairs": d["pairs"]}
 
 
-def toy(args) -> None:
-    """Tiny CLIP from scratch on the toy world: clean vs 50% shuffle noise, plain / OSA / filter / online."""
-    out = Path(args.out)
+class ToyData(NamedTuple):
+    clean: Path  # manifests
+    val: Path
+    noisy: Path
+    scores: Path
+    truth: Path
+    oracle: Path  # the scores plus the truth column, for the oracle filter row
+    estimator: Path
+    detection: dict
+
+
+def toy_cfg(args, pretrained: str = "none", **kw) -> TrainConfig:
+    settings = {"model": args.model, "epochs": args.epochs, "lr": args.lr, "warmup_steps": args.warmup_steps,
+                "batch_size": args.batch_size, "temperature": args.temperature, **kw}
+    return TrainConfig(pretrained=pretrained, weight_decay=0.1, workers=args.workers, seed=args.seed, resume=True,
+                       **settings)
+
+
+def toy_data(args, out: Path) -> ToyData:
+    """The toy worlds, the noisy copy, the estimator's scores of it and the oracle's scores (built once)."""
     out.mkdir(parents=True, exist_ok=True)
     if args.init == "estimator":  # fine-tuning the estimator: every row trains its architecture
         args.model = args.estimator_model
@@ -98,19 +119,12 @@ def toy(args) -> None:
     if not noisy.exists():
         corrupt(str(clean), noisy, args.noise, seed=0)
     noisy_manifest = noisy / "manifest.yaml"
-
-    def cfg(pretrained: str = "none", **kw) -> TrainConfig:
-        settings = {"model": args.model, "epochs": args.epochs, "lr": args.lr, "warmup_steps": args.warmup_steps,
-                    "batch_size": args.batch_size, "temperature": args.temperature, **kw}
-        return TrainConfig(pretrained=pretrained, weight_decay=0.1, workers=args.workers, seed=args.seed, resume=True,
-                           **settings)
-
     estimator = Path(args.estimator) if args.estimator else None
     if estimator is None:  # the toy estimator: trained from scratch on a disjoint clean world (seed 2)
         est = train(str(out / "world-estimator" / "manifest.yaml"), out / "estimator",
-                    cfg(model=args.estimator_model, epochs=args.estimator_epochs, lr=args.estimator_lr,
-                        batch_size=args.estimator_batch_size, warmup_steps=args.estimator_warmup_steps,
-                        temperature=args.estimator_temperature), val=str(val))
+                    toy_cfg(args, model=args.estimator_model, epochs=args.estimator_epochs, lr=args.estimator_lr,
+                            batch_size=args.estimator_batch_size, warmup_steps=args.estimator_warmup_steps,
+                            temperature=args.estimator_temperature), val=str(val))
         estimator = est.best_model
     scores = out / "scores.parquet"
     if not scores.exists():
@@ -119,11 +133,25 @@ def toy(args) -> None:
     truth = noisy / "truth" / "truth.parquet"
     detection = detection_summary(scores, truth)
     console.print(f"estimator on the noisy set: {detection}")
-    oracle = out / "scores-with-truth.parquet"  # the scores plus the truth column, for the oracle filter row
+    oracle = out / "scores-with-truth.parquet"
     if not oracle.exists():
         duckdb.execute(f"COPY (SELECT s.*, t.noisy FROM read_parquet({sql_string(scores)}) s JOIN "
                        f"read_parquet({sql_string(truth)}) t USING (shard, \"index\")) TO {sql_string(oracle)} "
                        "(FORMAT parquet)")
+    return ToyData(clean, val, noisy_manifest, scores, truth, oracle, estimator, detection)
+
+
+def toy(args) -> None:
+    """Tiny CLIP from scratch on the toy world: clean vs 50% shuffle noise, plain / OSA / filter / online."""
+    out = Path(args.out)
+    world = toy_data(args, out)
+    clean, val, noisy_manifest, scores, oracle, estimator = (world.clean, world.val, world.noisy, world.scores,
+                                                             world.oracle, world.estimator)
+    detection, captions = world.detection, args.captions_per_scene
+
+    def cfg(pretrained: str = "none", **kw) -> TrainConfig:
+        return toy_cfg(args, pretrained, **kw)
+
     init = "none" if args.init == "scratch" else str(estimator)
     # Fine-tuning the estimator itself is the official OSA setting: its online estimator is then a
     # frozen copy of the initial model; from scratch the online estimator is the toy estimator.
@@ -154,6 +182,87 @@ def toy(args) -> None:
     show(f"toy world: {args.model} {start}, {args.pairs} pairs{scenes}, {args.epochs} epochs, val {args.val_pairs} pairs",
          ROW_COLUMNS, rows_with_share(rows, rows[0]["rsum"]), out, f"table-{args.init}",
          {"detection": detection, "estimator": str(estimator), "args": vars(args)})
+
+
+# The clean/noisy partition each method logs per pair (RUN_DIR/diagnostics/pairs-epoch-NNN.parquet):
+# SDD calls a pair noisy when it self-drops it (or, second figure, also when w_con < 0.5: vague);
+# GSC when its label y < 0.5.
+PARTITION_SQL = {"sdd": "partition = 'noisy'", "sdd_or_vague": "partition IN ('noisy', 'vague')",
+                 "gsc": "partition = 'noisy'"}
+
+
+def partition_accuracy(run_dir: Path, truth: Path, predicate: str) -> float:
+    """Share of pairs whose predicted noisy flag (a SQL predicate over the last epoch's pair table) is the truth."""
+    last = max((run_dir / "diagnostics").glob("pairs-epoch-*.parquet"))
+    return 100.0 * duckdb.execute(f"SELECT avg(CAST(({predicate}) = t.noisy AS DOUBLE)) FROM read_parquet("
+                                  f"{sql_string(last)}) d JOIN read_parquet({sql_string(truth)}) t "
+                                  "USING (shard, \"index\")").fetchone()[0]
+
+
+def methods_table(args) -> None:
+    """The robust-training methods against plain, OSA weights and the oracle filter, over training seeds."""
+    out = Path(args.out)
+    world = toy_data(args, out)
+    init = str(world.estimator) if args.init == "estimator" else "none"
+    noisy, scores = world.noisy, str(world.scores)
+    rows = [("clean data, plain", world.clean, {}, None),
+            ("plain", noisy, {}, None),
+            ("OSA weights", noisy, {"method": "osa-weights", "method_options": {"scores": scores}}, None),
+            ("oracle filter", noisy, {"method": "filter", "method_options": {"scores": str(world.oracle),
+                                                                               "filter": "NOT noisy"}}, None),
+            ("SDD", noisy, {"method": "sdd", "method_options": {"alpha": str(args.sdd_alpha),
+                                                                 "beta": str(args.sdd_beta)}}, "sdd"),
+            ("GSC, one network", noisy, {"method": "gsc"}, "gsc"),
+            ("GSC, two networks", noisy, {"method": "gsc", "method_options": {"networks": "2"}}, "gsc")]
+    chosen = range(len(rows)) if args.rows is None else [int(r) for r in args.rows.split(",") if r]
+    seeds = [int(x) for x in args.seeds.split(",")]
+    results: dict[str, list[dict]] = {}
+    for seed in seeds:
+        args.seed = seed
+        for i, (name, data, kw, partition) in enumerate(rows):
+            if i not in chosen:
+                continue
+            run_dir = out / f"seed-{seed}" / f"run-{i}"
+            run_dir.parent.mkdir(exist_ok=True)
+            row = run_row(f"{name} (seed {seed})", data, run_dir, toy_cfg(args, init, **kw), world.val)
+            if partition == "sdd":
+                row["partition_acc"] = partition_accuracy(run_dir, world.truth, PARTITION_SQL["sdd"])
+                row["partition_acc_vague"] = partition_accuracy(run_dir, world.truth, PARTITION_SQL["sdd_or_vague"])
+            elif partition == "gsc":
+                row["partition_acc"] = partition_accuracy(run_dir, world.truth, PARTITION_SQL["gsc"])
+            results.setdefault(name, []).append(row)
+    if len(results) < len(rows):  # a partial table (--rows): the rows are printed, no table is written
+        return
+    det = world.detection
+    osa_acc = 100.0 * (det["noisy"] * det["beta_noise_caught"] / 100 + (det["pairs"] - det["noisy"])
+                       * det["beta_clean_kept"] / 100) / det["pairs"]
+    gmm_acc = 100.0 * (det["noisy"] * det["gmm_noise_caught"] / 100 + (det["pairs"] - det["noisy"])
+                       * det["gmm_clean_kept"] / 100) / det["pairs"]
+    oracle = statistics.mean(r["rsum"] for r in results["oracle filter"])
+
+    def spread(values: list[float]) -> str:
+        mean = statistics.mean(values)
+        half = (max(values) - min(values)) / 2
+        return f"{mean:.1f} ± {half:.1f}"
+
+    table = []
+    for name, _, _, partition in rows:
+        rs = results[name]
+        acc = "-"
+        if partition is not None:
+            acc = spread([r["partition_acc"] for r in rs])
+            if partition == "sdd":
+                acc += f" (with vague: {spread([r['partition_acc_vague'] for r in rs])})"
+        table.append([name, spread([r["rsum"] for r in rs]), spread([100.0 * r["rsum"] / oracle for r in rs]),
+                      " / ".join(f"{r['rsum']:.1f}" for r in rs), acc,
+                      f"{statistics.mean(r['minutes'] for r in rs):.1f}"])
+    table.append(["(reference) OSA scores: beta rule / GMM", "-", "-", "-", f"{osa_acc:.1f} / {gmm_acc:.1f}", "-"])
+    start = "fine-tuning the toy estimator" if args.init == "estimator" else "from scratch"
+    show(f"robust-training methods, toy world {args.pairs} pairs ({args.pairs // args.captions_per_scene} scenes x "
+         f"{args.captions_per_scene} captions), {args.noise:.0%} shuffle noise, {args.model} {start}, {args.epochs} "
+         f"epochs, lr {args.lr:g}, batch {args.batch_size}; mean ± half-range over seeds {args.seeds}",
+         ["run", "rSum", "% of oracle filter", "rSum per seed", "partition accuracy % (last epoch)", "train min"],
+         table, out, "table-methods", {"runs": results, "detection": det, "args": vars(args)})
 
 
 def _coco_val(captions_json: Path, skip: int, n: int, out: Path) -> Path:
@@ -204,17 +313,43 @@ def coco_text(args) -> None:
             (f"{args.noise:.0%} noise, plain", noisy / "manifest.yaml", cfg()),
             (f"{args.noise:.0%} noise, OSA weights", noisy / "manifest.yaml",
              cfg(method="osa-weights", method_options={"scores": str(scores)}))]
+    partitions = {}
+    if args.methods:  # the robust-training methods, and the oracle filter they are measured against
+        truth = noisy / "truth" / "truth.parquet"
+        oracle = out / "scores-with-truth.parquet"
+        if not oracle.exists():
+            duckdb.execute(f"COPY (SELECT s.*, t.noisy FROM read_parquet({sql_string(scores)}) s JOIN "
+                           f"read_parquet({sql_string(truth)}) t USING (shard, \"index\")) TO {sql_string(oracle)} "
+                           "(FORMAT parquet)")
+        noise = f"{args.noise:.0%} noise"
+        runs += [(f"{noise}, oracle filter", noisy / "manifest.yaml",
+                  cfg(method="filter", method_options={"scores": str(oracle), "filter": "NOT noisy"})),
+                 (f"{noise}, SDD", noisy / "manifest.yaml", cfg(method="sdd")),
+                 (f"{noise}, GSC one network", noisy / "manifest.yaml", cfg(method="gsc")),
+                 (f"{noise}, GSC two networks", noisy / "manifest.yaml",
+                  cfg(method="gsc", method_options={"networks": "2"}))]
+        partitions = {4: PARTITION_SQL["sdd"], 5: PARTITION_SQL["gsc"], 6: PARTITION_SQL["gsc"]}
     rows = [run_row(name, data, out / f"run-{i}", c, val) for i, (name, data, c) in enumerate(runs)]
+    accuracy = {runs[i][0]: partition_accuracy(out / f"run-{i}", noisy / "truth" / "truth.parquet", sql)
+                for i, sql in partitions.items()}
+    for name, acc in accuracy.items():
+        console.print(f"{name}: partition accuracy {acc:.1f}% at the last epoch")
     table = [["zero-shot (no training)", zero_shot["rsum"], 100.0 * zero_shot["rsum"] / rows[0]["rsum"], "-",
               zero_shot["i2t_r1"], zero_shot["t2i_r1"], 0, 0.0]] + rows_with_share(rows, rows[0]["rsum"])
     show(f"COCO captions text-text: {args.model}, {args.pairs} train pairs, {args.val_images} held-out images "
          f"x 4 captions, {args.epochs} epoch(s)", ROW_COLUMNS, table, out, "table",
-         {"detection": detection, "zero_shot": zero_shot, "args": vars(args)})
+         {"detection": detection, "zero_shot": zero_shot, "partition_accuracy": accuracy, "args": vars(args)})
+
+
+# Step-time rows: method and options. From a random init no pair clears SDD's alpha = 20 (cos 0.2),
+# so SDD keeps every pair and banks every pair here: its whole machinery runs on every step.
+STEP_METHODS = {"osa-weights": ("osa-weights", "scores"), "sdd": ("sdd", {"alpha": "-100", "beta": "-100"}),
+                "gsc": ("gsc", {}), "gsc-2": ("gsc", {"networks": "2"})}
 
 
 def step_time(args) -> None:
-    """Per-step wall time of osa-weights vs plain on the same shards: a discarded warm-up run, then
-    interleaved repeats in alternating order, medians."""
+    """Per-step wall time of each method vs plain on the same shards: a discarded warm-up run, then
+    interleaved repeats in rotating order, medians."""
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     world = out / "world"
@@ -224,47 +359,92 @@ def step_time(args) -> None:
     if not scores.exists():
         score(str(world / "manifest.yaml"), scores, ScoreConfig(model=args.model, pretrained="none", beta_k=256,
                                                                  batch_size=256, workers=args.workers, seed=0))
-    per_step: dict[str, list[float]] = {"plain": [], "osa-weights": []}
-    compute: dict[str, list[float]] = {"plain": [], "osa-weights": []}
-    setup: dict[str, list[float]] = {"plain": [], "osa-weights": []}
+    names = ["plain"] + [m for m in args.methods.split(",") if m]
+    unknown = [m for m in names[1:] if m not in STEP_METHODS]
+    if unknown:
+        raise SystemExit(f"unknown --methods {unknown}; choose from {', '.join(STEP_METHODS)}")
+    per_step: dict[str, list[float]] = {m: [] for m in names}
+    compute: dict[str, list[float]] = {m: [] for m in names}
+    setup: dict[str, list[float]] = {m: [] for m in names}
 
-    def run(method: str, name: str):
-        options = {"scores": str(scores)} if method == "osa-weights" else {}
+    def run(name: str, run_name: str):
+        method, options = STEP_METHODS.get(name, ("plain", {}))
+        options = {"scores": str(scores)} if options == "scores" else options
         cfg = TrainConfig(model=args.model, pretrained="none", epochs=1, batch_size=args.batch_size, lr=1e-3,
                           warmup_steps=10, workers=args.workers, method=method, method_options=options,
                           overwrite=True, seed=0)
-        return train(str(world / "manifest.yaml"), out / name, cfg)
+        return train(str(world / "manifest.yaml"), out / run_name, cfg)
 
     run("plain", "run-warmup")  # first-run costs (allocator, kernels, page cache) land in no measurement
     for repeat in range(args.repeats):
-        order = ("plain", "osa-weights") if repeat % 2 == 0 else ("osa-weights", "plain")  # neither always goes first
-        for method in order:
+        shift = repeat % len(names)  # no method always goes first
+        for name in names[shift:] + names[:shift]:
             called = time.perf_counter()
-            result = run(method, f"run-{method}-{repeat}")
+            result = run(name, f"run-{name}-{repeat}")
             rec = result.epochs[0]
-            per_step[method].append(rec["seconds"] / rec["steps"])
-            compute[method].append(rec["compute_seconds_per_step"])
-            setup[method].append(time.perf_counter() - called - result.seconds)
-            console.print(f"repeat {repeat} {method}: {per_step[method][-1]:.4f} s/step "
-                          f"(compute {compute[method][-1]:.4f}), setup {setup[method][-1]:.2f} s")
+            per_step[name].append(rec["seconds"] / rec["steps"])
+            compute[name].append(rec["compute_seconds_per_step"])
+            setup[name].append(time.perf_counter() - called - result.seconds)
+            console.print(f"repeat {repeat} {name}: {per_step[name][-1]:.4f} s/step "
+                          f"(compute {compute[name][-1]:.4f}), setup {setup[name][-1]:.2f} s")
     med = {m: statistics.median(v) for m, v in per_step.items()}
     med_compute = {m: statistics.median(v) for m, v in compute.items()}
     med_setup = {m: statistics.median(v) for m, v in setup.items()}
-    ratio = med["osa-weights"] / med["plain"]
-    rows = [[m, med[m], med_compute[m], med_setup[m]] for m in ("plain", "osa-weights")]
-    rows.append(["ratio weights/plain", ratio, med_compute["osa-weights"] / med_compute["plain"],
-                 med_setup["osa-weights"] / med_setup["plain"]])
+    rows = [[m, med[m], med_compute[m], med_setup[m]] for m in names]
+    for m in names[1:]:
+        label = "weights" if m == "osa-weights" else m
+        rows.append([f"ratio {label}/plain", med[m] / med["plain"], med_compute[m] / med_compute["plain"],
+                     med_setup[m] / med_setup["plain"]])
     show(f"step time, {args.pairs} toy pairs, batch {args.batch_size}, {args.model}, median of {args.repeats}",
          ["run", "s/step (wall)", "s/step (compute)", "setup s"], rows, out, "table",
          {"per_step": per_step, "compute": compute, "setup": setup, "threads": torch.get_num_threads()})
-    console.print(f"step-time ratio --weights / plain: {ratio:.3f} (target <= 1.03)")
+    for m in names[1:]:
+        target = " (target <= 1.03)" if m == "osa-weights" else ""
+        console.print(f"step-time ratio {m} / plain: {med[m] / med['plain']:.3f}{target}")
+
+
+def toy_arguments(parser, **defaults) -> None:
+    """The toy world's options (the `toy` and `methods` tables); `defaults` replaces some defaults."""
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--pairs", type=int, default=8000)
+    parser.add_argument("--val-pairs", type=int, default=1000)
+    parser.add_argument("--val-seed", type=int, default=1, help="world seed of the validation set (3 when --estimator is "
+                                                                "the demo's, whose training world is seed 1)")
+    parser.add_argument("--captions-per-scene", type=int, default=1,
+                        help="COCO-style worlds: each scene under this many captions, in training and validation "
+                             "(retrieval then uses the multi-caption protocol)")
+    parser.add_argument("--noise", type=float, default=0.5)
+    parser.add_argument("--shard-size", type=int, default=1000)
+    parser.add_argument("--epochs", type=int, default=12)
+    parser.add_argument("--batch-size", type=int, default=128)
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--warmup-steps", type=int, default=50)
+    parser.add_argument("--temperature", type=float, default=0.0, help="fixed InfoNCE temperature (0: learned)")
+    parser.add_argument("--workers", type=int, default=1)
+    parser.add_argument("--model", default="pairclean-tiny", help="the model every row trains")
+    parser.add_argument("--estimator", help="estimator checkpoint (default: trained here on a disjoint clean world)")
+    # The estimator trained here follows the toy estimator's recipe (the demo's) unless told otherwise.
+    recipe = EstimatorRecipe()
+    parser.add_argument("--estimator-model", default=TOY_MODEL)
+    parser.add_argument("--estimator-epochs", type=int, default=recipe.epochs, help="epochs of the estimator trained here")
+    parser.add_argument("--estimator-lr", type=float, default=recipe.lr, help="learning rate of the estimator trained here")
+    parser.add_argument("--estimator-batch-size", type=int, default=recipe.batch_size)
+    parser.add_argument("--estimator-warmup-steps", type=int, default=recipe.warmup_steps)
+    parser.add_argument("--estimator-temperature", type=float, default=recipe.temperature or 0.0, help="0: learned")
+    parser.add_argument("--seed", type=int, default=0, help="training seed of every row (initialisation, data order); "
+                                                            "the data, noise and scores keep theirs")
+    parser.add_argument("--rows", help="run only these rows (comma-separated indices, 0 = the clean run; '' builds the "
+                                       "data only); the table itself needs every row")
+    parser.add_argument("--init", choices=("scratch", "estimator"), default="scratch",
+                        help="train every row from scratch, or fine-tune the estimator (the paper's setting)")
+    parser.set_defaults(**defaults)
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     sub = parser.add_subparsers(dest="table", required=True)
-    st = sub.add_parser("step-time", help="training step time with --weights vs plain")
+    st = sub.add_parser("step-time", help="training step time of methods (default --weights) vs plain")
     st.add_argument("--out", required=True)
     st.add_argument("--pairs", type=int, default=2048)
     st.add_argument("--shard-size", type=int, default=512)
@@ -272,39 +452,17 @@ def main(argv: list[str] | None = None) -> None:
     st.add_argument("--repeats", type=int, default=5)
     st.add_argument("--workers", type=int, default=1)
     st.add_argument("--model", default="pairclean-tiny")
+    st.add_argument("--methods", default="osa-weights",
+                    help=f"methods timed against plain, comma-separated, from: {', '.join(STEP_METHODS)}")
     ty = sub.add_parser("toy", help="toy world table (tiny CLIP from scratch)")
-    ty.add_argument("--out", required=True)
-    ty.add_argument("--pairs", type=int, default=8000)
-    ty.add_argument("--val-pairs", type=int, default=1000)
-    ty.add_argument("--val-seed", type=int, default=1, help="world seed of the validation set (3 when --estimator is "
-                                                            "the demo's, whose training world is seed 1)")
-    ty.add_argument("--captions-per-scene", type=int, default=1,
-                    help="COCO-style worlds: each scene under this many captions, in training and validation "
-                         "(retrieval then uses the multi-caption protocol)")
-    ty.add_argument("--noise", type=float, default=0.5)
-    ty.add_argument("--shard-size", type=int, default=1000)
-    ty.add_argument("--epochs", type=int, default=12)
-    ty.add_argument("--batch-size", type=int, default=128)
-    ty.add_argument("--lr", type=float, default=1e-3)
-    ty.add_argument("--warmup-steps", type=int, default=50)
-    ty.add_argument("--temperature", type=float, default=0.0, help="fixed InfoNCE temperature (0: learned)")
-    ty.add_argument("--workers", type=int, default=1)
-    ty.add_argument("--model", default="pairclean-tiny", help="the model every row trains")
-    ty.add_argument("--estimator", help="estimator checkpoint (default: trained here on a disjoint clean world)")
-    # The estimator trained here follows the toy estimator's recipe (the demo's) unless told otherwise.
-    recipe = EstimatorRecipe()
-    ty.add_argument("--estimator-model", default=TOY_MODEL)
-    ty.add_argument("--estimator-epochs", type=int, default=recipe.epochs, help="epochs of the estimator trained here")
-    ty.add_argument("--estimator-lr", type=float, default=recipe.lr, help="learning rate of the estimator trained here")
-    ty.add_argument("--estimator-batch-size", type=int, default=recipe.batch_size)
-    ty.add_argument("--estimator-warmup-steps", type=int, default=recipe.warmup_steps)
-    ty.add_argument("--estimator-temperature", type=float, default=recipe.temperature or 0.0, help="0: learned")
-    ty.add_argument("--seed", type=int, default=0, help="training seed of every row (initialisation, data order); "
-                                                        "the data, noise and scores keep theirs")
-    ty.add_argument("--rows", help="run only these rows (comma-separated indices, 0 = the clean run; '' builds the "
-                                   "data only); the table itself needs every row")
-    ty.add_argument("--init", choices=("scratch", "estimator"), default="scratch",
-                    help="train every row from scratch, or fine-tune the estimator (the paper's setting)")
+    toy_arguments(ty)
+    mt = sub.add_parser("methods", help="robust-training methods (SDD, GSC) against plain, OSA and the oracle, "
+                                        "fine-tuning the toy estimator on five captions per scene")
+    toy_arguments(mt, noise=0.4, pairs=8000, val_pairs=5000, val_seed=3, captions_per_scene=5, epochs=4, lr=3e-4,
+                  warmup_steps=20, temperature=0.02, init="estimator")
+    mt.add_argument("--seeds", default="0,1,2", help="training seeds (comma-separated)")
+    mt.add_argument("--sdd-alpha", type=float, default=20.0, help="SDD's self-drop threshold (100 cos; the paper's 20)")
+    mt.add_argument("--sdd-beta", type=float, default=30.0, help="SDD's memory-bank threshold (100 cos; the paper's 30)")
     ct = sub.add_parser("coco-text", help="COCO captions text-text table (all-MiniLM-L6-v2)")
     ct.add_argument("--out", required=True)
     ct.add_argument("--captions", default=str(Path(__file__).resolve().parents[2] / "shared" / "data" / "coco-captions"
@@ -318,12 +476,13 @@ def main(argv: list[str] | None = None) -> None:
     ct.add_argument("--lr", type=float, default=5e-5)
     ct.add_argument("--workers", type=int, default=1)
     ct.add_argument("--model", default="all-MiniLM-L6-v2")
+    ct.add_argument("--methods", action="store_true", help="add the oracle filter, SDD and GSC (one and two networks)")
     args = parser.parse_args(argv)
     for name in ("temperature", "estimator_temperature"):
         if getattr(args, name, None) == 0:
             setattr(args, name, None)
     torch.set_num_threads(args.threads)
-    {"step-time": step_time, "toy": toy, "coco-text": coco_text}[args.table](args)
+    {"step-time": step_time, "toy": toy, "methods": methods_table, "coco-text": coco_text}[args.table](args)
 
 
 if __name__ == "__main__":

@@ -121,3 +121,22 @@ def test_every_rank_leaves_the_process_group_before_the_interpreter_shuts_down(t
                            str(probe)], env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count("initialised at exit: False") == 2, proc.stdout
+
+
+@pytest.mark.parametrize("method, options, models", [
+    ("sdd", ["alpha=-100", "beta=-100"], ["model-epoch-002.pt"]),
+    ("gsc", ["networks=2"], ["model-epoch-002.pt", "model-epoch-002-peer.pt"]),
+])
+def test_two_rank_robust_methods_run_to_the_end(coco_src, tmp_path, method, options, models):
+    """Per-epoch passes split across ranks and gathered, GMMs on every rank's values, the second
+    network's gradients averaged by hand: a 2-rank run finishes with every pair in the pair table."""
+    shards = tmp_path / "train"
+    build_shards(coco_src, shards, shard_size=4)
+    args = ["train", str(shards), "--out", str(tmp_path / "run"), "--model", "pairclean-tiny", "--pretrained", "none",
+            "--epochs", "2", "--batch-size", "8", "--lr", "1e-3", "--warmup-steps", "1", "--workers", "0",
+            "--shuffle-buffer", "0", "--method", method, *[x for o in options for x in ("--method-option", o)]]
+    _torchrun(args)
+    for name in models:
+        assert (tmp_path / "run" / name).is_file()
+    pairs = pq.read_table(tmp_path / "run" / "diagnostics" / "pairs-epoch-002.parquet").to_pylist()
+    assert len(pairs) == 16 and len({(r["shard"], r["index"]) for r in pairs}) == 16

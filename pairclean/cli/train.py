@@ -63,6 +63,24 @@ def epochs_table(result) -> Table:
     return table
 
 
+def list_method_options(value: Optional[List[str]]):
+    """`--method-option help`: every method with its options and their defaults, then exit."""
+    if not value or "help" not in value:
+        return value
+    import dataclasses
+
+    from pairclean.train import METHODS
+
+    table = Table(title="pairclean train --method NAME --method-option key=value")
+    for column in ("method", "what it does", "options (default)"):
+        table.add_column(column)
+    for name, cls in sorted(METHODS.items()):
+        options = ", ".join(f"{f.name}={f.default!r}" for f in dataclasses.fields(cls.Options)) or "-"
+        table.add_row(name, (cls.__doc__ or "").strip().splitlines()[0], options)
+    console.print(table)
+    raise typer.Exit()
+
+
 @app.command("train")
 def train_command(
     source: options.Source,
@@ -95,8 +113,10 @@ def train_command(
     weight_fn: Optional[str] = typer.Option(None, help="--online weight function: cubic, linear, cosine, official."),
     beta_k: Optional[int] = typer.Option(None, help="--online: K random inputs per side for beta."),
     reduction: Optional[str] = typer.Option(None, help="Weighted loss: mean (sum w*l / B, the paper) or weight-sum (sum w*l / sum w)."),
-    method: Optional[str] = typer.Option(None, help="Training method by name (plain, osa-weights, filter, osa-online, ...)."),
-    method_option: Optional[List[str]] = typer.Option(None, help="Method option key=value (repeatable)."),
+    method: Optional[str] = typer.Option(None, help="Training method by name (plain, osa-weights, filter, osa-online, sdd, gsc, ...)."),
+    method_option: Optional[List[str]] = typer.Option(None, callback=list_method_options, is_eager=True,
+                                                      help="Method option key=value (repeatable); 'help' lists every "
+                                                           "method's options and defaults."),
     epochs: int = typer.Option(5, help="Passes over the training data."),
     batch_size: int = typer.Option(256, help="Pairs per step (in-batch negatives)."),
     lr: float = typer.Option(5e-6, help="Peak AdamW learning rate."),

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 from pathlib import Path
 
 import numpy as np
@@ -27,6 +28,7 @@ from pairclean.errors import UserError
 RUN_FILE = "run.json"
 STATE_FILE = "state.pt"
 BEST = "model-best"
+_EPOCH_MODEL = re.compile(r"model-epoch-\d+(\.pt)?")  # not the extra networks' model-epoch-NNN-NAME
 
 
 def epoch_model_name(epoch: int) -> str:
@@ -90,10 +92,26 @@ def resolve_trained_model(path: Path) -> tuple[dict, Path]:
         best = model_path(path, BEST, desc["backend"])
         if best.exists():
             return desc, best
-        epochs = sorted(path.glob("model-epoch-*"))
+        epochs = sorted(p for p in path.glob("model-epoch-*") if _EPOCH_MODEL.fullmatch(p.name))
         if not epochs:
             raise UserError(f"{path} holds no trained model yet")
         return desc, epochs[-1]
     if (path.parent / RUN_FILE).is_file():
         return read_run(path.parent)["target"], path
     raise UserError(f"{path} is not a pairclean run or model; for a bare open_clip checkpoint pass --arch MODEL_NAME")
+
+
+def extra_network_files(model: Path) -> list[Path]:
+    """The models of the extra networks saved beside `model` by a run that trained several
+    (run.json `extra_networks`; `model-best.pt` -> `model-best-peer.pt`)."""
+    model = Path(model)
+    run = model.parent / RUN_FILE
+    if not run.is_file():
+        return []
+    names = read_run(model.parent).get("extra_networks") or []
+    stem, suffix = (model.name[:-3], ".pt") if model.name.endswith(".pt") else (model.name, "")
+    files = [model.parent / f"{stem}-{name}{suffix}" for name in names]
+    missing = [str(f) for f in files if not f.exists()]
+    if missing:
+        raise UserError(f"{model} belongs to a run of {1 + len(names)} networks, but {missing[0]} is missing")
+    return files

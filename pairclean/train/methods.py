@@ -8,6 +8,7 @@ A method is a class registered under a name (`--method NAME`) with an `Options` 
     loss(batch, emb: Embeddings, ctx) -> LossOutput   per step: loss + per-pair diagnostics
     on_epoch_end(epoch, ctx) -> dict metrics for metrics.jsonl
     state_dict() / load_state_dict() what --resume must restore
+    extra_networks()                 a second network that is part of the result (GSC's peer)
 
 The default `loss` is the weighted symmetric InfoNCE with `batch_weights(batch, ctx)` (None =
 plain). Methods of the other seeds (SDD, GSC, SPS, DiffNCL) override `loss` and the epoch hooks.
@@ -18,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, Callable, ClassVar
 
 import torch
 
@@ -44,6 +45,11 @@ class MethodContext:
     seed: int
     left: str
     right: str
+    config: Any = None  # the run's TrainConfig (batch size, workers, precision, model ...)
+    # Set by the trainer once the schedule is known: (module, start_step) -> (AdamW, LR schedule) with
+    # the run's settings, and the number of optimiser steps taken so far (for a second network).
+    new_optimizer: Callable[[torch.nn.Module, int], tuple] | None = None
+    current_step: Callable[[], int] | None = None
 
 
 @dataclass
@@ -106,6 +112,11 @@ class Method:
 
     def load_state_dict(self, state: dict) -> None:
         """A fixed weighting has no state beyond its options."""
+
+    def extra_networks(self) -> dict:
+        """name -> target of networks trained beside the main one that are part of the result
+        (exported per epoch as model-...-NAME, evaluated with the main one by averaged similarity)."""
+        return {}
 
     def describe(self) -> dict:
         return {"method": self.name, **dataclasses.asdict(self.options)}

@@ -107,6 +107,21 @@ def embed_pairs(target, spec: DatasetSpec, batch_size: int = 256, workers: int =
     return RetrievalEmbeddings(torch.cat(lefts), torch.cat(rights), torch.tensor(owners), skipped)
 
 
+class JointTarget:
+    """Several dual encoders with one preprocessing evaluated as one: the concatenated embeddings
+    scaled by 1/sqrt(n) have as inner product the average of the networks' cosine similarities."""
+
+    def __init__(self, targets: list):
+        self.targets = targets
+        self.preparer, self.device = targets[0].preparer, targets[0].device
+        self.module = torch.nn.ModuleList([t.module for t in targets])  # eval()/train() reach every network
+
+    def encode(self, modality: str, batch) -> torch.Tensor:
+        if len(self.targets) == 1:
+            return self.targets[0].encode(modality, batch)
+        return torch.cat([t.encode(modality, batch) for t in self.targets], dim=-1) / len(self.targets) ** 0.5
+
+
 def evaluate_target(target, spec: DatasetSpec, batch_size: int = 256, workers: int = 0, autocast=None) -> dict:
     emb = embed_pairs(target, spec, batch_size, workers, autocast)
     return {**recall_metrics(emb.left, emb.right, emb.owner), "skipped": emb.skipped}
@@ -115,8 +130,8 @@ def evaluate_target(target, spec: DatasetSpec, batch_size: int = 256, workers: i
 def load_trained(model: str | Path, arch: str | None = None, device: str = "auto"):
     """A model to evaluate: a `pairclean train` run directory or checkpoint, a sentence-transformers
     directory or bundled name, or (with `arch`) an open_clip checkpoint path or pretrained tag."""
-    from pairclean.train.checkpoint import resolve_trained_model
     from pairclean.backends import detect_backend, load_exported, load_target
+    from pairclean.train.checkpoint import extra_network_files, resolve_trained_model
 
     path = Path(model)
     if arch is not None:
@@ -126,6 +141,9 @@ def load_trained(model: str | Path, arch: str | None = None, device: str = "auto
     else:
         desc, weights = resolve_trained_model(path)
         target = load_exported(desc, weights, device=device)
+        peers = [load_exported(desc, extra, device=device) for extra in extra_network_files(weights)]
+        if peers:  # a run that trained several networks is evaluated with their averaged similarity
+            target = JointTarget([target, *peers])
     target.module.eval()
     return target
 

@@ -29,7 +29,7 @@ from pairclean.errors import ConfigError, UserError
 from pairclean.backends import check_backend, load_target
 from pairclean.backends.base import PRECISIONS, autocast_context
 from pairclean.data.manifest import DatasetSpec, open_dataset
-from pairclean.train.retrieval import evaluate_target
+from pairclean.train.retrieval import JointTarget, evaluate_target
 from pairclean.data.reader import modalities
 from pairclean.train.checkpoint import (BEST, RUN_FILE, STATE_FILE, epoch_model_name, load_state, model_path,
                                         read_run, save_state, set_rng_state)
@@ -179,18 +179,20 @@ def train(source: str | list[str] | DatasetSpec, out: str | Path, config: TrainC
     left_mod, right_mod = modalities(spec.pair)
     shards = index_shards(spec)
     ctx = MethodContext(spec=spec, shards=shards, target=target, run_dir=out, seed=cfg.seed, left=left_mod,
-                        right=right_mod)
+                        right=right_mod, config=cfg)
     plan = method.setup(ctx)  # before the saved weights are loaded: a frozen estimator copies the initial model
     pairs = plan.pairs if plan.pairs is not None else sum(s.rows for s in shards)
     steps_per_epoch = max(math.ceil(pairs / cfg.batch_size), 1)
     loop = _Loop(cfg, target, method, ctx, out, steps_per_epoch)
+    ctx.new_optimizer, ctx.current_step = loop.new_optimizer, lambda: loop.step
     if state is not None:
         loop.restore(state)
     else:
         loop.metrics.reset()
     resumed_from = loop.done_epochs
     if distributed.is_main():
-        write_json(out / RUN_FILE, {"settings": settings, "world_size": world, "target": target.describe(), "method": method.describe(),
+        write_json(out / RUN_FILE, {"settings": settings, "world_size": world, "target": target.describe(),
+                                    "method": method.describe(), "extra_networks": sorted(method.extra_networks()),
                                     "train": {"shards": len(shards), "pairs": sum(s.rows for s in shards),
                                               "pairs_trained_per_epoch": pairs, "steps_per_epoch": steps_per_epoch,
                                               "unreadable_shards": [f"{s.shard}: {s.failure}" for s in shards if s.failure]}})
@@ -207,8 +209,8 @@ def train(source: str | list[str] | DatasetSpec, out: str | Path, config: TrainC
         with progress.task(f"epoch {epoch}", total=steps_per_epoch, loss=0.0, lr=0.0, rate=0.0) as task:
             record = loop.run_epoch(epoch, loader, task)
         if val_spec is not None and distributed.is_main():
-            val_metrics = evaluate_target(target, val_spec, cfg.val_batch_size, workers,
-                                          autocast_context(target.device, cfg.precision))
+            val_metrics = evaluate_target(JointTarget([target, *method.extra_networks().values()]), val_spec,
+                                          cfg.val_batch_size, workers, autocast_context(target.device, cfg.precision))
             record.update({f"val_{k}": v for k, v in val_metrics.items()})
         loop.finish_epoch(epoch, record)
         distributed.barrier()  # the other ranks wait for rank 0's validation and checkpoints
@@ -235,11 +237,8 @@ class _Loop:
 
     def __init__(self, cfg: TrainConfig, target, method, ctx: MethodContext, out: Path, steps_per_epoch: int):
         self.cfg, self.target, self.method, self.ctx, self.out = cfg, target, method, ctx, out
-        total = steps_per_epoch * cfg.epochs
-        self.optimizer = torch.optim.AdamW(param_groups(target.module, cfg.weight_decay), lr=cfg.lr,
-                                           betas=(0.9, 0.98), eps=1e-6)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda step: cosine_lr(step, cfg.warmup_steps, total, cfg.min_lr_ratio))
+        self.total_steps = steps_per_epoch * cfg.epochs
+        self.optimizer, self.scheduler = self.new_optimizer(target.module)
         self.scaler = torch.amp.GradScaler(target.device.type, enabled=cfg.precision == "fp16")
         self.metrics = MetricsLog(out / "metrics.jsonl")
         self.done_epochs, self.step, self.best_rsum, self.best_epoch, self.history = 0, 0, None, None, []
@@ -250,6 +249,14 @@ class _Loop:
 
             self.towers = DistributedDataParallel(
                 self.towers, device_ids=[target.device.index] if target.device.type == "cuda" else None)
+
+    def new_optimizer(self, module: torch.nn.Module, start_step: int = 0):
+        """AdamW and the warm-up + cosine schedule of this run for `module`, the schedule at `start_step`."""
+        cfg, total = self.cfg, self.total_steps
+        optimizer = torch.optim.AdamW(param_groups(module, cfg.weight_decay), lr=cfg.lr, betas=(0.9, 0.98), eps=1e-6)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda step: cosine_lr(step + start_step, cfg.warmup_steps, total, cfg.min_lr_ratio))
+        return optimizer, scheduler
 
     def restore(self, state: dict) -> None:
         self.target.module.load_state_dict(state["model"])
@@ -360,11 +367,14 @@ class _Loop:
             self.history.append(record)
             self.done_epochs = epoch
             return
-        target.export(model_path(self.out, epoch_model_name(epoch), target.backend))
+        networks = {"": target, **{f"-{name}": net for name, net in self.method.extra_networks().items()}}
+        for suffix, net in networks.items():
+            net.export(model_path(self.out, epoch_model_name(epoch) + suffix, target.backend))
         rsum = record.get("val_rsum")
         if rsum is not None and (self.best_rsum is None or rsum > self.best_rsum):
             self.best_rsum, self.best_epoch = rsum, epoch
-            target.export(model_path(self.out, BEST, target.backend))
+            for suffix, net in networks.items():
+                net.export(model_path(self.out, BEST + suffix, target.backend))
         record.update({"best_epoch": self.best_epoch, "best_rsum": self.best_rsum})
         self.history.append(record)
         self.metrics.write(record)

@@ -1,0 +1,182 @@
+"""SDD and GSC: their equations on tiny hand-checkable tensors, then end to end on real shards
+(exact resume, per-pair diagnostics, a two-network run evaluated by averaged similarity)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from pairclean.errors import UserError
+from pairclean.train import TrainConfig, build_method, train
+from pairclean.train import trainer as trainer_module
+from pairclean.train.gsc import cross_modal_indicator, intra_modal_loss, intra_modal_similarity, momentum
+from pairclean.train.retrieval import evaluate_retrieval
+from pairclean.train.sdd import confidence_weights, memory_bank, nearest, partition, self_drop, significance
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+E1, E2 = [1.0, 0.0], [0.0, 1.0]
+
+
+def test_sdd_self_drop_keeps_pairs_strictly_above_alpha():
+    assert self_drop(np.array([10.0, 20.0, 20.5, 35.0]), 20).tolist() == [False, False, True, True]
+
+
+def test_sdd_significance_weight_from_the_loss_ratio():
+    c, w = significance(torch.tensor([2.0, 1.0]), torch.tensor([1.0, 1.0]), torch.tensor([1.0, 2.0]),
+                        torch.tensor([2.0, 2.0]), eps=0.0)
+    assert c.tolist() == pytest.approx([0.5 * (2 / 1 + 1 / 2), 0.5])  # 1.25: the bank's loss fell -> 1
+    assert w.tolist() == pytest.approx([1.0, math.tanh(0.5)])
+
+
+def test_sdd_qua_partition_rules():
+    labels = partition(np.array([10.0, 25.0, 40.0, 40.0, 40.0]), 20, np.array([0.9, 0.3, 0.9, 0.9, 0.9]),
+                       np.array([np.nan, 2.0, 0.5, 1.0, np.nan]))
+    assert labels.tolist() == ["noisy", "vague", "clean_insignificant", "clean_significant", "clean_unmeasured"]
+
+
+def test_sdd_confidence_weight_is_the_high_component_posterior():
+    w = confidence_weights(np.array([10.0, 11.0, 12.0, 30.0, 31.0, 32.0]))
+    assert (w[:3] < 0.01).all() and (w[3:] > 0.99).all()
+
+
+def test_sdd_memory_bank_is_the_nearest_clean_pair_per_side():
+    s = 2 ** -0.5
+    left = np.array([E1, E2, [0.99, 0.14], [0.14, 0.99]], dtype=np.float32)
+    right = np.array([E2, E1, [s, s], [0.99, 0.14]], dtype=np.float32)
+    image, text = memory_bank(left, right, np.array([True, True, False, False]), chunk=1)
+    assert image.tolist() == [0, 1, 0, 1]
+    assert text.tolist()[:2] == [0, 1] and text[3] == 1
+    q = torch.randn(7, 3)
+    assert torch.equal(nearest(q, q[:4], chunk=2), nearest(q, q[:4], chunk=100))
+
+
+def test_gsc_cross_modal_indicator_from_a_small_similarity_matrix():
+    eye = torch.eye(2)
+    y = cross_modal_indicator(eye, eye, tau1=1.0)  # S = I: each softmax diagonal is e / (e + 1)
+    assert y.tolist() == pytest.approx([math.e / (math.e + 1)] * 2)
+    y = cross_modal_indicator(eye, eye.flip(0), tau1=1.0)  # swapped pairs: the diagonal holds the negatives
+    assert y.tolist() == pytest.approx([1 / (math.e + 1)] * 2)
+
+
+def test_gsc_intra_modal_similarity_masks_columns_by_label():
+    left = torch.tensor([E1, E2, E1])
+    right = torch.tensor([E1, E2, E2])  # pair 3 is mismatched: its image is item 1's, its text item 2's
+    # S_II rows [1,0,1] [0,1,0] [1,0,1]; S_TT rows [1,0,0] [0,1,1] [0,1,1]
+    s = intra_modal_similarity(left, right, torch.ones(3))
+    assert s.tolist() == pytest.approx([2 ** -0.5, 2 ** -0.5, 0.5])
+    s = intra_modal_similarity(left, right, torch.tensor([1.0, 1.0, 0.0]))  # pair 3's column removed
+    assert s.tolist() == pytest.approx([1.0, 1.0, 0.0])
+
+
+def test_gsc_intra_modal_loss_with_label_masking():
+    eye = torch.eye(3)
+    ce = -math.log(math.e / (math.e + 2))  # M = I / tau2: diagonal 1, off-diagonal 0
+    assert float(intra_modal_loss(eye, eye, torch.ones(3), torch.ones(3), tau2=1.0)) == pytest.approx(ce)
+    own = torch.tensor([1.0, 0.0, 1.0])
+    assert float(intra_modal_loss(eye, eye, torch.ones(3), own, tau2=1.0)) == pytest.approx(2 * ce / 3)
+    # y_3 = 0 zeroes M's third column and row: rows 1-2 see logits (1, 0, 0); row 3 sees (0, 0, 0)
+    masked = float(intra_modal_loss(eye, eye, torch.tensor([1.0, 1.0, 0.0]), torch.ones(3), tau2=1.0))
+    assert masked == pytest.approx((2 * ce + math.log(3)) / 3)
+
+
+def test_gsc_momentum_update_from_one():
+    y = momentum(np.ones(2), np.array([0.0, 1.0]), 0.7)
+    assert y.tolist() == pytest.approx([0.3, 1.0])
+    assert momentum(y, np.array([0.0, 1.0]), 0.7).tolist() == pytest.approx([0.09, 1.0])
+
+
+@pytest.mark.parametrize("name, options, message", [
+    ("sdd", {"alpha": "30", "beta": "20"}, "beta"),
+    ("gsc", {"networks": "3"}, "networks"),
+    ("gsc", {"tau1": "0"}, "tau1"),
+])
+def test_bad_method_options_are_user_errors(name, options, message):
+    with pytest.raises(UserError, match=message):
+        build_method(name, options)
+
+
+def tiny(**overrides) -> TrainConfig:
+    base = dict(model="pairclean-tiny", pretrained="none", epochs=2, batch_size=8, lr=1e-3, warmup_steps=1,
+                workers=0, shuffle_buffer=8, log_every=1)
+    return TrainConfig(**{**base, **overrides})
+
+
+SDD_ANY = {"alpha": "-100", "beta": "-100"}  # a random tiny model: every pair kept, every pair in the bank
+RESUMED = [("sdd", SDD_ANY, ["model-epoch-002.pt"]),
+           ("sdd", {"alpha": "0", "beta": "0"}, ["model-epoch-002.pt"]),
+           ("gsc", {}, ["model-epoch-002.pt"]),
+           ("gsc", {"networks": "2"}, ["model-epoch-002.pt", "model-epoch-002-peer.pt"])]
+
+
+@pytest.mark.parametrize("method, options, models", RESUMED, ids=["sdd", "sdd-drops", "gsc", "gsc-2"])
+def test_killed_and_resumed_run_ends_with_the_same_weights(tmp_path, coco_shards, monkeypatch, method, options, models):
+    cfg = tiny(method=method, method_options=options)
+    straight = train(str(coco_shards), tmp_path / "straight", cfg)
+    real_save = trainer_module.save_state
+
+    def killed_after_first_epoch(run_dir, state):
+        real_save(run_dir, state)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(trainer_module, "save_state", killed_after_first_epoch)
+    with pytest.raises(KeyboardInterrupt):
+        train(str(coco_shards), tmp_path / "killed", cfg)
+    monkeypatch.setattr(trainer_module, "save_state", real_save)
+    resumed = train(str(coco_shards), tmp_path / "killed", tiny(method=method, method_options=options, resume=True))
+    assert resumed.resumed_from == 1
+    for name in models:
+        a = torch.load(tmp_path / "straight" / name, weights_only=True)
+        b = torch.load(tmp_path / "killed" / name, weights_only=True)
+        assert all(torch.equal(a[k], b[k]) for k in a), name
+    assert [r["train_loss"] for r in straight.epochs] == [r["train_loss"] for r in resumed.epochs]
+    a = pq.read_table(tmp_path / "straight" / "diagnostics" / "pairs-epoch-002.parquet").to_pylist()
+    b = pq.read_table(tmp_path / "killed" / "diagnostics" / "pairs-epoch-002.parquet").to_pylist()
+    assert repr(a) == repr(b) and len(a) == 16  # repr: NaN (no c for a dropped pair) equals NaN
+
+
+def test_sdd_diagnostics_hold_the_partition_of_every_pair(tmp_path, coco_shards):
+    result = train(str(coco_shards), tmp_path / "run", tiny(epochs=1, method="sdd",
+                                                           method_options={"alpha": "0", "beta": "0"}))
+    rows = pq.read_table(tmp_path / "run" / "diagnostics" / "pairs-epoch-001.parquet").to_pylist()
+    assert len(rows) == 16 and {r["index"] for r in rows} == set(range(6)) | set(range(4))
+    for r in rows:
+        assert r["kept"] == (100 * r["sim"] > 0)
+        assert (r["partition"] == "noisy") == (not r["kept"])
+        assert (r["c"] is None or math.isnan(r["c"])) == (not r["kept"])
+    assert result.epochs[0]["pairs"] == sum(r["kept"] for r in rows)  # dropped pairs are not read
+    steps = pq.read_table(tmp_path / "run" / "diagnostics" / "epoch-001.parquet").to_pylist()
+    assert all(s["weight"] == pytest.approx(s["w_con"] * s["w_sig"]) for s in steps)
+
+
+def test_sdd_refuses_an_empty_memory_bank(tmp_path, coco_shards):
+    with pytest.raises(UserError, match="memory bank is empty"):
+        train(str(coco_shards), tmp_path / "run", tiny(method="sdd", method_options={"alpha": "99", "beta": "99"}))
+
+
+def test_two_network_gsc_run_is_evaluated_with_both_networks(tmp_path, coco_shards):
+    result = train(str(coco_shards), tmp_path / "run", tiny(epochs=1, method="gsc", method_options={"networks": "2"}),
+                   val=str(coco_shards))
+    assert (tmp_path / "run" / "model-best-peer.pt").is_file()
+    averaged = evaluate_retrieval(tmp_path / "run", str(coco_shards), workers=0)
+    assert averaged["rsum"] == pytest.approx(result.epochs[0]["val_rsum"], abs=1e-6)
+    (tmp_path / "run" / "model-best-peer.pt").unlink()
+    with pytest.raises(UserError, match="model-best-peer.pt is missing"):
+        evaluate_retrieval(tmp_path / "run", str(coco_shards), workers=0)
+    rows = pq.read_table(tmp_path / "run" / "diagnostics" / "pairs-epoch-001.parquet").to_pylist()
+    for r in rows:
+        assert r["y"] == pytest.approx(min(r["y_cm"], r["y_im"]))
+        assert r["partition"] == ("clean" if (r["y"] + r["y_peer"]) / 2 >= 0.5 else "noisy")
+
+
+def test_method_option_help_lists_every_method_with_its_defaults(capsys):
+    from pairclean.cli import main
+
+    main(["train", "--method-option", "help"])  # no data, no --out: the listing comes first
+    out = capsys.readouterr().out
+    for text in ("sdd", "alpha=20.0", "beta=30.0", "gsc", "tau1=0.07", "gamma=0.01", "networks=1", "osa-weights"):
+        assert text in out
