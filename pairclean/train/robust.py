@@ -11,6 +11,8 @@
   pair out of the epoch altogether), rewritten between epochs for per-epoch selection.
 * `Network`: a second dual encoder a method trains itself (a peer, a siamese copy) with the
   trainer's optimiser settings; `NetworkBatches`: that network's own data order.
+* `OwnModule`: a small module a method trains beside a network (DiffNCL's denoisers), stepped
+  on gradients another backward left in it.
 
 GMMs over per-pair values: `pairclean.core.mixture.clean_posterior`.
 """
@@ -198,6 +200,50 @@ def replica(target):
     return twin
 
 
+def apply_gradients(module: torch.nn.Module, optimizer, scheduler, grad_clip: float | None) -> None:
+    """Average the gradients across ranks by hand (the module is not wrapped in
+    DistributedDataParallel), clip them, take the optimiser step and advance the schedule."""
+    params = [p for p in module.parameters() if p.requires_grad]
+    if distributed.is_distributed():
+        world = distributed.world_size()
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)  # every rank reduces the same tensors
+            dist.all_reduce(p.grad)
+            p.grad /= world
+    if grad_clip is not None:
+        torch.nn.utils.clip_grad_norm_(params, grad_clip)
+    optimizer.step()
+    scheduler.step()
+
+
+class OwnModule:
+    """A module a method trains beside a network with the run's optimiser settings, on the
+    gradients that network's backward left in it (zero them before that backward)."""
+
+    def __init__(self, module: torch.nn.Module, grad_clip: float | None):
+        self.module, self.grad_clip = module, grad_clip
+        self.optimizer = self.scheduler = None
+
+    def start(self, ctx, start_step: int = 0) -> None:
+        self.optimizer, self.scheduler = ctx.new_optimizer(self.module, start_step)
+
+    def zero_grad(self) -> None:
+        self.module.zero_grad(set_to_none=True)
+
+    def step(self) -> None:
+        apply_gradients(self.module, self.optimizer, self.scheduler, self.grad_clip)
+
+    def state_dict(self) -> dict:
+        return {"module": self.module.state_dict(), "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.module.load_state_dict(state["module"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+
+
 class Network:
     """A second dual encoder the method trains itself, with the trainer's optimiser settings
     (AdamW, warm-up + cosine, clipping): a co-trained peer or a siamese copy. Under torchrun its
@@ -228,19 +274,9 @@ class Network:
         return cls(ctx, target)
 
     def step(self, loss: torch.Tensor) -> None:
-        params = [p for p in self.target.module.parameters() if p.requires_grad]
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
-        if distributed.is_distributed():
-            world = distributed.world_size()
-            for p in params:
-                if p.grad is not None:
-                    dist.all_reduce(p.grad)
-                    p.grad /= world
-        if self.grad_clip is not None:
-            torch.nn.utils.clip_grad_norm_(params, self.grad_clip)
-        self.optimizer.step()
-        self.scheduler.step()
+        apply_gradients(self.target.module, self.optimizer, self.scheduler, self.grad_clip)
 
     def state_dict(self) -> dict:
         return {"model": self.target.module.state_dict(), "optimizer": self.optimizer.state_dict(),
