@@ -193,6 +193,14 @@ def read_pairs(spec, wanted: set[int], index: PairIndex) -> dict[int, object]:
     return found
 
 
+def embedding_dim(target) -> int:
+    """The width of a target's embeddings, for modules a method builds on them before any forward."""
+    module = target.module
+    if hasattr(module, "get_sentence_embedding_dimension"):
+        return int(module.get_sentence_embedding_dimension())
+    return int(module.visual.output_dim)
+
+
 def replica(target):
     """A trainable copy of a target (same preprocessing, its own weights)."""
     twin = copy.copy(target)
