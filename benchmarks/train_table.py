@@ -2,6 +2,7 @@
 
     python benchmarks/train_table.py toy --out /tmp/pc-toy            # toy world, 0% / 50% shuffle noise
     python benchmarks/train_table.py coco-text --out /tmp/pc-coco     # MiniLM on COCO captions, 50% noise
+    python benchmarks/train_table.py robust --out /tmp/pc-robust ...  # SPS / DiffNCL vs plain / OSA / oracle
     python benchmarks/train_table.py step-time --out /tmp/pc-step     # --weights vs plain step time
 
 Each subcommand builds its data, runs `pairclean.train.train` for every row of its table,
@@ -17,6 +18,8 @@ import json
 import statistics
 import sys
 import time
+from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import duckdb
@@ -80,10 +83,29 @@ def detection_summary(scores: Path, truth: Path) -> dict:
             "gmm_noise_caught": d["rules"]["gmm"]["noise_caught"], "noisy": d["noisy"], "pairs": d["pairs"]}
 
 
-def toy(args) -> None:
-    """Tiny CLIP from scratch on the toy world: clean vs 50% shuffle noise, plain / OSA / filter / online."""
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+@dataclass
+class ToyData:
+    clean: Path
+    val: Path
+    noisy: Path  # the noisy manifest
+    truth: Path
+    scores: Path
+    oracle: Path  # the scores plus the truth's noisy column
+    estimator: Path
+    detection: dict
+
+
+def toy_config(args, pretrained: str = "none", **kw) -> TrainConfig:
+    """Every row's settings: the table's optimiser settings and budget, overridable per row."""
+    settings = {"model": args.model, "epochs": args.epochs, "lr": args.lr, "warmup_steps": args.warmup_steps,
+                "batch_size": args.batch_size, "temperature": args.temperature, **kw}
+    return TrainConfig(pretrained=pretrained, weight_decay=0.1, workers=args.workers, seed=args.seed, resume=True,
+                       **settings)
+
+
+def toy_data(args, out: Path, noisy_name: str, make_noise) -> ToyData:
+    """The toy worlds, the noisy copy (`make_noise(clean_manifest, directory)`), the estimator, its
+    scores of the noisy copy and the oracle table; each built once and picked up again."""
     if args.init == "estimator":  # fine-tuning the estimator: every row trains its architecture
         args.model = args.estimator_model
     captions = args.captions_per_scene
@@ -94,23 +116,16 @@ def toy(args) -> None:
         if not (out / f"world-{name}").exists():
             build_world(out / f"world-{name}", n, seed=seed, shard_size=args.shard_size, captions_per_scene=k)
     clean, val = out / "world-train" / "manifest.yaml", out / "world-val" / "manifest.yaml"
-    noisy = out / f"noisy-{args.noise:g}"
+    noisy = out / noisy_name
     if not noisy.exists():
-        corrupt(str(clean), noisy, args.noise, seed=0)
+        make_noise(str(clean), noisy)
     noisy_manifest = noisy / "manifest.yaml"
-
-    def cfg(pretrained: str = "none", **kw) -> TrainConfig:
-        settings = {"model": args.model, "epochs": args.epochs, "lr": args.lr, "warmup_steps": args.warmup_steps,
-                    "batch_size": args.batch_size, "temperature": args.temperature, **kw}
-        return TrainConfig(pretrained=pretrained, weight_decay=0.1, workers=args.workers, seed=args.seed, resume=True,
-                           **settings)
-
     estimator = Path(args.estimator) if args.estimator else None
     if estimator is None:  # the toy estimator: trained from scratch on a disjoint clean world (seed 2)
         est = train(str(out / "world-estimator" / "manifest.yaml"), out / "estimator",
-                    cfg(model=args.estimator_model, epochs=args.estimator_epochs, lr=args.estimator_lr,
-                        batch_size=args.estimator_batch_size, warmup_steps=args.estimator_warmup_steps,
-                        temperature=args.estimator_temperature), val=str(val))
+                    toy_config(args, model=args.estimator_model, epochs=args.estimator_epochs, lr=args.estimator_lr,
+                               batch_size=args.estimator_batch_size, warmup_steps=args.estimator_warmup_steps,
+                               temperature=args.estimator_temperature), val=str(val))
         estimator = est.best_model
     scores = out / "scores.parquet"
     if not scores.exists():
@@ -124,6 +139,18 @@ def toy(args) -> None:
         duckdb.execute(f"COPY (SELECT s.*, t.noisy FROM read_parquet({sql_string(scores)}) s JOIN "
                        f"read_parquet({sql_string(truth)}) t USING (shard, \"index\")) TO {sql_string(oracle)} "
                        "(FORMAT parquet)")
+    return ToyData(clean, val, noisy_manifest, truth, scores, oracle, estimator, detection)
+
+
+def toy(args) -> None:
+    """Tiny CLIP from scratch on the toy world: clean vs 50% shuffle noise, plain / OSA / filter / online."""
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    data = toy_data(args, out, f"noisy-{args.noise:g}", lambda clean, noisy: corrupt(clean, noisy, args.noise, seed=0))
+    clean, val, noisy_manifest, scores, oracle, estimator, detection = (
+        data.clean, data.val, data.noisy, data.scores, data.oracle, data.estimator, data.detection)
+    captions = args.captions_per_scene
+    cfg = partial(toy_config, args)
     init = "none" if args.init == "scratch" else str(estimator)
     # Fine-tuning the estimator itself is the official OSA setting: its online estimator is then a
     # frozen copy of the initial model; from scratch the online estimator is the toy estimator.
@@ -154,6 +181,77 @@ def toy(args) -> None:
     show(f"toy world: {args.model} {start}, {args.pairs} pairs{scenes}, {args.epochs} epochs, val {args.val_pairs} pairs",
          ROW_COLUMNS, rows_with_share(rows, rows[0]["rsum"]), out, f"table-{args.init}",
          {"detection": detection, "estimator": str(estimator), "args": vars(args)})
+
+
+def partition_summary(run: Path, truth: Path, method: str) -> dict:
+    """The last epoch's partition against the truth (one DuckDB join on shard, index). SPS: clean
+    (reliable or quasi-clean) vs noisy, either noise kind counting as noisy; DiffNCL: its three-way
+    partition vs the three-way truth (clean / weak / shuffle = noisy), and Psi's mean per truth kind."""
+    tables = sorted((run / "diagnostics").glob("pairs-epoch-*.parquet"))
+    if not tables:
+        return {}
+    pairs = sql_string(tables[-1])
+    join = f"FROM read_parquet({pairs}) d JOIN read_parquet({sql_string(truth)}) t USING (shard, \"index\")"
+    if method == "sps":
+        acc, caught, kept = duckdb.execute(
+            f"""SELECT avg(CAST((d.partition = 'noisy') = t.noisy AS DOUBLE)),
+                       avg(CAST(d.partition = 'noisy' AS DOUBLE)) FILTER (WHERE t.noisy),
+                       avg(CAST(d.partition <> 'noisy' AS DOUBLE)) FILTER (WHERE NOT t.noisy) {join}""").fetchone()
+        counts = dict(duckdb.execute(f"SELECT d.partition || ' / ' || t.noise, count(*) {join} GROUP BY 1").fetchall())
+        return {"epoch": tables[-1].name, "accuracy": acc, "noise_caught": caught, "clean_kept": kept, "counts": counts}
+    truth_kind = "CASE t.noise WHEN 'shuffle' THEN 'noisy' ELSE t.noise END"
+    acc = duckdb.execute(f"SELECT avg(CAST(d.partition = {truth_kind} AS DOUBLE)) {join}").fetchone()[0]
+    counts = dict(duckdb.execute(f"SELECT d.partition || ' / ' || t.noise, count(*) {join} GROUP BY 1").fetchall())
+    psi = {kind: {"psi": m, "psi_peer": mp, "loss": ml, "pairs": n} for kind, m, mp, ml, n in duckdb.execute(
+        f"SELECT t.noise, avg(d.psi), avg(d.psi_peer), avg(d.loss), count(*) {join} GROUP BY 1 ORDER BY 1").fetchall()}
+    return {"epoch": tables[-1].name, "accuracy": acc, "counts": counts, "psi_by_truth": psi}
+
+
+def robust(args) -> None:
+    """Fine-tuning the toy estimator under shuffle (or mixed weak + shuffle) noise: clean, plain, OSA
+    weights, oracle filter, SPS, DiffNCL at one budget, with SPS's and DiffNCL's partition accuracy."""
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    args.init = "estimator"
+    if args.weak_noise:
+        name = f"noisy-{args.noise:g}-weak-{args.weak_noise:g}"
+        noise = f"{args.weak_noise:.0%} weak + {args.noise:.0%} shuffle"
+        make = (lambda clean, noisy: corrupt(clean, noisy, args.noise, seed=0, mode="mixed", weak_ratio=args.weak_noise))
+    else:
+        name, noise = f"noisy-{args.noise:g}", f"{args.noise:.0%} shuffle"
+        make = (lambda clean, noisy: corrupt(clean, noisy, args.noise, seed=0))
+    data = toy_data(args, out, name, make)
+    cfg = partial(toy_config, args, str(data.estimator))
+    sps = {"warmup_epochs": args.warmup_epochs, "e_qc": args.e_qc, "e_n": args.e_n, "eps1": args.sps_eps1}
+    diffncl = {"warmup_epochs": args.warmup_epochs}
+    runs = [("clean", "0% noise, plain", data.clean, cfg()),
+            ("plain", f"{noise}, plain", data.noisy, cfg()),
+            ("osa-weights", f"{noise}, OSA weights", data.noisy,
+             cfg(method="osa-weights", method_options={"scores": str(data.scores)})),
+            ("oracle", f"{noise}, oracle filter (truth)", data.noisy,
+             cfg(method="filter", method_options={"scores": str(data.oracle), "filter": "NOT noisy"})),
+            ("sps", f"{noise}, SPS", data.noisy, cfg(method="sps", method_options=sps)),
+            ("diffncl", f"{noise}, DiffNCL", data.noisy, cfg(method="diffncl", method_options=diffncl))]
+    chosen = [r for r in (args.rows or ",".join(r[0] for r in runs)).split(",") if r]
+    rows, partitions = [], {}
+    for key, label, source, c in runs:
+        if key not in chosen:
+            continue
+        run_dir = out / f"run-seed{args.seed}-{key}"
+        rows.append(run_row(label, source, run_dir, c, data.val))
+        if key in ("sps", "diffncl"):
+            partitions[key] = partition_summary(run_dir, data.truth, key)
+            console.print(f"{key} partition: {partitions[key]}")
+    if len(rows) < len(runs):  # a partial table (--rows): the rows are printed, no table is written
+        return
+    oracle = rows[3]["rsum"]
+    table = [[r["run"], r["rsum"], 100.0 * r["rsum"] / oracle, r["best_rsum"], r["i2t_r1"], r["t2i_r1"], r["epochs"],
+              r["minutes"]] for r in rows]
+    show(f"toy world fine-tuning the toy estimator, {args.pairs} pairs ({args.pairs // args.captions_per_scene} scenes x "
+         f"{args.captions_per_scene} captions), {noise}, {args.epochs} epochs, seed {args.seed}",
+         ["run", "rSum (last)", "% of oracle", "rSum (best)", "i2t R@1", "t2i R@1", "epochs", "train min"], table, out,
+         f"table-{name}-seed{args.seed}", {"detection": data.detection, "partitions": partitions,
+                                           "estimator": str(data.estimator), "args": vars(args)})
 
 
 def _coco_val(captions_json: Path, skip: int, n: int, out: Path) -> Path:
@@ -260,19 +358,8 @@ def step_time(args) -> None:
     console.print(f"step-time ratio --weights / plain: {ratio:.3f} (target <= 1.03)")
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
-    sub = parser.add_subparsers(dest="table", required=True)
-    st = sub.add_parser("step-time", help="training step time with --weights vs plain")
-    st.add_argument("--out", required=True)
-    st.add_argument("--pairs", type=int, default=2048)
-    st.add_argument("--shard-size", type=int, default=512)
-    st.add_argument("--batch-size", type=int, default=64)
-    st.add_argument("--repeats", type=int, default=5)
-    st.add_argument("--workers", type=int, default=1)
-    st.add_argument("--model", default="pairclean-tiny")
-    ty = sub.add_parser("toy", help="toy world table (tiny CLIP from scratch)")
+def add_toy_arguments(ty) -> None:
+    """The toy world's data, estimator and optimiser settings (the toy and robust tables)."""
     ty.add_argument("--out", required=True)
     ty.add_argument("--pairs", type=int, default=8000)
     ty.add_argument("--val-pairs", type=int, default=1000)
@@ -301,10 +388,37 @@ def main(argv: list[str] | None = None) -> None:
     ty.add_argument("--estimator-temperature", type=float, default=recipe.temperature or 0.0, help="0: learned")
     ty.add_argument("--seed", type=int, default=0, help="training seed of every row (initialisation, data order); "
                                                         "the data, noise and scores keep theirs")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    sub = parser.add_subparsers(dest="table", required=True)
+    st = sub.add_parser("step-time", help="training step time with --weights vs plain")
+    st.add_argument("--out", required=True)
+    st.add_argument("--pairs", type=int, default=2048)
+    st.add_argument("--shard-size", type=int, default=512)
+    st.add_argument("--batch-size", type=int, default=64)
+    st.add_argument("--repeats", type=int, default=5)
+    st.add_argument("--workers", type=int, default=1)
+    st.add_argument("--model", default="pairclean-tiny")
+    ty = sub.add_parser("toy", help="toy world table (tiny CLIP from scratch)")
+    add_toy_arguments(ty)
     ty.add_argument("--rows", help="run only these rows (comma-separated indices, 0 = the clean run; '' builds the "
                                    "data only); the table itself needs every row")
     ty.add_argument("--init", choices=("scratch", "estimator"), default="scratch",
                     help="train every row from scratch, or fine-tune the estimator (the paper's setting)")
+    rb = sub.add_parser("robust", help="SPS and DiffNCL beside plain / OSA weights / oracle, fine-tuning the toy estimator")
+    add_toy_arguments(rb)
+    rb.add_argument("--weak-noise", type=float, default=0.0, help="share of the pairs weakened beside the --noise "
+                                                                   "shuffled (pairclean corrupt --mode mixed)")
+    rb.add_argument("--warmup-epochs", type=int, default=1, help="SPS and DiffNCL warm-up epochs (papers: 5)")
+    rb.add_argument("--e-qc", type=int, default=2, help="SPS: quasi-clean pairs from this epoch (paper: 10)")
+    rb.add_argument("--e-n", type=int, default=3, help="SPS: noisy pairs with proxies from this epoch (paper: 15)")
+    rb.add_argument("--sps-eps1", type=float, default=0.6,
+                    help="SPS reliable bound: the authors' code's 0.6 (the paper's 0.99 leaves no reliable pair when "
+                         "the loss GMM's clean posterior tops out below it)")
+    rb.add_argument("--rows", help="run only these rows (clean,plain,osa-weights,oracle,sps,diffncl)")
     ct = sub.add_parser("coco-text", help="COCO captions text-text table (all-MiniLM-L6-v2)")
     ct.add_argument("--out", required=True)
     ct.add_argument("--captions", default=str(Path(__file__).resolve().parents[2] / "shared" / "data" / "coco-captions"
@@ -323,7 +437,7 @@ def main(argv: list[str] | None = None) -> None:
         if getattr(args, name, None) == 0:
             setattr(args, name, None)
     torch.set_num_threads(args.threads)
-    {"step-time": step_time, "toy": toy, "coco-text": coco_text}[args.table](args)
+    {"step-time": step_time, "toy": toy, "robust": robust, "coco-text": coco_text}[args.table](args)
 
 
 if __name__ == "__main__":
