@@ -86,6 +86,13 @@ def three_way_partition(p: np.ndarray, eps1: float, eps2: float) -> np.ndarray:
     return part
 
 
+def _nullable(values: np.ndarray) -> np.ndarray:
+    """NaN (no value for this pair) as None, so the Parquet column holds NULL and SQL aggregates skip it."""
+    out = values.astype(object)
+    out[~np.isfinite(values)] = None
+    return out
+
+
 @dataclass
 class SpsOptions:
     warmup_epochs: int = 5  # plain InfoNCE on everything for both networks (essential, per the paper)
@@ -318,19 +325,20 @@ class Sps(Method):
         steps = gather_pairs(self.index.size, ids.astype(np.int64),
                              {name: (np.concatenate(v) if v else np.zeros(0)).astype(np.float64)
                               for name, v in self.records.items() if name != "ids"})
-        proxy = steps.columns.get("proxy_id", np.full(self.index.size, np.nan))
+        unset = np.full(self.index.size, np.nan)
+        proxy = steps.columns.get("proxy_id", unset)
         has_proxy = np.isfinite(proxy)
         proxy_shard = np.full(self.index.size, None, dtype=object)
-        proxy_index = np.full(self.index.size, -1, dtype=np.int64)
+        proxy_index = np.full(self.index.size, None, dtype=object)
         if has_proxy.any():
             shards, positions = self.index.locate(proxy[has_proxy].astype(np.int64))
             proxy_shard[has_proxy] = shards
-            proxy_index[has_proxy] = positions
+            proxy_index[has_proxy] = positions.tolist()
         columns = {"p": self.p[0], "p_peer": self.p[1],
                    "partition": PARTITION_NAMES[self.partition[1]],  # what the main network trains on
                    "partition_peer": PARTITION_NAMES[self.partition[0]],
-                   "y_qc": steps.columns.get("y_qc", np.full(self.index.size, np.nan)),
-                   "y_proxy": steps.columns.get("y_proxy", np.full(self.index.size, np.nan)),
+                   "y_qc": _nullable(steps.columns.get("y_qc", unset)),
+                   "y_proxy": _nullable(steps.columns.get("y_proxy", unset)),
                    "proxy_shard": proxy_shard, "proxy_index": proxy_index}
         write_pair_table(ctx, epoch, self.index, self.seen[0] | self.seen[1], columns)
         counts = np.bincount(self.partition[1][self.seen[1]], minlength=3)
