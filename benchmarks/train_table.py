@@ -232,7 +232,7 @@ def robust(args) -> None:
              cfg(method="filter", method_options={"scores": str(data.oracle), "filter": "NOT noisy"})),
             ("sps", f"{noise}, SPS", data.noisy, cfg(method="sps", method_options=sps)),
             ("diffncl", f"{noise}, DiffNCL", data.noisy, cfg(method="diffncl", method_options=diffncl))]
-    chosen = [r for r in (args.rows or ",".join(r[0] for r in runs)).split(",") if r]
+    chosen = [r for r in (",".join(r[0] for r in runs) if args.rows is None else args.rows).split(",") if r]
     rows, partitions = [], {}
     for key, label, source, c in runs:
         if key not in chosen:
