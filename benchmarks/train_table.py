@@ -2,6 +2,7 @@
 
     python benchmarks/train_table.py toy --out /tmp/pc-toy            # toy world, 0% / 50% shuffle noise
     python benchmarks/train_table.py coco-text --out /tmp/pc-coco     # MiniLM on COCO captions, 50% noise
+    python benchmarks/train_table.py robust --out /tmp/pc-robust ...  # SPS / DiffNCL vs plain / OSA / oracle
     python benchmarks/train_table.py step-time --out /tmp/pc-step     # --weights vs plain step time
     python benchmarks/train_table.py step-time --out /tmp/pc-step-methods --methods sdd,gsc,gsc-2 --repeats 3
     python benchmarks/train_table.py methods --out /tmp/pc-methods --estimator /tmp/demo-estimator.pt
@@ -20,6 +21,7 @@ import json
 import statistics
 import sys
 import time
+from functools import partial
 from pathlib import Path
 from typing import NamedTuple
 
@@ -102,8 +104,9 @@ def toy_cfg(args, pretrained: str = "none", **kw) -> TrainConfig:
                        **settings)
 
 
-def toy_data(args, out: Path) -> ToyData:
-    """The toy worlds, the noisy copy, the estimator's scores of it and the oracle's scores (built once)."""
+def toy_data(args, out: Path, noisy_name: str | None = None, make_noise=None) -> ToyData:
+    """The toy worlds, the noisy copy (default: `--noise` shuffle noise; else `make_noise(clean_manifest,
+    directory)` into `noisy_name`), the estimator's scores of it and the oracle's scores (built once)."""
     out.mkdir(parents=True, exist_ok=True)
     if args.init == "estimator":  # fine-tuning the estimator: every row trains its architecture
         args.model = args.estimator_model
@@ -115,9 +118,9 @@ def toy_data(args, out: Path) -> ToyData:
         if not (out / f"world-{name}").exists():
             build_world(out / f"world-{name}", n, seed=seed, shard_size=args.shard_size, captions_per_scene=k)
     clean, val = out / "world-train" / "manifest.yaml", out / "world-val" / "manifest.yaml"
-    noisy = out / f"noisy-{args.noise:g}"
+    noisy = out / (noisy_name or f"noisy-{args.noise:g}")
     if not noisy.exists():
-        corrupt(str(clean), noisy, args.noise, seed=0)
+        (make_noise or (lambda source, target: corrupt(source, target, args.noise, seed=0)))(str(clean), noisy)
     noisy_manifest = noisy / "manifest.yaml"
     estimator = Path(args.estimator) if args.estimator else None
     if estimator is None:  # the toy estimator: trained from scratch on a disjoint clean world (seed 2)
@@ -440,6 +443,77 @@ def toy_arguments(parser, **defaults) -> None:
     parser.set_defaults(**defaults)
 
 
+def partition_summary(run: Path, truth: Path, method: str) -> dict:
+    """The last epoch's partition against the truth (one DuckDB join on shard, index). SPS: clean
+    (reliable or quasi-clean) vs noisy, either noise kind counting as noisy; DiffNCL: its three-way
+    partition vs the three-way truth (clean / weak / shuffle = noisy), and Psi's mean per truth kind."""
+    tables = sorted((run / "diagnostics").glob("pairs-epoch-*.parquet"))
+    if not tables:
+        return {}
+    pairs = sql_string(tables[-1])
+    join = f"FROM read_parquet({pairs}) d JOIN read_parquet({sql_string(truth)}) t USING (shard, \"index\")"
+    if method == "sps":
+        acc, caught, kept = duckdb.execute(
+            f"""SELECT avg(CAST((d.partition = 'noisy') = t.noisy AS DOUBLE)),
+                       avg(CAST(d.partition = 'noisy' AS DOUBLE)) FILTER (WHERE t.noisy),
+                       avg(CAST(d.partition <> 'noisy' AS DOUBLE)) FILTER (WHERE NOT t.noisy) {join}""").fetchone()
+        counts = dict(duckdb.execute(f"SELECT d.partition || ' / ' || t.noise, count(*) {join} GROUP BY 1").fetchall())
+        return {"epoch": tables[-1].name, "accuracy": acc, "noise_caught": caught, "clean_kept": kept, "counts": counts}
+    truth_kind = "CASE t.noise WHEN 'shuffle' THEN 'noisy' ELSE t.noise END"
+    acc = duckdb.execute(f"SELECT avg(CAST(d.partition = {truth_kind} AS DOUBLE)) {join}").fetchone()[0]
+    counts = dict(duckdb.execute(f"SELECT d.partition || ' / ' || t.noise, count(*) {join} GROUP BY 1").fetchall())
+    psi = {kind: {"psi": m, "psi_peer": mp, "loss": ml, "pairs": n} for kind, m, mp, ml, n in duckdb.execute(
+        f"SELECT t.noise, avg(d.psi), avg(d.psi_peer), avg(d.loss), count(*) {join} GROUP BY 1 ORDER BY 1").fetchall()}
+    return {"epoch": tables[-1].name, "accuracy": acc, "counts": counts, "psi_by_truth": psi}
+
+
+def robust(args) -> None:
+    """Fine-tuning the toy estimator under shuffle (or mixed weak + shuffle) noise: clean, plain, OSA
+    weights, oracle filter, SPS, DiffNCL at one budget, with SPS's and DiffNCL's partition accuracy."""
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    args.init = "estimator"
+    if args.weak_noise:
+        name = f"noisy-{args.noise:g}-weak-{args.weak_noise:g}"
+        noise = f"{args.weak_noise:.0%} weak + {args.noise:.0%} shuffle"
+        make = (lambda clean, noisy: corrupt(clean, noisy, args.noise, seed=0, mode="mixed", weak_ratio=args.weak_noise))
+    else:
+        name, noise = f"noisy-{args.noise:g}", f"{args.noise:.0%} shuffle"
+        make = (lambda clean, noisy: corrupt(clean, noisy, args.noise, seed=0))
+    data = toy_data(args, out, name, make)
+    cfg = partial(toy_cfg, args, str(data.estimator))
+    sps = {"warmup_epochs": args.warmup_epochs, "e_qc": args.e_qc, "e_n": args.e_n, "eps1": args.sps_eps1}
+    diffncl = {"warmup_epochs": args.warmup_epochs}
+    runs = [("clean", "0% noise, plain", data.clean, cfg()),
+            ("plain", f"{noise}, plain", data.noisy, cfg()),
+            ("osa-weights", f"{noise}, OSA weights", data.noisy,
+             cfg(method="osa-weights", method_options={"scores": str(data.scores)})),
+            ("oracle", f"{noise}, oracle filter (truth)", data.noisy,
+             cfg(method="filter", method_options={"scores": str(data.oracle), "filter": "NOT noisy"})),
+            ("sps", f"{noise}, SPS", data.noisy, cfg(method="sps", method_options=sps)),
+            ("diffncl", f"{noise}, DiffNCL", data.noisy, cfg(method="diffncl", method_options=diffncl))]
+    chosen = [r for r in (",".join(r[0] for r in runs) if args.rows is None else args.rows).split(",") if r]
+    rows, partitions = [], {}
+    for key, label, source, c in runs:
+        if key not in chosen:
+            continue
+        run_dir = out / f"run-seed{args.seed}-{key}"
+        rows.append(run_row(label, source, run_dir, c, data.val))
+        if key in ("sps", "diffncl"):
+            partitions[key] = partition_summary(run_dir, data.truth, key)
+            console.print(f"{key} partition: {partitions[key]}")
+    if len(rows) < len(runs):  # a partial table (--rows): the rows are printed, no table is written
+        return
+    oracle = rows[3]["rsum"]
+    table = [[r["run"], r["rsum"], 100.0 * r["rsum"] / oracle, r["best_rsum"], r["i2t_r1"], r["t2i_r1"], r["epochs"],
+              r["minutes"]] for r in rows]
+    show(f"toy world fine-tuning the toy estimator, {args.pairs} pairs ({args.pairs // args.captions_per_scene} scenes x "
+         f"{args.captions_per_scene} captions), {noise}, {args.epochs} epochs, seed {args.seed}",
+         ["run", "rSum (last)", "% of oracle", "rSum (best)", "i2t R@1", "t2i R@1", "epochs", "train min"], table, out,
+         f"table-{name}-seed{args.seed}", {"detection": data.detection, "partitions": partitions,
+                                           "estimator": str(data.estimator), "args": vars(args)})
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
@@ -463,6 +537,17 @@ def main(argv: list[str] | None = None) -> None:
     mt.add_argument("--seeds", default="0,1,2", help="training seeds (comma-separated)")
     mt.add_argument("--sdd-alpha", type=float, default=20.0, help="SDD's self-drop threshold (100 cos; the paper's 20)")
     mt.add_argument("--sdd-beta", type=float, default=30.0, help="SDD's memory-bank threshold (100 cos; the paper's 30)")
+    rb = sub.add_parser("robust", help="SPS and DiffNCL beside plain / OSA weights / oracle, fine-tuning the toy "
+                                       "estimator (--rows takes row names: clean,plain,osa-weights,oracle,sps,diffncl)")
+    toy_arguments(rb)
+    rb.add_argument("--weak-noise", type=float, default=0.0, help="share of the pairs weakened beside the --noise "
+                                                                   "shuffled (pairclean corrupt --mode mixed)")
+    rb.add_argument("--warmup-epochs", type=int, default=1, help="SPS and DiffNCL warm-up epochs (papers: 5)")
+    rb.add_argument("--e-qc", type=int, default=2, help="SPS: quasi-clean pairs from this epoch (paper: 10)")
+    rb.add_argument("--e-n", type=int, default=3, help="SPS: noisy pairs with proxies from this epoch (paper: 15)")
+    rb.add_argument("--sps-eps1", type=float, default=0.6,
+                    help="SPS reliable bound: the authors' code's 0.6 (the paper's 0.99 leaves no reliable pair when "
+                         "the loss GMM's clean posterior tops out below it)")
     ct = sub.add_parser("coco-text", help="COCO captions text-text table (all-MiniLM-L6-v2)")
     ct.add_argument("--out", required=True)
     ct.add_argument("--captions", default=str(Path(__file__).resolve().parents[2] / "shared" / "data" / "coco-captions"
@@ -482,7 +567,8 @@ def main(argv: list[str] | None = None) -> None:
         if getattr(args, name, None) == 0:
             setattr(args, name, None)
     torch.set_num_threads(args.threads)
-    {"step-time": step_time, "toy": toy, "methods": methods_table, "coco-text": coco_text}[args.table](args)
+    {"step-time": step_time, "toy": toy, "methods": methods_table, "robust": robust,
+     "coco-text": coco_text}[args.table](args)
 
 
 if __name__ == "__main__":

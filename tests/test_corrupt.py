@@ -165,3 +165,46 @@ def test_cli_corrupt_writes_dataset_and_truth(world, tmp_path, capsys):
     assert "truth" in printed and str(out) in printed.replace("\n", "")
     noisy = duckdb.sql(f"SELECT count(*) FILTER (WHERE selected), count(*) FROM '{out}/truth/truth.parquet'").fetchall()[0]
     assert noisy == (10, 40)
+
+
+def test_mixed_noise_weakens_and_shuffles_disjoint_draws(world, tmp_path):
+    result = corrupt(str(world), tmp_path / "mixed", ratio=0.3, seed=2, mode="mixed", weak_ratio=0.25)
+    truth = truth_rows(result.truth)
+    assert len(truth) == len(pairs_of(str(result.manifest))) == 40
+    shuffled = [t for t in truth if t["donor_shard"] is not None]
+    weakened = [t for t in truth if t["selected"] and t["donor_shard"] is None]
+    assert len(shuffled) == 12 and len(weakened) == 10 and result.selected == 22  # disjoint: 12 + 10 drawn
+    assert {t["noise"] for t in weakened} == {"weak"}
+    assert {t["noise"] for t in shuffled if t["noisy"]} == {"shuffle"}
+    assert all((t["noise"] == "clean") == (not t["noisy"]) for t in truth)
+    donors = {(t["donor_shard"], t["donor_index"]) for t in shuffled}
+    assert donors == {(t["shard"], t["index"]) for t in shuffled}  # permuted among the shuffled draw only
+    for t in weakened:
+        old, new = t["original_caption"].split(), t["caption"].split()
+        assert sum(a != b for a, b in zip(old, new)) == max(1, round(0.3 * len(old)))
+    kinds = dict(duckdb.sql(f"SELECT noise, count(*) FROM '{result.truth}' GROUP BY noise").fetchall())
+    assert kinds["weak"] == 10 and kinds["clean"] == 40 - result.noisy
+
+
+def test_mixed_noise_keeps_the_shuffle_draw_of_the_same_seed(world, tmp_path):
+    plain = truth_rows(corrupt(str(world), tmp_path / "s", ratio=0.3, seed=2).truth)
+    mixed = truth_rows(corrupt(str(world), tmp_path / "m", ratio=0.3, seed=2, mode="mixed", weak_ratio=0.2).truth)
+    assert [t["caption"] for t in plain if t["noise"] == "shuffle"] == \
+        [t["caption"] for t in mixed if t["noise"] == "shuffle"]
+
+
+def test_mixed_noise_refusals(world, tmp_path):
+    with pytest.raises(UserError, match="weak-ratio"):
+        corrupt(str(world), tmp_path / "x", ratio=0.3, mode="mixed")
+    with pytest.raises(UserError, match="weak-ratio"):
+        corrupt(str(world), tmp_path / "x", ratio=0.3, weak_ratio=0.2)
+    with pytest.raises(UserError, match="at most 1"):
+        corrupt(str(world), tmp_path / "x", ratio=0.6, mode="mixed", weak_ratio=0.5)
+
+
+def test_cli_corrupt_mixed(world, tmp_path):
+    out = tmp_path / "cli-mixed"
+    main(["corrupt", str(world), "--out", str(out), "--mode", "mixed", "--ratio", "0.25", "--weak-ratio", "0.25"])
+    kinds = dict(duckdb.sql(f"SELECT noise, count(*) FROM '{out}/truth/truth.parquet' WHERE selected "
+                            "GROUP BY noise").fetchall())
+    assert kinds["weak"] == 10 and kinds.get("shuffle", 0) + kinds.get("clean", 0) == 10

@@ -140,3 +140,23 @@ def test_two_rank_robust_methods_run_to_the_end(coco_src, tmp_path, method, opti
         assert (tmp_path / "run" / name).is_file()
     pairs = pq.read_table(tmp_path / "run" / "diagnostics" / "pairs-epoch-002.parquet").to_pylist()
     assert len(pairs) == 16 and len({(r["shard"], r["index"]) for r in pairs}) == 16
+@pytest.mark.parametrize("method, options", [
+    ("sps", ["warmup_epochs=1", "e_qc=2", "e_n=2", "eps1=0.6"]),
+    ("diffncl", ["warmup_epochs=1"]),
+])
+def test_two_rank_sps_and_diffncl_train_both_networks(method, options, coco_src, tmp_path):
+    import json
+
+    shards = tmp_path / "train"
+    build_shards(coco_src, shards, shard_size=4)
+    run = tmp_path / "run"
+    _torchrun(["train", str(shards), "--model", "pairclean-tiny", "--pretrained", "none", "--epochs", "2",
+               "--batch-size", "8", "--lr", "1e-3", "--warmup-steps", "1", "--workers", "0", "--shuffle-buffer", "0",
+               "--method", method, *[x for o in options for x in ("--method-option", o)], "--out", str(run)])
+    assert (run / "model-epoch-002.pt").is_file() and (run / "model-epoch-002-peer.pt").is_file()
+    pairs = pq.read_table(run / "diagnostics" / "pairs-epoch-002.parquet").to_pylist()
+    assert len({(r["shard"], r["index"]) for r in pairs}) == len(pairs) == 16  # both ranks' pairs, gathered
+    epochs = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if '"epoch"' in x]
+    last = [e for e in epochs if e.get("event") == "epoch"][-1]
+    assert sum(last[f"{method}_{k}"] for k in {"sps": ("reliable", "quasi_clean", "noisy"),
+                                                "diffncl": ("clean", "weak", "noisy")}[method]) == 16

@@ -17,7 +17,9 @@ def corrupt_command(
     out: Path = typer.Option(..., "--out", "-o", help="Directory for the noisy copy, truth/truth.parquet and manifest.yaml."),
     ratio: float = typer.Option(..., help="Share of the pairs drawn for noise, in [0, 1]."),
     seed: int = typer.Option(0, help="Noise seed."),
-    mode: str = typer.Option("shuffle", help="shuffle: permute the drawn captions (NCR); weak: replace ~30% of their words."),
+    mode: str = typer.Option("shuffle", help="shuffle: permute the drawn captions (NCR); weak: replace ~30% of their words; "
+                                             "mixed: --ratio shuffled and --weak-ratio weakened, disjoint draws."),
+    weak_ratio: Optional[float] = typer.Option(None, help="--mode mixed: share of the pairs weakened beside the --ratio shuffled."),
     pair: Optional[str] = typer.Option(None, help="Pair kind (image-text or text-text; text-text noises the second text)."),
     overwrite: bool = typer.Option(False, help="Replace an existing output directory."),
 ) -> None:
@@ -26,7 +28,7 @@ def corrupt_command(
     from pairclean.lab.corrupt import corrupt
 
     spec = open_dataset(source, pair=pair)
-    result = corrupt(spec, out, ratio, seed=seed, mode=mode, overwrite=overwrite)
+    result = corrupt(spec, out, ratio, seed=seed, mode=mode, overwrite=overwrite, weak_ratio=weak_ratio)
     console.print(f"{result.pairs:,} pairs copied to {result.out}: {result.selected:,} drawn, {result.noisy:,} noisy "
                   f"({result.selected - result.noisy:,} drawn pairs kept their caption)", soft_wrap=True)
     console.print(f"truth: {result.truth}\nmanifest: {result.manifest}", soft_wrap=True)

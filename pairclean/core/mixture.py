@@ -61,16 +61,19 @@ def minmax(values) -> np.ndarray:
 
 def clean_posterior(values, n_components: int = 2, higher_is_clean: bool = True, seed: int = 0,
                     max_iter: int = 100, tol: float = 1e-3, reg_covar: float = 5e-4,
-                    covariance_type: str = "full") -> tuple[np.ndarray, GaussianMixture]:
+                    covariance_type: str = "full", column_scale=None) -> tuple[np.ndarray, GaussianMixture]:
     """Per-sample posterior of the clean component over min-max normalised values.
 
     `values` may be 1-D (one feature) or 2-D (n, d); with d > 1 the components are ordered by
-    the sum of their mean coordinates. Returns (posteriors of every component ordered clean
-    first, the fitted mixture).
+    the sum of their mean coordinates. `column_scale` multiplies each normalised column (DiffNCL's
+    zeta weighs its second feature). Returns (posteriors of every component ordered clean first,
+    the fitted mixture).
     """
     x = np.asarray(values, dtype=np.float64)
     x = x.reshape(len(x), -1)
     x = np.column_stack([minmax(x[:, j]) for j in range(x.shape[1])])
+    if column_scale is not None:
+        x = x * np.asarray(column_scale, dtype=np.float64)[None, :]
     gmm = GaussianMixture(n_components=n_components, max_iter=max_iter, tol=tol, reg_covar=reg_covar,
                           covariance_type=covariance_type, random_state=seed)
     gmm.fit(x)

@@ -4,6 +4,8 @@
 themselves; a pair whose caption text did not change (it drew its own caption, or an identical
 one) stays clean. `weak` (the weak noise of the DiffNCL benchmarks): a share `ratio` of the
 captions gets about 30% of its words replaced by random words of the dataset's own vocabulary.
+`mixed`: both in one run on disjoint draws, a share `ratio` shuffled and a share `weak_ratio`
+weakened; the truth's `noise` column names each pair's kind (clean / weak / shuffle).
 
 Three streaming passes, memory bounded by a batch:
 1. every pair is read with the reader's `read_unit` and (position, shard, index, key, caption) is
@@ -40,7 +42,7 @@ from pairclean.curate.query import sql_string
 from pairclean.data.reader import UnitFailure, list_units, raise_failure, read_samples, read_unit
 from pairclean.data.units import is_local, unit_shard
 
-MODES = ("shuffle", "weak")
+MODES = ("shuffle", "weak", "mixed")
 WEAK_SHARE = 0.3  # share of a caption's words replaced by weak noise
 TRUTH_NAME = "truth/truth.parquet"  # under the output directory; a subdirectory, so scoring the directory skips it
 _BATCH = 65536
@@ -52,6 +54,7 @@ TRUTH_SCHEMA = pa.schema([
     ("selected", pa.bool_()),  # drawn for noise (a drawn pair can keep its caption)
     ("original_caption", pa.string()), ("caption", pa.string()),
     ("donor_shard", pa.string()), ("donor_index", pa.int64()),  # shuffle: where the new caption came from
+    ("noise", pa.string()),  # clean, or the kind of noise that changed the caption: weak | shuffle
 ])
 
 
@@ -67,6 +70,7 @@ class CorruptResult:
     eligible: int  # pairs with a readable caption: the ones noise is drawn from
     selected: int
     noisy: int
+    weak_ratio: float | None = None  # mixed mode: the share weakened beside the `ratio` shuffled
 
     def as_dict(self) -> dict:
         return {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(self).items()}
@@ -105,11 +109,17 @@ def _output_name(shard: str, fmt: str) -> str:
     return name + ".tar"
 
 
-def _check_source(spec: DatasetSpec, ratio: float, mode: str) -> None:
+def _check_source(spec: DatasetSpec, ratio: float, mode: str, weak_ratio: float | None = None) -> None:
     if mode not in MODES:
         raise UserError(f"unknown noise mode {mode!r}; choose one of {', '.join(MODES)}")
     if not 0.0 <= ratio <= 1.0:
         raise UserError(f"--ratio must be within [0, 1], got {ratio}")
+    if (mode == "mixed") != (weak_ratio is not None):
+        raise UserError("--weak-ratio goes with --mode mixed (the share weakened beside the --ratio shuffled), "
+                        "and mixed needs it")
+    if weak_ratio is not None and not (0.0 <= weak_ratio <= 1.0 and ratio + weak_ratio <= 1.0):
+        raise UserError(f"--weak-ratio must be within [0, 1] and --ratio + --weak-ratio at most 1, "
+                        f"got {ratio} + {weak_ratio}")
     caption_field(spec)
     remote = [s for s in spec.shards if not is_local(s)]
     if remote:
@@ -151,25 +161,28 @@ def _spill_rows(spec: DatasetSpec, units: list[str], path: Path, progress) -> tu
     return pairs, eligible
 
 
-def _plan(con: duckdb.DuckDBPyConnection, rows: Path, repl: Path, mode: str, k: int, seed: int) -> None:
-    """Pass 2: the replacement table (pos, donor_shard, donor_index, new_caption) sorted by pos."""
+def _plan(con: duckdb.DuckDBPyConnection, rows: Path, repl: Path, shuffled: int, weakened: int, seed: int) -> None:
+    """Pass 2: the replacement table (pos, kind, donor_shard, donor_index, new_caption) sorted by pos.
+    The first `shuffled` pairs of the md5 order are shuffled among themselves, the next `weakened` weakened."""
     rows_sql = f"read_parquet({sql_string(rows)})"
-    con.execute(f"""CREATE TABLE picked AS SELECT pos, caption FROM {rows_sql} WHERE caption IS NOT NULL
-                    ORDER BY md5(concat(?, ':pick:', pos)), pos LIMIT {int(k)}""", [str(seed)])
-    if mode == "shuffle":
-        select = f"""
-            WITH dest AS (SELECT pos, row_number() OVER (ORDER BY pos) AS r FROM picked),
-                 donor AS (SELECT pos AS donor_pos, caption,
-                                  row_number() OVER (ORDER BY md5(concat(?, ':perm:', pos)), pos) AS r FROM picked)
-            SELECT dest.pos, rows.shard AS donor_shard, rows."index" AS donor_index, donor.caption AS new_caption
-            FROM dest JOIN donor USING (r) JOIN {rows_sql} AS rows ON rows.pos = donor.donor_pos
-            ORDER BY dest.pos"""
-        params = [str(seed)]
-    else:
-        select = """SELECT pos, NULL::VARCHAR AS donor_shard, NULL::BIGINT AS donor_index, NULL::VARCHAR AS new_caption
-                    FROM picked ORDER BY pos"""
-        params = []
-    con.execute(f"COPY ({select}) TO {sql_string(repl)} (FORMAT parquet)", params)
+    con.execute(f"""CREATE TABLE picked AS SELECT pos, caption,
+                        CASE WHEN row_number() OVER (ORDER BY md5(concat(?, ':pick:', pos)), pos) <= {int(shuffled)}
+                             THEN 'shuffle' ELSE 'weak' END AS kind
+                    FROM {rows_sql} WHERE caption IS NOT NULL
+                    ORDER BY md5(concat(?, ':pick:', pos)), pos LIMIT {int(shuffled) + int(weakened)}""",
+                [str(seed), str(seed)])
+    select = f"""
+        WITH dest AS (SELECT pos, row_number() OVER (ORDER BY pos) AS r FROM picked WHERE kind = 'shuffle'),
+             donor AS (SELECT pos AS donor_pos, caption,
+                              row_number() OVER (ORDER BY md5(concat(?, ':perm:', pos)), pos) AS r
+                       FROM picked WHERE kind = 'shuffle')
+        SELECT dest.pos, 'shuffle' AS kind, rows.shard AS donor_shard, rows."index" AS donor_index,
+               donor.caption AS new_caption
+        FROM dest JOIN donor USING (r) JOIN {rows_sql} AS rows ON rows.pos = donor.donor_pos
+        UNION ALL
+        SELECT pos, kind, NULL::VARCHAR, NULL::BIGINT, NULL::VARCHAR FROM picked WHERE kind = 'weak'
+        ORDER BY pos"""
+    con.execute(f"COPY ({select}) TO {sql_string(repl)} (FORMAT parquet)", [str(seed)])
 
 
 def _vocabulary(con: duckdb.DuckDBPyConnection, rows: Path) -> list[str]:
@@ -190,12 +203,12 @@ class _Noise:
     """Walks the spilled rows and the replacement table in position order, one pair at a time,
     and streams the truth rows."""
 
-    def __init__(self, rows: Path, repl: Path, mode: str, seed: int, vocabulary: list[str] | None,
+    def __init__(self, rows: Path, repl: Path, seed: int, vocabulary: list[str] | None,
                  names: dict[str, str], truth_path: Path, weak_share: float):
         self.rows = _records(rows)
         self.repl = _records(repl)
         self.next_repl = next(self.repl, None)
-        self.mode, self.seed, self.vocabulary, self.weak_share = mode, seed, vocabulary, weak_share
+        self.seed, self.vocabulary, self.weak_share = seed, vocabulary, weak_share
         self.word_index = {w: i for i, w in enumerate(vocabulary)} if vocabulary else {}
         self.names = names  # input shard -> output shard path
         self.truth_path = truth_path
@@ -215,18 +228,19 @@ class _Noise:
         if repl is not None:
             self.next_repl = next(self.repl, None)
             self.selected += 1
-            if self.mode == "shuffle":
+            if repl["kind"] == "shuffle":
                 new = repl["new_caption"]
             else:
                 rng = np.random.default_rng([self.seed, row["pos"]])
                 new = weaken(row["caption"], self.vocabulary, self.word_index, rng, self.weak_share)
         noisy = new is not None and new != row["caption"]
-        donor = repl is not None and self.mode == "shuffle"
+        donor = repl is not None and repl["kind"] == "shuffle"
         for name, value in (("key", row["key"]), ("shard", self.names[shard]), ("index", index), ("noisy", noisy),
                             ("selected", repl is not None), ("original_caption", row["caption"]),
                             ("caption", new if noisy else row["caption"]),
                             ("donor_shard", self.names[repl["donor_shard"]] if donor else None),
-                            ("donor_index", repl["donor_index"] if donor else None)):
+                            ("donor_index", repl["donor_index"] if donor else None),
+                            ("noise", repl["kind"] if noisy else "clean")):
             self.buf[name].append(value)
         if len(self.buf["key"]) >= _BATCH:
             self._flush()
@@ -304,11 +318,12 @@ def _copy_parquet(path: str, tmp: Path, noise: _Noise, field: str) -> None:
 
 def corrupt(source: str | list[str] | DatasetSpec, out: str | Path, ratio: float, seed: int = 0,
             mode: str = "shuffle", overwrite: bool = False, weak_share: float = WEAK_SHARE,
-            progress: Callable[[str], None] | None = None) -> CorruptResult:
+            progress: Callable[[str], None] | None = None, weak_ratio: float | None = None) -> CorruptResult:
     """Write a noisy copy of `source` to the directory `out` with `out/truth/truth.parquet`,
-    `out/manifest.yaml` (whose `truth:` points at it) and `out/corrupt.json`."""
+    `out/manifest.yaml` (whose `truth:` points at it) and `out/corrupt.json`. `ratio` is the share
+    drawn for `mode`'s noise; in mixed mode the share shuffled, beside `weak_ratio` weakened."""
     spec = source if isinstance(source, DatasetSpec) else open_dataset(source)
-    _check_source(spec, ratio, mode)
+    _check_source(spec, ratio, mode, weak_ratio)
     if not 0.0 < weak_share <= 1.0:
         raise UserError(f"the weak-noise word share must be within (0, 1], got {weak_share}")
     out = Path(out)
@@ -319,17 +334,18 @@ def corrupt(source: str | list[str] | DatasetSpec, out: str | Path, ratio: float
         work = Path(work)
         rows, repl = work / "rows.parquet", work / "replacements.parquet"
         pairs, eligible = _spill_rows(spec, units, rows, progress)
-        k = round(ratio * eligible)
+        shares = {"shuffle": (ratio, 0.0), "weak": (0.0, ratio), "mixed": (ratio, weak_ratio)}[mode]
+        shuffled, weakened = (round(share * eligible) for share in shares)
         con = duckdb.connect(str(work / "plan.duckdb"))
         try:
             con.execute(f"SET temp_directory = {sql_string(work / 'spill')}")
-            _plan(con, rows, repl, mode, k, seed)
-            vocabulary = _vocabulary(con, rows) if mode == "weak" and k else None
+            _plan(con, rows, repl, shuffled, weakened, seed)
+            vocabulary = _vocabulary(con, rows) if weakened else None
         finally:
             con.close()
         names = {s: str(out / _output_name(s, spec.format)) for s in shards}
         (tmp / "truth").mkdir()
-        noise = _Noise(rows, repl, mode, seed, vocabulary, names, tmp / TRUTH_NAME, weak_share)
+        noise = _Noise(rows, repl, seed, vocabulary, names, tmp / TRUTH_NAME, weak_share)
         try:
             for shard in shards:
                 if spec.format == "webdataset":
@@ -343,11 +359,14 @@ def corrupt(source: str | list[str] | DatasetSpec, out: str | Path, ratio: float
             noise.close()
         new_spec = DatasetSpec(format=spec.format, shards=list(names.values()), pair=spec.pair, fields=spec.fields,
                                label_template=spec.label_template, truth=str(out / TRUTH_NAME),
-                               name=f"{spec.name or 'dataset'}-{mode}-{ratio:g}")
+                               name=f"{spec.name or 'dataset'}-{mode}-{ratio:g}"
+                                    + (f"-weak-{weak_ratio:g}" if weak_ratio is not None else ""))
         write_manifest(tmp / "manifest.yaml", new_spec, shards_relative_to=out)
         result = CorruptResult(out=out, truth=out / TRUTH_NAME, manifest=out / "manifest.yaml", mode=mode, ratio=ratio,
-                               seed=seed, pairs=pairs, eligible=eligible, selected=noise.selected, noisy=noise.noisy)
+                               seed=seed, pairs=pairs, eligible=eligible, selected=noise.selected, noisy=noise.noisy,
+                               weak_ratio=weak_ratio)
         write_json(tmp / "corrupt.json", {**result.as_dict(), "source": spec.shards, "source_format": spec.format,
                                           "pair": spec.pair, "caption_field": field, "weak_share": weak_share,
-                                          "selection": "md5(seed:pick:position) order, first round(ratio * eligible)"})
+                                          "selection": "md5(seed:pick:position) order: the first round(ratio * eligible) pairs "
+                                       "(mixed: shuffled, then the next round(weak_ratio * eligible) weakened)"})
     return result

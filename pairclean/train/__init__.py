@@ -9,7 +9,7 @@
             model="pairclean-tiny",  # open_clip name, or a sentence-transformers directory / "all-MiniLM-L6-v2"
             pretrained="none",       # "none" (random init) | open_clip tag | local checkpoint path
             epochs=5, batch_size=256, lr=5e-6, warmup_steps=500, seed=0,
-            method="plain",          # plain | osa-weights | filter | osa-online | sdd | gsc (see methods.py)
+            method="plain",          # plain | osa-weights | filter | osa-online | sdd | gsc | sps | diffncl
             method_options={},       # e.g. {"scores": "scores.parquet", "column": "weight_norm"}
         ),
         val=None,               # validation pairs: R@K/rSum each epoch, best checkpoint by rSum
@@ -25,7 +25,7 @@ Evaluate with `pairclean.train.retrieval.evaluate_retrieval(run_dir_or_model, va
 from pairclean.train.methods import (METHODS, Embeddings, LossOutput, Method, MethodContext, build_method,
                                      register_method)
 from pairclean.train.trainer import TrainConfig, TrainResult, train
-from pairclean.train import gsc, sdd  # noqa: F401  registers the methods gsc and sdd
+from pairclean.train import diffncl, gsc, sdd, sps  # noqa: F401  registers the robust-training methods
 
 __all__ = ["TrainConfig", "TrainResult", "train", "METHODS", "Method", "MethodContext", "Embeddings", "LossOutput",
            "build_method", "register_method"]

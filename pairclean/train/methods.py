@@ -5,7 +5,8 @@ A method is a class registered under a name (`--method NAME`) with an `Options` 
 
     setup(ctx) -> BatchPlan          once, before training (join scores, load an estimator ...)
     on_epoch_start(epoch, ctx)       e.g. per-epoch passes over the training set
-    loss(batch, emb: Embeddings, ctx) -> LossOutput   per step: loss + per-pair diagnostics
+    loss(batch, emb: Embeddings, ctx) -> LossOutput   per step: loss + per-pair diagnostics (+ follow-up steps)
+    after_backward(ctx)              gradients are in place: step modules the method trains itself
     on_epoch_end(epoch, ctx) -> dict metrics for metrics.jsonl
     state_dict() / load_state_dict() what --resume must restore
     extra_networks()                 a second network that is part of the result (GSC's peer)
@@ -66,10 +67,22 @@ class Embeddings:
 
 
 @dataclass
+class FollowUp:
+    """A further optimiser step of the main network within the same trainer step (SPS takes three
+    per iteration): the trainer encodes `left`/`right` (prepared batches; each rank's own rows,
+    no negatives across ranks) after its previous step and minimises `loss(emb)`."""
+
+    left: Any
+    right: Any
+    loss: Callable[[Embeddings], torch.Tensor]
+
+
+@dataclass
 class LossOutput:
     loss: torch.Tensor
     per_pair: dict[str, torch.Tensor] = field(default_factory=dict)  # diagnostics columns, detached
     metrics: dict[str, float] = field(default_factory=dict)  # batch-level values for the step log
+    follow_ups: list[FollowUp] = field(default_factory=list)  # every rank must return as many
 
 
 class Method:
@@ -103,6 +116,10 @@ class Method:
             diag["weight"] = weights.detach().float().cpu()
             metrics["mean_weight"] = float(weights.float().mean())
         return LossOutput(loss, diag, metrics)
+
+    def after_backward(self, ctx: MethodContext) -> None:
+        """Called after each backward of the main network's loss, before its optimiser step: a method
+        whose loss also trains modules of its own (DiffNCL's denoisers) steps them here."""
 
     def on_epoch_end(self, epoch: int, ctx: MethodContext) -> dict:
         return {}

@@ -11,6 +11,8 @@
   pair out of the epoch altogether), rewritten between epochs for per-epoch selection.
 * `Network`: a second dual encoder a method trains itself (a peer, a siamese copy) with the
   trainer's optimiser settings; `NetworkBatches`: that network's own data order.
+* `OwnModule`: a small module a method trains beside a network (DiffNCL's denoisers), stepped
+  on gradients another backward left in it.
 
 GMMs over per-pair values: `pairclean.core.mixture.clean_posterior`.
 """
@@ -27,15 +29,15 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader
 
-from pairclean.backends.open_clip import autocast_context
+from pairclean.backends import load_target
+from pairclean.backends.base import autocast_context
 from pairclean.data.reader import UnitFailure, list_units, read_unit
 from pairclean.errors import UserError
 from pairclean.ops import distributed
 from pairclean.ops.atomic import atomic_path
+from pairclean.ops.worker_memory import steady_worker_memory
 from pairclean.train.data import BatchPlan, ShardInfo, TrainBatches
 from pairclean.train.logs import DiagnosticsWriter
-from pairclean.backends import load_target
-from pairclean.ops.worker_memory import steady_worker_memory
 
 PAIR_TABLE = "pairs-epoch-{epoch:03d}.parquet"
 METHOD_WEIGHTS_DIR = "method-weights"
@@ -192,11 +194,63 @@ def read_pairs(spec, wanted: set[int], index: PairIndex) -> dict[int, object]:
     return found
 
 
+def embedding_dim(target) -> int:
+    """The width of a target's embeddings, for modules a method builds on them before any forward."""
+    module = target.module
+    if hasattr(module, "get_sentence_embedding_dimension"):
+        return int(module.get_sentence_embedding_dimension())
+    return int(module.visual.output_dim)
+
+
 def replica(target):
     """A trainable copy of a target (same preprocessing, its own weights)."""
     twin = copy.copy(target)
     twin.module = copy.deepcopy(target.module).train()
     return twin
+
+
+def apply_gradients(module: torch.nn.Module, optimizer, scheduler, grad_clip: float | None) -> None:
+    """Average the gradients across ranks by hand (the module is not wrapped in
+    DistributedDataParallel), clip them, take the optimiser step and advance the schedule."""
+    params = [p for p in module.parameters() if p.requires_grad]
+    if distributed.is_distributed():
+        world = distributed.world_size()
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)  # every rank reduces the same tensors
+            dist.all_reduce(p.grad)
+            p.grad /= world
+    if grad_clip is not None:
+        torch.nn.utils.clip_grad_norm_(params, grad_clip)
+    optimizer.step()
+    scheduler.step()
+
+
+class OwnModule:
+    """A module a method trains beside a network with the run's optimiser settings, on the
+    gradients that network's backward left in it (zero them before that backward)."""
+
+    def __init__(self, module: torch.nn.Module, grad_clip: float | None):
+        self.module, self.grad_clip = module, grad_clip
+        self.optimizer = self.scheduler = None
+
+    def start(self, ctx, start_step: int = 0) -> None:
+        self.optimizer, self.scheduler = ctx.new_optimizer(self.module, start_step)
+
+    def zero_grad(self) -> None:
+        self.module.zero_grad(set_to_none=True)
+
+    def step(self) -> None:
+        apply_gradients(self.module, self.optimizer, self.scheduler, self.grad_clip)
+
+    def state_dict(self) -> dict:
+        return {"module": self.module.state_dict(), "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.module.load_state_dict(state["module"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
 
 
 class Network:
@@ -229,19 +283,9 @@ class Network:
         return cls(ctx, target)
 
     def step(self, loss: torch.Tensor) -> None:
-        params = [p for p in self.target.module.parameters() if p.requires_grad]
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
-        if distributed.is_distributed():
-            world = distributed.world_size()
-            for p in params:
-                if p.grad is not None:
-                    dist.all_reduce(p.grad)
-                    p.grad /= world
-        if self.grad_clip is not None:
-            torch.nn.utils.clip_grad_norm_(params, self.grad_clip)
-        self.optimizer.step()
-        self.scheduler.step()
+        apply_gradients(self.target.module, self.optimizer, self.scheduler, self.grad_clip)
 
     def state_dict(self) -> dict:
         return {"model": self.target.module.state_dict(), "optimizer": self.optimizer.state_dict(),

@@ -268,22 +268,35 @@ class _Loop:
         set_rng_state(state["rng"])
         self.metrics.resume(self.done_epochs)
 
-    def _step(self, batch: dict):
-        cfg, target = self.cfg, self.target
-        with autocast_context(target.device, cfg.precision):
-            left, right = self.towers(batch["left"], batch["right"])
-            emb = Embeddings(left, right, target.logit_scale())
-            if distributed.is_distributed():  # negatives from every rank's rows
-                emb.all_left, emb.all_right = distributed.gather_with_grad(left), distributed.gather_with_grad(right)
-                emb.offset = distributed.rank() * left.shape[0]
-            out = self.method.loss(batch, emb, self.ctx)
+    def _encode(self, left_batch, right_batch, across_ranks: bool) -> Embeddings:
+        left, right = self.towers(left_batch, right_batch)
+        emb = Embeddings(left, right, self.target.logit_scale())
+        if across_ranks and distributed.is_distributed():  # negatives from every rank's rows
+            emb.all_left, emb.all_right = distributed.gather_with_grad(left), distributed.gather_with_grad(right)
+            emb.offset = distributed.rank() * left.shape[0]
+        return emb
+
+    def _optimise(self, loss: torch.Tensor) -> None:
+        cfg = self.cfg
         self.optimizer.zero_grad(set_to_none=True)
-        self.scaler.scale(out.loss).backward()
+        self.scaler.scale(loss).backward()
+        self.method.after_backward(self.ctx)
         if cfg.grad_clip is not None:
             self.scaler.unscale_(self.optimizer)
-            torch.nn.utils.clip_grad_norm_(target.module.parameters(), cfg.grad_clip)
+            torch.nn.utils.clip_grad_norm_(self.target.module.parameters(), cfg.grad_clip)
         self.scaler.step(self.optimizer)
         self.scaler.update()
+
+    def _step(self, batch: dict):
+        """The method's loss on the batch, then its follow-up steps; the schedule advances once."""
+        precision, device = self.cfg.precision, self.target.device
+        with autocast_context(device, precision):
+            out = self.method.loss(batch, self._encode(batch["left"], batch["right"], across_ranks=True), self.ctx)
+        self._optimise(out.loss)
+        for follow in out.follow_ups:
+            with autocast_context(device, precision):
+                loss = follow.loss(self._encode(follow.left, follow.right, across_ranks=False))
+            self._optimise(loss)
         self.scheduler.step()
         self.step += 1
         return out

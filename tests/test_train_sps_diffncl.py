@@ -1,0 +1,236 @@
+"""SPS and DiffNCL (pairclean.train.sps, pairclean.train.diffncl): their equations on tiny
+hand-checkable tensors, then real runs on real shards: exact resume of every piece of method state,
+and the per-epoch pair tables joined with `pairclean corrupt`'s truth in one DuckDB query."""
+
+from __future__ import annotations
+
+import math
+
+import duckdb
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from pairclean.errors import UserError
+from pairclean.lab.corrupt import corrupt
+from pairclean.train import TrainConfig, build_method, train
+from pairclean.train import trainer as trainer_module
+from pairclean.train.checkpoint import load_state
+from pairclean.train.diffncl import (CLEAN, NOISY, WEAK, Denoiser, consensus, cross_consistency,
+                                     diffusion_discrepancy, dynamic_zeta, forward_diffusion, noise_schedules,
+                                     step_weights, three_way_labels)
+from pairclean.train.sps import (NOISY as SPS_NOISY, QUASI_CLEAN, RELIABLE, cross_constraint, match_probability,
+                                 metric_constraint, nearest_proxies, proxy_label, soft_label, three_way_partition)
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+# ---------------------------------------------------------------- DiffNCL equations
+
+def test_schedules_and_step_weights_by_hand():
+    alpha, beta = noise_schedules(4)
+    c = [math.cos(math.pi * t / 8) for t in (1, 2, 3, 4)]
+    assert alpha.tolist() == pytest.approx([x ** 2 for x in c]) and beta.tolist() == pytest.approx([x ** 3 for x in c])
+    assert alpha[-1] == pytest.approx(0.0, abs=1e-12)
+    # cos^3 <= cos^2: the text keeps LESS signal per step, although the paper says the cube noises it more slowly
+    assert (beta <= alpha).all()
+    gamma = step_weights(alpha, beta)
+    raw = [(1 - a) * (1 - b) for a, b in zip(alpha.tolist(), beta.tolist())]
+    assert gamma.tolist() == pytest.approx([r / sum(raw) for r in raw]) and float(gamma.sum()) == pytest.approx(1.0)
+    assert torch.all(gamma[1:] > gamma[:-1])  # later steps weigh more
+
+
+def test_one_step_discrepancy_is_the_squared_cosine_gap():
+    # T = 1: alpha_1 = beta_1 = 0, so both sides become the shared draw (cosine 1): Psi = (1 - s_0)^2.
+    e = torch.eye(3)
+    f = torch.stack([e[0], e[0], e[0]])
+    g = torch.stack([e[0], e[1], -e[0]])
+    psi = diffusion_discrepancy(f, g, steps=1, generator=torch.Generator().manual_seed(0))
+    assert psi.tolist() == pytest.approx([0.0, 1.0, 4.0], abs=1e-6)
+
+
+def test_forward_diffusion_scales_by_sqrt_d_and_shares_the_noise():
+    f, g = torch.eye(4)[:1], torch.eye(4)[1:2]
+    fs, gs = forward_diffusion(f, g, steps=2, generator=torch.Generator().manual_seed(1))
+    assert torch.allclose(fs[0], 2 * f) and len(fs) == len(gs) == 3
+    assert torch.allclose(fs[-1], gs[-1])  # step T: signal gone on both sides, the same draw left
+
+
+def test_shared_noise_gives_a_clean_pair_a_smaller_psi_than_a_mismatched_one():
+    e = torch.eye(64)
+    f, clean, mismatched = e[0].expand(500, 64), e[0].expand(500, 64), e[1].expand(500, 64)
+    psi = {shared: (diffusion_discrepancy(f, clean, 4, shared, torch.Generator().manual_seed(0)).mean(),
+                    diffusion_discrepancy(f, mismatched, 4, shared, torch.Generator().manual_seed(0)).mean())
+           for shared in (True, False)}
+    assert psi[True][0] < psi[True][1]  # the paper's ordering
+    assert psi[False][0] > psi[False][1]  # independent draws reverse it (why shared is the default)
+
+
+def test_consensus_of_two_networks():
+    a = np.array([CLEAN, CLEAN, NOISY, NOISY, WEAK, CLEAN])
+    b = np.array([CLEAN, WEAK, NOISY, CLEAN, WEAK, NOISY])
+    assert consensus(a, b).tolist() == [CLEAN, WEAK, NOISY, WEAK, WEAK, WEAK]
+
+
+def test_three_way_labels_order_components_by_their_means():
+    rng = np.random.default_rng(0)
+    centres = {CLEAN: (1.0, 0.1), WEAK: (5.0, 0.5), NOISY: (9.0, 0.9)}
+    truth = np.repeat([NOISY, CLEAN, WEAK], 60)
+    points = np.array([centres[k] for k in truth]) + rng.normal(0, [0.3, 0.02], size=(len(truth), 2))
+    labels, post = three_way_labels(points[:, 0], points[:, 1], zeta=0.5)
+    assert labels.tolist() == truth.tolist()
+    assert post.shape == (180, 3) and np.allclose(post.sum(1), 1.0)
+    assert dynamic_zeta([np.zeros(4), np.zeros(2)]) == pytest.approx(0.5)  # sigmoid(0)
+
+
+def test_denoiser_shares_its_weights_across_steps_and_cross_loss_by_hand():
+    torch.manual_seed(0)
+    den = Denoiser(dim=8, hidden=4)
+    params = sum(p.numel() for p in den.parameters())
+    f, g = torch.randn(3, 8), torch.randn(3, 8)
+    one, four = den(f, g, f, g, steps=1), den(f, g, f, g, steps=4)
+    assert one[0].shape == four[0].shape == (3, 8) and not torch.allclose(one[0], four[0])
+    assert params == sum(p.numel() for p in den.parameters())  # no per-step weights
+    u = torch.nn.functional.normalize(torch.randn(1, 4), dim=-1)
+    v, uh, vh = (torch.nn.functional.normalize(torch.randn(1, 4), dim=-1) for _ in range(3))
+    expected = math.log(math.exp(float(uh @ v.T)) + math.exp(float(vh @ u.T))) - float(uh @ vh.T)
+    assert float(cross_consistency(uh, vh, u, v, 1.0)) == pytest.approx(expected, abs=1e-5)
+
+
+# ---------------------------------------------------------------- SPS equations
+
+def test_stable_space_constraints_by_hand():
+    u = torch.tensor([[1.0, 0.0], [0.0, 1.0]])
+    v = torch.tensor([[1.0, 0.0], [1.0, 0.0]])
+    # S = U V^T = [[1, 1], [0, 0]]: (S - S^T)^2 = [[0, 1], [1, 0]]
+    assert float(cross_constraint(u, v)) == pytest.approx(0.5)
+    assert float(cross_constraint(u, v, alpha=0.6)) == pytest.approx(0.2)
+    assert float(cross_constraint(u, v, scale=2.0)) == pytest.approx(2.0)  # on the logits: (2 * 1)^2 / 2
+    # U U^T = I, V V^T = all ones: squared gaps [[0, 1], [1, 0]]
+    assert float(metric_constraint(u, v)) == pytest.approx(0.5)
+    assert float(metric_constraint(u, u)) == 0.0
+
+
+def test_soft_label_proxy_search_and_proxy_label():
+    assert float(soft_label(torch.tensor(0.5), torch.tensor(0.2))) == pytest.approx(0.6)
+    noisy = torch.tensor([[1.0, 0.0], [0.6, 0.8]])
+    reliable = torch.tensor([[0.0, 1.0], [0.8, 0.6], [1.0, 0.0]])
+    position, cos = nearest_proxies(noisy, reliable)
+    assert position.tolist() == [2, 1] and cos.tolist() == pytest.approx([1.0, 0.96])
+    y = proxy_label(torch.tensor([0.9, 0.6]), torch.tensor([0.9, 0.5]))
+    assert y.tolist() == pytest.approx([0.81, 0.0])  # 0.3 is below 0.5: zeroed
+    paper = proxy_label(torch.tensor([0.9]), torch.tensor([0.5]), form="paper", gamma=1.0, beta=2.0)
+    assert float(paper) == pytest.approx(1 / (1 + math.exp(-1.0)))
+    # y_hat of a perfectly aligned batch at a sharp temperature is ~1 for every pair
+    e = torch.eye(3)
+    assert match_probability(e, e, 100.0).tolist() == pytest.approx([1.0, 1.0, 1.0], abs=1e-6)
+
+
+def test_three_way_partition_and_the_percentile_rule():
+    p = np.array([0.995, 0.7, 0.3, 0.5])
+    assert three_way_partition(p, 0.99, 0.5).tolist() == [RELIABLE, QUASI_CLEAN, SPS_NOISY, SPS_NOISY]
+    high = np.linspace(0.6, 1.0, 101)  # every p above eps2: the 1st percentile becomes the noisy bound
+    part = three_way_partition(high, 0.99, 0.5)
+    assert part[:2].tolist() == [SPS_NOISY, SPS_NOISY] and part[2] == QUASI_CLEAN and part[-1] == RELIABLE
+
+
+@pytest.mark.parametrize("name, options, message", [
+    ("sps", {"warmup_epochs": "3", "e_qc": "2"}, "warmup_epochs < e_qc"),
+    ("sps", {"eps1": "0.4"}, "eps2 <= eps1"),
+    ("sps", {"proxy_label": "soft"}, "proxy_label"),
+    ("diffncl", {"steps": "0"}, "steps >= 1"),
+    ("diffncl", {"zeta": "-1"}, "zeta must be positive"),
+])
+def test_bad_options_are_user_errors(name, options, message):
+    with pytest.raises(UserError, match=message):
+        build_method(name, options)
+
+
+# ---------------------------------------------------------------- real runs
+
+SHORT = {"sps": {"warmup_epochs": 1, "e_qc": 2, "e_n": 2, "eps1": 0.6}, "diffncl": {"warmup_epochs": 1}}
+
+
+def _config(method: str, **overrides) -> TrainConfig:
+    base = dict(model="pairclean-tiny", pretrained="none", epochs=3, batch_size=8, lr=1e-3, warmup_steps=1,
+                workers=0, shuffle_buffer=8, log_every=1, method=method, method_options=SHORT[method])
+    return TrainConfig(**{**base, **overrides})
+
+
+@pytest.fixture(scope="module")
+def mixed_noise(tmp_path_factory, coco_shards):
+    """coco-mini with 25% shuffled and 25% weakened captions, and its truth."""
+    return corrupt(str(coco_shards), tmp_path_factory.mktemp("mixed") / "noisy", 0.25, seed=0, mode="mixed",
+                   weak_ratio=0.25)
+
+
+@pytest.mark.parametrize("method", ["sps", "diffncl"])
+def test_resumed_run_restores_both_networks_optimisers_and_denoisers(method, tmp_path, mixed_noise, monkeypatch):
+    data = str(mixed_noise.manifest)
+    straight = train(data, tmp_path / "straight", _config(method))
+    real_save, saves = trainer_module.save_state, []
+
+    def killed_after_second_epoch(run_dir, state):
+        real_save(run_dir, state)
+        saves.append(state["epoch"])
+        if state["epoch"] == 2:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(trainer_module, "save_state", killed_after_second_epoch)
+    with pytest.raises(KeyboardInterrupt):
+        train(data, tmp_path / "killed", _config(method))
+    monkeypatch.setattr(trainer_module, "save_state", real_save)
+    resumed = train(data, tmp_path / "killed", _config(method, resume=True))
+    assert saves == [1, 2] and resumed.resumed_from == 2
+    for name in ("model-epoch-003.pt", "model-epoch-003-peer.pt"):
+        a = torch.load(tmp_path / "straight" / name, weights_only=True)
+        b = torch.load(tmp_path / "killed" / name, weights_only=True)
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name
+    state_a, state_b = load_state(tmp_path / "straight")["method"], load_state(tmp_path / "killed")["method"]
+
+    def tensors(tree, prefix=""):
+        if isinstance(tree, torch.Tensor):
+            yield prefix, tree
+        elif isinstance(tree, dict):
+            for k, v in tree.items():
+                yield from tensors(v, f"{prefix}/{k}")
+        elif isinstance(tree, (list, tuple)):
+            for i, v in enumerate(tree):
+                yield from tensors(v, f"{prefix}/{i}")
+
+    a, b = dict(tensors(state_a)), dict(tensors(state_b))
+    assert a.keys() == b.keys() and len(a) > 10
+    assert all(torch.equal(a[k], b[k]) for k in a)  # peer weights and optimiser, denoisers and theirs
+    assert [r["train_loss"] for r in straight.epochs] == [r["train_loss"] for r in resumed.epochs]
+    pairs = pq.read_table(tmp_path / "killed" / "diagnostics" / "pairs-epoch-003.parquet").to_pylist()
+    reference = pq.read_table(tmp_path / "straight" / "diagnostics" / "pairs-epoch-003.parquet").to_pylist()
+    assert pairs == reference
+
+
+@pytest.mark.parametrize("method, columns", [
+    ("sps", ["p", "p_peer", "partition", "partition_peer", "y_qc", "y_proxy", "proxy_shard", "proxy_index"]),
+    ("diffncl", ["partition", "loss", "psi", "label", "p_clean", "p_weak", "p_noisy", "psi_peer", "label_peer", "zeta"]),
+])
+def test_pair_tables_join_the_corrupt_truth_in_one_query(method, columns, tmp_path, mixed_noise):
+    run = tmp_path / "run"
+    result = train(str(mixed_noise.manifest), run, _config(method, epochs=2))
+    assert result.epochs[0].get(f"{method}_noisy") is None  # warm-up epoch: no partition yet
+    table = run / "diagnostics" / "pairs-epoch-002.parquet"
+    names = pq.read_schema(table).names
+    assert set(columns) <= set(names) and names[:3] == ["shard", "index", "epoch"]
+    rows = duckdb.execute(f"""SELECT t.noise, d.partition, count(*) FROM '{table}' d
+                              JOIN '{mixed_noise.truth}' t USING (shard, "index") GROUP BY ALL""").fetchall()
+    assert sum(n for _, _, n in rows) == 16  # every pair, each once
+    assert {kind for kind, _, _ in rows} <= {"clean", "weak", "shuffle"}
+    expected = {"sps": {"reliable", "quasi_clean", "noisy"}, "diffncl": {"clean", "weak", "noisy"}}[method]
+    assert {part for _, part, _ in rows} <= expected
+    assert result.epochs[1][f"{method}_noisy"] == sum(n for _, part, n in rows if part == "noisy")
+    if method == "sps":  # proxies are reliable pairs of the batch, with labels in [0, 1]
+        proxies = duckdb.execute(f"""SELECT p.partition, d.partition, d.y_proxy FROM '{table}' d
+                                     JOIN '{table}' p ON p.shard = d.proxy_shard AND p."index" = d.proxy_index
+                                     """).fetchall()
+        assert all(proxy == "reliable" and own == "noisy" and 0.0 <= y <= 1.0 for proxy, own, y in proxies)
+        unlabelled = duckdb.execute(f"SELECT count(*) FROM '{table}' WHERE partition = 'reliable' "
+                                    "AND (y_qc IS NOT NULL OR y_proxy IS NOT NULL)").fetchone()[0]
+        assert unlabelled == 0  # soft and proxy labels are NULL where they do not apply
