@@ -44,6 +44,10 @@ def summary_lines(report) -> list[str]:
     lines = [f"model {c['model']} ({c['pretrained']}) on {c['device']}, {c['precision']}, batch {c['batch_size']}, "
              f"{c['workers']} workers, decode {c['decode']}, compile {c['compile']}, "
              f"{c['torch_threads']} torch threads / {c['cpu_count']} CPUs"]
+    e2e = report.rounds[-1].end_to_end.extra
+    if e2e.get("batches"):
+        lines.append(f"end to end: {e2e['batches']:,} batches, {e2e['full_batches']:,} full, mean fill "
+                     f"{e2e['mean_batch_fill']:.1%} of --batch-size {c['batch_size']}")
     last = report.rounds[-1].ceiling.extra
     if "text_tokens_trimmed" in last:
         lines.append(f"text tower: {last['text_tokens_trimmed']:.1f} of {last['text_tokens_full']} positions per caption "
