@@ -155,6 +155,38 @@ class PeakMemory:
         self._sample(True)
 
 
+class GpuBusy:
+    """Mean GPU utilisation (NVML's share of time a kernel ran, via torch.cuda.utilization) while
+    the block runs, sampled every `interval` s; `percent` is None off CUDA or without NVML."""
+
+    def __init__(self, device: torch.device, interval: float = 0.2):
+        self.device, self.interval = device, interval
+        self.samples: list[float] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                self.samples.append(float(torch.cuda.utilization(self.device)))
+            except Exception:  # no NVML (pynvml) here: nothing to report
+                return
+
+    @property
+    def percent(self) -> float | None:
+        return statistics.fmean(self.samples) if self.samples else None
+
+    def __enter__(self) -> "GpuBusy":
+        if self.device.type == "cuda":
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+
+
 def cpu_seconds() -> float:
     """User + system CPU of this process and its finished children (the DataLoader workers of a
     phase are joined when it ends): a phase's CPU per pair does not depend on how busy the
@@ -329,7 +361,7 @@ def measure_ceiling(estimator, spec: DatasetSpec, batch_size: int, min_seconds: 
     _gpu_peak_reset(estimator.device)
     pairs, elapsed, passes = 0, 0.0, 0
     cpu0 = cpu_seconds()
-    with PeakMemory() as mem:
+    with PeakMemory() as mem, GpuBusy(estimator.device) as busy:
         started = time.perf_counter()
         while passes == 0 or elapsed < min_seconds:
             for n, inputs in batches:
@@ -341,6 +373,7 @@ def measure_ceiling(estimator, spec: DatasetSpec, batch_size: int, min_seconds: 
             passes += 1
     cpu = cpu_seconds() - cpu0
     extra = {"batches_per_pass": len(batches), "passes": passes, "warmup_shapes": len(seen),
+             "gpu_utilisation": busy.percent,
              "chunk_after_oom": {m: b.chunk for m, b in backoff.items() if b.halvings}}
     extra.update(_text_trim_gain(estimator, left, right, batches))
     return Phase("ceiling (model only)", pairs, elapsed, mem.peak_mib, mem.peak_rss_mib,
@@ -431,7 +464,7 @@ def measure_end_to_end(estimator, spec: DatasetSpec, cfg: ScoreConfig, workdir: 
     load0 = os.getloadavg()[0]
     _gpu_peak_reset(estimator.device)
     cpu0 = cpu_seconds()
-    with PeakMemory() as mem:
+    with PeakMemory() as mem, GpuBusy(estimator.device) as busy:
         started = time.perf_counter()
         result = score(spec, out, replace(cfg, overwrite=True, progress=SILENT), estimator=estimator)
         whole = time.perf_counter() - started
@@ -439,7 +472,8 @@ def measure_end_to_end(estimator, spec: DatasetSpec, cfg: ScoreConfig, workdir: 
     s = result.summary
     extra = {"whole_call_seconds": whole, "whole_call_pairs_per_second": result.pairs_scored_now / whole,
              "beta_seconds": s.get("beta_seconds"), "beta_source": s.get("beta_source"),
-             "errors": s.get("errors"), "workers": cfg.workers, "batches": s.get("batches"),
+             "errors": s.get("errors"), "workers": cfg.workers, "gpu_utilisation": busy.percent,
+             "batches": s.get("batches"),
              "full_batches": s.get("full_batches"), "mean_batch_fill": s.get("mean_batch_fill")}
     return Phase("end-to-end scoring loop", result.pairs_scored_now, result.seconds, mem.peak_mib, mem.peak_rss_mib,
                  _gpu_peak_mib(estimator.device), (load0, os.getloadavg()[0]), cpu, extra)
