@@ -9,7 +9,7 @@ same command until it exits 0. The kill points cycle through:
     part-written:k    the k-th unit's part is in place, its commit record is not
     committed:k       right after the k-th commit record
     before-rename:k   the k-th atomic write is complete under its temp name, not yet renamed
-                      (settings, units, beta, parts, records, run manifest, the output itself)
+                      (settings, units, beta, groups, parts, records, run manifest, the output itself)
     finalize-batch:k  after the k-th record batch of the output temp file
     finalize-renamed:1  the output is in place, the parts directory not yet removed
 
@@ -158,8 +158,8 @@ def fault_for(mode: str, rng: random.Random, n_units: int) -> str | None:
         return None
     if mode == "finalize-renamed":
         return "finalize-renamed:1"
-    if mode == "before-rename":  # units.json, run.json, settings.json, beta.json, 2 per unit, manifest, output
-        return f"before-rename:{rng.randint(1, 4 + 2 * n_units + 2)}"
+    if mode == "before-rename":  # units, run, settings, beta, groups .json, 2 per unit, manifest, output
+        return f"before-rename:{rng.randint(1, 5 + 2 * n_units + 2)}"
     return f"{mode}:{rng.randint(1, n_units)}"
 
 

@@ -160,3 +160,47 @@ def test_two_rank_sps_and_diffncl_train_both_networks(method, options, coco_src,
     last = [e for e in epochs if e.get("event") == "epoch"][-1]
     assert sum(last[f"{method}_{k}"] for k in {"sps": ("reliable", "quasi_clean", "noisy"),
                                                 "diffncl": ("clean", "weak", "noisy")}[method]) == 16
+
+
+@pytest.fixture(scope="module")
+def twelve_groups(tmp_path_factory, coco_src):
+    """12 shards of 64 pairs: at batch 4 each shard is a group of its own (16 batches), so the
+    ranks claim 12 groups one at a time."""
+    from test_packing import _small_jpegs, _write_shards
+
+    return _write_shards(tmp_path_factory.mktemp("claims") / "shards", _small_jpegs(coco_src), 12, 64)
+
+
+@pytest.fixture(scope="module")
+def twelve_reference(twelve_groups, tmp_path_factory):
+    out = tmp_path_factory.mktemp("ref12") / "one.parquet"
+    score(str(twelve_groups), out, ScoreConfig(model="pairclean-tiny", pretrained="none", beta_k=64, workers=0,
+                                               batch_size=4, beta_cache=False))
+    return _rows(out)
+
+
+def test_a_slowed_rank_claims_fewer_groups_and_the_rows_stay_the_same(twelve_groups, twelve_reference, tmp_path):
+    from pairclean.scores.contract import read_provenance
+
+    out = tmp_path / "slow.parquet"
+    # Rank 1 sleeps 0.3 s after each of its batches (~5 s a group); rank 0 scores a group in about a second.
+    _torchrun(["score", str(twelve_groups), "--out", str(out), *TINY, "--no-beta-cache"],
+              env_extra={"PAIRCLEAN_SLOW": "1:0.3"})
+    _assert_same(_rows(out), twelve_reference)
+    by_rank = read_provenance(out)["units_by_rank"]
+    assert sum(by_rank.values()) == 12 and by_rank.get("1", 0) < by_rank["0"], by_rank
+
+
+def test_one_rank_killed_mid_job_then_the_job_resumed(twelve_groups, twelve_reference, tmp_path):
+    out = tmp_path / "killed.parquet"
+    # Rank 1 alone SIGKILLs itself right after its 2nd commit; torchrun then stops rank 0 mid-group.
+    proc = _torchrun(["score", str(twelve_groups), "--out", str(out), *TINY, "--no-beta-cache"],
+                     env_extra={"PAIRCLEAN_FAULT": "committed:2", "PAIRCLEAN_FAULT_RANK": "1"}, check=False)
+    assert proc.returncode != 0 and not out.exists()
+    parts = tmp_path / "killed.parquet.parts"
+    committed = len(list(parts.glob("part-*.done.json")))
+    claims = len(list((parts / "claims").iterdir()))
+    assert 2 <= committed < 12 and claims >= committed  # the dead run's claims are left behind
+    _torchrun(["score", str(twelve_groups), "--out", str(out), *TINY, "--no-beta-cache"])  # the same job again
+    _assert_same(_rows(out), twelve_reference)
+    assert not parts.exists()

@@ -44,6 +44,17 @@ def summary_lines(report) -> list[str]:
     lines = [f"model {c['model']} ({c['pretrained']}) on {c['device']}, {c['precision']}, batch {c['batch_size']}, "
              f"{c['workers']} workers, decode {c['decode']}, compile {c['compile']}, "
              f"{c['torch_threads']} torch threads / {c['cpu_count']} CPUs"]
+    e2e = report.rounds[-1].end_to_end.extra
+    if not c["device"].startswith("cuda"):
+        lines.append("GPU: no CUDA device (--decode gpu, --compile on a GPU and GPU utilisation not measured here)")
+    else:
+        busy = [(name, phase.extra.get("gpu_utilisation")) for name, phase in
+                (("ceiling", report.rounds[-1].ceiling), ("end to end", report.rounds[-1].end_to_end))]
+        lines.append("GPU utilisation (NVML, mean): " + ", ".join(
+            f"{name} {value:.0f}%" if value is not None else f"{name} n/a (no NVML)" for name, value in busy))
+    if e2e.get("batches"):
+        lines.append(f"end to end: {e2e['batches']:,} batches, {e2e['full_batches']:,} full, mean fill "
+                     f"{e2e['mean_batch_fill']:.1%} of --batch-size {c['batch_size']}")
     last = report.rounds[-1].ceiling.extra
     if "text_tokens_trimmed" in last:
         lines.append(f"text tower: {last['text_tokens_trimmed']:.1f} of {last['text_tokens_full']} positions per caption "

@@ -37,6 +37,10 @@ def summary_table(result) -> Table:
     else:
         table.add_row("throughput", f"{result.pairs_per_second:,.1f} pairs/s" + (" (resumed run)" if result.resumed else ""))
         table.add_row("time: beta / scoring", f"{s['beta_seconds']:.1f} s ({s['beta_source']}) / {s['scoring_seconds']:.1f} s")
+        if s.get("batches"):
+            table.add_row("batches", f"{s['batches']:,} ({s['full_batches']:,} full, mean fill {s['mean_batch_fill']:.0%})")
+        if len(by_rank := result.provenance.get("units_by_rank", {})) > 1:
+            table.add_row("units scored by rank", ", ".join(f"{r}: {n}" for r, n in by_rank.items()))
     return table
 
 

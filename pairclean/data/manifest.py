@@ -84,7 +84,7 @@ def _expand_one(pattern: str, base: Path, allow_pipe: bool) -> list[str]:
             raise UserError(f"refusing shell URL {pattern!r}: pass --allow-pipe to run shell commands from shard lists")
         return [pattern]
     if "://" in pattern:
-        return list(braceexpand.braceexpand(pattern))
+        return [url for expanded in braceexpand.braceexpand(pattern) for url in _expand_url(expanded)]
     p = Path(pattern)
     if not p.is_absolute():
         p = base / p
@@ -98,6 +98,23 @@ def _expand_one(pattern: str, base: Path, allow_pipe: bool) -> list[str]:
         else:
             out.append(expanded)
     return out
+
+
+def _expand_url(url: str) -> list[str]:
+    """An object-store or other fsspec URL: a glob (`s3://b/x/*.tar`) or a prefix ending in `/`
+    listed through fsspec, sorted; any other URL as given (a missing object becomes a failed unit)."""
+    if not (any(ch in url for ch in "*?[") or url.endswith("/")):
+        return [url]
+    import fsspec
+
+    try:
+        fs, path = fsspec.core.url_to_fs(url)
+        found = fs.glob(path) if any(ch in url for ch in "*?[") else fs.ls(path, detail=False)
+    except (ImportError, ValueError) as exc:
+        raise UserError(f"cannot list {url}: {str(exc).splitlines()[0]}") from None
+    except OSError as exc:
+        raise UserError(f"cannot list {url}: {exc}") from None
+    return sorted(fs.unstrip_protocol(p) for p in found if p.endswith((".tar", ".parquet")))
 
 
 def resolve_shards(patterns: list[str] | str, base: Path | None = None, allow_pipe: bool = False,

@@ -10,8 +10,9 @@ before the break are kept and a UnitFailure goes to the caller's error policy, l
 `handler=`: `read_unit` yields it as its last item, a list's `append` records it, `raise_failure`
 stops the command.
 
-Tar shards are opened with webdataset's `gopen` (local files, `pipe:`, http/gs URLs) and
-member names are split by webdataset's `base_plus_ext`, but members are read and grouped here
+Local files and `pipe:` commands are opened with webdataset's `gopen`; every other URL
+(`s3://`, `gs://`, `az://`, `https://`, ...) with fsspec (`open_input`), so object stores are
+read natively with their usual credentials, no shell involved. Member names are split by webdataset's `base_plus_ext`, but members are read and grouped here
 rather than by `tarfile_samples`, because that silently loses data on three hostile inputs:
 tarfile ends without an error on a truncated or corrupt member *header*, a repeated key
 (`a.jpg a.txt a.jpg a.txt`) makes `group_by_keys` drop the second pair, and a member of any size
@@ -77,6 +78,34 @@ class Sample:
     members: dict[str, bytes | int]
 
 
+def open_input(url: str):
+    """A readable binary stream of a shard or file: webdataset's `gopen` for local paths and
+    `pipe:` commands, fsspec for any other URL (credentials and endpoints from the
+    filesystem's usual environment, e.g. AWS_* variables for s3fs)."""
+    if is_local(url) or url.startswith("pipe:"):
+        return wds.gopen(url)
+    import fsspec
+
+    return fsspec.open(url, "rb").open()
+
+
+def check_protocols(urls: list[str]) -> None:
+    """Every URL scheme is one fsspec can read here, else a UserError before anything is written
+    (a missing s3fs would otherwise fail every shard of the run one by one)."""
+    import fsspec
+
+    for protocol in sorted({url.split("://", 1)[0] for url in urls if not is_local(url) and "://" in url}):
+        try:
+            fsspec.get_filesystem_class(protocol)
+        except (ImportError, ValueError) as exc:
+            raise UserError(f"cannot read {protocol}:// shards: {str(exc).splitlines()[0]} "
+                            "(pip install 'pairclean[s3]' or 'pairclean[gcs]' for s3:// and gs://)") from None
+
+
+def _parquet_file(path: str) -> pq.ParquetFile:
+    return pq.ParquetFile(path if is_local(path) else open_input(path))
+
+
 def modalities(pair: str) -> tuple[str, str]:
     """(left, right) modality of a pair kind."""
     return {"image-text": ("image", "text"), "text-text": ("text", "text"),
@@ -92,12 +121,13 @@ def list_units(spec: DatasetSpec) -> list[str]:
     shards = list(dict.fromkeys(spec.shards))
     if not spec.allow_pipe and any(s.startswith("pipe:") for s in shards):
         raise UserError("refusing shell `pipe:` shard URLs: pass --allow-pipe to run shell commands from shard lists")
+    check_protocols(shards)
     if spec.format == "webdataset":
         return shards
     units = []
     for path in shards:
         try:
-            n = pq.ParquetFile(path).metadata.num_row_groups
+            n = _parquet_file(path).metadata.num_row_groups
         except Exception:
             n = 1  # read_unit reports the failure for this file
         units.extend(str(Unit.row_group(path, i)) for i in range(max(n, 1)))
@@ -271,7 +301,7 @@ def _tar_members(url: str, problems: list[str], member: ReadMember, allow_pipe: 
     members = 0
     stream = None
     try:
-        stream = wds.gopen(url)
+        stream = open_input(url)
         mode = "r:*" if seek and is_local(url) else "r|*"
         with tarfile.open(fileobj=stream, mode=mode, tarinfo=watch) as archive:
             for info in archive:
@@ -337,6 +367,18 @@ def list_samples(url: str, on_failure: OnFailure, allow_pipe: bool = False) -> I
     return _tar_samples(url, on_failure, _present_size, allow_pipe, seek=True)
 
 
+def count_pairs(spec: DatasetSpec, unit: str) -> int:
+    """Header mode for a unit: how many rows it holds (a Parquet row group's count from the file's
+    metadata, a tar shard's from its member headers), rows before a break included."""
+    parsed = Unit.parse(unit)
+    if spec.format == "parquet":
+        try:
+            return _parquet_file(parsed.path).metadata.row_group(parsed.part).num_rows
+        except Exception:
+            return 0  # read_unit reports the failure
+    return sum(1 for _ in list_samples(unit, lambda failure: None, spec.allow_pipe))
+
+
 def _read_tar(spec: DatasetSpec, unit: str) -> Iterator[RawPair | UnitFailure]:
     failures: list[UnitFailure] = []
     for sample in _tar_samples(unit, failures.append, _capped_bytes, spec.allow_pipe):
@@ -387,7 +429,7 @@ def _positional_key(path: str, index: int) -> str:
 
 def parquet_keys(spec: DatasetSpec, path: str) -> list[str]:
     """Header mode for Parquet: the keys of every row of the file, reading the key column alone."""
-    pf = pq.ParquetFile(path)
+    pf = _parquet_file(path)
     if spec.fields.key in pf.schema_arrow.names:
         return [str(k) for k in pf.read(columns=[spec.fields.key]).column(0).to_pylist()]
     return [_positional_key(path, i) for i in range(pf.metadata.num_rows)]
@@ -397,7 +439,7 @@ def _read_parquet(spec: DatasetSpec, unit: str) -> Iterator[RawPair | UnitFailur
     parsed = Unit.parse(unit)
     path, rg = parsed.path, parsed.part
     try:
-        pf = pq.ParquetFile(path)
+        pf = _parquet_file(path)
         offset = sum(pf.metadata.row_group(i).num_rows for i in range(rg))
         cols = _parquet_columns(spec)
         available = set(pf.schema_arrow.names)

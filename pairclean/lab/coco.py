@@ -57,3 +57,51 @@ def build_parquet(src: Path, out_file: Path, by_path: bool = False, all_captions
         columns["image"] = [(Path(src) / p["image"]).read_bytes() for p in pairs]
     pq.write_table(pa.table(columns), out_file, row_group_size=64)
     return out_file
+
+
+WEB_SIDE = (256, 384)  # img2dataset's usual download sizes: the longer side, in pixels
+
+
+def web_pair(src: Path, record: dict, seed: int, i: int) -> dict:
+    """Pair `i` of a web-style dataset: the COCO image cropped (70-100% of each side, position and
+    mirror drawn from (seed, i)), resized so its longer side is 256-384 px, re-encoded as a JPEG
+    at quality 80-95, with one of its human captions. A function of (seed, i) alone."""
+    import io
+    import random
+
+    from PIL import Image, ImageOps
+
+    rng = random.Random(f"{seed}:{i}")
+    with Image.open(Path(src) / record["image"]) as img:
+        img = img.convert("RGB")
+        width, height = img.size
+        cw, ch = int(width * rng.uniform(0.7, 1.0)), int(height * rng.uniform(0.7, 1.0))
+        left, top = rng.randint(0, width - cw), rng.randint(0, height - ch)
+        img = img.crop((left, top, left + cw, top + ch))
+        if rng.random() < 0.5:
+            img = ImageOps.mirror(img)
+        side = rng.randint(*WEB_SIDE)
+        scale = side / max(cw, ch)
+        img = img.resize((max(1, round(cw * scale)), max(1, round(ch * scale))), Image.Resampling.BICUBIC)
+        buf = io.BytesIO()
+        img.save(buf, format="JPEG", quality=rng.randint(80, 95))
+    return {"__key__": f"{seed:03d}{i:09d}", "jpg": buf.getvalue(), "txt": rng.choice(record["captions"])}
+
+
+def build_web_shards(src: Path, out: Path, shards: int = 2, pairs_per_shard: int = 5000, seed: int = 0,
+                     overwrite: bool = False) -> DatasetSpec:
+    """Shards shaped like img2dataset's (thousands of 256-384 px JPEGs each) from COCO-mini's
+    images, cycled and varied deterministically (`web_pair`): data to measure throughput on."""
+    if shards < 1 or pairs_per_shard < 1:
+        raise UserError("shards and pairs per shard must be at least 1")
+    lines_path = Path(src) / "pairs.jsonl"
+    if not lines_path.is_file():
+        raise UserError(f"{lines_path} not found: point --src at shared/data/coco-mini")
+    records = [json.loads(line) for line in lines_path.read_text().splitlines() if line.strip()]
+    out = Path(out)
+    with staged_directory(out, overwrite) as tmp:
+        write_shards((web_pair(src, records[i % len(records)], seed, i) for i in range(shards * pairs_per_shard)),
+                     tmp, prefix="web", maxcount=pairs_per_shard, maxsize=float("inf"))
+    spec = DatasetSpec(format="webdataset", shards=[str(p) for p in sorted(out.glob("web-*.tar"))], name="coco-web")
+    write_manifest(out / "manifest.yaml", spec)
+    return spec

@@ -155,6 +155,38 @@ class PeakMemory:
         self._sample(True)
 
 
+class GpuBusy:
+    """Mean GPU utilisation (NVML's share of time a kernel ran, via torch.cuda.utilization) while
+    the block runs, sampled every `interval` s; `percent` is None off CUDA or without NVML."""
+
+    def __init__(self, device: torch.device, interval: float = 0.2):
+        self.device, self.interval = device, interval
+        self.samples: list[float] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                self.samples.append(float(torch.cuda.utilization(self.device)))
+            except Exception:  # no NVML (pynvml) here: nothing to report
+                return
+
+    @property
+    def percent(self) -> float | None:
+        return statistics.fmean(self.samples) if self.samples else None
+
+    def __enter__(self) -> "GpuBusy":
+        if self.device.type == "cuda":
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+
+
 def cpu_seconds() -> float:
     """User + system CPU of this process and its finished children (the DataLoader workers of a
     phase are joined when it ends): a phase's CPU per pair does not depend on how busy the
@@ -258,38 +290,40 @@ class BenchReport:
 
 # ---------------------------------------------------------------- (a) the ceiling
 
-def _batch_plan(spec: DatasetSpec, batch_size: int, max_pairs: int) -> list[dict[str, list]]:
-    """The valid rows of the data as the pipeline batches them (per unit, `batch_size` rows
-    counted with error rows), text values kept, image bytes dropped."""
+def _batch_plan(spec: DatasetSpec, groups: list[list[str]], batch_size: int, max_pairs: int) -> list[dict[str, list]]:
+    """The valid rows of the data as the pipeline batches them (a group's units as one stream,
+    `batch_size` rows counted with error rows), text values kept, image bytes dropped."""
     left, right = modalities(spec.pair)
     plan: list[dict[str, list]] = []
     seen = 0
-    for unit in list_units(spec):
+    for group in groups:
         rows, count = {"left": [], "right": []}, 0
-        for item in read_unit(spec, unit):
-            if isinstance(item, UnitFailure):
-                continue
-            if item.error is None:
-                rows["left"].append(item.left if left == "text" else None)
-                rows["right"].append(item.right if right == "text" else None)
-            count += 1
-            seen += 1
-            if count == batch_size or seen >= max_pairs:
-                if rows["left"]:
-                    plan.append(rows)
-                rows, count = {"left": [], "right": []}, 0
-            if seen >= max_pairs:
-                return plan
+        for unit in group:
+            for item in read_unit(spec, unit):
+                if isinstance(item, UnitFailure):
+                    continue
+                if item.error is None:
+                    rows["left"].append(item.left if left == "text" else None)
+                    rows["right"].append(item.right if right == "text" else None)
+                count += 1
+                seen += 1
+                if count == batch_size or seen >= max_pairs:
+                    if rows["left"]:
+                        plan.append(rows)
+                    rows, count = {"left": [], "right": []}, 0
+                if seen >= max_pairs:
+                    return plan
         if rows["left"]:
             plan.append(rows)
     return plan
 
 
 def measure_ceiling(estimator, spec: DatasetSpec, batch_size: int, min_seconds: float,
-                    max_pairs: int = 8192) -> Phase:
-    """Encode in-memory batches shaped like the data's until `min_seconds` have passed (one pass at least)."""
+                    max_pairs: int = 8192, groups: list[list[str]] | None = None) -> Phase:
+    """Encode in-memory batches shaped like the data's until `min_seconds` have passed (one pass
+    at least); `groups`: the run's packing of the units (default: one unit each)."""
     left, right = modalities(spec.pair)
-    plan = _batch_plan(spec, batch_size, max_pairs)
+    plan = _batch_plan(spec, groups or [[u] for u in list_units(spec)], batch_size, max_pairs)
     if not plan:
         raise UserError("no valid pair in the given shards to benchmark on")
     generator = torch.Generator().manual_seed(0)
@@ -327,7 +361,7 @@ def measure_ceiling(estimator, spec: DatasetSpec, batch_size: int, min_seconds: 
     _gpu_peak_reset(estimator.device)
     pairs, elapsed, passes = 0, 0.0, 0
     cpu0 = cpu_seconds()
-    with PeakMemory() as mem:
+    with PeakMemory() as mem, GpuBusy(estimator.device) as busy:
         started = time.perf_counter()
         while passes == 0 or elapsed < min_seconds:
             for n, inputs in batches:
@@ -339,6 +373,7 @@ def measure_ceiling(estimator, spec: DatasetSpec, batch_size: int, min_seconds: 
             passes += 1
     cpu = cpu_seconds() - cpu0
     extra = {"batches_per_pass": len(batches), "passes": passes, "warmup_shapes": len(seen),
+             "gpu_utilisation": busy.percent,
              "chunk_after_oom": {m: b.chunk for m, b in backoff.items() if b.halvings}}
     extra.update(_text_trim_gain(estimator, left, right, batches))
     return Phase("ceiling (model only)", pairs, elapsed, mem.peak_mib, mem.peak_rss_mib,
@@ -429,7 +464,7 @@ def measure_end_to_end(estimator, spec: DatasetSpec, cfg: ScoreConfig, workdir: 
     load0 = os.getloadavg()[0]
     _gpu_peak_reset(estimator.device)
     cpu0 = cpu_seconds()
-    with PeakMemory() as mem:
+    with PeakMemory() as mem, GpuBusy(estimator.device) as busy:
         started = time.perf_counter()
         result = score(spec, out, replace(cfg, overwrite=True, progress=SILENT), estimator=estimator)
         whole = time.perf_counter() - started
@@ -437,7 +472,9 @@ def measure_end_to_end(estimator, spec: DatasetSpec, cfg: ScoreConfig, workdir: 
     s = result.summary
     extra = {"whole_call_seconds": whole, "whole_call_pairs_per_second": result.pairs_scored_now / whole,
              "beta_seconds": s.get("beta_seconds"), "beta_source": s.get("beta_source"),
-             "errors": s.get("errors"), "workers": cfg.workers}
+             "errors": s.get("errors"), "workers": cfg.workers, "gpu_utilisation": busy.percent,
+             "batches": s.get("batches"),
+             "full_batches": s.get("full_batches"), "mean_batch_fill": s.get("mean_batch_fill")}
     return Phase("end-to-end scoring loop", result.pairs_scored_now, result.seconds, mem.peak_mib, mem.peak_rss_mib,
                  _gpu_peak_mib(estimator.device), (load0, os.getloadavg()[0]), cpu, extra)
 
@@ -521,12 +558,13 @@ def bench_score(source: str | list[str] | DatasetSpec, cfg: ScoreConfig, naive_p
     if cfg.beta_mode == "random-inputs" and cfg.beta_cache:
         say("beta (once; the measured runs read it from the beta cache) ...")
         ModelProducer(spec, cfg, estimator).random_beta()
+    groups = ModelProducer(spec, cfg, estimator).groups(list_units(spec))  # as the scoring run packs them
     rounds = []
     with tempfile.TemporaryDirectory(prefix="pairclean-bench-") as tmp:
         for i in range(repeat):
             tag = f"[{i + 1}/{repeat}] " if repeat > 1 else ""
             say(f"{tag}(a) model-only ceiling ...")
-            ceiling = measure_ceiling(estimator, spec, cfg.batch_size, min_seconds)
+            ceiling = measure_ceiling(estimator, spec, cfg.batch_size, min_seconds, groups=groups)
             say(f"{tag}(b) end-to-end pairclean score ...")
             e2e = measure_end_to_end(estimator, spec, cfg, Path(tmp))
             say(f"{tag}(c) naive reference loop ...")

@@ -49,6 +49,7 @@ class Provenance(TypedDict, total=False):
     input_shards: list[str]
     dataset: str | None
     world_size: int
+    units_by_rank: dict[str, int]  # units this run scored, by the torchrun rank that claimed them
     pairclean_version: str
     beta: float
     beta_std: float | None

@@ -40,7 +40,7 @@ from pairclean.data.manifest import PAIR_KINDS
 from pairclean.data.units import Unit
 from pairclean.errors import ConfigError, UserError
 from pairclean.ops.notices import notice
-from pairclean.scoring.run import Commit, Producer, RunConfig, ScoreResult, run_scoring
+from pairclean.scoring.run import Commit, Producer, RunConfig, ScoreResult, Work, run_scoring
 
 LAYOUTS = ("clip-retrieval", "numpy", "parquet")
 UNIT_TOLERANCE = 1e-2  # |norm - 1| above this is "not unit length" (float16 storage rounds to ~1e-3)
@@ -605,10 +605,9 @@ class EmbeddingsProducer(Producer):
         beta = random_embeddings_beta(rand, self.cfg.batch_rows)
         return beta, f"computed from random-input embeddings supplied by the user ({', '.join(rand.sources)})"
 
-    def score(self, units: list[str], commit: Commit, task) -> int:
+    def score(self, work: Work, commit: Commit, task) -> dict[str, int]:
         intra_op = torch.get_num_threads()
         threads = self.cfg.threads or intra_op
-        scored = 0
         pool = ThreadPoolExecutor(threads) if threads > 1 else None
         # A unit's part is written on its own thread while the next unit is scored (pyarrow's write
         # releases the GIL); waiting for it before the next commit keeps parts in order and memory at
@@ -619,13 +618,12 @@ class EmbeddingsProducer(Producer):
         # (measured: 10x more CPU per pair with 2 intra-op threads on a busy machine).
         torch.set_num_threads(1)
         try:
-            for unit in units:
+            for unit in (u for group in work.claimed() for u in group if u not in work.done):
                 columns, record = _score_unit(unit, self.spec, self.cfg.batch_rows, pool,
                                               shuffled=self.cfg.beta_mode == "shuffled")
                 if pending is not None:
                     pending.result()
                 pending = writer.submit(commit, unit, columns, record)
-                scored += len(columns["error"])
             if pending is not None:
                 pending.result()
         finally:
@@ -633,9 +631,9 @@ class EmbeddingsProducer(Producer):
             torch.set_num_threads(intra_op)
             if pool is not None:
                 pool.shutdown()
-        return scored
+        return {}
 
-    def finish(self, records: dict[str, dict], scored_now: int, todo: int) -> tuple[dict, dict]:
+    def finish(self, records: dict[str, dict], counters: dict[str, int], todo: int) -> tuple[dict, dict]:
         units = list(records)
         not_unit = {side: sum(records[u].get(f"not_unit_{side}", 0) for u in units) for side in ("left", "right")}
         deviation = max((records[u].get("max_norm_deviation", 0.0) for u in units), default=0.0)

@@ -9,6 +9,8 @@ holds a lock so that two processes never write the same run.
     <out>.parts/units.json      the run's units, in output order
     <out>.parts/run.json        run id; whether the run replaces an existing output (--overwrite)
     <out>.parts/beta.json       beta, computed once
+    <out>.parts/groups.json     the packing: units in groups whose pairs share batches (pinned at start)
+    <out>.parts/claims/N.json   who is scoring group N (created exclusively; cleared when a run starts)
     <out>.parts/part-*.parquet + part-*.done.json   one part + commit record per unit
     <out>.parts/lock            locked (lockf) by the live run
 """
@@ -20,6 +22,7 @@ import hashlib
 import json
 import os
 import shutil
+import socket
 import time
 import uuid
 from dataclasses import dataclass
@@ -59,6 +62,37 @@ def settings_digest(settings: dict) -> str:
 
 def _canonical(obj) -> dict:
     return json.loads(json.dumps(obj, default=str))
+
+
+@dataclass(frozen=True)
+class GroupClaims:
+    """Work claiming through the shared parts directory, no server: the process (rank or DataLoader
+    worker, on any node that sees the directory) that creates `claims/N.json` first scores group N.
+    The create is exclusive (O_EXCL, atomic on local filesystems and NFSv3+), so a group is
+    scored by one process however many race for it; a process that dies leaves its claim, and
+    the next run, which clears every claim once it holds the run lock, scores the group again."""
+
+    dir: Path
+
+    def claim(self, group: int) -> bool:
+        try:
+            fd = os.open(self.dir / f"{group}.json", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:
+            return False
+        with os.fdopen(fd, "w") as fh:
+            json.dump({"rank": int(os.environ.get("RANK", "0")), "pid": os.getpid(), "host": socket.gethostname(),
+                       "time": time.time()}, fh)
+        return True
+
+    def holders(self) -> dict[int, dict]:
+        """The claims on disk, by group (unreadable ones, being written, as {})."""
+        found = {}
+        for path in self.dir.glob("*.json"):
+            try:
+                found[int(path.stem)] = json.loads(path.read_text())
+            except (OSError, ValueError):
+                found[int(path.stem)] = {}
+        return found
 
 
 @dataclass
@@ -281,6 +315,19 @@ class PartStore:
     def settings_sha1(self) -> str | None:
         settings = self._read("settings.json")
         return settings_digest(settings) if settings is not None else None
+
+    def load_groups(self) -> list[list[str]] | None:
+        return self._read("groups.json")
+
+    def save_groups(self, groups: list[list[str]]) -> None:
+        write_json(self.dir / "groups.json", groups, temp_dir=self.dir)
+
+    def fresh_claims(self) -> GroupClaims:
+        """The claims of this run, with those of earlier (dead) runs cleared: call with the run lock held."""
+        claims = self.dir / "claims"
+        shutil.rmtree(claims, ignore_errors=True)
+        claims.mkdir()
+        return GroupClaims(claims)
 
     def load_beta(self) -> dict | None:
         return self._read("beta.json")

@@ -3,9 +3,10 @@
     producer (a model over shards, or precomputed embeddings) -> one part per unit (committed)
     -> finalize (the decision rules over all pairs) -> the scores file
 
-The lifecycle owns what every run shares: validation, the unit list and the pinned settings,
-the part store (fresh, resumed, or already finished), beta (resolved once, saved with where it
-came from), the split of the remaining units across ranks, finalize, provenance and clean-up.
+The lifecycle owns what every run shares: validation, the unit list, its packing into groups and
+the pinned settings, the part store (fresh, resumed, or already finished), beta (resolved once,
+saved with where it came from), the remaining groups, claimed one at a time by whichever rank (or
+DataLoader worker) is free, finalize, provenance and clean-up.
 A producer owns only how its units become similarities (`Producer`): a new kind of input is one
 producer class, not a second pipeline.
 """
@@ -18,9 +19,7 @@ import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, ClassVar
-
-import webdataset as wds
+from typing import Callable, ClassVar, Iterator
 
 from pairclean.config import pinned_settings, unpinned
 from pairclean.core.beta import BETA_MODES, BetaEstimate, check_beta_mode, resolve_beta, shuffled_beta
@@ -31,7 +30,7 @@ from pairclean.ops.progress import SILENT, Progress
 from pairclean.scores.contract import read_provenance
 from pairclean.scores.rules import DEFAULT_RULES, build_rules
 from pairclean.scoring.finalize import finalize
-from pairclean.scoring.parts import PartStore, parts_dir_for
+from pairclean.scoring.parts import GroupClaims, PartStore, parts_dir_for
 
 # commit(unit, columns, record): the producer hands each finished unit's rows to the run.
 Commit = Callable[[str, dict, dict], None]
@@ -55,11 +54,30 @@ class RunConfig:
         build_rules(self.rules)  # an unknown rule or option fails before anything is scored
 
 
+@dataclass
+class Work:
+    """What is left of a run: the groups (index in the pinned packing, units in order) that hold a
+    unit still to score, the units already committed, and the claims that hand each group to one
+    process. A group is always read whole, so its pairs fall in the same batches whether or not
+    some of its units were committed by an earlier run; only the others are committed again."""
+
+    groups: list[tuple[int, list[str]]]
+    done: frozenset[str]
+    claims: GroupClaims
+
+    def claimed(self) -> Iterator[list[str]]:
+        """The groups this process claims, in order (call it in the process that reads them)."""
+        for index, units in self.groups:
+            if self.claims.claim(index):
+                yield units
+
+
 class Producer(ABC):
     """Turns units into similarities. The lifecycle calls, in order: `units()`, `settings()`,
     `prepare()` (after the finished-run check, before anything is written: build and so
-    validate a model), `random_beta()` (beta mode random-inputs only), `score(units, commit,
-    task)` on every rank with its share, then `finish(records, scored_now, todo)` on rank 0."""
+    validate a model), `groups(units)` (once, when a run starts: the packing is then pinned),
+    `random_beta()` (beta mode random-inputs only), `score(work, commit, task)` on every rank,
+    then `finish(records, counters, todo)` on rank 0."""
 
     beta_modes: ClassVar[tuple[str, ...]] = BETA_MODES
     device_type: str = "cpu"  # torch.distributed backend choice: "cuda" -> NCCL, else gloo
@@ -75,6 +93,11 @@ class Producer(ABC):
     def prepare(self) -> None:
         """Nothing to build."""
 
+    def groups(self, units: list[str]) -> list[list[str]]:
+        """Units packed into groups whose pairs may share batches: one unit each unless the
+        producer batches across units."""
+        return [[unit] for unit in units]
+
     @abstractmethod
     def random_beta(self) -> tuple[BetaEstimate, str]:
         """beta from random inputs (beta mode random-inputs) and where it came from."""
@@ -84,12 +107,15 @@ class Producer(ABC):
         return ""
 
     @abstractmethod
-    def score(self, units: list[str], commit: Commit, task) -> int:
-        """Score `units` in order, `commit` each as soon as its last row is scored; pairs scored."""
+    def score(self, work: Work, commit: Commit, task) -> dict[str, int]:
+        """Score the groups this process claims from `work`, `commit` each unit not yet done as soon
+        as its last row is scored; extra counters (the same names on every rank, summed over ranks;
+        `pairs` is counted from the commits)."""
 
     @abstractmethod
-    def finish(self, records: dict[str, dict], scored_now: int, todo: int) -> tuple[dict, dict]:
-        """(provenance entries: `estimator`, `pair`, `input_shards`, `dataset`, ...; extra summary entries)."""
+    def finish(self, records: dict[str, dict], counters: dict[str, int], todo: int) -> tuple[dict, dict]:
+        """(provenance entries: `estimator`, `pair`, `input_shards`, `dataset`, ...; extra summary
+        entries). `counters`: `score`'s, summed over ranks, with `pairs` (scored by this run)."""
 
 
 @dataclass
@@ -141,28 +167,35 @@ def run_scoring(producer: Producer, out: str | Path, cfg: RunConfig) -> ScoreRes
             beta, source = resolve_beta(cfg.beta_mode, cfg.beta, producer.random_beta)
             if beta is not None:
                 store.save_beta({**beta.as_dict(), "source": source})
+        groups = store.load_groups()
+        if groups is None:  # packed once, when the run starts: a resumed run batches alike
+            groups = producer.groups(start.units)
+            store.save_groups(groups)
         done = store.committed()
-        return (start.units, start.resumed, beta, source, time.perf_counter() - began,
-                [u for u in start.units if u not in done], len(done))
+        # Claims are made after the committed units are known, so a job restarted with another
+        # world size still scores every remaining unit exactly once.
+        work = Work([(i, g) for i, g in enumerate(groups) if any(u not in done for u in g)],
+                    frozenset(u for u in start.units if u in done), store.fresh_claims())
+        return start.units, start.resumed, beta, source, time.perf_counter() - began, work
 
-    units, resumed, beta, beta_source, beta_seconds, todo, n_done = distributed.on_main(start_run)
-    # Units are split across ranks after the committed ones are removed, so a job restarted
-    # with another world size still scores every remaining unit exactly once.
-    mine = list(wds.split_by_node(todo))
+    units, resumed, beta, beta_source, beta_seconds, work = distributed.on_main(start_run)
+    todo = len(units) - len(work.done)
     started, cpu_started = time.perf_counter(), time.process_time()
-    with progress.task("scoring", total=len(units), completed=n_done, pairs=0, rate=0.0) as task:
+    with progress.task("scoring", total=len(units), completed=len(work.done), pairs=0, rate=0.0) as task:
         scored = {"pairs": 0}
 
         def commit(unit: str, columns: dict, record: dict) -> None:
-            store.commit(unit, columns, record)
+            store.commit(unit, columns, {**record, "rank": distributed.rank()})
             scored["pairs"] += len(columns["key"])
             elapsed = time.perf_counter() - started
             task.update(advance=1, pairs=scored["pairs"], rate=scored["pairs"] / elapsed if elapsed else 0.0)
 
-        if mine:
-            producer.score(mine, commit, task)
+        counters = producer.score(work, commit, task)
     elapsed, cpu = time.perf_counter() - started, time.process_time() - cpu_started
-    scored_now = int(distributed.all_reduce_sum(scored["pairs"]))  # the whole job's pairs (also a barrier)
+    # The whole job's counters (also a barrier); every rank reports the same names, in the same order.
+    counters = {name: int(distributed.all_reduce_sum(value)) for name, value in
+                sorted({**counters, "pairs": scored["pairs"]}.items())}
+    scored_now = counters["pairs"]
     elapsed = distributed.all_reduce_sum(elapsed) / distributed.world_size()
     if not distributed.is_main():
         return ScoreResult(out, {}, elapsed, scored_now, resumed, {})
@@ -173,9 +206,11 @@ def run_scoring(producer: Producer, out: str | Path, cfg: RunConfig) -> ScoreRes
         raise RuntimeError(f"{len(missing)} unit(s) were not committed (first: {missing[0]})")
     if beta is None:
         beta = shuffled_beta([records[u].get("shuffled") for u in units])
-    produced, extra = producer.finish(records, scored_now, len(todo))
+    produced, extra = producer.finish(records, counters, todo)
+    by_rank = [records[u]["rank"] for u in units if u not in work.done and "rank" in records[u]]
     provenance = {**produced, "seed": cfg.seed, "beta_mode": cfg.beta_mode, "beta_source": beta_source,
-                  "world_size": distributed.world_size()}
+                  "world_size": distributed.world_size(),
+                  "units_by_rank": {str(r): by_rank.count(r) for r in sorted(set(by_rank))}}
     summary = finalize(store, units, out, beta, cfg.weight_fn, cfg.seed, cfg.gmm_sample, provenance, records,
                        cfg.rules)
     summary.update(extra, pairs_per_second=scored_now / elapsed if elapsed > 0 else 0.0, scoring_seconds=elapsed,
