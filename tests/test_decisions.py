@@ -174,3 +174,38 @@ def test_evaluate_detection_prints_the_ece_of_p_clean(tmp_path, capsys):
     ece = result["rules"]["gmm"]["ece"]
     assert ece == pytest.approx(expected_calibration_error(~noisy, p_clean))
     assert "ECE of the GMM rule's P(clean)" in out and f"{ece:.2f}" in out
+
+
+def test_threshold_sweep_estimates_and_the_report(tmp_path, capsys):
+    from pairclean.curate.query import ScoresDB
+    from pairclean.curate.sweep import threshold_sweep
+
+    noisy = _embeddings(tmp_path / "emb")
+    scores = tmp_path / "s.parquet"
+    main(["score", str(tmp_path / "emb"), "--from-embeddings", "--out", str(scores), "--beta-mode", "fixed",
+          "--beta", "0.1"])
+    with ScoresDB(scores) as db:
+        sweep = threshold_sweep(db, read_provenance(scores)["null_quantiles"])
+    sim = np.array(pq.read_table(scores).column("sim").to_pylist())
+    assert sweep.noise_share == pytest.approx(noisy.mean(), abs=0.06)
+    for row in sweep.rows:  # the estimates against the truth, on random-pairing noise
+        kept = sim > row.threshold
+        assert row.kept == pytest.approx(kept.mean())
+        assert row.precision == pytest.approx(1 - noisy[kept].mean(), abs=0.05)
+        assert row.clean_kept == pytest.approx(kept[~noisy].mean(), abs=0.08)
+    report = tmp_path / "report.html"
+    main(["report", str(scores), "--out", str(report), "--gallery", "0", "--contrast", "0"])
+    html = report.read_text()
+    assert "Choosing a threshold" in html and f"sim &gt; {sweep.rows[-1].threshold:.4f}" in html
+
+
+def test_filter_dry_run_shows_the_threshold_sweep(coco_shards, coco_scores, capsys):
+    from pairclean.curate.query import ScoresDB
+    from pairclean.curate.sweep import threshold_sweep
+
+    with ScoresDB(coco_scores) as db:
+        sweep = threshold_sweep(db, read_provenance(coco_scores)["null_quantiles"])
+    capsys.readouterr()
+    main(["filter", str(coco_shards), "--scores", str(coco_scores), "--where", "sim > 0", "--dry-run"])
+    out = capsys.readouterr().out
+    assert "precision" in out and f"sim > {sweep.rows[0].threshold:.4f}" in out

@@ -58,6 +58,8 @@ class Provenance(TypedDict, total=False):
     official_scale: float | None
     gmm: dict | None  # the GMM rule's fitted mixture (FittedMixture fields)
     gmm_sample: int  # similarities in the sample the rules were fitted on
+    null_sample: int  # null similarities (in-data pairs that do not belong together) the rules were given
+    null_quantiles: list[float] | None  # their quantiles at 0, 0.1%, ..., 100% (the threshold sweep reads them)
     rules: list[dict]  # RuleRecord fields, one entry per rule in column order
     run_id: str | None
     settings_sha1: str

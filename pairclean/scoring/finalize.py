@@ -81,6 +81,16 @@ def _samples_and_max(store: PartStore, units: list[str], n_valid: int, n_null: i
     return sample.values(), null.values(), maximum
 
 
+NULL_QUANTILE_LEVELS = 1000  # the null distribution kept in the provenance: its quantiles at 0, 0.1%, ..., 100%
+
+
+def null_quantiles(null_sample: np.ndarray) -> list[float] | None:
+    """The null similarities' distribution as readers after the run need it (the threshold sweep)."""
+    if len(null_sample) < 2:
+        return None
+    return np.quantile(null_sample, np.linspace(0, 1, NULL_QUANTILE_LEVELS + 1)).round(6).tolist()
+
+
 def weight_columns(sim: np.ndarray, beta: float, weight_fn: str, official_scale: float | None) -> dict[str, np.ndarray]:
     """The scorer's per-pair columns computed from the similarity (NaN for error rows)."""
     valid = ~np.isnan(sim)
@@ -121,7 +131,8 @@ def finalize(store: PartStore, units: list[str], out: Path, beta: BetaEstimate, 
         **provenance, "pairclean_version": __version__, "beta": beta.beta, "beta_std": beta.std,
         "beta_k": beta.k, "beta_mode": beta.mode, "weight_fn": weight_fn, "official_scale": official_scale,
         **{key: value for rule in deciders for key, value in rule.provenance().items()},
-        "gmm_sample": int(len(sample)), "null_sample": int(len(null_sample)), "rules": [asdict(r) for r in rule_records], "run_id": run.get("run_id"),
+        "gmm_sample": int(len(sample)), "null_sample": int(len(null_sample)),
+        "null_quantiles": null_quantiles(null_sample), "rules": [asdict(r) for r in rule_records], "run_id": run.get("run_id"),
         "settings_sha1": store.settings_sha1(), "finished_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     schema = scores_schema(deciders).with_metadata(provenance_metadata(provenance))
 
