@@ -78,7 +78,9 @@ def main() -> None:
     parser.add_argument("--pairs", type=int, default=2000, help="toy: pairs of the evaluation world")
     parser.add_argument("--seed", type=int, default=0, help="seed of the noise and of beta's random inputs")
     parser.add_argument("--fdr-seeds", type=int, nargs="*", default=[1, 2, 3, 4],
-                        help="more noise seeds for the FDR check on the shuffle settings")
+                        help="more noise seeds for the FDR check on the --fdr-settings")
+    parser.add_argument("--fdr-settings", nargs="*", default=["shuffle:0.2"],
+                        help="settings scored again under each --fdr-seeds (the FDR check)")
     parser.add_argument("--alphas", type=float, nargs="+", default=[0.01, 0.05, 0.1])
     parser.add_argument("--workdir", type=Path, help="keep data and scores here (default: a temp directory)")
     parser.add_argument("--json", type=Path, help="write every figure here")
@@ -138,7 +140,7 @@ def main() -> None:
                "noise_share_interval": [100 * summary["fdr"]["noise_share_low"], 100 * summary["fdr"]["noise_share_high"]],
                "fdr_kept": {args.seed: kept_noise_share(scores, truth, args.alphas)},
                "score_seconds": m["score_seconds"]}
-        if mode == "shuffle":
+        if setting in args.fdr_settings:
             for seed in args.fdr_seeds:
                 _, scores_s, truth_s = run(mode, ratio, seed)
                 row["fdr_kept"][seed] = kept_noise_share(scores_s, truth_s, args.alphas)
