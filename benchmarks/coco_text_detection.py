@@ -123,7 +123,7 @@ def main() -> None:
 
     from pairclean.scores.contract import read_summary
 
-    results, fdr = [], []
+    results = []
     for setting in args.settings:
         mode, _, ratio = setting.partition(":")
         ratio = float(ratio)
