@@ -7,6 +7,7 @@ from pathlib import Path
 
 import duckdb
 import numpy as np
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
@@ -208,3 +209,65 @@ def test_cli_corrupt_mixed(world, tmp_path):
     kinds = dict(duckdb.sql(f"SELECT noise, count(*) FROM '{out}/truth/truth.parquet' WHERE selected "
                             "GROUP BY noise").fetchall())
     assert kinds["weak"] == 10 and kinds.get("shuffle", 0) + kinds.get("clean", 0) == 10
+
+
+# -- hard noise: the caption of the nearest other item ---------------------------------------------
+
+
+def _tfidf_nearest(texts: list[str], captions: list[str]) -> list[int]:
+    """The reference: the nearest other item by TF-IDF cosine with a different caption, from the full matrix."""
+    from sklearn.feature_extraction.text import TfidfVectorizer
+    from sklearn.metrics.pairwise import cosine_similarity
+
+    sims = cosine_similarity(TfidfVectorizer().fit_transform(texts))
+    nearest = []
+    for i, row in enumerate(sims):
+        order = sorted(range(len(row)), key=lambda j: (-round(row[j], 9), j))
+        nearest.append(next(j for j in order if j != i and captions[j] != captions[i]))
+    return nearest
+
+
+def test_hard_noise_takes_the_nearest_other_caption_and_records_the_donor(coco_shards, tmp_path):
+    result = corrupt(str(coco_shards), tmp_path / "hard", ratio=0.5, seed=2, mode="hard")
+    before, after = pairs_of(str(coco_shards)), pairs_of(str(result.manifest))
+    truth = truth_rows(result.truth)
+    assert result.selected == result.noisy == 8
+    assert [t["noisy"] for t in truth] == [b.right != a.right for b, a in zip(before, after)]
+    captions = [p.right for p in before]
+    nearest = _tfidf_nearest(captions, captions)
+    where = {(str(result.out / Path(p.shard).name), p.index): i for i, p in enumerate(before)}
+    for i, t in enumerate(truth):
+        if t["noisy"]:
+            donor = where[(t["donor_shard"], t["donor_index"])]
+            assert donor == nearest[i] and t["caption"] == captions[donor] != t["original_caption"]
+        else:
+            assert t["donor_shard"] is None and t["donor_index"] is None and t["caption"] == t["original_caption"]
+    for src in sorted(coco_shards.glob("*.tar")):  # the images are byte-identical
+        copies = {s["__key__"]: s for s in raw_samples(str(result.out / src.name))}
+        for sample in raw_samples(str(src)):
+            assert sample["jpg"] == copies[sample["__key__"]]["jpg"]
+
+
+def test_hard_noise_on_text_text_parquet_compares_both_texts(coco_src, tmp_path):
+    rows = [json.loads(line) for line in (coco_src / "pairs.jsonl").read_text().splitlines()]
+    path = tmp_path / "text.parquet"
+    pq.write_table(pa.table({"key": [str(r["image_id"]) for r in rows], "caption": [r["captions"][0] for r in rows],
+                             "caption2": [r["captions"][1] for r in rows]}), path)
+    spec = open_dataset(str(path), pair="text-text")
+    result = corrupt(spec, tmp_path / "hard", ratio=0.25, seed=0, mode="hard")
+    truth = truth_rows(result.truth)
+    copy = pq.read_table(result.out / path.name)
+    assert copy.column("caption").to_pylist() == [r["captions"][0] for r in rows]  # the first text never changes
+    seconds = [r["captions"][1] for r in rows]
+    nearest = _tfidf_nearest([f"{r['captions'][0]} {r['captions'][1]}" for r in rows], seconds)
+    assert result.noisy == 4
+    for i, t in enumerate(truth):
+        assert copy.column("caption2")[i].as_py() == t["caption"]
+        if t["noisy"]:
+            assert t["donor_index"] == nearest[i] and t["caption"] == seconds[nearest[i]]
+
+
+def test_hard_noise_from_the_cli(coco_shards, tmp_path, capsys):
+    code = main(["corrupt", str(coco_shards), "--out", str(tmp_path / "hard"), "--ratio", "0.25", "--mode", "hard"])
+    assert code in (0, None)
+    assert "4 noisy" in capsys.readouterr().out

@@ -70,7 +70,7 @@ def test_units_are_packed_sixteen_batches_to_a_group():
 def test_many_small_shards_fill_every_batch_and_match_few_large_shards(layouts, tmp_path):
     small, large = layouts
     a = score(str(small), tmp_path / "small.parquet", CFG)
-    b = score(str(large), tmp_path / "large.parquet", CFG)
+    score(str(large), tmp_path / "large.parquet", CFG)
     # 2,400 pairs at batch 256: nine full batches and the run's last (96 rows), not 60 batches of 40.
     assert (a.summary["batches"], a.summary["full_batches"]) == (10, 9)
     assert a.summary["mean_batch_fill"] == pytest.approx(2400 / 2560)

@@ -47,6 +47,7 @@ def _root(version: bool = typer.Option(False, "--version", callback=_version, is
 def _register_commands() -> None:
     # Each module adds its commands to `app`; imported here so `app` is complete.
     from pairclean.cli import (  # noqa: F401  # noqa: F401
+        audit,
         bench,  # noqa: F401
         evaluate,
         filter,

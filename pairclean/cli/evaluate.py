@@ -65,6 +65,9 @@ def detection_tables(result: dict):
     summary.add_row("average precision", "n/a" if ap is None else f"{ap:.4f}")
     rank, best = result["mean_noise_rank"], result["mean_noise_rank_optimal"]
     summary.add_row("mean noise rank by weight (optimum)", "n/a" if rank is None else f"{rank:,.1f} ({best:,.1f})")
+    for m in result["rules"].values():
+        if "ece" in m:
+            summary.add_row(f"ECE of the {m['label']} rule's P(clean), pt (0 = calibrated)", pct(m["ece"]))
     summary.add_row("joined on", str(result.get("join")))
     skipped = result.get("error_rows", 0) + result.get("unlabelled_rows", 0)
     if skipped:
@@ -79,7 +82,7 @@ def detection_command(
                                                     "manifest YAML whose `truth:` names one (`pairclean corrupt` writes both)."),
     json_out: Path | None = typer.Option(None, "--json", help="Metrics JSON to write (default: SCORES.detection.json)."),
 ) -> None:
-    """Clean kept / noise caught / balanced accuracy / precision per rule in the file and the oracle, ROC-AUC, AP, mean noise rank."""
+    """Clean kept / noise caught / balanced accuracy / precision per rule in the file and the oracle, ROC-AUC, AP, mean noise rank, ECE of p_clean."""
     from pairclean.ops.atomic import write_json
     from pairclean.scores.evaluation import evaluate_detection
 

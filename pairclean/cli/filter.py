@@ -55,6 +55,28 @@ def result_table(result: FilterResult) -> Table:
     return table
 
 
+def sweep_table(scores: Path) -> Table | None:
+    """The threshold sweep (`curate.sweep`): kept share and estimated precision / recall per threshold."""
+    from pairclean.curate.query import ScoresDB
+    from pairclean.curate.sweep import threshold_sweep
+    from pairclean.scores.contract import read_provenance
+
+    with ScoresDB(scores) as db:
+        sweep = threshold_sweep(db, read_provenance(scores).get("null_quantiles"))
+    if sweep is None:
+        return None
+    table = Table(title=f"thresholds, estimated from the run's random pairings (noise share {sweep.noise_share:.1%})",
+                  header_style="bold")
+    table.add_column("--where", no_wrap=True)
+    for name in ("random\npairings\nabove", "kept", "est.\nprecision", "est. clean\nkept", "est. noise\ncaught"):
+        table.add_column(name, justify="right", no_wrap=True)
+    for r in sweep.rows:
+        table.add_row(f"sim > {r.threshold:.4f}", _share(r.null_above, 1), _share(r.kept, 1),
+                      _share(r.precision, 1), _share(r.clean_kept, 1), _share(r.noise_caught, 1))
+    table.caption = "noise as dissimilar as a random pairing; a caption of a similar item counts as clean here"
+    return table
+
+
 def _scored_pair(scores: Path) -> str | None:
     """The pair kind the scores were made with: what the new manifest should say."""
     try:
@@ -94,6 +116,8 @@ def filter_command(
                                 dry_run=dry_run, shard_size=shard_size, shard_bytes=shard_bytes, prefix=prefix,
                                 overwrite=overwrite, progress=lambda _shard: bar.advance(task))
     console.print(result_table(result))
+    if dry_run and (table := sweep_table(scores)) is not None:
+        console.print(table)
     if result.read_failures:
         console.print(f"[yellow]{len(result.read_failures)} shard read failure(s)[/yellow], first: "
                       f"{result.read_failures[0]['shard']}: {result.read_failures[0]['reason']}", highlight=False)

@@ -17,7 +17,8 @@ def corrupt_command(
     out: Path = typer.Option(..., "--out", "-o", help="Directory for the noisy copy, truth/truth.parquet and manifest.yaml."),
     ratio: float = typer.Option(..., help="Share of the pairs drawn for noise, in [0, 1]."),
     seed: int = typer.Option(0, help="Noise seed."),
-    mode: str = typer.Option("shuffle", help="shuffle: permute the drawn captions (NCR); weak: replace ~30% of their words; "
+    mode: str = typer.Option("shuffle", help="shuffle: permute the drawn captions (NCR); hard: the caption of the nearest other item "
+                                             "(TF-IDF of its texts); weak: replace ~30% of their words; "
                                              "mixed: --ratio shuffled and --weak-ratio weakened, disjoint draws."),
     weak_ratio: Optional[float] = typer.Option(None, help="--mode mixed: share of the pairs weakened beside the --ratio shuffled."),
     pair: Optional[str] = typer.Option(None, help="Pair kind (image-text or text-text; text-text noises the second text)."),

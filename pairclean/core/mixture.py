@@ -81,3 +81,35 @@ def clean_posterior(values, n_components: int = 2, higher_is_clean: bool = True,
     if higher_is_clean:
         order = order[::-1]
     return gmm.predict_proba(x)[:, order], gmm
+
+
+ASHMAN_D_MIN = 2.0  # Ashman's D above 2: the two components are separated (Ashman et al. 1994)
+NULL_DISTANCE_MAX = 1.0  # the noisy component's mean within this many null standard deviations of the null mean
+
+
+def mixture_separation(mixture: FittedMixture, null_sample=None) -> tuple[dict, str | None]:
+    """Does the mixture separate noise from clean pairs? (measures, None or why it does not).
+
+    Two checks: Ashman's D = sqrt(2) |mu1 - mu2| / sqrt(var1 + var2) >= 2 (otherwise the data is
+    one hump the mixture cut in two); and, when there is a null sample (in-data pairs that do not
+    belong together), the noisy component must sit where random pairings sit: its mean within one
+    null standard deviation of the null mean (otherwise it split the clean pairs, e.g. when the
+    noise is captions of similar items, or when there is hardly any noise)."""
+    clean = mixture.clean_component
+    noisy = 1 - clean
+    means, variances = np.asarray(mixture.means), np.asarray(mixture.variances)
+    d = float(np.sqrt(2) * abs(means[clean] - means[noisy]) / np.sqrt(variances.sum()))
+    measures = {"ashman_d": d, "noisy_mean": float(means[noisy]), "noisy_weight": float(mixture.weights[noisy])}
+    null = np.asarray(null_sample if null_sample is not None else [], dtype=np.float64)
+    null = null[np.isfinite(null)]
+    if len(null) >= 2:
+        measures.update(null_mean=float(null.mean()), null_std=float(null.std()))
+    if d < ASHMAN_D_MIN:
+        return measures, f"the two components overlap (Ashman's D {d:.2f} < {ASHMAN_D_MIN:g})"
+    if "null_mean" in measures:
+        distance = (measures["noisy_mean"] - measures["null_mean"]) / max(measures["null_std"], 1e-12)
+        measures["noisy_vs_null_sd"] = float(distance)
+        if abs(distance) > NULL_DISTANCE_MAX:
+            return measures, (f"the noisy component (mean {measures['noisy_mean']:.3f}) is {distance:+.1f} null sd from "
+                              f"random pairings (mean {measures['null_mean']:.3f}): it split pairs that are not random noise")
+    return measures, None

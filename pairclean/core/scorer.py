@@ -35,6 +35,14 @@ def cosine_similarity(left, right):
     return _back((a * b).sum(-1), was_np)
 
 
+def null_partners(n: int) -> np.ndarray:
+    """The right side each of n rows is paired with to draw "pairs that do not belong together"
+    from the data itself: row i with row (i + n // 2) mod n, a fixed derangement (no row keeps its
+    own partner for n >= 2), deterministic, so a resumed run draws the same null pairs; half a
+    block apart, so neighbouring rows (often related in crawl order) are not paired."""
+    return (np.arange(n) + n // 2) % n if n >= 2 else np.zeros(0, dtype=np.int64)
+
+
 def debias(sim, beta: float):
     """s~ = s - beta: move the origin to the centre of the embedding cone (Eq. 4)."""
     return sim - beta

@@ -30,6 +30,7 @@ from pairclean.data.decode import DecodeError, decode_image
 from pairclean.errors import UserError
 from pairclean.scores.contract import read_provenance
 from pairclean.scores.evaluation import truth_metrics
+from pairclean.curate.sweep import Sweep, threshold_sweep
 from pairclean.scores.rules import RuleRecord, recorded_rules
 from pairclean.core.mixture import FittedMixture
 from pairclean.data.manifest import DatasetSpec, open_dataset
@@ -519,6 +520,21 @@ window.addEventListener("load", function () {
 </script>"""
 
 
+def _sweep_html(sweep: Sweep | None) -> str:
+    """The threshold sweep section (`curate.sweep`), or nothing for a run without a null sample."""
+    if sweep is None:
+        return ""
+    rows = "".join(f"<tr><td>sim &gt; {r.threshold:.4f}</td><td>{_pct(r.null_above)}</td><td>{_pct(r.kept)}</td>"
+                   f"<td>{_pct(r.precision)}</td><td>{_pct(r.clean_kept)}</td><td>{_pct(r.noise_caught)}</td></tr>"
+                   for r in sweep.rows)
+    return ('<section id="sweep"><h2>Choosing a threshold</h2><p class="lead">What each threshold would keep, '
+            "estimated from the run's random pairings (in-data pairs that do not belong together) without labels: "
+            f"estimated noise share {_pct(sweep.noise_share)}. The estimates count noise as dissimilar as a random "
+            "pairing; a caption of a similar item counts as clean here.</p><table class=\"data\"><thead><tr>"
+            "<th>keep if</th><th>random pairings above</th><th>kept</th><th>est. precision</th>"
+            f"<th>est. clean kept</th><th>est. noise caught</th></tr></thead><tbody>{rows}</tbody></table></section>")
+
+
 def build_report(scores: str | Path, out: str | Path, shards: list[str] | None = None,
                  truth: str | Path | None = None, gallery: int = 24, contrast: int = 8, thumb: int = 224,
                  bins: int = 60, max_shard_rows: int = 40, title: str | None = None) -> ReportResult:
@@ -552,6 +568,7 @@ def build_report(scores: str | Path, out: str | Path, shards: list[str] | None =
         high_rows = _gallery_rows(db, view, min(contrast, s["scored"] - len(low_rows)), False, has_truth, rules)
         errors = _error_reasons(db)
         truth_join = db.truth_join
+        sweep = threshold_sweep(db, prov.get("null_quantiles"), view)
 
     mixture = FittedMixture(**prov["gmm"]) if prov.get("gmm") else None
     spec, media_note = _media_spec(shards, prov)
@@ -602,6 +619,7 @@ def build_report(scores: str | Path, out: str | Path, shards: list[str] | None =
                        f'predicate on the scores).</p><table class="data"><thead><tr><th>reason</th><th>pairs</th>'
                        f'<th>example key</th></tr></thead><tbody>{erows}</tbody></table></section>')
     media_html = f'<p class="muted">{_e(media_note)}</p>' if media_note else ""
+    sweep_html = _sweep_html(sweep)
     est = prov.get("estimator") or {}
     heading = title or f"pairclean report · {scores.name}"
     page = f"""<!DOCTYPE html>
@@ -629,6 +647,8 @@ def build_report(scores: str | Path, out: str | Path, shards: list[str] | None =
   <img class="figure" alt="similarity histogram" src="{similarity_figure(edges, counts, prov.get('beta'), mixture, n)}">
   {truth_html}
 </section>
+
+{sweep_html}
 
 <section id="shards">
   <h2>Per shard</h2>

@@ -2,7 +2,10 @@
 
 `shuffle` (the NCR protocol): a share `ratio` of the captions is chosen and permuted among
 themselves; a pair whose caption text did not change (it drew its own caption, or an identical
-one) stays clean. `weak` (the weak noise of the DiffNCL benchmarks): a share `ratio` of the
+one) stays clean. `hard` (the noise of web crawls: a caption that belongs to a similar item): a
+share `ratio` of the pairs gets the caption of its nearest other item, nearest by cosine of TF-IDF
+vectors of the item's texts (its caption; for text-text pairs both texts), a similarity that owes
+nothing to the estimator; a donor whose caption equals the pair's own is passed over. `weak` (the weak noise of the DiffNCL benchmarks): a share `ratio` of the
 captions gets about 30% of its words replaced by random words of the dataset's own vocabulary.
 `mixed`: both in one run on disjoint draws, a share `ratio` shuffled and a share `weak_ratio`
 weakened; the truth's `noise` column names each pair's kind (clean / weak / shuffle).
@@ -12,7 +15,10 @@ Three streaming passes, memory bounded by a batch:
    spilled to a temp Parquet file;
 2. DuckDB (on a temp database file, so it spills) picks the noisy positions and the permutation
    by ordering on md5 hashes of (seed, position): the choice depends only on the seed and the
-   row order, not on numpy's or DuckDB's version; it writes the replacements sorted by position;
+   row order, not on numpy's or DuckDB's version; it writes the replacements sorted by position
+   (`hard`: the donors come from sklearn's NearestNeighbors over the TF-IDF matrix, queried in
+   chunks of drawn pairs; its brute-force search is itself chunked by sklearn's working_memory,
+   so no N x N matrix is held; the sparse TF-IDF matrix of every caption is);
 3. the dataset is read again and written to the new directory with only the caption member (or
    column) replaced, every other member byte-identical, one output shard per input shard with
    the same file name, while the truth Parquet (key, shard, index, noisy, original_caption, ...)
@@ -42,19 +48,22 @@ from pairclean.curate.query import sql_string
 from pairclean.data.reader import UnitFailure, list_units, raise_failure, read_samples, read_unit
 from pairclean.data.units import is_local, unit_shard
 
-MODES = ("shuffle", "weak", "mixed")
+MODES = ("shuffle", "weak", "mixed", "hard")
+DONOR_KINDS = ("shuffle", "hard")  # noise kinds whose new caption is another pair's, recorded as the donor
 WEAK_SHARE = 0.3  # share of a caption's words replaced by weak noise
 TRUTH_NAME = "truth/truth.parquet"  # under the output directory; a subdirectory, so scoring the directory skips it
 _BATCH = 65536
+_HARD_CHUNK = 4096  # drawn pairs per nearest-neighbour query
 _ROWS_SCHEMA = pa.schema([("pos", pa.int64()), ("shard", pa.string()), ("index", pa.int64()),
-                          ("key", pa.string()), ("caption", pa.string())])
+                          ("key", pa.string()), ("caption", pa.string()),
+                          ("context", pa.string())])  # text-text: the first text (hard noise's similarity uses it)
 TRUTH_SCHEMA = pa.schema([
     ("key", pa.string()), ("shard", pa.string()), ("index", pa.int64()),
     ("noisy", pa.bool_()),  # the caption now differs from the pair's own
     ("selected", pa.bool_()),  # drawn for noise (a drawn pair can keep its caption)
     ("original_caption", pa.string()), ("caption", pa.string()),
-    ("donor_shard", pa.string()), ("donor_index", pa.int64()),  # shuffle: where the new caption came from
-    ("noise", pa.string()),  # clean, or the kind of noise that changed the caption: weak | shuffle
+    ("donor_shard", pa.string()), ("donor_index", pa.int64()),  # shuffle, hard: where the new caption came from
+    ("noise", pa.string()),  # clean, or the kind of noise that changed the caption: weak | shuffle | hard
 ])
 
 
@@ -148,8 +157,9 @@ def _spill_rows(spec: DatasetSpec, units: list[str], path: Path, progress) -> tu
                     raise UserError(f"cannot read {item.unit}: {item.reason}; corrupt copies whole shards, "
                                     "so repair that shard or leave it out")
                 caption = item.right if item.error is None else None
+                context = item.left if caption is not None and spec.pair == "text-text" else None
                 for name, value in (("pos", pairs), ("shard", item.shard), ("index", item.index),
-                                    ("key", item.key), ("caption", caption)):
+                                    ("key", item.key), ("caption", caption), ("context", context)):
                     buf[name].append(value)
                 pairs += 1
                 eligible += caption is not None
@@ -161,10 +171,17 @@ def _spill_rows(spec: DatasetSpec, units: list[str], path: Path, progress) -> tu
     return pairs, eligible
 
 
-def _plan(con: duckdb.DuckDBPyConnection, rows: Path, repl: Path, shuffled: int, weakened: int, seed: int) -> None:
+def _plan(con: duckdb.DuckDBPyConnection, rows: Path, repl: Path, shuffled: int, weakened: int, seed: int,
+          hard: int = 0) -> None:
     """Pass 2: the replacement table (pos, kind, donor_shard, donor_index, new_caption) sorted by pos.
-    The first `shuffled` pairs of the md5 order are shuffled among themselves, the next `weakened` weakened."""
+    The first `shuffled` pairs of the md5 order are shuffled among themselves, the next `weakened`
+    weakened; or (hard noise) the first `hard` take their nearest other item's caption."""
     rows_sql = f"read_parquet({sql_string(rows)})"
+    if hard:
+        con.execute(f"""CREATE TABLE picked AS SELECT pos, caption FROM {rows_sql} WHERE caption IS NOT NULL
+                        ORDER BY md5(concat(?, ':pick:', pos)), pos LIMIT {int(hard)}""", [str(seed)])
+        _plan_hard(con, rows, repl)
+        return
     con.execute(f"""CREATE TABLE picked AS SELECT pos, caption,
                         CASE WHEN row_number() OVER (ORDER BY md5(concat(?, ':pick:', pos)), pos) <= {int(shuffled)}
                              THEN 'shuffle' ELSE 'weak' END AS kind
@@ -183,6 +200,42 @@ def _plan(con: duckdb.DuckDBPyConnection, rows: Path, repl: Path, shuffled: int,
         SELECT pos, kind, NULL::VARCHAR, NULL::BIGINT, NULL::VARCHAR FROM picked WHERE kind = 'weak'
         ORDER BY pos"""
     con.execute(f"COPY ({select}) TO {sql_string(repl)} (FORMAT parquet)", [str(seed)])
+
+
+def _plan_hard(con: duckdb.DuckDBPyConnection, rows: Path, repl: Path) -> None:
+    """The replacement table of hard noise: each drawn pair takes the caption of its nearest other
+    item by TF-IDF cosine (ties: the lower position), skipping donors with the pair's own caption."""
+    from sklearn.feature_extraction.text import TfidfVectorizer
+    from sklearn.neighbors import NearestNeighbors
+
+    rows_sql = f"read_parquet({sql_string(rows)})"
+    items = con.sql(f"""SELECT pos, shard, "index", caption, coalesce(context || ' ', '') || caption AS text
+                            FROM {rows_sql} WHERE caption IS NOT NULL ORDER BY pos""").to_arrow_table()
+    picked = con.execute("SELECT pos FROM picked ORDER BY pos").fetchnumpy()["pos"]
+    positions = items.column("pos").to_numpy()
+    captions = items.column("caption").to_pylist()
+    try:
+        vectors = TfidfVectorizer().fit_transform(items.column("text").to_pylist())
+    except ValueError:  # an empty vocabulary: no caption has a word
+        raise UserError("hard noise needs captions with words to compare (every caption is empty or stop words)") from None
+    rows_of_picked = np.searchsorted(positions, picked)
+    n_neighbors = min(len(captions), 8)  # a few spares for donors that share the pair's own caption
+    index = NearestNeighbors(n_neighbors=n_neighbors, metric="cosine", algorithm="brute").fit(vectors)
+    dest, donors = [], []
+    for start in range(0, len(rows_of_picked), _HARD_CHUNK):
+        chunk = rows_of_picked[start:start + _HARD_CHUNK]
+        distances, neighbours = index.kneighbors(vectors[chunk])
+        for row, dist, near in zip(chunk, distances, neighbours):
+            order = np.lexsort((near, np.round(dist, 9)))  # nearest first; ties by row, so the choice is stable
+            donor = next((int(n) for n in near[order] if n != row and captions[n] != captions[row]), None)
+            if donor is not None:
+                dest.append(int(positions[row]))
+                donors.append(donor)
+    table = pa.table({"pos": pa.array(dest, pa.int64()), "kind": pa.array(["hard"] * len(dest), pa.string()),
+                      "donor_shard": items.column("shard").take(pa.array(donors, pa.int64())),
+                      "donor_index": items.column("index").take(pa.array(donors, pa.int64())),
+                      "new_caption": pa.array([captions[d] for d in donors], pa.string())})
+    pq.write_table(table, repl)
 
 
 def _vocabulary(con: duckdb.DuckDBPyConnection, rows: Path) -> list[str]:
@@ -228,13 +281,13 @@ class _Noise:
         if repl is not None:
             self.next_repl = next(self.repl, None)
             self.selected += 1
-            if repl["kind"] == "shuffle":
+            if repl["kind"] in DONOR_KINDS:
                 new = repl["new_caption"]
             else:
                 rng = np.random.default_rng([self.seed, row["pos"]])
                 new = weaken(row["caption"], self.vocabulary, self.word_index, rng, self.weak_share)
         noisy = new is not None and new != row["caption"]
-        donor = repl is not None and repl["kind"] == "shuffle"
+        donor = repl is not None and repl["kind"] in DONOR_KINDS
         for name, value in (("key", row["key"]), ("shard", self.names[shard]), ("index", index), ("noisy", noisy),
                             ("selected", repl is not None), ("original_caption", row["caption"]),
                             ("caption", new if noisy else row["caption"]),
@@ -334,12 +387,13 @@ def corrupt(source: str | list[str] | DatasetSpec, out: str | Path, ratio: float
         work = Path(work)
         rows, repl = work / "rows.parquet", work / "replacements.parquet"
         pairs, eligible = _spill_rows(spec, units, rows, progress)
-        shares = {"shuffle": (ratio, 0.0), "weak": (0.0, ratio), "mixed": (ratio, weak_ratio)}[mode]
-        shuffled, weakened = (round(share * eligible) for share in shares)
+        shares = {"shuffle": (ratio, 0.0, 0.0), "weak": (0.0, ratio, 0.0), "mixed": (ratio, weak_ratio, 0.0),
+                  "hard": (0.0, 0.0, ratio)}[mode]
+        shuffled, weakened, hard = (round(share * eligible) for share in shares)
         con = duckdb.connect(str(work / "plan.duckdb"))
         try:
             con.execute(f"SET temp_directory = {sql_string(work / 'spill')}")
-            _plan(con, rows, repl, shuffled, weakened, seed)
+            _plan(con, rows, repl, shuffled, weakened, seed, hard)
             vocabulary = _vocabulary(con, rows) if weakened else None
         finally:
             con.close()

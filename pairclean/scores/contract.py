@@ -59,6 +59,8 @@ class Provenance(TypedDict, total=False):
     official_scale: float | None
     gmm: dict | None  # the GMM rule's fitted mixture (FittedMixture fields)
     gmm_sample: int  # similarities in the sample the rules were fitted on
+    null_sample: int  # null similarities (in-data pairs that do not belong together) the rules were given
+    null_quantiles: list[float] | None  # their quantiles at 0, 0.1%, ..., 100% (the threshold sweep reads them)
     rules: list[dict]  # RuleRecord fields, one entry per rule in column order
     run_id: str | None
     settings_sha1: str
@@ -78,7 +80,7 @@ class Summary(TypedDict, total=False):
     beta_std: float | None
     beta_k: int
     beta_mode: str
-    rules: list[dict]  # name, label, decision, noisy_if, flagged, share_flagged
+    rules: list[dict]  # name, label, decision, noisy_if, flagged, share_flagged, and the rule's notes
     # added by the scoring run after finalize
     pairs_per_second: float
     scoring_seconds: float
@@ -90,7 +92,7 @@ def flagged_summary(records: list[RuleRecord], flagged: dict[str, int], scored: 
     """The summary's per-rule entries: flagged counts and shares among the scored pairs."""
     share = {name: count / scored if scored else 0.0 for name, count in flagged.items()}
     return {"rules": [{"name": r.name, "label": r.label, "decision": r.decision, "noisy_if": r.noisy_if,
-                       "flagged": flagged[r.name], "share_flagged": share[r.name]} for r in records],
+                       "flagged": flagged[r.name], "share_flagged": share[r.name], **r.notes} for r in records],
             **{f"flagged_{name}": count for name, count in flagged.items()},
             **{f"share_flagged_{name}": value for name, value in share.items()}}
 

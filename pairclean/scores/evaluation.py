@@ -7,7 +7,8 @@ caught % ("recall"), their mean, the balanced accuracy, and precision %, all fro
 count (`truth_metrics`), which the report uses too. Threshold-free: ROC-AUC and average precision
 of `-sim` as a noise detector (sklearn), and OSA Table 11's mean noise rank: the mean rank of the
 noisy pairs when all pairs are sorted by weight, highest first (ties share their mean rank),
-against its optimum (every noisy pair ranked last).
+against its optimum (every noisy pair ranked last). A rule that claims a probability of being
+clean (`clean_probability`, the GMM's p_clean) gets its expected calibration error (ECE, 10 bins).
 
 Scores and truth are joined by `pairclean.curate.query.ScoresDB`: on (shard, index), then on (shard file
 name, index), else on key. The metrics need every labelled similarity in memory at once (a sort),
@@ -24,7 +25,7 @@ from sklearn.metrics import average_precision_score, roc_auc_score, roc_curve
 
 from pairclean.errors import UserError
 from pairclean.scores.contract import read_provenance
-from pairclean.scores.rules import recorded_rules
+from pairclean.scores.rules import REGISTRY, recorded_rules
 
 
 def _share(numerator: int, denominator: int) -> float | None:
@@ -73,6 +74,23 @@ def mean_noise_rank(noisy, weight) -> tuple[float | None, float | None]:
     return float(ranks[noisy].mean()), float(len(noisy) - (k - 1) / 2)
 
 
+ECE_BINS = 10
+
+
+def expected_calibration_error(clean, probability, bins: int = ECE_BINS) -> float | None:
+    """ECE of a claimed P(clean) against the truth: over `bins` equal-width bins of the claim, the
+    pair-weighted mean of |mean claim - share actually clean| (0 = calibrated), in points (x100)."""
+    clean = np.asarray(clean, dtype=np.float64)
+    p = np.asarray(probability, dtype=np.float64)
+    known = np.isfinite(p)
+    clean, p = clean[known], p[known]
+    if not len(p):
+        return None
+    which = np.minimum((p * bins).astype(int), bins - 1)
+    gap = np.abs(np.bincount(which, weights=p, minlength=bins) - np.bincount(which, weights=clean, minlength=bins))
+    return float(100.0 * gap.sum() / len(p))
+
+
 def detection_metrics(noisy, sim, weight, decisions: dict[str, np.ndarray]) -> dict:
     """Every metric for one labelled set of pairs; `decisions` maps a rule name to its noisy flags."""
     noisy = np.asarray(noisy, dtype=bool)
@@ -111,7 +129,10 @@ def evaluate_detection(scores: str | Path, truth: str | Path) -> dict:
                             "score it with `pairclean score`")
         counts = db.con.execute("SELECT count(*), count(*) FILTER (WHERE sim IS NULL), "
                                 "count(*) FILTER (WHERE sim IS NOT NULL AND noisy IS NULL) FROM labeled").fetchall()[0]
-        table = db.con.sql(f"SELECT sim, weight, {''.join(f'{sql_identifier(d)}, ' for d in decisions)}noisy FROM labeled "
+        probabilities = {rule.name: REGISTRY[rule.name].clean_probability for rule in rules
+                         if rule.name in REGISTRY and REGISTRY[rule.name].clean_probability in rule.columns}
+        table = db.con.sql(f"SELECT sim, weight, {''.join(f'{sql_identifier(d)}, ' for d in decisions)}"
+                           f"{''.join(f'{sql_identifier(c)}, ' for c in set(probabilities.values()))}noisy FROM labeled "
                            "WHERE sim IS NOT NULL AND noisy IS NOT NULL").to_arrow_table()
         truth_rows = db.scalar("SELECT count(*) FROM truth")
         join = db.truth_join
@@ -122,6 +143,9 @@ def evaluate_detection(scores: str | Path, truth: str | Path) -> dict:
                                {rule.name: column[rule.decision].astype(bool) for rule in rules})
     for rule in rules:
         result["rules"][rule.name].update(threshold=rule.threshold, label=rule.label, noisy_if=rule.noisy_if)
+        if rule.name in probabilities:
+            result["rules"][rule.name]["ece"] = expected_calibration_error(~column["noisy"].astype(bool),
+                                                                           column[probabilities[rule.name]])
     oracle = result["rules"]["oracle"]
     oracle.update(label="oracle", noisy_if="sim <= " + (f"{oracle['threshold']:.4f}"
                                                         if oracle["threshold"] is not None else "n/a"))

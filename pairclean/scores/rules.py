@@ -16,7 +16,7 @@ without importing torch or sklearn.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar
 
 import numpy as np
@@ -33,10 +33,13 @@ REGISTRY: dict[str, type[DecisionRule]] = {}
 
 @dataclass(frozen=True)
 class FitContext:
-    """What a rule may use besides the sample: the run's cone bias and seed."""
+    """What a rule may use besides the sample: the run's cone bias and seed, and a uniform sample
+    of null similarities (in-data pairs of one row's left with another row's right: pairs that do
+    not belong together; empty for runs that drew none)."""
 
     beta: float | None
     seed: int = 0
+    null_sample: np.ndarray = field(default_factory=lambda: np.array([]))
 
 
 @dataclass(frozen=True)
@@ -50,6 +53,7 @@ class RuleRecord:
     noisy_if: str
     threshold: float | None  # the similarity at or below which pairs are flagged, when one exists
     options: dict
+    notes: dict = field(default_factory=dict)  # what the rule measured on the data (an estimate, a check)
 
 
 class DecisionRule(ABC):
@@ -60,6 +64,7 @@ class DecisionRule(ABC):
     label: ClassVar[str]  # how tables name it
     columns: ClassVar[tuple[tuple[str, pa.DataType], ...]]  # written in this order
     decision: ClassVar[str]  # the bool column among `columns`: True = flagged noisy
+    clean_probability: ClassVar[str | None] = None  # a column among `columns` claiming P(clean): its calibration is measured
     OPTIONS: ClassVar[dict[str, type]] = {}
 
     def __init__(self, **options):
@@ -86,10 +91,14 @@ class DecisionRule(ABC):
         """Top-level provenance entries this rule owns (what it fitted, for readers of the file)."""
         return {}
 
+    def notes(self) -> dict:
+        """What the rule measured on the data that a reader of the summary should see (JSON values)."""
+        return {}
+
     def record(self) -> RuleRecord:
         return RuleRecord(name=self.name, label=self.label, decision=self.decision,
                           columns=[name for name, _ in self.columns], noisy_if=self.noisy_if(),
-                          threshold=self.threshold(), options=dict(self.options))
+                          threshold=self.threshold(), options=dict(self.options), notes=self.notes())
 
 
 def register(cls: type[DecisionRule]) -> type[DecisionRule]:
@@ -128,27 +137,100 @@ class BetaRule(DecisionRule):
 class GmmRule(DecisionRule):
     """Two Gaussians over the similarities: noisy when the clean component's posterior is < 0.5.
 
-    NCR/SDD style; the mixture is recorded in the provenance under "gmm"."""
+    NCR/SDD style; the mixture is recorded in the provenance under "gmm". It abstains (flags
+    nothing, says why in `noisy_if`, the summary and a warning) when the mixture does not separate
+    the data (`core.mixture.mixture_separation`): a mixture fitted to one hump, or whose noisy
+    component is far from the run's random pairings, would flag clean pairs."""
 
     name, label, decision = "gmm", "GMM", "gmm_noisy"
     columns = (("p_clean", pa.float32()), ("gmm_noisy", pa.bool_()))
+    clean_probability = "p_clean"
 
     def fit(self, sample, context):
-        from pairclean.core.mixture import fit_similarity_mixture
+        from pairclean.core.mixture import fit_similarity_mixture, mixture_separation
+        from pairclean.ops.notices import notice
 
         self.mixture: FittedMixture | None = fit_similarity_mixture(sample, seed=context.seed) \
             if len(sample) >= 2 else None
+        self.separation, self.abstains = {}, None
+        if self.mixture is not None:
+            self.separation, self.abstains = mixture_separation(self.mixture, context.null_sample)
+        if self.abstains:
+            notice(f"the GMM rule abstains (flags nothing): {self.abstains}; the noise is not separable by "
+                   "this estimator's similarity. Use the null-calibrated rule (--rule fdr) or an audit")
 
     def derive(self, sim):
         p = self.mixture.p_clean(np.nan_to_num(sim, nan=0.0)) if self.mixture is not None \
             else np.full(len(sim), np.nan)
-        return {"p_clean": p, "gmm_noisy": p < 0.5}
+        return {"p_clean": p, "gmm_noisy": (p < 0.5) & (self.abstains is None)}
 
     def noisy_if(self):
+        if self.abstains:
+            return f"abstains: {self.abstains}"
         return "p_clean < 0.5"  # the crossing in sim depends on both components (one or two boundaries)
 
     def provenance(self):
         return {"gmm": self.mixture.as_dict() if self.mixture is not None else None}
+
+    def notes(self):
+        return {**self.separation, "separates": self.mixture is not None and self.abstains is None}
+
+
+@register
+class FdrRule(DecisionRule):
+    """Null-calibrated: a pair is kept when its similarity is significantly above random pairings.
+
+    Each pair's p-value is the share of the run's null similarities (in-data pairs that do not
+    belong together) at least as high; Benjamini-Hochberg q-values over all pairs; flagged when
+    q > alpha, so that among the kept pairs the expected share of random-pairing noise is at most
+    alpha (`core.null`). The notes hold the share of pairs that look like random pairings, with a
+    95% interval: an estimate of the (random-pairing) noise share."""
+
+    name, label, decision = "fdr", "FDR", "fdr_noisy"
+    columns = (("p_null", pa.float32()), ("q_null", pa.float32()), ("fdr_noisy", pa.bool_()))
+    OPTIONS = {"alpha": float}
+
+    def __init__(self, alpha: float = 0.05):
+        if not 0 < alpha < 1:
+            raise UserError(f"rule fdr: alpha must be in (0, 1), got {alpha}")
+        super().__init__(alpha=alpha)
+        self.calibration = None
+        self.share = (None, None, None)
+
+    def fit(self, sample, context):
+        from pairclean.core.null import NullCalibration
+        from pairclean.ops.notices import notice
+
+        null = np.asarray(context.null_sample, dtype=np.float64)
+        if len(null) < 2 or not len(sample):
+            notice("the fdr rule abstains (flags nothing): this run drew no null pairs "
+                   "(every batch held fewer than two scored pairs)")
+            return
+        self.calibration = NullCalibration.fit(null, sample)
+        self.cut = self.calibration.cut(self.options["alpha"])
+        self.share = self.calibration.noise_share(sample)
+
+    def derive(self, sim):
+        if self.calibration is None:
+            nan = np.full(len(sim), np.nan)
+            return {"p_null": nan, "q_null": nan, "fdr_noisy": np.zeros(len(sim), bool)}
+        q = self.calibration.q_values(sim)
+        return {"p_null": self.calibration.p_values(sim), "q_null": q, "fdr_noisy": q > self.options["alpha"]}
+
+    def noisy_if(self):
+        if self.calibration is None:
+            return "abstains: no null pairs were drawn"
+        return f"q > {self.options['alpha']:g} (sim <= {self.cut:.4f})"
+
+    def threshold(self):
+        return self.cut if self.calibration is not None and np.isfinite(self.cut) else None
+
+    def notes(self):
+        if self.calibration is None:
+            return {}
+        estimate, low, high = self.share
+        return {"null_pairs": self.calibration.m, "null_mean": float(self.calibration.null.mean()),
+                "noise_share": estimate, "noise_share_low": low, "noise_share_high": high}
 
 
 @register

@@ -36,6 +36,7 @@ import torch
 
 from pairclean.config import unpinned
 from pairclean.core.beta import BETA_MODES, BetaEstimate, ShuffledAccumulator
+from pairclean.core.scorer import null_partners
 from pairclean.data.manifest import PAIR_KINDS
 from pairclean.data.units import Unit
 from pairclean.errors import ConfigError, UserError
@@ -45,6 +46,7 @@ from pairclean.scoring.run import Commit, Producer, RunConfig, ScoreResult, Work
 LAYOUTS = ("clip-retrieval", "numpy", "parquet")
 UNIT_TOLERANCE = 1e-2  # |norm - 1| above this is "not unit length" (float16 storage rounds to ~1e-3)
 BLOCK_ROWS = 2048  # rows read and scored at a time (see docs/pair-kinds.md for the measurement)
+NULL_PER_BATCH = 4096  # rows per batch (evenly spaced) that draw a null pair: bounds the extra dot products
 JOB_ROWS = 16384  # rows per thread-pool job (a run of blocks)
 NPY_DTYPES = (np.float16, np.float32, np.float64)
 _CLIP_RETRIEVAL = {"img_emb": "img_emb_", "text_emb": "text_emb_", "metadata": "metadata_"}
@@ -453,6 +455,7 @@ def row_products(rows: ArrayRows | NpyRows, pool: ThreadPoolExecutor | None) -> 
 @dataclass
 class BatchScores:
     sim: np.ndarray  # float32, NaN where the row has no score
+    null_sim: np.ndarray  # float32: the null sample's values on the rows that drew one, NaN elsewhere
     error: list[str | None]
     not_unit_left: int
     not_unit_right: int
@@ -474,6 +477,14 @@ def score_batch(batch: EmbeddingBatch, pool: ThreadPoolExecutor | None,
     for i in np.flatnonzero(~usable).tolist():
         error[i] = batch.bad.get(i) or ("zero-length embedding" if (nu[i] == 0 or nv[i] == 0)
                                         else "non-finite embedding")
+    null_sim = np.full(len(sim), np.nan, dtype=np.float32)
+    drawn = np.flatnonzero(usable)[::max(1, -(-int(usable.sum()) // NULL_PER_BATCH))]
+    if len(drawn) >= 2:
+        left, right = batch.rows.arrays()
+        partner = drawn[null_partners(len(drawn))]
+        u = np.asarray(left[drawn], dtype=np.float64) / nu[drawn, None]
+        v = np.asarray(right[partner], dtype=np.float64) / nv[partner, None]
+        null_sim[drawn] = (u * v).sum(1)
     dev_u, dev_v = np.abs(nu[usable] - 1), np.abs(nv[usable] - 1)
     if accumulator is not None and usable.any():
         rows = np.flatnonzero(usable)
@@ -481,7 +492,7 @@ def score_batch(batch: EmbeddingBatch, pool: ThreadPoolExecutor | None,
         u = torch.from_numpy(np.asarray(left[rows], dtype=np.float64) / nu[rows, None])
         v = torch.from_numpy(np.asarray(right[rows], dtype=np.float64) / nv[rows, None])
         accumulator.add(u, v)
-    return BatchScores(sim, error, int((dev_u > UNIT_TOLERANCE).sum()), int((dev_v > UNIT_TOLERANCE).sum()),
+    return BatchScores(sim, null_sim, error, int((dev_u > UNIT_TOLERANCE).sum()), int((dev_v > UNIT_TOLERANCE).sum()),
                        float(max(dev_u.max(initial=0.0), dev_v.max(initial=0.0))))
 
 
@@ -546,7 +557,7 @@ def _score_unit(unit: str, spec: EmbeddingSpec, batch_rows: int, pool: ThreadPoo
                 shuffled: bool) -> tuple[dict, dict]:
     """Score one unit batch by batch: (its part's columns, its commit record). A unit that breaks
     keeps its rows so far and says why in the record."""
-    keys, shards, index, sims, errors = [], [], [], [], []
+    keys, shards, index, sims, nulls, errors = [], [], [], [], [], []
     not_unit = [0, 0]
     deviation = 0.0
     accumulator = ShuffledAccumulator() if shuffled else None
@@ -558,6 +569,7 @@ def _score_unit(unit: str, spec: EmbeddingSpec, batch_rows: int, pool: ThreadPoo
             shards.append(pa.repeat(batch.shard, len(batch.index)))
             index.append(batch.index)
             sims.append(scores.sim)
+            nulls.append(scores.null_sim)
             errors.extend(scores.error)
             not_unit[0] += scores.not_unit_left
             not_unit[1] += scores.not_unit_right
@@ -567,7 +579,8 @@ def _score_unit(unit: str, spec: EmbeddingSpec, batch_rows: int, pool: ThreadPoo
     columns = {"key": pa.concat_arrays(keys) if keys else pa.array([], pa.string()),
                "shard": pa.concat_arrays(shards) if shards else pa.array([], pa.string()),
                "index": np.concatenate(index) if index else np.array([], np.int64),
-               "sim": np.concatenate(sims) if sims else np.array([], np.float32), "error": errors}
+               "sim": np.concatenate(sims) if sims else np.array([], np.float32),
+               "null_sim": np.concatenate(nulls) if nulls else np.array([], np.float32), "error": errors}
     record = {"failure": failure, "shuffled": accumulator.state() if accumulator else None,
               "not_unit_left": not_unit[0], "not_unit_right": not_unit[1], "max_norm_deviation": deviation}
     return columns, record

@@ -3,7 +3,10 @@ weights and every decision rule's columns.
 
 Two streaming passes over the parts (pyarrow record batches, memory bounded by a batch):
 1. the similarities' maximum and a uniform sample (at most `gmm_sample` values) that the decision
-   rules are fitted on (the GMM among them);
+   rules are fitted on (the GMM among them), and as large a uniform sample of the null
+   similarities: each part's `null_sim` column holds, for the rows that drew one, the cosine of
+   the row's left with another row's right in the same batch (`core.scorer.null_partners`), a
+   sample of "pairs that do not belong together" drawn from the data itself (`FitContext.null_sample`);
 2. the scorer's columns and each rule's columns, written row group by row group to a temp file
    that is renamed over the output only when complete.
 """
@@ -33,23 +36,59 @@ from pairclean.scoring.parts import PartStore
 def _iter_parts(store: PartStore, units: list[str], columns=None, batch_size: int = 65536):
     for unit in units:
         pf = pq.ParquetFile(store.part_path(unit))
+        names = pf.schema_arrow.names
+        if columns is not None and not all(c in names for c in columns):  # a part from before null_sim
+            for batch in pf.iter_batches(batch_size=batch_size, columns=[c for c in columns if c in names]):
+                yield pa.RecordBatch.from_arrays(
+                    [batch.column(c) if c in names else pa.nulls(batch.num_rows, pa.float32()) for c in columns],
+                    names=list(columns))
+            continue
         yield from pf.iter_batches(batch_size=batch_size, columns=columns)
 
 
-def _sample_and_max(store: PartStore, units: list[str], n_valid: int, gmm_sample: int, seed: int):
+class _UniformSample:
+    """At most `size` of `n` values streamed in order, drawn uniformly without replacement."""
+
+    def __init__(self, n: int, size: int, rng: np.random.Generator):
+        self.take = np.sort(rng.choice(n, size=min(size, n), replace=False)) if n else np.array([], int)
+        self.parts, self.seen = [], 0
+
+    def add(self, values: np.ndarray) -> None:
+        lo, hi = np.searchsorted(self.take, [self.seen, self.seen + len(values)])
+        self.parts.append(values[self.take[lo:hi] - self.seen])
+        self.seen += len(values)
+
+    def values(self) -> np.ndarray:
+        return np.concatenate(self.parts) if self.parts else np.array([])
+
+
+def _finite(column) -> np.ndarray:
+    values = column.to_numpy(zero_copy_only=False).astype(np.float64)  # nulls -> NaN
+    return values[np.isfinite(values)]
+
+
+def _samples_and_max(store: PartStore, units: list[str], n_valid: int, n_null: int, size: int, seed: int):
+    """(uniform sample of the similarities, uniform sample of the null similarities, the maximum)."""
     rng = np.random.default_rng(seed)
-    take = np.sort(rng.choice(n_valid, size=min(gmm_sample, n_valid), replace=False)) if n_valid else np.array([], int)
-    sample, seen, maximum = [], 0, -np.inf
-    for batch in _iter_parts(store, units, columns=["sim"]):
-        sims = batch.column(0).to_numpy(zero_copy_only=False)
-        valid = sims[~np.isnan(sims)] if sims.dtype.kind == "f" else sims
-        valid = valid[np.isfinite(valid)]
+    sample, null = _UniformSample(n_valid, size, rng), _UniformSample(n_null, size, rng)
+    maximum = -np.inf
+    for batch in _iter_parts(store, units, columns=["sim", "null_sim"]):
+        valid = _finite(batch.column(0))
         if len(valid):
             maximum = max(maximum, float(valid.max()))
-            lo, hi = np.searchsorted(take, [seen, seen + len(valid)])
-            sample.append(valid[take[lo:hi] - seen])
-        seen += len(valid)
-    return (np.concatenate(sample) if sample else np.array([])), maximum
+        sample.add(valid)
+        null.add(_finite(batch.column(1)))
+    return sample.values(), null.values(), maximum
+
+
+NULL_QUANTILE_LEVELS = 1000  # the null distribution kept in the provenance: its quantiles at 0, 0.1%, ..., 100%
+
+
+def null_quantiles(null_sample: np.ndarray) -> list[float] | None:
+    """The null similarities' distribution as readers after the run need it (the threshold sweep)."""
+    if len(null_sample) < 2:
+        return None
+    return np.quantile(null_sample, np.linspace(0, 1, NULL_QUANTILE_LEVELS + 1)).round(6).tolist()
 
 
 def weight_columns(sim: np.ndarray, beta: float, weight_fn: str, official_scale: float | None) -> dict[str, np.ndarray]:
@@ -78,9 +117,10 @@ def finalize(store: PartStore, units: list[str], out: Path, beta: BetaEstimate, 
     n_rows = sum(records[u]["rows"] for u in units)
     n_errors = sum(records[u]["errors"] for u in units)
     n_valid = n_rows - n_errors
-    sample, max_sim = _sample_and_max(store, units, n_valid, gmm_sample, seed)
+    n_null = sum(records[u].get("null_rows", 0) for u in units)
+    sample, null_sample, max_sim = _samples_and_max(store, units, n_valid, n_null, gmm_sample, seed)
     for rule in deciders:
-        rule.fit(sample, FitContext(beta=beta.beta, seed=seed))
+        rule.fit(sample, FitContext(beta=beta.beta, seed=seed, null_sample=null_sample))
     rule_records = [rule.record() for rule in deciders]
     official_scale = max(max_sim - beta.beta, 0.0) if weight_fn == "official" and n_valid else None
 
@@ -91,7 +131,8 @@ def finalize(store: PartStore, units: list[str], out: Path, beta: BetaEstimate, 
         **provenance, "pairclean_version": __version__, "beta": beta.beta, "beta_std": beta.std,
         "beta_k": beta.k, "beta_mode": beta.mode, "weight_fn": weight_fn, "official_scale": official_scale,
         **{key: value for rule in deciders for key, value in rule.provenance().items()},
-        "gmm_sample": int(len(sample)), "rules": [asdict(r) for r in rule_records], "run_id": run.get("run_id"),
+        "gmm_sample": int(len(sample)), "null_sample": int(len(null_sample)),
+        "null_quantiles": null_quantiles(null_sample), "rules": [asdict(r) for r in rule_records], "run_id": run.get("run_id"),
         "settings_sha1": store.settings_sha1(), "finished_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     schema = scores_schema(deciders).with_metadata(provenance_metadata(provenance))
 

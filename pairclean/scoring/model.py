@@ -26,6 +26,7 @@ from pairclean.ops.notices import notice_once
 from pairclean.ops.worker_memory import steady_worker_memory
 from pairclean.config import unpinned
 from pairclean.core.beta import BetaCache, BetaEstimate, ShuffledAccumulator, cached_random_input_beta
+from pairclean.core.scorer import null_partners
 from pairclean.data.manifest import DatasetSpec, open_dataset
 from pairclean.data.reader import UnitFailure, count_pairs, list_units, modalities, read_unit
 from pairclean.errors import ConfigError
@@ -210,11 +211,13 @@ class ModelProducer(Producer):
             if any(e is None for e in batch["error"]):
                 batch = finish_batch(estimator, batch, left_mod, right_mod)  # --decode gpu: JPEGs -> pixels here
             ok = [e is None for e in batch["error"]]
-            sims = [None] * len(ok)
+            sims = nulls = [None] * len(ok)
             if any(ok):
                 u = backoff[left_mod](lambda b: estimator.encode(left_mod, b), batch["left"])
                 v = backoff[right_mod](lambda b: estimator.encode(right_mod, b), batch["right"])
                 values = (u * v).sum(-1).cpu().tolist()
+                partners = torch.from_numpy(null_partners(len(u))).to(v.device)
+                null_values = iter((u * v[partners]).sum(-1).cpu().tolist() if len(partners) else [None] * len(u))
                 ok_units = [unit for unit, good in zip(batch["unit"], ok) if good]
                 for unit in dict.fromkeys(ok_units):
                     if unit not in work.done:
@@ -222,18 +225,20 @@ class ModelProducer(Producer):
                         accumulators[unit].add(u[mask], v[mask])
                 it = iter(values)
                 sims = [next(it) if good else None for good in ok]
-            for unit, key, shard, index, error, sim in zip(batch["unit"], batch["key"], batch["shard"], batch["index"],
-                                                          batch["error"], sims):
+                nulls = [next(null_values) if good else None for good in ok]
+            for unit, key, shard, index, error, sim, null in zip(batch["unit"], batch["key"], batch["shard"],
+                                                                batch["index"], batch["error"], sims, nulls):
                 if unit in work.done:  # read again only to fill the batch it shares with units to score
                     continue
                 part = rows[unit]
+                part["null_sim"].append(null)
                 part["key"].append(key)
                 part["shard"].append(shard)
                 part["index"].append(index)
                 part["sim"].append(sim)
                 part["error"].append(error)
             for unit, failure, count in batch["done"]:
-                columns = rows.pop(unit, {"key": [], "shard": [], "index": [], "sim": [], "error": []})
+                columns = rows.pop(unit, {"key": [], "shard": [], "index": [], "sim": [], "null_sim": [], "error": []})
                 errors = sum(e is not None for e in columns["error"])
                 commit(unit, dict(columns), {"errors": errors, "failure": failure,
                                              "shuffled": accumulators.pop(unit, ShuffledAccumulator()).state()})

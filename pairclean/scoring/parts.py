@@ -12,6 +12,7 @@ holds a lock so that two processes never write the same run.
     <out>.parts/groups.json     the packing: units in groups whose pairs share batches (pinned at start)
     <out>.parts/claims/N.json   who is scoring group N (created exclusively; cleared when a run starts)
     <out>.parts/part-*.parquet + part-*.done.json   one part + commit record per unit
+                                (a part's `null_sim` column holds the run's null sample: see finalize)
     <out>.parts/lock            locked (lockf) by the live run
 """
 
@@ -44,6 +45,7 @@ PART_SCHEMA = pa.schema([
     ("shard", pa.string()),
     ("index", pa.int64()),
     ("sim", pa.float32()),
+    ("null_sim", pa.float32()),  # the row's left with another row's right (core.scorer.null_partners); null where not drawn
     ("error", pa.string()),
 ])
 UNIT_KEYS = ("units_sha1", "n_units")  # settings that describe the unit list (compared separately)
@@ -141,14 +143,19 @@ class PartStore:
         bad = ~np.isfinite(values)  # NaN, inf, and None (null -> NaN)
         error = pa.array(columns["error"], type=pa.string())
         unexplained = pa.array(bad & ~error.is_valid().to_numpy(zero_copy_only=False))
+        null = columns.get("null_sim")
+        null = (pa.array(null, type=pa.float32(), from_pandas=True) if null is not None
+                else pa.nulls(len(values), pa.float32()))
+        null = pc.if_else(pc.is_finite(null), null, pa.scalar(None, pa.float32()))
         table = pa.table({"key": columns["key"], "shard": columns["shard"], "index": columns["index"],
-                          "sim": pa.array(values, type=pa.float32(), mask=bad),
+                          "sim": pa.array(values, type=pa.float32(), mask=bad), "null_sim": null,
                           "error": pc.if_else(unexplained, pa.scalar(NON_FINITE), error)}, schema=PART_SCHEMA)
         with atomic_path(self.part_path(unit), temp_dir=self.dir) as tmp:
             pq.write_table(table, tmp, use_dictionary=["shard", "error"])  # keys are unique: no dictionary
         fault_point("part-written")
         n_errors = table.num_rows - table.column("error").null_count
-        write_json(self.record_path(unit), {**record, "unit": unit, "rows": table.num_rows, "errors": n_errors},
+        write_json(self.record_path(unit), {**record, "unit": unit, "rows": table.num_rows, "errors": n_errors,
+                                            "null_rows": table.num_rows - null.null_count},
                    temp_dir=self.dir)
         fault_point("committed")
 

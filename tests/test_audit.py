@@ -1,0 +1,130 @@
+"""`pairclean audit`: a stratified sample on a self-contained page, marks made with the keyboard in
+headless Chromium (Chrome DevTools Protocol), exported, imported as truth and evaluated."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import time
+import urllib.request
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+from pairclean.cli import main
+from pairclean.curate.audit import import_marks
+from pairclean.errors import UserError
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+@pytest.fixture
+def audit_page(coco_shards, coco_scores, tmp_path) -> Path:
+    out = tmp_path / "audit.html"
+    main(["audit", str(coco_scores), "--shards", str(coco_shards), "--out", str(out), "--per-decile", "1"])
+    return out
+
+
+def _items(page: Path) -> list[dict]:
+    text = page.read_text()
+    start = text.index("const ITEMS = ") + len("const ITEMS = ")
+    return json.loads(text[start:text.index(";\nconst STORE")].replace("<\\/", "</"))
+
+
+def test_the_page_holds_one_pair_per_decile_with_its_thumbnail(audit_page):
+    items = _items(audit_page)
+    assert [it["decile"] for it in items] == list(range(1, 11))
+    assert all(it["images"][0].startswith("data:image/") and it["texts"] for it in items)
+    assert "http" not in audit_page.read_text().replace("http-equiv", "")  # self-contained: nothing fetched
+
+
+def test_imported_marks_are_a_truth_file_evaluate_detection_accepts(audit_page, coco_scores, tmp_path, capsys):
+    items = _items(audit_page)
+    marks = [{**{k: it[k] for k in ("key", "shard", "index")}, "mark": "drop" if it["decile"] <= 3 else "keep"}
+             for it in items]
+    (tmp_path / "marks.json").write_text(json.dumps(marks))
+    main(["audit-import", str(tmp_path / "marks.json"), "--out", str(tmp_path / "truth.parquet")])
+    truth = pq.read_table(tmp_path / "truth.parquet").to_pylist()
+    assert [t["noisy"] for t in truth] == [it["decile"] <= 3 for it in items]
+    main(["evaluate", "detection", str(coco_scores), "--truth", str(tmp_path / "truth.parquet")])
+    assert "noise detection: 10 pairs, 3 noisy" in capsys.readouterr().out
+
+
+def test_a_file_that_is_not_an_export_is_one_line(tmp_path):
+    (tmp_path / "bad.json").write_text(json.dumps([{"key": "a"}]))
+    with pytest.raises(UserError, match="not an audit export"):
+        import_marks(tmp_path / "bad.json", tmp_path / "t.parquet")
+
+
+class DevTools:
+    """Headless Chromium driven over the Chrome DevTools Protocol (websocket-client)."""
+
+    def __init__(self, url: str, profile: Path):
+        websocket = pytest.importorskip("websocket")
+        self.proc = subprocess.Popen([CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu",
+                                      "--disable-background-networking", "--no-first-run", f"--user-data-dir={profile}",
+                                      "--remote-debugging-port=0", "--window-size=1100,800", url],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        port_file = profile / "DevToolsActivePort"
+        for _ in range(300):
+            if port_file.is_file() and port_file.read_text().strip():
+                break
+            time.sleep(0.1)
+        port = int(port_file.read_text().split()[0])
+        pages = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{port}/json").read())
+        page = next(p for p in pages if p["type"] == "page")
+        self.ws = websocket.create_connection(page["webSocketDebuggerUrl"], timeout=60, suppress_origin=True)
+        self.next_id = 0
+
+    def call(self, method: str, **params) -> dict:
+        self.next_id += 1
+        self.ws.send(json.dumps({"id": self.next_id, "method": method, "params": params}))
+        while True:
+            message = json.loads(self.ws.recv())
+            if message.get("id") == self.next_id:
+                return message.get("result", {})
+
+    def evaluate(self, expression: str):
+        return self.call("Runtime.evaluate", expression=expression, returnByValue=True)["result"].get("value")
+
+    def key(self, key: str) -> None:
+        """A key press as the page's keyboard handler receives it."""
+        self.evaluate(f"document.dispatchEvent(new KeyboardEvent('keydown', {{key: {json.dumps(key)}}}))")
+
+    def close(self) -> None:
+        self.ws.close()
+        self.proc.terminate()
+        self.proc.wait(timeout=30)
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed")
+def test_marks_made_with_the_keyboard_in_chromium_round_trip(audit_page, coco_scores, tmp_path, capsys):
+    browser = DevTools(audit_page.as_uri(), tmp_path / "profile")
+    try:
+        for _ in range(100):
+            if browser.evaluate("typeof exportMarks === 'function' && document.readyState === 'complete'"):
+                break
+            time.sleep(0.1)
+        browser.key("d")  # pair 1: drop, moves on
+        browser.key("k")  # pair 2: keep
+        browser.key("ArrowRight")  # pair 3 left unmarked
+        browser.key("d")  # pair 4: drop
+        browser.key("ArrowLeft")
+        browser.key("ArrowLeft")  # back to pair 3
+        browser.key("k")
+        assert browser.evaluate("document.getElementById('progress').textContent") == "4 / 10 marked"
+        exported = browser.evaluate("exportMarks()")
+        shot = browser.call("Page.captureScreenshot", format="png")["data"]
+    finally:
+        browser.close()
+    assert shot
+    items = _items(audit_page)
+    marks = json.loads(exported)
+    assert [(m["key"], m["mark"]) for m in marks] == [(items[0]["key"], "drop"), (items[1]["key"], "keep"),
+                                                       (items[2]["key"], "keep"), (items[3]["key"], "drop")]
+    (tmp_path / "marks.json").write_text(exported)
+    main(["audit-import", str(tmp_path / "marks.json"), "--out", str(tmp_path / "truth.parquet")])
+    main(["evaluate", "detection", str(coco_scores), "--truth", str(tmp_path / "truth.parquet")])
+    assert "noise detection: 4 pairs, 2 noisy" in capsys.readouterr().out
