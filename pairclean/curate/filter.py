@@ -29,7 +29,7 @@ from pairclean.scores.contract import read_provenance
 from pairclean.data.manifest import DatasetSpec, write_manifest
 from pairclean.data.reader import OnFailure, UnitFailure, list_samples, read_samples
 from pairclean.data.writer import staged_directory, write_shards
-from pairclean.curate.query import ScoresDB, duckdb_message, match_shards
+from pairclean.curate.query import ScoresDB, compile_predicate, duckdb_message, match_shards
 
 NUMERIC_TYPES = ("FLOAT", "DOUBLE", "TINYINT", "SMALLINT", "INTEGER", "BIGINT", "HUGEINT", "UTINYINT",
                  "USMALLINT", "UINTEGER", "UBIGINT", "DECIMAL")
@@ -64,18 +64,7 @@ class FilterResult:
 
 
 def _where_rule(db: ScoresDB, predicate: str) -> Rule:
-    """Check that the predicate is one boolean expression DuckDB can bind over `scores`."""
-    sql = f"SELECT ({predicate}) AS keep FROM scores"
-    try:
-        statements = db.con.extract_statements(sql)
-        names, types = db.describe(sql) if len(statements) == 1 else ([], [])
-    except duckdb.Error as exc:
-        raise UserError(f"bad --where predicate {predicate!r}: {duckdb_message(exc)}") from None
-    if len(statements) != 1 or len(names) != 1:
-        raise UserError(f"bad --where predicate {predicate!r}: give one boolean SQL expression")
-    if str(types[0]) != "BOOLEAN":
-        raise UserError(f"bad --where predicate {predicate!r}: it is {types[0]}, not BOOLEAN")
-    return Rule(predicate, f"({predicate})")
+    return Rule(predicate, compile_predicate(db, predicate, "--where"))
 
 
 def _top_fraction_rule(db: ScoresDB, fraction: float, by: str) -> Rule:

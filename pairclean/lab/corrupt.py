@@ -36,7 +36,7 @@ from pairclean.ops.atomic import write_json
 from pairclean.errors import UserError
 from pairclean.data.manifest import DatasetSpec, open_dataset, write_manifest
 from pairclean.data.writer import staged_directory, write_shards
-from pairclean.curate.query import sql_string
+from pairclean.curate.query import sandboxed_connection, sql_string
 from pairclean.data.reader import UnitFailure, list_units, raise_failure, read_samples, read_unit
 from pairclean.data.units import is_local, unit_shard
 
@@ -320,9 +320,8 @@ def corrupt(source: str | list[str] | DatasetSpec, out: str | Path, ratio: float
         rows, repl = work / "rows.parquet", work / "replacements.parquet"
         pairs, eligible = _spill_rows(spec, units, rows, progress)
         k = round(ratio * eligible)
-        con = duckdb.connect(str(work / "plan.duckdb"))
+        con = sandboxed_connection(work / "spill", directories=[work], database=str(work / "plan.duckdb"))
         try:
-            con.execute(f"SET temp_directory = {sql_string(work / 'spill')}")
             _plan(con, rows, repl, mode, k, seed)
             vocabulary = _vocabulary(con, rows) if mode == "weak" and k else None
         finally:

@@ -1,0 +1,91 @@
+"""Hardening (issue #15): the user's own SQL, outputs, numbers and inputs as the hazard.
+
+Each test drives a real component (real scores Parquet, real DuckDB, real tar shards, the CLI
+entry point) with an input a careless or hostile user could give, and checks that it is refused
+with one line (exit 2) and that nothing already written is lost or leaked.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from pairclean.cli import main
+from pairclean.curate.query import ScoresDB
+from pairclean.data.manifest import open_dataset
+from pairclean.errors import UserError
+from pairclean.train.data import index_shards
+from pairclean.train.weights import build_weight_arrays
+
+SECRET = "TOP-SECRET-HOST-CONTENT"
+
+
+def run_cli(argv: list[str], capsys) -> tuple[int, str, str]:
+    code = 0
+    try:
+        main([str(a) for a in argv])
+    except SystemExit as exc:
+        code = exc.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.fixture
+def host_file(tmp_path) -> Path:
+    path = tmp_path / "host.txt"
+    path.write_text(SECRET)
+    return path
+
+
+# -- 1. SQL reaches only one expression over the scores ------------------------------------------
+
+def test_train_filter_cannot_run_a_second_statement(tmp_path, coco_shards, coco_scores):
+    leak = tmp_path / "leak.csv"
+    spec = open_dataset(str(coco_shards))
+    predicate = f"true) FROM scores; COPY (SELECT 1) TO '{leak}'; SELECT (true"
+    (tmp_path / "run").mkdir()
+    with pytest.raises(UserError, match="bad --filter predicate.*give one boolean SQL expression"):
+        build_weight_arrays(coco_scores, spec, index_shards(spec), tmp_path / "run", predicate=predicate)
+    assert not leak.exists()
+
+
+@pytest.mark.parametrize("command", ["filter", "train"])
+def test_predicates_cannot_read_host_files_or_echo_them(tmp_path, coco_shards, coco_scores, host_file, capsys,
+                                                        command):
+    for predicate in [f"(SELECT content FROM read_text('{host_file}'))::INTEGER > 0",
+                      f"(SELECT count(*) FROM glob('{host_file.parent}/*')) > 0",
+                      "(SELECT count(*) FROM read_parquet('https://127.0.0.1:9/x.parquet')) > 0"]:
+        if command == "filter":
+            argv = ["filter", coco_shards, "--scores", coco_scores, "--where", predicate, "--out", tmp_path / "out"]
+        else:
+            argv = ["train", coco_shards, "--out", tmp_path / "run", "--model", "pairclean-tiny", "--pretrained",
+                    "none", "--workers", "0", "--method", "osa-weights", "--scores", coco_scores, "--filter", predicate]
+        code, out, err = run_cli(argv, capsys)
+        assert code == 2, err
+        assert len(err.strip().splitlines()) == 1 and "Permission Error" in err, err
+        assert SECRET not in out + err and "httpfs" not in err
+    assert {p.name for p in tmp_path.iterdir()} <= {"host.txt", "run"}  # no filtered output, no leak
+
+
+def test_every_scores_connection_is_sandboxed(coco_scores, tmp_path):
+    with ScoresDB(coco_scores) as db:
+        settings = dict(db.con.execute(
+            "SELECT name, value FROM duckdb_settings() WHERE name IN ('enable_external_access', "
+            "'autoinstall_known_extensions', 'autoload_known_extensions', 'lock_configuration')").fetchall())
+        assert settings == {"enable_external_access": "false", "autoinstall_known_extensions": "false",
+                            "autoload_known_extensions": "false", "lock_configuration": "true"}
+        with pytest.raises(Exception, match="locked"):
+            db.con.execute("SET enable_external_access = true")
+        assert db.scalar("SELECT count(*) FROM scores") == 16  # its own file stays readable
+
+
+@pytest.mark.parametrize("sql", ["COPY scores TO '{dir}/copy.csv'", "ATTACH '{dir}/attached.duckdb' AS x",
+                                 "INSTALL httpfs", "CREATE TABLE t AS SELECT 1",
+                                 "SELECT * FROM read_text('{host}')"])
+def test_query_is_read_only(tmp_path, coco_scores, host_file, capsys, sql):
+    code, out, err = run_cli(["query", coco_scores, sql.format(dir=tmp_path, host=host_file)], capsys)
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "read-only" in err or "Permission Error" in err, err
+    assert SECRET not in out + err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["host.txt"]
