@@ -89,3 +89,87 @@ def test_query_is_read_only(tmp_path, coco_scores, host_file, capsys, sql):
     assert "read-only" in err or "Permission Error" in err, err
     assert SECRET not in out + err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["host.txt"]
+
+
+# -- 2. Outputs never destroy or re-read inputs --------------------------------------------------
+
+TINY = ["--model", "pairclean-tiny", "--pretrained", "none", "--beta-k", "64", "--workers", "0"]
+
+
+def snapshot(*paths: Path) -> dict[str, bytes]:
+    """Every file under `paths` with its bytes: what must survive a refused command."""
+    files = {}
+    for root in paths:
+        for f in ([root] if root.is_file() else sorted(root.rglob("*"))):
+            if f.is_file():
+                files[str(f)] = f.read_bytes()
+    return files
+
+
+@pytest.fixture
+def shards(tmp_path, coco_shards) -> Path:
+    """A private copy of the COCO shards: a command that wrongly deletes its input harms only this."""
+    import shutil
+
+    return Path(shutil.copytree(coco_shards, tmp_path / "data" / "shards"))
+
+
+@pytest.fixture
+def scores_copy(tmp_path, coco_scores) -> Path:
+    import shutil
+
+    return Path(shutil.copy(coco_scores, tmp_path / "scores.parquet"))
+
+
+def refused(argv, capsys, *keep: Path, message: str = "") -> None:
+    before = snapshot(*keep)
+    code, _, err = run_cli(argv, capsys)
+    assert code == 2 and len(err.strip().splitlines()) == 1 and message in err, err
+    assert snapshot(*keep) == before
+
+
+def test_query_and_report_cannot_replace_the_scores_they_read(scores_copy, capsys):
+    refused(["query", scores_copy, "SELECT * FROM scores", "--format", "parquet", "--out", scores_copy], capsys,
+            scores_copy, message="is an input")
+    refused(["report", scores_copy, "--out", scores_copy], capsys, scores_copy, message="is an input")
+    link = scores_copy.parent / "link.parquet"
+    link.symlink_to(scores_copy)
+    refused(["query", scores_copy, "SELECT 1", "--format", "csv", "--out", link], capsys, scores_copy,
+            message="is an input")
+
+
+def test_overwrite_never_deletes_an_input(tmp_path, shards, scores_copy, capsys):
+    data = shards.parent
+    for out in [shards, data, tmp_path, shards / ".." / "shards"]:
+        refused(["filter", shards, "--scores", scores_copy, "--where", "true", "--out", out, "--overwrite"], capsys,
+                shards, scores_copy)
+        refused(["corrupt", shards, "--ratio", "0.5", "--out", out, "--overwrite"], capsys, shards)
+        refused(["train", shards, *TINY[:4], "--workers", "0", "--out", out, "--overwrite"], capsys, shards)
+    refused(["score", shards, *TINY, "--out", sorted(shards.glob("*.tar"))[0], "--overwrite"], capsys, shards)
+    refused(["score", sorted(shards.glob("*.tar"))[0], *TINY, "--out", sorted(shards.glob("*.tar"))[0],
+             "--overwrite"], capsys, shards, message="is an input")
+    refused(["filter", shards, "--scores", scores_copy, "--where", "true", "--out", scores_copy, "--overwrite"],
+            capsys, scores_copy, message="is an input")
+
+
+def test_parquet_input_cannot_be_scored_onto_itself(tmp_path, coco_parquet, capsys):
+    import shutil
+
+    pairs = Path(shutil.copy(coco_parquet, tmp_path / "pairs.parquet"))
+    refused(["score", pairs, *TINY, "--out", pairs, "--overwrite"], capsys, pairs, message="is an input")
+    refused(["score", tmp_path, *TINY, "--out", tmp_path / "scores.parquet"], capsys, pairs,
+            message="inside the input directory")
+    assert not (tmp_path / "scores.parquet").exists()
+
+
+def test_filter_prefix_cannot_escape_out(tmp_path, shards, scores_copy, capsys):
+    for prefix in ["../escaped", "/tmp/escaped", "..", ""]:
+        refused(["filter", shards, "--scores", scores_copy, "--where", "true", "--out", tmp_path / "out",
+                 "--prefix", prefix], capsys, shards, message="plain file-name prefix")
+    assert not list(tmp_path.glob("escaped*")) and not (tmp_path / "out").exists()
+
+
+def test_filter_out_inside_the_input_directory_is_refused(shards, scores_copy, capsys):
+    refused(["filter", shards, "--scores", scores_copy, "--where", "true", "--out", shards / "clean"], capsys,
+            shards, message="inside the input directory")
+    assert not (shards / "clean").exists()

@@ -24,6 +24,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pairclean.ops.atomic import write_json
+from pairclean.ops.guard import check_file_prefix, check_output
 from pairclean.errors import UserError
 from pairclean.scores.contract import read_provenance
 from pairclean.data.manifest import DatasetSpec, write_manifest
@@ -305,6 +306,9 @@ def filter_dataset(spec: DatasetSpec, scores: Path, out: Path, where: list[str] 
     `out` also gets `manifest.yaml` (the new dataset) and `filter.json` (rules, counts, provenance).
     """
     out = Path(out)
+    check_file_prefix(prefix)
+    if not dry_run:
+        check_output(out, [*spec.shards, scores])
     if spec.format == "parquet" and (spec.fields.image_path or spec.fields.image2_path):
         raise UserError("this Parquet dataset names images by relative path: filtered files in another "
                         "directory could not find them; filter a Parquet that holds the image bytes")

@@ -25,6 +25,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
 from pairclean import __version__
+from pairclean.ops.guard import check_output
 from pairclean.ops.atomic import atomic_path
 from pairclean.data.decode import DecodeError, decode_image
 from pairclean.errors import UserError
@@ -524,6 +525,7 @@ def build_report(scores: str | Path, out: str | Path, shards: list[str] | None =
                  bins: int = 60, max_shard_rows: int = 40, title: str | None = None) -> ReportResult:
     """Write the HTML report for a scores file; thumbnails come from `shards` (or the scored paths)."""
     scores, out = Path(scores), Path(out)
+    check_output(out, [scores, truth, *(shards or [])])
     if gallery < 0 or contrast < 0:
         raise UserError("--gallery and --contrast must not be negative")
     if bins < 2:

@@ -36,6 +36,7 @@ from pairclean.ops.atomic import write_json
 from pairclean.errors import UserError
 from pairclean.data.manifest import DatasetSpec, open_dataset, write_manifest
 from pairclean.data.writer import staged_directory, write_shards
+from pairclean.ops.guard import check_output
 from pairclean.curate.query import sandboxed_connection, sql_string
 from pairclean.data.reader import UnitFailure, list_units, raise_failure, read_samples, read_unit
 from pairclean.data.units import is_local, unit_shard
@@ -312,6 +313,7 @@ def corrupt(source: str | list[str] | DatasetSpec, out: str | Path, ratio: float
     if not 0.0 < weak_share <= 1.0:
         raise UserError(f"the weak-noise word share must be within (0, 1], got {weak_share}")
     out = Path(out)
+    check_output(out, [*spec.shards, spec.truth])
     field = caption_field(spec)
     units = list_units(spec)
     shards = list(dict.fromkeys(spec.shards))

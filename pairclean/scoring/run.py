@@ -27,6 +27,8 @@ from pairclean.core.beta import BETA_MODES, BetaEstimate, check_beta_mode, resol
 from pairclean.core.scorer import WEIGHT_FUNCTIONS
 from pairclean.errors import UserError
 from pairclean.ops import distributed
+from pairclean.data.units import unit_shard
+from pairclean.ops.guard import check_output
 from pairclean.ops.progress import SILENT, Progress
 from pairclean.scores.contract import read_provenance
 from pairclean.scores.rules import DEFAULT_RULES, build_rules
@@ -122,6 +124,7 @@ def run_scoring(producer: Producer, out: str | Path, cfg: RunConfig) -> ScoreRes
     if not out.parent.exists():
         raise UserError(f"output directory {out.parent} does not exist")
     units = producer.units()
+    check_output(out, {unit_shard(u) for u in units})
     store = PartStore(parts_dir_for(out))
     settings = {**pinned_settings(cfg), **producer.settings(), **units_settings(units)}
     # Under torchrun, rank 0 alone decides (finished? fresh or resumed? beta) and tells the others.

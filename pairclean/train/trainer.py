@@ -20,6 +20,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
+from pairclean.ops.guard import check_output
 from pairclean.config import pinned_settings, unpinned
 from pairclean.ops import distributed
 from pairclean.ops.progress import SILENT, Progress
@@ -156,6 +157,7 @@ def train(source: str | list[str] | DatasetSpec, out: str | Path, config: TrainC
     spec = _spec(source, pair)
     val_spec = _spec(val, pair or spec.pair) if val is not None else None
     method = build_method(cfg.method, cfg.method_options)
+    check_output(out, [*spec.shards, *(val_spec.shards if val_spec else []), cfg.method_options.get("scores")])
     resuming = distributed.on_main(lambda: _prepare_run_dir(out, cfg))  # rank 0 owns the run directory
     settings = _settings(cfg, spec, val_spec)
     state = None
