@@ -173,3 +173,72 @@ def test_filter_out_inside_the_input_directory_is_refused(shards, scores_copy, c
     refused(["filter", shards, "--scores", scores_copy, "--where", "true", "--out", shards / "clean"], capsys,
             shards, message="inside the input directory")
     assert not (shards / "clean").exists()
+
+
+# -- 4. Numbers are checked at the edge ----------------------------------------------------------
+
+@pytest.mark.parametrize("args, field", [
+    (["--seed", "-1"], "--seed"), (["--workers", "-1"], "--workers"), (["--beta-k", "0"], "--beta-k"),
+    (["--gmm-sample", "0"], "--gmm-sample"), (["--beta-mode", "fixed", "--beta", "nan"], "--beta"),
+    (["--beta-mode", "fixed", "--beta", "inf"], "--beta"), (["--pretrained", ""], "--pretrained"),
+])
+def test_score_numbers_are_refused_with_one_line(tmp_path, shards, capsys, args, field):
+    out = tmp_path / "scores.parquet"
+    refused(["score", shards, *TINY, *args, "--out", out], capsys, shards, message=field)
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("args, field", [
+    (["--lr", "nan"], "--lr"), (["--seed", "-1"], "--seed"), (["--pretrained", ""], "--pretrained"),
+    (["--workers", "-1"], "--workers"),
+])
+def test_train_numbers_are_refused_with_one_line(tmp_path, shards, capsys, args, field):
+    argv = ["train", shards, "--model", "pairclean-tiny", "--pretrained", "none", "--workers", "0", *args,
+            "--out", tmp_path / "run"]
+    refused(argv, capsys, shards, message=field)
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_curate_numbers_are_refused_with_one_line(tmp_path, shards, scores_copy, capsys):
+    refused(["report", scores_copy, "--out", tmp_path / "r.html", "--bins", "100000000"], capsys, scores_copy,
+            message="--bins")
+    refused(["query", scores_copy, "SELECT 1", "--limit", "-1"], capsys, scores_copy, message="--limit")
+    refused(["filter", shards, "--scores", scores_copy, "--where", "true", "--out", tmp_path / "f",
+             "--shard-bytes", "0"], capsys, shards, message="--shard-bytes")
+    refused(["corrupt", shards, "--ratio", "0.5", "--seed", "-1", "--out", tmp_path / "c"], capsys, shards,
+            message="--seed")
+    assert not {"r.html", "f", "c"} & {p.name for p in tmp_path.iterdir()}
+
+
+def weights_file(tmp_path: Path, scores: Path, sql: str) -> Path:
+    import duckdb
+
+    out = tmp_path / "weights.parquet"
+    duckdb.execute(f"COPY (SELECT * REPLACE ({sql}) FROM '{scores}') TO '{out}' (FORMAT parquet)")
+    return out
+
+
+@pytest.mark.parametrize("sql, message", [
+    ("CASE WHEN \"index\" = 0 AND shard LIKE '%000000.tar' THEN 'inf'::DOUBLE ELSE weight_norm END AS weight_norm",
+     "NaN or infinite"),
+    ("CASE WHEN \"index\" = 1 THEN 'nan'::DOUBLE ELSE weight_norm END AS weight_norm", "NaN or infinite"),
+    ("weight_norm::VARCHAR AS weight_norm", "not numeric"),
+])
+@pytest.mark.parametrize("on_missing", ["error", "keep"])
+def test_bad_weights_are_refused_not_trained(tmp_path, coco_shards, coco_scores, sql, message, on_missing):
+    scores = weights_file(tmp_path, coco_scores, sql)
+    spec = open_dataset(str(coco_shards))
+    (tmp_path / "run").mkdir()
+    with pytest.raises(UserError, match=message):
+        build_weight_arrays(scores, spec, index_shards(spec), tmp_path / "run", on_missing=on_missing)
+    assert not (tmp_path / "run" / "weights").exists()
+
+
+def test_a_loss_that_turns_non_finite_stops_training_without_a_checkpoint(tmp_path, coco_shards, one_torch_thread):
+    from pairclean.train.trainer import TrainConfig, train
+
+    cfg = TrainConfig(model="pairclean-tiny", pretrained="none", epochs=2, batch_size=8, lr=1e30, warmup_steps=0,
+                      workers=0, shuffle_buffer=8, log_every=1)
+    with pytest.raises(UserError, match="training loss became"):
+        train(str(coco_shards), tmp_path / "run", cfg)
+    assert not list((tmp_path / "run").rglob("*.pt"))

@@ -30,6 +30,8 @@ def query_command(
         if not file.is_file():
             raise UserError(f"SQL file not found: {file}")
         sql = file.read_text()
+    if limit < 0:
+        raise UserError(f"--limit must be at least 0, got {limit}")
     if fmt not in OUTPUT_FORMATS:
         raise UserError(f"unknown format {fmt!r}; choose one of {', '.join(OUTPUT_FORMATS)}")
     if fmt == "table" and out is not None:

@@ -318,6 +318,8 @@ def filter_dataset(spec: DatasetSpec, scores: Path, out: Path, where: list[str] 
         raise UserError(f"{out} exists and is not empty; pass --overwrite to replace it")
     if shard_size < 1:
         raise UserError(f"--shard-size must be at least 1, got {shard_size}")
+    if not shard_bytes >= 1 or not math.isfinite(shard_bytes):
+        raise UserError(f"--shard-bytes must be a finite number of at least 1, got {shard_bytes}")
     with ScoresDB(scores) as db:
         mapping = _match(db, spec)
         db.restrict(sorted(set(mapping.values())))

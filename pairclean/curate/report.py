@@ -42,6 +42,8 @@ CLEAN, NOISY, NEUTRAL, INK, MUTED = "#1b9e77", "#d95f02", "#5b6c8f", "#1f2430", 
 BETA_COLOUR, GMM_COLOUR = "#7570b3", "#e7298a"
 RULE_COLOURS = (BETA_COLOUR, GMM_COLOUR, "#66a61e", "#e6ab02", "#a6761d")  # per rule, in the file's rule order
 
+MAX_BINS = 1000  # a histogram bar per bin: more is unreadable and grows the page without bound
+
 
 @dataclass
 class Media:
@@ -528,8 +530,8 @@ def build_report(scores: str | Path, out: str | Path, shards: list[str] | None =
     check_output(out, [scores, truth, *(shards or [])])
     if gallery < 0 or contrast < 0:
         raise UserError("--gallery and --contrast must not be negative")
-    if bins < 2:
-        raise UserError("--bins must be at least 2")
+    if not 2 <= bins <= MAX_BINS:
+        raise UserError(f"--bins must be within [2, {MAX_BINS}], got {bins}")
     try:
         prov = read_provenance(scores)
     except (ValueError, OSError) as exc:

@@ -310,6 +310,8 @@ def corrupt(source: str | list[str] | DatasetSpec, out: str | Path, ratio: float
     `out/manifest.yaml` (whose `truth:` points at it) and `out/corrupt.json`."""
     spec = source if isinstance(source, DatasetSpec) else open_dataset(source)
     _check_source(spec, ratio, mode)
+    if seed < 0:
+        raise UserError(f"--seed must be at least 0, got {seed}")
     if not 0.0 < weak_share <= 1.0:
         raise UserError(f"the weak-noise word share must be within (0, 1], got {weak_share}")
     out = Path(out)

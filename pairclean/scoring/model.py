@@ -17,6 +17,7 @@ import torch
 import webdataset as wds
 from torch.utils.data import DataLoader, IterableDataset
 
+from pairclean.config import check_numbers, check_pretrained
 from pairclean.backends import build_estimator, check_backend
 from pairclean.backends.base import resolve_precision
 from pairclean.backends.device_jpeg import finish_batch
@@ -44,6 +45,11 @@ class ScoreConfig(RunConfig):
     batch_size: int = unpinned(256)
     workers: int = unpinned(2)
     beta_k: int = 1024
+
+    def __post_init__(self):
+        super().__post_init__()
+        check_numbers(self, at_least={"batch_size": 1, "workers": 0, "beta_k": 1})
+        check_pretrained(self.pretrained)
 
 
 class PreparedBatches(IterableDataset):

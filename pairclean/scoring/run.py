@@ -22,7 +22,7 @@ from typing import Callable, ClassVar
 
 import webdataset as wds
 
-from pairclean.config import pinned_settings, unpinned
+from pairclean.config import check_numbers, pinned_settings, unpinned
 from pairclean.core.beta import BETA_MODES, BetaEstimate, check_beta_mode, resolve_beta, shuffled_beta
 from pairclean.core.scorer import WEIGHT_FUNCTIONS
 from pairclean.errors import UserError
@@ -54,6 +54,7 @@ class RunConfig:
     progress: Progress = unpinned(SILENT)
 
     def __post_init__(self):
+        check_numbers(self, finite=("beta",), at_least={"seed": 0, "gmm_sample": 2})
         build_rules(self.rules)  # an unknown rule or option fails before anything is scored
 
 

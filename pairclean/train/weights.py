@@ -34,6 +34,7 @@ from pairclean.ops.atomic import atomic_path
 from pairclean.errors import UserError
 from pairclean.data.manifest import DatasetSpec
 from pairclean.data.writer import staged_directory
+from pairclean.curate.filter import NUMERIC_TYPES
 from pairclean.curate.query import ScoresDB, compile_predicate, duckdb_message
 from pairclean.train.data import DROPPED, ShardInfo, shard_keys
 
@@ -78,10 +79,16 @@ class _Scores:
         self.weight_sql = f'COALESCE(CAST(s."{column}" AS DOUBLE), 0.0)' if column else "1.0"
         self.keep_sql = f"COALESCE({compile_predicate(self.db, predicate, '--filter')}, FALSE)" if predicate else "TRUE"
         if column is not None:
+            kind = self.db.columns()[column]
+            if not kind.startswith(NUMERIC_TYPES):
+                raise UserError(f"column {column!r} is {kind}, not numeric: it cannot serve as a weight")
             try:
-                lowest = self.con.execute(f"SELECT min({self.weight_sql}) FROM scores s").fetchall()[0][0]
+                lowest, bad = self.con.execute(f"SELECT min({self.weight_sql}), count(*) FILTER "
+                                               f"(WHERE NOT isfinite({self.weight_sql})) FROM scores s").fetchall()[0]
             except duckdb.Error as exc:
                 raise UserError(f"column {column!r} cannot serve as a weight: {duckdb_message(exc)}") from None
+            if bad:
+                raise UserError(f"column {column!r} has {bad:,} NaN or infinite values; loss weights must be finite")
             if lowest is not None and lowest < 0:
                 raise UserError(f"column {column!r} has negative values (min {lowest:.4g}); loss weights must be >= 0")
 
