@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import tiny_scores
 from pairclean.cli import main
 from pairclean.curate.query import ScoresDB
 from pairclean.data.manifest import open_dataset
@@ -242,3 +243,133 @@ def test_a_loss_that_turns_non_finite_stops_training_without_a_checkpoint(tmp_pa
     with pytest.raises(UserError, match="training loss became"):
         train(str(coco_shards), tmp_path / "run", cfg)
     assert not list((tmp_path / "run").rglob("*.pt"))
+
+
+# -- 5. Inputs that crashed or hung --------------------------------------------------------------
+
+def parquet_pairs(path: Path, captions, image: bytes) -> Path:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"key": [f"k{i}" for i in range(len(captions))], "caption": captions,
+                             "image": [image] * len(captions)}), path)
+    return path
+
+
+def jpeg(size=(32, 16), orientation: int | None = None) -> bytes:
+    import io
+
+    from PIL import Image
+
+    img = Image.new("RGB", size, (200, 30, 30))
+    exif = Image.Exif()
+    if orientation:
+        exif[0x0112] = orientation
+    buf = io.BytesIO()
+    img.save(buf, "JPEG", exif=exif)
+    return buf.getvalue()
+
+
+@pytest.mark.parametrize("captions", [[1, 2], [[1], [2]], [{"a": 1}, {"a": 2}]])
+def test_non_text_caption_columns_become_error_rows(tmp_path, captions):
+    from pairclean.data.reader import list_units, read_unit
+
+    spec = open_dataset(str(parquet_pairs(tmp_path / "p.parquet", captions, jpeg())))
+    rows = [p for u in list_units(spec) for p in read_unit(spec, u)]
+    assert len(rows) == 2 and all(r.error and "not text" in r.error for r in rows)
+
+
+def test_zero_row_group_parquet_is_zero_pairs(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from pairclean.data.reader import list_units
+
+    path = tmp_path / "empty.parquet"
+    pq.ParquetWriter(path, pa.schema([("key", pa.string()), ("caption", pa.string()), ("image", pa.binary())])).close()
+    assert pq.ParquetFile(path).metadata.num_row_groups == 0
+    assert list_units(open_dataset(str(path))) == []
+
+
+def test_image_paths_to_fifos_and_huge_files_are_refused_without_reading(tmp_path, monkeypatch):
+    import os
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from pairclean.data import reader
+    from pairclean.data.manifest import DatasetSpec, Fields
+
+    os.mkfifo(tmp_path / "pipe.jpg")
+    (tmp_path / "big.jpg").write_bytes(b"\xff" * 2048)
+    (tmp_path / "ok.jpg").write_bytes(jpeg())
+    monkeypatch.setattr(reader, "MAX_MEMBER_BYTES", 1024)
+    pq.write_table(pa.table({"key": ["a", "b", "c"], "caption": ["x", "y", "z"],
+                             "path": ["pipe.jpg", "big.jpg", "ok.jpg"]}), tmp_path / "p.parquet")
+    spec = DatasetSpec(format="parquet", shards=[str(tmp_path / "p.parquet")],
+                       fields=Fields(image_path="path", text="caption", key="key"))
+    rows = [p for u in reader.list_units(spec) for p in reader.read_unit(spec, u)]  # a FIFO would hang here
+    assert "not a regular file" in rows[0].error
+    assert "over the 1,024-byte limit" in rows[1].error
+    assert rows[2].error is None
+
+
+def test_exif_orientation_is_applied():
+    from pairclean.data.decode import decode_image
+
+    assert decode_image(jpeg((32, 16))).size == (32, 16)
+    assert decode_image(jpeg((32, 16), orientation=6)).size == (16, 32)  # "rotate 90 CW" tag
+
+
+def test_markup_in_user_text_is_printed_not_parsed(tmp_path, capsys):
+    code, _, err = run_cli(["query", tmp_path / "[/red]x[bold].parquet", "SELECT 1"], capsys)
+    assert code == 2 and "[/red]x[bold].parquet" in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_dollar_signs_in_shard_names_do_not_break_the_report(tmp_path, coco_shards):
+    import shutil
+
+    from pairclean.curate.report import build_report
+
+    data = tmp_path / "data"
+    data.mkdir()
+    for i, shard in enumerate(sorted(coco_shards.glob("*.tar"))):
+        shutil.copy(shard, data / f"$x^{i}$_.tar")
+    scores = tiny_scores(data, tmp_path / "scores.parquet")
+    result = build_report(scores, tmp_path / "report.html")
+    assert result.pairs == 16 and "$x^0$" in (tmp_path / "report.html").read_text()
+
+
+def test_a_process_refused_at_begin_leaves_the_winners_run_alone(tmp_path, monkeypatch):
+    """Two processes enter `begin` at once: the loser saw no parts directory, the winner then
+    created and locked it. The loser's clean-up must not delete the winner's parts."""
+    import subprocess
+    import sys
+
+    from pairclean.scoring.parts import PartStore, parts_dir_for
+
+    out = tmp_path / "scores.parquet"
+    winner = subprocess.Popen([sys.executable, "-c", (
+        "import sys, pathlib; from pairclean.scoring.parts import PartStore, parts_dir_for\n"
+        f"store = PartStore(parts_dir_for(pathlib.Path({str(out)!r})))\n"
+        "store.begin(pathlib.Path(" + repr(str(out)) + "), {'a': 1}, ['u'])\n"
+        "print('ready', flush=True); sys.stdin.read()")], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert winner.stdout.readline().strip() == "ready"
+        parts = parts_dir_for(out)
+        real_is_dir = Path.is_dir
+        seen = []
+
+        def late_is_dir(self):  # the loser looked before the winner's mkdir
+            if self == parts and not seen:
+                seen.append(self)
+                return False
+            return real_is_dir(self)
+
+        monkeypatch.setattr(Path, "is_dir", late_is_dir)
+        with pytest.raises(UserError, match="another pairclean process"):
+            PartStore(parts).begin(out, {"a": 1}, ["u"])
+        monkeypatch.undo()
+        assert (parts / "settings.json").is_file() and (parts / "units.json").is_file()
+    finally:
+        winner.communicate("")

@@ -331,7 +331,8 @@ def shard_figure(shards: list[dict], truth: bool, rules: list[RuleRecord]) -> st
     ax.set_xlabel(f"shard (in order, {n:,} shards)", color=INK)
     ax.set_ylabel("share of pairs", color=INK)
     if n <= 12:
-        ax.set_xticks(x, [os.path.basename(s["shard"]) for s in shards], fontsize=8)
+        # Shard names are user text: `$...$` in one is a file name, not mathtext to typeset.
+        ax.set_xticks(x, [os.path.basename(s["shard"]) for s in shards], fontsize=8, parse_math=False)
     else:
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     fig.legend(frameon=False, fontsize=9, loc="outside right upper")

@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import stat
 import tarfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -97,18 +98,18 @@ def list_units(spec: DatasetSpec) -> list[str]:
     units = []
     for path in shards:
         try:
-            n = pq.ParquetFile(path).metadata.num_row_groups
+            n = pq.ParquetFile(path).metadata.num_row_groups  # 0 for an empty file: no unit, no pairs
         except Exception:
             n = 1  # read_unit reports the failure for this file
-        units.extend(str(Unit.row_group(path, i)) for i in range(max(n, 1)))
+        units.extend(str(Unit.row_group(path, i)) for i in range(n))
     return units
 
 
 class _Oversized:
     """Stands in for a tar member that was too big to read."""
 
-    def __init__(self, name: str, size: int):
-        self.reason = f"member {name} is {size:,} bytes, over the {MAX_MEMBER_BYTES:,}-byte limit"
+    def __init__(self, name: str, size: int, what: str = "member"):
+        self.reason = f"{what} {name} is {size:,} bytes, over the {MAX_MEMBER_BYTES:,}-byte limit"
 
 
 def _decode_text(raw: bytes | str | None, what: str) -> tuple[str | None, str | None]:
@@ -119,6 +120,8 @@ def _decode_text(raw: bytes | str | None, what: str) -> tuple[str | None, str | 
             raw = raw.decode("utf-8")
         except UnicodeDecodeError:
             return None, f"{what} is not valid UTF-8"
+    if not isinstance(raw, str):  # a Parquet column of numbers, lists or structs
+        return None, f"{what} is {type(raw).__name__}, not text"
     text = raw.strip()
     if not text:
         return None, f"empty {what}"
@@ -358,9 +361,24 @@ def _read_image_path(root: Path, value) -> tuple[bytes | None, str | None]:
     if path is None:
         return None, f"image path escapes the dataset root: {value}"
     try:
-        return path.read_bytes(), None
+        # Non-blocking open, then fstat: a FIFO or device is refused instead of hanging the
+        # reader, and a file is held to the same size limit as a tar member before it is read.
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
     except OSError as exc:
         return None, f"cannot read image file {value}: {exc.strerror or exc}"
+    with os.fdopen(fd, "rb") as fh:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            return None, f"image path {value} is not a regular file"
+        if info.st_size > MAX_MEMBER_BYTES:
+            return None, _Oversized(str(value), info.st_size, "image file").reason
+        try:
+            data = fh.read(MAX_MEMBER_BYTES + 1)
+        except OSError as exc:
+            return None, f"cannot read image file {value}: {exc.strerror or exc}"
+    if len(data) > MAX_MEMBER_BYTES:  # it grew after the check
+        return None, _Oversized(str(value), len(data), "image file").reason
+    return data, None
 
 
 def _parquet_columns(spec: DatasetSpec) -> dict[str, str | None]:
