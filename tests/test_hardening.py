@@ -373,3 +373,73 @@ def test_a_process_refused_at_begin_leaves_the_winners_run_alone(tmp_path, monke
         assert (parts / "settings.json").is_file() and (parts / "units.json").is_file()
     finally:
         winner.communicate("")
+
+
+# -- 3. Resume trusts contents, not names --------------------------------------------------------
+
+def killed_after_first_unit(run) -> None:
+    """Run `run` in a forked child SIGKILLed (pairclean.ops.faults) once its second part is written."""
+    import os
+    import signal
+
+    import torch
+
+    pid = os.fork()
+    if pid == 0:
+        os.environ["PAIRCLEAN_FAULT"] = "part-written:2"
+        torch.set_num_threads(1)
+        try:
+            run()
+        finally:
+            os._exit(1)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
+
+
+def test_one_shard_under_three_spellings_is_one_unit(tmp_path, shards, fast_config):
+    from pairclean.data.reader import list_units
+    from pairclean.scoring.model import score
+
+    first = sorted(shards.glob("*.tar"))[0]
+    link = tmp_path / "link.tar"
+    link.symlink_to(first)
+    spelled = [str(first), str(shards / ".." / "shards" / first.name), str(link)]
+    spec = open_dataset(spelled)
+    assert list_units(spec) == [str(first)]
+    result = score(spec, tmp_path / "scores.parquet", fast_config)
+    assert result.summary["pairs"] == 6
+
+
+def test_a_shard_changed_after_its_unit_was_committed_is_refused_on_resume(tmp_path, shards, fast_config):
+    import os
+
+    from pairclean.scoring.model import score
+
+    out = tmp_path / "scores.parquet"
+    killed_after_first_unit(lambda: score(str(shards), out, fast_config))
+    first = sorted(shards.glob("*.tar"))[0]
+    os.utime(first, ns=(first.stat().st_atime_ns, first.stat().st_mtime_ns + 10**9))  # rewritten in place
+    with pytest.raises(UserError, match="changed since the unfinished run scored it"):
+        score(str(shards), out, fast_config)
+    assert not out.exists()
+
+
+def test_a_checkpoint_replaced_between_kill_and_resume_is_refused(tmp_path, shards, fast_config):
+    import dataclasses
+
+    import open_clip
+    import torch
+
+    from pairclean.scoring.model import score
+
+    checkpoint = tmp_path / "model.pt"
+    torch.manual_seed(0)
+    torch.save(open_clip.create_model("pairclean-tiny").state_dict(), checkpoint)
+    cfg = dataclasses.replace(fast_config, pretrained=str(checkpoint))
+    out = tmp_path / "scores.parquet"
+    killed_after_first_unit(lambda: score(str(shards), out, cfg))
+    torch.manual_seed(1)
+    torch.save(open_clip.create_model("pairclean-tiny").state_dict(), checkpoint)  # same path, other model
+    with pytest.raises(UserError, match="weights_sha256"):
+        score(str(shards), out, cfg)
+    assert not out.exists()

@@ -123,6 +123,19 @@ def resolve_shards(patterns: list[str] | str, base: Path | None = None, allow_pi
             raise UserError(f"shard not found: {missing[0]}" + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
     if not out:
         raise UserError(f"no shards found in {', '.join(patterns)}")
+    return unique_shards(out)
+
+
+def unique_shards(shards: list[str]) -> list[str]:
+    """Each shard once, in first-seen order: `x.tar`, `../shards/x.tar` and a symlink to it are one
+    local file (compared by real path), which would otherwise be scored and filtered twice."""
+    seen: set[str] = set()
+    out = []
+    for shard in shards:
+        identity = os.path.realpath(shard) if "://" not in shard and not shard.startswith("pipe:") else shard
+        if identity not in seen:
+            seen.add(identity)
+            out.append(shard)
     return out
 
 

@@ -34,7 +34,7 @@ import webdataset as wds
 from webdataset.tariterators import base_plus_ext, meta_prefix, meta_suffix
 
 from pairclean.errors import UserError
-from pairclean.data.manifest import DatasetSpec
+from pairclean.data.manifest import DatasetSpec, unique_shards
 from pairclean.data.units import Unit, is_local
 
 # Text encoders keep the first 77 (CLIP) or 256 (MiniLM) tokens, far fewer than 4096 characters;
@@ -90,7 +90,7 @@ def list_units(spec: DatasetSpec) -> list[str]:
     A shard listed twice (overlapping patterns, a repeated line in a list file) is one unit:
     its pairs would otherwise be scored, and written, twice.
     """
-    shards = list(dict.fromkeys(spec.shards))
+    shards = unique_shards(spec.shards)
     if not spec.allow_pipe and any(s.startswith("pipe:") for s in shards):
         raise UserError("refusing shell `pipe:` shard URLs: pass --allow-pipe to run shell commands from shard lists")
     if spec.format == "webdataset":

@@ -9,6 +9,7 @@ rest of the run (parts, beta, resume, finalize) is `pairclean.scoring.run`.
 from __future__ import annotations
 
 import json
+import os
 from collections import defaultdict
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -17,14 +18,13 @@ import torch
 import webdataset as wds
 from torch.utils.data import DataLoader, IterableDataset
 
-from pairclean.config import check_numbers, check_pretrained
 from pairclean.backends import build_estimator, check_backend
-from pairclean.backends.base import resolve_precision
+from pairclean.backends.base import file_sha256, resolve_precision
 from pairclean.backends.device_jpeg import finish_batch
 from pairclean.backends.oom import OomBackoff
 from pairclean.ops.notices import notice_once
 from pairclean.ops.worker_memory import steady_worker_memory
-from pairclean.config import unpinned
+from pairclean.config import check_numbers, check_pretrained, unpinned
 from pairclean.core.beta import BetaCache, BetaEstimate, ShuffledAccumulator, cached_random_input_beta
 from pairclean.data.manifest import DatasetSpec, open_dataset
 from pairclean.data.reader import UnitFailure, list_units, modalities, read_unit
@@ -127,8 +127,12 @@ class ModelProducer(Producer):
         return list_units(self.spec)
 
     def settings(self) -> dict:
-        spec = self.spec
-        return {"pair": spec.pair, "fields": asdict(spec.fields), "label_template": spec.label_template}
+        spec, pretrained = self.spec, self.cfg.pretrained
+        # A checkpoint replaced at the same path between a kill and the re-run is another model:
+        # its hash is pinned, so the resumed run is refused instead of mixing two models' scores.
+        weights = file_sha256(pretrained) if pretrained and os.path.isfile(pretrained) else None
+        return {"pair": spec.pair, "fields": asdict(spec.fields), "label_template": spec.label_template,
+                "weights_sha256": weights}
 
     def prepare(self) -> None:
         if self.estimator is None:  # built (and so validated) before anything is written

@@ -27,7 +27,7 @@ from pairclean.core.beta import BETA_MODES, BetaEstimate, check_beta_mode, resol
 from pairclean.core.scorer import WEIGHT_FUNCTIONS
 from pairclean.errors import UserError
 from pairclean.ops import distributed
-from pairclean.data.units import unit_shard
+from pairclean.data.units import unit_fingerprint, unit_shard
 from pairclean.ops.guard import check_output
 from pairclean.ops.progress import SILENT, Progress
 from pairclean.scores.contract import read_provenance
@@ -114,6 +114,16 @@ def units_settings(units: list[str]) -> dict:
     return {"units_sha1": hashlib.sha1(json.dumps(units).encode()).hexdigest(), "n_units": len(units)}
 
 
+def check_unchanged(records: dict[str, dict]) -> None:
+    """Refuse to resume over committed units whose file changed since (a vanished file is only
+    a failed unit, as elsewhere): their rows would describe data that is no longer there."""
+    changed = [u for u, rec in records.items() if rec.get("fingerprint") is not None
+               and unit_fingerprint(u) not in (None, rec["fingerprint"])]
+    if changed:
+        raise UserError(f"{unit_shard(changed[0])} changed since the unfinished run scored it "
+                        f"({len(changed)} unit(s) changed): pass --overwrite to score the inputs again")
+
+
 def run_scoring(producer: Producer, out: str | Path, cfg: RunConfig) -> ScoreResult:
     """Score every unit of `producer` into `out` (Parquet); resumes an interrupted run."""
     out = Path(out)
@@ -146,6 +156,7 @@ def run_scoring(producer: Producer, out: str | Path, cfg: RunConfig) -> ScoreRes
             if beta is not None:
                 store.save_beta({**beta.as_dict(), "source": source})
         done = store.committed()
+        check_unchanged(done)
         return (start.units, start.resumed, beta, source, time.perf_counter() - began,
                 [u for u in start.units if u not in done], len(done))
 
@@ -158,7 +169,7 @@ def run_scoring(producer: Producer, out: str | Path, cfg: RunConfig) -> ScoreRes
         scored = {"pairs": 0}
 
         def commit(unit: str, columns: dict, record: dict) -> None:
-            store.commit(unit, columns, record)
+            store.commit(unit, columns, {**record, "fingerprint": unit_fingerprint(unit)})
             scored["pairs"] += len(columns["key"])
             elapsed = time.perf_counter() - started
             task.update(advance=1, pairs=scored["pairs"], rate=scored["pairs"] / elapsed if elapsed else 0.0)
