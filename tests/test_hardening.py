@@ -443,3 +443,38 @@ def test_a_checkpoint_replaced_between_kill_and_resume_is_refused(tmp_path, shar
     with pytest.raises(UserError, match="weights_sha256"):
         score(str(shards), out, cfg)
     assert not out.exists()
+
+
+# -- 6. First use --------------------------------------------------------------------------------
+
+def test_a_run_where_every_unit_failed_fails_and_says_why(tmp_path, capsys):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    data = tmp_path / "pairs.parquet"
+    pq.write_table(pa.table({"id": ["a", "b"], "sentence": ["x", "y"]}), data)  # not the expected columns
+    code, _, err = run_cli(["score", data, *TINY, "--out", tmp_path / "scores.parquet"], capsys)
+    assert code == 2 and "every input unit failed" in err and "pairs.parquet" in err, err
+    assert not (tmp_path / "scores.parquet").exists()
+
+
+def test_text_only_backend_on_image_pairs_names_the_pair_option(tmp_path, shards, capsys):
+    code, _, err = run_cli(["score", shards, "--backend", "sentence-transformers", "--model",
+                            "sentence-transformers/all-MiniLM-L6-v2", "--out", tmp_path / "s.parquet"], capsys)
+    assert code == 2 and "set --pair to text-text" in err, err
+
+
+def test_a_directory_holding_a_manifest_is_read_as_that_manifest(tmp_path, shards):
+    import yaml
+
+    manifest = yaml.safe_load((shards / "manifest.yaml").read_text())
+    manifest["shards"] = manifest["shards"][:1]
+    manifest["pair"] = "image-label"
+    (shards / "manifest.yaml").write_text(yaml.safe_dump(manifest))
+    spec = open_dataset(str(shards))
+    assert len(spec.shards) == 1 and spec.pair == "image-label"
+
+
+def test_readme_calibrate_recipe_names_the_file_corrupt_writes():
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    assert "--truth noisy/truth/truth.parquet" in readme and "--truth noisy/truth.parquet" not in readme

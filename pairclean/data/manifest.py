@@ -23,6 +23,7 @@ import yaml
 from pairclean.errors import UserError
 
 PAIR_KINDS = ("image-text", "text-text", "image-label", "image-image")
+MANIFEST_NAME = "manifest.yaml"  # what a directory written by pairclean describes itself with
 DEFAULT_LABEL_TEMPLATE = "This is a picture of {label}."
 
 
@@ -201,6 +202,8 @@ def open_dataset(source: str | list[str], pair: str | None = None, fields: Field
                  allow_pipe: bool = False, label_template: str | None = None) -> DatasetSpec:
     """A DatasetSpec from a manifest path or from shard patterns; explicit options override the manifest."""
     sources = [source] if isinstance(source, str) else list(source)
+    if len(sources) == 1 and (Path(sources[0]) / MANIFEST_NAME).is_file():
+        sources = [str(Path(sources[0]) / MANIFEST_NAME)]  # a directory `corrupt` or `filter` wrote
     if len(sources) == 1 and sources[0].endswith((".yaml", ".yml")):
         path = Path(sources[0])
         if not path.exists():

@@ -124,6 +124,14 @@ def check_unchanged(records: dict[str, dict]) -> None:
                         f"({len(changed)} unit(s) changed): pass --overwrite to score the inputs again")
 
 
+def check_not_all_failed(units: list[str], records: dict[str, dict]) -> None:
+    """A run in which every unit failed and no pair was read is a failed run, not 0 pairs scored."""
+    failed = [u for u in units if records[u].get("failure")]
+    if units and len(failed) == len(units) and not any(records[u].get("rows") for u in units):
+        raise UserError(f"every input unit failed ({len(units)}), no pair was read; first: {unit_shard(failed[0])}: "
+                        f"{records[failed[0]]['failure']}")
+
+
 def run_scoring(producer: Producer, out: str | Path, cfg: RunConfig) -> ScoreResult:
     """Score every unit of `producer` into `out` (Parquet); resumes an interrupted run."""
     out = Path(out)
@@ -186,6 +194,7 @@ def run_scoring(producer: Producer, out: str | Path, cfg: RunConfig) -> ScoreRes
     missing = [u for u in units if u not in records]
     if missing:
         raise RuntimeError(f"{len(missing)} unit(s) were not committed (first: {missing[0]})")
+    check_not_all_failed(units, records)
     if beta is None:
         beta = shuffled_beta([records[u].get("shuffled") for u in units])
     produced, extra = producer.finish(records, scored_now, len(todo))
