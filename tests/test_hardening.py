@@ -478,3 +478,20 @@ def test_a_directory_holding_a_manifest_is_read_as_that_manifest(tmp_path, shard
 def test_readme_calibrate_recipe_names_the_file_corrupt_writes():
     readme = (Path(__file__).parent.parent / "README.md").read_text()
     assert "--truth noisy/truth/truth.parquet" in readme and "--truth noisy/truth.parquet" not in readme
+
+
+def test_evaluate_detection_joins_on_a_named_truth_key_column(tmp_path, coco_scores, capsys):
+    import duckdb
+
+    truth = tmp_path / "truth.parquet"
+    duckdb.execute(f"COPY (SELECT key AS pair_id, \"index\" % 4 = 0 AS noisy FROM '{coco_scores}') "
+                   f"TO '{truth}' (FORMAT parquet)")
+    code, _, err = run_cli(["evaluate", "detection", coco_scores, "--truth", truth, "--json", tmp_path / "d.json"],
+                           capsys)
+    assert code == 2 and "needs columns shard and index, or key" in err
+    code, out, err = run_cli(["evaluate", "detection", coco_scores, "--truth", truth, "--truth-key", "pair_id",
+                              "--json", tmp_path / "d.json"], capsys)
+    assert code == 0, err
+    import json
+
+    assert json.loads((tmp_path / "d.json").read_text())["noisy"] == 5  # index 0 and 4 of the 6-6-4 shards

@@ -94,7 +94,7 @@ class ScoresDB:
     `scores_file` is always the whole file; `scores` is too unless `restrict` narrows it.
     """
 
-    def __init__(self, scores: str | Path, truth: str | Path | None = None):
+    def __init__(self, scores: str | Path, truth: str | Path | None = None, truth_key: str | None = None):
         self.path = Path(scores)
         if not self.path.is_file():
             raise UserError(f"scores file not found: {self.path}")
@@ -114,7 +114,7 @@ class ScoresDB:
         self.truth_join: str | None = None
         if truth is not None:
             try:
-                self._attach_truth(Path(truth))
+                self._attach_truth(Path(truth), truth_key)
             except UserError:
                 self.close()
                 raise
@@ -146,8 +146,9 @@ class ScoresDB:
         rel = self.con.sql(sql)
         return rel.columns, rel.types
 
-    def _attach_truth(self, truth: Path) -> None:
-        """Views `truth` and `labeled`; join on (shard, index) when the truth file has them, else on key."""
+    def _attach_truth(self, truth: Path, key: str | None = None) -> None:
+        """Views `truth` and `labeled`; join on (shard, index) when the truth file has them, else on key
+        (the truth's column `key`, or the one named)."""
         if not truth.is_file():
             raise UserError(f"truth file not found: {truth}")
         try:
@@ -157,7 +158,11 @@ class ScoresDB:
         cols = self.columns("truth")
         if "noisy" not in cols:
             raise UserError(f"truth file {truth} has no 'noisy' column (has {', '.join(cols)})")
-        if {"shard", "index"} <= set(cols):
+        if key is not None:
+            if key not in cols:
+                raise UserError(f"truth file {truth} has no key column {key!r} (has {', '.join(cols)})")
+            candidates = [(f"key = {key}", f"s.key = t.{sql_identifier(key)}", sql_identifier(key))]
+        elif {"shard", "index"} <= set(cols):
             candidates = [("shard, index", "s.shard = t.shard AND s.\"index\" = t.\"index\"", "shard, \"index\""),
                           ("shard file name, index",
                            "parse_filename(s.shard) = parse_filename(t.shard) AND s.\"index\" = t.\"index\"",
