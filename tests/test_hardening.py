@@ -495,3 +495,16 @@ def test_evaluate_detection_joins_on_a_named_truth_key_column(tmp_path, coco_sco
     import json
 
     assert json.loads((tmp_path / "d.json").read_text())["noisy"] == 5  # index 0 and 4 of the 6-6-4 shards
+
+
+def test_corrupt_on_text_text_parquet_without_pair_says_what_to_pass(tmp_path, capsys):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    data = tmp_path / "data"
+    data.mkdir()
+    pq.write_table(pa.table({"key": ["a", "b"], "caption": ["one dog", "two cats"],
+                             "caption2": ["a dog", "some cats"]}), data / "text.parquet")
+    code, _, err = run_cli(["corrupt", data / "text.parquet", "--ratio", "0.5", "--out", tmp_path / "noisy"], capsys)
+    assert code == 2 and "--pair text-text" in err, err
+    assert not (tmp_path / "noisy").exists()

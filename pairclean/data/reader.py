@@ -34,7 +34,7 @@ import webdataset as wds
 from webdataset.tariterators import base_plus_ext, meta_prefix, meta_suffix
 
 from pairclean.errors import UserError
-from pairclean.data.manifest import DatasetSpec, unique_shards
+from pairclean.data.manifest import PAIR_KINDS, DatasetSpec, unique_shards
 from pairclean.data.units import Unit, is_local
 
 # Text encoders keep the first 77 (CLIP) or 256 (MiniLM) tokens, far fewer than 4096 characters;
@@ -411,6 +411,17 @@ def parquet_keys(spec: DatasetSpec, path: str) -> list[str]:
     return [_positional_key(path, i) for i in range(pf.metadata.num_rows)]
 
 
+def _pairs_fitting(spec: DatasetSpec, available: set[str]) -> list[str]:
+    """Other pair kinds whose default columns a Parquet file has: the likely fix when the given
+    kind's columns are missing (text-text pairs read as the default image-text)."""
+    fits = []
+    for kind in PAIR_KINDS:
+        other = DatasetSpec(format="parquet", shards=spec.shards, pair=kind)
+        if kind != spec.pair and all(c in available or c == other.fields.key for c in _parquet_columns(other).values()):
+            fits.append(kind)
+    return fits
+
+
 def _read_parquet(spec: DatasetSpec, unit: str) -> Iterator[RawPair | UnitFailure]:
     parsed = Unit.parse(unit)
     path, rg = parsed.path, parsed.part
@@ -421,7 +432,9 @@ def _read_parquet(spec: DatasetSpec, unit: str) -> Iterator[RawPair | UnitFailur
         available = set(pf.schema_arrow.names)
         missing = [c for c in cols.values() if c not in available and c != spec.fields.key]
         if missing:
-            yield UnitFailure(unit, f"column(s) {missing} not in {path} (has {sorted(available)})")
+            fits = _pairs_fitting(spec, available)
+            hint = f"; its columns fit --pair {' or '.join(fits)}" if fits else ""
+            yield UnitFailure(unit, f"column(s) {missing} not in {path} (has {sorted(available)}){hint}")
             return
         table = pf.read_row_group(rg, columns=[c for c in dict.fromkeys(cols.values()) if c in available])
     except Exception as exc:
