@@ -48,7 +48,7 @@ class ScoreConfig(RunConfig):
 
     def __post_init__(self):
         super().__post_init__()
-        check_numbers(self, at_least={"batch_size": 1, "workers": 0, "beta_k": 1})
+        check_numbers(self, at_least={"workers": 0, "beta_k": 1})
         check_pretrained(self.pretrained)
 
 

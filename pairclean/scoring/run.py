@@ -29,6 +29,7 @@ from pairclean.errors import UserError
 from pairclean.ops import distributed
 from pairclean.data.units import unit_fingerprint, unit_shard
 from pairclean.ops.guard import check_output
+from pairclean.ops.notices import notice
 from pairclean.ops.progress import SILENT, Progress
 from pairclean.scores.contract import read_provenance
 from pairclean.scores.rules import DEFAULT_RULES, build_rules
@@ -124,12 +125,12 @@ def check_unchanged(records: dict[str, dict]) -> None:
                         f"({len(changed)} unit(s) changed): pass --overwrite to score the inputs again")
 
 
-def check_not_all_failed(units: list[str], records: dict[str, dict]) -> None:
-    """A run in which every unit failed and no pair was read is a failed run, not 0 pairs scored."""
+def warn_if_all_failed(units: list[str], records: dict[str, dict]) -> None:
+    """A run in which every unit failed read no pair: say why on stderr, not only inside run.json."""
     failed = [u for u in units if records[u].get("failure")]
     if units and len(failed) == len(units) and not any(records[u].get("rows") for u in units):
-        raise UserError(f"every input unit failed ({len(units)}), no pair was read; first: {unit_shard(failed[0])}: "
-                        f"{records[failed[0]]['failure']}")
+        notice(f"every input unit failed ({len(units)}), no pair was read; first: {unit_shard(failed[0])}: "
+               f"{records[failed[0]]['failure']}")
 
 
 def run_scoring(producer: Producer, out: str | Path, cfg: RunConfig) -> ScoreResult:
@@ -194,7 +195,7 @@ def run_scoring(producer: Producer, out: str | Path, cfg: RunConfig) -> ScoreRes
     missing = [u for u in units if u not in records]
     if missing:
         raise RuntimeError(f"{len(missing)} unit(s) were not committed (first: {missing[0]})")
-    check_not_all_failed(units, records)
+    warn_if_all_failed(units, records)
     if beta is None:
         beta = shuffled_beta([records[u].get("shuffled") for u in units])
     produced, extra = producer.finish(records, scored_now, len(todo))
