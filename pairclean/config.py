@@ -8,7 +8,10 @@ Those are declared at the field with `unpinned(...)`; `pinned_settings(cfg)` is 
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
+
+from pairclean.errors import ConfigError
 
 _PINNED = "pinned"
 
@@ -27,3 +30,23 @@ def pinned_settings(cfg) -> dict:
 
 def _plain(value: Any) -> Any:
     return dataclasses.asdict(value) if dataclasses.is_dataclass(value) and not isinstance(value, type) else value
+
+
+def check_numbers(cfg, finite: tuple[str, ...] = (), at_least: dict[str, int | float] | None = None) -> None:
+    """Refuse numeric settings that would poison a run at the edge, with one line naming the field:
+    NaN or infinite values (a NaN beta sorts above every score), counts below their minimum."""
+    for name in finite:
+        value = getattr(cfg, name)
+        if value is not None and (isinstance(value, bool) or not math.isfinite(value)):
+            raise ConfigError(f"{name} must be a finite number, got {value}", name)
+    for name, low in (at_least or {}).items():
+        value = getattr(cfg, name)
+        if not math.isfinite(value) or value < low:
+            raise ConfigError(f"{name} must be at least {low}, got {value}", name)
+
+
+def check_pretrained(pretrained: str | None) -> None:
+    """An empty weights name is a mistake (an unset variable), not a request for random init."""
+    if pretrained is not None and not str(pretrained).strip():
+        raise ConfigError("pretrained is empty: give a pretrained tag, a checkpoint path, or 'none' for random init",
+                          "pretrained")

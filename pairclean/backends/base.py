@@ -20,7 +20,7 @@ from typing import Any, ClassVar, Protocol
 
 import torch
 
-from pairclean.errors import UserError
+from pairclean.errors import ConfigError, UserError
 from pairclean.ops.notices import notice_once
 
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -121,7 +121,12 @@ def check_backend(backend: str, needed: tuple[str, ...] = ()) -> str:
     encodes = BACKENDS[name].modalities
     missing = [m for m in dict.fromkeys(needed) if m not in encodes]
     if missing:
-        raise UserError(f"the {name} backend cannot encode {', '.join(missing)}: it encodes {', '.join(encodes)} only")
+        from pairclean.data.manifest import PAIR_KINDS
+        from pairclean.data.reader import modalities
+
+        kinds = [k for k in PAIR_KINDS if set(modalities(k)) <= set(encodes)]
+        raise ConfigError(f"the {name} backend cannot encode {', '.join(missing)}: it encodes {', '.join(encodes)} "
+                          f"only; for data it can score set pair to {' or '.join(kinds)}", "pair")
     return name
 
 

@@ -16,6 +16,7 @@ import time
 import traceback
 
 import typer
+from rich.markup import escape
 
 from pairclean.cli.app import app, console, err_console
 from pairclean.errors import ConfigError, UserError
@@ -27,7 +28,7 @@ except ImportError:  # pragma: no cover - depends on the installed typer
 _CLI_ERRORS = (_CliError,)
 _EXITS = (typer.Exit,)  # click's Exit/Abort under older typer, which re-exports them
 _ABORTS = (typer.Abort,)
-_ENVIRONMENT_ERRNOS = {errno.ENOSPC, errno.EACCES, errno.EPERM, errno.EROFS, errno.EDQUOT}
+_ENVIRONMENT_ERRNOS = {errno.ENOSPC, errno.EACCES, errno.EPERM, errno.EROFS, errno.EDQUOT, errno.EFBIG}
 
 
 def _version(value: bool) -> None:
@@ -76,7 +77,8 @@ def _crash_log(exc: BaseException) -> str:
 
 
 def _one_line(kind: str, message: str, colour: str = "red") -> None:
-    err_console.print(f"[{colour}]{kind}:[/{colour}] {message}", highlight=False, soft_wrap=True)
+    # The message carries user text (paths, predicates): escaped, `[/red]` in it is printed, not parsed.
+    err_console.print(f"[{colour}]{kind}:[/{colour}] {escape(message)}", highlight=False, soft_wrap=True)
 
 
 class _NoticeLines(logging.Handler):

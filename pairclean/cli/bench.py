@@ -110,12 +110,15 @@ def bench_score_command(
 ) -> None:
     """Model-only ceiling vs end-to-end `pairclean score` vs a naive loop: pairs/s, ratios, peak memory."""
     from pairclean.ops.bench import bench_score, write_report
+    from pairclean.ops.guard import check_output
     from pairclean.scoring.model import ScoreConfig
 
     spec = options.dataset(source, pair, allow_pipe, label_template, image=image_field, image_path=image_path_field, text=text_field, json_text_key=json_text_key, key=key_field, text2=text2_field, image2=image2_field, image2_path=image2_path_field, label=label_field)
     cfg = ScoreConfig(model=model, pretrained=pretrained, backend=backend, device=device, precision=precision,
                       decode=decode, compile=compile, batch_size=batch_size, workers=workers, beta_mode=beta_mode,
                       beta_k=beta_k, beta_cache=beta_cache)
+    if json_out is not None:
+        check_output(json_out, spec.shards, option="--json")
     report = bench_score(spec, cfg, naive_pairs=naive_pairs, min_seconds=min_seconds, repeat=repeat,
                          progress=RichProgress(err_console))
     for table in report_tables(report):

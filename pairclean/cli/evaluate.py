@@ -80,13 +80,15 @@ def detection_command(
     scores: Path = typer.Argument(..., help="Scores Parquet written by `pairclean score`."),
     truth: Path = typer.Option(..., "--truth", help="Truth Parquet (columns noisy + shard/index or key), or a "
                                                     "manifest YAML whose `truth:` names one (`pairclean corrupt` writes both)."),
+    truth_key: str | None = typer.Option(None, "--truth-key", help="The truth's column holding the pair key "
+                                                                   "(joined to the scores' key column)."),
     json_out: Path | None = typer.Option(None, "--json", help="Metrics JSON to write (default: SCORES.detection.json)."),
 ) -> None:
     """Clean kept / noise caught / balanced accuracy / precision per rule in the file and the oracle, ROC-AUC, AP, mean noise rank, ECE of p_clean."""
     from pairclean.ops.atomic import write_json
     from pairclean.scores.evaluation import evaluate_detection
 
-    result = evaluate_detection(scores, truth)
+    result = evaluate_detection(scores, truth, truth_key=truth_key)
     for table in detection_tables(result):
         console.print(table)
     target = json_out or scores.with_name(scores.stem + ".detection.json")

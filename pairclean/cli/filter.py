@@ -18,6 +18,7 @@ from rich.table import Table
 
 from pairclean.cli.app import app, console
 from pairclean.errors import UserError
+from pairclean.ops.guard import check_output
 
 if TYPE_CHECKING:
     from pairclean.curate.filter import FilterResult
@@ -105,6 +106,8 @@ def filter_command(
     """Write the pairs the rules keep as new shards (members byte-identical), or preview with --dry-run."""
     if out is None and not dry_run:
         raise UserError("give --out DIR (or --dry-run)")
+    if out is not None and not dry_run:
+        check_output(out, source)  # the directories named; the files read are checked by filter_dataset
     from pairclean.curate.filter import filter_dataset
     from pairclean.data.manifest import open_dataset
 

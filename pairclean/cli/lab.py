@@ -27,7 +27,9 @@ def corrupt_command(
     """Inject caption noise into a dataset; every other member stays byte-identical."""
     from pairclean.data.manifest import open_dataset
     from pairclean.lab.corrupt import corrupt
+    from pairclean.ops.guard import check_output
 
+    check_output(out, source)  # the directories named; the files read are checked by corrupt()
     spec = open_dataset(source, pair=pair)
     result = corrupt(spec, out, ratio, seed=seed, mode=mode, overwrite=overwrite, weak_ratio=weak_ratio)
     console.print(f"{result.pairs:,} pairs copied to {result.out}: {result.selected:,} drawn, {result.noisy:,} noisy "

@@ -10,6 +10,7 @@ import typer
 from pairclean.cli.app import app, console
 from pairclean.curate.query import OUTPUT_FORMATS, ScoresDB, rich_result, write_result
 from pairclean.errors import UserError
+from pairclean.ops.guard import check_output
 
 
 @app.command("query")
@@ -29,10 +30,14 @@ def query_command(
         if not file.is_file():
             raise UserError(f"SQL file not found: {file}")
         sql = file.read_text()
+    if limit < 0:
+        raise UserError(f"--limit must be at least 0, got {limit}")
     if fmt not in OUTPUT_FORMATS:
         raise UserError(f"unknown format {fmt!r}; choose one of {', '.join(OUTPUT_FORMATS)}")
     if fmt == "table" and out is not None:
         raise UserError("--out needs --format csv, json or parquet")
+    if out is not None:
+        check_output(out, [scores, truth])
     with ScoresDB(scores, truth=truth) as db:
         schema, batches = db.stream(db.run(sql))
         if fmt == "table":

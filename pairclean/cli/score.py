@@ -92,9 +92,11 @@ def score_command(
 ) -> None:
     """Score every pair: cosine, cone bias beta, OSA weight, GMM p_clean -> Parquet."""
     from pairclean.backends import check_backend, default_model
+    from pairclean.ops.guard import check_output
     from pairclean.scoring.model import ScoreConfig, score
 
     rules = (*DEFAULT_RULES, *(rule or ()))
+    check_output(out, source)  # the directories named; the files read are checked by the run
     if from_embeddings:
         from pairclean.scoring.embeddings import (
             EmbeddingScoreConfig,

@@ -9,6 +9,7 @@ import typer
 from rich.table import Table
 
 import pairclean.cli.options as options
+from pairclean.ops.guard import check_output
 from pairclean.cli.app import app, console
 from pairclean.cli.progress import RichProgress
 from pairclean.errors import UserError
@@ -137,6 +138,7 @@ def train_command(
     overwrite: bool = typer.Option(False, help="Replace the run in --out."),
 ) -> None:
     """Train a dual encoder on (reweighted or filtered) pairs: weighted symmetric InfoNCE."""
+    check_output(out, [*source, *(val or [])])  # the directories named; the files read are checked by train()
     online_options = {"estimator_model": estimator_model, "estimator_pretrained": estimator_pretrained,
                       "weight_fn": weight_fn, "beta_k": beta_k}
     if not online and any(v is not None for v in online_options.values()):

@@ -24,12 +24,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pairclean.ops.atomic import write_json
+from pairclean.ops.guard import check_file_prefix, check_output
 from pairclean.errors import UserError
 from pairclean.scores.contract import read_provenance
 from pairclean.data.manifest import DatasetSpec, write_manifest
 from pairclean.data.reader import OnFailure, UnitFailure, list_samples, read_samples
 from pairclean.data.writer import staged_directory, write_shards
-from pairclean.curate.query import ScoresDB, duckdb_message, match_shards
+from pairclean.curate.query import ScoresDB, compile_predicate, duckdb_message, match_shards
 
 NUMERIC_TYPES = ("FLOAT", "DOUBLE", "TINYINT", "SMALLINT", "INTEGER", "BIGINT", "HUGEINT", "UTINYINT",
                  "USMALLINT", "UINTEGER", "UBIGINT", "DECIMAL")
@@ -64,18 +65,7 @@ class FilterResult:
 
 
 def _where_rule(db: ScoresDB, predicate: str) -> Rule:
-    """Check that the predicate is one boolean expression DuckDB can bind over `scores`."""
-    sql = f"SELECT ({predicate}) AS keep FROM scores"
-    try:
-        statements = db.con.extract_statements(sql)
-        names, types = db.describe(sql) if len(statements) == 1 else ([], [])
-    except duckdb.Error as exc:
-        raise UserError(f"bad --where predicate {predicate!r}: {duckdb_message(exc)}") from None
-    if len(statements) != 1 or len(names) != 1:
-        raise UserError(f"bad --where predicate {predicate!r}: give one boolean SQL expression")
-    if str(types[0]) != "BOOLEAN":
-        raise UserError(f"bad --where predicate {predicate!r}: it is {types[0]}, not BOOLEAN")
-    return Rule(predicate, f"({predicate})")
+    return Rule(predicate, compile_predicate(db, predicate, "--where"))
 
 
 def _top_fraction_rule(db: ScoresDB, fraction: float, by: str) -> Rule:
@@ -316,6 +306,9 @@ def filter_dataset(spec: DatasetSpec, scores: Path, out: Path, where: list[str] 
     `out` also gets `manifest.yaml` (the new dataset) and `filter.json` (rules, counts, provenance).
     """
     out = Path(out)
+    check_file_prefix(prefix)
+    if not dry_run:
+        check_output(out, [*spec.shards, scores])
     if spec.format == "parquet" and (spec.fields.image_path or spec.fields.image2_path):
         raise UserError("this Parquet dataset names images by relative path: filtered files in another "
                         "directory could not find them; filter a Parquet that holds the image bytes")
@@ -325,6 +318,8 @@ def filter_dataset(spec: DatasetSpec, scores: Path, out: Path, where: list[str] 
         raise UserError(f"{out} exists and is not empty; pass --overwrite to replace it")
     if shard_size < 1:
         raise UserError(f"--shard-size must be at least 1, got {shard_size}")
+    if not shard_bytes >= 1 or not math.isfinite(shard_bytes):
+        raise UserError(f"--shard-bytes must be a finite number of at least 1, got {shard_bytes}")
     with ScoresDB(scores) as db:
         mapping = _match(db, spec)
         db.restrict(sorted(set(mapping.values())))

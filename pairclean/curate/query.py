@@ -41,6 +41,44 @@ def sql_identifier(name: str) -> str:
     return '"' + str(name).replace('"', '""') + '"'
 
 
+def sandboxed_connection(temp_dir: str | Path, files: Iterable[str | Path] = (),
+                         directories: Iterable[str | Path] = (), database: str = ":memory:") -> duckdb.DuckDBPyConnection:
+    """A DuckDB connection that can read only `files` and `directories` (the ones pairclean opened
+    itself): user SQL cannot read host files, write files, attach databases, install or autoload
+    extensions, or change these settings back. Arrow tables registered from Python still work."""
+    con = duckdb.connect(database, config={"autoinstall_known_extensions": False,
+                                           "autoload_known_extensions": False})
+    con.execute(f"SET temp_directory = {sql_string(temp_dir)}")
+    con.execute("SET allowed_paths = ?", [[os.path.realpath(f) for f in files] + [str(f) for f in files]])
+    con.execute("SET allowed_directories = ?", [[os.path.join(os.path.realpath(d), "") for d in directories]])
+    con.execute("SET enable_external_access = false")
+    con.execute("SET lock_configuration = true")
+    return con
+
+
+def compile_predicate(db: "ScoresDB", predicate: str, option: str, view: str = "scores") -> str:
+    """The one way a user's predicate enters SQL: parsed by DuckDB as exactly one expression,
+    re-rendered from the parse tree (so nothing around it can be closed or appended), and bound
+    over the view's columns as a BOOLEAN. Returns the parenthesised SQL."""
+    try:
+        expression = f"({duckdb.SQLExpression(predicate)})"
+    except duckdb.Error as exc:
+        raise UserError(f"bad {option} predicate {predicate!r}: give one boolean SQL expression "
+                        f"({duckdb_message(exc)})") from None
+    try:
+        names, types = db.describe(f"SELECT {expression} AS keep FROM {view}")
+    except duckdb.Error as exc:
+        raise UserError(f"bad {option} predicate {predicate!r}: {duckdb_message(exc)}") from None
+    if len(names) != 1:
+        raise UserError(f"bad {option} predicate {predicate!r}: give one boolean SQL expression")
+    if str(types[0]) != "BOOLEAN":
+        raise UserError(f"bad {option} predicate {predicate!r}: it is {types[0]}, not BOOLEAN")
+    return expression
+
+
+READ_ONLY_STATEMENTS = ("SELECT", "EXPLAIN")
+
+
 def duckdb_message(exc: BaseException) -> str:
     """DuckDB's error as one line: its first line plus the candidate-bindings hint, no caret art."""
     lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
@@ -56,14 +94,13 @@ class ScoresDB:
     `scores_file` is always the whole file; `scores` is too unless `restrict` narrows it.
     """
 
-    def __init__(self, scores: str | Path, truth: str | Path | None = None):
+    def __init__(self, scores: str | Path, truth: str | Path | None = None, truth_key: str | None = None):
         self.path = Path(scores)
         if not self.path.is_file():
             raise UserError(f"scores file not found: {self.path}")
         # Sorts and joins larger than memory spill here, not into a `.tmp` in the working directory.
         self._tmp = tempfile.mkdtemp(prefix="pairclean-duckdb-")
-        self.con = duckdb.connect()
-        self.con.execute(f"SET temp_directory = {sql_string(self._tmp)}")
+        self.con = sandboxed_connection(self._tmp, [self.path] + ([Path(truth)] if truth is not None else []))
         try:
             self.con.execute(f"CREATE VIEW scores_file AS SELECT * FROM read_parquet({sql_string(self.path)})")
         except duckdb.Error as exc:
@@ -77,7 +114,7 @@ class ScoresDB:
         self.truth_join: str | None = None
         if truth is not None:
             try:
-                self._attach_truth(Path(truth))
+                self._attach_truth(Path(truth), truth_key)
             except UserError:
                 self.close()
                 raise
@@ -109,8 +146,9 @@ class ScoresDB:
         rel = self.con.sql(sql)
         return rel.columns, rel.types
 
-    def _attach_truth(self, truth: Path) -> None:
-        """Views `truth` and `labeled`; join on (shard, index) when the truth file has them, else on key."""
+    def _attach_truth(self, truth: Path, key: str | None = None) -> None:
+        """Views `truth` and `labeled`; join on (shard, index) when the truth file has them, else on key
+        (the truth's column `key`, or the one named)."""
         if not truth.is_file():
             raise UserError(f"truth file not found: {truth}")
         try:
@@ -120,7 +158,11 @@ class ScoresDB:
         cols = self.columns("truth")
         if "noisy" not in cols:
             raise UserError(f"truth file {truth} has no 'noisy' column (has {', '.join(cols)})")
-        if {"shard", "index"} <= set(cols):
+        if key is not None:
+            if key not in cols:
+                raise UserError(f"truth file {truth} has no key column {key!r} (has {', '.join(cols)})")
+            candidates = [(f"key = {key}", f"s.key = t.{sql_identifier(key)}", sql_identifier(key))]
+        elif {"shard", "index"} <= set(cols):
             candidates = [("shard, index", "s.shard = t.shard AND s.\"index\" = t.\"index\"", "shard, \"index\""),
                           ("shard file name, index",
                            "parse_filename(s.shard) = parse_filename(t.shard) AND s.\"index\" = t.\"index\"",
@@ -152,6 +194,10 @@ class ScoresDB:
             raise UserError(f"query failed: {duckdb_message(exc)}") from None
         if len(statements) != 1:
             raise UserError(f"give one SQL statement (got {len(statements)})")
+        kind = statements[0].type.name
+        if kind not in READ_ONLY_STATEMENTS:
+            raise UserError(f"query is read-only: {kind} statements are refused (give a SELECT; "
+                            "write results with --format and --out)")
         try:
             rel = self.con.sql(sql, params=params)
         except duckdb.Error as exc:

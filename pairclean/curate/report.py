@@ -25,6 +25,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
 from pairclean import __version__
+from pairclean.ops.guard import check_output
 from pairclean.ops.atomic import atomic_path
 from pairclean.data.decode import DecodeError, decode_image
 from pairclean.errors import UserError
@@ -41,6 +42,8 @@ from pairclean.data.units import Unit
 CLEAN, NOISY, NEUTRAL, INK, MUTED = "#1b9e77", "#d95f02", "#5b6c8f", "#1f2430", "#6b7280"
 BETA_COLOUR, GMM_COLOUR = "#7570b3", "#e7298a"
 RULE_COLOURS = (BETA_COLOUR, GMM_COLOUR, "#66a61e", "#e6ab02", "#a6761d")  # per rule, in the file's rule order
+
+MAX_BINS = 1000  # a histogram bar per bin: more is unreadable and grows the page without bound
 
 
 @dataclass
@@ -329,7 +332,8 @@ def shard_figure(shards: list[dict], truth: bool, rules: list[RuleRecord]) -> st
     ax.set_xlabel(f"shard (in order, {n:,} shards)", color=INK)
     ax.set_ylabel("share of pairs", color=INK)
     if n <= 12:
-        ax.set_xticks(x, [os.path.basename(s["shard"]) for s in shards], fontsize=8)
+        # Shard names are user text: `$...$` in one is a file name, not mathtext to typeset.
+        ax.set_xticks(x, [os.path.basename(s["shard"]) for s in shards], fontsize=8, parse_math=False)
     else:
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     fig.legend(frameon=False, fontsize=9, loc="outside right upper")
@@ -540,10 +544,11 @@ def build_report(scores: str | Path, out: str | Path, shards: list[str] | None =
                  bins: int = 60, max_shard_rows: int = 40, title: str | None = None) -> ReportResult:
     """Write the HTML report for a scores file; thumbnails come from `shards` (or the scored paths)."""
     scores, out = Path(scores), Path(out)
+    check_output(out, [scores, truth, *(shards or [])])
     if gallery < 0 or contrast < 0:
         raise UserError("--gallery and --contrast must not be negative")
-    if bins < 2:
-        raise UserError("--bins must be at least 2")
+    if not 2 <= bins <= MAX_BINS:
+        raise UserError(f"--bins must be within [2, {MAX_BINS}], got {bins}")
     try:
         prov = read_provenance(scores)
     except (ValueError, OSError) as exc:

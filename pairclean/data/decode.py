@@ -10,7 +10,7 @@ import io
 import re
 import warnings
 
-from PIL import Image, ImageFile, UnidentifiedImageError
+from PIL import Image, ImageFile, ImageOps, UnidentifiedImageError
 
 # A 50,000 x 50,000 image would need 7.5 GB: refuse anything over this many pixels
 # from the header alone, before any pixel buffer is allocated.
@@ -65,6 +65,7 @@ def decode_image(data: bytes | None, draft_size: int | None = None, max_pixels: 
             if draft_size and img.format == "JPEG":
                 img.draft("RGB", (draft_size, draft_size))
             img.load()
+            ImageOps.exif_transpose(img, in_place=True)  # phones store photos sideways plus a rotate tag
             return _to_rgb(img)
     except DecodeError:
         raise

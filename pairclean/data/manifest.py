@@ -23,6 +23,7 @@ import yaml
 from pairclean.errors import UserError
 
 PAIR_KINDS = ("image-text", "text-text", "image-label", "image-image")
+MANIFEST_NAME = "manifest.yaml"  # what a directory written by pairclean describes itself with
 DEFAULT_LABEL_TEMPLATE = "This is a picture of {label}."
 
 
@@ -140,6 +141,19 @@ def resolve_shards(patterns: list[str] | str, base: Path | None = None, allow_pi
             raise UserError(f"shard not found: {missing[0]}" + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
     if not out:
         raise UserError(f"no shards found in {', '.join(patterns)}")
+    return unique_shards(out)
+
+
+def unique_shards(shards: list[str]) -> list[str]:
+    """Each shard once, in first-seen order: `x.tar`, `../shards/x.tar` and a symlink to it are one
+    local file (compared by real path), which would otherwise be scored and filtered twice."""
+    seen: set[str] = set()
+    out = []
+    for shard in shards:
+        identity = os.path.realpath(shard) if "://" not in shard and not shard.startswith("pipe:") else shard
+        if identity not in seen:
+            seen.add(identity)
+            out.append(shard)
     return out
 
 
@@ -205,6 +219,8 @@ def open_dataset(source: str | list[str], pair: str | None = None, fields: Field
                  allow_pipe: bool = False, label_template: str | None = None) -> DatasetSpec:
     """A DatasetSpec from a manifest path or from shard patterns; explicit options override the manifest."""
     sources = [source] if isinstance(source, str) else list(source)
+    if len(sources) == 1 and (Path(sources[0]) / MANIFEST_NAME).is_file():
+        sources = [str(Path(sources[0]) / MANIFEST_NAME)]  # a directory `corrupt` or `filter` wrote
     if len(sources) == 1 and sources[0].endswith((".yaml", ".yml")):
         path = Path(sources[0])
         if not path.exists():

@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import stat
 import tarfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,7 +35,7 @@ import webdataset as wds
 from webdataset.tariterators import base_plus_ext, meta_prefix, meta_suffix
 
 from pairclean.errors import UserError
-from pairclean.data.manifest import DatasetSpec
+from pairclean.data.manifest import PAIR_KINDS, DatasetSpec, unique_shards
 from pairclean.data.units import Unit, is_local
 
 # Text encoders keep the first 77 (CLIP) or 256 (MiniLM) tokens, far fewer than 4096 characters;
@@ -118,7 +119,7 @@ def list_units(spec: DatasetSpec) -> list[str]:
     A shard listed twice (overlapping patterns, a repeated line in a list file) is one unit:
     its pairs would otherwise be scored, and written, twice.
     """
-    shards = list(dict.fromkeys(spec.shards))
+    shards = unique_shards(spec.shards)
     if not spec.allow_pipe and any(s.startswith("pipe:") for s in shards):
         raise UserError("refusing shell `pipe:` shard URLs: pass --allow-pipe to run shell commands from shard lists")
     check_protocols(shards)
@@ -127,18 +128,18 @@ def list_units(spec: DatasetSpec) -> list[str]:
     units = []
     for path in shards:
         try:
-            n = _parquet_file(path).metadata.num_row_groups
+            n = _parquet_file(path).metadata.num_row_groups  # 0 for an empty file: no unit, no pairs
         except Exception:
             n = 1  # read_unit reports the failure for this file
-        units.extend(str(Unit.row_group(path, i)) for i in range(max(n, 1)))
+        units.extend(str(Unit.row_group(path, i)) for i in range(n))
     return units
 
 
 class _Oversized:
     """Stands in for a tar member that was too big to read."""
 
-    def __init__(self, name: str, size: int):
-        self.reason = f"member {name} is {size:,} bytes, over the {MAX_MEMBER_BYTES:,}-byte limit"
+    def __init__(self, name: str, size: int, what: str = "member"):
+        self.reason = f"{what} {name} is {size:,} bytes, over the {MAX_MEMBER_BYTES:,}-byte limit"
 
 
 def _decode_text(raw: bytes | str | None, what: str) -> tuple[str | None, str | None]:
@@ -149,6 +150,8 @@ def _decode_text(raw: bytes | str | None, what: str) -> tuple[str | None, str | 
             raw = raw.decode("utf-8")
         except UnicodeDecodeError:
             return None, f"{what} is not valid UTF-8"
+    if not isinstance(raw, str):  # a Parquet column of numbers, lists or structs
+        return None, f"{what} is {type(raw).__name__}, not text"
     text = raw.strip()
     if not text:
         return None, f"empty {what}"
@@ -400,9 +403,24 @@ def _read_image_path(root: Path, value) -> tuple[bytes | None, str | None]:
     if path is None:
         return None, f"image path escapes the dataset root: {value}"
     try:
-        return path.read_bytes(), None
+        # Non-blocking open, then fstat: a FIFO or device is refused instead of hanging the
+        # reader, and a file is held to the same size limit as a tar member before it is read.
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
     except OSError as exc:
         return None, f"cannot read image file {value}: {exc.strerror or exc}"
+    with os.fdopen(fd, "rb") as fh:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            return None, f"image path {value} is not a regular file"
+        if info.st_size > MAX_MEMBER_BYTES:
+            return None, _Oversized(str(value), info.st_size, "image file").reason
+        try:
+            data = fh.read(MAX_MEMBER_BYTES + 1)
+        except OSError as exc:
+            return None, f"cannot read image file {value}: {exc.strerror or exc}"
+    if len(data) > MAX_MEMBER_BYTES:  # it grew after the check
+        return None, _Oversized(str(value), len(data), "image file").reason
+    return data, None
 
 
 def _parquet_columns(spec: DatasetSpec) -> dict[str, str | None]:
@@ -435,6 +453,17 @@ def parquet_keys(spec: DatasetSpec, path: str) -> list[str]:
     return [_positional_key(path, i) for i in range(pf.metadata.num_rows)]
 
 
+def _pairs_fitting(spec: DatasetSpec, available: set[str]) -> list[str]:
+    """Other pair kinds whose default columns a Parquet file has: the likely fix when the given
+    kind's columns are missing (text-text pairs read as the default image-text)."""
+    fits = []
+    for kind in PAIR_KINDS:
+        other = DatasetSpec(format="parquet", shards=spec.shards, pair=kind)
+        if kind != spec.pair and all(c in available or c == other.fields.key for c in _parquet_columns(other).values()):
+            fits.append(kind)
+    return fits
+
+
 def _read_parquet(spec: DatasetSpec, unit: str) -> Iterator[RawPair | UnitFailure]:
     parsed = Unit.parse(unit)
     path, rg = parsed.path, parsed.part
@@ -445,7 +474,9 @@ def _read_parquet(spec: DatasetSpec, unit: str) -> Iterator[RawPair | UnitFailur
         available = set(pf.schema_arrow.names)
         missing = [c for c in cols.values() if c not in available and c != spec.fields.key]
         if missing:
-            yield UnitFailure(unit, f"column(s) {missing} not in {path} (has {sorted(available)})")
+            fits = _pairs_fitting(spec, available)
+            hint = f"; its columns fit --pair {' or '.join(fits)}" if fits else ""
+            yield UnitFailure(unit, f"column(s) {missing} not in {path} (has {sorted(available)}){hint}")
             return
         table = pf.read_row_group(rg, columns=[c for c in dict.fromkeys(cols.values()) if c in available])
     except Exception as exc:

@@ -8,6 +8,7 @@ module is the only place that writes or reads it.
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
 from enum import Enum
@@ -61,3 +62,16 @@ def unit_shard(unit: str) -> str:
 def is_local(url: str) -> bool:
     """A path on this machine, as opposed to a `pipe:` command or a URL with a scheme."""
     return "://" not in url and not url.startswith("pipe:")
+
+
+def unit_fingerprint(unit: str) -> dict | None:
+    """Size and mtime of the unit's file, recorded when the unit is committed: a shard rewritten
+    after that is caught on resume instead of keeping stale rows. None for URLs and missing files."""
+    path = unit_shard(unit)
+    if not is_local(path):
+        return None
+    try:
+        info = os.stat(path)
+    except OSError:
+        return None
+    return {"size": info.st_size, "mtime_ns": info.st_mtime_ns}

@@ -41,10 +41,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pairclean.ops.atomic import write_json
-from pairclean.errors import UserError
+from pairclean.errors import ConfigError, UserError
 from pairclean.data.manifest import DatasetSpec, open_dataset, write_manifest
 from pairclean.data.writer import staged_directory, write_shards
-from pairclean.curate.query import sql_string
+from pairclean.ops.guard import check_output
+from pairclean.curate.query import sandboxed_connection, sql_string
 from pairclean.data.reader import UnitFailure, list_units, raise_failure, read_samples, read_unit
 from pairclean.data.units import is_local, unit_shard
 
@@ -377,9 +378,12 @@ def corrupt(source: str | list[str] | DatasetSpec, out: str | Path, ratio: float
     drawn for `mode`'s noise; in mixed mode the share shuffled, beside `weak_ratio` weakened."""
     spec = source if isinstance(source, DatasetSpec) else open_dataset(source)
     _check_source(spec, ratio, mode, weak_ratio)
+    if seed < 0:
+        raise ConfigError(f"seed must be at least 0, got {seed}", "seed")
     if not 0.0 < weak_share <= 1.0:
         raise UserError(f"the weak-noise word share must be within (0, 1], got {weak_share}")
     out = Path(out)
+    check_output(out, [*spec.shards, spec.truth])
     field = caption_field(spec)
     units = list_units(spec)
     shards = list(dict.fromkeys(spec.shards))
@@ -390,9 +394,8 @@ def corrupt(source: str | list[str] | DatasetSpec, out: str | Path, ratio: float
         shares = {"shuffle": (ratio, 0.0, 0.0), "weak": (0.0, ratio, 0.0), "mixed": (ratio, weak_ratio, 0.0),
                   "hard": (0.0, 0.0, ratio)}[mode]
         shuffled, weakened, hard = (round(share * eligible) for share in shares)
-        con = duckdb.connect(str(work / "plan.duckdb"))
+        con = sandboxed_connection(work / "spill", directories=[work], database=str(work / "plan.duckdb"))
         try:
-            con.execute(f"SET temp_directory = {sql_string(work / 'spill')}")
             _plan(con, rows, repl, shuffled, weakened, seed, hard)
             vocabulary = _vocabulary(con, rows) if weakened else None
         finally:

@@ -109,7 +109,7 @@ def detection_metrics(noisy, sim, weight, decisions: dict[str, np.ndarray]) -> d
     }
 
 
-def evaluate_detection(scores: str | Path, truth: str | Path) -> dict:
+def evaluate_detection(scores: str | Path, truth: str | Path, truth_key: str | None = None) -> dict:
     """Join a scores file with a truth file (Parquet, or a manifest whose `truth:` names one) and
     measure every rule the file holds; rows with an error or without a truth label are counted,
     not scored. Each rule's entry carries its table label, `noisy_if` and `threshold`."""
@@ -120,7 +120,7 @@ def evaluate_detection(scores: str | Path, truth: str | Path) -> dict:
         provenance = read_provenance(scores)
     except (ValueError, OSError):
         provenance = {}
-    with ScoresDB(scores, truth) as db:
+    with ScoresDB(scores, truth, truth_key=truth_key) as db:
         rules = recorded_rules(provenance, db.columns("labeled"))
         decisions = [rule.decision for rule in rules]
         missing = [c for c in ("sim", "weight", *decisions) if c not in db.columns("labeled")]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from collections import defaultdict
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -18,13 +19,13 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from pairclean.backends import build_estimator, check_backend
-from pairclean.backends.base import resolve_precision
+from pairclean.backends.base import file_sha256, resolve_precision
 from pairclean.backends.device_jpeg import finish_batch
 from pairclean.backends.oom import OomBackoff
 from pairclean.ops.faults import slow_point
 from pairclean.ops.notices import notice_once
 from pairclean.ops.worker_memory import steady_worker_memory
-from pairclean.config import unpinned
+from pairclean.config import check_numbers, check_pretrained, unpinned
 from pairclean.core.beta import BetaCache, BetaEstimate, ShuffledAccumulator, cached_random_input_beta
 from pairclean.core.scorer import null_partners
 from pairclean.data.manifest import DatasetSpec, open_dataset
@@ -46,6 +47,11 @@ class ScoreConfig(RunConfig):
     batch_size: int = unpinned(256)
     workers: int = unpinned(2)
     beta_k: int = 1024
+
+    def __post_init__(self):
+        super().__post_init__()
+        check_numbers(self, at_least={"workers": 0, "beta_k": 1})
+        check_pretrained(self.pretrained)
 
 
 GROUP_BATCHES = 16  # a group of units holds at least this many batches' worth of pairs
@@ -147,8 +153,12 @@ class ModelProducer(Producer):
         return list_units(self.spec)
 
     def settings(self) -> dict:
-        spec = self.spec
-        return {"pair": spec.pair, "fields": asdict(spec.fields), "label_template": spec.label_template}
+        spec, pretrained = self.spec, self.cfg.pretrained
+        # A checkpoint replaced at the same path between a kill and the re-run is another model:
+        # its hash is pinned, so the resumed run is refused instead of mixing two models' scores.
+        weights = file_sha256(pretrained) if pretrained and os.path.isfile(pretrained) else None
+        return {"pair": spec.pair, "fields": asdict(spec.fields), "label_template": spec.label_template,
+                "weights_sha256": weights}
 
     def prepare(self) -> None:
         if self.estimator is None:  # built (and so validated) before anything is written

@@ -306,7 +306,9 @@ class PartStore:
             self._lock()
             return self._start(settings, units, replaces_output=False)
         except UserError:
-            if not existed and self.dir.is_dir():
+            # Only a directory this process created and locked is its own to remove: a process
+            # that lost the race to create it must leave the winner's run alone.
+            if not existed and self._lock_fd is not None and self.dir.is_dir():
                 self.remove()
             else:
                 self._unlock()

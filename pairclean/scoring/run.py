@@ -21,11 +21,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, ClassVar, Iterator
 
-from pairclean.config import pinned_settings, unpinned
+from pairclean.config import check_numbers, pinned_settings, unpinned
 from pairclean.core.beta import BETA_MODES, BetaEstimate, check_beta_mode, resolve_beta, shuffled_beta
 from pairclean.core.scorer import WEIGHT_FUNCTIONS
 from pairclean.errors import UserError
 from pairclean.ops import distributed
+from pairclean.data.units import unit_fingerprint, unit_shard
+from pairclean.ops.guard import check_output
+from pairclean.ops.notices import notice
 from pairclean.ops.progress import SILENT, Progress
 from pairclean.scores.contract import read_provenance
 from pairclean.scores.rules import DEFAULT_RULES, build_rules
@@ -51,6 +54,7 @@ class RunConfig:
     progress: Progress = unpinned(SILENT)
 
     def __post_init__(self):
+        check_numbers(self, finite=("beta",), at_least={"seed": 0, "gmm_sample": 2})
         build_rules(self.rules)  # an unknown rule or option fails before anything is scored
 
 
@@ -137,6 +141,24 @@ def units_settings(units: list[str]) -> dict:
     return {"units_sha1": hashlib.sha1(json.dumps(units).encode()).hexdigest(), "n_units": len(units)}
 
 
+def check_unchanged(records: dict[str, dict]) -> None:
+    """Refuse to resume over committed units whose file changed since (a vanished file is only
+    a failed unit, as elsewhere): their rows would describe data that is no longer there."""
+    changed = [u for u, rec in records.items() if rec.get("fingerprint") is not None
+               and unit_fingerprint(u) not in (None, rec["fingerprint"])]
+    if changed:
+        raise UserError(f"{unit_shard(changed[0])} changed since the unfinished run scored it "
+                        f"({len(changed)} unit(s) changed): pass --overwrite to score the inputs again")
+
+
+def warn_if_all_failed(units: list[str], records: dict[str, dict]) -> None:
+    """A run in which every unit failed read no pair: say why on stderr, not only inside run.json."""
+    failed = [u for u in units if records[u].get("failure")]
+    if units and len(failed) == len(units) and not any(records[u].get("rows") for u in units):
+        notice(f"every input unit failed ({len(units)}), no pair was read; first: {unit_shard(failed[0])}: "
+               f"{records[failed[0]]['failure']}")
+
+
 def run_scoring(producer: Producer, out: str | Path, cfg: RunConfig) -> ScoreResult:
     """Score every unit of `producer` into `out` (Parquet); resumes an interrupted run."""
     out = Path(out)
@@ -148,6 +170,7 @@ def run_scoring(producer: Producer, out: str | Path, cfg: RunConfig) -> ScoreRes
     if not out.parent.exists():
         raise UserError(f"output directory {out.parent} does not exist")
     units = producer.units()
+    check_output(out, {unit_shard(u) for u in units})
     store = PartStore(parts_dir_for(out))
     settings = {**pinned_settings(cfg), **producer.settings(), **units_settings(units)}
     # Under torchrun, rank 0 alone decides (finished? fresh or resumed? beta) and tells the others.
@@ -172,6 +195,7 @@ def run_scoring(producer: Producer, out: str | Path, cfg: RunConfig) -> ScoreRes
             groups = producer.groups(start.units)
             store.save_groups(groups)
         done = store.committed()
+        check_unchanged(done)
         # Claims are made after the committed units are known, so a job restarted with another
         # world size still scores every remaining unit exactly once.
         work = Work([(i, g) for i, g in enumerate(groups) if any(u not in done for u in g)],
@@ -185,7 +209,7 @@ def run_scoring(producer: Producer, out: str | Path, cfg: RunConfig) -> ScoreRes
         scored = {"pairs": 0}
 
         def commit(unit: str, columns: dict, record: dict) -> None:
-            store.commit(unit, columns, {**record, "rank": distributed.rank()})
+            store.commit(unit, columns, {**record, "rank": distributed.rank(), "fingerprint": unit_fingerprint(unit)})
             scored["pairs"] += len(columns["key"])
             elapsed = time.perf_counter() - started
             task.update(advance=1, pairs=scored["pairs"], rate=scored["pairs"] / elapsed if elapsed else 0.0)
@@ -204,6 +228,7 @@ def run_scoring(producer: Producer, out: str | Path, cfg: RunConfig) -> ScoreRes
     missing = [u for u in units if u not in records]
     if missing:
         raise RuntimeError(f"{len(missing)} unit(s) were not committed (first: {missing[0]})")
+    warn_if_all_failed(units, records)
     if beta is None:
         beta = shuffled_beta([records[u].get("shuffled") for u in units])
     produced, extra = producer.finish(records, counters, todo)

@@ -20,11 +20,13 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
+from pairclean.ops.guard import check_output
 from pairclean.config import pinned_settings, unpinned
 from pairclean.ops import distributed
 from pairclean.ops.progress import SILENT, Progress
 from pairclean.ops.worker_memory import steady_worker_memory
 from pairclean.ops.atomic import write_json
+from pairclean.config import check_numbers, check_pretrained
 from pairclean.errors import ConfigError, UserError
 from pairclean.backends import check_backend, load_target
 from pairclean.backends.base import PRECISIONS, autocast_context
@@ -71,6 +73,11 @@ class TrainConfig:
             raise ConfigError("epochs must be at least 1", "epochs")
         if self.batch_size < 2:
             raise ConfigError("batch_size must be at least 2 (in-batch negatives)", "batch_size")
+        check_numbers(self, finite=("lr", "weight_decay", "min_lr_ratio", "temperature", "grad_clip"),
+                      at_least={"seed": 0})
+        check_pretrained(self.pretrained)
+        if self.temperature is not None and self.temperature <= 0:
+            raise ConfigError("temperature must be positive (or None)", "temperature")
         if self.lr <= 0 or self.weight_decay < 0 or self.warmup_steps < 0:
             raise ConfigError("lr must be positive, weight_decay and warmup_steps non-negative", "lr", "weight_decay",
                               "warmup_steps")
@@ -156,6 +163,7 @@ def train(source: str | list[str] | DatasetSpec, out: str | Path, config: TrainC
     spec = _spec(source, pair)
     val_spec = _spec(val, pair or spec.pair) if val is not None else None
     method = build_method(cfg.method, cfg.method_options)
+    check_output(out, [*spec.shards, *(val_spec.shards if val_spec else []), cfg.method_options.get("scores")])
     resuming = distributed.on_main(lambda: _prepare_run_dir(out, cfg))  # rank 0 owns the run directory
     settings = _settings(cfg, spec, val_spec)
     state = None
@@ -339,6 +347,9 @@ class _Loop:
             totals["data_s"] += began - ready
             out = self._step(batch)
             loss, n = distributed.all_reduce_mean(float(out.loss.detach())), len(batch["key"])
+            if not math.isfinite(loss):  # every rank sees the same mean: all stop, none saves a checkpoint
+                raise UserError(f"the training loss became {loss} at step {self.step}: stopped before saving a "
+                                "checkpoint (check the loss weights, or lower --lr)")
             ready = time.perf_counter()
             totals["compute_s"] += ready - began
             totals["loss_sum"] += loss * n

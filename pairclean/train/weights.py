@@ -27,13 +27,15 @@ from pathlib import Path
 import duckdb
 import numpy as np
 import pyarrow as pa
+import pyarrow.dataset as pads
 import pyarrow.parquet as pq
 
 from pairclean.ops.atomic import atomic_path
 from pairclean.errors import UserError
 from pairclean.data.manifest import DatasetSpec
 from pairclean.data.writer import staged_directory
-from pairclean.curate.query import ScoresDB, duckdb_message, sql_string
+from pairclean.curate.filter import NUMERIC_TYPES
+from pairclean.curate.query import ScoresDB, compile_predicate, duckdb_message
 from pairclean.train.data import DROPPED, ShardInfo, shard_keys
 
 JOINS = ("auto", "shard-index", "key")
@@ -75,16 +77,18 @@ class _Scores:
         if column is not None and column not in self.names:
             raise UserError(f"scores {self.path} has no column {column!r} (columns: {', '.join(self.names)})")
         self.weight_sql = f'COALESCE(CAST(s."{column}" AS DOUBLE), 0.0)' if column else "1.0"
-        self.keep_sql = f"COALESCE(({predicate}), FALSE)" if predicate else "TRUE"
-        try:
-            self.con.execute(f"SELECT {self.keep_sql} FROM scores s LIMIT 0")
-        except duckdb.Error as exc:
-            raise UserError(f"bad --filter predicate {predicate!r}: {duckdb_message(exc)}") from None
+        self.keep_sql = f"COALESCE({compile_predicate(self.db, predicate, '--filter')}, FALSE)" if predicate else "TRUE"
         if column is not None:
+            kind = self.db.columns()[column]
+            if not kind.startswith(NUMERIC_TYPES):
+                raise UserError(f"column {column!r} is {kind}, not numeric: it cannot serve as a weight")
             try:
-                lowest = self.con.execute(f"SELECT min({self.weight_sql}) FROM scores s").fetchone()[0]
+                lowest, bad = self.con.execute(f"SELECT min({self.weight_sql}), count(*) FILTER "
+                                               f"(WHERE NOT isfinite({self.weight_sql})) FROM scores s").fetchall()[0]
             except duckdb.Error as exc:
                 raise UserError(f"column {column!r} cannot serve as a weight: {duckdb_message(exc)}") from None
+            if bad:
+                raise UserError(f"column {column!r} has {bad:,} NaN or infinite values; loss weights must be finite")
             if lowest is not None and lowest < 0:
                 raise UserError(f"column {column!r} has negative values (min {lowest:.4g}); loss weights must be >= 0")
 
@@ -117,7 +121,7 @@ def build_weight_arrays(scores: str | Path, spec: DatasetSpec, shards: list[Shar
     with src.db, staged_directory(out, overwrite=True) as tmp:
         keys_file = tmp / "train-keys.parquet"
         _write_train_keys(spec, shards, keys_file)
-        con.execute(f"CREATE VIEW train_keys AS SELECT * FROM read_parquet({sql_string(str(keys_file))})")
+        con.register("train_keys", pads.dataset(keys_file))
         mode = _choose_join(src, shards, join)
         if mode == "shard-index":
             query = (f'SELECT m.shard_id, s."index" AS idx, {src.weight_sql} AS w, {src.keep_sql} AS keep '
@@ -130,7 +134,7 @@ def build_weight_arrays(scores: str | Path, spec: DatasetSpec, shards: list[Shar
             files, counts = _write_arrays(reader, shards, tmp, on_missing)
         except duckdb.Error as exc:
             raise UserError(f"joining {src.path} failed: {duckdb_message(exc)}") from None
-        con.execute("DROP VIEW train_keys")
+        con.unregister("train_keys")
         keys_file.unlink()
     return WeightJoin(directory=str(out), shard_files={s.shard: files[i] for i, s in enumerate(shards)}, join=mode,
                       **counts)

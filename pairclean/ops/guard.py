@@ -1,0 +1,54 @@
+"""The output guard: every writing command checks its output here before it writes anything.
+
+An output must never replace, delete or be read back as one of the run's inputs. Paths are
+compared resolved (symlinks and `..` followed), so `x.tar`, `../shards/x.tar` and a link to it
+are one file. Refused, in either direction:
+
+- the output is an input (a scores file rewritten by the query or report that reads it);
+- the output contains an input (`--out` equal to, or a parent of, the shards' directory: the
+  replacement with `--overwrite` would delete them);
+- the output lies inside an input directory (the next run over that directory reads it back):
+  front ends pass the directories the user named along with the files read from them.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Iterable
+
+from pairclean.data.units import is_local
+from pairclean.errors import UserError
+
+
+def _resolved(path: str | Path) -> Path:
+    return Path(os.path.realpath(os.path.expanduser(str(path))))
+
+
+def _within(path: Path, directory: Path) -> bool:
+    return path == directory or directory in path.parents
+
+
+def check_output(out: str | Path, inputs: Iterable[str | Path], option: str = "--out") -> Path:
+    """Refuse `out` when it overlaps any input file or directory; the resolved output path."""
+    target = _resolved(out)
+    for given in inputs:
+        if given is None or not is_local(str(given)):
+            continue
+        source = _resolved(given)
+        if target == source:
+            raise UserError(f"{option} {out} is an input of this run ({given}): write the output somewhere else")
+        if _within(source, target):
+            raise UserError(f"{option} {out} contains the input {given}: writing it would replace the input; "
+                            "write the output somewhere else")
+        if source.is_dir() and _within(target, source):
+            raise UserError(f"{option} {out} is inside the input directory {given}: the next run over it would "
+                            "read its own output; write the output somewhere else")
+    return target
+
+
+def check_file_prefix(prefix: str, option: str = "--prefix") -> str:
+    """A prefix of output file names stays a plain name: it cannot lead out of the output directory."""
+    if not prefix or prefix in (".", "..") or "/" in prefix or os.sep in prefix or (os.altsep and os.altsep in prefix):
+        raise UserError(f"{option} {prefix!r} must be a plain file-name prefix (no '/', not '.' or '..')")
+    return prefix
