@@ -57,9 +57,9 @@ def test_sdd_memory_bank_is_the_nearest_clean_pair_per_side():
 
 def test_gsc_cross_modal_indicator_from_a_small_similarity_matrix():
     eye = torch.eye(2)
-    y = cross_modal_indicator(eye, eye, tau1=1.0)  # S = I: each softmax diagonal is e / (e + 1)
+    y = cross_modal_indicator(eye, eye, logit_scale=1.0)  # S = I: each softmax diagonal is e / (e + 1)
     assert y.tolist() == pytest.approx([math.e / (math.e + 1)] * 2)
-    y = cross_modal_indicator(eye, eye.flip(0), tau1=1.0)  # swapped pairs: the diagonal holds the negatives
+    y = cross_modal_indicator(eye, eye.flip(0), logit_scale=1.0)  # swapped pairs: the diagonal holds the negatives
     assert y.tolist() == pytest.approx([1 / (math.e + 1)] * 2)
 
 
@@ -178,5 +178,5 @@ def test_method_option_help_lists_every_method_with_its_defaults(capsys):
 
     main(["train", "--method-option", "help"])  # no data, no --out: the listing comes first
     out = capsys.readouterr().out
-    for text in ("sdd", "alpha=20.0", "beta=30.0", "gsc", "tau1=0.07", "gamma=0.01", "networks=1", "osa-weights"):
+    for text in ("sdd", "alpha=20.0", "beta=30.0", "gsc", "tau1=None", "gamma=0.01", "networks=1", "osa-weights"):
         assert text in out

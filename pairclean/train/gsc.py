@@ -2,7 +2,8 @@
 training-methods.md), on a dual encoder.
 
 Per step, from the training forward pass: the cross-modal indicator y_CM (Eq. 3, both softmax
-directions of S / tau1 at the diagonal) and the intra-modal structure similarity S_IM (Eq. 8, the
+directions of S / tau1 at the diagonal; tau1 defaults to the run's temperature, the one L_CM
+trains with, as the paper uses one tau1 for both) and the intra-modal structure similarity S_IM (Eq. 8, the
 cosine between a pair's rows of S_II and S_TT with columns scaled by the labels), both stored
 detached per pair. Per epoch: a 2-component GMM over min-max normalised S_IM gives y_IM (Eq. 4),
 y_CM and y_IM are each ensembled with the previous epoch's (Eq. 10, weight beta on the new one,
@@ -32,9 +33,10 @@ from pairclean.train.robust import (Network, NetworkBatches, PairIndex, gather_b
 PEER_SEED_OFFSET = 1  # the peer's initialisation and data order: seed + 1
 
 
-def cross_modal_indicator(left, right, tau1: float, all_left=None, all_right=None, offset: int = 0) -> torch.Tensor:
-    """Eq. 3: 0.5 * (softmax_row(S / tau1)_ii + softmax_col(S / tau1)_ii) = mean of exp(-CE) both ways."""
-    terms = infonce_terms(left, right, 1.0 / tau1, all_left, all_right, offset)
+def cross_modal_indicator(left, right, logit_scale, all_left=None, all_right=None, offset: int = 0) -> torch.Tensor:
+    """Eq. 3: 0.5 * (softmax_row(S / tau1)_ii + softmax_col(S / tau1)_ii) = mean of exp(-CE) both ways,
+    logit_scale = 1 / tau1."""
+    terms = infonce_terms(left, right, logit_scale, all_left, all_right, offset)
     return 0.5 * (torch.exp(-terms.left_to_right) + torch.exp(-terms.right_to_left))
 
 
@@ -70,7 +72,8 @@ def momentum(previous: np.ndarray, current: np.ndarray, beta: float) -> np.ndarr
 
 @dataclass
 class GscOptions:
-    tau1: float = 0.07  # temperature of the cross-modal indicator
+    tau1: float | None = None  # temperature of the cross-modal indicator; None: the run's (the paper's L_CM and
+    # y_CM share tau1 = 0.07; here L_CM trains at the run's temperature, so y_CM follows it unless set)
     tau2: float = 1.0  # temperature of the intra-modal loss
     gamma: float = 0.01  # weight of L_IM
     beta1: float = 0.7  # momentum of y_CM (weight of the new epoch's estimate)
@@ -135,7 +138,7 @@ class Gsc(Method):
         o = self.options
         if o.networks not in (1, 2):
             raise UserError(f"gsc: networks must be 1 or 2, not {o.networks}")
-        if o.tau1 <= 0 or o.tau2 <= 0 or o.gamma < 0:
+        if (o.tau1 is not None and o.tau1 <= 0) or o.tau2 <= 0 or o.gamma < 0:
             raise UserError("gsc: tau1 and tau2 must be positive, gamma non-negative")
         if not (0 <= o.beta1 <= 1 and 0 <= o.beta2 <= 1):
             raise UserError("gsc: beta1 and beta2 must be within [0, 1]")
@@ -172,7 +175,8 @@ class Gsc(Method):
         labels = torch.from_numpy(self._training_labels(network)).to(device)
         own_ids = torch.from_numpy(ids).to(device)
         y_all, y_own = labels[gather_batch_ids(own_ids)], labels[own_ids]
-        y_cm = cross_modal_indicator(emb.left, emb.right, o.tau1, emb.all_left, emb.all_right, emb.offset)
+        scale = emb.logit_scale.detach() if o.tau1 is None else 1.0 / o.tau1
+        y_cm = cross_modal_indicator(emb.left, emb.right, scale, emb.all_left, emb.all_right, emb.offset)
         s_im = intra_modal_similarity(emb.left, emb.right, y_all, emb.all_left, emb.all_right)
         self.labels[network].record(ids, y_cm, s_im)
         l_cm, per_pair = weighted_infonce(emb.left, emb.right, emb.logit_scale, y_own, all_left=emb.all_left,
