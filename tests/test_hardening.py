@@ -454,8 +454,7 @@ def test_a_run_where_every_unit_failed_says_why_on_stderr(tmp_path, capsys):
     data = tmp_path / "pairs.parquet"
     pq.write_table(pa.table({"id": ["a", "b"], "sentence": ["x", "y"]}), data)  # not the expected columns
     code, _, err = run_cli(["score", data, *TINY, "--out", tmp_path / "scores.parquet"], capsys)
-    # Exit status stays 0: tests/test_score.py::test_unreadable_parquet_columns_are_reported pins it.
-    assert code == 0 and "warning: every input unit failed" in err and "pairs.parquet" in err, err
+    assert code == 2 and "error: every input unit failed" in err and "pairs.parquet" in err, err
 
 
 def test_text_only_backend_on_image_pairs_names_the_pair_option(tmp_path, shards, capsys):

@@ -129,8 +129,8 @@ def test_unreadable_parquet_columns_are_reported(coco_parquet, tmp_path, capsys)
     out = tmp_path / "s.parquet"
     code = _cli(["score", str(coco_parquet), "--out", str(out), *TINY, "--text-field", "nope"])
     err = capsys.readouterr().err
-    # Every row group fails with the column named; the run finishes and reports them.
-    assert code == 0, err
+    # Every row group fails with the column named; the run finishes, reports them, and fails (issue 15).
+    assert code == 2 and "every input unit failed" in err and "nope" in err, err
     manifest = json.loads(run_manifest_path(out).read_text())
     failures = manifest["summary"]["unit_failures"]
     assert failures and "nope" in failures[0]["reason"]

@@ -28,9 +28,8 @@ from pairclean.errors import UserError
 from pairclean.ops import distributed
 from pairclean.data.units import unit_fingerprint, unit_shard
 from pairclean.ops.guard import check_output
-from pairclean.ops.notices import notice
 from pairclean.ops.progress import SILENT, Progress
-from pairclean.scores.contract import read_provenance
+from pairclean.scores.contract import read_provenance, run_manifest_path
 from pairclean.scores.rules import DEFAULT_RULES, build_rules
 from pairclean.scoring.finalize import finalize
 from pairclean.scoring.parts import GroupClaims, PartStore, parts_dir_for
@@ -151,12 +150,13 @@ def check_unchanged(records: dict[str, dict]) -> None:
                         f"({len(changed)} unit(s) changed): pass --overwrite to score the inputs again")
 
 
-def warn_if_all_failed(units: list[str], records: dict[str, dict]) -> None:
-    """A run in which every unit failed read no pair: say why on stderr, not only inside run.json."""
+def refuse_if_all_failed(units: list[str], records: dict[str, dict], out: Path) -> None:
+    """A run in which every unit failed read no pair: it fails, saying why on stderr, not only
+    inside run.json (which is written, with every unit's reason, before this is raised)."""
     failed = [u for u in units if records[u].get("failure")]
     if units and len(failed) == len(units) and not any(records[u].get("rows") for u in units):
-        notice(f"every input unit failed ({len(units)}), no pair was read; first: {unit_shard(failed[0])}: "
-               f"{records[failed[0]]['failure']}")
+        raise UserError(f"every input unit failed ({len(units)}), no pair was read; first: {unit_shard(failed[0])}: "
+                        f"{records[failed[0]]['failure']} (all reasons in {run_manifest_path(out)})")
 
 
 def run_scoring(producer: Producer, out: str | Path, cfg: RunConfig) -> ScoreResult:
@@ -228,7 +228,6 @@ def run_scoring(producer: Producer, out: str | Path, cfg: RunConfig) -> ScoreRes
     missing = [u for u in units if u not in records]
     if missing:
         raise RuntimeError(f"{len(missing)} unit(s) were not committed (first: {missing[0]})")
-    warn_if_all_failed(units, records)
     if beta is None:
         beta = shuffled_beta([records[u].get("shuffled") for u in units])
     produced, extra = producer.finish(records, counters, todo)
@@ -241,4 +240,5 @@ def run_scoring(producer: Producer, out: str | Path, cfg: RunConfig) -> ScoreRes
     summary.update(extra, pairs_per_second=scored_now / elapsed if elapsed > 0 else 0.0, scoring_seconds=elapsed,
                    scoring_cpu_seconds=cpu, beta_seconds=beta_seconds, beta_source=beta_source)
     store.remove()
+    refuse_if_all_failed(units, records, out)
     return ScoreResult(out, summary, elapsed, scored_now, resumed, provenance)
