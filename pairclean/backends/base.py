@@ -86,17 +86,17 @@ class Backend:
     @classmethod
     def estimator(cls, model: str, **options) -> Estimator:
         """The frozen estimator; options: pretrained, device, precision, decode, compile."""
-        raise NotImplementedError(f"the {cls.name} backend builds no estimator")
+        raise UserError(f"the {cls.name} backend builds no estimator (it cannot score)")
 
     @classmethod
     def target(cls, model: str, pretrained: str, device: str, temperature: float | None) -> Target:
         """The trainable target (temperature None: the backend's own)."""
-        raise NotImplementedError(f"the {cls.name} backend builds no training target")
+        raise UserError(f"the {cls.name} backend builds no training target (it cannot be trained)")
 
     @classmethod
     def exported(cls, description: dict, weights: Path, device: str) -> Target:
         """The target a `pairclean train` run exported to `weights`, from the run's `target` description."""
-        raise NotImplementedError(f"the {cls.name} backend reloads no trained model")
+        raise UserError(f"the {cls.name} backend reloads no trained model")
 
 
 BACKENDS: dict[str, type[Backend]] = {}

@@ -70,15 +70,15 @@ def _open_clip_logging_contained():
     and keep root from being configured; afterwards the host's logging is exactly as it was."""
     root = logging.getLogger()
     quiet = _BelowErrorFromOpenClip()
-    placeholder = _AsIfUnconfigured() if not root.handlers else None
+    stand_in = _AsIfUnconfigured() if not root.handlers else None
     root.addFilter(quiet)
-    if placeholder is not None:
-        root.addHandler(placeholder)
+    if stand_in is not None:
+        root.addHandler(stand_in)
     try:
         yield
     finally:
-        if placeholder is not None:
-            root.removeHandler(placeholder)
+        if stand_in is not None:
+            root.removeHandler(stand_in)
         root.removeFilter(quiet)
 
 
