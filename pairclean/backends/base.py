@@ -225,12 +225,21 @@ def resolve_precision(device: str | torch.device, precision: str) -> str:
     return precision
 
 
+_DIGESTS: dict[tuple[str, int, int], str] = {}  # (resolved path, size, mtime_ns) -> sha256
+
+
 def file_sha256(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while block := fh.read(chunk):
-            digest.update(block)
-    return digest.hexdigest()
+    """sha256 of a file, read once per process: a run pins a checkpoint's hash in its settings and
+    names it in the provenance, and a file changed in between (other size or mtime) is read again."""
+    stat = os.stat(path)
+    key = (os.path.realpath(path), stat.st_size, stat.st_mtime_ns)
+    if key not in _DIGESTS:
+        digest = hashlib.sha256()
+        with open(path, "rb") as fh:
+            while block := fh.read(chunk):
+                digest.update(block)
+        _DIGESTS[key] = digest.hexdigest()
+    return _DIGESTS[key]
 
 
 def random_vocabulary_texts(words: list[str], n: int, generator: torch.Generator, max_words: int = 15) -> list[str]:
