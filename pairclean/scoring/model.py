@@ -23,6 +23,7 @@ from pairclean.backends.base import file_sha256, resolve_precision
 from pairclean.backends.device_jpeg import finish_batch
 from pairclean.backends.oom import OomBackoff
 from pairclean.ops.faults import slow_point
+from pairclean.ops import distributed
 from pairclean.ops.notices import notice_once
 from pairclean.ops.worker_memory import steady_worker_memory
 from pairclean.config import check_numbers, check_pretrained, unpinned
@@ -162,8 +163,6 @@ class ModelProducer(Producer):
 
     def prepare(self) -> None:
         if self.estimator is None:  # built (and so validated) before anything is written
-            from pairclean.ops import distributed
-
             cfg = self.cfg
             torch.manual_seed(cfg.seed)  # a randomly initialised model (--pretrained none) is then reproducible
             self.estimator = build_estimator(cfg.backend, model=cfg.model, pretrained=cfg.pretrained,
