@@ -21,14 +21,15 @@ import json
 import statistics
 import sys
 import time
-from functools import partial
 from pathlib import Path
 from typing import NamedTuple
 
 import duckdb
+import numpy as np
 import torch
 from rich.console import Console
 from rich.table import Table
+from sklearn.metrics import roc_auc_score
 
 from pairclean.ops.atomic import atomic_path, write_json
 from pairclean.lab.corrupt import corrupt
@@ -136,11 +137,7 @@ def toy_data(args, out: Path, noisy_name: str | None = None, make_noise=None) ->
     truth = noisy / "truth" / "truth.parquet"
     detection = detection_summary(scores, truth)
     console.print(f"estimator on the noisy set: {detection}")
-    oracle = out / "scores-with-truth.parquet"
-    if not oracle.exists():
-        duckdb.execute(f"COPY (SELECT s.*, t.noisy FROM read_parquet({sql_string(scores)}) s JOIN "
-                       f"read_parquet({sql_string(truth)}) t USING (shard, \"index\")) TO {sql_string(oracle)} "
-                       "(FORMAT parquet)")
+    oracle = oracle_scores(scores, truth, out / "scores-with-truth.parquet")
     return ToyData(clean, val, noisy_manifest, scores, truth, oracle, estimator, detection)
 
 
@@ -187,85 +184,217 @@ def toy(args) -> None:
          {"detection": detection, "estimator": str(estimator), "args": vars(args)})
 
 
-# The clean/noisy partition each method logs per pair (RUN_DIR/diagnostics/pairs-epoch-NNN.parquet):
-# SDD calls a pair noisy when it self-drops it (or, second figure, also when w_con < 0.5: vague);
-# GSC when its label y < 0.5.
-PARTITION_SQL = {"sdd": "partition = 'noisy'", "sdd_or_vague": "partition IN ('noisy', 'vague')",
-                 "gsc": "partition = 'noisy'"}
+class MethodRow(NamedTuple):
+    """One row of the methods tables: what it trains on and how, and how its pair table reads against the truth."""
+    key: str
+    label: str
+    on_clean: bool  # trains on the clean data (the reference row), else on the noisy copy
+    settings: dict  # TrainConfig fields
+    partition: str | None = None  # a key of partition_summary's readings, for the methods that log a partition
 
 
-def partition_accuracy(run_dir: Path, truth: Path, predicate: str) -> float:
-    """Share of pairs whose predicted noisy flag (a SQL predicate over the last epoch's pair table) is the truth."""
-    last = max((run_dir / "diagnostics").glob("pairs-epoch-*.parquet"))
-    return 100.0 * duckdb.execute(f"SELECT avg(CAST(({predicate}) = t.noisy AS DOUBLE)) FROM read_parquet("
-                                  f"{sql_string(last)}) d JOIN read_parquet({sql_string(truth)}) t "
-                                  "USING (shard, \"index\")").fetchone()[0]
+def method_rows(scores: Path, oracle: Path, sdd: dict, sps: dict, diffncl: dict) -> list[MethodRow]:
+    """Every row of the toy and COCO methods tables, in table order (index = the run directory's number)."""
+    return [MethodRow("clean", "clean data, plain", True, {}),
+            MethodRow("plain", "plain", False, {}),
+            MethodRow("osa-weights", "OSA weights", False,
+                      {"method": "osa-weights", "method_options": {"scores": str(scores)}}),
+            MethodRow("oracle", "oracle filter", False,
+                      {"method": "filter", "method_options": {"scores": str(oracle), "filter": "NOT noisy"}}),
+            MethodRow("sdd", "SDD", False, {"method": "sdd", "method_options": sdd}, "sdd"),
+            MethodRow("gsc", "GSC, one network", False, {"method": "gsc"}, "gsc"),
+            MethodRow("gsc-2", "GSC, two networks", False, {"method": "gsc", "method_options": {"networks": "2"}},
+                      "gsc"),
+            MethodRow("sps", "SPS", False, {"method": "sps", "method_options": sps}, "sps"),
+            MethodRow("diffncl", "DiffNCL", False, {"method": "diffncl", "method_options": diffncl}, "diffncl")]
+
+
+def chosen_rows(spec: str | None, rows: list[MethodRow]) -> list[int]:
+    """--rows: indices or keys, comma-separated (None: every row)."""
+    if spec is None:
+        return list(range(len(rows)))
+    keys = [r.key for r in rows]
+    picked = []
+    for item in (x.strip() for x in spec.split(",")):
+        if not item:
+            continue
+        if item.isdigit() and int(item) < len(rows):
+            picked.append(int(item))
+        elif item in keys:
+            picked.append(keys.index(item))
+        else:
+            raise SystemExit(f"unknown row {item!r}; rows are 0-{len(rows) - 1} or {', '.join(keys)}")
+    return sorted(set(picked))
+
+
+def oracle_scores(scores: Path, truth: Path, out: Path) -> Path:
+    """The estimator's scores plus the truth's `noisy` column, for the oracle filter row; refuses a truth that
+    does not cover every scored pair (a join on moved shards would silently leave the oracle nothing to keep)."""
+    if not out.exists():
+        duckdb.execute(f"COPY (SELECT s.*, t.noisy FROM read_parquet({sql_string(scores)}) s JOIN "
+                       f"read_parquet({sql_string(truth)}) t USING (shard, \"index\")) TO {sql_string(out)} "
+                       "(FORMAT parquet)")
+    joined = duckdb.execute(f"SELECT count(*) FROM read_parquet({sql_string(out)})").fetchone()[0]
+    scored = duckdb.execute(f"SELECT count(*) FROM read_parquet({sql_string(scores)})").fetchone()[0]
+    if joined != scored:
+        raise SystemExit(f"{out}: the truth matches {joined} of {scored} scored pairs (moved shards?); delete it and "
+                         "rebuild the noisy copy")
+    return out
+
+
+# What each method's last pair table (RUN_DIR/diagnostics/pairs-epoch-NNN.parquet) calls noisy. SDD: the
+# self-dropped pairs (its second reading: also the vague ones, w_con < 0.5); GSC: label y < 0.5; SPS: its noisy
+# set (reliable and quasi-clean pairs train); DiffNCL: not clean (its weak and noisy sets), and its three-way
+# partition against the three-way truth (clean / weak / shuffle = noisy).
+FLAGGED = {"sdd": "d.partition = 'noisy'", "gsc": "d.partition = 'noisy'", "sps": "d.partition = 'noisy'",
+           "diffncl": "d.partition <> 'clean'"}
+SECOND_READING = {"sdd": ("with vague", "CAST(d.partition IN ('noisy', 'vague') = t.noisy AS DOUBLE)"),
+                  "diffncl": ("3-way", ("CAST(d.partition = CASE WHEN NOT t.noisy THEN 'clean' WHEN t.noise = 'weak' "
+                                        "THEN 'weak' ELSE 'noisy' END AS DOUBLE)"))}
+TRUTH_KIND = "CASE WHEN NOT t.noisy THEN 'clean' ELSE coalesce(t.noise, 'shuffle') END"
+# Each method's per-pair soft reading of cleanliness (higher = cleaner): its ranking, whatever its cut.
+CLEAN_SCORE = {"sdd": "sim", "gsc": "y", "sps": "p", "diffncl": "p_clean"}
+
+
+def partition_summary(run: Path, truth: Path, kind: str) -> dict:
+    """The last epoch's partition against the truth, one DuckDB join on (shard, index): accuracy, noise caught
+    and clean kept (%) of FLAGGED[kind], the second reading where there is one, the counts per (partition,
+    truth kind), and for DiffNCL Psi's and the loss's mean per truth kind. Refuses a table the truth does not
+    cover (a join on moved shards would read as a partition of nothing)."""
+    tables = sorted((run / "diagnostics").glob("pairs-epoch-*.parquet"))
+    if not tables:
+        return {}
+    join = (f"FROM read_parquet({sql_string(tables[-1])}) d JOIN read_parquet({sql_string(truth)}) t "
+            "USING (shard, \"index\")")
+    pairs = duckdb.execute(f"SELECT count(*) FROM read_parquet({sql_string(tables[-1])})").fetchone()[0]
+    joined = duckdb.execute(f"SELECT count(*) {join}").fetchone()[0]
+    if joined != pairs:
+        raise SystemExit(f"{tables[-1]}: the truth matches {joined} of its {pairs} pairs")
+    flagged = FLAGGED[kind]
+    second = SECOND_READING.get(kind, ("", "NULL"))
+    accuracy, caught, kept, other = duckdb.execute(
+        f"""SELECT 100 * avg(CAST(({flagged}) = t.noisy AS DOUBLE)),
+                   100 * avg(CAST({flagged} AS DOUBLE)) FILTER (WHERE t.noisy),
+                   100 * avg(CAST(NOT ({flagged}) AS DOUBLE)) FILTER (WHERE NOT t.noisy),
+                   100 * avg({second[1]}) {join}""").fetchone()
+    summary = {"epoch": tables[-1].name, "accuracy": accuracy, "noise_caught": caught, "clean_kept": kept}
+    soft, noisy = zip(*duckdb.execute(f"SELECT d.{CLEAN_SCORE[kind]}, t.noisy {join}").fetchall())
+    summary["soft_auc"] = 100.0 * roc_auc_score(np.logical_not(noisy), soft) if 0 < sum(noisy) < len(noisy) else None
+    if second[0]:
+        summary["second_reading"] = {"name": second[0], "accuracy": other}
+    summary["counts"] = dict(duckdb.execute(f"SELECT d.partition || ' / ' || {TRUTH_KIND}, count(*) {join} "
+                                            "GROUP BY 1 ORDER BY 1").fetchall())
+    if kind == "diffncl":
+        summary["psi_by_truth"] = {k: {"psi": m, "psi_peer": mp, "loss": ml, "pairs": n} for k, m, mp, ml, n in
+                                   duckdb.execute(f"SELECT {TRUTH_KIND}, avg(d.psi), avg(d.psi_peer), avg(d.loss), "
+                                                  f"count(*) {join} GROUP BY 1 ORDER BY 1").fetchall()}
+    return summary
+
+
+def run_methods(out: Path, rows: list[MethodRow], chosen: list[int], seeds: list[int], make_cfg, clean: Path,
+                noisy: Path, val: Path, truth: Path) -> dict[str, list[dict]]:
+    """Train (or pick up) every chosen row at every seed into out/seed-S/run-I; the partition summaries."""
+    results: dict[str, list[dict]] = {}
+    for seed in seeds:
+        for i in chosen:
+            row = rows[i]
+            run_dir = out / f"seed-{seed}" / f"run-{i}"
+            run_dir.parent.mkdir(parents=True, exist_ok=True)
+            record = run_row(f"{row.label} (seed {seed})", clean if row.on_clean else noisy, run_dir,
+                             make_cfg(seed, row.settings), val)
+            if row.partition:
+                record["partition"] = partition_summary(run_dir, truth, row.partition)
+                shown = {k: v for k, v in record["partition"].items() if k != "counts"}
+                console.print(f"{row.label} (seed {seed}) partition: {shown}")
+            record["seed"] = seed
+            results.setdefault(row.key, []).append(record)
+    return results
+
+
+def spread(values: list[float]) -> str:
+    """mean ± half-range (one value: the value)."""
+    if len(values) == 1:
+        return f"{values[0]:.1f}"
+    return f"{statistics.mean(values):.1f} ± {(max(values) - min(values)) / 2:.1f}"
+
+
+METHOD_COLUMNS = ["run", "rSum", "% of oracle filter", "rSum per seed", "partition accuracy % (last epoch)",
+                  "noise caught / clean kept %", "soft-label ROC-AUC %", "train min"]
+
+
+def methods_rows(rows: list[MethodRow], chosen: list[int], results: dict[str, list[dict]]) -> list[list]:
+    """The table: rSum and % of the oracle filter (each seed against its own oracle run) as mean ± half-range."""
+    oracle = {r["seed"]: r["rsum"] for r in results.get("oracle", [])}
+    table = []
+    for i in chosen:
+        row, runs = rows[i], results[rows[i].key]
+        share = spread([100.0 * r["rsum"] / oracle[r["seed"]] for r in runs]) if oracle else "-"
+        accuracy = caught = auc = "-"
+        if row.partition:
+            parts = [r["partition"] for r in runs]
+            accuracy = spread([p["accuracy"] for p in parts])
+            if "second_reading" in parts[0]:
+                accuracy += f" ({parts[0]['second_reading']['name']}: " \
+                            f"{spread([p['second_reading']['accuracy'] for p in parts])})"
+            caught = f"{spread([p['noise_caught'] for p in parts])} / {spread([p['clean_kept'] for p in parts])}"
+            if all(p["soft_auc"] is not None for p in parts):
+                auc = spread([p["soft_auc"] for p in parts])
+        table.append([row.label, spread([r["rsum"] for r in runs]), share, " / ".join(f"{r['rsum']:.1f}" for r in runs),
+                      accuracy, caught, auc, f"{statistics.mean(r['minutes'] for r in runs):.1f}"])
+    return table
+
+
+def detection_reference(det: dict) -> list:
+    """OSA's own scores of the noisy set read as a partition (beta rule / GMM rule), the reference to beat."""
+    def accuracy(rule: str) -> float:
+        return 100.0 * (det["noisy"] * det[f"{rule}_noise_caught"] / 100 + (det["pairs"] - det["noisy"])
+                        * det[f"{rule}_clean_kept"] / 100) / det["pairs"]
+    return ["(reference) OSA scores: beta rule / GMM", "-", "-", "-", f"{accuracy('beta'):.1f} / {accuracy('gmm'):.1f}",
+            (f"beta {det['beta_noise_caught']:.1f} / {det['beta_clean_kept']:.1f}; GMM {det['gmm_noise_caught']:.1f} / "
+             f"{det['gmm_clean_kept']:.1f}"), f"{100 * det['roc_auc']:.1f}", "-"]
+
+
+def noise_copy(args) -> tuple[str, str, object]:
+    """The noisy copy's directory name, its label and the function that writes it (shuffle, or mixed)."""
+    if args.weak_noise:
+        label = f"{args.weak_noise:.0%} weak + {args.noise:.0%} shuffle"
+        return (f"noisy-{args.noise:g}-weak-{args.weak_noise:g}", label,
+                lambda clean, noisy: corrupt(str(clean), noisy, args.noise, seed=0, mode="mixed",
+                                             weak_ratio=args.weak_noise))
+    return (f"noisy-{args.noise:g}", f"{args.noise:.0%} shuffle",
+            lambda clean, noisy: corrupt(str(clean), noisy, args.noise, seed=0))
+
+
+def method_options(args) -> tuple[dict, dict, dict]:
+    """SDD's, SPS's and DiffNCL's options from the command line (strings, as `--method-option` passes them)."""
+    sdd = {"alpha": str(args.sdd_alpha), "beta": str(args.sdd_beta)}
+    sps = {"warmup_epochs": str(args.warmup_epochs), "e_qc": str(args.e_qc), "e_n": str(args.e_n),
+           "eps1": str(args.sps_eps1)}
+    return sdd, sps, {"warmup_epochs": str(args.warmup_epochs)}
 
 
 def methods_table(args) -> None:
-    """The robust-training methods against plain, OSA weights and the oracle filter, over training seeds."""
+    """The robust-training methods (SDD, GSC one / two networks, SPS, DiffNCL) against plain, OSA weights
+    and the oracle filter, fine-tuning the toy estimator, over training seeds."""
     out = Path(args.out)
-    world = toy_data(args, out)
+    name, noise, make = noise_copy(args)
+    world = toy_data(args, out, name, make)
     init = str(world.estimator) if args.init == "estimator" else "none"
-    noisy, scores = world.noisy, str(world.scores)
-    rows = [("clean data, plain", world.clean, {}, None),
-            ("plain", noisy, {}, None),
-            ("OSA weights", noisy, {"method": "osa-weights", "method_options": {"scores": scores}}, None),
-            ("oracle filter", noisy, {"method": "filter", "method_options": {"scores": str(world.oracle),
-                                                                               "filter": "NOT noisy"}}, None),
-            ("SDD", noisy, {"method": "sdd", "method_options": {"alpha": str(args.sdd_alpha),
-                                                                 "beta": str(args.sdd_beta)}}, "sdd"),
-            ("GSC, one network", noisy, {"method": "gsc"}, "gsc"),
-            ("GSC, two networks", noisy, {"method": "gsc", "method_options": {"networks": "2"}}, "gsc")]
-    chosen = range(len(rows)) if args.rows is None else [int(r) for r in args.rows.split(",") if r]
-    seeds = [int(x) for x in args.seeds.split(",")]
-    results: dict[str, list[dict]] = {}
-    for seed in seeds:
+    rows = method_rows(world.scores, world.oracle, *method_options(args))
+    chosen, seeds = chosen_rows(args.rows, rows), [int(x) for x in args.seeds.split(",")]
+
+    def make_cfg(seed: int, settings: dict) -> TrainConfig:
         args.seed = seed
-        for i, (name, data, kw, partition) in enumerate(rows):
-            if i not in chosen:
-                continue
-            run_dir = out / f"seed-{seed}" / f"run-{i}"
-            run_dir.parent.mkdir(exist_ok=True)
-            row = run_row(f"{name} (seed {seed})", data, run_dir, toy_cfg(args, init, **kw), world.val)
-            if partition == "sdd":
-                row["partition_acc"] = partition_accuracy(run_dir, world.truth, PARTITION_SQL["sdd"])
-                row["partition_acc_vague"] = partition_accuracy(run_dir, world.truth, PARTITION_SQL["sdd_or_vague"])
-            elif partition == "gsc":
-                row["partition_acc"] = partition_accuracy(run_dir, world.truth, PARTITION_SQL["gsc"])
-            results.setdefault(name, []).append(row)
-    if len(results) < len(rows):  # a partial table (--rows): the rows are printed, no table is written
-        return
-    det = world.detection
-    osa_acc = 100.0 * (det["noisy"] * det["beta_noise_caught"] / 100 + (det["pairs"] - det["noisy"])
-                       * det["beta_clean_kept"] / 100) / det["pairs"]
-    gmm_acc = 100.0 * (det["noisy"] * det["gmm_noise_caught"] / 100 + (det["pairs"] - det["noisy"])
-                       * det["gmm_clean_kept"] / 100) / det["pairs"]
-    oracle = statistics.mean(r["rsum"] for r in results["oracle filter"])
+        return toy_cfg(args, init, **settings)
 
-    def spread(values: list[float]) -> str:
-        mean = statistics.mean(values)
-        half = (max(values) - min(values)) / 2
-        return f"{mean:.1f} ± {half:.1f}"
-
-    table = []
-    for name, _, _, partition in rows:
-        rs = results[name]
-        acc = "-"
-        if partition is not None:
-            acc = spread([r["partition_acc"] for r in rs])
-            if partition == "sdd":
-                acc += f" (with vague: {spread([r['partition_acc_vague'] for r in rs])})"
-        table.append([name, spread([r["rsum"] for r in rs]), spread([100.0 * r["rsum"] / oracle for r in rs]),
-                      " / ".join(f"{r['rsum']:.1f}" for r in rs), acc,
-                      f"{statistics.mean(r['minutes'] for r in rs):.1f}"])
-    table.append(["(reference) OSA scores: beta rule / GMM", "-", "-", "-", f"{osa_acc:.1f} / {gmm_acc:.1f}", "-"])
+    results = run_methods(out, rows, chosen, seeds, make_cfg, world.clean, world.noisy, world.val, world.truth)
+    table = methods_rows(rows, chosen, results) + [detection_reference(world.detection)]
     start = "fine-tuning the toy estimator" if args.init == "estimator" else "from scratch"
     show(f"robust-training methods, toy world {args.pairs} pairs ({args.pairs // args.captions_per_scene} scenes x "
-         f"{args.captions_per_scene} captions), {args.noise:.0%} shuffle noise, {args.model} {start}, {args.epochs} "
-         f"epochs, lr {args.lr:g}, batch {args.batch_size}; mean ± half-range over seeds {args.seeds}",
-         ["run", "rSum", "% of oracle filter", "rSum per seed", "partition accuracy % (last epoch)", "train min"],
-         table, out, "table-methods", {"runs": results, "detection": det, "args": vars(args)})
+         f"{args.captions_per_scene} captions), {noise} noise, {args.model} {start}, {args.epochs} epochs, lr "
+         f"{args.lr:g}, batch {args.batch_size}; mean ± half-range over seeds {args.seeds}", METHOD_COLUMNS, table, out,
+         f"table-methods-rows-{'-'.join(map(str, chosen))}" if args.rows else "table-methods",
+         {"runs": results, "detection": world.detection, "args": vars(args)})
 
 
 def _coco_val(captions_json: Path, skip: int, n: int, out: Path) -> Path:
@@ -285,7 +414,8 @@ def _coco_val(captions_json: Path, skip: int, n: int, out: Path) -> Path:
 
 
 def coco_text(args) -> None:
-    """all-MiniLM-L6-v2 fine-tuned on COCO caption pairs: zero-shot, clean, 50% noise plain / OSA weights."""
+    """all-MiniLM-L6-v2 fine-tuned on COCO caption pairs. Zero-shot, clean, plain and OSA weights at --noise
+    (docs/training.md); with --methods, every row of the methods table over --seeds (docs/methods.md)."""
     from pairclean.lab.coco_text import build_text_pairs
 
     out = Path(args.out)
@@ -293,61 +423,61 @@ def coco_text(args) -> None:
     captions = Path(args.captions)
     if not (out / "train").exists():
         build_text_pairs(captions, out / "train", shard_size=args.shard_size, limit=args.pairs)
-    val = out / "val" / "manifest.yaml"
+    clean, val = out / "train" / "manifest.yaml", out / "val" / "manifest.yaml"
     if not val.exists():
         _coco_val(captions, args.pairs, args.val_images, out / "val")
-    noisy = out / f"noisy-{args.noise:g}"
+    name, noise, make = noise_copy(args)
+    noisy = out / name
     if not noisy.exists():
-        corrupt(str(out / "train" / "manifest.yaml"), noisy, args.noise, seed=0)
-    scores = out / "scores.parquet"
+        make(clean, noisy)
+    truth = noisy / "truth" / "truth.parquet"
+    scores = out / f"scores-{name}.parquet"
     if not scores.exists():
         score(str(noisy / "manifest.yaml"), scores, ScoreConfig(backend="sentence-transformers", model=args.model,
                                                                 batch_size=128, workers=args.workers, seed=0))
-    detection = detection_summary(scores, noisy / "truth" / "truth.parquet")
+    detection = detection_summary(scores, truth)
     console.print(f"estimator on the noisy set: {detection}")
-    zero_shot = evaluate_retrieval(args.model, str(val), workers=args.workers)
+    zero_shot_file = out / "zero-shot.json"  # the untrained model's retrieval, measured once per --out
+    if not zero_shot_file.exists():
+        write_json(zero_shot_file, evaluate_retrieval(args.model, str(val), workers=args.workers))
+    zero_shot = json.loads(zero_shot_file.read_text())
     warmup = max(1, (args.pairs // args.batch_size) // 10)
 
-    def cfg(**kw) -> TrainConfig:
+    def make_cfg(seed: int, settings: dict) -> TrainConfig:
         return TrainConfig(model=args.model, epochs=args.epochs, batch_size=args.batch_size, lr=args.lr,
-                           weight_decay=0.01, warmup_steps=warmup, workers=args.workers, seed=0, resume=True, **kw)
+                           weight_decay=0.01, warmup_steps=warmup, workers=args.workers, seed=seed, resume=True,
+                           **settings)
 
-    runs = [("0% noise, plain", out / "train" / "manifest.yaml", cfg()),
-            (f"{args.noise:.0%} noise, plain", noisy / "manifest.yaml", cfg()),
-            (f"{args.noise:.0%} noise, OSA weights", noisy / "manifest.yaml",
-             cfg(method="osa-weights", method_options={"scores": str(scores)}))]
-    partitions = {}
-    if args.methods:  # the robust-training methods, and the oracle filter they are measured against
-        truth = noisy / "truth" / "truth.parquet"
-        oracle = out / "scores-with-truth.parquet"
-        if not oracle.exists():
-            duckdb.execute(f"COPY (SELECT s.*, t.noisy FROM read_parquet({sql_string(scores)}) s JOIN "
-                           f"read_parquet({sql_string(truth)}) t USING (shard, \"index\")) TO {sql_string(oracle)} "
-                           "(FORMAT parquet)")
-        noise = f"{args.noise:.0%} noise"
-        runs += [(f"{noise}, oracle filter", noisy / "manifest.yaml",
-                  cfg(method="filter", method_options={"scores": str(oracle), "filter": "NOT noisy"})),
-                 (f"{noise}, SDD", noisy / "manifest.yaml", cfg(method="sdd")),
-                 (f"{noise}, GSC one network", noisy / "manifest.yaml", cfg(method="gsc")),
-                 (f"{noise}, GSC two networks", noisy / "manifest.yaml",
-                  cfg(method="gsc", method_options={"networks": "2"}))]
-        partitions = {4: PARTITION_SQL["sdd"], 5: PARTITION_SQL["gsc"], 6: PARTITION_SQL["gsc"]}
-    rows = [run_row(name, data, out / f"run-{i}", c, val) for i, (name, data, c) in enumerate(runs)]
-    accuracy = {runs[i][0]: partition_accuracy(out / f"run-{i}", noisy / "truth" / "truth.parquet", sql)
-                for i, sql in partitions.items()}
-    for name, acc in accuracy.items():
-        console.print(f"{name}: partition accuracy {acc:.1f}% at the last epoch")
+    title = (f"COCO captions text-text: {args.model}, {args.pairs} train pairs, {args.val_images} held-out images x 4 "
+             f"captions, {noise} noise, {args.epochs} epoch(s)")
+    if args.methods:
+        rows = method_rows(scores, oracle_scores(scores, truth, out / f"scores-with-truth-{name}.parquet"),
+                           *method_options(args))
+        chosen, seeds = chosen_rows(args.rows, rows), [int(x) for x in args.seeds.split(",")]
+        results = run_methods(out / name, rows, chosen, seeds, make_cfg, clean, noisy / "manifest.yaml", val, truth)
+        table = [["zero-shot (no training)", f"{zero_shot['rsum']:.1f}", "-", "-", "-", "-", "-", "0"]]
+        table += methods_rows(rows, chosen, results) + [detection_reference(detection)]
+        show(f"{title}; mean ± half-range over seeds {args.seeds}", METHOD_COLUMNS, table, out / name,
+             f"table-methods-rows-{'-'.join(map(str, chosen))}" if args.rows else "table-methods",
+             {"runs": results, "detection": detection, "zero_shot": zero_shot, "args": vars(args)})
+        return
+    runs = [("0% noise, plain", clean, make_cfg(0, {})),
+            (f"{noise}, plain", noisy / "manifest.yaml", make_cfg(0, {})),
+            (f"{noise}, OSA weights", noisy / "manifest.yaml",
+             make_cfg(0, {"method": "osa-weights", "method_options": {"scores": str(scores)}}))]
+    rows = [run_row(label, data, out / f"run-{i}", c, val) for i, (label, data, c) in enumerate(runs)]
     table = [["zero-shot (no training)", zero_shot["rsum"], 100.0 * zero_shot["rsum"] / rows[0]["rsum"], "-",
               zero_shot["i2t_r1"], zero_shot["t2i_r1"], 0, 0.0]] + rows_with_share(rows, rows[0]["rsum"])
-    show(f"COCO captions text-text: {args.model}, {args.pairs} train pairs, {args.val_images} held-out images "
-         f"x 4 captions, {args.epochs} epoch(s)", ROW_COLUMNS, table, out, "table",
-         {"detection": detection, "zero_shot": zero_shot, "partition_accuracy": accuracy, "args": vars(args)})
+    show(title, ROW_COLUMNS, table, out, "table", {"detection": detection, "zero_shot": zero_shot, "args": vars(args)})
 
 
 # Step-time rows: method and options. From a random init no pair clears SDD's alpha = 20 (cos 0.2),
 # so SDD keeps every pair and banks every pair here: its whole machinery runs on every step.
+# SPS and DiffNCL skip the warm-up, so the one timed epoch runs their partition, and SPS takes its three steps.
 STEP_METHODS = {"osa-weights": ("osa-weights", "scores"), "sdd": ("sdd", {"alpha": "-100", "beta": "-100"}),
-                "gsc": ("gsc", {}), "gsc-2": ("gsc", {"networks": "2"})}
+                "gsc": ("gsc", {}), "gsc-2": ("gsc", {"networks": "2"}),
+                "sps": ("sps", {"warmup_epochs": "0", "e_qc": "1", "e_n": "1", "eps1": "0.6"}),
+                "diffncl": ("diffncl", {"warmup_epochs": "0"})}
 
 
 def step_time(args) -> None:
@@ -443,75 +573,20 @@ def toy_arguments(parser, **defaults) -> None:
     parser.set_defaults(**defaults)
 
 
-def partition_summary(run: Path, truth: Path, method: str) -> dict:
-    """The last epoch's partition against the truth (one DuckDB join on shard, index). SPS: clean
-    (reliable or quasi-clean) vs noisy, either noise kind counting as noisy; DiffNCL: its three-way
-    partition vs the three-way truth (clean / weak / shuffle = noisy), and Psi's mean per truth kind."""
-    tables = sorted((run / "diagnostics").glob("pairs-epoch-*.parquet"))
-    if not tables:
-        return {}
-    pairs = sql_string(tables[-1])
-    join = f"FROM read_parquet({pairs}) d JOIN read_parquet({sql_string(truth)}) t USING (shard, \"index\")"
-    if method == "sps":
-        acc, caught, kept = duckdb.execute(
-            f"""SELECT avg(CAST((d.partition = 'noisy') = t.noisy AS DOUBLE)),
-                       avg(CAST(d.partition = 'noisy' AS DOUBLE)) FILTER (WHERE t.noisy),
-                       avg(CAST(d.partition <> 'noisy' AS DOUBLE)) FILTER (WHERE NOT t.noisy) {join}""").fetchone()
-        counts = dict(duckdb.execute(f"SELECT d.partition || ' / ' || t.noise, count(*) {join} GROUP BY 1").fetchall())
-        return {"epoch": tables[-1].name, "accuracy": acc, "noise_caught": caught, "clean_kept": kept, "counts": counts}
-    truth_kind = "CASE t.noise WHEN 'shuffle' THEN 'noisy' ELSE t.noise END"
-    acc = duckdb.execute(f"SELECT avg(CAST(d.partition = {truth_kind} AS DOUBLE)) {join}").fetchone()[0]
-    counts = dict(duckdb.execute(f"SELECT d.partition || ' / ' || t.noise, count(*) {join} GROUP BY 1").fetchall())
-    psi = {kind: {"psi": m, "psi_peer": mp, "loss": ml, "pairs": n} for kind, m, mp, ml, n in duckdb.execute(
-        f"SELECT t.noise, avg(d.psi), avg(d.psi_peer), avg(d.loss), count(*) {join} GROUP BY 1 ORDER BY 1").fetchall()}
-    return {"epoch": tables[-1].name, "accuracy": acc, "counts": counts, "psi_by_truth": psi}
-
-
-def robust(args) -> None:
-    """Fine-tuning the toy estimator under shuffle (or mixed weak + shuffle) noise: clean, plain, OSA
-    weights, oracle filter, SPS, DiffNCL at one budget, with SPS's and DiffNCL's partition accuracy."""
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    args.init = "estimator"
-    if args.weak_noise:
-        name = f"noisy-{args.noise:g}-weak-{args.weak_noise:g}"
-        noise = f"{args.weak_noise:.0%} weak + {args.noise:.0%} shuffle"
-        make = (lambda clean, noisy: corrupt(clean, noisy, args.noise, seed=0, mode="mixed", weak_ratio=args.weak_noise))
-    else:
-        name, noise = f"noisy-{args.noise:g}", f"{args.noise:.0%} shuffle"
-        make = (lambda clean, noisy: corrupt(clean, noisy, args.noise, seed=0))
-    data = toy_data(args, out, name, make)
-    cfg = partial(toy_cfg, args, str(data.estimator))
-    sps = {"warmup_epochs": args.warmup_epochs, "e_qc": args.e_qc, "e_n": args.e_n, "eps1": args.sps_eps1}
-    diffncl = {"warmup_epochs": args.warmup_epochs}
-    runs = [("clean", "0% noise, plain", data.clean, cfg()),
-            ("plain", f"{noise}, plain", data.noisy, cfg()),
-            ("osa-weights", f"{noise}, OSA weights", data.noisy,
-             cfg(method="osa-weights", method_options={"scores": str(data.scores)})),
-            ("oracle", f"{noise}, oracle filter (truth)", data.noisy,
-             cfg(method="filter", method_options={"scores": str(data.oracle), "filter": "NOT noisy"})),
-            ("sps", f"{noise}, SPS", data.noisy, cfg(method="sps", method_options=sps)),
-            ("diffncl", f"{noise}, DiffNCL", data.noisy, cfg(method="diffncl", method_options=diffncl))]
-    chosen = [r for r in (",".join(r[0] for r in runs) if args.rows is None else args.rows).split(",") if r]
-    rows, partitions = [], {}
-    for key, label, source, c in runs:
-        if key not in chosen:
-            continue
-        run_dir = out / f"run-seed{args.seed}-{key}"
-        rows.append(run_row(label, source, run_dir, c, data.val))
-        if key in ("sps", "diffncl"):
-            partitions[key] = partition_summary(run_dir, data.truth, key)
-            console.print(f"{key} partition: {partitions[key]}")
-    if len(rows) < len(runs):  # a partial table (--rows): the rows are printed, no table is written
-        return
-    oracle = rows[3]["rsum"]
-    table = [[r["run"], r["rsum"], 100.0 * r["rsum"] / oracle, r["best_rsum"], r["i2t_r1"], r["t2i_r1"], r["epochs"],
-              r["minutes"]] for r in rows]
-    show(f"toy world fine-tuning the toy estimator, {args.pairs} pairs ({args.pairs // args.captions_per_scene} scenes x "
-         f"{args.captions_per_scene} captions), {noise}, {args.epochs} epochs, seed {args.seed}",
-         ["run", "rSum (last)", "% of oracle", "rSum (best)", "i2t R@1", "t2i R@1", "epochs", "train min"], table, out,
-         f"table-{name}-seed{args.seed}", {"detection": data.detection, "partitions": partitions,
-                                           "estimator": str(data.estimator), "args": vars(args)})
+def method_arguments(parser, warmup_epochs: int, e_qc: int, e_n: int, seeds: str = "0,1,2") -> None:
+    """The methods tables' options: seeds, the noise mix, the methods' settings (papers' values where they fit)."""
+    parser.add_argument("--seeds", default=seeds, help="training seeds (comma-separated)")
+    parser.add_argument("--weak-noise", type=float, default=0.0, help="share of the pairs weakened beside the --noise "
+                                                                       "shuffled (pairclean corrupt --mode mixed)")
+    parser.add_argument("--sdd-alpha", type=float, default=20.0, help="SDD's self-drop threshold (100 cos; the paper's)")
+    parser.add_argument("--sdd-beta", type=float, default=30.0, help="SDD's memory-bank threshold (100 cos; the paper's)")
+    parser.add_argument("--warmup-epochs", type=int, default=warmup_epochs, help="SPS and DiffNCL warm-up epochs "
+                                                                                 "(papers: 5)")
+    parser.add_argument("--e-qc", type=int, default=e_qc, help="SPS: quasi-clean pairs from this epoch (paper: 10)")
+    parser.add_argument("--e-n", type=int, default=e_n, help="SPS: noisy pairs with proxies from this epoch (paper: 15)")
+    parser.add_argument("--sps-eps1", type=float, default=0.6,
+                        help="SPS reliable bound: the authors' code's 0.6 (the paper's 0.99 leaves no reliable pair when "
+                             "the loss GMM's clean posterior tops out below it)")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -530,24 +605,11 @@ def main(argv: list[str] | None = None) -> None:
                     help=f"methods timed against plain, comma-separated, from: {', '.join(STEP_METHODS)}")
     ty = sub.add_parser("toy", help="toy world table (tiny CLIP from scratch)")
     toy_arguments(ty)
-    mt = sub.add_parser("methods", help="robust-training methods (SDD, GSC) against plain, OSA and the oracle, "
-                                        "fine-tuning the toy estimator on five captions per scene")
+    mt = sub.add_parser("methods", help="robust-training methods (SDD, GSC, SPS, DiffNCL) against plain, OSA weights "
+                                        "and the oracle filter, fine-tuning the toy estimator on five captions per scene")
     toy_arguments(mt, noise=0.4, pairs=8000, val_pairs=5000, val_seed=3, captions_per_scene=5, epochs=4, lr=3e-4,
                   warmup_steps=20, temperature=0.02, init="estimator")
-    mt.add_argument("--seeds", default="0,1,2", help="training seeds (comma-separated)")
-    mt.add_argument("--sdd-alpha", type=float, default=20.0, help="SDD's self-drop threshold (100 cos; the paper's 20)")
-    mt.add_argument("--sdd-beta", type=float, default=30.0, help="SDD's memory-bank threshold (100 cos; the paper's 30)")
-    rb = sub.add_parser("robust", help="SPS and DiffNCL beside plain / OSA weights / oracle, fine-tuning the toy "
-                                       "estimator (--rows takes row names: clean,plain,osa-weights,oracle,sps,diffncl)")
-    toy_arguments(rb)
-    rb.add_argument("--weak-noise", type=float, default=0.0, help="share of the pairs weakened beside the --noise "
-                                                                   "shuffled (pairclean corrupt --mode mixed)")
-    rb.add_argument("--warmup-epochs", type=int, default=1, help="SPS and DiffNCL warm-up epochs (papers: 5)")
-    rb.add_argument("--e-qc", type=int, default=2, help="SPS: quasi-clean pairs from this epoch (paper: 10)")
-    rb.add_argument("--e-n", type=int, default=3, help="SPS: noisy pairs with proxies from this epoch (paper: 15)")
-    rb.add_argument("--sps-eps1", type=float, default=0.6,
-                    help="SPS reliable bound: the authors' code's 0.6 (the paper's 0.99 leaves no reliable pair when "
-                         "the loss GMM's clean posterior tops out below it)")
+    method_arguments(mt, warmup_epochs=1, e_qc=2, e_n=3)
     ct = sub.add_parser("coco-text", help="COCO captions text-text table (all-MiniLM-L6-v2)")
     ct.add_argument("--out", required=True)
     ct.add_argument("--captions", default=str(Path(__file__).resolve().parents[2] / "shared" / "data" / "coco-captions"
@@ -561,14 +623,16 @@ def main(argv: list[str] | None = None) -> None:
     ct.add_argument("--lr", type=float, default=5e-5)
     ct.add_argument("--workers", type=int, default=1)
     ct.add_argument("--model", default="all-MiniLM-L6-v2")
-    ct.add_argument("--methods", action="store_true", help="add the oracle filter, SDD and GSC (one and two networks)")
+    ct.add_argument("--methods", action="store_true", help="the methods table: every row (or --rows) over --seeds")
+    ct.add_argument("--rows", help="with --methods: only these rows (indices or keys, comma-separated)")
+    # Two epochs leave no room for the papers' warm-up: the pre-trained model's own losses make the first partition.
+    method_arguments(ct, warmup_epochs=0, e_qc=1, e_n=2, seeds="0")
     args = parser.parse_args(argv)
     for name in ("temperature", "estimator_temperature"):
         if getattr(args, name, None) == 0:
             setattr(args, name, None)
     torch.set_num_threads(args.threads)
-    {"step-time": step_time, "toy": toy, "methods": methods_table, "robust": robust,
-     "coco-text": coco_text}[args.table](args)
+    {"step-time": step_time, "toy": toy, "methods": methods_table, "coco-text": coco_text}[args.table](args)
 
 
 if __name__ == "__main__":

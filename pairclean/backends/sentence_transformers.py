@@ -43,6 +43,14 @@ def resolve_model(name: str) -> tuple[str, str]:
     return name, "hub"
 
 
+def embedding_width(model) -> int:
+    """The model's embedding width: `get_embedding_dimension` from sentence-transformers 6 on, the
+    older name before (the declared range starts at 2.6)."""
+    if hasattr(model, "get_embedding_dimension"):
+        return int(model.get_embedding_dimension())
+    return int(model.get_sentence_embedding_dimension())
+
+
 class SentenceTransformerPreparer:
     """Tokenises in DataLoader workers with the model's own tokenizer (picklable, no model inside)."""
 
@@ -120,7 +128,7 @@ class SentenceTransformerEstimator:
                 "model_source": self.source, "checkpoint_sha256": self.checkpoint_sha256,
                 "precision": self.precision, "device": str(self.device), "max_seq_length": self.max_length,
                 "random_text_words": f"1..{RANDOM_MAX_WORDS}",
-                "embedding_dim": self.model.get_embedding_dimension()}
+                "embedding_dim": embedding_width(self.model)}
 
     def input_signature(self) -> None:
         """None: a second sentence encoder always tokenises with its own preparer."""

@@ -197,8 +197,9 @@ def read_pairs(spec, wanted: set[int], index: PairIndex) -> dict[int, object]:
 def embedding_dim(target) -> int:
     """The width of a target's embeddings, for modules a method builds on them before any forward."""
     module = target.module
-    if hasattr(module, "get_sentence_embedding_dimension"):
-        return int(module.get_sentence_embedding_dimension())
+    if hasattr(module, "get_sentence_embedding_dimension"):  # a sentence-transformers model, either version
+        from pairclean.backends.sentence_transformers import embedding_width
+        return embedding_width(module)
     return int(module.visual.output_dim)
 
 
