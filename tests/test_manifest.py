@@ -32,3 +32,13 @@ def test_parquet_defaults_and_pipe_refusal(coco_parquet):
 def test_missing_shard_in_brace_pattern_is_named(coco_shards):
     with pytest.raises(UserError, match=r"coco-mini-000003.tar \(and 6 more\)"):
         resolve_shards(str(coco_shards / "coco-mini-{000000..000009}.tar"))
+
+
+def test_unbalanced_braces_are_a_user_error_and_a_literal_file_is_itself(coco_shards, tmp_path):
+    with pytest.raises(UserError, match="unbalanced braces"):
+        resolve_shards(str(coco_shards / "coco-mini-{000000..000002.tar"))
+    with pytest.raises(UserError, match="unbalanced braces"):
+        resolve_shards("s3://bucket/shard-{000..009.tar")
+    odd = tmp_path / "shard-{draft.tar"  # braces in a real file's name: the file, not a pattern
+    odd.write_bytes((coco_shards / "coco-mini-000000.tar").read_bytes())
+    assert resolve_shards(str(odd)) == [str(odd)]

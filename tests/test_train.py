@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import duckdb
 import numpy as np
@@ -127,6 +128,18 @@ def test_key_join_after_resharding(tmp_path, coco_src, scores):
     assert all(row["weight"] == pytest.approx(expected[row["key"]], abs=1e-6) for row in diag)
     run = json.loads((tmp_path / "run" / "run.json").read_text())
     assert run["method"]["join_summary"]["join"] == "key"
+
+
+def test_filter_may_name_key_and_shard_in_either_join(tmp_path, coco_src, scores):
+    """The predicate is evaluated over the scores alone: `key` and `shard` are never ambiguous with the join's tables."""
+    first = pq.read_table(scores).to_pylist()[0]
+    predicate = f"key <> '{first['key']}' AND shard IS NOT NULL"
+    resharded = tmp_path / "resharded"
+    build_shards(coco_src, resharded, shard_size=5)
+    for name, data in (("by-key", resharded), ("by-shard", Path(first["shard"]).parent)):
+        cfg = tiny(method="filter", method_options={"scores": str(scores), "filter": predicate})
+        result = train(str(data), tmp_path / name, cfg)
+        assert result.epochs[0]["pairs"] == 15 and first["key"] not in {r["key"] for r in _diagnostics(tmp_path / name)}
 
 
 def test_filter_drops_pairs_before_they_are_read(tmp_path, coco_shards, scores):

@@ -76,24 +76,35 @@ class DatasetSpec:
         return asdict(self)
 
 
-def _expand_one(pattern: str, base: Path, allow_pipe: bool) -> list[str]:
-    """Expand a directory, glob, brace pattern or URL into a sorted list of shard paths."""
+def _braces(pattern: str) -> list[str]:
+    """webdataset's brace patterns (`shard-{000..009}.tar`); a pattern with unbalanced braces is a
+    user error, named, not a crash."""
     import braceexpand
 
+    try:
+        return list(braceexpand.braceexpand(pattern))
+    except braceexpand.UnbalancedBracesError:
+        raise UserError(f"unbalanced braces in shard pattern {pattern!r} (a range reads like shard-{{000..009}}.tar)")
+
+
+def _expand_one(pattern: str, base: Path, allow_pipe: bool) -> list[str]:
+    """Expand a directory, glob, brace pattern or URL into a sorted list of shard paths."""
     if pattern.startswith("pipe:"):
         if not allow_pipe:
             raise UserError(f"refusing shell URL {pattern!r}: pass --allow-pipe to run shell commands from shard lists")
         return [pattern]
     if "://" in pattern:
-        return [url for expanded in braceexpand.braceexpand(pattern) for url in _expand_url(expanded)]
+        return [url for expanded in _braces(pattern) for url in _expand_url(expanded)]
     p = Path(pattern)
     if not p.is_absolute():
         p = base / p
     if p.is_dir():
         found = sorted(str(x) for x in p.iterdir() if x.suffix in (".tar", ".parquet") and x.is_file())
         return found
+    if p.is_file():  # a file whose name has braces or glob characters is itself
+        return [str(p)]
     out: list[str] = []
-    for expanded in braceexpand.braceexpand(str(p)):
+    for expanded in _braces(str(p)):
         if any(ch in expanded for ch in "*?["):
             out.extend(sorted(glob.glob(expanded)))
         else:

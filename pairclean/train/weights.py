@@ -123,12 +123,15 @@ def build_weight_arrays(scores: str | Path, spec: DatasetSpec, shards: list[Shar
         _write_train_keys(spec, shards, keys_file)
         con.register("train_keys", pads.dataset(keys_file))
         mode = _choose_join(src, shards, join)
+        # The weight and the predicate are evaluated over the scores alone, so a column they name
+        # (`key`, `shard`) is never ambiguous with the join's own tables.
+        scored = f"(SELECT s.*, {src.weight_sql} AS pc_weight, {src.keep_sql} AS pc_keep FROM scores s) s"
         if mode == "shard-index":
-            query = (f'SELECT m.shard_id, s."index" AS idx, {src.weight_sql} AS w, {src.keep_sql} AS keep '
-                     'FROM scores s JOIN shard_map m ON s.shard = m.scored ORDER BY m.shard_id, idx')
+            query = (f'SELECT m.shard_id, s."index" AS idx, s.pc_weight AS w, s.pc_keep AS keep FROM {scored} '
+                     'JOIN shard_map m ON s.shard = m.scored ORDER BY m.shard_id, idx')
         else:
-            query = (f"SELECT k.shard_id, k.idx, {src.weight_sql} AS w, {src.keep_sql} AS keep "
-                     "FROM train_keys k JOIN scores s ON k.key = s.key ORDER BY k.shard_id, k.idx")
+            query = (f"SELECT k.shard_id, k.idx, s.pc_weight AS w, s.pc_keep AS keep FROM train_keys k "
+                     f"JOIN {scored} ON k.key = s.key ORDER BY k.shard_id, k.idx")
         try:
             reader = con.sql(query).to_arrow_reader(batch_rows)
             files, counts = _write_arrays(reader, shards, tmp, on_missing)
