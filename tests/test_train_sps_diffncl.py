@@ -141,6 +141,7 @@ def test_three_way_partition_and_the_percentile_rule():
     ("sps", {"proxy_label": "soft"}, "proxy_label"),
     ("diffncl", {"steps": "0"}, "steps >= 1"),
     ("diffncl", {"zeta": "-1"}, "zeta must be positive"),
+    ("diffncl", {"cross_weight": "-0.5"}, "must be non-negative"),
 ])
 def test_bad_options_are_user_errors(name, options, message):
     with pytest.raises(UserError, match=message):

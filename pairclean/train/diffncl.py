@@ -155,6 +155,9 @@ class DiffnclOptions:
     zeta: float | None = None  # weight of Psi in the GMM features; None: the paper's dynamic E[sigmoid(-l)]
     hidden_ratio: float = 0.5  # the denoiser's bottleneck width h = d * hidden_ratio (paper: 512 of 1024)
     noisy_as_weak: bool = False  # route noisy pairs through the denoiser with the weak ones instead of dropping them
+    intra_weight: float = 1.0  # weights of the weak pairs' three losses (the paper: all 1); for ablations
+    cross_weight: float = 1.0
+    robust_weight: float = 1.0
     gmm_max_iter: int = 100
     gmm_reg_covar: float = 1e-3
 
@@ -172,6 +175,8 @@ class Diffncl(Method):
             raise UserError(f"diffncl: warmup_epochs must be >= 0 and steps >= 1, got {o.warmup_epochs}, {o.steps}")
         if not 0 < o.hidden_ratio <= 1:
             raise UserError(f"diffncl: hidden_ratio must be within (0, 1], got {o.hidden_ratio}")
+        if min(o.intra_weight, o.cross_weight, o.robust_weight) < 0:
+            raise UserError("diffncl: intra_weight, cross_weight and robust_weight must be non-negative")
         if o.zeta is not None and o.zeta <= 0:
             raise UserError(f"diffncl: zeta must be positive (or none for the dynamic weight), got {o.zeta}")
         self.saved = None
@@ -247,7 +252,8 @@ class Diffncl(Method):
             else:
                 parts = weak_pair_losses(left, right, denoiser, self.options.steps, emb.logit_scale,
                                          self.options.shared_noise)
-                term = parts["intra"] + parts["cross"] + parts["robust"]
+                o = self.options
+                term = o.intra_weight * parts["intra"] + o.cross_weight * parts["cross"] + o.robust_weight * parts["robust"]
                 metrics.update({f"l_{k}": float(v.detach()) for k, v in parts.items()})
             loss = loss + term
             metrics[f"l_{name}"] = float(term.detach())
