@@ -98,6 +98,19 @@ def test_denoiser_shares_its_weights_across_steps_and_cross_loss_by_hand():
     assert float(cross_consistency(uh, vh, u, v, 1.0)) == pytest.approx(expected, abs=1e-5)
 
 
+def test_cross_loss_as_written_pushes_the_pairs_own_originals_apart_and_detached_leaves_them_alone():
+    f = torch.nn.functional.normalize(torch.randn(4, 8), dim=-1).requires_grad_()
+    g = torch.nn.functional.normalize(torch.randn(4, 8), dim=-1).requires_grad_()
+    f_hat, g_hat = f.detach() * 0.9 + 0.1, g.detach() * 0.9 + 0.1  # the denoised pair, near its originals
+    as_written = cross_consistency(f_hat, g_hat, f, g, 10.0)
+    as_written.backward()
+    # descent moves g_i along -grad: away from f_hat_i (the pair's own denoised image sits in the denominator)
+    assert float((-g.grad * f_hat).sum(-1).min()) < 0
+    f.grad = g.grad = None
+    detached = cross_consistency(f_hat, g_hat, f, g, 10.0, detach_originals=True)
+    assert float(detached) == pytest.approx(float(as_written)) and not detached.requires_grad
+
+
 # ---------------------------------------------------------------- SPS equations
 
 def test_stable_space_constraints_by_hand():

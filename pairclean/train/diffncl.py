@@ -126,16 +126,20 @@ class Denoiser(torch.nn.Module):
 
 
 def cross_consistency(f_hat: torch.Tensor, g_hat: torch.Tensor, f: torch.Tensor, g: torch.Tensor,
-                      logit_scale) -> torch.Tensor:
+                      logit_scale, detach_originals: bool = False) -> torch.Tensor:
     """L_cross (Eq. 15, as written): the denoised pair against the denoised image with every original
-    text and every original image with the denoised text, in one softmax."""
+    text and every original image with the denoised text, in one softmax. The originals include the
+    pair's own: as written, the loss pushes each original embedding away from its pair's denoised
+    one; `detach_originals` keeps them out of the gradient (targets, as in L_intra)."""
+    if detach_originals:
+        f, g = f.detach(), g.detach()
     positive = logit_scale * (f_hat * g_hat).sum(-1)
     others = torch.cat([logit_scale * f_hat @ g.T, logit_scale * g_hat @ f.T], dim=1)
     return (torch.logsumexp(others.float(), dim=1) - positive.float()).mean()
 
 
 def weak_pair_losses(f: torch.Tensor, g: torch.Tensor, denoiser: Denoiser, steps: int, logit_scale,
-                     shared_noise: bool = True) -> dict[str, torch.Tensor]:
+                     shared_noise: bool = True, cross_detach: bool = False) -> dict[str, torch.Tensor]:
     """L_intra, L_cross, L_robust (Eq. 14, 15, 17) of weakly-noisy pairs with unit embeddings f, g."""
     scale = math.sqrt(f.shape[-1])
     fs, gs = forward_diffusion(f, g, steps, shared_noise)
@@ -144,7 +148,8 @@ def weak_pair_losses(f: torch.Tensor, g: torch.Tensor, denoiser: Denoiser, steps
     f_hat_unit, g_hat_unit = F.normalize(f_hat, dim=-1), F.normalize(g_hat, dim=-1)
     robust = 0.5 * (infonce_terms(f_hat_unit, g, logit_scale).per_sample.mean() +
                     infonce_terms(f, g_hat_unit, logit_scale).per_sample.mean())
-    return {"intra": intra, "cross": cross_consistency(f_hat_unit, g_hat_unit, f, g, logit_scale), "robust": robust}
+    cross = cross_consistency(f_hat_unit, g_hat_unit, f, g, logit_scale, cross_detach)
+    return {"intra": intra, "cross": cross, "robust": robust}
 
 
 @dataclass
@@ -158,6 +163,7 @@ class DiffnclOptions:
     intra_weight: float = 1.0  # weights of the weak pairs' three losses (the paper: all 1); for ablations
     cross_weight: float = 1.0
     robust_weight: float = 1.0
+    cross_detach: bool = False  # L_cross trains the denoiser only: the original embeddings enter it detached
     gmm_max_iter: int = 100
     gmm_reg_covar: float = 1e-3
 
@@ -251,7 +257,7 @@ class Diffncl(Method):
                 term = infonce_terms(left, right, emb.logit_scale).per_sample.mean()
             else:
                 parts = weak_pair_losses(left, right, denoiser, self.options.steps, emb.logit_scale,
-                                         self.options.shared_noise)
+                                         self.options.shared_noise, self.options.cross_detach)
                 o = self.options
                 term = o.intra_weight * parts["intra"] + o.cross_weight * parts["cross"] + o.robust_weight * parts["robust"]
                 metrics.update({f"l_{k}": float(v.detach()) for k, v in parts.items()})
