@@ -248,10 +248,10 @@ def oracle_scores(scores: Path, truth: Path, out: Path) -> Path:
 # partition against the three-way truth (clean / weak / shuffle = noisy).
 FLAGGED = {"sdd": "d.partition = 'noisy'", "gsc": "d.partition = 'noisy'", "sps": "d.partition = 'noisy'",
            "diffncl": "d.partition <> 'clean'"}
+TRUTH_KIND = "CASE WHEN NOT t.noisy THEN 'clean' ELSE coalesce(t.noise, 'shuffle') END"  # clean / weak / shuffle
 SECOND_READING = {"sdd": ("with vague", "CAST(d.partition IN ('noisy', 'vague') = t.noisy AS DOUBLE)"),
                   "diffncl": ("3-way", ("CAST(d.partition = CASE WHEN NOT t.noisy THEN 'clean' WHEN t.noise = 'weak' "
                                         "THEN 'weak' ELSE 'noisy' END AS DOUBLE)"))}
-TRUTH_KIND = "CASE WHEN NOT t.noisy THEN 'clean' ELSE coalesce(t.noise, 'shuffle') END"
 # Each method's per-pair soft reading of cleanliness (higher = cleaner): its ranking, whatever its cut.
 CLEAN_SCORE = {"sdd": "sim", "gsc": "y", "sps": "p", "diffncl": "p_clean"}
 
@@ -264,10 +264,10 @@ def partition_summary(run: Path, truth: Path, kind: str) -> dict:
     tables = sorted((run / "diagnostics").glob("pairs-epoch-*.parquet"))
     if not tables:
         return {}
-    join = (f"FROM read_parquet({sql_string(tables[-1])}) d JOIN read_parquet({sql_string(truth)}) t "
-            "USING (shard, \"index\")")
-    pairs = duckdb.execute(f"SELECT count(*) FROM read_parquet({sql_string(tables[-1])})").fetchone()[0]
-    joined = duckdb.execute(f"SELECT count(*) {join}").fetchone()[0]
+    table, truth_file = sql_string(tables[-1]), sql_string(truth)
+    join = f"FROM read_parquet({table}) d JOIN read_parquet({truth_file}) t USING (shard, \"index\")"
+    pairs, joined = duckdb.execute(f"SELECT count(*), count(t.noisy) FROM read_parquet({table}) d LEFT JOIN "
+                                   f"read_parquet({truth_file}) t USING (shard, \"index\")").fetchone()
     if joined != pairs:
         raise SystemExit(f"{tables[-1]}: the truth matches {joined} of its {pairs} pairs")
     flagged = FLAGGED[kind]
