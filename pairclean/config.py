@@ -45,6 +45,13 @@ def check_numbers(cfg, finite: tuple[str, ...] = (), at_least: dict[str, int | f
             raise ConfigError(f"{name} must be at least {low}, got {value}", name)
 
 
+def check_choice(value: Any, choices, field: str, what: str | None = None) -> None:
+    """Refuse a value outside a fixed set, naming the config field and every choice (one wording for all)."""
+    if value not in choices:
+        raise ConfigError(f"unknown {what or field} {value!r} for {field}; choose one of {', '.join(map(str, choices))}",
+                          field)
+
+
 def check_pretrained(pretrained: str | None) -> None:
     """An empty weights name is a mistake (an unset variable), not a request for random init."""
     if pretrained is not None and not str(pretrained).strip():
