@@ -1,10 +1,13 @@
-"""Lines of Python per package and the import loops of pairclean (docs/architecture.md, issue 14).
+"""Lines of Python per package, import loops, imports that run up the layers, and library messages
+naming a command-line flag (docs/architecture.md, issues 14 and 23).
 
     python benchmarks/architecture_stats.py              # the work tree
     python benchmarks/architecture_stats.py b830b06      # + a revision, its flat modules counted where they live now
+    python benchmarks/architecture_stats.py --list 6179287   # + every upward import and flag mention, listed
 
 Import loops are strongly connected components of the module graph, counting every import
 statement, including the deferred ones inside functions (a loop hidden in a function is still a loop).
+The layers and both checks are `pairclean.conventions` (of the work tree, applied to each revision).
 """
 
 from __future__ import annotations
@@ -14,6 +17,9 @@ import subprocess
 import sys
 from collections import Counter
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from pairclean.conventions import flag_messages, flag_strings, library, upward_imports  # noqa: E402
 
 # Where each module of the flat layout (before issue 14) lives now.
 FLAT_TO_PACKAGE = {
@@ -102,7 +108,8 @@ def import_loops(files: dict[str, str]) -> list[list[str]]:
 
 
 def main() -> None:
-    revisions = [None] + sys.argv[1:]
+    listing = "--list" in sys.argv
+    revisions = [None] + [arg for arg in sys.argv[1:] if arg != "--list"]
     counts = {rev: lines_per_package(files_at(rev)) for rev in revisions}
     names = sorted(set().union(*counts.values()))
     header = ["package"] + [rev or "work tree" for rev in revisions]
@@ -111,7 +118,17 @@ def main() -> None:
         row = [str(sum(counts[r].values()) if name == "total" else counts[r].get(name, 0)) for r in revisions]
         print(f"| {name} | " + " | ".join(row) + " |")
     for rev in revisions:
-        print(f"import loops ({rev or 'work tree'}): {import_loops(files_at(rev)) or 'none'}")
+        files = files_at(rev)
+        name = rev or "work tree"
+        print(f"import loops ({name}): {import_loops(files) or 'none'}")
+        checks = {"imports that run up the layers": upward_imports(files),
+                  "raised errors and warnings naming a flag (outside cli/)": flag_messages(library(files)),
+                  "strings naming a flag (outside cli/, docstrings aside)": flag_strings(library(files)),
+                  "  of which outside train/": flag_strings(library(files, ("pairclean/train/",)))}
+        for label, found in checks.items():
+            print(f"{label} ({name}): {len(found)}")
+            if listing:
+                print("".join(f"    {item}\n" for item in found), end="")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,193 @@
+"""The code's own conventions, declared once and held by tests: the layers, and no flags in the library.
+
+Layers, ground first (a module imports only from its own layer and those below):
+
+    errors, config < ops < data < backends < core < scores < scoring, curate < train < lab < cli
+
+Packages of one layer (`scoring`, `curate`) stand side by side and do not import each other.
+`tests/test_layers.py` holds every import statement of the package to `LAYERS` (deferred imports
+inside functions and `TYPE_CHECKING` imports included) and docs/architecture.md prints
+`layers_line()`. The library names config fields, never command-line flags (`errors.ConfigError`;
+the CLI words fields as flags): `tests/test_flags.py` holds `flag_strings` of the library to none.
+`benchmarks/architecture_stats.py` counts both at any revision.
+
+Only the standard library: the checks read source text, they import nothing of pairclean.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+# Each entry is one layer: the top-level modules and packages of `pairclean` in it. The package
+# root (`pairclean/__init__.py`: `__version__`, and exports imported lazily by name) is ground too.
+LAYERS: tuple[tuple[str, ...], ...] = (
+    ("", "errors", "config", "conventions"),
+    ("ops",),
+    ("data",),
+    ("backends",),
+    ("core",),
+    ("scores",),
+    ("scoring", "curate"),
+    ("train",),
+    ("lab",),
+    ("cli",),
+    ("__main__",),  # `python -m pairclean`: the command line, started
+)
+
+_UNSHOWN = {"", "conventions", "__main__"}  # in a layer, but not what a reader of the order needs
+
+
+def layers_line() -> str:
+    """The declared order as one line, as docs/architecture.md prints it."""
+    layers = [", ".join(name for name in layer if name not in _UNSHOWN) for layer in LAYERS]
+    return " < ".join(layer for layer in layers if layer)
+
+
+def sources(root: str | Path = ".") -> dict[str, str]:
+    """{path relative to `root`: source} of every module of the pairclean package under `root`."""
+    root = Path(root)
+    return {path.relative_to(root).as_posix(): path.read_text() for path in sorted((root / "pairclean").rglob("*.py"))}
+
+
+# ---------------------------------------------------------------- layers
+
+def module_name(path: str) -> str:
+    """`pairclean/a/b.py` -> `pairclean.a.b`; a package's `__init__.py` -> the package."""
+    return path.removesuffix(".py").replace("/", ".").removesuffix(".__init__")
+
+
+def part_of(module: str) -> str:
+    """The top-level part of `pairclean` a dotted module name belongs to ('' for the root)."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+def _declared(part: str) -> bool:
+    return any(part in layer for layer in LAYERS)
+
+
+def layer_of(module: str) -> int:
+    part = part_of(module)
+    for rank, layer in enumerate(LAYERS):
+        if part in layer:
+            return rank
+    raise KeyError(f"{module} is in no layer: declare {part!r} in pairclean.conventions.LAYERS")
+
+
+@dataclass(frozen=True)
+class Import:
+    path: str  # the importing file, relative to the repository
+    line: int
+    module: str  # the importing module, dotted
+    target: str  # the imported module, dotted
+
+    def __str__(self) -> str:
+        return (f"{self.path}:{self.line} imports {self.target}: "
+                f"{part_of(self.module) or 'pairclean'} may not import {part_of(self.target)}")
+
+
+def imports_of(path: str, source: str) -> list[Import]:
+    """Every import of pairclean in a module, wherever it stands (top level, inside a function,
+    under `if TYPE_CHECKING`); relative imports resolved against the module."""
+    module = module_name(path)
+    package = module.split(".") if path.endswith("__init__.py") else module.split(".")[:-1]
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package[:len(package) - node.level + 1] + ([base] if base else []))
+            # `from pairclean import cli` imports a part; `from pairclean import __version__`, the root
+            targets = [base] if base != "pairclean" else \
+                [f"pairclean.{alias.name}" if _declared(alias.name) else base for alias in node.names]
+        else:
+            continue
+        found += [Import(path, node.lineno, module, target) for target in targets
+                  if target == "pairclean" or target.startswith("pairclean.")]
+    return found
+
+
+def runs_up(imp: Import) -> bool:
+    """Whether an import runs up the layers, or across to another package of its own layer (the
+    ground's single modules may lean on each other)."""
+    if part_of(imp.target) == part_of(imp.module):
+        return False
+    target, importer = layer_of(imp.target), layer_of(imp.module)
+    return target > importer or (target == importer and target > 0)
+
+
+def upward_imports(files: dict[str, str]) -> list[Import]:
+    """The imports that run up the layers, of {path relative to the repository: source}."""
+    return [imp for path, source in sorted(files.items()) for imp in imports_of(path, source) if runs_up(imp)]
+
+
+# ---------------------------------------------------------------- flags
+
+FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9]*(?:-[a-z0-9]+)*")
+WARNINGS = {"notice", "notice_once", "warn", "warning"}  # calls that warn: the library's and Python's
+
+
+@dataclass(frozen=True)
+class FlagMention:
+    path: str
+    line: int
+    flags: tuple[str, ...]
+
+    def __str__(self) -> str:
+        return f"{self.path}:{self.line} names {', '.join(self.flags)}"
+
+
+def _docstrings(tree: ast.AST) -> set[int]:
+    kinds = (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
+    return {id(node.body[0].value) for node in ast.walk(tree)
+            if isinstance(node, kinds) and node.body and isinstance(node.body[0], ast.Expr)
+            and isinstance(node.body[0].value, ast.Constant)}
+
+
+def _flags(node: ast.AST, skip: set[int] = frozenset()) -> tuple[str, ...]:
+    return tuple(sorted({flag for n in ast.walk(node) if isinstance(n, ast.Constant) and isinstance(n.value, str)
+                         and id(n) not in skip for flag in FLAG.findall(n.value)}))
+
+
+def flag_messages(files: dict[str, str]) -> list[FlagMention]:
+    """Raised errors and warnings whose text names a command-line flag (`raise X("... --out ...")`,
+    `notice("... --decode ...")`): one per statement."""
+    found = []
+    for path, source in sorted(files.items()):
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.Raise) and node.exc is not None:
+                said = node.exc
+            elif isinstance(node, ast.Call) and (getattr(node.func, "attr", None) or getattr(node.func, "id", None)) \
+                    in WARNINGS:
+                said = node
+            else:
+                continue
+            if flags := _flags(said):
+                found.append(FlagMention(path, node.lineno, flags))
+    return found
+
+
+def flag_strings(files: dict[str, str]) -> list[FlagMention]:
+    """Every string in the code, docstrings aside, that names a command-line flag: messages, and
+    what reaches them (`option="--out"` defaults, constants, text of a written report)."""
+    found = []
+    for path, source in sorted(files.items()):
+        tree = ast.parse(source)
+        skip = _docstrings(tree)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in skip:
+                if flags := _flags(node):
+                    found.append(FlagMention(path, node.lineno, flags))
+    return found
+
+
+def library(files: dict[str, str], leave_out: tuple[str, ...] = ()) -> dict[str, str]:
+    """The files of the library proper: all but the command line (which words fields as flags) and
+    the folders in `leave_out`."""
+    out = ("pairclean/cli/", "pairclean/__main__.py", *leave_out)
+    return {path: source for path, source in files.items() if not path.startswith(out)}
