@@ -20,8 +20,9 @@ from pairclean.backends.compiled import CompiledOrEager
 from pairclean.backends.device_jpeg import DeviceJpegDecoder, RawJpeg, finish_batch
 from pairclean.backends.oom import OomBackoff, take_rows
 from pairclean.backends.text_trim import supports_text_trim, text_buckets
-from pairclean.ops.bench import PeakMemory, bench_score, high_water_rss_mib
-from pairclean.core.beta import BetaCache, cached_random_input_beta, weights_fingerprint
+from pairclean.ops.measure import PeakMemory, high_water_rss_mib
+from pairclean.scoring.bench import bench_score
+from pairclean.scoring.beta_cache import BetaCache, cached_random_input_beta, weights_fingerprint
 from pairclean.cli import main
 from pairclean.lab.coco import read_pairs
 from pairclean.errors import UserError

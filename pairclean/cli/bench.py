@@ -109,7 +109,7 @@ def bench_score_command(
     allow_pipe: options.AllowPipe = False,
 ) -> None:
     """Model-only ceiling vs end-to-end `pairclean score` vs a naive loop: pairs/s, ratios, peak memory."""
-    from pairclean.ops.bench import bench_score, write_report
+    from pairclean.scoring.bench import bench_score, write_report
     from pairclean.ops.guard import check_output
     from pairclean.scoring.model import ScoreConfig
 

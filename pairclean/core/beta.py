@@ -9,18 +9,13 @@ per-part embedding sums (it sits inside the noisy distribution: a diagnostic, no
 
 from __future__ import annotations
 
-import hashlib
-import json
-import os
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Callable
 
 import numpy as np
 import torch
 
 from pairclean.errors import ConfigError, UserError
-from pairclean.ops.atomic import write_json
 
 BETA_MODES = ("random-inputs", "shuffled", "fixed")
 
@@ -113,75 +108,3 @@ def resolve_beta(mode: str, beta: float | None, random_inputs: Callable[[], tupl
     if mode == "shuffled":
         return None, "mean cosine of shuffled in-dataset pairs (a diagnostic: it sits inside the noisy distribution)"
     return random_inputs()
-
-
-def cache_dir() -> Path:
-    """$PAIRCLEAN_CACHE_DIR, else $XDG_CACHE_HOME/pairclean, else ~/.cache/pairclean."""
-    if os.environ.get("PAIRCLEAN_CACHE_DIR"):
-        return Path(os.environ["PAIRCLEAN_CACHE_DIR"])
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "pairclean"
-
-
-def weights_fingerprint(module: torch.nn.Module) -> str:
-    """sha1 over every tensor of the state dict (names, dtypes, shapes, bytes): the weights
-    themselves, whatever tag, file or seed they came from."""
-    digest = hashlib.sha1()
-    for name, tensor in module.state_dict().items():
-        tensor = tensor.detach().cpu().contiguous()
-        digest.update(f"{name}:{tensor.dtype}:{tuple(tensor.shape)};".encode())
-        digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
-    return digest.hexdigest()
-
-
-class BetaCache:
-    """random-inputs beta depends on the estimator, K, the seed and the batching, never on the
-    data: computed once per (weights, provenance, K, seed, batch) and reused by later runs.
-
-    The weights are identified by `weights_id` when the caller built the estimator itself from
-    a complete description (provenance + seed + library versions: a checkpoint is named by its
-    sha256, random init by its seed), else by hashing every weight; only estimators holding
-    their weights as a torch module (`estimator.model`) are cached.
-    """
-
-    def __init__(self, directory: Path | None = None):
-        self.dir = Path(directory) if directory is not None else cache_dir() / "beta"
-
-    def key(self, estimator, left: str, right: str, k: int, seed: int, batch_size: int,
-            weights_id: str | None = None) -> str | None:
-        model = getattr(estimator, "model", None)
-        if not isinstance(model, torch.nn.Module):
-            return None
-        provenance = {**estimator.provenance(), "device": estimator.device.type}
-        if provenance.get("checkpoint_sha256"):  # the file's hash names the weights; its path may be relative
-            provenance.pop("pretrained", None)
-        weights = weights_id if weights_id is not None else weights_fingerprint(model)
-        ident = {"provenance": provenance, "weights": weights, "left": left, "right": right,
-                 "k": k, "seed": seed, "batch_size": batch_size, "torch": torch.__version__}
-        return hashlib.sha1(json.dumps(ident, sort_keys=True, default=str).encode()).hexdigest()
-
-    def get(self, key: str) -> BetaEstimate | None:
-        try:
-            return BetaEstimate(**json.loads((self.dir / f"{key}.json").read_text()))
-        except (OSError, ValueError, TypeError):
-            return None  # absent or unreadable: computed again
-
-    def put(self, key: str, beta: BetaEstimate) -> None:
-        try:
-            self.dir.mkdir(parents=True, exist_ok=True)
-            write_json(self.dir / f"{key}.json", beta.as_dict())
-        except OSError:
-            pass  # a read-only home only costs the next run the computation
-
-
-def cached_random_input_beta(estimator, left: str, right: str, k: int, seed: int, batch_size: int,
-                             cache: BetaCache | None, weights_id: str | None = None) -> tuple[BetaEstimate, bool]:
-    """(beta, whether it came from the cache)."""
-    key = cache.key(estimator, left, right, k, seed, batch_size, weights_id) if cache is not None else None
-    if key is not None:
-        hit = cache.get(key)
-        if hit is not None:
-            return hit, True
-    beta = random_input_beta(estimator, left, right, k=k, seed=seed, batch_size=batch_size)
-    if key is not None:
-        cache.put(key, beta)
-    return beta, False

@@ -36,7 +36,8 @@ from webdataset.tariterators import base_plus_ext, meta_prefix, meta_suffix
 
 from pairclean.errors import UserError
 from pairclean.data.manifest import PAIR_KINDS, DatasetSpec, unique_shards
-from pairclean.data.units import Unit, is_local
+from pairclean.data.units import Unit
+from pairclean.ops.urls import is_local
 
 # Text encoders keep the first 77 (CLIP) or 256 (MiniLM) tokens, far fewer than 4096 characters;
 # a longer caption only costs tokeniser time (CLIP's BPE is quadratic in the length of a word).

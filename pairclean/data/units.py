@@ -13,6 +13,8 @@ import re
 from dataclasses import dataclass
 from enum import Enum
 
+from pairclean.ops.urls import is_local
+
 _ROW_GROUP = re.compile(r"(?P<path>.*)#rg=(?P<n>\d+)", re.DOTALL)
 _ROWS = re.compile(r"(?P<path>.*)#rows=(?P<start>\d+)-(?P<stop>\d+)", re.DOTALL)
 
@@ -57,11 +59,6 @@ class Unit:
 def unit_shard(unit: str) -> str:
     """The shard (file) a unit belongs to: what the output's `shard` column holds."""
     return Unit.parse(unit).path
-
-
-def is_local(url: str) -> bool:
-    """A path on this machine, as opposed to a `pipe:` command or a URL with a scheme."""
-    return "://" not in url and not url.startswith("pipe:")
 
 
 def unit_fingerprint(unit: str) -> dict | None:

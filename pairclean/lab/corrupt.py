@@ -47,7 +47,8 @@ from pairclean.data.writer import staged_directory, write_shards
 from pairclean.ops.guard import check_output
 from pairclean.curate.query import sandboxed_connection, sql_string
 from pairclean.data.reader import UnitFailure, list_units, raise_failure, read_samples, read_unit
-from pairclean.data.units import is_local, unit_shard
+from pairclean.data.units import unit_shard
+from pairclean.ops.urls import is_local
 
 MODES = ("shuffle", "weak", "mixed", "hard")
 DONOR_KINDS = ("shuffle", "hard")  # noise kinds whose new caption is another pair's, recorded as the donor

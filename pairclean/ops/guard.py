@@ -17,7 +17,7 @@ import os
 from pathlib import Path
 from typing import Iterable
 
-from pairclean.data.units import is_local
+from pairclean.ops.urls import is_local
 from pairclean.errors import UserError
 
 

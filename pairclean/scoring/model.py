@@ -27,11 +27,12 @@ from pairclean.ops import distributed
 from pairclean.ops.notices import notice_once
 from pairclean.ops.worker_memory import steady_worker_memory
 from pairclean.config import check_numbers, check_pretrained, unpinned
-from pairclean.core.beta import BetaCache, BetaEstimate, ShuffledAccumulator, cached_random_input_beta
+from pairclean.core.beta import BetaEstimate, ShuffledAccumulator
 from pairclean.core.scorer import null_partners
 from pairclean.data.manifest import DatasetSpec, open_dataset
 from pairclean.data.reader import UnitFailure, count_pairs, list_units, modalities, read_unit
 from pairclean.errors import ConfigError
+from pairclean.scoring.beta_cache import BetaCache, cached_random_input_beta
 from pairclean.scoring.run import Commit, Producer, RunConfig, ScoreResult, Work, run_scoring
 
 

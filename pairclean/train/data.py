@@ -27,7 +27,8 @@ from torch.utils.data import IterableDataset
 from pairclean.errors import UserError
 from pairclean.data.manifest import DatasetSpec
 from pairclean.data.reader import UnitFailure, list_samples, list_units, modalities, parquet_keys, read_unit
-from pairclean.data.units import is_local, unit_shard
+from pairclean.data.units import unit_shard
+from pairclean.ops.urls import is_local
 
 DROPPED = -1.0  # weight-array value of a pair the method leaves out (filtered); NaN = not in the scores
 

@@ -19,7 +19,7 @@ from pathlib import Path
 from pairclean import __version__
 from pairclean.ops.atomic import atomic_path, write_json
 from pairclean.ops.progress import SILENT, Progress
-from pairclean.core.beta import cache_dir as pairclean_cache_dir
+from pairclean.ops.cache import cache_dir as pairclean_cache_dir
 from pairclean.errors import ConfigError, UserError
 from pairclean.backends.open_clip import CONFIG_DIR
 from pairclean.lab.synth.world import WORLD_VERSION, build_world
