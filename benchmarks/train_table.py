@@ -37,7 +37,7 @@ from pairclean.data.manifest import DatasetSpec, write_manifest
 from pairclean.scores.evaluation import evaluate_detection
 from pairclean.data.writer import write_shards
 from pairclean.scoring.model import ScoreConfig, score
-from pairclean.curate.query import sql_string
+from pairclean.scores.sql import sql_string
 from pairclean.train.retrieval import evaluate_retrieval
 from pairclean.lab.synth.estimator import TOY_MODEL, EstimatorRecipe
 from pairclean.lab.synth.world import build_world

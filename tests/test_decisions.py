@@ -177,7 +177,7 @@ def test_evaluate_detection_prints_the_ece_of_p_clean(tmp_path, capsys):
 
 
 def test_threshold_sweep_estimates_and_the_report(tmp_path, capsys):
-    from pairclean.curate.query import ScoresDB
+    from pairclean.scores.db import ScoresDB
     from pairclean.curate.sweep import threshold_sweep
 
     noisy = _embeddings(tmp_path / "emb")
@@ -200,7 +200,7 @@ def test_threshold_sweep_estimates_and_the_report(tmp_path, capsys):
 
 
 def test_filter_dry_run_shows_the_threshold_sweep(coco_shards, coco_scores, capsys):
-    from pairclean.curate.query import ScoresDB
+    from pairclean.scores.db import ScoresDB
     from pairclean.curate.sweep import threshold_sweep
 
     with ScoresDB(coco_scores) as db:

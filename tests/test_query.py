@@ -15,7 +15,7 @@ import pytest
 
 from pairclean.cli import main
 from pairclean.errors import UserError
-from pairclean.curate.query import ScoresDB
+from pairclean.scores.db import ScoresDB
 
 QUERIES = Path(__file__).parent.parent / "docs" / "queries"
 SQL = "SELECT key, shard, \"index\", sim, osa_noisy FROM scores ORDER BY sim LIMIT 5"

@@ -25,7 +25,7 @@ from PIL import Image
 from pairclean.cli import main
 from pairclean.scores.contract import METADATA_KEY, SCORES_SCHEMA, read_provenance
 from pairclean.core.mixture import FittedMixture
-from pairclean.curate.query import ScoresDB
+from pairclean.scores.db import ScoresDB
 from pairclean.curate.report import _histogram, build_report, gmm_boundaries
 
 GALLERY, CONTRAST, THUMB = 6, 4, 160

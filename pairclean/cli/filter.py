@@ -22,6 +22,7 @@ from pairclean.ops.guard import check_output
 
 if TYPE_CHECKING:
     from pairclean.curate.filter import FilterResult
+    from pairclean.curate.sweep import Sweep
 
 
 def _size(n: int | None) -> str:
@@ -56,16 +57,8 @@ def result_table(result: FilterResult) -> Table:
     return table
 
 
-def sweep_table(scores: Path) -> Table | None:
+def sweep_table(sweep: Sweep) -> Table:
     """The threshold sweep (`curate.sweep`): kept share and estimated precision / recall per threshold."""
-    from pairclean.curate.query import ScoresDB
-    from pairclean.curate.sweep import threshold_sweep
-    from pairclean.scores.contract import read_provenance
-
-    with ScoresDB(scores) as db:
-        sweep = threshold_sweep(db, read_provenance(scores).get("null_quantiles"))
-    if sweep is None:
-        return None
     table = Table(title=f"thresholds, estimated from the run's random pairings (noise share {sweep.noise_share:.1%})",
                   header_style="bold")
     table.add_column("--where", no_wrap=True)
@@ -76,16 +69,6 @@ def sweep_table(scores: Path) -> Table | None:
                       _share(r.precision, 1), _share(r.clean_kept, 1), _share(r.noise_caught, 1))
     table.caption = "noise as dissimilar as a random pairing; a caption of a similar item counts as clean here"
     return table
-
-
-def _scored_pair(scores: Path) -> str | None:
-    """The pair kind the scores were made with: what the new manifest should say."""
-    try:
-        from pairclean.scores.contract import read_provenance
-
-        return read_provenance(scores).get("pair")
-    except (ValueError, OSError):
-        return None  # not a readable scores file: filter_dataset says so
 
 
 @app.command("filter")
@@ -110,17 +93,19 @@ def filter_command(
         check_output(out, source)  # the directories named; the files read are checked by filter_dataset
     from pairclean.curate.filter import filter_dataset
     from pairclean.data.manifest import open_dataset
+    from pairclean.scores.db import ScoresDB
 
-    spec = open_dataset(source, pair=pair or _scored_pair(scores))
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("shards"),
-                  TimeElapsedColumn(), console=console, transient=True) as bar:
-        task = bar.add_task("dry run" if dry_run else "filtering", total=len(spec.shards))
-        result = filter_dataset(spec, scores, out or Path("."), where=where, top_fraction=top_fraction, by=by,
-                                dry_run=dry_run, shard_size=shard_size, shard_bytes=shard_bytes, prefix=prefix,
-                                overwrite=overwrite, progress=lambda _shard: bar.advance(task))
+    with ScoresDB(scores) as db:  # opened once: its provenance names the pair kind, filter_dataset reads it
+        spec = open_dataset(source, pair=pair or (db.provenance or {}).get("pair"))
+        with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("shards"),
+                      TimeElapsedColumn(), console=console, transient=True) as bar:
+            task = bar.add_task("dry run" if dry_run else "filtering", total=len(spec.shards))
+            result = filter_dataset(spec, db, out or Path("."), where=where, top_fraction=top_fraction, by=by,
+                                    dry_run=dry_run, shard_size=shard_size, shard_bytes=shard_bytes, prefix=prefix,
+                                    overwrite=overwrite, progress=lambda _shard: bar.advance(task))
     console.print(result_table(result))
-    if dry_run and (table := sweep_table(scores)) is not None:
-        console.print(table)
+    if result.sweep is not None:
+        console.print(sweep_table(result.sweep))
     if result.read_failures:
         console.print(f"[yellow]{len(result.read_failures)} shard read failure(s)[/yellow], first: "
                       f"{result.read_failures[0]['shard']}: {result.read_failures[0]['reason']}", highlight=False)

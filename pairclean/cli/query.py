@@ -2,15 +2,54 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
-from typing import Optional
+from typing import Iterable, Optional
 
+import pyarrow as pa
 import typer
+from rich.table import Table
 
 from pairclean.cli.app import app, console
-from pairclean.curate.query import OUTPUT_FORMATS, ScoresDB, rich_result, write_result
+from pairclean.curate.query import OUTPUT_FORMATS, write_result
 from pairclean.errors import UserError
 from pairclean.ops.guard import check_output
+from pairclean.scores.db import ScoresDB
+
+
+def _cell(value) -> str:
+    if value is None:
+        return "[dim]NULL[/dim]"
+    if isinstance(value, float):
+        if math.isnan(value):
+            return "NaN"
+        return f"{value:.4f}" if 1e-4 <= abs(value) < 1e6 or value == 0 else f"{value:.4g}"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, bytes):
+        return f"<{len(value):,} bytes>"
+    text = str(value)
+    return text if len(text) <= 120 else text[:117] + "..."
+
+
+def rich_result(batches: Iterable[pa.RecordBatch], schema: pa.Schema, limit: int) -> tuple[Table, str]:
+    """The first `limit` rows as a rich table and a line saying how many rows there were.
+
+    Rows past the limit are counted, not kept."""
+    table = Table(show_lines=False, header_style="bold")
+    for f in schema:
+        numeric = pa.types.is_integer(f.type) or pa.types.is_floating(f.type) or pa.types.is_decimal(f.type)
+        table.add_column(f.name, justify="right" if numeric else "left", overflow="fold")
+    shown = total = 0
+    for batch in batches:
+        total += batch.num_rows
+        if shown < limit:
+            for row in batch.slice(0, limit - shown).to_pylist():
+                table.add_row(*(_cell(v) for v in row.values()))
+                shown += 1
+    if total == shown:
+        return table, f"{total:,} rows"
+    return table, f"first {shown:,} of {total:,} rows (raise --limit, or --format csv|json|parquet for all)"
 
 
 @app.command("query")

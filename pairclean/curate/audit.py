@@ -18,7 +18,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from pairclean.curate.query import ScoresDB
+from pairclean.scores.db import ScoresDB
 from pairclean.curate.report import fetch_media
 from pairclean.data.manifest import open_dataset
 from pairclean.errors import UserError

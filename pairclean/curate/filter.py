@@ -1,8 +1,8 @@
 """Filter a dataset by its scores: new WebDataset shards, or Parquet files, holding the kept pairs.
 
-Each rule is a boolean SQL expression over the `scores` view that DuckDB evaluates (`--where`),
-or the DataComp-style "top fraction by a score column"; a pair is kept when every rule keeps it
-(NULL counts as no). All rules are run over every row before anything is written, so a bad
+Each rule is a predicate: a boolean SQL expression over the `scores` view that DuckDB evaluates
+(`where`), or the top fraction by a score column (`scores.rules.TopFractionRule`, DataComp style);
+a pair is kept when every predicate keeps it (NULL counts as no). All rules are run over every row before anything is written, so a bad
 predicate fails with DuckDB's message and leaves nothing behind. The kept set is then fetched
 one shard (or Parquet row group) at a time and joined with a stream of the shard's samples:
 memory holds one shard's decisions and one sample, never every key. Each kept sample is checked
@@ -12,6 +12,7 @@ stops the run instead of producing a silently wrong dataset.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from dataclasses import asdict, dataclass, field
@@ -23,21 +24,20 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from pairclean.ops.atomic import write_json
-from pairclean.ops.guard import check_file_prefix, check_output
-from pairclean.errors import UserError
-from pairclean.scores.contract import read_provenance
+from pairclean.curate.sweep import Sweep, threshold_sweep
 from pairclean.data.manifest import DatasetSpec, write_manifest
 from pairclean.data.reader import OnFailure, UnitFailure, list_samples, read_samples
 from pairclean.data.writer import staged_directory, write_shards
-from pairclean.curate.query import ScoresDB, compile_predicate, duckdb_message, match_shards
-
-NUMERIC_TYPES = ("FLOAT", "DOUBLE", "TINYINT", "SMALLINT", "INTEGER", "BIGINT", "HUGEINT", "UTINYINT",
-                 "USMALLINT", "UINTEGER", "UBIGINT", "DECIMAL")
+from pairclean.errors import ConfigError, UserError
+from pairclean.ops.atomic import write_json
+from pairclean.ops.guard import check_file_prefix, check_output
+from pairclean.scores.db import NUMERIC_TYPES, ScoresDB, compile_predicate, match_shards
+from pairclean.scores.rules import TopFractionRule
+from pairclean.scores.sql import duckdb_message
 
 
 @dataclass
-class Rule:
+class Predicate:
     name: str  # as the user wrote it, for tables and errors
     sql: str  # boolean SQL over the columns of `scores`
 
@@ -62,54 +62,36 @@ class FilterResult:
     bytes_estimated: bool  # Parquet: row-group sizes shared out by rows, not exact
     output_files: list[str] = field(default_factory=list)
     read_failures: list[dict] = field(default_factory=list)
+    sweep: Sweep | None = None  # dry run: what each similarity threshold would keep (`curate.sweep`)
 
 
-def _where_rule(db: ScoresDB, predicate: str) -> Rule:
-    return Rule(predicate, compile_predicate(db, predicate, "--where"))
-
-
-def _top_fraction_rule(db: ScoresDB, fraction: float, by: str) -> Rule:
-    """Keep the round-down fraction x n highest `by` values; ties broken by (shard, index).
-
-    The cut-off row is found once and kept in a temp table, so per-shard evaluation
-    is a comparison, not a ranking."""
-    if not 0 < fraction <= 1:
-        raise UserError(f"--top-fraction must be in (0, 1], got {fraction}")
+def _top_fraction(db: ScoresDB, fraction: float, by: str) -> Predicate:
+    """The `fraction` of the scored pairs with the highest `by`, exactly (`TopFractionRule.keep_sql`)."""
+    rule = TopFractionRule(keep=fraction)
     columns = db.columns("scores")
     if by not in columns:
-        raise UserError(f"--by {by!r} is not a column of the scores (has {', '.join(columns)})")
+        raise ConfigError(f"by {by!r} is not a column of the scores (has {', '.join(columns)})", "by")
     if not columns[by].startswith(NUMERIC_TYPES):
-        raise UserError(f"--by {by!r} is {columns[by]}, not numeric")
-    col = f'"{by}"'
-    n = db.scalar(f"SELECT count({col}) FROM scores WHERE NOT isnan({col}::DOUBLE)")
-    k = math.floor(round(fraction * n, 6))
-    name = f"top {fraction:g} by {by}"
-    if k == 0:
-        return Rule(name, "false")
-    db.con.execute(f"CREATE OR REPLACE TEMP TABLE top_cutoff AS SELECT {col}::DOUBLE AS v, shard AS s, \"index\" AS i "
-                   f"FROM scores WHERE {col} IS NOT NULL AND NOT isnan({col}::DOUBLE) "
-                   f"ORDER BY {col} DESC, shard, \"index\" LIMIT 1 OFFSET {k - 1}")
-    v, s, i = "(SELECT v FROM top_cutoff)", "(SELECT s FROM top_cutoff)", "(SELECT i FROM top_cutoff)"
-    return Rule(name, f"(NOT isnan({col}::DOUBLE) AND ({col} > {v} OR ({col} = {v} AND "
-                      f"(shard < {s} OR (shard = {s} AND \"index\" <= {i})))))")
+        raise ConfigError(f"by {by!r} is {columns[by]}, not numeric", "by")
+    return Predicate(f"top {fraction:g} by {by}", rule.keep_sql(db, by))
 
 
-def build_rules(db: ScoresDB, where: list[str], top_fraction: float | None, by: str) -> list[Rule]:
-    rules = [_where_rule(db, w) for w in where]
+def keep_predicates(db: ScoresDB, where: list[str], top_fraction: float | None, by: str) -> list[Predicate]:
+    predicates = [Predicate(w, compile_predicate(db, w, "where")) for w in where]
     if top_fraction is not None:
-        rules.append(_top_fraction_rule(db, top_fraction, by))
-    if not rules:
-        raise UserError("give at least one rule: --where PREDICATE and/or --top-fraction F")
-    return rules
+        predicates.append(_top_fraction(db, top_fraction, by))
+    if not predicates:
+        raise ConfigError("give at least one rule: where (a predicate) and/or top_fraction", "where", "top_fraction")
+    return predicates
 
 
-def _decision_sql(rules: list[Rule]) -> str:
+def _decision_sql(rules: list[Predicate]) -> str:
     flags = ", ".join(f"COALESCE({r.sql}, false) AS r{j}" for j, r in enumerate(rules))
     keep = " AND ".join(f"r{j}" for j in range(len(rules)))
     return f"SELECT *, ({keep}) AS keep FROM (SELECT shard, \"index\", key, {flags} FROM scores)"
 
 
-def count_rules(db: ScoresDB, rules: list[Rule]) -> tuple[int, list[int], int]:
+def count_rules(db: ScoresDB, rules: list[Predicate]) -> tuple[int, list[int], int]:
     """Run every rule over every row (so runtime errors surface before any output): totals."""
     counts = ", ".join(f"count(*) FILTER (WHERE r{j})" for j in range(len(rules)))
     try:
@@ -134,7 +116,7 @@ class ShardDecisions:
         return self.flags[-1]
 
 
-def shard_decisions(db: ScoresDB, rules: list[Rule], shard: str, lo: int | None = None,
+def shard_decisions(db: ScoresDB, rules: list[Predicate], shard: str, lo: int | None = None,
                     hi: int | None = None) -> ShardDecisions:
     """The rule flags of one scored shard (or its index range [lo, hi]), from DuckDB."""
     where, params = "shard = ?", [shard]
@@ -235,7 +217,7 @@ class _RowGroupBuffer:
         self.parts, self.count = [], 0
 
 
-def _filter_parquet_file(db: ScoresDB, rules: list[Rule], path: str, scored_name: str, key_column: str,
+def _filter_parquet_file(db: ScoresDB, rules: list[Predicate], path: str, scored_name: str, key_column: str,
                          target: Path, tally: dict) -> bool:
     """Write the kept rows of one Parquet file to `target`; False (and no file) when none is kept."""
     pf = pq.ParquetFile(path)
@@ -271,7 +253,7 @@ def _filter_parquet_file(db: ScoresDB, rules: list[Rule], path: str, scored_name
     return True
 
 
-def _parquet_bytes_per_rule(db: ScoresDB, rules: list[Rule], path: str, scored_name: str) -> tuple[int, np.ndarray]:
+def _parquet_bytes_per_rule(db: ScoresDB, rules: list[Predicate], path: str, scored_name: str) -> tuple[int, np.ndarray]:
     """Dry run: each row group's compressed size shared out over its rows (an estimate)."""
     meta = pq.ParquetFile(path).metadata
     total, per_rule, offset = 0, np.zeros(len(rules) + 1, np.int64), 0
@@ -295,35 +277,38 @@ def _match(db: ScoresDB, spec: DatasetSpec) -> dict[str, str]:
     return mapping  # type: ignore[return-value]
 
 
-def filter_dataset(spec: DatasetSpec, scores: Path, out: Path, where: list[str] | None = None,
+def filter_dataset(spec: DatasetSpec, scores: str | Path | ScoresDB, out: Path, where: list[str] | None = None,
                    top_fraction: float | None = None, by: str = "sim", dry_run: bool = False,
                    shard_size: int = 10_000, shard_bytes: float = 1e9, prefix: str = "shard",
                    overwrite: bool = False, progress: Callable[[str], None] | None = None) -> FilterResult:
     """Keep the pairs every rule keeps; write them under `out` (nothing at all on a dry run).
 
+    `scores`: the scores file, or a `ScoresDB` the caller opened (and closes) on it.
     WebDataset in -> WebDataset shards of at most `shard_size` samples / `shard_bytes` bytes;
     Parquet in -> one Parquet file per input file that keeps rows (row groups of the input's size).
     `out` also gets `manifest.yaml` (the new dataset) and `filter.json` (rules, counts, provenance).
     """
     out = Path(out)
     check_file_prefix(prefix)
+    scores_path = scores.path if isinstance(scores, ScoresDB) else Path(scores)
     if not dry_run:
-        check_output(out, [*spec.shards, scores])
+        check_output(out, [*spec.shards, scores_path])
     if spec.format == "parquet" and (spec.fields.image_path or spec.fields.image2_path):
         raise UserError("this Parquet dataset names images by relative path: filtered files in another "
                         "directory could not find them; filter a Parquet that holds the image bytes")
     if not dry_run and out.exists() and not out.is_dir():
         raise UserError(f"{out} exists and is not a directory")
     if not dry_run and out.exists() and any(out.iterdir()) and not overwrite:
-        raise UserError(f"{out} exists and is not empty; pass --overwrite to replace it")
+        raise ConfigError(f"{out} exists and is not empty; set overwrite to replace it", "overwrite")
     if shard_size < 1:
-        raise UserError(f"--shard-size must be at least 1, got {shard_size}")
+        raise ConfigError(f"shard_size must be at least 1, got {shard_size}", "shard_size")
     if not shard_bytes >= 1 or not math.isfinite(shard_bytes):
-        raise UserError(f"--shard-bytes must be a finite number of at least 1, got {shard_bytes}")
-    with ScoresDB(scores) as db:
+        raise ConfigError(f"shard_bytes must be a finite number of at least 1, got {shard_bytes}", "shard_bytes")
+    opened = contextlib.nullcontext(scores) if isinstance(scores, ScoresDB) else ScoresDB(scores)
+    with opened as db:
         mapping = _match(db, spec)
         db.restrict(sorted(set(mapping.values())))
-        rules = build_rules(db, where or [], top_fraction, by)
+        rules = keep_predicates(db, where or [], top_fraction, by)
         total, per_rule, kept = count_rules(db, rules)
         names = [r.name for r in rules] + (["all rules"] if len(rules) > 1 else [])
         pair_counts = per_rule + ([kept] if len(rules) > 1 else [])
@@ -332,10 +317,12 @@ def filter_dataset(spec: DatasetSpec, scores: Path, out: Path, where: list[str] 
                               kept_bytes=None, bytes_estimated=spec.format == "parquet")
         if dry_run:
             _dry_run_bytes(db, rules, spec, mapping, result, progress)
+            # over the whole file, as the run's null was drawn
+            result.sweep = threshold_sweep(db, (db.provenance or {}).get("null_quantiles"), view="scores_file")
             return result
         if kept == 0:
             raise UserError(f"the rules keep none of the {total:,} pairs; nothing written")
-        _write(db, rules, spec, mapping, result, scores, shard_size, shard_bytes, prefix, overwrite, progress)
+        _write(db, rules, spec, mapping, result, shard_size, shard_bytes, prefix, overwrite, progress)
     return result
 
 
@@ -358,8 +345,8 @@ def _dry_run_bytes(db, rules, spec, mapping, result: FilterResult, progress) -> 
     result.kept_bytes = int(per_rule[-1])
 
 
-def _write(db, rules, spec, mapping, result: FilterResult, scores: Path, shard_size, shard_bytes, prefix,
-           overwrite, progress) -> None:
+def _write(db: ScoresDB, rules, spec, mapping, result: FilterResult, shard_size, shard_bytes, prefix, overwrite,
+           progress) -> None:
     tally = {"pairs": 0, "bytes": 0}
     out = result.out
     with staged_directory(out, overwrite) as tmp:
@@ -384,21 +371,17 @@ def _write(db, rules, spec, mapping, result: FilterResult, scores: Path, shard_s
         if tally["pairs"] != result.kept_pairs:
             # Every shard was read to its last scored index, so only repeated rows get here.
             raise UserError(f"wrote {tally['pairs']:,} pairs but the rules keep {result.kept_pairs:,} rows: "
-                            f"{scores} holds some (shard, index) more than once")
+                            f"{db.path} holds some (shard, index) more than once")
         result.kept_bytes = tally["bytes"]
         result.output_files = [str(out / f.name) for f in files]
         new_spec = DatasetSpec(format=spec.format, shards=result.output_files, pair=spec.pair, fields=spec.fields,
                                label_template=spec.label_template,
                                name=f"{spec.name}-filtered" if spec.name else out.name)
         write_manifest(tmp / "manifest.yaml", new_spec, shards_relative_to=out)
-        try:
-            provenance = read_provenance(scores)
-        except ValueError:
-            provenance = None
         write_json(tmp / "filter.json", {
-            "source": spec.shards, "source_format": spec.format, "scores": str(scores),
+            "source": spec.shards, "source_format": spec.format, "scores": str(db.path),
             "rules": [asdict(r) for r in rules], "pairs": result.total_pairs,
             "counts": [asdict(c) for c in result.counts], "kept_pairs": result.kept_pairs,
             "kept_bytes": result.kept_bytes, "bytes_estimated": result.bytes_estimated,
             "output": [os.path.basename(f) for f in result.output_files],
-            "read_failures": result.read_failures, "scores_provenance": provenance})
+            "read_failures": result.read_failures, "scores_provenance": db.provenance})

@@ -29,13 +29,13 @@ from pairclean.ops.guard import check_output
 from pairclean.ops.atomic import atomic_path
 from pairclean.data.decode import DecodeError, decode_image
 from pairclean.errors import UserError
-from pairclean.scores.contract import read_provenance
 from pairclean.scores.evaluation import truth_metrics
 from pairclean.curate.sweep import Sweep, threshold_sweep
 from pairclean.scores.rules import RuleRecord, recorded_rules
 from pairclean.core.mixture import FittedMixture
 from pairclean.data.manifest import DatasetSpec, open_dataset
-from pairclean.curate.query import ScoresDB, match_shards, sql_identifier
+from pairclean.scores.db import ScoresDB, match_shards
+from pairclean.scores.sql import sql_identifier
 from pairclean.data.reader import RawPair, read_unit
 from pairclean.data.units import Unit
 
@@ -549,11 +549,10 @@ def build_report(scores: str | Path, out: str | Path, shards: list[str] | None =
         raise UserError("--gallery and --contrast must not be negative")
     if not 2 <= bins <= MAX_BINS:
         raise UserError(f"--bins must be within [2, {MAX_BINS}], got {bins}")
-    try:
-        prov = read_provenance(scores)
-    except (ValueError, OSError) as exc:
-        raise UserError(str(exc).splitlines()[0]) from None
     with ScoresDB(scores, truth=truth) as db:
+        prov = db.provenance
+        if prov is None:
+            raise UserError(f"{scores} has no pairclean provenance (not written by pairclean score?)")
         has_truth = truth is not None
         view = "labeled" if has_truth else "scores"
         rules = recorded_rules(prov, db.columns(view))

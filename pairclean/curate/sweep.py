@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pairclean.curate.query import ScoresDB
+from pairclean.scores.db import ScoresDB
 
 NULL_LEVELS = (0.5, 0.75, 0.9, 0.95, 0.99, 0.999)  # thresholds: these quantiles of the null
 

@@ -45,7 +45,7 @@ from pairclean.errors import ConfigError, UserError
 from pairclean.data.manifest import DatasetSpec, open_dataset, write_manifest
 from pairclean.data.writer import staged_directory, write_shards
 from pairclean.ops.guard import check_output
-from pairclean.curate.query import sandboxed_connection, sql_string
+from pairclean.scores.sql import sandboxed_connection, sql_string
 from pairclean.data.reader import UnitFailure, list_units, raise_failure, read_samples, read_unit
 from pairclean.data.units import unit_shard
 from pairclean.ops.urls import is_local

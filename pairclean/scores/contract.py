@@ -3,7 +3,8 @@
 A scores file is one Parquet file: the base columns, then each decision rule's columns in rule
 order, then `error`. Its schema metadata holds the provenance (how the scores were made, written
 first); its file metadata holds the run summary (counts, added at close), which the run manifest
-`OUT.run.json` beside it repeats. Everything that reads a scores file goes through here.
+`OUT.run.json` beside it repeats. Everything that reads a scores file goes through here (or through
+`scores.db.ScoresDB`, which reads both once for the commands that query the file).
 """
 
 from __future__ import annotations
@@ -114,17 +115,27 @@ def write_run_manifest(out: Path, summary: Summary, provenance: Provenance, temp
                temp_dir=temp_dir)
 
 
+def read_metadata(scores: str | Path) -> tuple[Provenance | None, Summary | None]:
+    """The provenance and the summary of a scores file from one read of its footer (None where
+    absent: a Parquet file not written by `pairclean score`)."""
+    meta = pq.read_metadata(scores)
+    schema = meta.schema.to_arrow_schema().metadata or {}  # schema metadata: written first
+    added = meta.metadata or {}  # file key-value metadata, added at close
+    return (json.loads(schema[METADATA_KEY]) if METADATA_KEY in schema else None,
+            json.loads(added[SUMMARY_KEY]) if SUMMARY_KEY in added else None)
+
+
 def read_provenance(scores: str | Path) -> Provenance:
     """The provenance stored in a scores file's Parquet key-value metadata."""
-    meta = pq.ParquetFile(scores).schema_arrow.metadata or {}
-    if METADATA_KEY not in meta:
+    provenance = read_metadata(scores)[0]
+    if provenance is None:
         raise ValueError(f"{scores} has no pairclean provenance (not written by pairclean score?)")
-    return json.loads(meta[METADATA_KEY])
+    return provenance
 
 
 def read_summary(scores: str | Path) -> Summary:
     """The run summary stored in a scores file (the same one its run manifest holds)."""
-    meta = pq.ParquetFile(scores).metadata.metadata or {}  # file key-value metadata, added at close
-    if SUMMARY_KEY not in meta:
+    summary = read_metadata(scores)[1]
+    if summary is None:
         raise ValueError(f"{scores} has no pairclean summary (not written by pairclean score?)")
-    return json.loads(meta[SUMMARY_KEY])
+    return summary

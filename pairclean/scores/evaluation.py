@@ -10,7 +10,7 @@ noisy pairs when all pairs are sorted by weight, highest first (ties share their
 against its optimum (every noisy pair ranked last). A rule that claims a probability of being
 clean (`clean_probability`, the GMM's p_clean) gets its expected calibration error (ECE, 10 bins).
 
-Scores and truth are joined by `pairclean.curate.query.ScoresDB`: on (shard, index), then on (shard file
+Scores and truth are joined by `pairclean.scores.db.ScoresDB`: on (shard, index), then on (shard file
 name, index), else on key. The metrics need every labelled similarity in memory at once (a sort),
 8 bytes per pair per column.
 """
@@ -24,8 +24,9 @@ from scipy.stats import rankdata
 from sklearn.metrics import average_precision_score, roc_auc_score, roc_curve
 
 from pairclean.errors import UserError
-from pairclean.scores.contract import read_provenance
+from pairclean.scores.db import ScoresDB
 from pairclean.scores.rules import REGISTRY, recorded_rules
+from pairclean.scores.sql import sql_identifier
 
 
 def _share(numerator: int, denominator: int) -> float | None:
@@ -113,14 +114,9 @@ def evaluate_detection(scores: str | Path, truth: str | Path, truth_key: str | N
     """Join a scores file with a truth file (Parquet, or a manifest whose `truth:` names one) and
     measure every rule the file holds; rows with an error or without a truth label are counted,
     not scored. Each rule's entry carries its table label, `noisy_if` and `threshold`."""
-    from pairclean.curate.query import ScoresDB, sql_identifier
-
     truth = resolve_truth(truth)
-    try:
-        provenance = read_provenance(scores)
-    except (ValueError, OSError):
-        provenance = {}
     with ScoresDB(scores, truth, truth_key=truth_key) as db:
+        provenance = db.provenance or {}
         rules = recorded_rules(provenance, db.columns("labeled"))
         decisions = [rule.decision for rule in rules]
         missing = [c for c in ("sim", "weight", *decisions) if c not in db.columns("labeled")]

@@ -15,6 +15,7 @@ without importing torch or sklearn.
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar
@@ -23,6 +24,7 @@ import numpy as np
 import pyarrow as pa
 
 from pairclean.errors import UserError
+from pairclean.scores.sql import sql_identifier
 
 if TYPE_CHECKING:
     from pairclean.core.mixture import FittedMixture
@@ -233,11 +235,20 @@ class FdrRule(DecisionRule):
                 "noise_share": estimate, "noise_share_low": low, "noise_share_high": high}
 
 
+def top_count(keep: float, n: int) -> int:
+    """How many of `n` ranked values the top fraction `keep` keeps: floor(keep x n), rounded to 6
+    places first so that 0.7 of 10 keeps 7 (in binary floating point 0.7 x 10 is 6.99...)."""
+    return math.floor(round(keep * n, 6))
+
+
 @register
 class TopFractionRule(DecisionRule):
     """Keep the `keep` share of the pairs with the highest similarity, flag the rest.
 
-    DataComp style; the cut is the (1 - keep) quantile of the sample (default keep=0.8)."""
+    DataComp style, and pairclean's one "top fraction" (default keep=0.8): of n ranked values the
+    `top_count` highest are kept. Fitted at scoring time on finalize's sample, the cut is the
+    highest sample value not kept. Over a whole scores file (`filter`'s top fraction) `keep_sql`
+    ranks every row by any numeric column, ties broken by (shard, index), so the count is exact."""
 
     name, label, decision = "top-fraction", "top-fraction", "top_fraction_noisy"
     columns = (("top_fraction_noisy", pa.bool_()),)
@@ -248,18 +259,42 @@ class TopFractionRule(DecisionRule):
             raise UserError(f"rule top-fraction: keep must be in (0, 1], got {keep}")
         super().__init__(keep=keep)
         self.cut: float | None = None
+        self.ranked = 0
 
     def fit(self, sample, context):
-        self.cut = float(np.quantile(sample, 1 - self.options["keep"])) if len(sample) else None
+        values = np.sort(np.asarray(sample, dtype=np.float64))
+        self.ranked = len(values)
+        kept = top_count(self.options["keep"], len(values))
+        self.cut = float(values[len(values) - kept - 1]) if kept < len(values) else None
 
     def derive(self, sim):
         return {"top_fraction_noisy": sim <= self.cut if self.cut is not None else np.zeros(len(sim), bool)}
 
     def noisy_if(self):
-        return f"sim <= {self.cut:.4f}" if self.cut is not None else "nothing (no similarity to rank)"
+        if self.cut is not None:
+            return f"sim <= {self.cut:.4f}"
+        return "nothing (keeps every pair)" if self.ranked else "nothing (no similarity to rank)"
 
     def threshold(self):
         return self.cut
+
+    def keep_sql(self, db, column: str, view: str = "scores") -> str:
+        """A boolean SQL expression over `view` of a `scores.db.ScoresDB`, true for the
+        `top_count` rows with the highest `column` (a numeric column; NULL and NaN rank nowhere).
+
+        The cut-off row is found once and kept in a temp table, so per-shard evaluation is a
+        comparison, not a ranking."""
+        col = sql_identifier(column)
+        n = db.scalar(f"SELECT count({col}) FROM {view} WHERE NOT isnan({col}::DOUBLE)")
+        k = top_count(self.options["keep"], n)
+        if k == 0:
+            return "false"
+        db.con.execute(f"CREATE OR REPLACE TEMP TABLE top_cutoff AS SELECT {col}::DOUBLE AS v, shard AS s, "
+                       f"\"index\" AS i FROM {view} WHERE {col} IS NOT NULL AND NOT isnan({col}::DOUBLE) "
+                       f"ORDER BY {col} DESC, shard, \"index\" LIMIT 1 OFFSET {k - 1}")
+        v, s, i = "(SELECT v FROM top_cutoff)", "(SELECT s FROM top_cutoff)", "(SELECT i FROM top_cutoff)"
+        return (f"(NOT isnan({col}::DOUBLE) AND ({col} > {v} OR ({col} = {v} AND "
+                f"(shard < {s} OR (shard = {s} AND \"index\" <= {i})))))")
 
 
 def parse_rule(spec: str) -> DecisionRule:

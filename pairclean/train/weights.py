@@ -34,8 +34,8 @@ from pairclean.ops.atomic import atomic_path
 from pairclean.errors import UserError
 from pairclean.data.manifest import DatasetSpec
 from pairclean.data.writer import staged_directory
-from pairclean.curate.filter import NUMERIC_TYPES
-from pairclean.curate.query import ScoresDB, compile_predicate, duckdb_message
+from pairclean.scores.db import NUMERIC_TYPES, ScoresDB, compile_predicate
+from pairclean.scores.sql import duckdb_message
 from pairclean.train.data import DROPPED, ShardInfo, shard_keys
 
 JOINS = ("auto", "shard-index", "key")
@@ -77,7 +77,7 @@ class _Scores:
         if column is not None and column not in self.names:
             raise UserError(f"scores {self.path} has no column {column!r} (columns: {', '.join(self.names)})")
         self.weight_sql = f'COALESCE(CAST(s."{column}" AS DOUBLE), 0.0)' if column else "1.0"
-        self.keep_sql = f"COALESCE({compile_predicate(self.db, predicate, '--filter')}, FALSE)" if predicate else "TRUE"
+        self.keep_sql = f"COALESCE({compile_predicate(self.db, predicate, 'filter')}, FALSE)" if predicate else "TRUE"
         if column is not None:
             kind = self.db.columns()[column]
             if not kind.startswith(NUMERIC_TYPES):

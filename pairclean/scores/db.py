@@ -1,0 +1,239 @@
+"""The read side of a scores file: DuckDB over it, opened once per command.
+
+A `ScoresDB` is a sandboxed in-memory DuckDB connection holding views over the Parquet files,
+never a copy of them: `scores_file` (the whole scores file), `scores` (the same, or the shards a
+command was given), `truth` and `labeled` (scores + the ground-truth `noisy` column) when a truth
+file is given. It also carries the file's provenance and summary (`scores.contract`), read once,
+so a command opens the file once and passes this object, not the path. Results come back as
+Arrow record batches, so printing or exporting a result is bounded by a batch.
+
+Here too: the one way a user's predicate enters SQL (`compile_predicate`), the SQL quoting
+helpers, and the matching of given shard paths to the names the file holds (`match_shards`).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Iterator
+
+import duckdb
+import pyarrow as pa
+
+from pairclean.errors import ConfigError, UserError
+from pairclean.scores.contract import Provenance, Summary, read_metadata
+from pairclean.scores.sql import duckdb_message, sandboxed_connection, sql_identifier, sql_string
+
+SCORE_COLUMNS = ("key", "shard", "index")
+NUMERIC_TYPES = ("FLOAT", "DOUBLE", "TINYINT", "SMALLINT", "INTEGER", "BIGINT", "HUGEINT", "UTINYINT",
+                 "USMALLINT", "UINTEGER", "UBIGINT", "DECIMAL")  # DuckDB type names a column may start with
+
+
+def compile_predicate(db: "ScoresDB", predicate: str, field: str, view: str = "scores") -> str:
+    """The one way a user's predicate enters SQL: parsed by DuckDB as exactly one expression,
+    re-rendered from the parse tree (so nothing around it can be closed or appended), and bound
+    over the view's columns as a BOOLEAN. Returns the parenthesised SQL; errors name `field`, the
+    setting that holds the predicate."""
+    def bad(reason: str) -> ConfigError:
+        return ConfigError(f"bad {field} predicate {predicate!r}: {reason}", field)
+
+    try:
+        expression = f"({duckdb.SQLExpression(predicate)})"
+    except duckdb.Error as exc:
+        raise bad(f"give one boolean SQL expression ({duckdb_message(exc)})") from None
+    try:
+        names, types = db.describe(f"SELECT {expression} AS keep FROM {view}")
+    except duckdb.Error as exc:
+        raise bad(duckdb_message(exc)) from None
+    if len(names) != 1:
+        raise bad("give one boolean SQL expression")
+    if str(types[0]) != "BOOLEAN":
+        raise bad(f"it is {types[0]}, not BOOLEAN")
+    return expression
+
+
+READ_ONLY_STATEMENTS = ("SELECT", "EXPLAIN")
+
+
+class ScoresDB:
+    """A scores file opened once: a DuckDB session over it (and an optional truth file), its
+    provenance and its summary.
+
+    `scores_file` is always the whole file; `scores` is too unless `restrict` narrows it.
+    """
+
+    def __init__(self, scores: str | Path, truth: str | Path | None = None, truth_key: str | None = None):
+        self.path = Path(scores)
+        if not self.path.is_file():
+            raise UserError(f"scores file not found: {self.path}")
+        # Sorts and joins larger than memory spill here, not into a `.tmp` in the working directory.
+        self._tmp = tempfile.mkdtemp(prefix="pairclean-duckdb-")
+        self.con = sandboxed_connection(self._tmp, [self.path] + ([Path(truth)] if truth is not None else []))
+        try:
+            self.con.execute(f"CREATE VIEW scores_file AS SELECT * FROM read_parquet({sql_string(self.path)})")
+        except duckdb.Error as exc:
+            self.close()
+            raise UserError(f"cannot read {self.path} as Parquet: {duckdb_message(exc)}") from None
+        missing = [c for c in SCORE_COLUMNS if c not in self.columns("scores_file")]
+        if missing:
+            self.close()
+            raise UserError(f"{self.path} is not a pairclean scores file (no column {', '.join(missing)})")
+        self.con.execute("CREATE VIEW scores AS SELECT * FROM scores_file")
+        self._metadata: tuple[Provenance | None, Summary | None] | None = None
+        self.truth_join: str | None = None
+        if truth is not None:
+            try:
+                self._attach_truth(Path(truth), truth_key)
+            except UserError:
+                self.close()
+                raise
+
+    def _read_metadata(self) -> tuple[Provenance | None, Summary | None]:
+        if self._metadata is None:
+            self._metadata = read_metadata(self.path)
+        return self._metadata
+
+    @property
+    def provenance(self) -> Provenance | None:
+        """How the scores were made (None: the file was not written by `pairclean score`)."""
+        return self._read_metadata()[0]
+
+    @property
+    def summary(self) -> Summary | None:
+        """The run summary (None: the file was not written by `pairclean score`)."""
+        return self._read_metadata()[1]
+
+    def restrict(self, shards: list[str]) -> None:
+        """Narrow `scores` to these scored shard names: filter works on the dataset it is given,
+        which may be part of what was scored."""
+        self.con.register("selected_shards_arrow", pa.table({"shard": pa.array(shards, pa.string())}))
+        self.con.execute("CREATE OR REPLACE TEMP TABLE selected_shards AS SELECT * FROM selected_shards_arrow")
+        self.con.unregister("selected_shards_arrow")
+        self.con.execute("CREATE OR REPLACE VIEW scores AS SELECT * FROM scores_file "
+                         "WHERE shard IN (SELECT shard FROM selected_shards)")
+
+    def __enter__(self) -> "ScoresDB":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self.con.close()
+        shutil.rmtree(self._tmp, ignore_errors=True)
+
+    def columns(self, view: str = "scores") -> dict[str, str]:
+        """Column name -> DuckDB type of a view."""
+        return {name: str(kind) for name, kind in zip(*self.describe(f"SELECT * FROM {view}"))}
+
+    def describe(self, sql: str) -> tuple[list[str], list]:
+        rel = self.con.sql(sql)
+        return rel.columns, rel.types
+
+    def _attach_truth(self, truth: Path, key: str | None = None) -> None:
+        """Views `truth` and `labeled`; join on (shard, index) when the truth file has them, else on key
+        (the truth's column `key`, or the one named)."""
+        if not truth.is_file():
+            raise UserError(f"truth file not found: {truth}")
+        try:
+            self.con.execute(f"CREATE VIEW truth AS SELECT * FROM read_parquet({sql_string(truth)})")
+        except duckdb.Error as exc:
+            raise UserError(f"cannot read truth file {truth}: {duckdb_message(exc)}") from None
+        cols = self.columns("truth")
+        if "noisy" not in cols:
+            raise UserError(f"truth file {truth} has no 'noisy' column (has {', '.join(cols)})")
+        if key is not None:
+            if key not in cols:
+                raise UserError(f"truth file {truth} has no key column {key!r} (has {', '.join(cols)})")
+            candidates = [(f"key = {key}", f"s.key = t.{sql_identifier(key)}", sql_identifier(key))]
+        elif {"shard", "index"} <= set(cols):
+            candidates = [("shard, index", "s.shard = t.shard AND s.\"index\" = t.\"index\"", "shard, \"index\""),
+                          ("shard file name, index",
+                           "parse_filename(s.shard) = parse_filename(t.shard) AND s.\"index\" = t.\"index\"",
+                           "parse_filename(shard), \"index\"")]
+        elif "key" in cols:
+            candidates = [("key", "s.key = t.key", "key")]
+        else:
+            raise UserError(f"truth file {truth} needs columns shard and index, or key")
+        for label, condition, ident in candidates:
+            dupes = self.scalar(f"SELECT count(*) - count(DISTINCT ({ident})) FROM truth")
+            if dupes:
+                raise UserError(f"truth file {truth} has {dupes} repeated ({label}) rows: cannot join it")
+            matched = self.scalar(f"SELECT count(*) FROM scores s JOIN truth t ON {condition}")
+            if matched:
+                self.truth_join = label
+                self.con.execute(f"CREATE VIEW labeled AS SELECT s.*, t.noisy::BOOLEAN AS noisy "
+                                 f"FROM scores s LEFT JOIN truth t ON {condition}")
+                return
+        raise UserError(f"truth file {truth} matches no scored pair (joined on {candidates[-1][0]})")
+
+    def scalar(self, sql: str, params: list | None = None):
+        return self.con.execute(sql, params or []).fetchall()[0][0]
+
+    def run(self, sql: str, params: list | None = None) -> duckdb.DuckDBPyRelation:
+        """One user statement -> a relation; any DuckDB error becomes a one-line UserError."""
+        try:
+            statements = self.con.extract_statements(sql)
+        except duckdb.Error as exc:
+            raise UserError(f"query failed: {duckdb_message(exc)}") from None
+        if len(statements) != 1:
+            raise UserError(f"give one SQL statement (got {len(statements)})")
+        kind = statements[0].type.name
+        if kind not in READ_ONLY_STATEMENTS:
+            raise UserError(f"query is read-only: {kind} statements are refused (give a SELECT; "
+                            "write results with --format and --out)")
+        try:
+            rel = self.con.sql(sql, params=params)
+        except duckdb.Error as exc:
+            raise UserError(f"query failed: {duckdb_message(exc)}") from None
+        if rel is None:
+            raise UserError("the statement returned no rows to show (use a SELECT)")
+        return rel
+
+    def stream(self, rel: duckdb.DuckDBPyRelation,
+               batch_rows: int = 65536) -> tuple[pa.Schema, Iterator[pa.RecordBatch]]:
+        """The result's schema and its record batches; errors met while running become UserError."""
+        try:
+            reader = rel.to_arrow_reader(batch_rows)
+        except duckdb.Error as exc:
+            raise UserError(f"query failed: {duckdb_message(exc)}") from None
+
+        def batches() -> Iterator[pa.RecordBatch]:
+            try:
+                yield from reader
+            except (duckdb.Error, pa.ArrowInvalid) as exc:
+                raise UserError(f"query failed: {duckdb_message(exc)}") from None
+
+        return reader.schema, batches()
+
+    def scored_shards(self, view: str = "scores_file") -> list[str]:
+        return [r[0] for r in self.con.sql(f"SELECT DISTINCT shard FROM {view} ORDER BY shard").fetchall()]
+
+
+def match_shards(given: list[str], scored: list[str]) -> dict[str, str | None]:
+    """Map each given shard path to the name it has in the scores file.
+
+    Exact string first, then the same real path, then the same file name when that name is
+    unique on both sides (the dataset was moved after scoring). None: not scored.
+    """
+    scored_set = set(scored)
+    by_real = {os.path.realpath(s): s for s in scored if "://" not in s}
+    by_name: dict[str, list[str]] = {}
+    for s in scored:
+        by_name.setdefault(os.path.basename(s), []).append(s)
+    given_names: dict[str, int] = {}
+    for g in given:
+        given_names[os.path.basename(g)] = given_names.get(os.path.basename(g), 0) + 1
+    out: dict[str, str | None] = {}
+    for g in given:
+        if g in scored_set:
+            out[g] = g
+        elif "://" not in g and os.path.realpath(g) in by_real:
+            out[g] = by_real[os.path.realpath(g)]
+        elif len(by_name.get(os.path.basename(g), [])) == 1 and given_names[os.path.basename(g)] == 1:
+            out[g] = by_name[os.path.basename(g)][0]
+        else:
+            out[g] = None
+    return out
