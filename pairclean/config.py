@@ -48,8 +48,8 @@ def check_numbers(cfg, finite: tuple[str, ...] = (), at_least: dict[str, int | f
 def check_choice(value: Any, choices, field: str, what: str | None = None) -> None:
     """Refuse a value outside a fixed set, naming the config field and every choice (one wording for all)."""
     if value not in choices:
-        raise ConfigError(f"unknown {what or field} {value!r} for {field}; choose one of {', '.join(map(str, choices))}",
-                          field)
+        raise ConfigError(f"unknown {what or field} {value!r} for `{field}`; "
+                          f"choose one of {', '.join(map(str, choices))}", field)
 
 
 def check_pretrained(pretrained: str | None) -> None:

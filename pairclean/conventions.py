@@ -149,9 +149,27 @@ def _docstrings(tree: ast.AST) -> set[int]:
             and isinstance(node.body[0].value, ast.Constant)}
 
 
+# A whole `pairclean` command line shown to a reader (a string that is one, or one set as code:
+# the audit page's next step) is an example of the command line, not the library addressing its
+# caller: its flags are not counted.
+COMMAND_LINE = re.compile(r"(?:^|(?<=<code>)|(?<=`))pairclean [a-z][a-z-]*[^<`\n]*")
+
+
+def _texts(tree: ast.AST, skip: set[int]) -> list[tuple[int, str]]:
+    """(line, text) of every string of the code, docstrings aside; an f-string as one text with
+    `{}` for its values (its parts are not read again on their own)."""
+    parts = {id(value) for node in ast.walk(tree) if isinstance(node, ast.JoinedStr) for value in node.values}
+    texts = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.JoinedStr):
+            texts.append((node.lineno, "".join(v.value if isinstance(v, ast.Constant) else "{}" for v in node.values)))
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in skip | parts:
+            texts.append((node.lineno, node.value))
+    return texts
+
+
 def _flags(node: ast.AST, skip: set[int] = frozenset()) -> tuple[str, ...]:
-    return tuple(sorted({flag for n in ast.walk(node) if isinstance(n, ast.Constant) and isinstance(n.value, str)
-                         and id(n) not in skip for flag in FLAG.findall(n.value)}))
+    return tuple(sorted({flag for _, text in _texts(node, skip) for flag in FLAG.findall(COMMAND_LINE.sub("", text))}))
 
 
 def flag_messages(files: dict[str, str]) -> list[FlagMention]:
@@ -178,11 +196,9 @@ def flag_strings(files: dict[str, str]) -> list[FlagMention]:
     found = []
     for path, source in sorted(files.items()):
         tree = ast.parse(source)
-        skip = _docstrings(tree)
-        for node in ast.walk(tree):
-            if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in skip:
-                if flags := _flags(node):
-                    found.append(FlagMention(path, node.lineno, flags))
+        for line, text in _texts(tree, _docstrings(tree)):
+            if flags := tuple(sorted(set(FLAG.findall(COMMAND_LINE.sub("", text))))):
+                found.append(FlagMention(path, line, flags))
     return found
 
 

@@ -171,7 +171,7 @@ def test_decode_gpu_falls_back_to_worker_decode_without_cuda(caplog):
     with caplog.at_level(logging.WARNING, logger="pairclean"):
         est = OpenClipEstimator("pairclean-tiny", pretrained="none", device="cpu", decode="gpu")
     assert est.decode == "fast" and est.device_decoder is None and not est.preparer.device_jpeg
-    assert any("--decode gpu needs a CUDA device" in r.getMessage() for r in caplog.records)
+    assert any("`decode` gpu needs a CUDA device" in r.getMessage() for r in caplog.records)
     with pytest.raises(UserError, match="unknown decode"):
         OpenClipEstimator("pairclean-tiny", pretrained="none", device="cpu", decode="turbo")
 

@@ -195,9 +195,9 @@ def test_mixed_noise_keeps_the_shuffle_draw_of_the_same_seed(world, tmp_path):
 
 
 def test_mixed_noise_refusals(world, tmp_path):
-    with pytest.raises(UserError, match="weak-ratio"):
+    with pytest.raises(UserError, match="weak_ratio"):
         corrupt(str(world), tmp_path / "x", ratio=0.3, mode="mixed")
-    with pytest.raises(UserError, match="weak-ratio"):
+    with pytest.raises(UserError, match="weak_ratio"):
         corrupt(str(world), tmp_path / "x", ratio=0.3, weak_ratio=0.2)
     with pytest.raises(UserError, match="at most 1"):
         corrupt(str(world), tmp_path / "x", ratio=0.6, mode="mixed", weak_ratio=0.5)

@@ -69,7 +69,7 @@ def test_clip_retrieval_layout_scores_the_cosine_of_each_row_pair(tmp_path):
     assert res.summary["pairs"] == res.summary["scored"] == 300 and res.summary["not_unit_left"] == 0
     prov = read_provenance(tmp_path / "s.parquet")
     assert prov["estimator"]["backend"] == "precomputed-embeddings" and prov["estimator"]["dtype"] == ["float16"]
-    assert prov["beta_source"] == "given by the user (--beta)" and prov["beta"] == 0.1
+    assert prov["beta_source"] == "given by the user (beta)" and prov["beta"] == 0.1
     assert not parts_dir_for(tmp_path / "s.parquet").exists()
 
 

@@ -25,7 +25,7 @@ def test_manifest_resolves_relative_shards(coco_shards):
 def test_parquet_defaults_and_pipe_refusal(coco_parquet):
     spec = open_dataset(str(coco_parquet))
     assert spec.format == "parquet" and spec.fields.image == "image" and spec.fields.text == "caption"
-    with pytest.raises(UserError, match="allow-pipe"):
+    with pytest.raises(UserError, match="`allow_pipe`"):
         resolve_shards("pipe:curl -s http://example.invalid/a.tar")
 
 

@@ -130,7 +130,7 @@ def test_finished_run_rerun_is_a_no_op_and_other_settings_are_refused(coco_shard
     again = score(str(coco_shards), out, replace(fast_config, resume=True))
     assert again.already_complete and again.pairs_scored_now == 0 and again.summary["pairs"] == first.summary["pairs"]
     assert out.stat().st_mtime_ns == stamp
-    with pytest.raises(UserError, match="other settings.*pass --overwrite"):
+    with pytest.raises(UserError, match="other settings.*pass `overwrite`"):
         score(str(coco_shards), out, replace(fast_config, weight_fn="linear"))
     assert out.stat().st_mtime_ns == stamp and not parts_dir_for(out).exists()
 

@@ -167,7 +167,7 @@ def test_missing_pairs_error_by_default_or_follow_the_policy(tmp_path, coco_shar
 
 
 @pytest.mark.parametrize("options, message", [
-    ({"filter": "no_such_column > 1"}, "bad filter predicate"),
+    ({"filter": "no_such_column > 1"}, "bad `filter` predicate"),
     ({"column": "nope"}, "has no column 'nope'"),
     ({"column": "sim_debiased"}, "negative values"),
     ({"join": "sideways"}, "unknown join"),

@@ -20,6 +20,7 @@ from typing import Any, ClassVar, Protocol
 
 import torch
 
+from pairclean.config import check_choice
 from pairclean.errors import ConfigError, UserError
 from pairclean.ops.notices import notice_once
 
@@ -117,7 +118,7 @@ def check_backend(backend: str, needed: tuple[str, ...] = ()) -> str:
     """The canonical backend name; UserError if unknown or if it cannot encode a needed modality."""
     name = _canonical(backend)
     if name is None:
-        raise UserError(f"unknown backend {backend!r}; choose {' or '.join(BACKENDS)}")
+        check_choice(backend, tuple(BACKENDS), "backend")  # refuses: not a name, not an alias
     encodes = BACKENDS[name].modalities
     missing = [m for m in dict.fromkeys(needed) if m not in encodes]
     if missing:
@@ -154,7 +155,7 @@ def load_target(model: str, pretrained: str = "none", backend: str = "auto", dev
                 temperature: float | None = None) -> Target:
     """The model to train; `auto` recognises the backend from the model."""
     if temperature is not None and temperature <= 0:
-        raise UserError("--temperature must be positive")
+        raise ConfigError("temperature must be positive", "temperature")
     return BACKENDS[resolve_backend(backend, model)].target(model, pretrained, device, temperature)
 
 
@@ -184,12 +185,11 @@ def pick_device(requested: str = "auto") -> torch.device:
 
 def autocast_context(device: torch.device, precision: str):
     """Autocast for bf16/fp16; fp16 only on CUDA (CPU fp16 matmuls are slow and lossy)."""
-    if precision not in PRECISIONS:
-        raise UserError(f"unknown precision {precision!r}; choose one of {', '.join(PRECISIONS)}")
+    check_choice(precision, PRECISIONS, "precision")
     if precision == "fp32":
         return nullcontext()
     if precision == "fp16" and device.type != "cuda":
-        raise UserError("--precision fp16 needs a CUDA device; use bf16 or fp32 on CPU")
+        raise ConfigError("precision fp16 needs a CUDA device; use bf16 or fp32 on CPU", "precision")
     dtype = torch.bfloat16 if precision == "bf16" else torch.float16
     return torch.autocast(device_type=device.type, dtype=dtype)
 
@@ -220,8 +220,8 @@ def resolve_precision(device: str | torch.device, precision: str) -> str:
         return "bf16" if device.type == "cpu" and cpu_bf16_native() else "fp32"
     autocast_context(device, precision)  # UserError for unknown / impossible combinations
     if precision == "bf16" and device.type == "cpu" and not cpu_bf16_native():
-        notice_once("bf16-emulated", "this CPU has no native bf16 (AVX512-BF16/AMX): --precision bf16 is emulated "
-                                     "and probably slower than fp32")
+        notice_once("bf16-emulated", "this CPU has no native bf16 (AVX512-BF16/AMX): precision bf16 is emulated "
+                                     "and probably slower than fp32", "precision")
     return precision
 
 

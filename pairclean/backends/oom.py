@@ -74,4 +74,4 @@ class OomBackoff:
         self.chunk = max(1, size // 2)
         self.halvings += 1
         notice_once("oom", f"out of memory encoding {size} rows at once: continuing in chunks of {self.chunk} "
-                           "(pass a smaller --batch-size to avoid the retry)")
+                           "(pass a smaller batch_size to avoid the retry)", "batch_size")

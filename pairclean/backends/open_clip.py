@@ -21,7 +21,8 @@ from pairclean.backends.compiled import CompiledOrEager
 from pairclean.backends.device_jpeg import DeviceJpegDecoder, RawJpeg, collate_images, device_decodable
 from pairclean.backends.text_trim import bucketed_encode_text, supports_text_trim
 from pairclean.data.decode import decode_image
-from pairclean.errors import UserError
+from pairclean.config import check_choice
+from pairclean.errors import ConfigError, UserError
 from pairclean.ops.atomic import atomic_path
 from pairclean.ops.notices import notice_once
 
@@ -136,8 +137,7 @@ class OpenClipEstimator:
         register_model_configs()
         self.device = pick_device(device)
         self.precision = resolve_precision(self.device, precision)
-        if decode not in DECODES:
-            raise UserError(f"unknown decode {decode!r}; choose one of {', '.join(DECODES)}")
+        check_choice(decode, DECODES, "decode")
         if model not in open_clip.list_models():
             raise UserError(f"unknown model {model!r}: see `python -c 'import open_clip; print(open_clip.list_models())'`")
         self.model_name = model
@@ -148,7 +148,8 @@ class OpenClipEstimator:
             self.checkpoint_sha256 = file_sha256(weights)
         elif weights is not None and weights not in open_clip.list_pretrained_tags_by_model(model):
             tags = ", ".join(open_clip.list_pretrained_tags_by_model(model)) or "none"
-            raise UserError(f"--pretrained {weights!r} is neither a file nor a tag of {model} (tags: {tags}); use a checkpoint path or `none`")
+            raise ConfigError(f"`pretrained` {weights!r} is neither a file nor a tag of {model} (tags: {tags}); "
+                              "use a checkpoint path or `none`", "pretrained")
         try:
             net, _, preprocess = open_clip.create_model_and_transforms(model, pretrained=weights, device=self.device,
                                                                        weights_only=True)
@@ -157,9 +158,9 @@ class OpenClipEstimator:
         except Exception as exc:
             first = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
             if weights is not None and not os.path.isfile(weights):
-                raise UserError(f"cannot fetch pretrained weights {weights!r} for {model} (offline?): {first}. "
-                                "Pass a local checkpoint with --pretrained PATH, or --pretrained none") from None
-            raise UserError(f"cannot load {model} with --pretrained {pretrained}: {first}") from None
+                raise ConfigError(f"cannot fetch the weights {weights!r} for {model} (offline?): {first}. "
+                                  "Pass a local checkpoint with `pretrained` PATH, or `pretrained` none", "pretrained") from None
+            raise ConfigError(f"cannot load {model} with `pretrained` {pretrained}: {first}", "pretrained") from None
         net.eval().requires_grad_(False)
         if self.precision != "fp32":
             # Matmul weights stored in the autocast dtype once (open_clip's own bf16/fp16 mode):
@@ -178,11 +179,12 @@ class OpenClipEstimator:
         self.device_decoder = None
         if decode == "gpu":
             if self.device.type != "cuda":
-                notice_once("decode-gpu", "--decode gpu needs a CUDA device: decoding JPEGs in the CPU workers (fast)")
+                notice_once("decode-gpu", "`decode` gpu needs a CUDA device: decoding JPEGs in the CPU workers (fast)",
+                            "decode")
                 decode = "fast"
             elif not DeviceJpegDecoder.supports(preprocess):
-                notice_once("decode-gpu", f"--decode gpu: {model}'s preprocessing is not Resize + CenterCrop + "
-                                          "Normalize; decoding JPEGs in the CPU workers (fast)")
+                notice_once("decode-gpu", f"`decode` gpu: {model}'s preprocessing is not Resize + CenterCrop + "
+                                          "Normalize; decoding JPEGs in the CPU workers (fast)", "decode")
                 decode = "fast"
             else:
                 self.device_decoder = DeviceJpegDecoder(preprocess, self.device)

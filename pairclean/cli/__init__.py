@@ -19,7 +19,8 @@ import typer
 from rich.markup import escape
 
 from pairclean.cli.app import app, console, err_console
-from pairclean.errors import ConfigError, UserError
+from pairclean.cli.options import flag_for
+from pairclean.errors import ConfigError, UserError, word_fields
 
 try:  # typer >= 0.22 runs on its own copy of click; older typer on click itself
     from typer import TyperException as _CliError
@@ -61,11 +62,6 @@ def _register_commands() -> None:
     )
 
 
-def flag_for(field: str) -> str:
-    """The command-line flag of a config field: the library says `batch_size`, the CLI `--batch-size`."""
-    return "--" + field.replace("_", "-")
-
-
 def _crash_log(exc: BaseException) -> str:
     directory = os.environ.get("PAIRCLEAN_LOG_DIR") or os.path.join(tempfile.gettempdir(), "pairclean-logs")
     os.makedirs(directory, exist_ok=True)
@@ -83,7 +79,7 @@ def _one_line(kind: str, message: str, colour: str = "red") -> None:
 
 class _NoticeLines(logging.Handler):
     def emit(self, record: logging.LogRecord) -> None:
-        _one_line("warning", record.getMessage(), colour="yellow")
+        _one_line("warning", word_fields(record.getMessage(), getattr(record, "fields", ()), flag_for), colour="yellow")
 
 
 @contextlib.contextmanager

@@ -118,7 +118,7 @@ def bench_score_command(
                       decode=decode, compile=compile, batch_size=batch_size, workers=workers, beta_mode=beta_mode,
                       beta_k=beta_k, beta_cache=beta_cache)
     if json_out is not None:
-        check_output(json_out, spec.shards, option="--json")
+        check_output(json_out, spec.shards, field="json")
     report = bench_score(spec, cfg, naive_pairs=naive_pairs, min_seconds=min_seconds, repeat=repeat,
                          progress=RichProgress(err_console))
     for table in report_tables(report):

@@ -13,6 +13,16 @@ from typing import List, Optional
 import typer
 from typing_extensions import Annotated
 
+# Config fields whose command-line flag is not their name with dashes.
+FLAGS = {"rules": "--rule", "layout": "--embedding-layout", "left_field": "--left-emb-field",
+         "right_field": "--right-emb-field"}
+
+
+def flag_for(field: str) -> str:
+    """The command-line flag of a config field: the library says `batch_size`, the CLI `--batch-size`."""
+    return FLAGS.get(field) or "--" + field.replace("_", "-")
+
+
 Source = Annotated[List[str], typer.Argument(
     help="Shards: directory, glob, brace pattern, list file, Parquet files, or a manifest YAML.")]
 Pair = Annotated[Optional[str], typer.Option(help="Pair kind: image-text, text-text, image-label, image-image.")]

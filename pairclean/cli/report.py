@@ -8,6 +8,8 @@ from typing import List, Optional
 import typer
 
 from pairclean.cli.app import app, console
+from pairclean.cli.options import flag_for
+from pairclean.errors import word_fields
 
 
 @app.command("report")
@@ -30,5 +32,5 @@ def report_command(
     size = out.stat().st_size
     console.print(f"wrote {result.out} ({size / 1e6:.1f} MB): {result.pairs:,} pairs, "
                   f"{result.gallery_pairs} in the galleries, {result.thumbnails} thumbnails", highlight=False)
-    if result.media_note:
-        console.print(f"[yellow]{result.media_note}[/yellow]", highlight=False)
+    if result.media_note:  # it names the library's field `shards`: worded as this command's flag
+        console.print(f"[yellow]{word_fields(result.media_note, ('shards',), flag_for)}[/yellow]", highlight=False)

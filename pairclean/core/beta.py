@@ -15,7 +15,8 @@ from typing import Callable
 import numpy as np
 import torch
 
-from pairclean.errors import ConfigError, UserError
+from pairclean.config import check_choice
+from pairclean.errors import ConfigError
 
 BETA_MODES = ("random-inputs", "shuffled", "fixed")
 
@@ -86,17 +87,21 @@ def shuffled_beta(states: list[dict | None]) -> BetaEstimate:
     return BetaEstimate("shuffled", float((su @ sv - diag) / (n * (n - 1))), None, n)
 
 
-BETA_GIVEN = "given by the user (--beta)"
+BETA_GIVEN = "given by the user (beta)"
 
 
-def check_beta_mode(mode: str, beta: float | None, supported: tuple[str, ...] = BETA_MODES, hint: str = "") -> None:
-    """Refuse a beta that cannot be had, before anything is written (scoring and online training)."""
-    if mode not in BETA_MODES:
-        raise UserError(f"unknown beta mode {mode!r}; choose one of {', '.join(BETA_MODES)}")
+def check_beta_mode(mode: str, beta: float | None, supported: tuple[str, ...] = BETA_MODES,
+                    hint: str | ConfigError = "") -> None:
+    """Refuse a beta that cannot be had, before anything is written (scoring and online training).
+    `hint`: the error (or its message) for a mode outside `supported`."""
+    check_choice(mode, BETA_MODES, "beta_mode", "beta mode")
     if mode == "fixed" and beta is None:
         raise ConfigError("beta_mode fixed needs beta set to a value", "beta_mode", "beta")
     if mode not in supported:
-        raise UserError(hint or f"beta mode {mode} is not available here; choose one of {', '.join(supported)}")
+        if isinstance(hint, ConfigError):
+            raise hint
+        raise ConfigError(hint or f"beta_mode {mode} is not available here; choose one of {', '.join(supported)}",
+                          "beta_mode")
 
 
 def resolve_beta(mode: str, beta: float | None, random_inputs: Callable[[], tuple[BetaEstimate, str]]

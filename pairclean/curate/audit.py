@@ -21,7 +21,7 @@ import pyarrow.parquet as pq
 from pairclean.scores.db import ScoresDB
 from pairclean.curate.report import fetch_media
 from pairclean.data.manifest import open_dataset
-from pairclean.errors import UserError
+from pairclean.errors import ConfigError, UserError
 from pairclean.ops.atomic import atomic_path
 
 DECILES = 10
@@ -42,7 +42,7 @@ def build_audit(scores: str | Path, shards: list[str], out: str | Path, per_deci
                 thumb: int = 256, pair: str | None = None) -> int:
     """Write the audit page; returns the number of pairs on it."""
     if per_decile < 1:
-        raise UserError("--per-decile must be at least 1")
+        raise ConfigError("per_decile must be at least 1", "per_decile")
     spec = open_dataset(shards, pair=pair)
     with ScoresDB(scores) as db:
         rows = stratified_sample(db, per_decile, seed)

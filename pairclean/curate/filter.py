@@ -70,9 +70,9 @@ def _top_fraction(db: ScoresDB, fraction: float, by: str) -> Predicate:
     rule = TopFractionRule(keep=fraction)
     columns = db.columns("scores")
     if by not in columns:
-        raise ConfigError(f"by {by!r} is not a column of the scores (has {', '.join(columns)})", "by")
+        raise ConfigError(f"`by` {by!r} is not a column of the scores (has {', '.join(columns)})", "by")
     if not columns[by].startswith(NUMERIC_TYPES):
-        raise ConfigError(f"by {by!r} is {columns[by]}, not numeric", "by")
+        raise ConfigError(f"`by` {by!r} is {columns[by]}, not numeric", "by")
     return Predicate(f"top {fraction:g} by {by}", rule.keep_sql(db, by))
 
 
@@ -81,7 +81,7 @@ def keep_predicates(db: ScoresDB, where: list[str], top_fraction: float | None, 
     if top_fraction is not None:
         predicates.append(_top_fraction(db, top_fraction, by))
     if not predicates:
-        raise ConfigError("give at least one rule: where (a predicate) and/or top_fraction", "where", "top_fraction")
+        raise ConfigError("give at least one rule: `where` (a predicate) and/or `top_fraction`", "where", "top_fraction")
     return predicates
 
 
@@ -299,7 +299,7 @@ def filter_dataset(spec: DatasetSpec, scores: str | Path | ScoresDB, out: Path, 
     if not dry_run and out.exists() and not out.is_dir():
         raise UserError(f"{out} exists and is not a directory")
     if not dry_run and out.exists() and any(out.iterdir()) and not overwrite:
-        raise ConfigError(f"{out} exists and is not empty; set overwrite to replace it", "overwrite")
+        raise ConfigError(f"{out} exists and is not empty; pass `overwrite` to replace it", "overwrite")
     if shard_size < 1:
         raise ConfigError(f"shard_size must be at least 1, got {shard_size}", "shard_size")
     if not shard_bytes >= 1 or not math.isfinite(shard_bytes):

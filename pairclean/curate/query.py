@@ -41,7 +41,7 @@ def write_result(batches: Iterable[pa.RecordBatch], schema: pa.Schema, fmt: str,
     check_choice(fmt, OUTPUT_FORMATS[1:], "format")
     stdout = stdout if stdout is not None else sys.stdout.buffer
     if fmt == "parquet" and out is None and stdout.isatty():
-        raise ConfigError("refusing to write Parquet to a terminal: set out to a file or redirect stdout", "out")
+        raise ConfigError("refusing to write Parquet to a terminal: set `out` to a file or redirect stdout", "out")
 
     def emit(sink) -> int:
         rows = 0

@@ -28,7 +28,7 @@ from pairclean import __version__
 from pairclean.ops.guard import check_output
 from pairclean.ops.atomic import atomic_path
 from pairclean.data.decode import DecodeError, decode_image
-from pairclean.errors import UserError
+from pairclean.errors import ConfigError, UserError
 from pairclean.scores.evaluation import truth_metrics
 from pairclean.curate.sweep import Sweep, threshold_sweep
 from pairclean.scores.rules import RuleRecord, recorded_rules
@@ -154,18 +154,18 @@ def thumbnail_uri(data: bytes, size: int) -> str:
 
 
 def _media_spec(shards: list[str] | None, provenance: dict) -> tuple[DatasetSpec | None, str | None]:
-    """The dataset to take thumbnails from: --shards, else the shards named in the provenance."""
+    """The dataset to take thumbnails from: `shards`, else the shards named in the provenance."""
     pair = provenance.get("pair")
     if shards:
         return open_dataset(shards, pair=pair), None
     recorded = provenance.get("input_shards") or []
     present = [s for s in recorded if os.path.exists(s)]
     if not recorded or len(present) < len(recorded):
-        return None, "pass --shards to see the pairs: the scored shards are not where the scores say"
+        return None, "pass `shards` to see the pairs: the scored shards are not where the scores say"
     try:
         return open_dataset(present, pair=pair), None
     except UserError as exc:  # e.g. scored from precomputed embeddings: the inputs hold no pairs to show
-        return None, f"pass --shards to see the pairs: the scored inputs are not a dataset of pairs ({exc})"
+        return None, f"pass `shards` to see the pairs: the scored inputs are not a dataset of pairs ({exc})"
 
 
 def _units_for(spec: DatasetSpec, path: str, indices: set[int]) -> dict[str, set[int]]:
@@ -546,9 +546,9 @@ def build_report(scores: str | Path, out: str | Path, shards: list[str] | None =
     scores, out = Path(scores), Path(out)
     check_output(out, [scores, truth, *(shards or [])])
     if gallery < 0 or contrast < 0:
-        raise UserError("--gallery and --contrast must not be negative")
+        raise ConfigError("gallery and contrast must not be negative", "gallery", "contrast")
     if not 2 <= bins <= MAX_BINS:
-        raise UserError(f"--bins must be within [2, {MAX_BINS}], got {bins}")
+        raise ConfigError(f"bins must be within [2, {MAX_BINS}], got {bins}", "bins")
     with ScoresDB(scores, truth=truth) as db:
         prov = db.provenance
         if prov is None:
@@ -671,7 +671,7 @@ def build_report(scores: str | Path, out: str | Path, shards: list[str] | None =
 <section id="highest">
   <h2>The {len(high_rows)} highest-scoring pairs</h2>
   <p class="lead">For contrast: what the estimator considers a good match.</p>
-  {_gallery(high_rows, media, has_truth, rules, "every scored pair is shown above (or --contrast 0)")}
+  {_gallery(high_rows, media, has_truth, rules, "every scored pair is shown above, or none was asked for")}
 </section>
 
 {errors_html}

@@ -20,9 +20,11 @@ from pathlib import Path
 
 import yaml
 
-from pairclean.errors import UserError
+from pairclean.config import check_choice
+from pairclean.errors import ConfigError, UserError
 
 PAIR_KINDS = ("image-text", "text-text", "image-label", "image-image")
+FORMATS = ("webdataset", "parquet")
 MANIFEST_NAME = "manifest.yaml"  # what a directory written by pairclean describes itself with
 DEFAULT_LABEL_TEMPLATE = "This is a picture of {label}."
 
@@ -91,7 +93,8 @@ def _expand_one(pattern: str, base: Path, allow_pipe: bool) -> list[str]:
     """Expand a directory, glob, brace pattern or URL into a sorted list of shard paths."""
     if pattern.startswith("pipe:"):
         if not allow_pipe:
-            raise UserError(f"refusing shell URL {pattern!r}: pass --allow-pipe to run shell commands from shard lists")
+            raise ConfigError(f"refusing shell URL {pattern!r}: pass `allow_pipe` to run shell commands from shard lists",
+                              "allow_pipe")
         return [pattern]
     if "://" in pattern:
         return [url for expanded in _braces(pattern) for url in _expand_url(expanded)]
@@ -205,10 +208,8 @@ def load_manifest(path: Path, allow_pipe: bool = False) -> DatasetSpec:
 
 
 def validate(spec: DatasetSpec) -> DatasetSpec:
-    if spec.pair not in PAIR_KINDS:
-        raise UserError(f"unknown pair kind {spec.pair!r}; choose one of {', '.join(PAIR_KINDS)}")
-    if spec.format not in ("webdataset", "parquet"):
-        raise UserError(f"unknown format {spec.format!r}; use webdataset or parquet")
+    check_choice(spec.pair, PAIR_KINDS, "pair")
+    check_choice(spec.format, FORMATS, "format")
     if spec.pair == "image-label":
         check_label_template(spec.label_template)
     return spec

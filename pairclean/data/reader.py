@@ -34,7 +34,7 @@ import pyarrow.parquet as pq
 import webdataset as wds
 from webdataset.tariterators import base_plus_ext, meta_prefix, meta_suffix
 
-from pairclean.errors import UserError
+from pairclean.errors import ConfigError, UserError
 from pairclean.data.manifest import PAIR_KINDS, DatasetSpec, unique_shards
 from pairclean.data.units import Unit
 from pairclean.ops.urls import is_local
@@ -60,6 +60,7 @@ class RawPair:
 class UnitFailure:
     unit: str
     reason: str
+    fields: tuple[str, ...] = ()  # the config fields the reason names (a front end words them its way)
 
 
 OnFailure = Callable[[UnitFailure], None]  # the error policy: return to keep the rows read so far, or raise
@@ -67,7 +68,8 @@ OnFailure = Callable[[UnitFailure], None]  # the error policy: return to keep th
 
 def raise_failure(failure: UnitFailure) -> None:
     """The error policy of commands that copy shards whole: a shard that breaks stops the command."""
-    raise UserError(f"cannot read {failure.unit}: {failure.reason}")
+    message = f"cannot read {failure.unit}: {failure.reason}"
+    raise ConfigError(message, *failure.fields) if failure.fields else UserError(message)
 
 
 @dataclass
@@ -122,7 +124,8 @@ def list_units(spec: DatasetSpec) -> list[str]:
     """
     shards = unique_shards(spec.shards)
     if not spec.allow_pipe and any(s.startswith("pipe:") for s in shards):
-        raise UserError("refusing shell `pipe:` shard URLs: pass --allow-pipe to run shell commands from shard lists")
+        raise ConfigError("refusing shell `pipe:` shard URLs: pass `allow_pipe` to run shell commands from shard lists",
+                          "allow_pipe")
     check_protocols(shards)
     if spec.format == "webdataset":
         return shards
@@ -249,11 +252,11 @@ def _error_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text}".splitlines()[0][:300]
 
 
-def _refusal(url: str, allow_pipe: bool) -> str | None:
+def _refusal(url: str, allow_pipe: bool) -> UnitFailure | None:
     if url.startswith("pipe:") and not allow_pipe:
-        return "refusing a shell `pipe:` URL without --allow-pipe"
+        return UnitFailure(url, "refusing a shell `pipe:` URL without `allow_pipe`", ("allow_pipe",))
     if is_local(url) and not os.path.exists(url):
-        return "shard not found (it disappeared after the run started?)"
+        return UnitFailure(url, "shard not found (it disappeared after the run started?)")
     return None
 
 
@@ -291,7 +294,7 @@ def _whole_bytes(archive: tarfile.TarFile, info: tarfile.TarInfo) -> bytes:
 ReadMember = Callable[[tarfile.TarFile, tarfile.TarInfo], object]
 
 
-def _tar_members(url: str, problems: list[str], member: ReadMember, allow_pipe: bool,
+def _tar_members(url: str, problems: list[UnitFailure], member: ReadMember, allow_pipe: bool,
                  seek: bool = False) -> Iterator[tuple[str, object]]:
     """(name, member(archive, info)) of the shard's members in archive order, less the skipped
     ones. Whatever ends the shard early (a vanished file, an unreadable stream, a truncated or
@@ -328,7 +331,7 @@ def _tar_members(url: str, problems: list[str], member: ReadMember, allow_pipe: 
             except Exception as exc:
                 problem = problem or _error_line(exc)
     if problem:
-        problems.append(problem)
+        problems.append(UnitFailure(url, problem))
 
 
 def _grouped(members: Iterator[tuple[str, object]]) -> Iterator[tuple[str, dict[str, object]]]:
@@ -353,11 +356,11 @@ def _tar_samples(url: str, on_failure: OnFailure, member: ReadMember, allow_pipe
                  seek: bool = False) -> Iterator[Sample]:
     """The grouped samples, then the failure, if any, to the error policy: once, after every row
     before the break (the last sample is only complete when the member loop has ended)."""
-    problems: list[str] = []
+    problems: list[UnitFailure] = []
     for index, (key, members) in enumerate(_grouped(_tar_members(url, problems, member, allow_pipe, seek))):
         yield Sample(key, url, index, members)
     if problems:
-        on_failure(UnitFailure(url, problems[0]))
+        on_failure(problems[0])
 
 
 def read_samples(url: str, on_failure: OnFailure, allow_pipe: bool = False) -> Iterator[Sample]:
@@ -476,8 +479,9 @@ def _read_parquet(spec: DatasetSpec, unit: str) -> Iterator[RawPair | UnitFailur
         missing = [c for c in cols.values() if c not in available and c != spec.fields.key]
         if missing:
             fits = _pairs_fitting(spec, available)
-            hint = f"; its columns fit --pair {' or '.join(fits)}" if fits else ""
-            yield UnitFailure(unit, f"column(s) {missing} not in {path} (has {sorted(available)}){hint}")
+            hint = f"; its columns fit `pair` {' or '.join(fits)}" if fits else ""
+            yield UnitFailure(unit, f"column(s) {missing} not in {path} (has {sorted(available)}){hint}",
+                              ("pair",) if fits else ())
             return
         table = pf.read_row_group(rg, columns=[c for c in dict.fromkeys(cols.values()) if c in available])
     except Exception as exc:

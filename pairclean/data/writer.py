@@ -11,7 +11,7 @@ from typing import Iterable
 
 import webdataset as wds
 
-from pairclean.errors import UserError
+from pairclean.errors import ConfigError, UserError
 
 
 @contextmanager
@@ -19,7 +19,7 @@ def staged_directory(out: Path, overwrite: bool = False):
     """Yield a temp sibling directory; rename it to `out` on success, remove it on failure."""
     out = Path(out)
     if out.exists() and any(out.iterdir()) and not overwrite:
-        raise UserError(f"{out} exists and is not empty; pass --overwrite to replace it")
+        raise ConfigError(f"{out} exists and is not empty; pass `overwrite` to replace it", "overwrite")
     if not out.parent.exists():
         raise UserError(f"directory {out.parent} does not exist")
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")

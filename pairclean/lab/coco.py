@@ -12,7 +12,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from pairclean.errors import UserError
+from pairclean.errors import ConfigError, UserError
 from pairclean.data.manifest import DatasetSpec, write_manifest
 from pairclean.data.writer import staged_directory, write_shards
 
@@ -20,7 +20,7 @@ from pairclean.data.writer import staged_directory, write_shards
 def read_pairs(src: Path, all_captions: bool = False, limit: int | None = None) -> list[dict]:
     lines_path = Path(src) / "pairs.jsonl"
     if not lines_path.is_file():
-        raise UserError(f"{lines_path} not found: point --src at shared/data/coco-mini")
+        raise ConfigError(f"{lines_path} not found: point `src` at shared/data/coco-mini", "src")
     pairs = []
     for line in lines_path.read_text().splitlines():
         rec = json.loads(line)
@@ -96,7 +96,7 @@ def build_web_shards(src: Path, out: Path, shards: int = 2, pairs_per_shard: int
         raise UserError("shards and pairs per shard must be at least 1")
     lines_path = Path(src) / "pairs.jsonl"
     if not lines_path.is_file():
-        raise UserError(f"{lines_path} not found: point --src at shared/data/coco-mini")
+        raise ConfigError(f"{lines_path} not found: point `src` at shared/data/coco-mini", "src")
     records = [json.loads(line) for line in lines_path.read_text().splitlines() if line.strip()]
     out = Path(out)
     with staged_directory(out, overwrite) as tmp:

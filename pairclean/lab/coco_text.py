@@ -15,11 +15,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pairclean.ops.atomic import atomic_path
+from pairclean.config import check_choice
 from pairclean.errors import ConfigError, UserError
-from pairclean.data.manifest import DatasetSpec, write_manifest
+from pairclean.data.manifest import FORMATS, DatasetSpec, write_manifest
 from pairclean.data.writer import staged_directory, write_shards
-
-FORMATS = ("webdataset", "parquet")
 
 
 def caption_pairs(captions_json: str | Path, limit: int | None = None) -> list[dict]:
@@ -45,8 +44,7 @@ def caption_pairs(captions_json: str | Path, limit: int | None = None) -> list[d
 def build_text_pairs(captions_json: str | Path, out: str | Path, format: str = "webdataset",
                      shard_size: int = 1000, limit: int | None = None, overwrite: bool = False) -> DatasetSpec:
     """Write the caption pairs as WebDataset shards (txt, txt2) or one Parquet file, plus manifest.yaml."""
-    if format not in FORMATS:
-        raise UserError(f"unknown format {format!r}; choose {' or '.join(FORMATS)}")
+    check_choice(format, FORMATS, "format")
     if shard_size < 1:
         raise ConfigError("shard_size must be at least 1", "shard_size")
     pairs = caption_pairs(captions_json, limit)

@@ -41,6 +41,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pairclean.ops.atomic import write_json
+from pairclean.config import check_choice
 from pairclean.errors import ConfigError, UserError
 from pairclean.data.manifest import DatasetSpec, open_dataset, write_manifest
 from pairclean.data.writer import staged_directory, write_shards
@@ -121,16 +122,15 @@ def _output_name(shard: str, fmt: str) -> str:
 
 
 def _check_source(spec: DatasetSpec, ratio: float, mode: str, weak_ratio: float | None = None) -> None:
-    if mode not in MODES:
-        raise UserError(f"unknown noise mode {mode!r}; choose one of {', '.join(MODES)}")
+    check_choice(mode, MODES, "mode", "noise mode")
     if not 0.0 <= ratio <= 1.0:
-        raise UserError(f"--ratio must be within [0, 1], got {ratio}")
+        raise ConfigError(f"ratio must be within [0, 1], got {ratio}", "ratio")
     if (mode == "mixed") != (weak_ratio is not None):
-        raise UserError("--weak-ratio goes with --mode mixed (the share weakened beside the --ratio shuffled), "
-                        "and mixed needs it")
+        raise ConfigError("weak_ratio goes with mode mixed (the share weakened beside the ratio shuffled), "
+                          "and mixed needs it", "weak_ratio", "mode", "ratio")
     if weak_ratio is not None and not (0.0 <= weak_ratio <= 1.0 and ratio + weak_ratio <= 1.0):
-        raise UserError(f"--weak-ratio must be within [0, 1] and --ratio + --weak-ratio at most 1, "
-                        f"got {ratio} + {weak_ratio}")
+        raise ConfigError(f"weak_ratio must be within [0, 1] and ratio + weak_ratio at most 1, "
+                          f"got {ratio} + {weak_ratio}", "weak_ratio", "ratio")
     caption_field(spec)
     remote = [s for s in spec.shards if not is_local(s)]
     if remote:
@@ -156,8 +156,8 @@ def _spill_rows(spec: DatasetSpec, units: list[str], path: Path, progress) -> tu
         for unit in units:
             for item in read_unit(spec, unit):
                 if isinstance(item, UnitFailure):
-                    raise UserError(f"cannot read {item.unit}: {item.reason}; corrupt copies whole shards, "
-                                    "so repair that shard or leave it out")
+                    raise ConfigError(f"cannot read {item.unit}: {item.reason}; corrupt copies whole shards, "
+                                      "so repair that shard or leave it out", *item.fields)
                 caption = item.right if item.error is None else None
                 context = item.left if caption is not None and spec.pair == "text-text" else None
                 for name, value in (("pos", pairs), ("shard", item.shard), ("index", item.index),

@@ -22,7 +22,7 @@ from pairclean.config import pinned_settings, unpinned
 from pairclean.ops.atomic import write_json
 from pairclean.ops.progress import SILENT, Progress
 from pairclean.lab.corrupt import corrupt
-from pairclean.errors import UserError
+from pairclean.errors import ConfigError
 from pairclean.scores.evaluation import evaluate_detection
 from pairclean.scoring.model import ScoreConfig, score
 from pairclean.lab.synth.estimator import TOY_MODEL, EstimatorRecipe, cached_checkpoint, train_estimator
@@ -60,7 +60,7 @@ class DemoResult:
 def _check_out(out: Path) -> None:
     """The demo re-runs into its own directory, but never into someone else's."""
     if out.exists() and any(out.iterdir()) and not (out / MARKER).is_file():
-        raise UserError(f"{out} exists, is not empty and is not a demo output: choose another --out")
+        raise ConfigError(f"{out} exists, is not empty and is not a demo output: choose another `out`", "out")
     out.mkdir(parents=True, exist_ok=True)
 
 

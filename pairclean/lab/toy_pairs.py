@@ -24,6 +24,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pairclean.ops.atomic import atomic_path
+from pairclean.config import check_choice
 from pairclean.errors import UserError
 from pairclean.data.manifest import DatasetSpec, Fields, write_manifest
 from pairclean.data.writer import staged_directory, write_shards
@@ -65,10 +66,8 @@ def noise_plan(n: int, noise: float, seed: int) -> tuple[np.ndarray, np.ndarray]
 def build_toy_pairs(out: str | Path, kind: str, pairs: int, seed: int = 0, noise: float = 0.0,
                     shard_size: int = 1000, label: str = "shape", overwrite: bool = False) -> DatasetSpec:
     """Write `pairs` toy pairs of `kind` as WebDataset shards + manifest.yaml (+ truth when noise > 0)."""
-    if kind not in KINDS:
-        raise UserError(f"unknown toy pair kind {kind!r}; choose {' or '.join(KINDS)}")
-    if label not in LABELS:
-        raise UserError(f"unknown label attribute {label!r}; choose {' or '.join(LABELS)}")
+    check_choice(kind, KINDS, "kind", "toy pair kind")
+    check_choice(label, LABELS, "label", "label attribute")
     if pairs < 2 or shard_size < 1:
         raise UserError("need at least 2 pairs and a shard size of at least 1")
     out = Path(out).resolve()  # the truth's shard column must match the scores' (absolute) shard paths

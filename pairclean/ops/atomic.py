@@ -16,7 +16,7 @@ import socket
 from contextlib import contextmanager
 from pathlib import Path
 
-from pairclean.errors import UserError
+from pairclean.errors import ConfigError
 from pairclean.ops.faults import fault_point
 
 TEMP_INFIX = ".tmp-"
@@ -59,12 +59,14 @@ def _place(tmp: Path, path: Path, no_clobber: bool) -> None:
     try:
         os.link(tmp, path)  # fails if `path` appeared meanwhile: never replaces someone's file
     except FileExistsError:
-        raise UserError(f"{path} appeared while this run was writing it; pass --overwrite to replace it") from None
+        raise ConfigError(f"{path} appeared while this run was writing it; pass `overwrite` to replace it",
+                          "overwrite") from None
     except OSError as exc:
         if exc.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV, errno.EMLINK):
             raise
         if path.exists():  # a filesystem without hard links: check, then rename
-            raise UserError(f"{path} appeared while this run was writing it; pass --overwrite to replace it") from None
+            raise ConfigError(f"{path} appeared while this run was writing it; pass `overwrite` to replace it",
+                              "overwrite") from None
         os.replace(tmp, path)
         return
     tmp.unlink()

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Iterable
 
 from pairclean.ops.urls import is_local
-from pairclean.errors import UserError
+from pairclean.errors import ConfigError
 
 
 def _resolved(path: str | Path) -> Path:
@@ -29,26 +29,27 @@ def _within(path: Path, directory: Path) -> bool:
     return path == directory or directory in path.parents
 
 
-def check_output(out: str | Path, inputs: Iterable[str | Path], option: str = "--out") -> Path:
-    """Refuse `out` when it overlaps any input file or directory; the resolved output path."""
+def check_output(out: str | Path, inputs: Iterable[str | Path], field: str = "out") -> Path:
+    """Refuse `out` when it overlaps any input file or directory; the resolved output path.
+    `field`: the setting that holds `out`, named in the error."""
     target = _resolved(out)
     for given in inputs:
         if given is None or not is_local(str(given)):
             continue
         source = _resolved(given)
         if target == source:
-            raise UserError(f"{option} {out} is an input of this run ({given}): write the output somewhere else")
+            raise ConfigError(f"`{field}` {out} is an input of this run ({given}): write the output somewhere else", field)
         if _within(source, target):
-            raise UserError(f"{option} {out} contains the input {given}: writing it would replace the input; "
-                            "write the output somewhere else")
+            raise ConfigError(f"`{field}` {out} contains the input {given}: writing it would replace the input; "
+                              "write the output somewhere else", field)
         if source.is_dir() and _within(target, source):
-            raise UserError(f"{option} {out} is inside the input directory {given}: the next run over it would "
-                            "read its own output; write the output somewhere else")
+            raise ConfigError(f"`{field}` {out} is inside the input directory {given}: the next run over it would "
+                              "read its own output; write the output somewhere else", field)
     return target
 
 
-def check_file_prefix(prefix: str, option: str = "--prefix") -> str:
+def check_file_prefix(prefix: str, field: str = "prefix") -> str:
     """A prefix of output file names stays a plain name: it cannot lead out of the output directory."""
     if not prefix or prefix in (".", "..") or "/" in prefix or os.sep in prefix or (os.altsep and os.altsep in prefix):
-        raise UserError(f"{option} {prefix!r} must be a plain file-name prefix (no '/', not '.' or '..')")
+        raise ConfigError(f"`{field}` {prefix!r} must be a plain file-name prefix (no '/', not '.' or '..')", field)
     return prefix

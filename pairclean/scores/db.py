@@ -37,7 +37,7 @@ def compile_predicate(db: "ScoresDB", predicate: str, field: str, view: str = "s
     over the view's columns as a BOOLEAN. Returns the parenthesised SQL; errors name `field`, the
     setting that holds the predicate."""
     def bad(reason: str) -> ConfigError:
-        return ConfigError(f"bad {field} predicate {predicate!r}: {reason}", field)
+        return ConfigError(f"bad `{field}` predicate {predicate!r}: {reason}", field)
 
     try:
         expression = f"({duckdb.SQLExpression(predicate)})"
@@ -182,8 +182,8 @@ class ScoresDB:
             raise UserError(f"give one SQL statement (got {len(statements)})")
         kind = statements[0].type.name
         if kind not in READ_ONLY_STATEMENTS:
-            raise UserError(f"query is read-only: {kind} statements are refused (give a SELECT; "
-                            "write results with --format and --out)")
+            raise ConfigError(f"query is read-only: {kind} statements are refused (give a SELECT; "
+                              "write results with `format` and `out`)", "format", "out")
         try:
             rel = self.con.sql(sql, params=params)
         except duckdb.Error as exc:

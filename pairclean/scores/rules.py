@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, ClassVar
 import numpy as np
 import pyarrow as pa
 
+from pairclean.config import check_choice
 from pairclean.errors import UserError
 from pairclean.scores.sql import sql_identifier
 
@@ -159,7 +160,7 @@ class GmmRule(DecisionRule):
             self.separation, self.abstains = mixture_separation(self.mixture, context.null_sample)
         if self.abstains:
             notice(f"the GMM rule abstains (flags nothing): {self.abstains}; the noise is not separable by "
-                   "this estimator's similarity. Use the null-calibrated rule (--rule fdr) or an audit")
+                   "this estimator's similarity. Use the null-calibrated rule (`rules` fdr) or an audit", "rules")
 
     def derive(self, sim):
         p = self.mixture.p_clean(np.nan_to_num(sim, nan=0.0)) if self.mixture is not None \
@@ -300,8 +301,7 @@ class TopFractionRule(DecisionRule):
 def parse_rule(spec: str) -> DecisionRule:
     """A rule from its spec `NAME[:key=value,...]`; an unknown name or option is a UserError."""
     name, _, rest = spec.strip().partition(":")
-    if name not in REGISTRY:
-        raise UserError(f"unknown rule {name!r} in {spec!r}: choose from {', '.join(REGISTRY)}")
+    check_choice(name, tuple(REGISTRY), "rules", "rule")
     cls = REGISTRY[name]
     options = {}
     for item in filter(None, (part.strip() for part in rest.split(","))):

@@ -34,7 +34,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import torch
 
-from pairclean.config import unpinned
+from pairclean.config import check_choice, unpinned
 from pairclean.core.beta import BETA_MODES, BetaEstimate, ShuffledAccumulator
 from pairclean.core.scorer import null_partners
 from pairclean.data.manifest import PAIR_KINDS
@@ -127,7 +127,8 @@ def _npy_pair(left: str, right: str, keys: str | None, key_field: str | None) ->
         candidates = [key_field] if key_field else ["key", "image_path"]
         column = next((c for c in candidates if c in names), None)
         if column is None:
-            raise UserError(f"{keys} has no key column ({' or '.join(candidates)}); it has {names}: pass --key-field")
+            raise ConfigError(f"{keys} has no key column ({' or '.join(candidates)}); it has {names}: pass `key_field`",
+                              "key_field")
         if pf.metadata.num_rows != lshape[0]:
             raise UserError(f"{keys} has {pf.metadata.num_rows:,} rows but {left} has {lshape[0]:,}")
     return NpyPair(left, right, int(lshape[0]), int(lshape[1]), str(ldtype), loffset, roffset, keys, column)
@@ -164,8 +165,9 @@ def _check_parquet(path: str, left_field: str, right_field: str, key_field: str 
         raise UserError(f"cannot read Parquet {path}: {str(exc).splitlines()[0][:200]}") from None
     for name in (left_field, right_field) + ((key_field,) if key_field else ()):
         if name not in names.names:
-            raise UserError(f"{path} has no column {name!r} (it has {names.names}); "
-                            "name the columns with --left-emb-field / --right-emb-field / --key-field")
+            raise ConfigError(f"{path} has no column {name!r} (it has {names.names}); "
+                              "name the columns with `left_field` / `right_field` / `key_field`",
+                              "left_field", "right_field", "key_field")
     for name in (left_field, right_field):
         kind = names.field(name).type
         if not (pa.types.is_list(kind) or pa.types.is_large_list(kind) or pa.types.is_fixed_size_list(kind)) \
@@ -191,9 +193,9 @@ def detect_layout(sources: list[str]) -> str:
     if sources and all(s.endswith(".parquet") or (Path(s).is_dir() and any(Path(s).glob("*.parquet")))
                        for s in sources):
         return "parquet"
-    raise UserError("cannot tell the embeddings layout of " + ", ".join(sources) + ": give a clip-retrieval "
-                    "output directory (img_emb/, text_emb/, metadata/), two .npy files (left, right), "
-                    "or Parquet files with two embedding columns (or pass --embedding-layout)")
+    raise ConfigError("cannot tell the embeddings layout of " + ", ".join(sources) + ": give a clip-retrieval "
+                      "output directory (img_emb/, text_emb/, metadata/), two .npy files (left, right), "
+                      "or Parquet files with two embedding columns (or pass `layout`)", "layout")
 
 
 def open_embeddings(sources: str | list[str], layout: str = "auto", pair: str | None = None,
@@ -206,14 +208,13 @@ def open_embeddings(sources: str | list[str], layout: str = "auto", pair: str | 
     for s in sources:
         if not Path(s).exists():
             raise UserError(f"path not found: {s}")
+    check_choice(layout, ("auto", *LAYOUTS), "layout")
     layout = detect_layout(sources) if layout == "auto" else layout
-    if layout not in LAYOUTS:
-        raise UserError(f"unknown embeddings layout {layout!r}; choose auto or one of {', '.join(LAYOUTS)}")
-    if pair is not None and pair not in PAIR_KINDS:
-        raise UserError(f"unknown pair kind {pair!r}; choose one of {', '.join(PAIR_KINDS)}")
+    if pair is not None:
+        check_choice(pair, PAIR_KINDS, "pair")
     if keys is not None and layout != "numpy":
-        raise UserError("--keys names the key file of the numpy layout (LEFT.npy RIGHT.npy); "
-                        "clip-retrieval keys come from metadata/, Parquet keys from --key-field")
+        raise ConfigError("`keys` names the key file of the numpy layout (LEFT.npy RIGHT.npy); "
+                          "clip-retrieval keys come from metadata/, Parquet keys from `key_field`", "keys", "key_field")
     spec = EmbeddingSpec(layout=layout, pair=pair or "image-text", sources=sources, left_field=left_field, right_field=right_field,
                          key_field=key_field)
     if layout == "clip-retrieval":
@@ -547,6 +548,14 @@ class EmbeddingScoreConfig(RunConfig):
     unit_rows: int = 1 << 18  # rows per unit of an .npy pair: the grain of resume; its columns are held until commit
     threads: int = unpinned(0)  # 0: torch.get_num_threads()
 
+    def __post_init__(self):
+        super().__post_init__()
+        if self.batch_rows < 1 or self.unit_rows < 1:
+            raise ConfigError("batch_rows and unit_rows must be at least 1", "batch_rows", "unit_rows")
+        if self.beta_mode != "random-inputs" and self.random_embeddings is not None:
+            raise ConfigError(f"random_embeddings is only used with beta_mode random-inputs, not {self.beta_mode}",
+                              "random_embeddings", "beta_mode")
+
 
 def _default_keys(shard: str, index: np.ndarray) -> pa.Array:
     """`<file stem>/<row>` for rows without a key file."""
@@ -590,19 +599,15 @@ class EmbeddingsProducer(Producer):
     """Similarities of precomputed embedding pairs: no model, no GPU."""
 
     def __init__(self, spec: EmbeddingSpec, cfg: EmbeddingScoreConfig):
-        if cfg.batch_rows < 1 or cfg.unit_rows < 1:
-            raise ConfigError("batch_rows and unit_rows must be at least 1", "batch_rows", "unit_rows")
-        if cfg.beta_mode != "random-inputs" and cfg.random_embeddings is not None:
-            raise ConfigError(f"random_embeddings is only used with beta_mode random-inputs, not {cfg.beta_mode}",
-                              "random_embeddings", "beta_mode")
         self.spec, self.cfg = spec, cfg
         # random-inputs needs embeddings of random inputs from the same model: there is no model to draw them
         self.beta_modes = BETA_MODES if cfg.random_embeddings is not None else ("fixed", "shuffled")
 
-    def missing_beta_hint(self) -> str:
-        return ("scoring from embeddings has no model to draw random inputs with: pass "
-                "--random-embeddings PATH (embeddings of random inputs from the same model), "
-                "or --beta-mode fixed --beta VALUE, or --beta-mode shuffled (a diagnostic)")
+    def missing_beta(self) -> ConfigError:
+        return ConfigError("scoring from embeddings has no model to draw random inputs with: pass "
+                           "`random_embeddings` PATH (embeddings of random inputs from the same model), "
+                           "or `beta_mode` fixed `beta` VALUE, or `beta_mode` shuffled (a diagnostic)",
+                           "random_embeddings", "beta_mode", "beta")
 
     def units(self) -> list[str]:
         return self.spec.units(self.cfg.unit_rows)

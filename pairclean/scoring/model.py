@@ -52,6 +52,8 @@ class ScoreConfig(RunConfig):
 
     def __post_init__(self):
         super().__post_init__()
+        if self.batch_size < 1:
+            raise ConfigError("batch_size must be at least 1", "batch_size")
         check_numbers(self, at_least={"workers": 0, "beta_k": 1})
         check_pretrained(self.pretrained)
 
@@ -134,17 +136,15 @@ def small_shards_notice(pairs: int, units: int, batch_size: int, fill: float) ->
     if units < 4 or per_unit == 0 or per_unit >= batch_size / 2 or fill > 0.5:
         return None
     return (f"the shards hold {per_unit:,.0f} pairs on average and batches were filled to {fill:.0%} of "
-            f"--batch-size {batch_size} on average (a batch spans shards only within a group of "
+            f"batch_size {batch_size} on average (a batch spans shards only within a group of "
             f"{GROUP_BATCHES} batches' worth); on a GPU that caps throughput (ViT-B-32 on an H100: 1.8k pairs/s "
-            f"in 40-pair batches, ~10k in 512): score more pairs per run, or use a smaller --batch-size")
+            f"in 40-pair batches, ~10k in 512): score more pairs per run, or use a smaller batch_size")
 
 
 class ModelProducer(Producer):
     """Similarities from a frozen estimator over a dataset's shards."""
 
     def __init__(self, spec: DatasetSpec, cfg: ScoreConfig, estimator=None):
-        if cfg.batch_size < 1:
-            raise ConfigError("batch_size must be at least 1", "batch_size")
         if estimator is None:
             check_backend(cfg.backend, modalities(spec.pair))  # before any output exists
         self.spec, self.cfg, self.estimator = spec, cfg, estimator
@@ -259,7 +259,7 @@ class ModelProducer(Producer):
         batches = counters["batches"]
         fill = counters["batch_rows"] / (batches * self.cfg.batch_size) if batches else 0.0
         if notice := small_shards_notice(counters["pairs"], todo, self.cfg.batch_size, fill):
-            notice_once("small-shards", notice)
+            notice_once("small-shards", notice, "batch_size")
         return ({"estimator": self.estimator.provenance(), "pair": self.spec.pair, "input_shards": self.spec.shards,
                  "dataset": self.spec.name},
                 {"batches": batches, "full_batches": counters["full_batches"], "mean_batch_fill": fill})

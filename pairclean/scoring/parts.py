@@ -207,7 +207,7 @@ class PartStore:
         except FileNotFoundError:
             return None
         except (OSError, ValueError) as exc:
-            raise UserError(f"{path} is unreadable ({exc}); pass --overwrite to start the run over") from None
+            raise ConfigError(f"{path} is unreadable ({exc}); pass `overwrite` to start the run over", "overwrite") from None
 
     def _start(self, settings: dict, units: list[str], replaces_output: bool) -> RunStart:
         self._clear()
@@ -226,11 +226,11 @@ class PartStore:
                         if k not in UNIT_KEYS and earlier.get(k) != current.get(k))
         if differ:
             shown = "; ".join(f"{k}: {earlier.get(k)!r} -> {current.get(k)!r}" for k in differ)
-            raise UserError(f"{self.dir} holds an unfinished run with different settings ({shown}); "
-                            "re-run with the same settings to resume, or pass --overwrite to start over")
+            raise ConfigError(f"{self.dir} holds an unfinished run with different settings ({shown}); "
+                            "re-run with the same settings to resume, or pass `overwrite` to start over", "overwrite")
         pinned = self._read("units.json")
         if pinned is None:
-            raise UserError(f"{self.dir} has no units.json; pass --overwrite to start the run over")
+            raise ConfigError(f"{self.dir} has no units.json; pass `overwrite` to start the run over", "overwrite")
         if pinned != units:
             listed, known = set(units), set(pinned)
             added = [u for u in units if u not in known]
@@ -238,8 +238,8 @@ class PartStore:
             if added or dropped:  # the user changed the inputs (a vanished shard is only a failed unit)
                 detail = "; ".join(([f"{len(added)} new (first: {added[0]})"] if added else []) +
                                    ([f"{len(dropped)} no longer listed (first: {dropped[0]})"] if dropped else []))
-                raise UserError(f"the input shards differ from the unfinished run in {self.dir} ({detail}); "
-                                "re-run with the same inputs to resume, or pass --overwrite to start over")
+                raise ConfigError(f"the input shards differ from the unfinished run in {self.dir} ({detail}); "
+                                "re-run with the same inputs to resume, or pass `overwrite` to start over", "overwrite")
         return RunStart(resumed=True, units=pinned)
 
     def finished(self, out: Path, settings: dict, overwrite: bool = False, resume: bool = False) -> dict | None:
@@ -267,12 +267,12 @@ class PartStore:
                 self._unlock()
                 if run.get("replaces_output"):
                     return None  # a killed --overwrite run: begin() resumes it
-                raise UserError(f"{out} exists; pass --overwrite to replace it")
+                raise ConfigError(f"{out} exists; pass `overwrite` to replace it", "overwrite")
             self.remove()  # the finished run's leftover (or a run killed before it got going)
         if provenance and provenance.get("settings_sha1") == settings_digest(settings):
             return read_summary(out)
         detail = " (a finished run with other settings)" if provenance else ""
-        raise UserError(f"{out} exists{detail}; pass --overwrite to replace it")
+        raise ConfigError(f"{out} exists{detail}; pass `overwrite` to replace it", "overwrite")
 
     def begin(self, out: Path, settings: dict, units: list[str], overwrite: bool = False,
               resume: bool = False) -> RunStart:
@@ -297,7 +297,7 @@ class PartStore:
             if out.exists():
                 if earlier is not None and run.get("replaces_output"):
                     return self._resume(settings, units, earlier)  # an --overwrite run, killed: carry on
-                raise UserError(f"{out} exists; pass --overwrite to replace it")
+                raise ConfigError(f"{out} exists; pass `overwrite` to replace it", "overwrite")
             if earlier is not None:
                 return self._resume(settings, units, earlier)
             if resume:

@@ -21,10 +21,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, ClassVar, Iterator
 
-from pairclean.config import check_numbers, pinned_settings, unpinned
+from pairclean.config import check_choice, check_numbers, pinned_settings, unpinned
 from pairclean.core.beta import BETA_MODES, BetaEstimate, check_beta_mode, resolve_beta, shuffled_beta
 from pairclean.core.scorer import WEIGHT_FUNCTIONS
-from pairclean.errors import UserError
+from pairclean.errors import ConfigError, UserError
 from pairclean.ops import distributed
 from pairclean.data.units import unit_fingerprint, unit_shard
 from pairclean.ops.guard import check_output
@@ -54,6 +54,8 @@ class RunConfig:
 
     def __post_init__(self):
         check_numbers(self, finite=("beta",), at_least={"seed": 0, "gmm_sample": 2})
+        check_choice(self.weight_fn, WEIGHT_FUNCTIONS, "weight_fn", "weight function")
+        check_beta_mode(self.beta_mode, self.beta)  # a known mode, and a value for `fixed`
         build_rules(self.rules)  # an unknown rule or option fails before anything is scored
 
 
@@ -105,9 +107,9 @@ class Producer(ABC):
     def random_beta(self) -> tuple[BetaEstimate, str]:
         """beta from random inputs (beta mode random-inputs) and where it came from."""
 
-    def missing_beta_hint(self) -> str:
-        """Why a beta mode outside `beta_modes` cannot be had here ('' for the generic message)."""
-        return ""
+    def missing_beta(self) -> ConfigError | None:
+        """The error for a beta mode outside `beta_modes`: why it cannot be had here (None: the generic one)."""
+        return None
 
     @abstractmethod
     def score(self, work: Work, commit: Commit, task) -> dict[str, int]:
@@ -146,8 +148,8 @@ def check_unchanged(records: dict[str, dict]) -> None:
     changed = [u for u, rec in records.items() if rec.get("fingerprint") is not None
                and unit_fingerprint(u) not in (None, rec["fingerprint"])]
     if changed:
-        raise UserError(f"{unit_shard(changed[0])} changed since the unfinished run scored it "
-                        f"({len(changed)} unit(s) changed): pass --overwrite to score the inputs again")
+        raise ConfigError(f"{unit_shard(changed[0])} changed since the unfinished run scored it "
+                        f"({len(changed)} unit(s) changed): pass `overwrite` to score the inputs again", "overwrite")
 
 
 def refuse_if_all_failed(units: list[str], records: dict[str, dict], out: Path) -> None:
@@ -164,9 +166,7 @@ def run_scoring(producer: Producer, out: str | Path, cfg: RunConfig) -> ScoreRes
     out = Path(out)
     distributed.init_from_env(device_type=producer.device_type)
     progress = cfg.progress if distributed.is_main() else SILENT
-    if cfg.weight_fn not in WEIGHT_FUNCTIONS:
-        raise UserError(f"unknown weight function {cfg.weight_fn!r}; choose one of {', '.join(WEIGHT_FUNCTIONS)}")
-    check_beta_mode(cfg.beta_mode, cfg.beta, producer.beta_modes, producer.missing_beta_hint())
+    check_beta_mode(cfg.beta_mode, cfg.beta, producer.beta_modes, producer.missing_beta() or "")
     if not out.parent.exists():
         raise UserError(f"output directory {out.parent} does not exist")
     units = producer.units()

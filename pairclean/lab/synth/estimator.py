@@ -20,7 +20,7 @@ from pairclean import __version__
 from pairclean.ops.atomic import atomic_path, write_json
 from pairclean.ops.progress import SILENT, Progress
 from pairclean.ops.cache import cache_dir as pairclean_cache_dir
-from pairclean.errors import ConfigError, UserError
+from pairclean.errors import ConfigError
 from pairclean.backends.open_clip import CONFIG_DIR
 from pairclean.lab.synth.world import WORLD_VERSION, build_world
 
@@ -73,7 +73,7 @@ def train_estimator(out: Path, recipe: EstimatorRecipe | None = None, world: Pat
     recipe.check()
     out = Path(out)
     if out.exists() and any(out.iterdir()) and not overwrite:
-        raise UserError(f"{out} exists and is not empty; pass --overwrite to replace it")
+        raise ConfigError(f"{out} exists and is not empty; pass `overwrite` to replace it", "overwrite")
     out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     if world is None:
