@@ -77,22 +77,13 @@ def summary_lines(report) -> list[str]:
 
 
 @bench_app.command("score")
+@options.with_dataset
 def bench_score_command(
     source: options.Source,
     model: str = typer.Option("ViT-B-32", help="open_clip model name (or a pairclean tiny config)."),
     pretrained: options.Pretrained = "openai",
     backend: options.Backend = "open_clip",
-    pair: options.Pair = None,
-    image_field: options.ImageField = None,
-    image_path_field: options.ImagePathField = None,
-    text_field: options.TextField = None,
-    json_text_key: options.JsonTextKey = None,
-    key_field: options.KeyField = None,
-    text2_field: options.Text2Field = None,
-    image2_field: options.Image2Field = None,
-    image2_path_field: options.Image2PathField = None,
-    label_field: options.LabelField = None,
-    label_template: options.LabelTemplate = None,
+    dataset: options.DatasetOptions = options.GIVEN,
     device: options.Device = "auto",
     precision: options.Precision = "fp32",
     decode: options.Decode = "fast",
@@ -106,14 +97,13 @@ def bench_score_command(
     min_seconds: float = typer.Option(10.0, help="Run the model-only ceiling at least this long."),
     repeat: int = typer.Option(1, help="Rounds of (a)(b)(c), interleaved; ratios are reported per round and as medians."),
     json_out: options.JsonOut = None,
-    allow_pipe: options.AllowPipe = False,
 ) -> None:
     """Model-only ceiling vs end-to-end `pairclean score` vs a naive loop: pairs/s, ratios, peak memory."""
     from pairclean.scoring.bench import bench_score, write_report
     from pairclean.ops.guard import check_output
     from pairclean.scoring.model import ScoreConfig
 
-    spec = options.dataset(source, pair, allow_pipe, label_template, image=image_field, image_path=image_path_field, text=text_field, json_text_key=json_text_key, key=key_field, text2=text2_field, image2=image2_field, image2_path=image2_path_field, label=label_field)
+    spec = dataset.spec(source)
     cfg = ScoreConfig(model=model, pretrained=pretrained, backend=backend, device=device, precision=precision,
                       decode=decode, compile=compile, batch_size=batch_size, workers=workers, beta_mode=beta_mode,
                       beta_k=beta_k, beta_cache=beta_cache)

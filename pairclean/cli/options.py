@@ -1,12 +1,19 @@
 """Command-line options that mean the same in every command, defined once.
 
-A command declares `pair: options.Pair = None`; the help text (and the flag's spelling) lives
-here, so `score`, `bench`, `train` and `corrupt` cannot drift apart. The dataset options (which
-member or column holds each side of a pair) come with `dataset()`, which applies them.
+A command declares `device: options.Device = "auto"`; the help text (and the flag's spelling) lives
+here, so `score`, `bench`, `train` and `corrupt` cannot drift apart. The dataset options (pair
+kind, which member or column holds each side of a pair, label template, `pipe:` permission) come
+as one bundle: a command decorated with `@with_dataset` declares `dataset: DatasetOptions` and
+builds its DatasetSpec with `dataset.spec(source)`. `flag_for` is how the CLI words the library's
+config fields.
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
+import typing
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import List, Optional
 
@@ -55,15 +62,64 @@ LabelField = Annotated[Optional[str], typer.Option(help="image-label pairs: labe
 LabelTemplate = Annotated[Optional[str], typer.Option(
     help='image-label pairs: the sentence a label becomes (default "This is a picture of {label}.").')]
 
+# The dataset options, in the order the help lists them: parameter -> (type, default, Fields attribute).
+DATASET_OPTIONS = {
+    "pair": (Pair, None, None), "image_field": (ImageField, None, "image"),
+    "image_path_field": (ImagePathField, None, "image_path"), "text_field": (TextField, None, "text"),
+    "json_text_key": (JsonTextKey, None, "json_text_key"), "key_field": (KeyField, None, "key"),
+    "text2_field": (Text2Field, None, "text2"), "image2_field": (Image2Field, None, "image2"),
+    "image2_path_field": (Image2PathField, None, "image2_path"), "label_field": (LabelField, None, "label"),
+    "label_template": (LabelTemplate, None, None), "allow_pipe": (AllowPipe, False, None),
+}
 
-def dataset(source: list[str], pair: str | None = None, allow_pipe: bool = False, label_template: str | None = None,
-            **fields: str | None):
-    """The DatasetSpec of `source` with the field options given on the command line applied
-    (`image=`, `image_path=`, `text=`, `json_text_key=`, `key=`, `text2=`, `image2=`, `image2_path=`, `label=`)."""
-    from pairclean.data.manifest import Fields, open_dataset
 
-    spec = open_dataset(source, pair=pair, allow_pipe=allow_pipe, label_template=label_template)
-    given = {name: value for name, value in fields.items() if value is not None}
-    if given:
-        spec.fields = Fields(**{**spec.fields.__dict__, **given})
-    return spec
+@dataclass
+class DatasetOptions:
+    """What a command was told about its dataset: the pair kind, which member or column holds each
+    side of a pair (`fields`: DatasetSpec.fields attributes given on the command line), the label
+    template, and whether `pipe:` URLs may run."""
+
+    pair: str | None = None
+    fields: dict[str, str] = field(default_factory=dict)
+    label_template: str | None = None
+    allow_pipe: bool = False
+
+    def spec(self, source: list[str], pair: str | None = None):
+        """The DatasetSpec of `source` with these options applied (`pair` overrides the option)."""
+        from pairclean.data.manifest import Fields, open_dataset
+
+        spec = open_dataset(source, pair=pair or self.pair, allow_pipe=self.allow_pipe,
+                            label_template=self.label_template)
+        if self.fields:
+            spec.fields = Fields(**{**spec.fields.__dict__, **self.fields})
+        return spec
+
+
+GIVEN = DatasetOptions()  # the default a command writes for `dataset`: @with_dataset fills it from the command line
+
+
+def with_dataset(command):
+    """Give a command the dataset options, declared here once: its parameter `dataset:
+    DatasetOptions` stands on the command line for --pair, the nine --*-field options,
+    --label-template and --allow-pipe, and receives them as one object."""
+    hints = typing.get_type_hints(command, include_extras=True)
+    signature = inspect.signature(command)
+    parameters = []
+    for parameter in signature.parameters.values():
+        if parameter.name == "dataset":
+            parameters += [inspect.Parameter(name, parameter.kind, default=default, annotation=kind)
+                           for name, (kind, default, _) in DATASET_OPTIONS.items()]
+        else:
+            parameters.append(parameter.replace(annotation=hints[parameter.name]))
+
+    @functools.wraps(command)
+    def run(**given):
+        options = {name: given.pop(name) for name in DATASET_OPTIONS}
+        fields = {attribute: options[name] for name, (_, _, attribute) in DATASET_OPTIONS.items()
+                  if attribute is not None and options[name] is not None}
+        dataset = DatasetOptions(options["pair"], fields, options["label_template"], options["allow_pipe"])
+        return command(**given, dataset=dataset)
+
+    run.__signature__ = signature.replace(parameters=parameters)
+    run.__annotations__ = {p.name: p.annotation for p in parameters}
+    return run

@@ -45,6 +45,7 @@ def summary_table(result) -> Table:
 
 
 @app.command("score")
+@options.with_dataset
 def score_command(
     source: options.Source,
     out: Path = typer.Option(..., "--out", "-o", help="Scores Parquet to write."),
@@ -52,7 +53,7 @@ def score_command(
                                                    "sentence-transformers: name or local directory (default all-MiniLM-L6-v2)."),
     backend: options.Backend = "open_clip",
     pretrained: options.Pretrained = "openai",
-    pair: options.Pair = None,
+    dataset: options.DatasetOptions = options.GIVEN,
     device: options.Device = "auto",
     precision: options.Precision = "fp32",
     decode: options.Decode = "fast",
@@ -68,16 +69,6 @@ def score_command(
     gmm_sample: int = typer.Option(1_000_000, help="Fit the GMM (and every decision rule) on at most this many similarities."),
     rule: Optional[List[str]] = typer.Option(None, "--rule", help="Also decide with this rule, NAME[:key=value,...] "
                                              "(repeatable; beta and gmm always run): " + RULE_HELP),
-    image_field: options.ImageField = None,
-    image_path_field: options.ImagePathField = None,
-    text_field: options.TextField = None,
-    json_text_key: options.JsonTextKey = None,
-    key_field: options.KeyField = None,
-    text2_field: options.Text2Field = None,
-    image2_field: options.Image2Field = None,
-    image2_path_field: options.Image2PathField = None,
-    label_field: options.LabelField = None,
-    label_template: options.LabelTemplate = None,
     from_embeddings: bool = typer.Option(False, "--from-embeddings", help="SOURCE holds precomputed embeddings (clip-retrieval output "
                                          "directory, LEFT.npy RIGHT.npy, or Parquet with two embedding columns): no model is run."),
     embedding_layout: str = typer.Option("auto", help="--from-embeddings: auto, clip-retrieval, numpy or parquet."),
@@ -88,7 +79,6 @@ def score_command(
                                                           "in any of the layouts (repeat for two .npy files); beta = their mean cross cosine."),
     overwrite: bool = typer.Option(False, help="Replace an existing output (and discard an unfinished run)."),
     resume: bool = typer.Option(False, help="Continue an unfinished run, failing if there is none (re-running the same command resumes anyway)."),
-    allow_pipe: options.AllowPipe = False,
 ) -> None:
     """Score every pair: cosine, cone bias beta, OSA weight, GMM p_clean -> Parquet."""
     from pairclean.backends import check_backend, default_model
@@ -104,7 +94,8 @@ def score_command(
             score_embeddings,
         )
 
-        spec = open_embeddings(source, embedding_layout, pair, left_emb_field, right_emb_field, key_field, keys)
+        spec = open_embeddings(source, embedding_layout, dataset.pair, left_emb_field, right_emb_field,
+                               dataset.fields.get("key"), keys)
         rand = open_embeddings(random_embeddings, left_field=left_emb_field, right_field=right_emb_field) \
             if random_embeddings else None
         result = score_embeddings(spec, out, EmbeddingScoreConfig(
@@ -112,9 +103,7 @@ def score_command(
             gmm_sample=gmm_sample, rules=rules, overwrite=overwrite, resume=resume, progress=RichProgress(console)))
         console.print(summary_table(result))
         return
-    spec = options.dataset(source, pair, allow_pipe, label_template, image=image_field, image_path=image_path_field,
-                           text=text_field, json_text_key=json_text_key, key=key_field, text2=text2_field,
-                           image2=image2_field, image2_path=image2_path_field, label=label_field)
+    spec = dataset.spec(source)
     backend = check_backend(backend)
     cfg = ScoreConfig(model=model or default_model(backend), backend=backend, pretrained=pretrained,
                       device=device, precision=precision, decode=decode,

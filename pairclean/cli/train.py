@@ -83,6 +83,7 @@ def list_method_options(value: Optional[List[str]]):
 
 
 @app.command("train")
+@options.with_dataset
 def train_command(
     source: options.Source,
     out: Path = typer.Option(..., "--out", "-o", help="Run directory (checkpoints, metrics.jsonl, run.json)."),
@@ -90,18 +91,7 @@ def train_command(
     model: str = typer.Option("ViT-B-32", help="open_clip model name (or a pairclean tiny config), or a sentence-transformers directory / all-MiniLM-L6-v2."),
     pretrained: options.Pretrained = "openai",
     backend: str = typer.Option("auto", help="auto, open_clip, or sentence-transformers."),
-    pair: options.Pair = None,
-    image_field: options.ImageField = None,
-    image_path_field: options.ImagePathField = None,
-    text_field: options.TextField = None,
-    json_text_key: options.JsonTextKey = None,
-    key_field: options.KeyField = None,
-    text2_field: options.Text2Field = None,
-    image2_field: options.Image2Field = None,
-    image2_path_field: options.Image2PathField = None,
-    label_field: options.LabelField = None,
-    label_template: options.LabelTemplate = None,
-    allow_pipe: options.AllowPipe = False,
+    dataset: options.DatasetOptions = options.GIVEN,
     weights: Optional[str] = typer.Option(None, help="Scores Parquet: weight each pair's loss by a column of it (method osa-weights)."),
     weight_column: Optional[str] = typer.Option(None, help="Column of the scores used as weight (default weight_norm, the OSA weight in [0, 1])."),
     scores: Optional[str] = typer.Option(None, help="Scores Parquet for --filter without weighting."),
@@ -153,9 +143,8 @@ def train_command(
                       temperature=temperature, method=name, method_options=method_options, workers=workers,
                       shuffle_buffer=shuffle_buffer, val_batch_size=val_batch_size, log_every=log_every,
                       diagnostics=diagnostics, seed=seed, resume=resume, overwrite=overwrite, progress=RichProgress(console))
-    fields = dict(image=image_field, image_path=image_path_field, text=text_field, json_text_key=json_text_key, key=key_field, text2=text2_field, image2=image2_field, image2_path=image2_path_field, label=label_field)
-    spec = options.dataset(source, pair, allow_pipe, label_template, **fields)
-    val_spec = options.dataset(val, spec.pair, allow_pipe, label_template, **fields) if val else None
+    spec = dataset.spec(source)
+    val_spec = dataset.spec(val, pair=spec.pair) if val else None
     result = train(spec, out, cfg, val=val_spec)
     from pairclean.ops import distributed
 
