@@ -26,7 +26,9 @@ from pairclean.cli import main
 from pairclean.scores.contract import METADATA_KEY, SCORES_SCHEMA, read_provenance
 from pairclean.core.mixture import FittedMixture
 from pairclean.scores.db import ScoresDB
-from pairclean.curate.report import _histogram, build_report, gmm_boundaries
+from pairclean.curate.report import build_report
+from pairclean.curate.report.figures import gmm_boundaries
+from pairclean.curate.report.stats import histogram as _histogram
 
 GALLERY, CONTRAST, THUMB = 6, 4, 160
 CHROMIUM = shutil.which("chromium")

@@ -19,7 +19,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pairclean.scores.db import ScoresDB
-from pairclean.curate.report import fetch_media
+from pairclean.curate.report.media import fetch_media
 from pairclean.data.manifest import open_dataset
 from pairclean.errors import ConfigError, UserError
 from pairclean.ops.atomic import atomic_path

@@ -1,0 +1,58 @@
+"""`pairclean report`: one self-contained HTML page to look at scores before choosing a threshold.
+
+Everything is computed by DuckDB over the scores file (`stats`: histogram counts, per-shard
+statistics, the lowest and highest pairs), so the report costs one scan per section, not the
+dataset in memory. Figures are matplotlib SVGs (`figures`) and thumbnails JPEGs (`media`: read
+from the shards through the dataset reader, only the units that hold gallery pairs), both
+embedded as data URIs in the page (`page`: `page.html` and `report.css`): the file can be mailed
+or archived and still shows everything.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from pairclean.curate.report.media import fetch_media, media_spec
+from pairclean.curate.report.page import render_page
+from pairclean.curate.report.stats import gather
+from pairclean.errors import ConfigError, UserError
+from pairclean.ops.atomic import atomic_path
+from pairclean.ops.guard import check_output
+from pairclean.scores.db import ScoresDB
+
+MAX_BINS = 1000  # a histogram bar per bin: more is unreadable and grows the page without bound
+
+
+@dataclass
+class ReportResult:
+    out: Path
+    pairs: int
+    gallery_pairs: int
+    thumbnails: int
+    media_note: str | None
+
+
+def build_report(scores: str | Path, out: str | Path, shards: list[str] | None = None,
+                 truth: str | Path | None = None, gallery: int = 24, contrast: int = 8, thumb: int = 224,
+                 bins: int = 60, max_shard_rows: int = 40, title: str | None = None) -> ReportResult:
+    """Write the HTML report for a scores file; thumbnails come from `shards` (or the scored paths)."""
+    scores, out = Path(scores), Path(out)
+    check_output(out, [scores, truth, *(shards or [])])
+    if gallery < 0 or contrast < 0:
+        raise ConfigError("gallery and contrast must not be negative", "gallery", "contrast")
+    if not 2 <= bins <= MAX_BINS:
+        raise ConfigError(f"bins must be within [2, {MAX_BINS}], got {bins}", "bins")
+    with ScoresDB(scores, truth=truth) as db:
+        prov = db.provenance
+        if prov is None:
+            raise UserError(f"{scores} has no pairclean provenance (not written by pairclean score?)")
+        stats = gather(db, prov, truth is not None, bins, gallery, contrast)
+    spec, media_note = media_spec(shards, prov)
+    media = fetch_media(spec, stats.lowest + stats.highest, thumb) if spec is not None else {}
+    page = render_page(scores, prov, stats, media, media_note, title or f"pairclean report · {scores.name}",
+                       max_shard_rows)
+    with atomic_path(out) as tmp:
+        tmp.write_text(page, encoding="utf-8")
+    return ReportResult(out=out, pairs=stats.summary["pairs"], gallery_pairs=len(stats.lowest) + len(stats.highest),
+                        thumbnails=sum(1 for m in media.values() for src in m.images if src), media_note=media_note)
