@@ -1,12 +1,15 @@
-"""Shared fixtures: real COCO JPEG shards (tests/data/coco-mini), a tiny open_clip model, fast settings."""
+"""Shared fixtures: real COCO JPEG shards (tests/data/coco-mini), a tiny open_clip model, fast settings.
+Plain helpers (the CLI runner, tiny configs, small datasets) are in helpers.py."""
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
+from helpers import tiny_scores
 
 from pairclean.lab.coco import build_parquet, build_shards
 from pairclean.scoring.model import ScoreConfig
@@ -64,34 +67,20 @@ def shared_data() -> Path:
     return SHARED_DATA
 
 
-def text_pairs(coco_src: Path, out: Path) -> Path:
-    """The 16 COCO pairs as text-text pairs (two captions of one image) in WebDataset shards of 8."""
-    from pairclean.data.manifest import DatasetSpec, write_manifest
-    from pairclean.data.writer import write_shards
-
-    out.mkdir()
-    rows = [json.loads(line) for line in (coco_src / "pairs.jsonl").read_text().splitlines()]
-    write_shards(({"__key__": str(r["image_id"]), "txt": r["captions"][0], "txt2": r["captions"][1]} for r in rows),
-                 out, prefix="text", maxcount=8)
-    spec = DatasetSpec(format="webdataset", shards=[str(p) for p in sorted(out.glob("text-*.tar"))], pair="text-text")
-    write_manifest(out / "manifest.yaml", spec)
-    return out / "manifest.yaml"
-
-
-def tiny_scores(source: Path, out: Path) -> Path:
-    """Score `source` with the tiny random open_clip model (seconds): real scores files for tests."""
-    from pairclean.data.manifest import open_dataset
-    from pairclean.scoring.model import score
-
-    score(open_dataset(str(source)), out, ScoreConfig(model="pairclean-tiny", pretrained="none", beta_k=64,
-                                                      batch_size=8, workers=0, seed=0))
-    return out
-
-
 @pytest.fixture(scope="session")
 def coco_scores(tmp_path_factory, coco_shards) -> Path:
     """Scores of coco_shards by the tiny random model, scored once for the query/filter/report tests."""
     return tiny_scores(coco_shards, tmp_path_factory.mktemp("coco-scores") / "scores.parquet")
+
+
+@pytest.fixture(scope="session")
+def truth(tmp_path_factory, coco_scores) -> Path:
+    """Truth labels for coco_scores in the `pairclean corrupt` layout (key, shard, index, noisy):
+    every third pair noisy."""
+    t = pq.read_table(coco_scores, columns=["key", "shard", "index"])
+    path = tmp_path_factory.mktemp("truth") / "truth.parquet"
+    pq.write_table(t.append_column("noisy", pa.array([i % 3 == 0 for i in t["index"].to_pylist()])), path)
+    return path
 
 
 @pytest.fixture(scope="module")
@@ -104,3 +93,23 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def tiny_estimator():
+    """The tiny randomly initialised open_clip model as a frozen estimator on the CPU (seed 0)."""
+    import torch
+
+    from pairclean.backends.open_clip import OpenClipEstimator
+
+    torch.manual_seed(0)
+    return OpenClipEstimator("pairclean-tiny", pretrained="none", device="cpu")
+
+
+@pytest.fixture
+def fresh_notices():
+    """The test sees its own once-only notices (ops.notices.notice_once), not ones an earlier test said."""
+    import pairclean.ops.notices as notices
+
+    notices._said.clear()
+    yield

@@ -10,7 +10,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from conftest import text_pairs
+from helpers import text_pairs
 from pairclean.backends import (BACKENDS, Backend, build_estimator, check_backend, default_model, detect_backend,
                                 load_target, register_backend, resolve_backend)
 from pairclean.backends.base import frozen_copy, move_batch, pick_device

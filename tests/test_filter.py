@@ -14,7 +14,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import webdataset as wds
-from conftest import tiny_scores
+from helpers import run_cli, tiny_scores
 
 from pairclean.cli import main
 from pairclean.errors import UserError
@@ -22,18 +22,6 @@ from pairclean.curate.filter import filter_dataset
 from pairclean.data.manifest import load_manifest, open_dataset
 
 ISSUE_PREDICATE = "p_clean >= 0.5 AND weight > 0"
-
-
-def run_cli(argv: list[str], capsys) -> tuple[int, str, str]:
-    with pytest.raises(SystemExit) as exc:
-        main(argv)
-    out, err = capsys.readouterr()
-    return exc.value.code, out, err
-
-
-def run_ok(argv: list[str]) -> None:
-    """main() returns normally on success (it only exits on errors)."""
-    main(argv)
 
 
 def duckdb_rows(scores: Path, sql_tail: str) -> list[tuple]:
@@ -63,7 +51,7 @@ def test_filter_keeps_exactly_the_duckdb_result_byte_identical(tmp_path, coco_sh
     expected = duckdb_rows(coco_scores, f"WHERE {ISSUE_PREDICATE} ORDER BY shard, \"index\"")
     assert 0 < len(expected) < 16  # a GMM over 16 pairs has two components: the rule keeps some, not all
     out = tmp_path / "clean"
-    run_ok(["filter", str(coco_shards / "manifest.yaml"), "--scores", str(coco_scores), "--where", ISSUE_PREDICATE,
+    main(["filter", str(coco_shards / "manifest.yaml"), "--scores", str(coco_scores), "--where", ISSUE_PREDICATE,
             "--out", str(out), "--shard-size", "2"])
     assert f"wrote {len(expected)} pairs" in capsys.readouterr().out
 
@@ -93,7 +81,7 @@ def test_top_fraction_is_the_top_of_duckdbs_ranking(tmp_path, coco_shards, coco_
 def test_dry_run_counts_each_rule_and_writes_nothing(tmp_path, coco_shards, coco_scores, capsys):
     rules = [ISSUE_PREDICATE, "NOT osa_noisy"]
     out = tmp_path / "never"
-    run_ok(["filter", str(coco_shards), "--scores", str(coco_scores), "--where", rules[0], "--where", rules[1],
+    main(["filter", str(coco_shards), "--scores", str(coco_scores), "--where", rules[0], "--where", rules[1],
             "--top-fraction", "0.75", "--out", str(out), "--dry-run"])
     printed = capsys.readouterr().out
     assert not list(tmp_path.iterdir())

@@ -11,8 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import tiny_scores
-from pairclean.cli import main
+from helpers import run_cli, tiny_scores
 from pairclean.scores.db import ScoresDB
 from pairclean.data.manifest import open_dataset
 from pairclean.errors import UserError
@@ -20,16 +19,6 @@ from pairclean.train.data import index_shards
 from pairclean.train.weights import build_weight_arrays
 
 SECRET = "TOP-SECRET-HOST-CONTENT"
-
-
-def run_cli(argv: list[str], capsys) -> tuple[int, str, str]:
-    code = 0
-    try:
-        main([str(a) for a in argv])
-    except SystemExit as exc:
-        code = exc.code
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 @pytest.fixture

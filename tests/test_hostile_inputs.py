@@ -23,8 +23,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from PIL import Image
+from helpers import exit_code as _cli
 
-from pairclean.cli import main
 from pairclean.data.decode import DecodeError, decode_image
 from pairclean.errors import UserError
 from pairclean.scores.contract import run_manifest_path
@@ -484,14 +484,6 @@ def test_parquet_unreadable_file_and_escaping_paths(tmp_path, coco_src, fast_con
 
 
 # -- CLI hygiene ----------------------------------------------------------------------------
-
-def _cli(argv) -> int:
-    try:
-        main(argv)
-    except SystemExit as exc:
-        return exc.code
-    return 0
-
 
 @pytest.mark.parametrize("argv, expect", [
     (["score", "somewhere"], "Missing option"),

@@ -12,8 +12,8 @@ import duckdb
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from helpers import run_cli
 
-from pairclean.cli import main
 from pairclean.errors import UserError
 from pairclean.scores.db import ScoresDB
 
@@ -21,29 +21,10 @@ QUERIES = Path(__file__).parent.parent / "docs" / "queries"
 SQL = "SELECT key, shard, \"index\", sim, osa_noisy FROM scores ORDER BY sim LIMIT 5"
 
 
-def run_cli(argv: list[str], capsys) -> tuple[int, str, str]:
-    code = 0
-    try:
-        main(argv)
-    except SystemExit as exc:
-        code = exc.code
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
 def direct(scores: Path, sql: str) -> list[tuple]:
     con = duckdb.connect()
     con.execute(f"CREATE VIEW scores AS SELECT * FROM read_parquet('{scores}')")
     return con.execute(sql).fetchall()
-
-
-@pytest.fixture(scope="module")
-def truth(tmp_path_factory, coco_scores) -> Path:
-    """Truth labels in the `pairclean corrupt` layout (key, shard, index, noisy): every third pair noisy."""
-    t = pq.read_table(coco_scores, columns=["key", "shard", "index"])
-    path = tmp_path_factory.mktemp("truth") / "truth.parquet"
-    pq.write_table(t.append_column("noisy", pa.array([i % 3 == 0 for i in t["index"].to_pylist()])), path)
-    return path
 
 
 def test_table_output(coco_scores, capsys):

@@ -51,14 +51,6 @@ class Page(HTMLParser):
 
 
 @pytest.fixture(scope="module")
-def truth(tmp_path_factory, coco_scores) -> Path:
-    t = pq.read_table(coco_scores, columns=["key", "shard", "index"])
-    path = tmp_path_factory.mktemp("report-truth") / "truth.parquet"
-    pq.write_table(t.append_column("noisy", pa.array([i % 3 == 0 for i in t["index"].to_pylist()])), path)
-    return path
-
-
-@pytest.fixture(scope="module")
 def report(tmp_path_factory, coco_shards, coco_scores, truth) -> Path:
     out = tmp_path_factory.mktemp("report") / "report.html"
     build_report(coco_scores, out, shards=[str(coco_shards)], truth=truth, gallery=GALLERY, contrast=CONTRAST,

@@ -10,6 +10,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from helpers import exit_code as _cli
 
 from pairclean.cli import main
 from pairclean.lab.coco import read_pairs
@@ -89,14 +90,6 @@ def test_parquet_with_image_paths_and_custom_columns(coco_src, tmp_path, fast_co
     rows = _rows(out)
     assert [r["key"] for r in rows] == [p["key"] for p in pairs]
     assert [r["index"] for r in rows] == list(range(16)) and all(r["error"] is None for r in rows)
-
-
-def _cli(argv) -> int:
-    try:
-        main(argv)
-    except SystemExit as exc:
-        return exc.code
-    return 0
 
 
 def _one_line_error(capsys, argv, expect):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -11,14 +12,15 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from conftest import text_pairs as _text_pairs
+from helpers import text_pairs as _text_pairs
+from helpers import tiny_train_config as tiny
 from pairclean.lab.coco import build_shards
 from pairclean.errors import UserError
 from pairclean.data.manifest import open_dataset
 from pairclean.scoring.model import ScoreConfig, score
 from pairclean.train.retrieval import evaluate_retrieval
 from pairclean.core.scorer import cone_weight, debias, normalised_weight
-from pairclean.train import METHODS, TrainConfig, build_method, train
+from pairclean.train import METHODS, build_method, train
 from pairclean.train import trainer as trainer_module
 from pairclean.train.data import index_shards
 from pairclean.train.logs import read_metrics
@@ -27,12 +29,6 @@ from pairclean.train.weights import build_weight_arrays
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-
-def tiny(**overrides) -> TrainConfig:
-    base = dict(model="pairclean-tiny", pretrained="none", epochs=1, batch_size=8, lr=1e-3, warmup_steps=1,
-                workers=0, shuffle_buffer=8, log_every=1)
-    return TrainConfig(**{**base, **overrides})
 
 
 @pytest.fixture(scope="module")
@@ -204,7 +200,7 @@ def test_online_estimator_from_a_checkpoint(tmp_path, coco_shards):
                                                     "estimator_pretrained": str(checkpoint)})
     train(str(coco_shards), tmp_path / "run", cfg)
     run = json.loads((tmp_path / "run" / "run.json").read_text())
-    assert run["method"]["estimator"]["checkpoint_sha256"] is not None
+    assert run["method"]["estimator"]["checkpoint_sha256"] == hashlib.sha256(checkpoint.read_bytes()).hexdigest()
 
 
 def test_method_registry_and_option_checks():

@@ -4,14 +4,16 @@
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
 import torch
+from helpers import tiny_train_config
 
 from pairclean.errors import UserError
-from pairclean.train import TrainConfig, build_method, train
+from pairclean.train import build_method, train
 from pairclean.train import trainer as trainer_module
 from pairclean.train.gsc import cross_modal_indicator, intra_modal_loss, intra_modal_similarity, momentum
 from pairclean.train.retrieval import evaluate_retrieval
@@ -100,10 +102,7 @@ def test_bad_method_options_are_user_errors(name, options, message):
         build_method(name, options)
 
 
-def tiny(**overrides) -> TrainConfig:
-    base = dict(model="pairclean-tiny", pretrained="none", epochs=2, batch_size=8, lr=1e-3, warmup_steps=1,
-                workers=0, shuffle_buffer=8, log_every=1)
-    return TrainConfig(**{**base, **overrides})
+tiny = partial(tiny_train_config, epochs=2)
 
 
 SDD_ANY = {"alpha": "-100", "beta": "-100"}  # a random tiny model: every pair kept, every pair in the bank

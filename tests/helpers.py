@@ -1,0 +1,59 @@
+"""Plain helpers the tests share (fixtures stay in conftest.py): run the command line in this
+process, tiny configs, small real datasets and scores files."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from pairclean.cli import main
+from pairclean.scoring.model import ScoreConfig
+
+
+def exit_code(argv: list) -> int:
+    """Run `pairclean ARGV` in this process: its exit code (0 when main returns, as it does on success)."""
+    try:
+        main([str(a) for a in argv])
+    except SystemExit as exc:
+        return exc.code
+    return 0
+
+
+def run_cli(argv: list, capsys) -> tuple[int, str, str]:
+    """Run `pairclean ARGV` in this process: (exit code, stdout, stderr)."""
+    code = exit_code(argv)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def tiny_train_config(**overrides):
+    """One epoch of the tiny random open_clip model in batches of 8, no workers: seconds per run."""
+    from pairclean.train import TrainConfig
+
+    base = dict(model="pairclean-tiny", pretrained="none", epochs=1, batch_size=8, lr=1e-3, warmup_steps=1,
+                workers=0, shuffle_buffer=8, log_every=1)
+    return TrainConfig(**{**base, **overrides})
+
+
+def text_pairs(coco_src: Path, out: Path) -> Path:
+    """The 16 COCO pairs as text-text pairs (two captions of one image) in WebDataset shards of 8."""
+    from pairclean.data.manifest import DatasetSpec, write_manifest
+    from pairclean.data.writer import write_shards
+
+    out.mkdir()
+    rows = [json.loads(line) for line in (coco_src / "pairs.jsonl").read_text().splitlines()]
+    write_shards(({"__key__": str(r["image_id"]), "txt": r["captions"][0], "txt2": r["captions"][1]} for r in rows),
+                 out, prefix="text", maxcount=8)
+    spec = DatasetSpec(format="webdataset", shards=[str(p) for p in sorted(out.glob("text-*.tar"))], pair="text-text")
+    write_manifest(out / "manifest.yaml", spec)
+    return out / "manifest.yaml"
+
+
+def tiny_scores(source: Path, out: Path) -> Path:
+    """Score `source` with the tiny random open_clip model (seconds): real scores files for tests."""
+    from pairclean.data.manifest import open_dataset
+    from pairclean.scoring.model import score
+
+    score(open_dataset(str(source)), out, ScoreConfig(model="pairclean-tiny", pretrained="none", beta_k=64,
+                                                      batch_size=8, workers=0, seed=0))
+    return out

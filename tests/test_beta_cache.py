@@ -1,0 +1,80 @@
+"""The random-inputs beta cache (`scoring/beta_cache.py`): keyed by the weights (a checkpoint by its
+hash), K, the seed and the batching; reused by later runs, ignored when unreadable."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from pairclean.scoring.beta_cache import BetaCache, cached_random_input_beta, weights_fingerprint
+from pairclean.backends.open_clip import OpenClipEstimator
+from pairclean.scoring.model import score
+
+
+pytestmark = pytest.mark.usefixtures("fresh_notices")
+
+
+def test_weights_fingerprint_sees_any_weight_change(tiny_estimator):
+    import open_clip
+
+    torch.manual_seed(0)
+    net = open_clip.create_model("pairclean-tiny", pretrained=None)
+    before = weights_fingerprint(net)
+    assert weights_fingerprint(net) == before
+    with torch.no_grad():
+        net.visual.proj[0, 0] += 1e-3
+    assert weights_fingerprint(net) != before
+
+
+def test_beta_cache_reuses_beta_for_the_same_weights_only(coco_shards, fast_config, tmp_path, monkeypatch):
+    """Also runs --compile (torch.compile replaced by identity to stay fast; real compilation is
+    measured by the benchmarks): compile is not part of the cache key and changes no score."""
+    monkeypatch.setenv("PAIRCLEAN_CACHE_DIR", str(tmp_path / "cache"))
+    compiled_kwargs = []
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: compiled_kwargs.append(kw) or fn)
+    first = score(str(coco_shards), tmp_path / "1.parquet", fast_config)
+    second = score(str(coco_shards), tmp_path / "2.parquet", replace(fast_config, compile=True))
+    other_seed = score(str(coco_shards), tmp_path / "3.parquet", replace(fast_config, seed=1))
+    assert compiled_kwargs == [{"dynamic": None}, {"dynamic": True}]  # image tower; text with trimmed lengths
+    assert first.summary["beta_source"] == "computed" and second.summary["beta_source"] == "cache"
+    assert second.summary["beta"] == first.summary["beta"] and second.summary["beta_std"] == first.summary["beta_std"]
+    assert [r["sim"] for r in pq.read_table(tmp_path / "2.parquet").to_pylist()] == \
+        [r["sim"] for r in pq.read_table(tmp_path / "1.parquet").to_pylist()]
+    assert other_seed.summary["beta_source"] == "computed" and other_seed.summary["beta"] != first.summary["beta"]
+    assert len(list((tmp_path / "cache" / "beta").glob("*.json"))) == 2
+    # An estimator handed in is named by a hash of its weights, never by its provenance alone.
+    torch.manual_seed(0)
+    changed = OpenClipEstimator("pairclean-tiny", pretrained="none", device="cpu")
+    with torch.no_grad():
+        changed.model.visual.proj.mul_(-1.0)
+    handed_in = score(str(coco_shards), tmp_path / "4.parquet", fast_config, estimator=changed)
+    assert handed_in.summary["beta_source"] == "computed" and handed_in.summary["beta"] != first.summary["beta"]
+
+
+def test_beta_without_cache_is_computed_every_time(tiny_estimator, tmp_path):
+    cache = BetaCache(tmp_path)
+    computed, hit = cached_random_input_beta(tiny_estimator, "image", "text", k=16, seed=0, batch_size=8, cache=cache)
+    again, hit_again = cached_random_input_beta(tiny_estimator, "image", "text", k=16, seed=0, batch_size=8, cache=cache)
+    uncached, hit_none = cached_random_input_beta(tiny_estimator, "image", "text", k=16, seed=0, batch_size=8, cache=None)
+    assert (hit, hit_again, hit_none) == (False, True, False)
+    assert computed == again == uncached
+
+
+def test_beta_cache_ignores_an_unreadable_entry(tmp_path):
+    cache = BetaCache(tmp_path)
+    (tmp_path / "abc.json").write_text("{not json")
+    assert cache.get("abc") is None and cache.get("missing") is None
+
+
+def test_beta_cache_names_a_checkpoint_by_its_hash_not_its_path(tiny_estimator, tmp_path, monkeypatch):
+    """The same checkpoint given by a relative and an absolute path hits the same cache entry."""
+    ckpt = tmp_path / "tiny.pt"
+    torch.save(tiny_estimator.model.state_dict(), ckpt)
+    monkeypatch.chdir(tmp_path)
+    cache = BetaCache(tmp_path / "cache")
+    keys = [cache.key(OpenClipEstimator("pairclean-tiny", pretrained=path, device="cpu"), "image", "text", 16, 0, 8)
+            for path in ("tiny.pt", str(ckpt))]
+    assert keys[0] == keys[1]

@@ -1,0 +1,62 @@
+"""The layers hold: no import in pairclean runs up `pairclean.conventions.LAYERS`, counting every
+import statement (deferred ones inside functions and `TYPE_CHECKING` ones too), and the order the
+docs print is that list."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from pairclean.conventions import LAYERS, imports_of, layer_of, layers_line, runs_up, sources, upward_imports
+
+ROOT = Path(__file__).parent.parent
+
+
+def test_no_import_runs_up_the_layers():
+    found = upward_imports(sources(ROOT))
+    assert not found, "imports that run up the layers:\n" + "\n".join(map(str, found))
+
+
+def test_every_part_of_the_package_is_in_a_layer():
+    parts = {path.stem if path.suffix == ".py" else path.name for path in (ROOT / "pairclean").iterdir()
+             if (path.suffix == ".py" or (path / "__init__.py").is_file()) and path.name != "__init__.py"}
+    declared = {name for layer in LAYERS for name in layer}
+    assert parts <= declared, f"declare {sorted(parts - declared)} in pairclean.conventions.LAYERS"
+
+
+def test_docs_print_the_declared_order():
+    assert layers_line() in (ROOT / "docs" / "architecture.md").read_text()
+
+
+@pytest.mark.parametrize("path, source, offending", [
+    ("pairclean/ops/x.py", "def f():\n    from pairclean.cli import main\n", "pairclean.cli"),
+    ("pairclean/core/x.py", "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import pairclean.scores.db\n",
+     "pairclean.scores.db"),
+    ("pairclean/scores/x.py", "from pairclean.curate import query\n", "pairclean.curate"),
+    ("pairclean/scoring/x.py", "from pairclean.curate.sweep import Sweep\n", "pairclean.curate.sweep"),
+    ("pairclean/data/x.py", "from .. import backends\n", "pairclean.backends"),
+])
+def test_an_import_up_the_layers_is_found_and_named(path, source, offending):
+    (found,) = upward_imports({path: source})
+    assert found.target == offending and str(found).startswith(f"{path}:")
+    assert f"may not import {layer_name(offending)}" in str(found)
+
+
+def layer_name(module: str) -> str:
+    return module.split(".")[1]
+
+
+@pytest.mark.parametrize("path, source", [
+    ("pairclean/scoring/x.py", "from pairclean.scores.db import ScoresDB\nfrom pairclean import __version__\n"),
+    ("pairclean/config.py", "from pairclean.errors import ConfigError\n"),  # the ground's modules lean on each other
+    ("pairclean/cli/x.py", "def f():\n    from pairclean.train import train\n"),
+    ("pairclean/curate/report/x.py", "from .stats import gather\n"),
+])
+def test_imports_down_or_within_a_part_are_allowed(path, source):
+    assert [str(i) for i in imports_of(path, source) if runs_up(i)] == []
+
+
+def test_a_module_outside_every_layer_is_named():
+    with pytest.raises(KeyError, match="declare 'plugins'"):
+        layer_of("pairclean.plugins.x")

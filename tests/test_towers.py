@@ -1,0 +1,204 @@
+"""Running the encoder towers well (`backends/`), with the tiny open_clip model: exact text
+trimming, OOM back-off, device JPEG decode (exercised on the CPU), torch.compile with its eager
+fallback, precision resolution."""
+
+from __future__ import annotations
+
+import io
+import logging
+
+import pytest
+import torch
+from PIL import Image
+
+from pairclean.backends.base import cpu_bf16_native, resolve_precision
+from pairclean.backends.compiled import CompiledOrEager
+from pairclean.backends.device_jpeg import DeviceJpegDecoder, RawJpeg, finish_batch
+from pairclean.backends.oom import OomBackoff, take_rows
+from pairclean.backends.text_trim import supports_text_trim, text_buckets
+from pairclean.lab.coco import read_pairs
+from pairclean.errors import UserError
+from pairclean.backends.open_clip import OpenClipEstimator, OpenClipPreparer
+
+
+pytestmark = pytest.mark.usefixtures("fresh_notices")
+
+
+def _jpeg_bytes(coco_src, n):
+    return [(coco_src / p["image"]).read_bytes() for p in read_pairs(coco_src)[:n]]
+
+
+def test_trimmed_text_tower_matches_the_full_context(tiny_estimator):
+    captions = ["a dog", "two people riding horses along a beach at sunset while a dog runs beside them", "x"]
+    tokens = tiny_estimator.tokenizer(captions)
+    assert tiny_estimator.text_trim and tokens.shape[1] == 32
+    full = torch.nn.functional.normalize(tiny_estimator.model.encode_text(tokens).float(), dim=-1)
+    torch.testing.assert_close(tiny_estimator.encode("text", tokens), full, atol=1e-5, rtol=0)
+    # Each caption alone (a shorter trim) gives its own row of the batch result.
+    for i in range(len(captions)):
+        torch.testing.assert_close(tiny_estimator.encode("text", tokens[i:i + 1]), full[i:i + 1], atol=1e-5, rtol=0)
+
+
+def test_length_buckets_keep_rows_in_order_and_exact(tiny_estimator):
+    words = "a large red star above a small blue circle on a green background near the top left corner".split()
+    captions = [" ".join(words[: 1 + (i * 7) % len(words)]) for i in range(300)]
+    tokens = tiny_estimator.tokenizer(captions)
+    assert [len(rows) for rows in text_buckets(tokens)] == [150, 150]
+    full = torch.nn.functional.normalize(tiny_estimator.model.encode_text(tokens).float(), dim=-1)
+    torch.testing.assert_close(tiny_estimator.encode("text", tokens), full, atol=1e-5, rtol=0)
+
+
+def test_a_copy_with_another_model_encodes_with_that_model(tiny_estimator):
+    """Training's frozen online estimator is a copy of the estimator with `.model` replaced."""
+    import copy
+
+    frozen = copy.copy(tiny_estimator)
+    frozen.model = copy.deepcopy(tiny_estimator.model)
+    with torch.no_grad():
+        frozen.model.text_projection.mul_(-1.0)
+        frozen.model.visual.proj.mul_(-1.0)
+    tokens = tiny_estimator.tokenizer(["a red circle", "two blue squares"])
+    pixels = tiny_estimator.random_batch("image", 2, torch.Generator().manual_seed(0))
+    torch.testing.assert_close(frozen.encode("text", tokens), -tiny_estimator.encode("text", tokens))
+    torch.testing.assert_close(frozen.encode("image", pixels), -tiny_estimator.encode("image", pixels))
+
+
+def test_text_trim_is_refused_where_it_would_not_be_exact(tiny_estimator):
+    import open_clip
+
+    net = open_clip.create_model("pairclean-tiny", pretrained=None)
+    assert supports_text_trim(net)
+    net.text_pool_type = "last"  # the last position sees the padding: trimming would change it
+    assert not supports_text_trim(net)
+    net.text_pool_type = "argmax"
+    net.attn_mask = None  # bidirectional attention: the EOT position sees the padding
+    assert not supports_text_trim(net)
+
+
+def test_oom_backoff_halves_once_keeps_the_size_and_reports_once(caplog):
+    calls = []
+
+    def encode(batch):
+        calls.append(batch.shape[0])
+        if batch.shape[0] > 3:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return batch * 2
+
+    backoff = OomBackoff()
+    with caplog.at_level(logging.WARNING, logger="pairclean"):
+        first = backoff(encode, torch.arange(10.0).view(10, 1))
+        second = backoff(encode, torch.arange(5.0).view(5, 1))
+    torch.testing.assert_close(first, torch.arange(10.0).view(10, 1) * 2)
+    torch.testing.assert_close(second, torch.arange(5.0).view(5, 1) * 2)
+    assert backoff.chunk == 2 and backoff.halvings == 2  # 10 -> 5 -> 2, then kept for the next batch
+    assert calls == [10, 5, 2, 2, 2, 2, 2, 2, 2, 1]
+    assert sum("out of memory" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_oom_backoff_leaves_other_errors_alone():
+    def broken(batch):
+        raise ValueError("not a memory problem")
+
+    with pytest.raises(ValueError):
+        OomBackoff()(broken, torch.zeros(4, 1))
+
+
+def test_take_rows_keeps_the_batch_kind():
+    batch = {"input_ids": torch.arange(8).view(4, 2), "mask": torch.ones(4, 2)}
+    picked = take_rows(batch, [0, 3])
+    assert picked["input_ids"].tolist() == [[0, 1], [6, 7]] and picked["mask"].shape == (2, 2)
+    assert take_rows(["a", "b", "c"], [2, 0]) == ["c", "a"]
+    assert take_rows(torch.arange(5), slice(1, 3)).tolist() == [1, 2]
+
+
+def test_device_jpeg_decode_matches_pil_preprocessing(tiny_estimator, coco_src):
+    datas = _jpeg_bytes(coco_src, 4)
+    decoder = DeviceJpegDecoder(tiny_estimator.preparer.preprocess, torch.device("cpu"))
+    pixels, failed = decoder({"jpeg": [torch.frombuffer(bytearray(d), dtype=torch.uint8) for d in datas],
+                              "jpeg_rows": [0, 1, 2, 3], "pixels": None, "pixel_rows": [], "n": 4})
+    reference = torch.stack([tiny_estimator.preparer.preprocess(Image.open(io.BytesIO(d)).convert("RGB")) for d in datas])
+    assert failed == {} and pixels.shape == reference.shape
+    # Tensor resize vs PIL resize: about a grey level apart, same embeddings to 3 decimals.
+    assert (pixels - reference).abs().mean() < 0.03
+    cos = (tiny_estimator.encode("image", pixels) * tiny_estimator.encode("image", reference)).sum(-1)
+    assert cos.min() > 0.999
+
+
+def test_finish_batch_turns_undecodable_jpegs_into_error_rows_and_keeps_sides_aligned(tiny_estimator, coco_src):
+    good = _jpeg_bytes(coco_src, 3)
+    broken = good[1][:600]  # a valid header, then nothing: the header check passes, decoding fails
+    png = io.BytesIO()
+    Image.open(io.BytesIO(good[2])).save(png, format="PNG")
+    images = [good[0], broken, png.getvalue(), good[2]]
+    preparer = OpenClipPreparer(tiny_estimator.preparer.preprocess, tiny_estimator.tokenizer, draft_size=None, device_jpeg=True)
+    prepared = [preparer.prepare("image", x) for x in images]
+    assert [isinstance(p, RawJpeg) for p in prepared] == [True, True, False, True]  # PNG decoded in the worker
+    captions = ["zero", "one", "two", "three"]
+    batch = {"error": [None, None, "bad caption", None, None],
+             "left": preparer.collate("image", prepared), "right": preparer.collate("text", captions)}
+
+    class OnCpu:  # what OpenClipEstimator holds with --decode gpu on CUDA, here on the CPU
+        device_decoder = DeviceJpegDecoder(tiny_estimator.preparer.preprocess, torch.device("cpu"))
+
+    out = finish_batch(OnCpu(), batch, "image", "text")
+    assert out["error"][0] is None and out["error"][2] == "bad caption"
+    assert out["error"][1].startswith("cannot decode image")
+    assert out["left"].shape[0] == out["right"].shape[0] == 3
+    assert out["right"].tolist() == tiny_estimator.tokenizer(["zero", "two", "three"]).tolist()
+    expected_png_row = preparer.preprocess(Image.open(io.BytesIO(png.getvalue())).convert("RGB"))
+    torch.testing.assert_close(out["left"][1], expected_png_row)
+
+
+def test_decode_gpu_falls_back_to_worker_decode_without_cuda(caplog):
+    with caplog.at_level(logging.WARNING, logger="pairclean"):
+        est = OpenClipEstimator("pairclean-tiny", pretrained="none", device="cpu", decode="gpu")
+    assert est.decode == "fast" and est.device_decoder is None and not est.preparer.device_jpeg
+    assert any("`decode` gpu needs a CUDA device" in r.getMessage() for r in caplog.records)
+    with pytest.raises(UserError, match="unknown decode"):
+        OpenClipEstimator("pairclean-tiny", pretrained="none", device="cpu", decode="turbo")
+
+
+def test_precision_auto_and_bf16_detection():
+    cpu = torch.device("cpu")
+    assert resolve_precision(cpu, "auto") == ("bf16" if cpu_bf16_native() else "fp32")
+    assert resolve_precision(cpu, "fp32") == "fp32"
+    with pytest.raises(UserError, match="needs a CUDA device"):
+        resolve_precision(cpu, "fp16")
+    with pytest.raises(UserError, match="unknown precision"):
+        resolve_precision(cpu, "fp8")
+
+
+def test_bf16_autocast_on_cpu_stays_close_to_fp32(tiny_estimator, coco_src):
+    torch.manual_seed(0)
+    bf16 = OpenClipEstimator("pairclean-tiny", pretrained="none", device="cpu", precision="bf16")
+    pixels = torch.stack([tiny_estimator.preparer.prepare("image", d) for d in _jpeg_bytes(coco_src, 4)])
+    cos = (tiny_estimator.encode("image", pixels) * bf16.encode("image", pixels)).sum(-1)
+    assert cos.min() > 0.99
+
+
+def test_compile_failure_falls_back_to_eager_once(monkeypatch, caplog):
+    def failing_compile(fn, **kwargs):
+        def compiled(*args):
+            raise RuntimeError("inductor: no working C++ compiler")
+        return compiled
+
+    monkeypatch.setattr(torch, "compile", failing_compile)
+    calls = []
+    wrapped = CompiledOrEager(lambda x: calls.append(x) or x + 1, "image")
+    with caplog.at_level(logging.WARNING, logger="pairclean"):
+        assert wrapped(1) == 2 and wrapped(2) == 3
+    assert calls == [1, 2]
+    assert sum("running it eagerly" in r.getMessage() for r in caplog.records) == 1
+
+
+@pytest.mark.slow
+def test_real_torch_compile_encodes_like_eager(tiny_estimator, coco_src):
+    """Inductor on this machine's C++ compiler (minutes on 2 cores, so slow-marked); if it cannot
+    compile, the estimator still encodes (eagerly) and says so once."""
+    torch.manual_seed(0)
+    compiled = OpenClipEstimator("pairclean-tiny", pretrained="none", device="cpu", compile=True)
+    pixels = torch.stack([tiny_estimator.preparer.prepare("image", d) for d in _jpeg_bytes(coco_src, 4)])
+    tokens = tiny_estimator.tokenizer(["a red circle", "two people riding horses along a beach", "x", "a dog"])
+    torch.testing.assert_close(compiled.encode("image", pixels), tiny_estimator.encode("image", pixels), atol=1e-4, rtol=0)
+    torch.testing.assert_close(compiled.encode("text", tokens), tiny_estimator.encode("text", tokens), atol=1e-4, rtol=0)
+    torch.testing.assert_close(compiled.encode("text", tokens[:2]), tiny_estimator.encode("text", tokens[:2]), atol=1e-4, rtol=0)
