@@ -46,7 +46,7 @@ def test_train_filter_cannot_run_a_second_statement(tmp_path, coco_shards, coco_
     spec = open_dataset(str(coco_shards))
     predicate = f"true) FROM scores; COPY (SELECT 1) TO '{leak}'; SELECT (true"
     (tmp_path / "run").mkdir()
-    with pytest.raises(UserError, match="bad --filter predicate.*give one boolean SQL expression"):
+    with pytest.raises(UserError, match="bad filter predicate.*give one boolean SQL expression"):
         build_weight_arrays(coco_scores, spec, index_shards(spec), tmp_path / "run", predicate=predicate)
     assert not leak.exists()
 
