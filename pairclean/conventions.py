@@ -190,13 +190,23 @@ def flag_messages(files: dict[str, str]) -> list[FlagMention]:
     return found
 
 
+def _declarations(tree: ast.AST) -> set[int]:
+    """Strings inside a `Shortcut(...)` call: a training method declaring the command-line flags
+    that select it and their help (issue 23: the method owns its shortcuts, the CLI reads them),
+    which is the one place the library may spell a flag."""
+    return {id(value) for node in ast.walk(tree)
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "Shortcut"
+            for value in ast.walk(node) if isinstance(value, ast.Constant)}
+
+
 def flag_strings(files: dict[str, str]) -> list[FlagMention]:
-    """Every string in the code, docstrings aside, that names a command-line flag: messages, and
-    what reaches them (`option="--out"` defaults, constants, text of a written report)."""
+    """Every string in the code, docstrings and shortcut declarations aside, that names a
+    command-line flag: messages, and what reaches them (`option="--out"` defaults, constants, text
+    of a written report)."""
     found = []
     for path, source in sorted(files.items()):
         tree = ast.parse(source)
-        for line, text in _texts(tree, _docstrings(tree)):
+        for line, text in _texts(tree, _docstrings(tree) | _declarations(tree)):
             if flags := tuple(sorted(set(FLAG.findall(COMMAND_LINE.sub("", text))))):
                 found.append(FlagMention(path, line, flags))
     return found

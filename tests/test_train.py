@@ -68,7 +68,7 @@ def test_plain_run_writes_a_checkpoint_open_clip_loads(tmp_path, coco_shards):
     assert metrics["rsum"] == pytest.approx(rec["val_rsum"], abs=1e-6)
     bare = tmp_path / "elsewhere.pt"
     bare.write_bytes(result.last_model.read_bytes())
-    with pytest.raises(UserError, match="--arch"):
+    with pytest.raises(UserError, match="as arch"):
         evaluate_retrieval(bare, str(coco_shards), workers=0)
     metrics = evaluate_retrieval(bare, str(coco_shards), arch="pairclean-tiny", workers=0)
     assert metrics["rsum"] == pytest.approx(rec["val_rsum"], abs=1e-6)
@@ -87,7 +87,7 @@ def test_resumed_run_ends_with_the_same_weights(tmp_path, coco_shards, monkeypat
     with pytest.raises(KeyboardInterrupt):
         train(str(coco_shards), tmp_path / "killed", cfg)
     monkeypatch.setattr(trainer_module, "save_state", real_save)
-    with pytest.raises(UserError, match="--resume"):
+    with pytest.raises(UserError, match="set resume"):
         train(str(coco_shards), tmp_path / "killed", cfg)
     resumed = train(str(coco_shards), tmp_path / "killed", tiny(epochs=2, workers=1, resume=True))
     assert resumed.resumed_from == 1

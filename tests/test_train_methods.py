@@ -15,9 +15,9 @@ from helpers import tiny_train_config
 from pairclean.errors import UserError
 from pairclean.train import build_method, train
 from pairclean.train import trainer as trainer_module
-from pairclean.train.gsc import cross_modal_indicator, intra_modal_loss, intra_modal_similarity, momentum
+from pairclean.train.methods.gsc import cross_modal_indicator, intra_modal_loss, intra_modal_similarity, momentum
 from pairclean.train.retrieval import evaluate_retrieval
-from pairclean.train.sdd import confidence_weights, memory_bank, nearest, partition, self_drop, significance
+from pairclean.train.methods.sdd import confidence_weights, memory_bank, nearest, partition, self_drop, significance
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

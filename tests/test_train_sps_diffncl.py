@@ -1,4 +1,4 @@
-"""SPS and DiffNCL (pairclean.train.sps, pairclean.train.diffncl): their equations on tiny
+"""SPS and DiffNCL (pairclean.train.methods.sps, pairclean.train.methods.diffncl): their equations on tiny
 hand-checkable tensors, then real runs on real shards: exact resume of every piece of method state,
 and the per-epoch pair tables joined with `pairclean corrupt`'s truth in one DuckDB query."""
 
@@ -17,10 +17,10 @@ from pairclean.lab.corrupt import corrupt
 from pairclean.train import TrainConfig, build_method, train
 from pairclean.train import trainer as trainer_module
 from pairclean.train.checkpoint import load_state
-from pairclean.train.diffncl import (CLEAN, NOISY, WEAK, Denoiser, consensus, cross_consistency,
+from pairclean.train.methods.diffncl import (CLEAN, NOISY, WEAK, Denoiser, consensus, cross_consistency,
                                      diffusion_discrepancy, dynamic_zeta, forward_diffusion, noise_schedules,
                                      step_weights, three_way_labels)
-from pairclean.train.sps import (NOISY as SPS_NOISY, QUASI_CLEAN, RELIABLE, cross_constraint, match_probability,
+from pairclean.train.methods.sps import (NOISY as SPS_NOISY, QUASI_CLEAN, RELIABLE, cross_constraint, match_probability,
                                  metric_constraint, nearest_proxies, proxy_label, soft_label, three_way_partition)
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

@@ -1,54 +1,131 @@
-"""`pairclean train`: a thin layer over pairclean.train.train."""
+"""`pairclean train`: a thin layer over pairclean.train.train.
+
+The method shortcut flags (`--weights`, `--filter`, `--online` ...) are not written here: every
+registered method declares its own (`Method.shortcuts`). They are added to the command when it is
+parsed (`_TrainCommand`, so that other commands do not import the training stack), their values
+collected, and `method_and_options` turns them into a method and its options the same way for all.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import inspect
+from functools import lru_cache
 from pathlib import Path
 from typing import List, Optional
 
 import typer
 from rich.table import Table
+from typer.core import TyperCommand
 
 import pairclean.cli.options as options
 from pairclean.ops.guard import check_output
 from pairclean.cli.app import app, console
 from pairclean.cli.progress import RichProgress
-from pairclean.errors import UserError
+from pairclean.errors import ConfigError, UserError
+
+SHORTCUTS_GIVEN = "pairclean_method_shortcuts"  # ctx.meta key: {flag: value} of the shortcut flags given
 
 
-def method_and_options(method: Optional[str], weights: Optional[str], scores: Optional[str], filter_sql: Optional[str],
-                       online: bool, weight_column: Optional[str], join: Optional[str], on_missing: Optional[str],
-                       reduction: Optional[str], online_options: dict, extra: list[str]) -> tuple[str, dict]:
-    """The method named by --method, or implied by --weights / --filter / --online; its options."""
-    if weights and scores and weights != scores:
-        raise UserError("--weights FILE already names the scores file; drop --scores")
-    if online and (weights or scores or filter_sql):
-        raise UserError("--online computes weights in the loop: it does not take --weights, --scores or --filter")
-    scores = weights or scores
+def declared_shortcuts() -> dict[str, tuple]:
+    """flag -> (its Shortcut declaration, the methods that declare it), over every registered method."""
+    from pairclean.train import METHODS
+
+    flags: dict[str, tuple] = {}
+    for name, cls in sorted(METHODS.items()):
+        for shortcut in cls.shortcuts:
+            flags.setdefault(shortcut.flag, (shortcut, []))[1].append(name)
+    return flags
+
+
+def _remember(flag: str):
+    def callback(ctx, param, value):
+        if value not in (None, False):
+            ctx.meta.setdefault(SHORTCUTS_GIVEN, {})[flag] = value
+    return callback
+
+
+@lru_cache(maxsize=1)
+def _shortcut_parameters() -> tuple:
+    """One typer option per declared flag, built by typer from a generated signature; values go to ctx.meta."""
+    kinds = {str: Optional[str], int: Optional[int], bool: bool}
+    params = [inspect.Parameter(f"shortcut_{flag.lstrip('-').replace('-', '_')}", inspect.Parameter.KEYWORD_ONLY,
+                                default=typer.Option(False if s.kind is bool else None, flag, help=s.help),
+                                annotation=kinds[s.kind])
+              for flag, (s, _) in declared_shortcuts().items()]
+
+    def shortcuts(**values) -> None:
+        """The method shortcut flags (never called: the options are borrowed)."""
+
+    shortcuts.__signature__ = inspect.Signature(params)
+    holder = typer.Typer(add_completion=False)
+    holder.command()(shortcuts)
+    built = [p for p in typer.main.get_command(holder).params if p.name.startswith("shortcut_")]
+    for param, flag in zip(built, declared_shortcuts()):
+        param.expose_value, param.callback = False, _remember(flag)
+    return tuple(built)
+
+
+class _TrainCommand(TyperCommand):
+    """`pairclean train` with the methods' shortcut flags added when it is parsed or its help shown."""
+
+    def get_params(self, ctx):
+        params = super().get_params(ctx)
+        return [*params[:-1], *_shortcut_parameters(), params[-1]] if params else list(_shortcut_parameters())
+
+
+def method_and_options(method: Optional[str], given: dict, extra: list[str]) -> tuple[str, dict]:
+    """The method named by --method, or else picked by the shortcut flags given (the highest `selects`;
+    plain when none picks one), and its options: those the shortcuts set, then the --method-option items."""
+    from pairclean.train import METHODS
+
+    flags = declared_shortcuts()
     if method is None:
-        if online:
-            method = "osa-online"
-        elif weights:
-            method = "osa-weights"
-        elif filter_sql:
-            method = "filter"
-        else:
-            method = "plain"
-    if filter_sql and not scores:
-        raise UserError("--filter needs the scores to evaluate it on: --scores FILE (or --weights FILE)")
+        picks = [(s.selects, name) for name, cls in METHODS.items() for s in cls.shortcuts
+                 if s.selects and s.flag in given]
+        method = max(picks)[1] if picks else "plain"
+    declared = {s.flag: s for s in getattr(METHODS.get(method), "shortcuts", ())}
     chosen: dict = {}
-    if method in ("osa-weights", "filter"):
-        chosen.update({"scores": scores, "filter": filter_sql, "join": join, "on_missing": on_missing})
-    if method == "osa-weights":
-        chosen.update({"column": weight_column, "reduction": reduction})
-    if method == "osa-online":
-        chosen.update({**online_options, "reduction": reduction})
-    chosen = {k: v for k, v in chosen.items() if v is not None}
+    set_by: dict = {}
+    for flag, value in given.items():
+        if flag not in declared:
+            raise UserError(f"{flag} does not apply to method {method} (it goes with {', '.join(flags[flag][1])})")
+        option = declared[flag].option
+        if option is None:
+            continue
+        if option in chosen and chosen[option] != value:
+            raise UserError(f"{set_by[option]} and {flag} both set {option}: give one")
+        chosen[option], set_by[option] = value, flag
     for item in extra:
         if "=" not in item:
             raise UserError(f"--method-option takes key=value, not {item!r}")
         key, value = item.split("=", 1)
         chosen[key.strip().replace("-", "_")] = value
     return method, chosen
+
+
+@contextlib.contextmanager
+def train_wording(method: str):
+    """ConfigErrors worded as `pairclean train` spells its settings: a method option as the shortcut flag
+    that sets it (else `--method-option NAME`), any other field as its flag."""
+    try:
+        yield
+    except ConfigError as exc:
+        from pairclean.cli.options import flag_for
+        from pairclean.train import METHODS
+
+        cls = METHODS.get(method)
+        shortcut = {s.option: s.flag for s in reversed(getattr(cls, "shortcuts", ())) if s.option}
+        option_names = set(getattr(cls.Options, "__dataclass_fields__", {})) if cls else set()
+
+        def flag(field: str) -> str:
+            if field in shortcut:
+                return shortcut[field]
+            if field in option_names:
+                return f"--method-option {field}"
+            return "--method-option" if field == "method_options" else flag_for(field)
+
+        raise UserError(exc.worded(flag)) from None
 
 
 def epochs_table(result) -> Table:
@@ -73,18 +150,20 @@ def list_method_options(value: Optional[List[str]]):
     from pairclean.train import METHODS
 
     table = Table(title="pairclean train --method NAME --method-option key=value")
-    for column in ("method", "what it does", "options (default)"):
+    for column in ("method", "what it does", "options (default)", "shortcut flags"):
         table.add_column(column)
     for name, cls in sorted(METHODS.items()):
         options = ", ".join(f"{f.name}={f.default!r}" for f in dataclasses.fields(cls.Options)) or "-"
-        table.add_row(name, (cls.__doc__ or "").strip().splitlines()[0], options)
+        flags = ", ".join(s.flag + (f" ({s.option})" if s.option else "") for s in cls.shortcuts) or "-"
+        table.add_row(name, (cls.__doc__ or "").strip().splitlines()[0], options, flags)
     console.print(table)
     raise typer.Exit()
 
 
-@app.command("train")
+@app.command("train", cls=_TrainCommand)
 @options.with_dataset
 def train_command(
+    ctx: typer.Context,
     source: options.Source,
     out: Path = typer.Option(..., "--out", "-o", help="Run directory (checkpoints, metrics.jsonl, run.json)."),
     val: Optional[List[str]] = typer.Option(None, "--val", help="Validation pairs: R@K and rSum each epoch, best checkpoint by rSum."),
@@ -92,18 +171,6 @@ def train_command(
     pretrained: options.Pretrained = "openai",
     backend: str = typer.Option("auto", help="auto, open_clip, or sentence-transformers."),
     dataset: options.DatasetOptions = options.GIVEN,
-    weights: Optional[str] = typer.Option(None, help="Scores Parquet: weight each pair's loss by a column of it (method osa-weights)."),
-    weight_column: Optional[str] = typer.Option(None, help="Column of the scores used as weight (default weight_norm, the OSA weight in [0, 1])."),
-    scores: Optional[str] = typer.Option(None, help="Scores Parquet for --filter without weighting."),
-    filter_sql: Optional[str] = typer.Option(None, "--filter", help="DuckDB predicate over the scores; pairs where it is not true are dropped."),
-    join: Optional[str] = typer.Option(None, help="Join scores to shards by auto, shard-index or key."),
-    on_missing: Optional[str] = typer.Option(None, help="Pairs missing from the scores: error (default), drop, or keep (weight 1)."),
-    online: bool = typer.Option(False, help="OSA weights computed in the loop by a frozen estimator (method osa-online)."),
-    estimator_model: Optional[str] = typer.Option(None, help="--online estimator (default: a frozen copy of the model before training)."),
-    estimator_pretrained: Optional[str] = typer.Option(None, help="--online estimator weights: tag, path, or none."),
-    weight_fn: Optional[str] = typer.Option(None, help="--online weight function: cubic, linear, cosine, official."),
-    beta_k: Optional[int] = typer.Option(None, help="--online: K random inputs per side for beta."),
-    reduction: Optional[str] = typer.Option(None, help="Weighted loss: mean (sum w*l / B, the paper) or weight-sum (sum w*l / sum w)."),
     method: Optional[str] = typer.Option(None, help="Training method by name (plain, osa-weights, filter, osa-online, sdd, gsc, ...)."),
     method_option: Optional[List[str]] = typer.Option(None, callback=list_method_options, is_eager=True,
                                                       help="Method option key=value (repeatable); 'help' lists every "
@@ -129,23 +196,21 @@ def train_command(
 ) -> None:
     """Train a dual encoder on (reweighted or filtered) pairs: weighted symmetric InfoNCE."""
     check_output(out, [*source, *(val or [])])  # the directories named; the files read are checked by train()
-    online_options = {"estimator_model": estimator_model, "estimator_pretrained": estimator_pretrained,
-                      "weight_fn": weight_fn, "beta_k": beta_k}
-    if not online and any(v is not None for v in online_options.values()):
-        raise UserError("--estimator-model, --estimator-pretrained, --weight-fn and --beta-k go with --online")
-    name, method_options = method_and_options(method, weights, scores, filter_sql, online, weight_column, join, on_missing,
-                                       reduction, online_options, method_option or [])
+    name, method_options = method_and_options(method, ctx.meta.get(SHORTCUTS_GIVEN, {}), method_option or [])
     from pairclean.train import TrainConfig, train
 
-    cfg = TrainConfig(model=model, pretrained=pretrained, backend=backend, device=device, precision=precision,
-                      epochs=epochs, batch_size=batch_size, lr=lr, weight_decay=weight_decay,
-                      warmup_steps=warmup_steps, min_lr_ratio=min_lr_ratio, grad_clip=grad_clip or None,
-                      temperature=temperature, method=name, method_options=method_options, workers=workers,
-                      shuffle_buffer=shuffle_buffer, val_batch_size=val_batch_size, log_every=log_every,
-                      diagnostics=diagnostics, seed=seed, resume=resume, overwrite=overwrite, progress=RichProgress(console))
+    with train_wording(name):
+        cfg = TrainConfig(model=model, pretrained=pretrained, backend=backend, device=device, precision=precision,
+                          epochs=epochs, batch_size=batch_size, lr=lr, weight_decay=weight_decay,
+                          warmup_steps=warmup_steps, min_lr_ratio=min_lr_ratio, grad_clip=grad_clip or None,
+                          temperature=temperature, method=name, method_options=method_options, workers=workers,
+                          shuffle_buffer=shuffle_buffer, val_batch_size=val_batch_size, log_every=log_every,
+                          diagnostics=diagnostics, seed=seed, resume=resume, overwrite=overwrite,
+                          progress=RichProgress(console))
     spec = dataset.spec(source)
     val_spec = dataset.spec(val, pair=spec.pair) if val else None
-    result = train(spec, out, cfg, val=val_spec)
+    with train_wording(name):
+        result = train(spec, out, cfg, val=val_spec)
     from pairclean.ops import distributed
 
     if not distributed.is_main():  # under torchrun rank 0 reports

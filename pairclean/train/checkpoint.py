@@ -1,4 +1,4 @@
-"""Run directory layout, training state for --resume, and finding a trained model to evaluate.
+"""Run directory layout, training state for a resumed run, and finding a trained model to evaluate.
 
     RUN_DIR/run.json              config, target, method, data summary (the run's identity)
     RUN_DIR/state.pt              model + optimizer + scheduler + scaler + epoch + RNG + method state
@@ -8,7 +8,7 @@
     RUN_DIR/diagnostics/epoch-NNN.parquet   per-pair loss and weight of each epoch
 
 Every file is written to a temp name and renamed: a killed run leaves the previous epoch's
-complete state, which is where --resume continues.
+complete state, which is where a resumed run continues.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import torch
 
 from pairclean.backends import export_name
 from pairclean.ops.atomic import atomic_path
-from pairclean.errors import UserError
+from pairclean.errors import ConfigError, UserError
 
 RUN_FILE = "run.json"
 STATE_FILE = "state.pt"
@@ -98,7 +98,8 @@ def resolve_trained_model(path: Path) -> tuple[dict, Path]:
         return desc, epochs[-1]
     if (path.parent / RUN_FILE).is_file():
         return read_run(path.parent)["target"], path
-    raise UserError(f"{path} is not a pairclean run or model; for a bare open_clip checkpoint pass --arch MODEL_NAME")
+    raise ConfigError(f"{path} is not a pairclean run or model; for a bare open_clip checkpoint give its architecture "
+                      "as arch (an open_clip model name)", "arch")
 
 
 def extra_network_files(model: Path) -> list[Path]:

@@ -10,7 +10,8 @@
 * `EpochWeights`: per-shard weight arrays the data workers read (`data.DROPPED` leaves a
   pair out of the epoch altogether), rewritten between epochs for per-epoch selection.
 * `Network`: a second dual encoder a method trains itself (a peer, a siamese copy) with the
-  trainer's optimiser settings; `NetworkBatches`: that network's own data order.
+  trainer's optimiser settings; `NetworkBatches`: that network's own data order; `Peer`: the two
+  together, the co-trained second network of SPS, DiffNCL and two-network GSC.
 * `OwnModule`: a small module a method trains beside a network (DiffNCL's denoisers), stepped
   on gradients another backward left in it.
 
@@ -32,14 +33,16 @@ from torch.utils.data import DataLoader
 from pairclean.backends import load_target
 from pairclean.backends.base import autocast_context
 from pairclean.data.reader import UnitFailure, list_units, read_unit
-from pairclean.errors import UserError
+from pairclean.errors import ConfigError, UserError
 from pairclean.ops import distributed
 from pairclean.ops.atomic import atomic_path
 from pairclean.ops.worker_memory import steady_worker_memory
 from pairclean.train.data import BatchPlan, ShardInfo, TrainBatches
 from pairclean.train.logs import DiagnosticsWriter
+from pairclean.train.methods.base import Embeddings
 
 PAIR_TABLE = "pairs-epoch-{epoch:03d}.parquet"
+PEER_SEED_OFFSET = 1  # a peer's initialisation and data order: seed + 1
 METHOD_WEIGHTS_DIR = "method-weights"
 
 
@@ -261,8 +264,8 @@ class Network:
 
     def __init__(self, ctx, target):
         if ctx.config.precision == "fp16":
-            raise UserError(f"method {ctx.config.method} trains a second network, which has no fp16 grad scaler: "
-                            "use --precision fp32 or bf16")
+            raise ConfigError(f"method {ctx.config.method} trains a second network, which has no fp16 grad scaler: "
+                              "set precision to fp32 or bf16", "precision")
         self.target, self.grad_clip = target, ctx.config.grad_clip
         self.optimizer = self.scheduler = None
 
@@ -329,3 +332,44 @@ class NetworkBatches:
                     return batch
             self.iterator = None
         raise UserError("the second network's pass over the training data has no batch of at least 2 usable pairs")
+
+
+class Peer:
+    """A second network co-trained beside the main one, with its own initialisation and data order
+    (seed + PEER_SEED_OFFSET): SPS's and DiffNCL's second network, GSC's with networks=2. Built in
+    the method's setup; its optimiser starts at the first epoch this process trains (the trainer's
+    schedule is known only then), from the saved state when the run is resumed."""
+
+    def __init__(self, ctx):
+        self.network = Network.fresh(ctx, PEER_SEED_OFFSET)
+        self.target = self.network.target
+        self.batches = NetworkBatches(ctx, self.target.preparer, ctx.seed + PEER_SEED_OFFSET)
+
+    def start_epoch(self, epoch: int, ctx, saved: dict | None) -> bool:
+        """The optimiser at the first epoch (restored from `saved`), then this epoch's data order; True
+        at that first epoch (a method restores the modules it trains beside the peer then)."""
+        first = self.network.optimizer is None
+        if first:
+            self.network.start(ctx)
+            if saved is not None:
+                self.network.load_state_dict(saved)
+        self.batches.start(epoch)
+        return first
+
+    def next_batch(self) -> dict:
+        return self.batches.next()
+
+    def embed(self, ctx, batch: dict, across_ranks: bool = False) -> Embeddings:
+        """The peer's embeddings of a batch; `across_ranks`: with every rank's rows as negatives (torchrun)."""
+        left, right = self.target.encode(ctx.left, batch["left"]), self.target.encode(ctx.right, batch["right"])
+        emb = Embeddings(left, right, self.target.logit_scale())
+        if across_ranks and distributed.is_distributed():
+            emb.all_left, emb.all_right = distributed.gather_with_grad(left), distributed.gather_with_grad(right)
+            emb.offset = distributed.rank() * left.shape[0]
+        return emb
+
+    def step(self, loss: torch.Tensor) -> None:
+        self.network.step(loss)
+
+    def state_dict(self) -> dict:
+        return self.network.state_dict()

@@ -26,7 +26,7 @@ from pairclean.ops import distributed
 from pairclean.ops.progress import SILENT, Progress
 from pairclean.ops.worker_memory import steady_worker_memory
 from pairclean.ops.atomic import write_json
-from pairclean.config import check_numbers, check_pretrained
+from pairclean.config import check_choice, check_numbers, check_pretrained
 from pairclean.errors import ConfigError, UserError
 from pairclean.backends import check_backend, load_target
 from pairclean.backends.base import PRECISIONS, autocast_context
@@ -68,6 +68,9 @@ class TrainConfig:
     overwrite: bool = unpinned(False)
     progress: Progress = unpinned(SILENT)
 
+    def __post_init__(self):
+        self.check()
+
     def check(self) -> None:
         if self.epochs < 1:
             raise ConfigError("epochs must be at least 1", "epochs")
@@ -85,8 +88,7 @@ class TrainConfig:
             raise ConfigError("min_lr_ratio must be within [0, 1]", "min_lr_ratio")
         if self.grad_clip is not None and self.grad_clip <= 0:
             raise ConfigError("grad_clip must be positive (or None)", "grad_clip")
-        if self.precision not in PRECISIONS:
-            raise UserError(f"unknown precision {self.precision!r}; choose one of {', '.join(PRECISIONS)}")
+        check_choice(self.precision, PRECISIONS, "precision")
         if self.log_every < 1 or self.workers < 0 or self.shuffle_buffer < 0:
             raise ConfigError("log_every must be >= 1, workers and shuffle_buffer >= 0", "log_every", "workers",
                               "shuffle_buffer")
@@ -134,10 +136,11 @@ def _prepare_run_dir(out: Path, cfg: TrainConfig) -> bool:
         return True
     if out.exists() and any(out.iterdir()):
         if not (out / RUN_FILE).is_file():
-            raise UserError(f"{out} exists, is not empty and holds no pairclean run: choose another --out")
+            raise UserError(f"{out} exists, is not empty and holds no pairclean run: choose another run directory")
         if not (cfg.overwrite or cfg.resume):
-            raise UserError(f"{out} holds a run: pass --resume to continue it or --overwrite to start over")
-        shutil.rmtree(out)  # --overwrite, or --resume of a run that never finished an epoch
+            raise ConfigError(f"{out} holds a run: set resume to continue it or overwrite to start over", "resume",
+                              "overwrite")
+        shutil.rmtree(out)  # overwrite, or resume of a run that never finished an epoch
     if not out.parent.exists():
         raise UserError(f"directory {out.parent} does not exist")
     out.mkdir(exist_ok=True)
@@ -163,7 +166,7 @@ def train(source: str | list[str] | DatasetSpec, out: str | Path, config: TrainC
     spec = _spec(source, pair)
     val_spec = _spec(val, pair or spec.pair) if val is not None else None
     method = build_method(cfg.method, cfg.method_options)
-    check_output(out, [*spec.shards, *(val_spec.shards if val_spec else []), cfg.method_options.get("scores")])
+    check_output(out, [*spec.shards, *(val_spec.shards if val_spec else []), *method.input_files()])
     resuming = distributed.on_main(lambda: _prepare_run_dir(out, cfg))  # rank 0 owns the run directory
     settings = _settings(cfg, spec, val_spec)
     state = None
@@ -172,8 +175,8 @@ def train(source: str | list[str] | DatasetSpec, out: str | Path, config: TrainC
         differ = sorted(k for k in set(earlier) | set(settings) if earlier.get(k) != settings.get(k))
         if differ:
             shown = "; ".join(f"{k}: {earlier.get(k)!r} -> {settings.get(k)!r}" for k in differ[:4])
-            raise UserError(f"{out} was trained with different settings ({shown}); resume with the same settings "
-                            "or pass --overwrite")
+            raise ConfigError(f"{out} was trained with different settings ({shown}); resume with the same settings "
+                              "or set overwrite", "overwrite")
         state = load_state(out)
         method.load_state_dict(state["method"])  # before setup: e.g. online OSA keeps its beta
 
@@ -348,8 +351,8 @@ class _Loop:
             out = self._step(batch)
             loss, n = distributed.all_reduce_mean(float(out.loss.detach())), len(batch["key"])
             if not math.isfinite(loss):  # every rank sees the same mean: all stop, none saves a checkpoint
-                raise UserError(f"the training loss became {loss} at step {self.step}: stopped before saving a "
-                                "checkpoint (check the loss weights, or lower --lr)")
+                raise ConfigError(f"the training loss became {loss} at step {self.step}: stopped before saving a "
+                                  "checkpoint (check the loss weights, or lower lr)", "lr")
             ready = time.perf_counter()
             totals["compute_s"] += ready - began
             totals["loss_sum"] += loss * n

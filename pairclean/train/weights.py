@@ -31,7 +31,8 @@ import pyarrow.dataset as pads
 import pyarrow.parquet as pq
 
 from pairclean.ops.atomic import atomic_path
-from pairclean.errors import UserError
+from pairclean.config import check_choice
+from pairclean.errors import ConfigError, UserError
 from pairclean.data.manifest import DatasetSpec
 from pairclean.data.writer import staged_directory
 from pairclean.scores.db import NUMERIC_TYPES, ScoresDB, compile_predicate
@@ -111,10 +112,8 @@ def build_weight_arrays(scores: str | Path, spec: DatasetSpec, shards: list[Shar
                         column: str | None = "weight_norm", predicate: str | None = None, join: str = "auto",
                         on_missing: str = "error", batch_rows: int = 65536) -> WeightJoin:
     """Write one weight array per training shard under RUN_DIR/weights and return the join summary."""
-    if join not in JOINS:
-        raise UserError(f"unknown join {join!r}; choose one of {', '.join(JOINS)}")
-    if on_missing not in ON_MISSING:
-        raise UserError(f"unknown --on-missing {on_missing!r}; choose one of {', '.join(ON_MISSING)}")
+    check_choice(join, JOINS, "join")
+    check_choice(on_missing, ON_MISSING, "on_missing")
     src = _Scores(scores, column, predicate)
     con = src.con
     out = Path(run_dir) / WEIGHTS_DIR
@@ -238,8 +237,9 @@ def _write_arrays(reader, shards: list[ShardInfo], out: Path, on_missing: str) -
         finish(current, array)
     if totals["missing"] and on_missing == "error":
         shard, index = first_missing
-        raise UserError(f"{totals['missing']:,} training pairs have no row in the scores (first: {shard} pair {index}); "
-                        "score them, or pass --on-missing drop (leave them out) or keep (weight 1)")
+        raise ConfigError(f"{totals['missing']:,} training pairs have no row in the scores (first: {shard} pair "
+                          f"{index}); score them, or set on_missing to drop (leave them out) or keep (weight 1)",
+                          "on_missing")
     if totals["kept"] == 0:
         raise UserError("no training pair is left after the join and filter")
     mean = totals.pop("weight_sum") / totals["kept"]

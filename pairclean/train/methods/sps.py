@@ -23,31 +23,17 @@ import torch
 import torch.nn.functional as F
 
 from pairclean.backends.oom import take_rows
+from pairclean.config import check_choice
 from pairclean.core.mixture import clean_posterior
-from pairclean.errors import UserError
+from pairclean.errors import ConfigError
 from pairclean.ops import distributed
 from pairclean.train.loss import infonce_terms
-from pairclean.train.methods import (
-    Embeddings,
-    FollowUp,
-    LossOutput,
-    Method,
-    MethodContext,
-    register_method,
-)
-from pairclean.train.robust import (
-    Network,
-    NetworkBatches,
-    PairIndex,
-    gather_pairs,
-    pair_pass,
-    write_pair_table,
-)
-
-PEER_SEED_OFFSET = 1  # the peer's initialisation and data order: seed + 1
+from pairclean.train.methods.base import Embeddings, FollowUp, LossOutput, Method, MethodContext, register_method
+from pairclean.train.robust import PairIndex, Peer, gather_pairs, pair_pass, write_pair_table
 RELIABLE, QUASI_CLEAN, NOISY = 0, 1, 2
 PARTITION_NAMES = np.array(["reliable", "quasi_clean", "noisy"], dtype=object)
 PROXY_LABELS = ("threshold", "paper")
+CONSTRAINT_ON = ("cosine", "logit")
 
 
 def cross_constraint(left: torch.Tensor, right: torch.Tensor, alpha: float = 0.0, scale: float = 1.0) -> torch.Tensor:
@@ -126,6 +112,17 @@ class SpsOptions:
     gmm_tol: float = 1e-3
     gmm_reg_covar: float = 5e-4
 
+    def __post_init__(self):
+        if self.warmup_epochs < 0 or not (self.warmup_epochs < self.e_qc <= self.e_n):
+            raise ConfigError(f"sps: need 0 <= warmup_epochs < e_qc <= e_n, got {self.warmup_epochs}, {self.e_qc}, "
+                              f"{self.e_n}", "warmup_epochs", "e_qc", "e_n")
+        if not 0 <= self.eps2 <= self.eps1 <= 1:
+            raise ConfigError(f"sps: need 0 <= eps2 <= eps1 <= 1, got eps1={self.eps1}, eps2={self.eps2}", "eps1", "eps2")
+        check_choice(self.proxy_label, PROXY_LABELS, "proxy_label", "proxy label")
+        check_choice(self.constraint_on, CONSTRAINT_ON, "constraint_on", "constraint matrix")
+        if self.lambda_cro < 0 or self.lambda_met < 0:
+            raise ConfigError("sps: lambda_cro and lambda_met must be non-negative", "lambda_cro", "lambda_met")
+
 
 @dataclass
 class _Batch:
@@ -148,26 +145,15 @@ class Sps(Method):
     name = "sps"
     Options = SpsOptions
 
-    def validate(self) -> None:
-        o = self.options
-        if o.warmup_epochs < 0 or not (o.warmup_epochs < o.e_qc <= o.e_n):
-            raise UserError(f"sps: need 0 <= warmup_epochs < e_qc <= e_n, got {o.warmup_epochs}, {o.e_qc}, {o.e_n}")
-        if not 0 <= o.eps2 <= o.eps1 <= 1:
-            raise UserError(f"sps: need 0 <= eps2 <= eps1 <= 1, got eps1={o.eps1}, eps2={o.eps2}")
-        if o.proxy_label not in PROXY_LABELS:
-            raise UserError(f"sps: unknown proxy_label {o.proxy_label!r}; choose one of {', '.join(PROXY_LABELS)}")
-        if o.constraint_on not in ("cosine", "logit"):
-            raise UserError(f"sps: constraint_on must be cosine or logit, not {o.constraint_on!r}")
-        if o.lambda_cro < 0 or o.lambda_met < 0:
-            raise UserError("sps: lambda_cro and lambda_met must be non-negative")
-        self.saved = None
+    def __init__(self, options):
+        super().__init__(options)
+        self.saved = None  # a resumed run's method state, applied at the first epoch
         self.epoch, self.recording = 0, False
         self.p = self.partition = None
 
     def setup(self, ctx: MethodContext):
         self.index = PairIndex(ctx.shards)
-        self.peer = Network.fresh(ctx, PEER_SEED_OFFSET)
-        self.peer_batches = NetworkBatches(ctx, self.peer.target.preparer, ctx.seed + PEER_SEED_OFFSET)
+        self.peer = Peer(ctx)
         return super().setup(ctx)
 
     # ------------------------------------------------------------------ per epoch
@@ -184,12 +170,8 @@ class Sps(Method):
         return p, seen
 
     def on_epoch_start(self, epoch: int, ctx: MethodContext) -> None:
-        if self.peer.optimizer is None:
-            self.peer.start(ctx)
-            if self.saved is not None:
-                self.peer.load_state_dict(self.saved["peer"])
+        self.peer.start_epoch(epoch, ctx, self.saved and self.saved["peer"])
         self.saved = None
-        self.peer_batches.start(epoch)
         self.epoch = epoch
         self.records = {name: [] for name in ("ids", "y_qc", "y_proxy", "proxy_id")}
         if epoch <= self.options.warmup_epochs:
@@ -283,9 +265,9 @@ class Sps(Method):
     def _peer_steps(self, ctx: MethodContext) -> dict:
         """The peer's iteration on its own batch: plain InfoNCE in warm-up, else SPS's three steps
         on the main network's partition."""
-        batch = self.peer_batches.next()
+        batch = self.peer.next_batch()
         twin = self.peer.target
-        emb = Embeddings(twin.encode(ctx.left, batch["left"]), twin.encode(ctx.right, batch["right"]), twin.logit_scale())
+        emb = self.peer.embed(ctx, batch)
         if self.partition is None:
             loss = infonce_terms(emb.left, emb.right, emb.logit_scale).per_sample.mean()
             self.peer.step(loss)

@@ -19,11 +19,11 @@ import numpy as np
 import torch
 
 from pairclean.core.mixture import clean_posterior
-from pairclean.errors import UserError
+from pairclean.errors import ConfigError
 from pairclean.ops import distributed
 from pairclean.train.data import DROPPED, BatchPlan
 from pairclean.train.loss import infonce_terms, weighted_infonce
-from pairclean.train.methods import Embeddings, LossOutput, Method, MethodContext, register_method
+from pairclean.train.methods.base import Embeddings, LossOutput, Method, MethodContext, register_method
 from pairclean.train.robust import (EpochWeights, Network, PairIndex, gather_pairs, pair_embeddings, pair_pass,
                                     read_pairs, replica, write_pair_table)
 
@@ -86,6 +86,13 @@ class SddOptions:
     eps: float = 1e-8  # in the denominators of c
     chunk: int = 1024  # queries per block of the nearest-neighbour search
 
+    def __post_init__(self):
+        if self.beta < self.alpha:
+            raise ConfigError(f"sdd: beta ({self.beta}) must be at least alpha ({self.alpha}): the memory bank holds "
+                              "clean pairs", "beta", "alpha")
+        if self.chunk < 1 or self.eps <= 0:
+            raise ConfigError("sdd: chunk must be >= 1 and eps > 0", "chunk", "eps")
+
 
 @register_method
 class Sdd(Method):
@@ -94,12 +101,8 @@ class Sdd(Method):
     name = "sdd"
     Options = SddOptions
 
-    def validate(self) -> None:
-        o = self.options
-        if o.beta < o.alpha:
-            raise UserError(f"sdd: beta ({o.beta}) must be at least alpha ({o.alpha}): the memory bank holds clean pairs")
-        if o.chunk < 1 or o.eps <= 0:
-            raise UserError("sdd: chunk must be >= 1 and eps > 0")
+    def __init__(self, options):
+        super().__init__(options)
         self.bank_image = self.bank_text = None
         self.initial_kept = None
         self.initial = None
@@ -112,8 +115,8 @@ class Sdd(Method):
             sim100 = 100 * self.initial["sim"]
             clean = self.initial.seen & (sim100 > self.options.beta)
             if not clean.any():
-                raise UserError(f"sdd: no pair has 100 * cos > beta = {self.options.beta} under the initial model, so "
-                                "the memory bank is empty; lower beta (method option) or start from a trained model")
+                raise ConfigError(f"sdd: no pair has 100 * cos > beta = {self.options.beta} under the initial model, "
+                                  "so the memory bank is empty; lower beta or start from a trained model", "beta")
             self.bank_image, self.bank_text = memory_bank(self.initial["left"], self.initial["right"], clean,
                                                           self.options.chunk)
             self.initial_kept = int(np.sum(self.initial.seen & self_drop(sim100, self.options.alpha)))
@@ -128,7 +131,8 @@ class Sdd(Method):
         sim100 = np.where(table.seen, 100 * table["sim"], -np.inf)
         kept = self_drop(sim100, self.options.alpha)
         if not kept.any():
-            raise UserError(f"sdd: epoch {epoch} keeps no pair (100 * cos > alpha = {self.options.alpha}); lower alpha")
+            raise ConfigError(f"sdd: epoch {epoch} keeps no pair (100 * cos > alpha = {self.options.alpha}); lower alpha",
+                              "alpha")
         self.w_con = np.zeros(self.index.size, dtype=np.float32)
         self.w_con[table.seen] = confidence_weights(sim100[table.seen], seed=ctx.seed)
         self.sim100, self.seen = sim100, table.seen

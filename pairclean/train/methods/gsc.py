@@ -22,15 +22,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from pairclean.config import check_choice
 from pairclean.core.mixture import clean_posterior
-from pairclean.errors import UserError
-from pairclean.ops import distributed
+from pairclean.errors import ConfigError
 from pairclean.train.loss import infonce_terms, weighted_infonce
-from pairclean.train.methods import Embeddings, LossOutput, Method, MethodContext, register_method
-from pairclean.train.robust import (Network, NetworkBatches, PairIndex, gather_batch_ids, gather_pairs,
-                                    write_pair_table)
-
-PEER_SEED_OFFSET = 1  # the peer's initialisation and data order: seed + 1
+from pairclean.train.methods.base import Embeddings, LossOutput, Method, MethodContext, register_method
+from pairclean.train.robust import PairIndex, Peer, gather_batch_ids, gather_pairs, write_pair_table
 
 
 def cross_modal_indicator(left, right, logit_scale, all_left=None, all_right=None, offset: int = 0) -> torch.Tensor:
@@ -83,6 +80,13 @@ class GscOptions:
     gmm_tol: float = 1e-2
     gmm_reg_covar: float = 5e-4
 
+    def __post_init__(self):
+        check_choice(self.networks, (1, 2), "networks", "network count")
+        if (self.tau1 is not None and self.tau1 <= 0) or self.tau2 <= 0 or self.gamma < 0:
+            raise ConfigError("gsc: tau1 and tau2 must be positive, gamma non-negative", "tau1", "tau2", "gamma")
+        if not (0 <= self.beta1 <= 1 and 0 <= self.beta2 <= 1):
+            raise ConfigError("gsc: beta1 and beta2 must be within [0, 1]", "beta1", "beta2")
+
 
 class _Labels:
     """One network's correspondence estimates: ensembled y_CM, y_IM over all pairs, and this epoch's raw values."""
@@ -134,23 +138,16 @@ class Gsc(Method):
     name = "gsc"
     Options = GscOptions
 
-    def validate(self) -> None:
-        o = self.options
-        if o.networks not in (1, 2):
-            raise UserError(f"gsc: networks must be 1 or 2, not {o.networks}")
-        if (o.tau1 is not None and o.tau1 <= 0) or o.tau2 <= 0 or o.gamma < 0:
-            raise UserError("gsc: tau1 and tau2 must be positive, gamma non-negative")
-        if not (0 <= o.beta1 <= 1 and 0 <= o.beta2 <= 1):
-            raise UserError("gsc: beta1 and beta2 must be within [0, 1]")
-        self.saved = None
+    def __init__(self, options):
+        super().__init__(options)
+        self.saved = None  # a resumed run's method state, applied in setup and at the first epoch
         self.peer = None
 
     def setup(self, ctx: MethodContext):
         self.index = PairIndex(ctx.shards)
         self.labels = [_Labels(self.index.size) for _ in range(self.options.networks)]
         if self.options.networks == 2:
-            self.peer = Network.fresh(ctx, PEER_SEED_OFFSET)
-            self.peer_batches = NetworkBatches(ctx, self.peer.target.preparer, ctx.seed + PEER_SEED_OFFSET)
+            self.peer = Peer(ctx)
         if self.saved is not None:
             for labels, state in zip(self.labels, self.saved["labels"]):
                 labels.load_state_dict(state)
@@ -158,11 +155,7 @@ class Gsc(Method):
 
     def on_epoch_start(self, epoch: int, ctx: MethodContext) -> None:
         if self.peer is not None:
-            if self.peer.optimizer is None:
-                self.peer.start(ctx)
-                if self.saved is not None:
-                    self.peer.load_state_dict(self.saved["peer"])
-            self.peer_batches.start(epoch)
+            self.peer.start_epoch(epoch, ctx, self.saved and self.saved["peer"])
         self.saved = None
 
     def _training_labels(self, network: int) -> np.ndarray:
@@ -190,13 +183,8 @@ class Gsc(Method):
         ids = self.index.ids(batch["shard"], batch["index"])
         loss, diag, metrics = self._network_loss(0, ids, emb)
         if self.peer is not None:
-            peer_batch = self.peer_batches.next()
-            twin = self.peer.target
-            left, right = twin.encode(ctx.left, peer_batch["left"]), twin.encode(ctx.right, peer_batch["right"])
-            peer_emb = Embeddings(left, right, twin.logit_scale())
-            if distributed.is_distributed():
-                peer_emb.all_left, peer_emb.all_right = distributed.gather_with_grad(left), distributed.gather_with_grad(right)
-                peer_emb.offset = distributed.rank() * left.shape[0]
+            peer_batch = self.peer.next_batch()
+            peer_emb = self.peer.embed(ctx, peer_batch, across_ranks=True)
             peer_ids = self.index.ids(peer_batch["shard"], peer_batch["index"])
             peer_loss, _, peer_metrics = self._network_loss(1, peer_ids, peer_emb)
             self.peer.step(peer_loss)

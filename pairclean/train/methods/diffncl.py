@@ -28,13 +28,10 @@ import torch
 import torch.nn.functional as F
 
 from pairclean.core.mixture import clean_posterior
-from pairclean.errors import UserError
+from pairclean.errors import ConfigError
 from pairclean.train.loss import infonce_terms
-from pairclean.train.methods import Embeddings, LossOutput, Method, MethodContext, register_method
-from pairclean.train.robust import (Network, NetworkBatches, OwnModule, PairIndex, embedding_dim, pair_pass,
-                                    write_pair_table)
-
-PEER_SEED_OFFSET = 1  # the peer's initialisation and data order: seed + 1
+from pairclean.train.methods.base import Embeddings, LossOutput, Method, MethodContext, register_method
+from pairclean.train.robust import OwnModule, PairIndex, Peer, embedding_dim, pair_pass, write_pair_table
 CLEAN, WEAK, NOISY = 0, 1, 2
 PARTITION_NAMES = np.array(["clean", "weak", "noisy"], dtype=object)
 
@@ -167,6 +164,19 @@ class DiffnclOptions:
     gmm_max_iter: int = 100
     gmm_reg_covar: float = 1e-3
 
+    def __post_init__(self):
+        if self.warmup_epochs < 0 or self.steps < 1:
+            raise ConfigError(f"diffncl: warmup_epochs must be >= 0 and steps >= 1, got {self.warmup_epochs}, "
+                              f"{self.steps}", "warmup_epochs", "steps")
+        if not 0 < self.hidden_ratio <= 1:
+            raise ConfigError(f"diffncl: hidden_ratio must be within (0, 1], got {self.hidden_ratio}", "hidden_ratio")
+        if min(self.intra_weight, self.cross_weight, self.robust_weight) < 0:
+            raise ConfigError("diffncl: intra_weight, cross_weight and robust_weight must be non-negative",
+                              "intra_weight", "cross_weight", "robust_weight")
+        if self.zeta is not None and self.zeta <= 0:
+            raise ConfigError(f"diffncl: zeta must be positive (or none for the dynamic weight), got {self.zeta}",
+                              "zeta")
+
 
 @register_method
 class Diffncl(Method):
@@ -175,24 +185,15 @@ class Diffncl(Method):
     name = "diffncl"
     Options = DiffnclOptions
 
-    def validate(self) -> None:
-        o = self.options
-        if o.warmup_epochs < 0 or o.steps < 1:
-            raise UserError(f"diffncl: warmup_epochs must be >= 0 and steps >= 1, got {o.warmup_epochs}, {o.steps}")
-        if not 0 < o.hidden_ratio <= 1:
-            raise UserError(f"diffncl: hidden_ratio must be within (0, 1], got {o.hidden_ratio}")
-        if min(o.intra_weight, o.cross_weight, o.robust_weight) < 0:
-            raise UserError("diffncl: intra_weight, cross_weight and robust_weight must be non-negative")
-        if o.zeta is not None and o.zeta <= 0:
-            raise UserError(f"diffncl: zeta must be positive (or none for the dynamic weight), got {o.zeta}")
-        self.saved = None
+    def __init__(self, options):
+        super().__init__(options)
+        self.saved = None  # a resumed run's method state, applied at the first epoch
         self.partition = None
         self.denoise_main = False
 
     def setup(self, ctx: MethodContext):
         self.index = PairIndex(ctx.shards)
-        self.peer = Network.fresh(ctx, PEER_SEED_OFFSET)
-        self.peer_batches = NetworkBatches(ctx, self.peer.target.preparer, ctx.seed + PEER_SEED_OFFSET)
+        self.peer = Peer(ctx)
         dim = embedding_dim(ctx.target)
         hidden = max(1, round(dim * self.options.hidden_ratio))
         with torch.random.fork_rng(devices=[]):
@@ -202,16 +203,12 @@ class Diffncl(Method):
         return super().setup(ctx)
 
     def on_epoch_start(self, epoch: int, ctx: MethodContext) -> None:
-        if self.peer.optimizer is None:
-            self.peer.start(ctx)
-            for denoiser in self.denoisers:
+        if self.peer.start_epoch(epoch, ctx, self.saved and self.saved["peer"]):
+            for k, denoiser in enumerate(self.denoisers):
                 denoiser.start(ctx)
-            if self.saved is not None:
-                self.peer.load_state_dict(self.saved["peer"])
-                for denoiser, state in zip(self.denoisers, self.saved["denoisers"]):
-                    denoiser.load_state_dict(state)
+                if self.saved is not None:
+                    denoiser.load_state_dict(self.saved["denoisers"][k])
         self.saved = None
-        self.peer_batches.start(epoch)
         if epoch <= self.options.warmup_epochs:
             self.partition = None
             return
@@ -283,9 +280,8 @@ class Diffncl(Method):
             self.denoisers[0].step()
 
     def _peer_step(self, ctx: MethodContext) -> dict:
-        batch = self.peer_batches.next()
-        twin = self.peer.target
-        emb = Embeddings(twin.encode(ctx.left, batch["left"]), twin.encode(ctx.right, batch["right"]), twin.logit_scale())
+        batch = self.peer.next_batch()
+        emb = self.peer.embed(ctx, batch)
         if self.partition is None:
             loss = infonce_terms(emb.left, emb.right, emb.logit_scale).per_sample.mean()
             self.peer.step(loss)

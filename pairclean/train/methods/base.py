@@ -1,0 +1,202 @@
+"""The training-method interface and its registry: how each pair's loss is weighted (or the pair dropped).
+
+A method is a class registered under a name (`TrainConfig.method`) with an `Options` dataclass
+(`TrainConfig.method_options`; each Options checks its own values in `__post_init__`) and the
+command-line shortcuts it answers to (`shortcuts`: e.g. osa-weights' `--weights FILE`, which sets
+its `scores` option and picks it when no method is named). The trainer calls:
+
+    setup(ctx) -> BatchPlan          once, before training (join scores, load an estimator ...)
+    on_epoch_start(epoch, ctx)       e.g. per-epoch passes over the training set
+    loss(batch, emb: Embeddings, ctx) -> LossOutput   per step: loss + per-pair diagnostics (+ follow-up steps)
+    after_backward(ctx)              gradients are in place: step modules the method trains itself
+    on_epoch_end(epoch, ctx) -> dict metrics for metrics.jsonl
+    state_dict() / load_state_dict() what a resumed run must restore
+    extra_networks()                 a second network that is part of the result (GSC's peer)
+    input_files()                    files the method reads, which the run directory must not overwrite
+
+The default `loss` is the weighted symmetric InfoNCE with `batch_weights(batch, ctx)` (None =
+plain). Each method lives in its own module of this package (plain, osa_weights, filter,
+osa_online, sdd, gsc, sps, diffncl); importing the package registers them all.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, ClassVar
+
+import torch
+
+from pairclean.config import check_choice
+from pairclean.data.manifest import DatasetSpec
+from pairclean.errors import ConfigError, UserError
+from pairclean.train.data import BatchPlan, ShardInfo
+from pairclean.train.loss import weighted_infonce
+
+
+@dataclass
+class MethodContext:
+    """What a method may use: the data, the target, the run directory, the trainer's settings."""
+
+    spec: DatasetSpec
+    shards: list[ShardInfo]
+    target: Any
+    run_dir: Path
+    seed: int
+    left: str
+    right: str
+    config: Any = None  # the run's TrainConfig (batch size, workers, precision, model ...)
+    # Set by the trainer once the schedule is known: (module, start_step) -> (AdamW, LR schedule) with
+    # the run's settings, and the number of optimiser steps taken so far (for a second network).
+    new_optimizer: Callable[[torch.nn.Module, int], tuple] | None = None
+    current_step: Callable[[], int] | None = None
+
+
+@dataclass
+class Embeddings:
+    """One step's L2-normalised embeddings. Under torch.distributed, `all_left`/`all_right` hold
+    every rank's rows (negatives across ranks) with this rank's at `offset`; alone, they are None."""
+
+    left: torch.Tensor
+    right: torch.Tensor
+    logit_scale: torch.Tensor
+    all_left: torch.Tensor | None = None
+    all_right: torch.Tensor | None = None
+    offset: int = 0
+
+
+@dataclass
+class FollowUp:
+    """A further optimiser step of the main network within the same trainer step (SPS takes three
+    per iteration): the trainer encodes `left`/`right` (prepared batches; each rank's own rows,
+    no negatives across ranks) after its previous step and minimises `loss(emb)`."""
+
+    left: Any
+    right: Any
+    loss: Callable[[Embeddings], torch.Tensor]
+
+
+@dataclass
+class LossOutput:
+    loss: torch.Tensor
+    per_pair: dict[str, torch.Tensor] = field(default_factory=dict)  # diagnostics columns, detached
+    metrics: dict[str, float] = field(default_factory=dict)  # batch-level values for the step log
+    follow_ups: list[FollowUp] = field(default_factory=list)  # every rank must return as many
+
+
+@dataclass(frozen=True)
+class Shortcut:
+    """A command-line flag a method answers to: it sets one of the method's options (`option`; None for a
+    switch that only picks the method) and, when `selects` > 0 and no method is named, picks the method
+    (of several given, the highest `selects` wins). The CLI builds its flags from these declarations."""
+
+    flag: str
+    option: str | None
+    help: str
+    kind: type = str  # str, int or bool (a bool flag is a switch)
+    selects: int = 0
+
+
+class Method:
+    name: ClassVar[str] = ""
+    Options: ClassVar[type] = None
+    shortcuts: ClassVar[tuple[Shortcut, ...]] = ()
+    reduction: ClassVar[str] = "mean"  # how the default loss reduces the weighted per-pair losses
+
+    def __init__(self, options):
+        self.options = options
+
+    def input_files(self) -> list[str]:
+        """Files the method reads (a scores file ...): the run directory must not be one of them."""
+        return []
+
+    def setup(self, ctx: MethodContext) -> BatchPlan:
+        return BatchPlan()
+
+    def on_epoch_start(self, epoch: int, ctx: MethodContext) -> None:
+        """Nothing to do between epochs for a fixed weighting."""
+
+    def batch_weights(self, batch: dict, ctx: MethodContext) -> tuple[torch.Tensor | None, dict]:
+        """(per-pair loss weights or None for unweighted, extra per-pair diagnostics columns)."""
+        return None, {}
+
+    def loss(self, batch: dict, emb: Embeddings, ctx: MethodContext) -> LossOutput:
+        weights, extra = self.batch_weights(batch, ctx)
+        loss, per_pair = weighted_infonce(emb.left, emb.right, emb.logit_scale, weights, reduction=self.reduction,
+                                          all_left=emb.all_left, all_right=emb.all_right, offset=emb.offset)
+        diag = {"loss": per_pair, **extra}
+        metrics = {}
+        if weights is not None:
+            diag["weight"] = weights.detach().float().cpu()
+            metrics["mean_weight"] = float(weights.float().mean())
+        return LossOutput(loss, diag, metrics)
+
+    def after_backward(self, ctx: MethodContext) -> None:
+        """Called after each backward of the main network's loss, before its optimiser step: a method
+        whose loss also trains modules of its own (DiffNCL's denoisers) steps them here."""
+
+    def on_epoch_end(self, epoch: int, ctx: MethodContext) -> dict:
+        return {}
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        """A fixed weighting has no state beyond its options."""
+
+    def extra_networks(self) -> dict:
+        """name -> target of networks trained beside the main one that are part of the result
+        (exported per epoch as model-...-NAME, evaluated with the main one by averaged similarity)."""
+        return {}
+
+    def describe(self) -> dict:
+        return {"method": self.name, **dataclasses.asdict(self.options)}
+
+
+METHODS: dict[str, type[Method]] = {}
+
+
+def register_method(cls: type[Method]) -> type[Method]:
+    METHODS[cls.name] = cls
+    return cls
+
+
+def _coerce(value: Any, annotation: str, name: str):
+    """Option strings (`--method-option key=value`) -> the option's declared type."""
+    if not isinstance(value, str):
+        return value
+    kind = annotation.replace(" ", "").split("|")
+    if value.lower() in ("none", "null") and "None" in kind:
+        return None
+    try:
+        if "bool" in kind:
+            if value.lower() not in ("true", "false", "1", "0", "yes", "no"):
+                raise ValueError(value)
+            return value.lower() in ("true", "1", "yes")
+        if "int" in kind:
+            return int(value)
+        if "float" in kind:
+            return float(value)
+    except ValueError:
+        raise ConfigError(f"method option {name}={value!r} is not a valid {annotation}", name) from None
+    return value
+
+
+def build_method(name: str, options: dict | None = None) -> Method:
+    """The registered method `name` with its options (strings are converted to the declared types;
+    each Options checks its values)."""
+    check_choice(name, sorted(METHODS), "method")
+    cls = METHODS[name]
+    fields = {f.name: f for f in dataclasses.fields(cls.Options)}
+    options = dict(options or {})
+    unknown = sorted(set(options) - set(fields))
+    if unknown:
+        known = ", ".join(fields) or "none"
+        raise UserError(f"method {name} has no option(s) {', '.join(unknown)} (its options: {known})")
+    values = {k: _coerce(v, str(fields[k].type), k) for k, v in options.items()}
+    try:
+        opts = cls.Options(**values)
+    except TypeError as exc:
+        raise UserError(f"method {name}: {exc}") from None
+    return cls(opts)

@@ -1,0 +1,106 @@
+"""osa-online: OSA weights computed in the loop by a frozen estimator through pairclean.core.scorer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pairclean.backends import build_estimator, resolve_backend
+from pairclean.config import check_choice
+from pairclean.core.beta import check_beta_mode, random_input_beta, resolve_beta
+from pairclean.core.scorer import WEIGHT_FUNCTIONS, cone_weight, debias, normalised_weight
+from pairclean.train.data import BatchPlan
+from pairclean.train.loss import REDUCTIONS
+from pairclean.train.methods.base import Method, MethodContext, Shortcut, register_method
+from pairclean.train.methods.osa_weights import REDUCTION_SHORTCUT
+
+ONLINE_BETA_MODES = ("random-inputs", "fixed")  # shuffled needs a full pass over the data before training
+
+
+@dataclass
+class OsaOnlineOptions:
+    estimator_model: str | None = None  # None: a frozen copy of the target before training (official code)
+    estimator_pretrained: str = "none"  # open_clip estimators: tag, checkpoint path, or none
+    estimator_backend: str = "auto"  # auto | open_clip | sentence-transformers
+    weight_fn: str = "cubic"
+    normalise: bool = True  # weight_norm, as the offline default column
+    beta_mode: str = "random-inputs"  # or fixed
+    beta: float | None = None
+    beta_k: int = 1024
+    reduction: str = "mean"
+
+    def __post_init__(self):
+        check_choice(self.weight_fn, WEIGHT_FUNCTIONS, "weight_fn", "weight function")
+        check_choice(self.beta_mode, ONLINE_BETA_MODES, "beta_mode", "online beta mode")
+        check_beta_mode(self.beta_mode, self.beta)
+        check_choice(self.reduction, REDUCTIONS, "reduction")
+
+
+def _same_inputs(a, b) -> bool:
+    """Whether two estimators take the same prepared inputs (see Estimator.input_signature)."""
+    signature = a.input_signature()
+    return signature is not None and signature == b.input_signature()
+
+
+@register_method
+class OsaOnline(Method):
+    """OSA weights computed in the loop by a frozen estimator through pairclean.core.scorer."""
+
+    name = "osa-online"
+    Options = OsaOnlineOptions
+    shortcuts = (Shortcut("--online", None, "OSA weights computed in the loop by a frozen estimator (method "
+                                            "osa-online).", kind=bool, selects=3),
+                 Shortcut("--estimator-model", "estimator_model", "--online estimator (default: a frozen copy of the "
+                                                                  "model before training)."),
+                 Shortcut("--estimator-pretrained", "estimator_pretrained", "--online estimator weights: tag, path, "
+                                                                            "or none."),
+                 Shortcut("--weight-fn", "weight_fn", "--online weight function: cubic, linear, cosine, official."),
+                 Shortcut("--beta-k", "beta_k", "--online: K random inputs per side for beta.", kind=int),
+                 REDUCTION_SHORTCUT)
+
+    def __init__(self, options):
+        super().__init__(options)
+        self.beta = None
+        self.estimator = None
+
+    @property
+    def reduction(self) -> str:
+        return self.options.reduction
+
+    def setup(self, ctx: MethodContext) -> BatchPlan:
+        o = self.options
+        target = ctx.target
+        if o.estimator_model is None:
+            self.estimator = target.frozen_estimator()
+        else:
+            backend = resolve_backend(o.estimator_backend, o.estimator_model, (ctx.left, ctx.right))
+            torch.manual_seed(ctx.seed)  # a randomly initialised estimator is then reproducible
+            self.estimator = build_estimator(backend, model=o.estimator_model, pretrained=o.estimator_pretrained,
+                                             device=str(target.device))
+        if self.beta is None:  # a resumed run keeps the beta it started with
+            estimate, _ = resolve_beta(o.beta_mode, o.beta, lambda: (random_input_beta(
+                self.estimator, ctx.left, ctx.right, k=o.beta_k, seed=ctx.seed), "computed"))
+            self.beta = estimate.beta
+        if o.estimator_model is None or _same_inputs(target.estimator, self.estimator):
+            return BatchPlan()
+        return BatchPlan(extra_preparers={"estimator": self.estimator.preparer})
+
+    def batch_weights(self, batch: dict, ctx: MethodContext) -> tuple[torch.Tensor, dict]:
+        left = batch.get("estimator_left", batch["left"])
+        right = batch.get("estimator_right", batch["right"])
+        sim = (self.estimator.encode(ctx.left, left) * self.estimator.encode(ctx.right, right)).sum(-1)
+        w = cone_weight(debias(sim, self.beta), self.options.weight_fn)  # official: scale = the batch max
+        if self.options.normalise:
+            w = normalised_weight(w, self.options.weight_fn, self.beta)
+        return w, {"sim": sim.float().cpu()}
+
+    def state_dict(self) -> dict:
+        return {"beta": self.beta}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.beta = state.get("beta")
+
+    def describe(self) -> dict:
+        return {**super().describe(), "beta": self.beta,
+                "estimator": self.estimator.provenance() if self.estimator is not None else None}

@@ -1,0 +1,51 @@
+"""osa-weights: each pair's loss times its weight from a scores file (OSA Eq. 6), joined per shard."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pairclean.config import check_choice
+from pairclean.train.loss import REDUCTIONS
+from pairclean.train.methods.base import MethodContext, Shortcut, register_method
+from pairclean.train.methods.scored import SCORES_SHORTCUTS, ScoredMethod, ScoresOptions, needs_scores
+
+REDUCTION_SHORTCUT = Shortcut("--reduction", "reduction",
+                              "Weighted loss: mean (sum w*l / B, the paper) or weight-sum (sum w*l / sum w).")
+
+
+@dataclass
+class OsaWeightsOptions(ScoresOptions):
+    column: str = "weight_norm"  # weight_norm = the OSA weight mapped to [0, 1]; `weight` = raw
+    reduction: str = "mean"
+
+    def __post_init__(self):
+        super().__post_init__()
+        needs_scores("osa-weights", self)
+        check_choice(self.reduction, REDUCTIONS, "reduction")
+
+
+@register_method
+class OsaWeights(ScoredMethod):
+    """Each pair's loss times its weight from the scores file (OSA Eq. 6), joined per shard."""
+
+    name = "osa-weights"
+    Options = OsaWeightsOptions
+    shortcuts = (Shortcut("--weights", "scores", "Scores Parquet: weight each pair's loss by a column of it "
+                                                 "(method osa-weights).", selects=2),
+                 Shortcut("--weight-column", "column", "Column of the scores used as weight (default weight_norm, "
+                                                       "the OSA weight in [0, 1])."),
+                 Shortcut("--filter", "filter", "DuckDB predicate over the scores; pairs where it is not true are "
+                                                "dropped (method filter, or with --weights)."),
+                 *SCORES_SHORTCUTS, REDUCTION_SHORTCUT)
+
+    @property
+    def reduction(self) -> str:
+        return self.options.reduction
+
+    def weight_column(self) -> str | None:
+        return self.options.column
+
+    def batch_weights(self, batch: dict, ctx: MethodContext) -> tuple[torch.Tensor, dict]:
+        return batch["weight"], {}

@@ -1,0 +1,20 @@
+"""plain: every pair counts fully, the baseline."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pairclean.train.methods.base import Method, register_method
+
+
+@dataclass
+class PlainOptions:
+    pass
+
+
+@register_method
+class Plain(Method):
+    """Every pair counts fully: the baseline."""
+
+    name = "plain"
+    Options = PlainOptions

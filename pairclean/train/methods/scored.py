@@ -1,0 +1,66 @@
+"""The base of the methods that read a scores file (osa-weights, filter): the join of the scores to
+the training shards, its options, its shortcuts and its summary."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pairclean.config import check_choice
+from pairclean.errors import ConfigError
+from pairclean.ops import distributed
+from pairclean.train.data import BatchPlan
+from pairclean.train.methods.base import Method, MethodContext, Shortcut
+from pairclean.train.weights import JOINS, ON_MISSING, build_weight_arrays
+
+
+@dataclass
+class ScoresOptions:
+    scores: str | None = None  # the scores Parquet written by `pairclean score`
+    filter: str | None = None  # DuckDB predicate over the scores: pairs where it is false are dropped
+    join: str = "auto"
+    on_missing: str = "error"
+
+    def __post_init__(self):
+        check_choice(self.join, JOINS, "join")
+        check_choice(self.on_missing, ON_MISSING, "on_missing")
+
+
+def needs_scores(method: str, options: ScoresOptions) -> None:
+    if not options.scores:
+        raise ConfigError(f"method {method} needs a scores file: set scores FILE (the Parquet `pairclean score` "
+                          "wrote)", "scores")
+
+
+SCORES_SHORTCUTS = (
+    Shortcut("--scores", "scores", "Scores Parquet the weights or the --filter predicate are read from."),
+    Shortcut("--join", "join", "Join scores to shards by auto, shard-index or key."),
+    Shortcut("--on-missing", "on_missing", "Pairs missing from the scores: error (default), drop, or keep (weight 1)."),
+)
+
+
+class ScoredMethod(Method):
+    """A method whose per-pair weights (or keep/drop) come from a scores file joined per shard and index."""
+
+    column: str | None = None  # the scores column read as the loss weight (None: keep/drop only)
+
+    def __init__(self, options):
+        super().__init__(options)
+        self.join = None
+
+    def input_files(self) -> list[str]:
+        return [self.options.scores]
+
+    def setup(self, ctx: MethodContext) -> BatchPlan:
+        """The weight arrays, built once by rank 0 under torch.distributed (RUN_DIR is shared) and
+        announced to every rank; in one process, built here."""
+        o = self.options
+        self.join = distributed.on_main(lambda: build_weight_arrays(
+            o.scores, ctx.spec, ctx.shards, ctx.run_dir, column=self.weight_column(), predicate=o.filter, join=o.join,
+            on_missing=o.on_missing))
+        return BatchPlan(weights_dir=self.join.directory, shard_files=self.join.shard_files, pairs=self.join.kept)
+
+    def weight_column(self) -> str | None:
+        return None
+
+    def describe(self) -> dict:
+        return {**super().describe(), "join_summary": self.join.summary() if self.join else None}
