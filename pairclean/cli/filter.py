@@ -76,6 +76,8 @@ def filter_command(
     source: List[str] = typer.Argument(..., help="The scored shards: directory, glob, brace pattern, list file, Parquet files, or a manifest YAML."),
     scores: Path = typer.Option(..., "--scores", "-s", help="Scores Parquet written by `pairclean score` for these shards."),
     where: Optional[List[str]] = typer.Option(None, "--where", "-w", help="Keep pairs where this DuckDB SQL expression over the scores columns is true (repeatable: all must hold)."),
+    attach: Optional[List[str]] = typer.Option(None, "--attach", help="NAME=FILE: a Parquet file (e.g. `pairclean dedup` output) readable as the table NAME "
+                                               "in --where (repeatable; docs/dedup.md has the predicate)."),
     top_fraction: Optional[float] = typer.Option(None, help="Keep this fraction of the scored pairs with the highest --by (DataComp-style)."),
     by: str = typer.Option("sim", help="Score column ranked by --top-fraction."),
     out: Optional[Path] = typer.Option(None, "--out", "-o", help="Directory for the filtered dataset (with manifest.yaml and filter.json)."),
@@ -93,9 +95,9 @@ def filter_command(
         check_output(out, source)  # the directories named; the files read are checked by filter_dataset
     from pairclean.curate.filter import filter_dataset
     from pairclean.data.manifest import open_dataset
-    from pairclean.scores.db import ScoresDB
+    from pairclean.scores.db import ScoresDB, parse_attachments
 
-    with ScoresDB(scores) as db:  # opened once: its provenance names the pair kind, filter_dataset reads it
+    with ScoresDB(scores, attach=parse_attachments(attach)) as db:  # opened once: its provenance names the pair kind, filter_dataset reads it
         spec = open_dataset(source, pair=pair or (db.provenance or {}).get("pair"))
         with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("shards"),
                       TimeElapsedColumn(), console=console, transient=True) as bar:

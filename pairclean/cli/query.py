@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Iterable, Optional
+from typing import Iterable, List, Optional
 
 import pyarrow as pa
 import typer
@@ -14,7 +14,7 @@ from pairclean.cli.app import app, console
 from pairclean.curate.query import OUTPUT_FORMATS, write_result
 from pairclean.errors import UserError
 from pairclean.ops.guard import check_output
-from pairclean.scores.db import ScoresDB
+from pairclean.scores.db import ScoresDB, parse_attachments
 
 
 def _cell(value) -> str:
@@ -58,6 +58,7 @@ def query_command(
     sql: Optional[str] = typer.Argument(None, help="One SQL statement over the views `scores` (and `truth`, `labeled`)."),
     file: Optional[Path] = typer.Option(None, "--file", "-f", help="Read the SQL from this file instead."),
     truth: Optional[Path] = typer.Option(None, help="Ground-truth Parquet (key, shard, index, noisy): adds views `truth` and `labeled`."),
+    attach: Optional[List[str]] = typer.Option(None, "--attach", help="NAME=FILE: also a Parquet file as the view NAME (e.g. dedup=dedup.parquet; repeatable)."),
     fmt: str = typer.Option("table", "--format", help="table, csv, json (JSON Lines) or parquet."),
     out: Optional[Path] = typer.Option(None, "--out", "-o", help="Write csv/json/parquet here (atomically) instead of stdout."),
     limit: int = typer.Option(50, help="Rows shown by --format table (the rest are counted)."),
@@ -75,9 +76,10 @@ def query_command(
         raise UserError(f"unknown format {fmt!r}; choose one of {', '.join(OUTPUT_FORMATS)}")
     if fmt == "table" and out is not None:
         raise UserError("--out needs --format csv, json or parquet")
+    attached = parse_attachments(attach)
     if out is not None:
-        check_output(out, [scores, truth])
-    with ScoresDB(scores, truth=truth) as db:
+        check_output(out, [scores, truth, *attached.values()])
+    with ScoresDB(scores, truth=truth, attach=attached) as db:
         schema, batches = db.stream(db.run(sql))
         if fmt == "table":
             table, note = rich_result(batches, schema, limit)

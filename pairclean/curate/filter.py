@@ -290,9 +290,9 @@ def filter_dataset(spec: DatasetSpec, scores: str | Path | ScoresDB, out: Path, 
     """
     out = Path(out)
     check_file_prefix(prefix)
-    scores_path = scores.path if isinstance(scores, ScoresDB) else Path(scores)
+    inputs = scores.inputs if isinstance(scores, ScoresDB) else [Path(scores)]
     if not dry_run:
-        check_output(out, [*spec.shards, scores_path])
+        check_output(out, [*spec.shards, *inputs])
     if spec.format == "parquet" and (spec.fields.image_path or spec.fields.image2_path):
         raise UserError("this Parquet dataset names images by relative path: filtered files in another "
                         "directory could not find them; filter a Parquet that holds the image bytes")

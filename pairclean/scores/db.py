@@ -3,7 +3,9 @@
 A `ScoresDB` is a sandboxed in-memory DuckDB connection holding views over the Parquet files,
 never a copy of them: `scores_file` (the whole scores file), `scores` (the same, or the shards a
 command was given), `truth` and `labeled` (scores + the ground-truth `noisy` column) when a truth
-file is given. It also carries the file's provenance and summary (`scores.contract`), read once,
+file is given, and one view per attached table (`attach`: NAME -> a Parquet file, e.g. the
+output of `pairclean dedup`), which a predicate or a query joins with the scores. Attached files
+are the only other files the sandbox lets the session read. It also carries the file's provenance and summary (`scores.contract`), read once,
 so a command opens the file once and passes this object, not the path. Results come back as
 Arrow record batches, so printing or exporting a result is bounded by a batch.
 
@@ -14,6 +16,7 @@ helpers, and the matching of given shard paths to the names the file holds (`mat
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -27,6 +30,24 @@ from pairclean.scores.contract import Provenance, Summary, read_metadata
 from pairclean.scores.sql import duckdb_message, sandboxed_connection, sql_identifier, sql_string
 
 SCORE_COLUMNS = ("key", "shard", "index")
+VIEWS = ("scores_file", "scores", "truth", "labeled", "selected_shards")  # names an attached table cannot take
+ATTACH_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def parse_attachments(specs: list[str] | None, field: str = "attach") -> dict[str, str]:
+    """`NAME=FILE` specs -> {NAME: FILE}; a malformed spec, a reserved or repeated name is refused
+    naming `field`."""
+    attached: dict[str, str] = {}
+    for spec in specs or ():
+        name, sep, path = spec.partition("=")
+        name = name.strip()
+        if not sep or not path or not ATTACH_NAME.fullmatch(name):
+            raise ConfigError(f"bad `{field}` {spec!r}: give NAME=FILE, NAME a SQL name (letters, digits, _)", field)
+        if name.lower() in VIEWS or name.lower() in {n.lower() for n in attached}:
+            raise ConfigError(f"bad `{field}` {spec!r}: the name {name!r} is taken "
+                              f"({'a view of every session' if name.lower() in VIEWS else 'attached twice'})", field)
+        attached[name] = path
+    return attached
 NUMERIC_TYPES = ("FLOAT", "DOUBLE", "TINYINT", "SMALLINT", "INTEGER", "BIGINT", "HUGEINT", "UTINYINT",
                  "USMALLINT", "UINTEGER", "UBIGINT", "DECIMAL")  # DuckDB type names a column may start with
 
@@ -64,13 +85,22 @@ class ScoresDB:
     `scores_file` is always the whole file; `scores` is too unless `restrict` narrows it.
     """
 
-    def __init__(self, scores: str | Path, truth: str | Path | None = None, truth_key: str | None = None):
+    def __init__(self, scores: str | Path, truth: str | Path | None = None, truth_key: str | None = None,
+                 attach: dict[str, str | Path] | None = None):
         self.path = Path(scores)
         if not self.path.is_file():
             raise UserError(f"scores file not found: {self.path}")
+        self.attached = {name: Path(path) for name, path in (attach or {}).items()}
+        for name, path in self.attached.items():
+            if not ATTACH_NAME.fullmatch(name) or name.lower() in VIEWS:
+                raise ConfigError(f"cannot attach a table as {name!r}: give a SQL name that is not one of "
+                                  f"{', '.join(VIEWS)}", "attach")
+            if not path.is_file():
+                raise UserError(f"attached file not found: {path} ({name})")
         # Sorts and joins larger than memory spill here, not into a `.tmp` in the working directory.
         self._tmp = tempfile.mkdtemp(prefix="pairclean-duckdb-")
-        self.con = sandboxed_connection(self._tmp, [self.path] + ([Path(truth)] if truth is not None else []))
+        self.con = sandboxed_connection(self._tmp, [self.path] + ([Path(truth)] if truth is not None else [])
+                                        + list(self.attached.values()))
         try:
             self.con.execute(f"CREATE VIEW scores_file AS SELECT * FROM read_parquet({sql_string(self.path)})")
         except duckdb.Error as exc:
@@ -81,6 +111,12 @@ class ScoresDB:
             self.close()
             raise UserError(f"{self.path} is not a pairclean scores file (no column {', '.join(missing)})")
         self.con.execute("CREATE VIEW scores AS SELECT * FROM scores_file")
+        for name, path in self.attached.items():
+            try:
+                self.con.execute(f"CREATE VIEW {sql_identifier(name)} AS SELECT * FROM read_parquet({sql_string(path)})")
+            except duckdb.Error as exc:
+                self.close()
+                raise UserError(f"cannot read attached file {path} ({name}) as Parquet: {duckdb_message(exc)}") from None
         self._metadata: tuple[Provenance | None, Summary | None] | None = None
         self.truth_join: str | None = None
         if truth is not None:
@@ -89,6 +125,11 @@ class ScoresDB:
             except UserError:
                 self.close()
                 raise
+
+    @property
+    def inputs(self) -> list[Path]:
+        """Every file this session reads (what an output must never overwrite)."""
+        return [self.path, *self.attached.values()]
 
     def _read_metadata(self) -> tuple[Provenance | None, Summary | None]:
         if self._metadata is None:

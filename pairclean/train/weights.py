@@ -64,8 +64,9 @@ class WeightJoin:
 class _Scores:
     """`query.ScoresDB` (views, spill directory) plus the user's weight column and predicate, checked."""
 
-    def __init__(self, path: str | Path, column: str | None, predicate: str | None):
-        self.db = ScoresDB(path)
+    def __init__(self, path: str | Path, column: str | None, predicate: str | None,
+                 attach: dict[str, str] | None = None):
+        self.db = ScoresDB(path, attach=attach)
         self.path, self.con = self.db.path, self.db.con
         try:
             self._check(column, predicate)
@@ -110,11 +111,12 @@ class _Scores:
 
 def build_weight_arrays(scores: str | Path, spec: DatasetSpec, shards: list[ShardInfo], run_dir: Path,
                         column: str | None = "weight_norm", predicate: str | None = None, join: str = "auto",
-                        on_missing: str = "error", batch_rows: int = 65536) -> WeightJoin:
+                        on_missing: str = "error", batch_rows: int = 65536,
+                        attach: dict[str, str] | None = None) -> WeightJoin:
     """Write one weight array per training shard under RUN_DIR/weights and return the join summary."""
     check_choice(join, JOINS, "join")
     check_choice(on_missing, ON_MISSING, "on_missing")
-    src = _Scores(scores, column, predicate)
+    src = _Scores(scores, column, predicate, attach)
     con = src.con
     out = Path(run_dir) / WEIGHTS_DIR
     with src.db, staged_directory(out, overwrite=True) as tmp:

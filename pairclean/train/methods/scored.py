@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pairclean.config import check_choice
 from pairclean.errors import ConfigError
 from pairclean.ops import distributed
+from pairclean.scores.db import parse_attachments
 from pairclean.train.data import BatchPlan
 from pairclean.train.methods.base import Method, MethodContext, Shortcut
 from pairclean.train.weights import JOINS, ON_MISSING, build_weight_arrays
@@ -17,12 +18,18 @@ from pairclean.train.weights import JOINS, ON_MISSING, build_weight_arrays
 class ScoresOptions:
     scores: str | None = None  # the scores Parquet written by `pairclean score`
     filter: str | None = None  # DuckDB predicate over the scores: pairs where it is false are dropped
+    attach: str | None = None  # NAME=FILE: a Parquet file the predicate reads as the table NAME (e.g. dedup output)
     join: str = "auto"
     on_missing: str = "error"
 
     def __post_init__(self):
         check_choice(self.join, JOINS, "join")
         check_choice(self.on_missing, ON_MISSING, "on_missing")
+        self.attachments()  # a malformed NAME=FILE fails with the other settings
+
+    def attachments(self) -> dict[str, str]:
+        """{NAME: FILE} of `attach`."""
+        return parse_attachments([self.attach] if self.attach else [])
 
 
 def needs_scores(method: str, options: ScoresOptions) -> None:
@@ -33,6 +40,8 @@ def needs_scores(method: str, options: ScoresOptions) -> None:
 
 SCORES_SHORTCUTS = (
     Shortcut("--scores", "scores", "Scores Parquet the weights or the --filter predicate are read from."),
+    Shortcut("--attach", "attach", "NAME=FILE: a Parquet file (e.g. `pairclean dedup` output) the --filter predicate "
+                                   "reads as the table NAME."),
     Shortcut("--join", "join", "Join scores to shards by auto, shard-index or key."),
     Shortcut("--on-missing", "on_missing", "Pairs missing from the scores: error (default), drop, or keep (weight 1)."),
 )
@@ -48,7 +57,7 @@ class ScoredMethod(Method):
         self.join = None
 
     def input_files(self) -> list[str]:
-        return [self.options.scores]
+        return [self.options.scores, *self.options.attachments().values()]
 
     def setup(self, ctx: MethodContext) -> BatchPlan:
         """The weight arrays, built once by rank 0 under torch.distributed (RUN_DIR is shared) and
@@ -56,7 +65,7 @@ class ScoredMethod(Method):
         o = self.options
         self.join = distributed.on_main(lambda: build_weight_arrays(
             o.scores, ctx.spec, ctx.shards, ctx.run_dir, column=self.weight_column(), predicate=o.filter, join=o.join,
-            on_missing=o.on_missing))
+            on_missing=o.on_missing, attach=o.attachments()))
         return BatchPlan(weights_dir=self.join.directory, shard_files=self.join.shard_files, pairs=self.join.kept)
 
     def weight_column(self) -> str | None:
