@@ -2,7 +2,7 @@
 
 Layers, ground first (a module imports only from its own layer and those below):
 
-    errors, config < ops < data < backends < core < scores < scoring, curate < train < lab < cli
+    errors, config < ops < data < backends < core < scores < scoring, curate < dedup < train < lab < cli
 
 Packages of one layer (`scoring`, `curate`) stand side by side and do not import each other.
 `tests/test_layers.py` holds every import statement of the package to `LAYERS` (deferred imports
@@ -31,6 +31,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("core",),
     ("scores",),
     ("scoring", "curate"),
+    ("dedup",),  # reads saved embeddings and a scores file, and keeps its parts in scoring's part store
     ("train",),
     ("lab",),
     ("cli",),

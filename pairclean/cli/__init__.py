@@ -51,6 +51,7 @@ def _register_commands() -> None:
     from pairclean.cli import (  # noqa: F401  # noqa: F401
         audit,
         bench,  # noqa: F401
+        dedup,
         evaluate,
         filter,
         lab,

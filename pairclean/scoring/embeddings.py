@@ -50,6 +50,7 @@ NULL_PER_BATCH = 4096  # rows per batch (evenly spaced) that draw a null pair: b
 JOB_ROWS = 16384  # rows per thread-pool job (a run of blocks)
 NPY_DTYPES = (np.float16, np.float32, np.float64)
 _CLIP_RETRIEVAL = {"img_emb": "img_emb_", "text_emb": "text_emb_", "metadata": "metadata_"}
+ORIGIN_COLUMNS = ("shard", "index")  # metadata columns naming each row's pair in its dataset (`score --save-embeddings`)
 
 
 @dataclass
@@ -63,8 +64,9 @@ class NpyPair:
     dtype: str
     left_offset: int  # where the data starts, after the .npy header
     right_offset: int
-    keys: str | None = None
+    keys: str | None = None  # the metadata Parquet (clip-retrieval's metadata_N.parquet, or the numpy layout's key file)
     key_column: str | None = None
+    origin: bool = False  # the metadata also holds `shard` and `index`: where each row's pair lives in its dataset
 
 
 @dataclass
@@ -131,7 +133,9 @@ def _npy_pair(left: str, right: str, keys: str | None, key_field: str | None) ->
                               "key_field")
         if pf.metadata.num_rows != lshape[0]:
             raise UserError(f"{keys} has {pf.metadata.num_rows:,} rows but {left} has {lshape[0]:,}")
-    return NpyPair(left, right, int(lshape[0]), int(lshape[1]), str(ldtype), loffset, roffset, keys, column)
+        origin = set(ORIGIN_COLUMNS) <= set(names)
+    return NpyPair(left, right, int(lshape[0]), int(lshape[1]), str(ldtype), loffset, roffset, keys, column,
+                   keys is not None and origin)
 
 
 def _numbered(directory: Path, prefix: str, suffix: str) -> dict[str, Path]:
@@ -339,10 +343,22 @@ class EmbeddingBatch:
     keys: pa.Array | None
     rows: ArrayRows | NpyRows
     bad: dict[int, str] = field(default_factory=dict)  # row position -> reason it has no usable vector
+    origin: tuple[pa.Array, pa.Array] | None = None  # (shard, index) of each row's pair in its dataset, if recorded
+
+    def identity(self) -> tuple[pa.Array, pa.Array, np.ndarray]:
+        """(key, shard, index) of every row, as the scores file names the pair: where the metadata
+        records the pair's dataset shard and index (`score --save-embeddings`), those, so scores
+        computed again from the embeddings join the first run's and its truth; else the embedding
+        file and the row in it, and `<file stem>/<row>` for a missing key."""
+        keys = self.keys if self.keys is not None else _default_keys(self.shard, self.index)
+        if self.origin is not None:
+            return keys, self.origin[0], self.origin[1].to_numpy(zero_copy_only=False)
+        return keys, pa.repeat(self.shard, len(self.index)), self.index
 
 
-def _read_keys(pair: NpyPair, start: int, stop: int) -> pa.Array | None:
-    """Keys of rows [start, stop) from the pair's key file, reading only the row groups they span."""
+def _read_metadata(pair: NpyPair, start: int, stop: int) -> pa.Table | None:
+    """The key (and origin) columns of rows [start, stop) from the pair's metadata file, reading
+    only the row groups they span."""
     if pair.keys is None:
         return None
     pf = pq.ParquetFile(pair.keys)
@@ -353,21 +369,29 @@ def _read_keys(pair: NpyPair, start: int, stop: int) -> pa.Array | None:
             groups.append(i)
             first = offset if first is None else first
         offset += n
-    table = pf.read_row_groups(groups, columns=[pair.key_column])
-    return pc.cast(table.column(0).combine_chunks().slice(start - first, stop - start), pa.string())
+    columns = [pair.key_column, *(ORIGIN_COLUMNS if pair.origin else ())]
+    table = pf.read_row_groups(groups, columns=columns).slice(start - first, stop - start)
+    return pa.table([pc.cast(table.column(0), pa.string()),
+                     *([pc.cast(table.column(1), pa.string()), pc.cast(table.column(2), pa.int64())]
+                       if pair.origin else [])],
+                    names=["key", *(ORIGIN_COLUMNS if pair.origin else ())])
 
 
 def _npy_batches(spec: EmbeddingSpec, unit: str, batch_rows: int) -> Iterator[EmbeddingBatch]:
     parsed = Unit.parse(unit)
     left_path, start, stop = parsed.path, parsed.part.start, parsed.part.stop
     pair = next(n for n in spec.npy if n.left == left_path)
-    keys = _read_keys(pair, start, stop)
+    meta = _read_metadata(pair, start, stop)
     files = NpyFiles(pair)
     try:
         for a in range(start, stop, batch_rows):
             b = min(a + batch_rows, stop)
+            rows = meta.slice(a - start, b - a) if meta is not None else None
             yield EmbeddingBatch(pair.left, np.arange(a, b, dtype=np.int64),
-                                 keys.slice(a - start, b - a) if keys is not None else None, NpyRows(files, a, b))
+                                 rows.column("key").combine_chunks() if rows is not None else None,
+                                 NpyRows(files, a, b),
+                                 origin=(rows.column("shard").combine_chunks(), rows.column("index").combine_chunks())
+                                 if pair.origin else None)
     finally:
         files.close()
 
@@ -574,9 +598,10 @@ def _score_unit(unit: str, spec: EmbeddingSpec, batch_rows: int, pool: ThreadPoo
     try:
         for batch in iter_batches(spec, unit, batch_rows):
             scores = score_batch(batch, pool, accumulator)
-            keys.append(batch.keys if batch.keys is not None else _default_keys(batch.shard, batch.index))
-            shards.append(pa.repeat(batch.shard, len(batch.index)))
-            index.append(batch.index)
+            batch_keys, batch_shards, batch_index = batch.identity()
+            keys.append(batch_keys)
+            shards.append(batch_shards)
+            index.append(batch_index)
             sims.append(scores.sim)
             nulls.append(scores.null_sim)
             errors.extend(scores.error)

@@ -150,13 +150,17 @@ class PartStore:
         table = pa.table({"key": columns["key"], "shard": columns["shard"], "index": columns["index"],
                           "sim": pa.array(values, type=pa.float32(), mask=bad), "null_sim": null,
                           "error": pc.if_else(unexplained, pa.scalar(NON_FINITE), error)}, schema=PART_SCHEMA)
-        with atomic_path(self.part_path(unit), temp_dir=self.dir) as tmp:
-            pq.write_table(table, tmp, use_dictionary=["shard", "error"])  # keys are unique: no dictionary
-        fault_point("part-written")
         n_errors = table.num_rows - table.column("error").null_count
-        write_json(self.record_path(unit), {**record, "unit": unit, "rows": table.num_rows, "errors": n_errors,
-                                            "null_rows": table.num_rows - null.null_count},
-                   temp_dir=self.dir)
+        self.commit_table(unit, table, {**record, "errors": n_errors, "null_rows": table.num_rows - null.null_count},
+                          use_dictionary=["shard", "error"])  # keys are unique: no dictionary
+
+    def commit_table(self, unit: str, table: pa.Table, record: dict, **write_options) -> None:
+        """Write any part (a table of rows) and then its commit record (`rows` added): the commit
+        protocol of every run that keeps parts here (scoring's scores, dedup's assignments and clusters)."""
+        with atomic_path(self.part_path(unit), temp_dir=self.dir) as tmp:
+            pq.write_table(table, tmp, **write_options)
+        fault_point("part-written")
+        write_json(self.record_path(unit), {**record, "unit": unit, "rows": table.num_rows}, temp_dir=self.dir)
         fault_point("committed")
 
     # -- starting, resuming, finishing ------------------------------------------------------
