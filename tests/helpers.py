@@ -4,6 +4,8 @@ process, tiny configs, small real datasets and scores files."""
 from __future__ import annotations
 
 import json
+import os
+import traceback
 from pathlib import Path
 
 from pairclean.cli import main
@@ -57,3 +59,27 @@ def tiny_scores(source: Path, out: Path) -> Path:
     score(open_dataset(str(source)), out, ScoreConfig(model="pairclean-tiny", pretrained="none", beta_k=64,
                                                       batch_size=8, workers=0, seed=0))
     return out
+
+
+def forked(fn, fault: str | None = None) -> int:
+    """Run fn() in a forked child; its exit status, or minus the signal that ended it."""
+    import open_clip  # noqa: F401 - imported once here rather than in every child
+    import torch
+
+    pid = os.fork()
+    if pid == 0:  # the child: never returns into pytest
+        code = 0
+        try:
+            if fault:
+                os.environ["PAIRCLEAN_FAULT"] = fault
+            else:
+                os.environ.pop("PAIRCLEAN_FAULT", None)
+            torch.set_num_threads(1)  # a forked child must not use the parent's OpenMP pool
+            fn()
+        except BaseException:  # noqa: BLE001 - report, then leave the child
+            traceback.print_exc()
+            code = 1
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    return -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)

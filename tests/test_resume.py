@@ -13,13 +13,13 @@ import json
 import math
 import os
 import signal
-import traceback
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
+from helpers import forked
 
 from pairclean.ops.atomic import atomic_path, is_temp_name, temp_name
 from pairclean.errors import UserError
@@ -28,30 +28,6 @@ from pairclean.scoring.model import score
 from pairclean.scoring.parts import NON_FINITE, PartStore, parts_dir_for
 
 SETTINGS = {"model": "m", "beta_mode": "random-inputs", "weight_fn": "cubic", "units_sha1": "x", "n_units": 2}
-
-
-def forked(fn, fault: str | None = None) -> int:
-    """Run fn() in a forked child; its exit status, or minus the signal that ended it."""
-    import open_clip  # noqa: F401 - imported once here rather than in every child
-    import torch
-
-    pid = os.fork()
-    if pid == 0:  # the child: never returns into pytest
-        code = 0
-        try:
-            if fault:
-                os.environ["PAIRCLEAN_FAULT"] = fault
-            else:
-                os.environ.pop("PAIRCLEAN_FAULT", None)
-            torch.set_num_threads(1)  # a forked child must not use the parent's OpenMP pool
-            fn()
-        except BaseException:  # noqa: BLE001 - report, then leave the child
-            traceback.print_exc()
-            code = 1
-        finally:
-            os._exit(code)
-    _, status = os.waitpid(pid, 0)
-    return -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
 
 
 @contextmanager

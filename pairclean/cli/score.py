@@ -11,6 +11,7 @@ from rich.table import Table
 import pairclean.cli.options as options
 from pairclean.cli.app import app, console
 from pairclean.cli.progress import RichProgress
+from pairclean.errors import UserError
 from pairclean.scores.rules import DEFAULT_RULES, REGISTRY
 
 RULE_HELP = "; ".join(f"{name}" + (f" ({', '.join(cls.OPTIONS)})" if cls.OPTIONS else "") + f": {cls.__doc__.split(chr(10))[0]}"
@@ -37,6 +38,9 @@ def summary_table(result) -> Table:
     else:
         table.add_row("throughput", f"{result.pairs_per_second:,.1f} pairs/s" + (" (resumed run)" if result.resumed else ""))
         table.add_row("time: beta / scoring", f"{s['beta_seconds']:.1f} s ({s['beta_source']}) / {s['scoring_seconds']:.1f} s")
+        if s.get("embeddings_dir"):
+            table.add_row("embeddings saved", f"{s['embeddings_saved']:,} pairs, {s['embedding_bytes'] / 1e6:,.1f} MB "
+                                              f"-> {s['embeddings_dir']}")
         if s.get("batches"):
             table.add_row("batches", f"{s['batches']:,} ({s['full_batches']:,} full, mean fill {s['mean_batch_fill']:.0%})")
         if len(by_rank := result.provenance.get("units_by_rank", {})) > 1:
@@ -77,6 +81,10 @@ def score_command(
     keys: Optional[str] = typer.Option(None, help="--from-embeddings, numpy layout: Parquet file with one key per row (--key-field names the column)."),
     random_embeddings: Optional[List[str]] = typer.Option(None, help="--from-embeddings: embeddings of random inputs from the same model, "
                                                           "in any of the layouts (repeat for two .npy files); beta = their mean cross cosine."),
+    save_embeddings: Optional[Path] = typer.Option(None, help="Also write every pair's embeddings to this directory in clip-retrieval's "
+                                                   "layout (img_emb/, text_emb/, metadata/ with key, shard, index) with the model's provenance: "
+                                                   "`pairclean dedup` and `score --from-embeddings` read it."),
+    embeddings_dtype: str = typer.Option("float16", help="--save-embeddings: float16 or float32."),
     overwrite: bool = typer.Option(False, help="Replace an existing output (and discard an unfinished run)."),
     resume: bool = typer.Option(False, help="Continue an unfinished run, failing if there is none (re-running the same command resumes anyway)."),
 ) -> None:
@@ -88,6 +96,8 @@ def score_command(
     rules = (*DEFAULT_RULES, *(rule or ()))
     check_output(out, source)  # the directories named; the files read are checked by the run
     if from_embeddings:
+        if save_embeddings is not None:
+            raise UserError("--save-embeddings writes the embeddings a model computes; --from-embeddings runs no model")
         from pairclean.scoring.embeddings import (
             EmbeddingScoreConfig,
             open_embeddings,
@@ -109,7 +119,8 @@ def score_command(
                       device=device, precision=precision, decode=decode,
                       batch_size=batch_size, workers=workers, beta_mode=beta_mode, beta=beta, beta_k=beta_k,
                       weight_fn=weight_fn, seed=seed, gmm_sample=gmm_sample, rules=rules, overwrite=overwrite, resume=resume,
-                      compile=compile, beta_cache=beta_cache, progress=RichProgress(console))
+                      compile=compile, beta_cache=beta_cache, save_embeddings=save_embeddings,
+                      embeddings_dtype=embeddings_dtype, progress=RichProgress(console))
     result = score(spec, out, cfg)
     if result.summary:  # under torchrun only rank 0 finalizes and reports
         console.print(summary_table(result))

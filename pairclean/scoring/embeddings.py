@@ -20,6 +20,7 @@ or the shuffled-pairs diagnostic.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import threading
@@ -50,6 +51,7 @@ NULL_PER_BATCH = 4096  # rows per batch (evenly spaced) that draw a null pair: b
 JOB_ROWS = 16384  # rows per thread-pool job (a run of blocks)
 NPY_DTYPES = (np.float16, np.float32, np.float64)
 _CLIP_RETRIEVAL = {"img_emb": "img_emb_", "text_emb": "text_emb_", "metadata": "metadata_"}
+SAVED_PROVENANCE = "provenance.json"  # beside img_emb/ when `score --save-embeddings` wrote the directory
 ORIGIN_COLUMNS = ("shard", "index")  # metadata columns naming each row's pair in its dataset (`score --save-embeddings`)
 
 
@@ -80,6 +82,7 @@ class EmbeddingSpec:
     right_field: str = "right_emb"
     key_field: str | None = None
     dim: int | None = None
+    saved: dict | None = None  # DIR/provenance.json of a directory `score --save-embeddings` wrote
 
     def inputs(self) -> list[str]:
         return [p for n in self.npy for p in (n.left, n.right, n.keys) if p] + list(self.parquet)
@@ -189,6 +192,17 @@ def _parquet_dim(paths: list[str], column: str) -> int:
     raise UserError(f"column {column!r} holds no embedding in {', '.join(paths)}")
 
 
+def read_saved_provenance(directory: str | Path) -> dict | None:
+    """What `score --save-embeddings` recorded beside the embeddings (None: another tool wrote them)."""
+    path = Path(directory) / SAVED_PROVENANCE
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise UserError(f"cannot read {path}: {str(exc).splitlines()[0][:200]}") from None
+
+
 def detect_layout(sources: list[str]) -> str:
     if len(sources) == 1 and Path(sources[0]).is_dir() and (Path(sources[0]) / "img_emb").is_dir():
         return "clip-retrieval"
@@ -225,6 +239,9 @@ def open_embeddings(sources: str | list[str], layout: str = "auto", pair: str | 
         if len(sources) != 1 or not Path(sources[0]).is_dir():
             raise UserError("the clip-retrieval layout is one directory holding img_emb/ and text_emb/")
         spec.npy = _clip_retrieval(Path(sources[0]), key_field)
+        spec.saved = read_saved_provenance(sources[0])
+        if pair is None and spec.saved:
+            spec.pair = spec.saved.get("pair") or spec.pair
     elif layout == "numpy":
         if len(sources) != 2:
             raise UserError(f"the numpy layout is two .npy files (left, right), got {len(sources)} path(s)")
@@ -625,8 +642,11 @@ class EmbeddingsProducer(Producer):
 
     def __init__(self, spec: EmbeddingSpec, cfg: EmbeddingScoreConfig):
         self.spec, self.cfg = spec, cfg
-        # random-inputs needs embeddings of random inputs from the same model: there is no model to draw them
-        self.beta_modes = BETA_MODES if cfg.random_embeddings is not None else ("fixed", "shuffled")
+        # random-inputs needs embeddings of random inputs from the same model (there is no model to draw
+        # them), or the random-inputs beta that the run which saved these embeddings computed with it
+        saved = (spec.saved or {}).get("beta") or {}
+        self.saved_beta = BetaEstimate(**saved) if saved.get("mode") == "random-inputs" else None
+        self.beta_modes = BETA_MODES if cfg.random_embeddings is not None or self.saved_beta else ("fixed", "shuffled")
 
     def missing_beta(self) -> ConfigError:
         return ConfigError("scoring from embeddings has no model to draw random inputs with: pass "
@@ -645,6 +665,9 @@ class EmbeddingsProducer(Producer):
 
     def random_beta(self) -> tuple[BetaEstimate, str]:
         rand = self.cfg.random_embeddings
+        if rand is None:
+            return self.saved_beta, (f"recorded with the embeddings by the run that saved them "
+                                     f"({Path(self.spec.sources[0]) / SAVED_PROVENANCE}: the same model's random inputs)")
         beta = random_embeddings_beta(rand, self.cfg.batch_rows)
         return beta, f"computed from random-input embeddings supplied by the user ({', '.join(rand.sources)})"
 
@@ -676,7 +699,8 @@ class EmbeddingsProducer(Producer):
                 pool.shutdown()
         return {}
 
-    def finish(self, records: dict[str, dict], counters: dict[str, int], todo: int) -> tuple[dict, dict]:
+    def finish(self, records: dict[str, dict], counters: dict[str, int], todo: int,
+               beta: BetaEstimate) -> tuple[dict, dict]:
         units = list(records)
         not_unit = {side: sum(records[u].get(f"not_unit_{side}", 0) for u in units) for side in ("left", "right")}
         deviation = max((records[u].get("max_norm_deviation", 0.0) for u in units), default=0.0)
@@ -686,6 +710,8 @@ class EmbeddingsProducer(Producer):
         spec = self.spec
         estimator = {"backend": "precomputed-embeddings", "layout": spec.layout, "embedding_dim": spec.dim,
                      "dtype": sorted({n.dtype for n in spec.npy}) or None}
+        if spec.saved:  # the model that computed them, as the saving run recorded it
+            estimator["saved_by"] = {k: spec.saved.get(k) for k in ("estimator", "weights_sha1", "preprocessing")}
         provenance = {"estimator": estimator, "pair": spec.pair, "input_shards": spec.inputs(), "dataset": None,
                       "renormalised": {**not_unit, "max_norm_deviation": deviation}}
         return provenance, {"not_unit_left": not_unit["left"], "not_unit_right": not_unit["right"]}
@@ -697,12 +723,41 @@ def score_embeddings(spec: EmbeddingSpec, out: str | Path, config: EmbeddingScor
     return run_scoring(EmbeddingsProducer(spec, cfg), out, cfg)
 
 
+def write_embedding_block(directory: str | Path, number: int, left: np.ndarray, right: np.ndarray,
+                          metadata: pa.Table | None = None, temp_dir: str | Path | None = None) -> int:
+    """Write block `number` of clip-retrieval's layout under `directory` (img_emb/img_emb_N.npy,
+    text_emb/text_emb_N.npy, metadata/metadata_N.parquet): row-aligned left / right vectors and
+    their metadata (key, and `shard`, `index` where the pairs' dataset is known). Each file is
+    written under a temp name and renamed into place, so a block is rewritten whole or not at all;
+    the bytes written. The one writer of the layout (`write_embeddings`, `score --save-embeddings`)."""
+    from pairclean.ops.atomic import atomic_path
+
+    directory = Path(directory)
+    if left.shape != right.shape or left.ndim != 2:
+        raise UserError(f"left {left.shape} and right {right.shape} must be the same 2-D shape")
+    if metadata is not None and metadata.num_rows != len(left):
+        raise UserError(f"metadata holds {metadata.num_rows} rows for {len(left)} embeddings")
+    written = 0
+    for sub, array in (("img_emb", left), ("text_emb", right)):
+        (directory / sub).mkdir(parents=True, exist_ok=True)
+        with atomic_path(directory / sub / f"{_CLIP_RETRIEVAL[sub]}{number}.npy", temp_dir=temp_dir) as path:
+            with open(path, "wb") as fh:
+                np.save(fh, array)
+            written += path.stat().st_size
+    if metadata is not None:
+        (directory / "metadata").mkdir(parents=True, exist_ok=True)
+        with atomic_path(directory / "metadata" / f"{_CLIP_RETRIEVAL['metadata']}{number}.parquet",
+                         temp_dir=temp_dir) as path:
+            pq.write_table(metadata, path)
+            written += path.stat().st_size
+    return written
+
+
 def write_embeddings(directory: str | Path, chunks: Iterable[tuple[np.ndarray, np.ndarray, list[str] | None]],
                      overwrite: bool = False) -> Path:
-    """Write row-aligned (left, right, keys) chunks in clip-retrieval's layout, one numbered file
+    """Write row-aligned (left, right, keys) chunks in clip-retrieval's layout, one numbered block
     per chunk (benchmarks and tests use it; so can users handing their own arrays to
     `pairclean score --from-embeddings`). Chunks are written as they come: memory is one chunk."""
-    from pairclean.ops.atomic import atomic_path
     from pairclean.data.writer import staged_directory
 
     directory = Path(directory)
@@ -710,13 +765,6 @@ def write_embeddings(directory: str | Path, chunks: Iterable[tuple[np.ndarray, n
         for sub in _CLIP_RETRIEVAL:
             (tmp / sub).mkdir()
         for number, (left, right, keys) in enumerate(chunks):
-            if left.shape != right.shape or left.ndim != 2:
-                raise UserError(f"left {left.shape} and right {right.shape} must be the same 2-D shape")
-            for sub, array in (("img_emb", left), ("text_emb", right)):
-                with atomic_path(tmp / sub / f"{_CLIP_RETRIEVAL[sub]}{number}.npy") as path:
-                    with open(path, "wb") as fh:
-                        np.save(fh, array)
-            if keys is not None:
-                with atomic_path(tmp / "metadata" / f"metadata_{number}.parquet") as path:
-                    pq.write_table(pa.table({"key": pa.array(keys, pa.string())}), path)
+            write_embedding_block(tmp, number, left, right,
+                                  pa.table({"key": pa.array(keys, pa.string())}) if keys is not None else None)
     return directory

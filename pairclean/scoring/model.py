@@ -11,13 +11,16 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 from collections import defaultdict
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+import pyarrow as pa
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
+from pairclean import __version__
 from pairclean.backends import build_estimator, check_backend
 from pairclean.backends.base import file_sha256, resolve_precision
 from pairclean.backends.device_jpeg import finish_batch
@@ -26,13 +29,16 @@ from pairclean.ops.faults import slow_point
 from pairclean.ops import distributed
 from pairclean.ops.notices import notice_once
 from pairclean.ops.worker_memory import steady_worker_memory
-from pairclean.config import check_numbers, check_pretrained, unpinned
+from pairclean.config import check_choice, check_numbers, check_pretrained, unpinned
 from pairclean.core.beta import BetaEstimate, ShuffledAccumulator
 from pairclean.core.scorer import null_partners
 from pairclean.data.manifest import DatasetSpec, open_dataset
 from pairclean.data.reader import UnitFailure, count_pairs, list_units, modalities, read_unit
-from pairclean.errors import ConfigError
-from pairclean.scoring.beta_cache import BetaCache, cached_random_input_beta
+from pairclean.errors import ConfigError, UserError
+from pairclean.ops.atomic import remove_stale_temps, write_json
+from pairclean.ops.guard import check_output
+from pairclean.scoring.beta_cache import BetaCache, cached_random_input_beta, weights_fingerprint
+from pairclean.scoring.embeddings import SAVED_PROVENANCE, write_embedding_block
 from pairclean.scoring.run import Commit, Producer, RunConfig, ScoreResult, Work, run_scoring
 
 
@@ -49,6 +55,8 @@ class ScoreConfig(RunConfig):
     batch_size: int = unpinned(256)
     workers: int = unpinned(2)
     beta_k: int = 1024
+    save_embeddings: str | None = None  # directory: also write every pair's embeddings in clip-retrieval's layout
+    embeddings_dtype: str = "float16"  # what they are stored as
 
     def __post_init__(self):
         super().__post_init__()
@@ -56,8 +64,13 @@ class ScoreConfig(RunConfig):
             raise ConfigError("batch_size must be at least 1", "batch_size")
         check_numbers(self, at_least={"workers": 0, "beta_k": 1})
         check_pretrained(self.pretrained)
+        check_choice(self.embeddings_dtype, EMBEDDING_DTYPES, "embeddings_dtype")
+        if self.save_embeddings is not None:
+            self.save_embeddings = str(self.save_embeddings)
 
 
+EMBEDDING_DTYPES = ("float16", "float32")
+LAYOUT_ENTRIES = ("img_emb", "text_emb", "metadata", SAVED_PROVENANCE)  # what a fresh run clears in save_embeddings
 GROUP_BATCHES = 16  # a group of units holds at least this many batches' worth of pairs
 PACKING_SAMPLE = 4  # leading units whose pairs are counted (headers only) to size the groups
 
@@ -152,7 +165,29 @@ class ModelProducer(Producer):
         self.device_type = "cuda" if cfg.device in ("auto", "cuda") and torch.cuda.is_available() else "cpu"
 
     def units(self) -> list[str]:
-        return list_units(self.spec)
+        units = list_units(self.spec)
+        self.block_of = {unit: number for number, unit in enumerate(units)}  # save_embeddings: block N = unit N
+        return units
+
+    def started(self, resumed: bool) -> None:
+        """save_embeddings: a fresh run starts from an empty directory (a resumed one keeps the
+        blocks of its committed units; any other block is rewritten when its unit is scored)."""
+        directory = self.cfg.save_embeddings
+        if directory is None:
+            return
+        directory = Path(directory)
+        found = [directory / name for name in LAYOUT_ENTRIES if (directory / name).exists()]
+        if not resumed and found:
+            if not self.cfg.overwrite:
+                raise ConfigError(f"`save_embeddings` {directory} already holds embeddings; pass `overwrite` to "
+                                  "replace them, or give another directory", "save_embeddings", "overwrite")
+            for path in found:
+                shutil.rmtree(path) if path.is_dir() else path.unlink()
+        if not directory.parent.is_dir():
+            raise UserError(f"the parent of `save_embeddings` {directory} does not exist")
+        directory.mkdir(exist_ok=True)
+        for folder in (directory, *(directory / name for name in LAYOUT_ENTRIES)):
+            remove_stale_temps(folder)  # a killed run's half-written block files (this run holds the lock)
 
     def settings(self) -> dict:
         spec, pretrained = self.spec, self.cfg.pretrained
@@ -210,6 +245,8 @@ class ModelProducer(Producer):
                             pin_memory=estimator.device.type == "cuda", prefetch_factor=2 if workers else None,
                             persistent_workers=False, worker_init_fn=steady_worker_memory)
         rows: dict[str, dict[str, list]] = defaultdict(lambda: defaultdict(list))
+        saved: dict[str, dict[str, list]] = defaultdict(lambda: defaultdict(list))  # save_embeddings, per unit
+        save_dtype = getattr(torch, cfg.embeddings_dtype)
         accumulators: dict[str, ShuffledAccumulator] = defaultdict(ShuffledAccumulator)
         backoff = {left_mod: OomBackoff(), right_mod: OomBackoff()}  # halves a side's chunks on out-of-memory
         counters = {"batches": 0, "full_batches": 0, "batch_rows": 0}
@@ -229,10 +266,17 @@ class ModelProducer(Producer):
                 partners = torch.from_numpy(null_partners(len(u))).to(v.device)
                 null_values = iter((u * v[partners]).sum(-1).cpu().tolist() if len(partners) else [None] * len(u))
                 ok_units = [unit for unit, good in zip(batch["unit"], ok) if good]
+                ok_rows = [i for i, good in enumerate(ok) if good]
                 for unit in dict.fromkeys(ok_units):
                     if unit not in work.done:
                         mask = torch.tensor([x == unit for x in ok_units])
                         accumulators[unit].add(u[mask], v[mask])
+                        if cfg.save_embeddings is not None:
+                            block = saved[unit]
+                            block["left"].append(u[mask].to(save_dtype).cpu())
+                            block["right"].append(v[mask].to(save_dtype).cpu())
+                            for name in ("key", "shard", "index"):
+                                block[name].extend(batch[name][i] for i, m in zip(ok_rows, mask.tolist()) if m)
                 it = iter(values)
                 sims = [next(it) if good else None for good in ok]
                 nulls = [next(null_values) if good else None for good in ok]
@@ -250,19 +294,56 @@ class ModelProducer(Producer):
             for unit, failure, count in batch["done"]:
                 columns = rows.pop(unit, {"key": [], "shard": [], "index": [], "sim": [], "null_sim": [], "error": []})
                 errors = sum(e is not None for e in columns["error"])
-                commit(unit, dict(columns), {"errors": errors, "failure": failure,
-                                             "shuffled": accumulators.pop(unit, ShuffledAccumulator()).state()})
+                record = {"errors": errors, "failure": failure,
+                          "shuffled": accumulators.pop(unit, ShuffledAccumulator()).state()}
+                if cfg.save_embeddings is not None:  # the unit's block first: committed units have theirs
+                    record.update(self._save_block(unit, saved.pop(unit, None)))
+                commit(unit, dict(columns), record)
             slow_point()
         return counters
 
-    def finish(self, records: dict[str, dict], counters: dict[str, int], todo: int) -> tuple[dict, dict]:
+    def _save_block(self, unit: str, block: dict | None) -> dict:
+        """Write the unit's embeddings as block N (N: the unit's place in the run) and return what
+        its commit record says of them. A unit without a usable pair writes no block."""
+        if not block or not block["left"]:
+            return {"embeddings": 0, "embedding_bytes": 0}
+        left, right = torch.cat(block["left"]).numpy(), torch.cat(block["right"]).numpy()
+        metadata = pa.table({"key": pa.array(block["key"], pa.string()), "shard": pa.array(block["shard"], pa.string()),
+                             "index": pa.array(block["index"], pa.int64())})
+        written = write_embedding_block(self.cfg.save_embeddings, self.block_of[unit], left, right, metadata)
+        return {"embeddings": len(left), "embedding_bytes": written}
+
+    def finish(self, records: dict[str, dict], counters: dict[str, int], todo: int,
+               beta: BetaEstimate) -> tuple[dict, dict]:
         batches = counters["batches"]
         fill = counters["batch_rows"] / (batches * self.cfg.batch_size) if batches else 0.0
         if notice := small_shards_notice(counters["pairs"], todo, self.cfg.batch_size, fill):
             notice_once("small-shards", notice, "batch_size")
+        extra = {"batches": batches, "full_batches": counters["full_batches"], "mean_batch_fill": fill}
+        if self.cfg.save_embeddings is not None:
+            extra.update(self._saved_provenance(records, beta))
         return ({"estimator": self.estimator.provenance(), "pair": self.spec.pair, "input_shards": self.spec.shards,
-                 "dataset": self.spec.name},
-                {"batches": batches, "full_batches": counters["full_batches"], "mean_batch_fill": fill})
+                 "dataset": self.spec.name}, extra)
+
+    def _saved_provenance(self, records: dict[str, dict], beta: BetaEstimate) -> dict:
+        """DIR/provenance.json, written when every unit is committed (its presence marks the
+        directory complete): the model, its weights' hash, the preprocessing, the run's beta."""
+        estimator, cfg = self.estimator, self.cfg
+        rows = sum(r.get("embeddings", 0) for r in records.values())
+        written = sum(r.get("embedding_bytes", 0) for r in records.values())
+        model = getattr(estimator, "model", None)
+        left, right = modalities(self.spec.pair)
+        provenance = {
+            "written_by": "pairclean score", "pairclean_version": __version__, "estimator": estimator.provenance(),
+            "weights_sha1": weights_fingerprint(model) if isinstance(model, torch.nn.Module) else None,
+            "preprocessing": repr(estimator.input_signature()) if hasattr(estimator, "input_signature") else None,
+            "pair": self.spec.pair, "img_emb": left, "text_emb": right, "dtype": cfg.embeddings_dtype,
+            "normalised": True, "rows": rows, "bytes": written, "dataset": self.spec.name,
+            "input_shards": self.spec.shards, "beta": beta.as_dict(),
+            "blocks": {str(self.block_of[u]): {"unit": u, "rows": r.get("embeddings", 0)}
+                       for u, r in records.items() if r.get("embeddings")}}
+        write_json(Path(cfg.save_embeddings) / SAVED_PROVENANCE, provenance)
+        return {"embeddings_saved": rows, "embedding_bytes": written, "embeddings_dir": cfg.save_embeddings}
 
 
 def score(source: str | list[str] | DatasetSpec, out: str | Path, config: ScoreConfig | None = None,
@@ -270,6 +351,8 @@ def score(source: str | list[str] | DatasetSpec, out: str | Path, config: ScoreC
     """Score every pair of `source` and write `out` (Parquet); resumes an interrupted run."""
     cfg = config or ScoreConfig()
     spec = source if isinstance(source, DatasetSpec) else open_dataset(source)
+    if cfg.save_embeddings is not None:
+        check_output(cfg.save_embeddings, spec.shards, "save_embeddings")
     if cfg.precision == "auto":  # pinned in the settings as what it means on this machine
         cfg = replace(cfg, precision=resolve_precision(cfg.device, "auto"))
     return run_scoring(ModelProducer(spec, cfg, estimator), out, cfg)

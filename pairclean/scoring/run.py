@@ -80,9 +80,10 @@ class Work:
 class Producer(ABC):
     """Turns units into similarities. The lifecycle calls, in order: `units()`, `settings()`,
     `prepare()` (after the finished-run check, before anything is written: build and so
-    validate a model), `groups(units)` (once, when a run starts: the packing is then pinned),
+    validate a model), `started(resumed)` (rank 0, once the run is pinned: a fresh run or a
+    resumed one), `groups(units)` (once, when a run starts: the packing is then pinned),
     `random_beta()` (beta mode random-inputs only), `score(work, commit, task)` on every rank,
-    then `finish(records, counters, todo)` on rank 0."""
+    then `finish(records, counters, todo, beta)` on rank 0."""
 
     beta_modes: ClassVar[tuple[str, ...]] = BETA_MODES
     device_type: str = "cpu"  # torch.distributed backend choice: "cuda" -> NCCL, else gloo
@@ -97,6 +98,9 @@ class Producer(ABC):
 
     def prepare(self) -> None:
         """Nothing to build."""
+
+    def started(self, resumed: bool) -> None:
+        """Nothing of its own to set up (a producer that writes beside the parts prepares it here)."""
 
     def groups(self, units: list[str]) -> list[list[str]]:
         """Units packed into groups whose pairs may share batches: one unit each unless the
@@ -118,9 +122,11 @@ class Producer(ABC):
         `pairs` is counted from the commits)."""
 
     @abstractmethod
-    def finish(self, records: dict[str, dict], counters: dict[str, int], todo: int) -> tuple[dict, dict]:
+    def finish(self, records: dict[str, dict], counters: dict[str, int], todo: int,
+               beta: BetaEstimate) -> tuple[dict, dict]:
         """(provenance entries: `estimator`, `pair`, `input_shards`, `dataset`, ...; extra summary
-        entries). `counters`: `score`'s, summed over ranks, with `pairs` (scored by this run)."""
+        entries). `counters`: `score`'s, summed over ranks, with `pairs` (scored by this run);
+        `beta`: the run's."""
 
 
 @dataclass
@@ -181,6 +187,7 @@ def run_scoring(producer: Producer, out: str | Path, cfg: RunConfig) -> ScoreRes
 
     def start_run():
         start = store.begin(out, settings, units, overwrite=cfg.overwrite, resume=cfg.resume)
+        producer.started(start.resumed)
         began = time.perf_counter()
         saved = store.load_beta()
         if saved is not None:
@@ -230,7 +237,7 @@ def run_scoring(producer: Producer, out: str | Path, cfg: RunConfig) -> ScoreRes
         raise RuntimeError(f"{len(missing)} unit(s) were not committed (first: {missing[0]})")
     if beta is None:
         beta = shuffled_beta([records[u].get("shuffled") for u in units])
-    produced, extra = producer.finish(records, counters, todo)
+    produced, extra = producer.finish(records, counters, todo, beta)
     by_rank = [records[u]["rank"] for u in units if u not in work.done and "rank" in records[u]]
     provenance = {**produced, "seed": cfg.seed, "beta_mode": cfg.beta_mode, "beta_source": beta_source,
                   "world_size": distributed.world_size(),
