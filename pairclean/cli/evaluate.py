@@ -94,3 +94,54 @@ def detection_command(
     target = json_out or scores.with_name(scores.stem + ".detection.json")
     write_json(target, result)
     console.print(f"metrics written to {target}")
+
+
+def dedup_tables(result: dict):
+    """The dedup metrics as rich tables: per duplicate kind, then overall and removal."""
+    from rich.table import Table
+
+    def pct(value) -> str:
+        return "n/a" if value is None else f"{value:.2f}"
+
+    table = Table(title=f"dedup vs planted truth: {result['side']} side, threshold {result['threshold']}, "
+                        f"keep {result['keep']} ({result['rows']:,} rows)")
+    for name in ("kind", "true pairs", "found", "recall %", "precision %"):
+        table.add_column(name, justify="left" if name == "kind" else "right")
+    for kind, m in result["kinds"].items():
+        table.add_row(kind, f"{m['true_pairs']:,}", f"{m['found']:,}", pct(m["recall"]), pct(m["precision"]))
+    table.add_row("[bold]all[/bold]", f"{result['true_pairs']:,}", f"{result['found_pairs']:,}", pct(result["recall"]),
+                  pct(result["precision"]))
+    summary = Table(show_header=False)
+    summary.add_column(style="bold")
+    summary.add_column(justify="right")
+    summary.add_row("predicted duplicate pairs (true)", f"{result['predicted_pairs']:,} ({result['found_pairs']:,})")
+    summary.add_row("removed rows (justified: a true duplicate was kept)",
+                    f"{result['removed']:,} ({pct(result['removal_precision'])}%)")
+    summary.add_row("planted groups: found / one copy kept",
+                    f"{result['planted_groups_found']:,} / {result['planted_groups_one_kept']:,} of {result['planted_groups']:,}")
+    if "kept_noisy_share" in result:
+        summary.add_row("noisy caption: kept copies / all copies of those groups",
+                        f"{pct(result['kept_noisy_share'])}% / {pct(result['noisy_share_in_groups'])}%")
+    summary.add_row("joined on", result["join"])
+    return table, summary
+
+
+@evaluate_app.command("dedup")
+def dedup_command(
+    dedup_file: Path = typer.Argument(..., help="Dedup Parquet written by `pairclean dedup`."),
+    truth: Path = typer.Option(..., "--truth", help="Duplicates truth (`pairclean corrupt --mode duplicate` writes it), or its manifest."),
+    noise_truth: Path | None = typer.Option(None, "--noise-truth", help="Caption-noise truth of the same pairs (`corrupt --mode shuffle` "
+                                                                         "on the duplicated data): how often the kept copy is the noisy one."),
+    side: str | None = typer.Option(None, help="image, text or both (default: the side the dedup ran on)."),
+    json_out: Path | None = typer.Option(None, "--json", help="Metrics JSON to write (default: DEDUP.evaluation.json)."),
+) -> None:
+    """Precision and recall of a dedup per planted duplicate kind (exact, reencode, resize, crop, caption, identical)."""
+    from pairclean.dedup.evaluation import evaluate_dedup
+    from pairclean.ops.atomic import write_json
+
+    result = evaluate_dedup(dedup_file, truth, noise_truth=noise_truth, side=side)
+    for table in dedup_tables(result):
+        console.print(table)
+    target = json_out or dedup_file.with_name(dedup_file.stem + ".evaluation.json")
+    write_json(target, result)
+    console.print(f"metrics written to {target}")

@@ -9,6 +9,7 @@ import typer
 
 from pairclean.cli.app import app, console
 from pairclean.cli.progress import RichProgress
+from pairclean.errors import UserError
 
 
 @app.command("corrupt")
@@ -19,8 +20,13 @@ def corrupt_command(
     seed: int = typer.Option(0, help="Noise seed."),
     mode: str = typer.Option("shuffle", help="shuffle: permute the drawn captions (NCR); hard: the caption of the nearest other item "
                                              "(TF-IDF of its texts); weak: replace ~30% of their words; "
-                                             "mixed: --ratio shuffled and --weak-ratio weakened, disjoint draws."),
+                                             "mixed: --ratio shuffled and --weak-ratio weakened, disjoint draws; "
+                                             "duplicate: add a copy of the drawn pairs (--kinds) in new shards."),
     weak_ratio: Optional[float] = typer.Option(None, help="--mode mixed: share of the pairs weakened beside the --ratio shuffled."),
+    kinds: Optional[str] = typer.Option(None, help="--mode duplicate: comma-separated exact, reencode, resize, crop, caption "
+                                                   "(default: every kind that applies)."),
+    other_captions: Optional[Path] = typer.Option(None, help="--mode duplicate: Parquet of (key, caption) rows, other captions of "
+                                                             "the same items, for the caption kind."),
     pair: Optional[str] = typer.Option(None, help="Pair kind (image-text or text-text; text-text noises the second text)."),
     overwrite: bool = typer.Option(False, help="Replace an existing output directory."),
 ) -> None:
@@ -31,9 +37,18 @@ def corrupt_command(
 
     check_output(out, source)  # the directories named; the files read are checked by corrupt()
     spec = open_dataset(source, pair=pair)
-    result = corrupt(spec, out, ratio, seed=seed, mode=mode, overwrite=overwrite, weak_ratio=weak_ratio)
-    console.print(f"{result.pairs:,} pairs copied to {result.out}: {result.selected:,} drawn, {result.noisy:,} noisy "
-                  f"({result.selected - result.noisy:,} drawn pairs kept their caption)", soft_wrap=True)
+    if mode == "duplicate":
+        from pairclean.lab.duplicates import plant_duplicates
+
+        result = plant_duplicates(spec, out, ratio, seed=seed, overwrite=overwrite, other_captions=other_captions,
+                                  kinds=tuple(k.strip() for k in kinds.split(",") if k.strip()) if kinds else None)
+        console.print(f"{result.pairs:,} pairs written to {result.out}: {result.selected:,} copies planted", soft_wrap=True)
+    else:
+        if kinds or other_captions:
+            raise UserError("--kinds and --other-captions go with --mode duplicate")
+        result = corrupt(spec, out, ratio, seed=seed, mode=mode, overwrite=overwrite, weak_ratio=weak_ratio)
+        console.print(f"{result.pairs:,} pairs copied to {result.out}: {result.selected:,} drawn, {result.noisy:,} noisy "
+                      f"({result.selected - result.noisy:,} drawn pairs kept their caption)", soft_wrap=True)
     console.print(f"truth: {result.truth}\nmanifest: {result.manifest}", soft_wrap=True)
 
 

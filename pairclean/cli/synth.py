@@ -22,13 +22,15 @@ def toy_world_command(
     shard_size: int = typer.Option(1000, help="Pairs per tar shard."),
     captions_per_scene: int = typer.Option(1, help="Captions per scene, one pair each (MS-COCO has 5); "
                                                    "--pairs must be a multiple."),
+    other_captions: int = typer.Option(0, help="Also write this many other wordings of each caption to captions/other-captions.parquet "
+                                               "(for corrupt --mode duplicate's caption kind)."),
     overwrite: bool = typer.Option(False, help="Replace an existing directory."),
 ) -> None:
     """Render coloured shapes (1-3 objects, colour, shape, size, layout) with captions that describe them."""
     from pairclean.lab.synth.world import build_world
 
     spec = build_world(out, pairs, seed=seed, shard_size=shard_size, overwrite=overwrite,
-                       captions_per_scene=captions_per_scene)
+                       captions_per_scene=captions_per_scene, other_captions=other_captions)
     console.print(f"{pairs:,} pairs in {len(spec.shards)} shard(s) under {out}; manifest {out / 'manifest.yaml'}")
 
 

@@ -21,8 +21,12 @@ from pairclean.data.manifest import FORMATS, DatasetSpec, write_manifest
 from pairclean.data.writer import staged_directory, write_shards
 
 
+OTHER_CAPTIONS = "captions/other-captions.parquet"  # beside the pairs: each image's captions after its first two
+
+
 def caption_pairs(captions_json: str | Path, limit: int | None = None) -> list[dict]:
-    """[{key, text, text2}] in image-id order; images with fewer than two captions are skipped."""
+    """[{key, text, text2, others}] in image-id order (`others`: the image's remaining captions);
+    images with fewer than two captions are skipped."""
     path = Path(captions_json)
     if path.is_dir():
         path = path / "captions_val2017.json"
@@ -36,14 +40,15 @@ def caption_pairs(captions_json: str | Path, limit: int | None = None) -> list[d
         caption = str(ann.get("caption", "")).strip()
         if caption:
             by_image[int(ann["image_id"])].append(caption)
-    pairs = [{"key": f"{image_id:012d}", "text": caps[0], "text2": caps[1]}
+    pairs = [{"key": f"{image_id:012d}", "text": caps[0], "text2": caps[1], "others": caps[2:]}
              for image_id, caps in sorted(by_image.items()) if len(caps) >= 2]
     return pairs[:limit] if limit else pairs
 
 
 def build_text_pairs(captions_json: str | Path, out: str | Path, format: str = "webdataset",
                      shard_size: int = 1000, limit: int | None = None, overwrite: bool = False) -> DatasetSpec:
-    """Write the caption pairs as WebDataset shards (txt, txt2) or one Parquet file, plus manifest.yaml."""
+    """Write the caption pairs as WebDataset shards (txt, txt2) or one Parquet file, plus manifest.yaml
+    and, for `corrupt --mode duplicate`, every image's other captions (captions/other-captions.parquet)."""
     check_choice(format, FORMATS, "format")
     if shard_size < 1:
         raise ConfigError("shard_size must be at least 1", "shard_size")
@@ -64,5 +69,8 @@ def build_text_pairs(captions_json: str | Path, out: str | Path, format: str = "
                 pq.write_table(table, part, row_group_size=shard_size)
         spec = DatasetSpec(format=format, shards=[str(tmp / n) for n in names], pair="text-text", name="coco-text")
         write_manifest(tmp / "manifest.yaml", spec)
+        (tmp / OTHER_CAPTIONS).parent.mkdir()
+        pq.write_table(pa.table({"key": [p["key"] for p in pairs for _ in p["others"]],
+                                 "caption": [c for p in pairs for c in p["others"]]}), tmp / OTHER_CAPTIONS)
     spec.shards = [str(out / n) for n in names]
     return spec

@@ -20,6 +20,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 from PIL import Image, ImageDraw
 
 from pairclean.errors import ConfigError
@@ -188,10 +190,28 @@ def samples(seed: int, index: int, captions_per_scene: int = 1) -> list[dict]:
             for j, text in enumerate(scene.captions(captions_per_scene, seed, index))]
 
 
+OTHER_CAPTIONS = "captions/other-captions.parquet"  # under the world: what `corrupt --mode duplicate` draws from
+
+
+def write_other_captions(path: Path, seed: int, scenes: int, n: int, batch: int = 65536) -> None:
+    """(key, caption) rows: `n` other wordings of each scene's caption (`Scene.captions` after its
+    own), the captions the one-caption world does not pair with its images."""
+    schema = pa.schema([("key", pa.string()), ("caption", pa.string())])
+    with pq.ParquetWriter(path, schema) as writer:
+        for start in range(0, scenes, batch):
+            keys, captions = [], []
+            for index in range(start, min(start + batch, scenes)):
+                for text in sample_scene(seed, index).captions(n + 1, seed, index)[1:]:
+                    keys.append(f"toy-{seed}-{index:07d}")
+                    captions.append(text)
+            writer.write_table(pa.table({"key": keys, "caption": captions}, schema=schema))
+
+
 def build_world(out: Path, pairs: int, seed: int = 0, shard_size: int = 1000, overwrite: bool = False,
-                captions_per_scene: int = 1) -> DatasetSpec:
+                captions_per_scene: int = 1, other_captions: int = 0) -> DatasetSpec:
     """Write `pairs` toy-world samples (pairs / captions_per_scene scenes) as WebDataset shards
-    plus manifest.yaml into `out`."""
+    plus manifest.yaml into `out`; with `other_captions` N (one-caption worlds), also N other
+    wordings of every caption in `out/captions/other-captions.parquet`."""
     if pairs < 1:
         raise ConfigError("pairs must be at least 1", "pairs")
     if shard_size < 1:
@@ -199,6 +219,9 @@ def build_world(out: Path, pairs: int, seed: int = 0, shard_size: int = 1000, ov
     if captions_per_scene < 1 or pairs % captions_per_scene:
         raise ConfigError(f"pairs ({pairs}) must be a multiple of captions_per_scene ({captions_per_scene})",
                           "pairs", "captions_per_scene")
+    if other_captions < 0 or (other_captions and captions_per_scene > 1):
+        raise ConfigError("other_captions (other wordings written beside a one-caption world) must be at least 0, "
+                          "and 0 when captions_per_scene is above 1", "other_captions", "captions_per_scene")
     out = Path(out)
     scenes = pairs // captions_per_scene
     name = f"toy-world-seed{seed}" + (f"-{captions_per_scene}-captions" if captions_per_scene > 1 else "")
@@ -208,4 +231,7 @@ def build_world(out: Path, pairs: int, seed: int = 0, shard_size: int = 1000, ov
         spec = DatasetSpec(format="webdataset", shards=[str(out / p.name) for p in sorted(tmp.glob("toy-*.tar"))],
                            fields=Fields(image="png"), name=name)
         write_manifest(tmp / "manifest.yaml", spec, shards_relative_to=out)
+        if other_captions:
+            (tmp / OTHER_CAPTIONS).parent.mkdir()
+            write_other_captions(tmp / OTHER_CAPTIONS, seed, scenes, other_captions)
     return spec

@@ -1,0 +1,164 @@
+"""Dedup quality against planted truth (`pairclean evaluate dedup`): precision and recall per kind.
+
+The truth is what `corrupt --mode duplicate` writes (`lab.duplicates`): each planted copy with its
+original (`dup_group`, `dup_kind`) and hashes of every pair's two sides. Two rows are true
+duplicates when they are a planted original and its copy (any kind: a re-encoded, resized or
+cropped image or another caption of the same item is a semantic duplicate on either side), or
+when the source already held them twice: identical content on the side deduplicated (`image`:
+the same image bytes; `text`: the same caption; `both`: both), the kind `identical`.
+
+Counted over pairs of rows: a predicted pair is two rows of one dedup group. Recall of a kind is
+the share of its true pairs that are predicted; precision overall the share of predicted pairs
+that are true; precision of a kind the share of the predicted pairs holding one of its copies
+that are true. Removal: a removed row (`kept` false) is justified when its group kept a row that
+is truly its duplicate. With a noise truth (`corrupt`'s `noisy` column over the same pairs), the
+share of noisy captions among the rows each planted group kept, against their share among all the
+rows of those groups: what `keep cleanest` is for.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import duckdb
+
+from pairclean.dedup.vectors import SIDES
+from pairclean.errors import UserError
+from pairclean.config import check_choice
+from pairclean.scores.contract import read_metadata
+from pairclean.scores.sql import duckdb_message, sandboxed_connection, sql_string
+
+KINDS = ("exact", "reencode", "resize", "crop", "caption", "identical")
+TRUTH_COLUMNS = ("dup_group", "dup_kind", "left_sha1", "right_sha1")
+_JOINS = [("shard, index", 'd.shard = t.shard AND d."index" = t."index"', 'shard, "index"'),
+          ("shard file name, index", 'parse_filename(d.shard) = parse_filename(t.shard) AND d."index" = t."index"',
+           'parse_filename(shard), "index"'),
+          ("key", "d.key = t.key", "key")]
+
+
+def _join(con, table: str) -> tuple[str, str]:
+    """(label, condition) of the first join of `d` with `table` that matches and is unique on its side."""
+    for label, condition, ident in _JOINS:
+        if con.execute(f"SELECT count(*) - count(DISTINCT ({ident})) FROM {table}").fetchall()[0][0]:
+            continue
+        condition = condition.replace("t.", f"{table}.")
+        if con.execute(f"SELECT count(*) FROM d JOIN {table} ON {condition}").fetchall()[0][0]:
+            return label, condition
+    raise UserError(f"the {table} file matches no row of the dedup output (joined on shard and index, "
+                    "shard file name and index, or key)")
+
+
+def evaluate_dedup(dedup_file: str | Path, truth: str | Path, noise_truth: str | Path | None = None,
+                   side: str | None = None) -> dict:
+    """Precision and recall of a dedup output against a duplicates truth (a Parquet or a manifest
+    whose `truth:` names it); `side` defaults to the one the output was made with."""
+    from pairclean.scores.evaluation import resolve_truth
+
+    dedup_file, truth = Path(dedup_file), resolve_truth(truth)
+    noise_truth = resolve_truth(noise_truth) if noise_truth is not None else None
+    for path in (dedup_file, truth, noise_truth):
+        if path is not None and not path.is_file():
+            raise UserError(f"file not found: {path}")
+    provenance = read_metadata(dedup_file)[0] or {}
+    side = side or provenance.get("side") or "image"
+    check_choice(side, SIDES, "side")
+    with _Session(dedup_file, truth, noise_truth) as con:
+        try:
+            return _measure(con, side, provenance, dedup_file, truth, noise_truth)
+        except duckdb.Error as exc:
+            raise UserError(f"cannot evaluate {dedup_file}: {duckdb_message(exc)}") from None
+
+
+class _Session:
+    def __init__(self, *files: Path | None):
+        import tempfile
+
+        self.tmp = tempfile.TemporaryDirectory(prefix="pairclean-dedup-eval-")
+        self.files = [f for f in files if f is not None]
+
+    def __enter__(self):
+        self.con = sandboxed_connection(self.tmp.name, self.files)
+        return self.con
+
+    def __exit__(self, *exc):
+        self.con.close()
+        self.tmp.cleanup()
+
+
+def _measure(con, side: str, provenance: dict, dedup_file: Path, truth: Path, noise_truth: Path | None) -> dict:
+    con.execute(f"CREATE VIEW d AS SELECT * FROM read_parquet({sql_string(dedup_file)})")
+    con.execute(f"CREATE VIEW truth AS SELECT * FROM read_parquet({sql_string(truth)})")
+    missing = [c for c in ("group_id", "kept") if c not in con.sql("SELECT * FROM d").columns]
+    if missing:
+        raise UserError(f"{dedup_file} is not a `pairclean dedup` output (no column {', '.join(missing)})")
+    missing = [c for c in TRUTH_COLUMNS if c not in con.sql("SELECT * FROM truth").columns]
+    if missing:
+        raise UserError(f"{truth} is not a duplicates truth (no column {', '.join(missing)}): "
+                        "`pairclean corrupt --mode duplicate` writes one")
+    join, condition = _join(con, "truth")
+    noise_join, noisy = None, "NULL::BOOLEAN"
+    if noise_truth is not None:
+        con.execute(f"CREATE VIEW noise AS SELECT * FROM read_parquet({sql_string(noise_truth)})")
+        noise_join, noise_condition = _join(con, "noise")
+        noisy = "noise.noisy::BOOLEAN"
+    con.execute(f"""CREATE TABLE j AS SELECT row_number() OVER (ORDER BY d.shard, d."index") AS id, d.group_id, d.kept,
+                        truth.dup_group, truth.dup_kind, truth.left_sha1, truth.right_sha1, {noisy} AS noisy
+                    FROM d JOIN truth ON {condition}
+                    {f'LEFT JOIN noise ON {noise_condition}' if noise_truth is not None else ''}""")
+    identical = {"image": "a.left_sha1 = b.left_sha1", "text": "a.right_sha1 = b.right_sha1",
+                 "both": "a.left_sha1 = b.left_sha1 AND a.right_sha1 = b.right_sha1"}[side]
+    con.execute(f"""CREATE TABLE true_pairs AS
+        SELECT a.id AS a, b.id AS b,
+               CASE WHEN a.dup_group = b.dup_group THEN coalesce(nullif(b.dup_kind, 'original'), a.dup_kind)
+                    ELSE 'identical' END AS kind
+        FROM j a JOIN j b ON a.id < b.id AND (a.dup_group = b.dup_group OR ({identical}))""")
+    con.execute("""CREATE TABLE predicted AS
+        SELECT a.id AS a, b.id AS b, CASE WHEN a.dup_kind NOT IN ('original') THEN a.dup_kind
+                                          WHEN b.dup_kind NOT IN ('original') THEN b.dup_kind END AS copy_kind,
+               t.kind AS true_kind
+        FROM j a JOIN j b ON a.id < b.id AND a.group_id = b.group_id LEFT JOIN true_pairs t ON t.a = a.id AND t.b = b.id""")
+    kinds = {}
+    for kind in KINDS:
+        total, found = con.execute("SELECT count(*), count(*) FILTER (WHERE p.a IS NOT NULL) FROM true_pairs t "
+                                   "LEFT JOIN predicted p USING (a, b) WHERE t.kind = ?", [kind]).fetchall()[0]
+        touching, right = con.execute("SELECT count(*), count(true_kind) FROM predicted WHERE copy_kind = ?",
+                                      [kind]).fetchall()[0]
+        if total or touching:
+            kinds[kind] = {"true_pairs": int(total), "found": int(found),
+                           "recall": _share(found, total), "precision": _share(right, touching) if kind != "identical" else None}
+    predicted, correct = con.execute("SELECT count(*), count(true_kind) FROM predicted").fetchall()[0]
+    true_total = con.execute("SELECT count(*) FROM true_pairs").fetchall()[0][0]
+    rows, removed, justified = con.execute("""
+        SELECT count(*), count(*) FILTER (WHERE NOT r.kept),
+               count(*) FILTER (WHERE NOT r.kept AND EXISTS (
+                   SELECT 1 FROM true_pairs t JOIN j k ON k.id = CASE WHEN t.a = r.id THEN t.b ELSE t.a END
+                   WHERE (t.a = r.id OR t.b = r.id) AND k.kept AND k.group_id = r.group_id))
+        FROM j r""").fetchall()[0]
+    planted = con.execute("""
+        SELECT count(*), count(*) FILTER (WHERE found), count(*) FILTER (WHERE found AND kept_members = 1),
+               count(*) FILTER (WHERE found AND kept_members = 1 AND kept_noisy),
+               sum(noisy_members) FILTER (WHERE found AND kept_members = 1),
+               sum(members) FILTER (WHERE found AND kept_members = 1)
+        FROM (SELECT dup_group, count(*) AS members, count(DISTINCT group_id) = 1 AND count(group_id) = count(*) AS found,
+                     count(*) FILTER (WHERE kept) AS kept_members, bool_or(kept AND noisy) AS kept_noisy,
+                     count(*) FILTER (WHERE noisy) AS noisy_members
+              FROM j WHERE dup_group IS NOT NULL GROUP BY dup_group HAVING count(*) > 1)""").fetchall()[0]
+    groups, found_groups, collapsed, kept_noisy, noisy_members, members = planted
+    result = {
+        "dedup": str(dedup_file), "truth": str(truth), "join": join, "side": side,
+        "threshold": provenance.get("threshold"), "keep": provenance.get("keep"), "rows": int(rows),
+        "predicted_pairs": int(predicted), "true_pairs": int(true_total), "found_pairs": int(correct),
+        "precision": _share(correct, predicted), "recall": _share(correct, true_total), "kinds": kinds,
+        "removed": int(removed), "removed_justified": int(justified), "removal_precision": _share(justified, removed),
+        "planted_groups": int(groups), "planted_groups_found": int(found_groups),
+        "planted_groups_one_kept": int(collapsed),
+    }
+    if noise_truth is not None:
+        result.update(noise_truth=str(noise_truth), noise_join=noise_join,
+                      kept_noisy=int(kept_noisy or 0), kept_noisy_share=_share(kept_noisy or 0, collapsed),
+                      noisy_share_in_groups=_share(noisy_members or 0, members or 0))
+    return result
+
+
+def _share(part, whole) -> float | None:
+    return 100.0 * part / whole if whole else None
