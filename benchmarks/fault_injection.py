@@ -20,7 +20,11 @@ output); after the trial it checks that no parts directory or temp file is left.
 Each run is the CLI's `main()` in a forked child of this script (no interpreter start and torch
 import per run); `--spawn` runs `python -m pairclean score` as a fresh process instead.
 
-    python benchmarks/fault_injection.py --trials 24 [--spawn]
+With `--save-embeddings` every run also writes its embeddings (`score --save-embeddings DIR`),
+and each trial's directory is compared with the uninterrupted run's the same way: embeddings
+lost, written twice, extra, or with other values, and temp files left in it.
+
+    python benchmarks/fault_injection.py --trials 24 [--spawn] [--save-embeddings]
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import json
 import math
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -39,6 +44,7 @@ import time
 import traceback
 from pathlib import Path
 
+import numpy as np
 import pyarrow.parquet as pq
 
 from pairclean.ops.atomic import is_temp_name
@@ -54,7 +60,35 @@ def score_argv(world: Path, out: Path, args) -> list[str]:
     # --no-beta-cache: every fresh run computes beta, so the resumed runs really use beta.json
     return ["score", str(world), "--out", str(out), "--model", "pairclean-tiny", "--pretrained", "none",
             "--beta-k", str(args.beta_k), "--batch-size", str(args.batch_size), "--workers", str(args.workers),
-            "--seed", "0", "--no-beta-cache"]
+            "--seed", "0", "--no-beta-cache", *(["--save-embeddings", str(embeddings_dir(out))] if args.save_embeddings
+                                                else [])]
+
+
+def embeddings_dir(out: Path) -> Path:
+    return out.parent / "embeddings"
+
+
+def saved_embeddings(directory: Path) -> tuple[dict, int]:
+    """((shard, index) -> (left bytes, right bytes, key), rows seen more than once) of a saved directory."""
+    found, repeated = {}, 0
+    for meta in sorted((directory / "metadata").glob("metadata_*.parquet")):
+        number = meta.stem.split("_")[1]
+        left = np.load(directory / "img_emb" / f"img_emb_{number}.npy")
+        right = np.load(directory / "text_emb" / f"text_emb_{number}.npy")
+        for row, l, r in zip(pq.read_table(meta).to_pylist(), left, right):
+            ident = (row["shard"], row["index"])
+            repeated += ident in found
+            found[ident] = (l.tobytes(), r.tobytes(), row["key"])
+    return found, repeated
+
+
+def compare_embeddings(reference: Path, got: Path) -> dict:
+    want, _ = saved_embeddings(reference)
+    seen, repeated = saved_embeddings(got)
+    return {"embeddings_lost": len(set(want) - set(seen)), "embeddings_duplicated": repeated,
+            "embeddings_extra": len(set(seen) - set(want)),
+            "embeddings_mismatch": sum(1 for k, v in seen.items() if k in want and v != want[k]),
+            "embeddings_complete": (got / "provenance.json").is_file()}
 
 
 class ForkedCli:
@@ -153,13 +187,14 @@ def left_on_disk(out: Path, n_units: int) -> tuple[str, str]:
     return "scoring", detail
 
 
-def fault_for(mode: str, rng: random.Random, n_units: int) -> str | None:
+def fault_for(mode: str, rng: random.Random, n_units: int, saving: bool = False) -> str | None:
     if mode == "timer":
         return None
     if mode == "finalize-renamed":
         return "finalize-renamed:1"
     if mode == "before-rename":  # units, run, settings, beta, groups .json, 2 per unit, manifest, output
-        return f"before-rename:{rng.randint(1, 5 + 2 * n_units + 2)}"
+        # (saving embeddings: 3 more per unit, the block's files, and provenance.json)
+        return f"before-rename:{rng.randint(1, 5 + (5 if saving else 2) * n_units + 2 + saving)}"
     return f"{mode}:{rng.randint(1, n_units)}"
 
 
@@ -183,6 +218,8 @@ def compare(reference: list[dict], got: list[dict]) -> dict:
 
 def leftovers(out: Path) -> list[str]:
     found = [p.name for p in out.parent.iterdir() if is_temp_name(p.name)]
+    if embeddings_dir(out).exists():
+        found += [p.name for p in embeddings_dir(out).rglob("*") if is_temp_name(p.name)]
     if parts_dir_for(out).exists():
         found.append(parts_dir_for(out).name)
     return found
@@ -200,7 +237,7 @@ def trial(i: int, mode: str, rng: random.Random, world: Path, work: Path, n_unit
         if runs > 8:
             raise SystemExit(f"trial {i}: no clean finish after 8 runs")
         step = plan.pop(0) if plan else None
-        fault = fault_for(step, rng, n_units) if step else None
+        fault = fault_for(step, rng, n_units, args.save_embeddings) if step else None
         kill_after = rng.uniform(0.0, 0.9 * after_pin) if step == "timer" else None
         code, _ = run(argv, out, args, fault=fault, kill_after=kill_after)
         if code == 0:
@@ -212,6 +249,8 @@ def trial(i: int, mode: str, rng: random.Random, world: Path, work: Path, n_unit
     got = pq.read_table(out).to_pylist()
     summary = json.loads(run_manifest_path(out).read_text())["summary"]
     result = compare(reference, got)
+    if args.save_embeddings:
+        result.update(compare_embeddings(embeddings_dir(work / "reference" / "scores.parquet"), embeddings_dir(out)))
     result.update({"trial": i, "mode": mode, "runs": runs, "kills": kills, "timer_missed": missed,
                    "leftovers": leftovers(out),
                    "summary_reconciles": summary["pairs"] == len(got) == summary["scored"] + summary["errors"]})
@@ -228,6 +267,8 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0, help="seed of the kill schedule")
     parser.add_argument("--spawn", action="store_true", help="a fresh interpreter per run instead of a fork")
+    parser.add_argument("--save-embeddings", action="store_true", help="every run also saves its embeddings; "
+                        "compare each trial's directory with the uninterrupted run's")
     parser.add_argument("--workdir", type=Path, default=None, help="kept if given; a temp dir otherwise")
     parser.add_argument("--json", type=Path, default=None, help="write every trial's result here")
     args = parser.parse_args()
@@ -249,6 +290,7 @@ def main() -> None:
     ref.parent.mkdir(exist_ok=True)
     if ref.exists():
         ref.unlink()
+    shutil.rmtree(embeddings_dir(ref), ignore_errors=True)
     code, after_pin = run(score_argv(world, ref, args), ref, args)
     reference = pq.read_table(ref).to_pylist()
     print(f"toy world: {len(reference)} pairs in {n_units} shards; uninterrupted run: {after_pin:.1f} s after "
@@ -260,7 +302,10 @@ def main() -> None:
         mode = MODES[i % len(MODES)]
         r = trial(i, mode, rng, world, work, n_units, after_pin, reference, args)
         results.append(r)
-        flags = [k for k in ("lost", "duplicated", "extra", "value_mismatch") if r[k]]
+        flags = [k for k in ("lost", "duplicated", "extra", "value_mismatch", "embeddings_lost", "embeddings_duplicated",
+                             "embeddings_extra", "embeddings_mismatch") if r.get(k)]
+        if args.save_embeddings and not r["embeddings_complete"]:
+            flags.append("embeddings_incomplete")
         print(f"trial {i:2d} {mode:17s} runs={r['runs']} kills: "
               + " | ".join(f"{k['point']} -> {k['phase']} ({k['left']})" for k in r["kills"])
               + (f"  PROBLEMS: {flags}" if flags or r["leftovers"] or r["order_differs"] else ""), flush=True)
@@ -277,12 +322,18 @@ def main() -> None:
         "order_differs": sum(r["order_differs"] for r in results),
         "leftover_files": sum(len(r["leftovers"]) for r in results),
         "summaries_reconcile": all(r["summary_reconciles"] for r in results),
+        **({name: sum(r[name] for r in results) for name in ("embeddings_lost", "embeddings_duplicated",
+                                                             "embeddings_extra", "embeddings_mismatch")}
+           if args.save_embeddings else {}),
+        **({"embeddings_complete": all(r["embeddings_complete"] for r in results)} if args.save_embeddings else {}),
         "seconds": round(time.perf_counter() - started, 1),
     }
     print(json.dumps(tally, indent=2))
     if args.json:
         args.json.write_text(json.dumps({"tally": tally, "trials": results}, indent=2, default=str))
-    bad = tally["lost"] or tally["duplicated"] or tally["extra"] or tally["value_mismatch"] or tally["leftover_files"]
+    bad = tally["lost"] or tally["duplicated"] or tally["extra"] or tally["value_mismatch"] or tally["leftover_files"] \
+        or any(tally.get(k) for k in ("embeddings_lost", "embeddings_duplicated", "embeddings_extra",
+                                      "embeddings_mismatch")) or tally.get("embeddings_complete") is False
     sys.exit(1 if bad or not tally["summaries_reconcile"] or tally["order_differs"] else 0)
 
 

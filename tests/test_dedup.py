@@ -29,22 +29,19 @@ def unit(x: np.ndarray) -> np.ndarray:
 
 
 def brute_force(sides: list[np.ndarray], threshold: float):
-    """The whole matrix at once: what the blocked search must reproduce."""
+    """The whole matrix at once and SemDeDup's rule member by member: what the blocked search must reproduce."""
     sims = np.minimum.reduce([s @ s.T for s in sides])
     n = len(sims)
     np.fill_diagonal(sims, -np.inf)
     earlier = np.array([sims[j, :j].max() if j else -np.inf for j in range(n)])
-    pairs = [(i, j) for j in range(n) for i in range(j) if sims[j, i] > threshold]
-    parent = list(range(n))
-
-    def root(a):
-        while parent[a] != a:
-            a = parent[a]
-        return a
-
-    for i, j in pairs:
-        parent[root(i)] = root(j)
-    return sims.max(1), sims.argmax(1), earlier, [root(a) for a in range(n)]
+    removed = earlier > threshold
+    root = list(range(n))
+    for j in range(n):
+        if removed[j]:
+            kept = [i for i in range(j) if not removed[i] and sims[j, i] > threshold]
+            parent = max(kept, key=lambda i: (sims[j, i], -i)) if kept else int(np.argmax(sims[j, :j]))
+            root[j] = root[parent]
+    return sims.max(1), sims.argmax(1), earlier, removed, np.array(root)
 
 
 @pytest.mark.parametrize("block_rows, sides", [(7, 1), (64, 1), (5, 2), (1, 2)])
@@ -55,27 +52,28 @@ def test_blocked_search_equals_the_whole_matrix(block_rows, sides):
     vectors = [unit(np.concatenate([base, copies]) + (0.01 * rng.standard_normal((44, DIM)) if s else 0))
                for s in range(sides)]
     found = cluster_duplicates(lambda a, b: [v[a:b] for v in vectors], 44, 0.9, block_rows)
-    best, arg, earlier, roots = brute_force(vectors, 0.9)
+    best, arg, earlier, removed, root = brute_force(vectors, 0.9)
     np.testing.assert_allclose(found.nearest_sim, best, atol=1e-5)
     np.testing.assert_array_equal(found.nearest, arg)
     np.testing.assert_allclose(found.earlier_sim, earlier, atol=1e-5)
-    np.testing.assert_array_equal(found.removed, earlier > 0.9)
-    same = found.component[:, None] == found.component[None, :]
-    np.testing.assert_array_equal(same, np.equal.outer(roots, roots))
-    assert found.removed.sum() == 4 and sorted(np.bincount(found.component).tolist())[-3:] == [2, 2, 3]
+    np.testing.assert_array_equal(found.removed, removed)
+    np.testing.assert_array_equal(found.root, root)
+    assert removed.sum() == 4 and sorted(np.bincount(root).tolist())[-3:] == [2, 2, 3]
+    assert all(not found.removed[r] for r in found.root)  # every group is named after its kept member
 
 
 def test_semdedup_rule_removes_a_chain_by_order():
     """SemDeDup removes a member whose cosine to any earlier member passes, removed or not: in the
-    chain a~b~c (a !~ c) ordered a, b, c both b and c go; ordered a, c, b only b does."""
+    chain a~b~c (a !~ c) ordered a, b, c both b and c go, c in a's group through b; ordered a, c, b
+    only b does, and joins the kept member it is closest to (a tie: the earlier one)."""
     a = np.array([1.0, 0.0])
     b = np.array([np.cos(0.3), np.sin(0.3)])
     c = np.array([np.cos(0.6), np.sin(0.6)])
-    for order, removed in (([a, b, c], [False, True, True]), ([a, c, b], [False, False, True])):
+    for order, removed, root in (([a, b, c], [False, True, True], [0, 0, 0]),
+                                 ([a, c, b], [False, False, True], [0, 1, 0])):
         x = unit(np.array(order))
         found = cluster_duplicates(lambda i, j: [x[i:j]], 3, float(np.cos(0.45)), 2)
-        assert found.removed.tolist() == removed
-        assert len(set(found.component.tolist())) == 1
+        assert found.removed.tolist() == removed and found.root.tolist() == root
 
 
 def test_torch_kmeans_finds_separated_clusters_and_is_seeded():

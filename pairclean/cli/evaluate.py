@@ -114,9 +114,7 @@ def dedup_tables(result: dict):
     summary = Table(show_header=False)
     summary.add_column(style="bold")
     summary.add_column(justify="right")
-    summary.add_row("predicted duplicate pairs (true)", f"{result['predicted_pairs']:,} ({result['found_pairs']:,})")
-    summary.add_row("removed rows (justified: a true duplicate was kept)",
-                    f"{result['removed']:,} ({pct(result['removal_precision'])}%)")
+    summary.add_row("removed rows (their kept row a true duplicate)", f"{result['removed']:,} ({result['correct_pairs']:,})")
     summary.add_row("planted groups: found / one copy kept",
                     f"{result['planted_groups_found']:,} / {result['planted_groups_one_kept']:,} of {result['planted_groups']:,}")
     if "kept_noisy_share" in result:

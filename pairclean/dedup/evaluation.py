@@ -5,15 +5,18 @@ original (`dup_group`, `dup_kind`) and hashes of every pair's two sides. Two row
 duplicates when they are a planted original and its copy (any kind: a re-encoded, resized or
 cropped image or another caption of the same item is a semantic duplicate on either side), or
 when the source already held them twice: identical content on the side deduplicated (`image`:
-the same image bytes; `text`: the same caption; `both`: both), the kind `identical`.
+the same image bytes; `text`: the same caption; `both`: both), the kind `identical`; or when the
+truth has a `content` column and both rows hold the same value in it (a lab world that knows which
+of its items show the same thing says so there: the toy world's objects), the kind `same content`.
 
-Counted over pairs of rows: a predicted pair is two rows of one dedup group. Recall of a kind is
-the share of its true pairs that are predicted; precision overall the share of predicted pairs
-that are true; precision of a kind the share of the predicted pairs holding one of its copies
-that are true. Removal: a removed row (`kept` false) is justified when its group kept a row that
-is truly its duplicate. With a noise truth (`corrupt`'s `noisy` column over the same pairs), the
-share of noisy captions among the rows each planted group kept, against their share among all the
-rows of those groups: what `keep cleanest` is for.
+What dedup claims is one pair per removed row: the row (`kept` false) and the kept row of its
+group, of which it is called a duplicate. Precision is the share of those pairs that are true
+(every removal justified by a true duplicate that stays); precision of a kind the same over the
+pairs holding one of its copies. Recall of a kind is the share of its true pairs whose two rows
+dedup put in one group (a copy and its original, or both removed in favour of the same kept row).
+With a noise truth (`corrupt`'s `noisy` column over the same pairs), the share of noisy captions
+among the rows each planted group kept, against their share among all the rows of those groups:
+what `keep cleanest` is for.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from pairclean.config import check_choice
 from pairclean.scores.contract import read_metadata
 from pairclean.scores.sql import duckdb_message, sandboxed_connection, sql_string
 
-KINDS = ("exact", "reencode", "resize", "crop", "caption", "identical")
+KINDS = ("exact", "reencode", "resize", "crop", "caption", "identical", "same content")
 TRUTH_COLUMNS = ("dup_group", "dup_kind", "left_sha1", "right_sha1")
 _JOINS = [("shard, index", 'd.shard = t.shard AND d."index" = t."index"', 'shard, "index"'),
           ("shard file name, index", 'parse_filename(d.shard) = parse_filename(t.shard) AND d."index" = t."index"',
@@ -101,8 +104,10 @@ def _measure(con, side: str, provenance: dict, dedup_file: Path, truth: Path, no
         con.execute(f"CREATE VIEW noise AS SELECT * FROM read_parquet({sql_string(noise_truth)})")
         noise_join, noise_condition = _join(con, "noise")
         noisy = "noise.noisy::BOOLEAN"
+    content = "truth.content" if "content" in con.sql("SELECT * FROM truth").columns else "NULL::VARCHAR"
     con.execute(f"""CREATE TABLE j AS SELECT row_number() OVER (ORDER BY d.shard, d."index") AS id, d.group_id, d.kept,
-                        truth.dup_group, truth.dup_kind, truth.left_sha1, truth.right_sha1, {noisy} AS noisy
+                        truth.dup_group, truth.dup_kind, truth.left_sha1, truth.right_sha1, {content} AS content,
+                        {noisy} AS noisy
                     FROM d JOIN truth ON {condition}
                     {f'LEFT JOIN noise ON {noise_condition}' if noise_truth is not None else ''}""")
     identical = {"image": "a.left_sha1 = b.left_sha1", "text": "a.right_sha1 = b.right_sha1",
@@ -110,30 +115,28 @@ def _measure(con, side: str, provenance: dict, dedup_file: Path, truth: Path, no
     con.execute(f"""CREATE TABLE true_pairs AS
         SELECT a.id AS a, b.id AS b,
                CASE WHEN a.dup_group = b.dup_group THEN coalesce(nullif(b.dup_kind, 'original'), a.dup_kind)
-                    ELSE 'identical' END AS kind
-        FROM j a JOIN j b ON a.id < b.id AND (a.dup_group = b.dup_group OR ({identical}))""")
+                    WHEN {identical} THEN 'identical' ELSE 'same content' END AS kind
+        FROM j a JOIN j b ON a.id < b.id AND (a.dup_group = b.dup_group OR ({identical}) OR a.content = b.content)""")
     con.execute("""CREATE TABLE predicted AS
-        SELECT a.id AS a, b.id AS b, CASE WHEN a.dup_kind NOT IN ('original') THEN a.dup_kind
-                                          WHEN b.dup_kind NOT IN ('original') THEN b.dup_kind END AS copy_kind,
-               t.kind AS true_kind
-        FROM j a JOIN j b ON a.id < b.id AND a.group_id = b.group_id LEFT JOIN true_pairs t ON t.a = a.id AND t.b = b.id""")
+        SELECT least(r.id, k.id) AS a, greatest(r.id, k.id) AS b,
+               CASE WHEN r.dup_kind <> 'original' THEN r.dup_kind WHEN k.dup_kind <> 'original' THEN k.dup_kind END
+                   AS copy_kind
+        FROM j r JOIN j k ON r.group_id = k.group_id AND NOT r.kept AND k.kept""")
+    con.execute("""CREATE TABLE judged AS
+        SELECT p.*, t.kind AS true_kind FROM predicted p LEFT JOIN true_pairs t USING (a, b)""")
     kinds = {}
     for kind in KINDS:
-        total, found = con.execute("SELECT count(*), count(*) FILTER (WHERE p.a IS NOT NULL) FROM true_pairs t "
-                                   "LEFT JOIN predicted p USING (a, b) WHERE t.kind = ?", [kind]).fetchall()[0]
-        touching, right = con.execute("SELECT count(*), count(true_kind) FROM predicted WHERE copy_kind = ?",
+        total, found = con.execute("SELECT count(*), count(*) FILTER (WHERE x.group_id = y.group_id) FROM true_pairs t "
+                                   "JOIN j x ON x.id = t.a JOIN j y ON y.id = t.b WHERE t.kind = ?", [kind]).fetchall()[0]
+        touching, right = con.execute("SELECT count(*), count(true_kind) FROM judged WHERE copy_kind = ?",
                                       [kind]).fetchall()[0]
         if total or touching:
-            kinds[kind] = {"true_pairs": int(total), "found": int(found),
-                           "recall": _share(found, total), "precision": _share(right, touching) if kind != "identical" else None}
-    predicted, correct = con.execute("SELECT count(*), count(true_kind) FROM predicted").fetchall()[0]
-    true_total = con.execute("SELECT count(*) FROM true_pairs").fetchall()[0][0]
-    rows, removed, justified = con.execute("""
-        SELECT count(*), count(*) FILTER (WHERE NOT r.kept),
-               count(*) FILTER (WHERE NOT r.kept AND EXISTS (
-                   SELECT 1 FROM true_pairs t JOIN j k ON k.id = CASE WHEN t.a = r.id THEN t.b ELSE t.a END
-                   WHERE (t.a = r.id OR t.b = r.id) AND k.kept AND k.group_id = r.group_id))
-        FROM j r""").fetchall()[0]
+            kinds[kind] = {"true_pairs": int(total), "found": int(found), "recall": _share(found, total),
+                           "precision": _share(right, touching) if kind not in ("identical", "same content") else None}
+    predicted, correct = con.execute("SELECT count(*), count(true_kind) FROM judged").fetchall()[0]
+    true_total, grouped = con.execute("SELECT count(*), count(*) FILTER (WHERE x.group_id = y.group_id) FROM true_pairs t "
+                                      "JOIN j x ON x.id = t.a JOIN j y ON y.id = t.b").fetchall()[0]
+    rows, removed = con.execute("SELECT count(*), count(*) FILTER (WHERE NOT kept) FROM j").fetchall()[0]
     planted = con.execute("""
         SELECT count(*), count(*) FILTER (WHERE found), count(*) FILTER (WHERE found AND kept_members = 1),
                count(*) FILTER (WHERE found AND kept_members = 1 AND kept_noisy),
@@ -147,9 +150,9 @@ def _measure(con, side: str, provenance: dict, dedup_file: Path, truth: Path, no
     result = {
         "dedup": str(dedup_file), "truth": str(truth), "join": join, "side": side,
         "threshold": provenance.get("threshold"), "keep": provenance.get("keep"), "rows": int(rows),
-        "predicted_pairs": int(predicted), "true_pairs": int(true_total), "found_pairs": int(correct),
-        "precision": _share(correct, predicted), "recall": _share(correct, true_total), "kinds": kinds,
-        "removed": int(removed), "removed_justified": int(justified), "removal_precision": _share(justified, removed),
+        "predicted_pairs": int(predicted), "correct_pairs": int(correct), "true_pairs": int(true_total),
+        "found_pairs": int(grouped), "precision": _share(correct, predicted), "recall": _share(grouped, true_total),
+        "kinds": kinds, "removed": int(removed),
         "planted_groups": int(groups), "planted_groups_found": int(found_groups),
         "planted_groups_one_kept": int(collapsed),
     }

@@ -19,8 +19,8 @@ where it stopped and ends with the rows an uninterrupted run writes:
    nearest centroid -> one part per unit (row, key, shard, index, cluster, centroid_sim);
 3. index (rank 0): DuckDB sorts the usable rows by cluster and keep order (joining the scores'
    sim_debiased for `cleanest`) and cuts them into groups of whole clusters -> clusters/*.parquet;
-4. clusters: each group, cluster by cluster, through `pairwise.cluster_duplicates` -> one part per
-   group (row, group_id, group_size, kept, nearest_row, nearest_sim);
+4. clusters: each group of clusters, cluster by cluster, through `pairwise.cluster_duplicates` ->
+   one part per group (row, group_id, group_size, kept, nearest_row, nearest_sim);
 5. finalize (rank 0): the two kinds of parts joined back in input order into OUT.
 
 Units (stage 2) and groups (stage 4) are claimed one at a time by whichever torchrun rank is free
@@ -56,6 +56,7 @@ from pairclean.ops import distributed
 from pairclean.ops.atomic import atomic_path, write_json
 from pairclean.ops.faults import fault_point
 from pairclean.ops.guard import check_output
+from pairclean.ops.notices import notice
 from pairclean.ops.progress import SILENT, Progress
 from pairclean.scores.contract import provenance_metadata, summary_metadata, write_run_manifest
 from pairclean.scores.sql import duckdb_message, sandboxed_connection, sql_string
@@ -68,6 +69,7 @@ DEFAULT_THRESHOLD = 0.95  # cosine; SemDeDup's eps = 1 - threshold (docs/dedup.m
 DUCKDB_MEMORY = "1GB"  # the index and finalize queries spill above this
 SCORE_COLUMN = "sim_debiased"
 CLUSTERS_UNIT = "clusters#"  # stage-4 parts are named clusters#N (N: the group)
+CROWDED = 0.5  # removing more than this share of the rows is worth a warning
 
 ASSIGN_SCHEMA = pa.schema([("row", pa.int64()), ("key", pa.string()), ("shard", pa.string()), ("index", pa.int64()),
                            ("cluster", pa.int32()), ("centroid_sim", pa.float32())])
@@ -76,7 +78,7 @@ CLUSTER_SCHEMA = pa.schema([("row", pa.int64()), ("group_id", pa.int64()), ("gro
 DEDUP_SCHEMA = pa.schema([
     ("key", pa.string()), ("shard", pa.string()), ("index", pa.int64()),
     ("cluster", pa.int32()),  # the k-means cluster (null: no usable vector, never a duplicate)
-    ("group_id", pa.int64()),  # rows with the same id are duplicates of each other (null: no duplicate)
+    ("group_id", pa.int64()),  # a kept row and the rows removed as its duplicates share it (null: no duplicate)
     ("group_size", pa.int32()),  # 1 for a row without duplicates
     ("kept", pa.bool_()),  # false: a duplicate of a pair that comes first in keep order
     ("nearest_key", pa.string()), ("nearest_shard", pa.string()), ("nearest_index", pa.int64()),
@@ -186,6 +188,10 @@ def dedup(source: str | list[str] | EmbeddingSpec, out: str | Path, scores: str 
     provenance["work_by_rank"] = {stage: _by_rank(records, stage) for stage in ("assign", "clusters")}
     summary = _finalize(store, units, index, out, provenance, seconds, progress)
     store.remove()
+    if summary["share_removed"] > CROWDED:
+        notice(f"{summary['share_removed']:.0%} of the rows were removed at threshold {cfg.threshold}: in this "
+               "embedding space most rows have a neighbour that close; look at the distribution of nearest_sim "
+               "and raise `threshold` (docs/dedup.md)", "threshold")
     return DedupResult(out, summary, time.perf_counter() - started, resumed)
 
 
@@ -436,10 +442,9 @@ def _cluster_group(group: pa.Table, vectors: Vectors, cfg: DedupConfig) -> pa.Ta
         members = rows[a:b]
         found = cluster_duplicates(lambda i, j: vectors.read(members[i:j])[0], len(members), cfg.threshold,
                                    cfg.block_rows)
-        labels, first, sizes = _groups(found.component)
-        size = sizes[labels]
+        size = np.bincount(found.root, minlength=len(members))[found.root]
         out["row"].append(members)
-        out["group_id"].append(np.where(size > 1, members[first[labels]], -1))
+        out["group_id"].append(np.where(size > 1, members[found.root], -1))  # named after its kept member
         out["group_size"].append(size.astype(np.int32))
         out["kept"].append(~found.removed)
         out["nearest_row"].append(np.where(found.nearest >= 0, members[np.maximum(found.nearest, 0)], -1))
@@ -451,14 +456,6 @@ def _cluster_group(group: pa.Table, vectors: Vectors, cfg: DedupConfig) -> pa.Ta
         "group_size": pa.array(columns["group_size"], pa.int32()), "kept": pa.array(columns["kept"], pa.bool_()),
         "nearest_row": pa.array(columns["nearest_row"], pa.int64(), mask=columns["nearest_row"] < 0),
         "nearest_sim": pa.array(columns["nearest_sim"], pa.float32(), from_pandas=True)}, schema=CLUSTER_SCHEMA)
-
-
-def _groups(component: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(label per member 0.., first member of each label in keep order, size of each label)."""
-    labels = np.unique(component, return_inverse=True)[1]
-    first = np.full(labels.max() + 1 if len(labels) else 0, len(labels), np.int64)
-    np.minimum.at(first, labels, np.arange(len(labels)))
-    return labels, first, np.bincount(labels)
 
 
 # -- stage 5: one file in input order ---------------------------------------------------------

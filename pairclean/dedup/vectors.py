@@ -67,9 +67,9 @@ class Vectors:
         return int(self.starts[number]) + start
 
     def batch(self, batch: EmbeddingBatch) -> tuple[list[np.ndarray], np.ndarray]:
-        """A streamed batch's vectors of this side, normalised, and which rows are usable."""
-        left, right = batch.rows.arrays()
-        return self._normalise([(left, right)[c] for c in self.columns])
+        """A streamed batch's vectors of this side (the other side is not read), normalised, and
+        which rows are usable."""
+        return self._normalise([batch.rows.array(c) for c in self.columns])
 
     def read(self, positions: np.ndarray) -> tuple[list[np.ndarray], np.ndarray]:
         """The vectors of rows `positions` (global, any order), in that order, normalised."""

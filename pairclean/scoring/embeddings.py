@@ -345,12 +345,13 @@ class NpyRows:
         return out[0], out[1]
 
     def arrays(self) -> tuple[np.ndarray, np.ndarray]:
-        out = []
-        for side in (0, 1):
-            array = np.empty((len(self), self.files.dim), dtype=self.files.dtype)
-            self.files.read(side, self.start, array)
-            out.append(array)
-        return out[0], out[1]
+        return self.array(0), self.array(1)
+
+    def array(self, side: int) -> np.ndarray:
+        """One side's rows (0: left, 1: right), read whole into a new array."""
+        array = np.empty((len(self), self.files.dim), dtype=self.files.dtype)
+        self.files.read(side, self.start, array)
+        return array
 
 
 @dataclass
