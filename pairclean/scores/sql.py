@@ -25,16 +25,18 @@ def sql_identifier(name: str) -> str:
 
 def sandboxed_connection(temp_dir: str | Path, files: Iterable[str | Path] = (),
                          directories: Iterable[str | Path] = (), database: str = ":memory:",
-                         memory_limit: str | None = None) -> duckdb.DuckDBPyConnection:
+                         memory_limit: str | None = None, threads: int | None = None) -> duckdb.DuckDBPyConnection:
     """A DuckDB connection that can read only `files` and `directories` (the ones pairclean opened
     itself): user SQL cannot read host files, write files, attach databases, install or autoload
     extensions, or change these settings back. Arrow tables registered from Python still work.
-    `memory_limit` (e.g. "1GB"): sorts and joins above it spill to `temp_dir`."""
+    `memory_limit` (e.g. "1GB"): sorts and joins above it spill to `temp_dir`; `threads`: DuckDB's own."""
     con = duckdb.connect(database, config={"autoinstall_known_extensions": False,
                                            "autoload_known_extensions": False})
     con.execute(f"SET temp_directory = {sql_string(temp_dir)}")
     if memory_limit is not None:
         con.execute(f"SET memory_limit = {sql_string(memory_limit)}")
+    if threads is not None:
+        con.execute(f"SET threads = {int(threads)}")
     con.execute("SET allowed_paths = ?", [[os.path.realpath(f) for f in files] + [str(f) for f in files]])
     con.execute("SET allowed_directories = ?", [[os.path.join(os.path.realpath(d), "") for d in directories]])
     con.execute("SET enable_external_access = false")
