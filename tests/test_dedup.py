@@ -249,3 +249,25 @@ def test_two_torchrun_ranks_share_the_work_and_write_the_same_rows(world, tmp_pa
         by_rank = provenance["work_by_rank"][stage]
         assert set(by_rank) <= {"0", "1"} and sum(by_rank.values()) == (2 if stage == "assign" else
                                                                          read_summary(two)["groups_of_clusters"])
+
+
+def test_faiss_backend_finds_the_same_copies(world, tmp_path):
+    pytest.importorskip("faiss")
+    _, emb, truth, scores = world
+    dedup(str(emb), tmp_path / "faiss.parquet", scores, DedupConfig(backend="faiss", threads=1))
+    got = rows(tmp_path / "faiss.parquet")
+    assert read_provenance(tmp_path / "faiss.parquet")["backend"] == "faiss"
+    for copy, original in truth.items():
+        assert got[copy]["group_id"] == got[original]["group_id"] is not None
+
+
+def test_faiss_backend_without_faiss_is_refused(world, tmp_path):
+    try:
+        import faiss  # noqa: F401
+        pytest.skip("faiss is installed here")
+    except ImportError:
+        pass
+    _, emb, _, scores = world
+    with pytest.raises(ConfigError, match="faiss-cpu"):
+        dedup(str(emb), tmp_path / "x.parquet", scores, DedupConfig(backend="faiss"))
+    assert not (tmp_path / "x.parquet").exists()
