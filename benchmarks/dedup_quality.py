@@ -173,7 +173,7 @@ def cleanest(work: Path, duplicated: Path, truth: Path, estimator: Path, thresho
     return results
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--only", choices=("toy", "coco", "clean"), action="append")
     parser.add_argument("--toy-pairs", type=int, default=2000)
@@ -182,7 +182,7 @@ def main() -> None:
                         help="image-side threshold of the keep comparison (the toy sweep's best F1 region)")
     parser.add_argument("--workdir", type=Path, default=None)
     parser.add_argument("--json", type=Path, default=None)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     work = args.workdir or Path(tempfile.mkdtemp(prefix="dedup-quality-"))
     only = set(args.only or ("toy", "coco", "clean"))

@@ -134,7 +134,7 @@ def measure(work: Path, rows: int, dim: int, keep_data: bool) -> dict:
     return result
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--child":
         child(sys.argv[2:])
         return
@@ -144,7 +144,7 @@ def main() -> None:
     parser.add_argument("--workdir", type=Path, default=None)
     parser.add_argument("--keep-data", action="store_true", help="keep the generated embeddings (deleted by default)")
     parser.add_argument("--json", type=Path, default=None)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     work = args.workdir or Path(tempfile.mkdtemp(prefix="dedup-scale-"))
     results = []
     for rows in args.rows or [1_000_000]:

@@ -62,7 +62,7 @@ def measure(name: str, world: Path, work: Path, cfg: ScoreConfig, repeat: int) -
             "bytes_per_pair": saved["embedding_bytes"] / saved["embeddings_saved"]}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--toy-pairs", type=int, default=4000)
     parser.add_argument("--vit-pairs", type=int, default=200)
@@ -70,7 +70,7 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=1)
     parser.add_argument("--workdir", type=Path, default=None)
     parser.add_argument("--json", type=Path, default=None)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     work = args.workdir or Path(tempfile.mkdtemp(prefix="save-embeddings-cost-"))
     results = []
     if args.toy_pairs:

@@ -198,7 +198,7 @@ def dedup(source: str | list[str] | EmbeddingSpec, out: str | Path, scores: str 
 
 
 def _by_rank(records: dict[str, dict], stage: str) -> dict[str, int]:
-    """Parts of a stage this run committed, by the torchrun rank that claimed them."""
+    """Parts of a stage, by the torchrun rank that committed them (a resumed job's earlier runs included)."""
     ranks = [r["rank"] for r in records.values() if r.get("stage") == stage and "rank" in r]
     return {str(r): ranks.count(r) for r in sorted(set(ranks))}
 

@@ -1,7 +1,9 @@
 """Scoring from precomputed embeddings: no model and no GPU, the same parts, finalize and output.
 
 Layouts (`open_embeddings`):
-  clip-retrieval  DIR/img_emb/img_emb_N.npy + DIR/text_emb/text_emb_N.npy (+ DIR/metadata/metadata_N.parquet)
+  clip-retrieval  DIR/img_emb/img_emb_N.npy + DIR/text_emb/text_emb_N.npy (+ DIR/metadata/metadata_N.parquet;
+                  `pairclean score --save-embeddings` writes this layout with `write_embedding_block`, its
+                  metadata naming each pair's dataset shard and index, and DIR/provenance.json)
   numpy           LEFT.npy RIGHT.npy, row i of one paired with row i of the other (+ --keys KEYS.parquet)
   parquet         FILE.parquet ...: a key column and two list<float> embedding columns
 
