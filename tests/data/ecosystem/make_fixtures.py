@@ -7,6 +7,8 @@ open_clip<3, which would break pairclean's own environment):
     python -m venv /work/venvs/img2dataset    && /work/venvs/img2dataset/bin/pip install img2dataset
     python -m venv /work/venvs/datasets       && /work/venvs/datasets/bin/pip install datasets pillow
     python -m venv /work/venvs/clip-retrieval && /work/venvs/clip-retrieval/bin/pip install clip-retrieval
+    python -m venv /work/venvs/datacomp-resharder && /work/venvs/datacomp-resharder/bin/pip install \
+        img2dataset webdataset==0.2.31 pysimdjson cloudpathlib          # only for --resharder
 
 then, from the repository root (any Python; each step re-runs this file with its tool's interpreter):
 
@@ -44,7 +46,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[2]
 COCO = REPO / "tests" / "data" / "coco-mini"
-STEPS = ("img2dataset", "hf-datasets", "clip-retrieval", "datacomp")
+STEPS = ("img2dataset", "hf-datasets", "clip-retrieval", "datacomp")  # clip-retrieval reads img2dataset's output
 VENV_OF = {"img2dataset": "img2dataset", "hf-datasets": "datasets", "clip-retrieval": "clip-retrieval"}
 
 
@@ -176,11 +178,12 @@ Outputs, kept exactly as img2dataset wrote them:
 """
 
 
-def write_provenance(path: Path, tool: str, versions: list[tuple[str, str]], commands: list, notes: str) -> None:
+def write_provenance(path: Path, tool: str, versions: list[tuple[str, str]], commands: list, notes: str,
+                     cwd: str = "this folder") -> None:
     lines = [f"# {tool} fixture", "", "Written by the real tool; regenerate with (from the repository root)", "",
              f"    python tests/data/ecosystem/make_fixtures.py --venvs /work/venvs {path.parent.name}", "",
              "Versions: " + ", ".join(f"{name} {version}" for name, version in versions) +
-             f" (Python {sys.version.split()[0]}).", "", "Commands the script ran (working directory: this folder):", ""]
+             f" (Python {sys.version.split()[0]}).", "", f"Commands the script ran (working directory: {cwd}):", ""]
     for cmd in commands:
         lines.append("    " + " ".join(_shell_quote(str(c)) for c in cmd).replace(str(Path(sys.executable).parent) + "/", ""))
     lines += ["", notes]
@@ -295,6 +298,251 @@ Images: the 16 COCO JPEGs of tests/data/coco-mini re-encoded at most 96 px (PIL 
 """
 
 
+# -- clip-retrieval -----------------------------------------------------------------------------------------
+
+CLIP_RETRIEVAL_WRAPPER = """\
+import sys
+import open_clip
+if __name__ == "__main__":  # the DataLoader's worker processes re-import this file
+    open_clip.add_model_config(sys.argv.pop(1))  # pairclean's own model configs: pairclean-toy
+    from clip_retrieval.cli import main
+    sys.argv[0] = "clip-retrieval"
+    main()
+"""
+
+
+def step_clip_retrieval(work: Path) -> None:
+    """The real `clip-retrieval inference` on img2dataset's webdataset fixture. clip-retrieval loads
+    models through all_clip, whose `open_clip:ARCH/CHECKPOINT` form hands CHECKPOINT to
+    open_clip.create_model_and_transforms(pretrained=...), which takes a local file: so the model is
+    pairclean's `pairclean-toy` architecture (config registered with open_clip.add_model_config by a
+    three-line wrapper around clip-retrieval's CLI) with seeded random weights saved to a local file.
+    No hub is reachable here; the layout, dtype and normalisation are clip-retrieval's own."""
+    import open_clip
+    import torch
+
+    out = HERE / "clip-retrieval"
+    if out.exists():
+        shutil.rmtree(out)
+    configs = REPO / "pairclean" / "backends" / "model_configs"
+    open_clip.add_model_config(configs)
+    torch.manual_seed(0)
+    model = open_clip.create_model("pairclean-toy", pretrained=None)
+    checkpoint = work / "pairclean-toy-seed0.pt"
+    torch.save(model.state_dict(), checkpoint)
+    wrapper = work / "clip_retrieval_with_pairclean_configs.py"
+    wrapper.write_text(CLIP_RETRIEVAL_WRAPPER)
+    shards = HERE / "img2dataset" / "webdataset"
+    cmd = [sys.executable, str(wrapper), str(configs), "inference",
+           "--input_dataset", f"{shards}/{{00000..00001}}.tar", "--input_format", "webdataset",
+           "--output_folder", str(out), "--enable_metadata", "True", "--enable_wandb", "False",
+           "--clip_model", f"open_clip:pairclean-toy/{checkpoint}", "--use_jit", "False",
+           "--batch_size", "4", "--num_prepro_workers", "1", "--write_batch_size", "7",
+           "--wds_number_file_per_input_file", "7"]
+    commands: list = []
+    run(cmd, cwd=REPO, log=commands)
+    commands[-1] = ["python", "clip_retrieval_with_pairclean_configs.py", "pairclean/backends/model_configs",
+                    *[c.replace(str(REPO) + "/", "").replace(str(work) + "/", "") for c in cmd[3:]]]
+    write_provenance(out / "PROVENANCE.md", "clip-retrieval", [
+        ("clip-retrieval", pip_version(sys.executable, "clip-retrieval")), ("all_clip", pip_version(sys.executable, "all_clip")),
+        ("open_clip_torch", open_clip.__version__), ("torch", torch.__version__),
+        ("numpy", pip_version(sys.executable, "numpy")), ("pyarrow", pip_version(sys.executable, "pyarrow"))],
+        commands, CLIP_RETRIEVAL_NOTES + "\nThe wrapper (`clip_retrieval_with_pairclean_configs.py`):\n\n" +
+        "".join("    " + line + "\n" for line in CLIP_RETRIEVAL_WRAPPER.splitlines()), cwd="the repository root")
+
+
+CLIP_RETRIEVAL_NOTES = """\
+Input: tests/data/ecosystem/img2dataset/webdataset/{00000..00001}.tar (12 successful downloads).
+Model: `pairclean-toy` (pairclean/backends/model_configs/pairclean-toy.json, 64-d embeddings) with
+random weights from `torch.manual_seed(0)`, saved to `pairclean-toy-seed0.pt` and loaded by
+clip-retrieval through all_clip's `open_clip:ARCH/CHECKPOINT` (all_clip/open_clip.py
+`load_open_clip`: CHECKPOINT goes to open_clip's `pretrained=`, which accepts a local file). Real
+CLIP weights would need the model hub, which is not reachable here; the files' layout, dtype and
+normalisation are what clip-retrieval's own mapper and writer produce
+(clip_retrieval/clip_inference/mapper.py: `features /= norm`, `.to(torch.float16)`;
+writer.py `OutputSink`: `img_emb/img_emb_{N}.npy`, `text_emb/text_emb_{N}.npy`,
+`metadata/metadata_{N}.parquet`, N zero-padded to the digits of the partition count).
+`--wds_number_file_per_input_file 7 --write_batch_size 7`: clip-retrieval estimates 2 x 7 samples
+and writes 2 partitions, one per tar.
+"""
+
+
+# -- DataComp ---------------------------------------------------------------------------------------------
+# The pool is 16 rows: the 16 COCO images with their first captions. Their metadata `.parquet` and
+# `.npz` hold every pool row (DataComp computed them when every image was online); 12 images are
+# served, the other 4 URLs fail (404 x2, an HTML page, a server that never answers), so the shards
+# img2dataset downloads hold 12 samples, like a real pool where part of the web has gone.
+
+DATACOMP_NAME = "4d2f6a0c9e1b7d35a8c04f1e6b92d7c3"  # the hub names metadata files by a 32-hex hash
+DATACOMP_DIMS = {"b32": ("ViT-B-32", 512), "l14": ("ViT-L-14", 768)}
+
+
+def datacomp_uid(pair: dict) -> str:
+    """A 128-bit id as 32 lower-case hex digits, DataComp's `uid` format (how they derive theirs is not
+    published; here: MD5 of the COCO image id, so the fixture's uids are stable)."""
+    import hashlib
+
+    return hashlib.md5(f"coco-{pair['image_id']}".encode()).hexdigest()
+
+
+def step_datacomp_embeddings(work: Path) -> None:
+    """DataComp's .npz: per metadata row, CLIP image and text embeddings of ViT-B/32 (`b32_*`, 512-d)
+    and ViT-L/14 (`l14_*`, 768-d), L2-normalised, float16; the metadata's clip_*_similarity_score is
+    their dot product. No hub here, so the two architectures are built by open_clip with seeded
+    random weights: the layout, widths, dtype and normalisation are DataComp's, the values are not."""
+    import hashlib
+
+    import numpy as np
+    import open_clip
+    import torch
+    from PIL import Image as PILImage
+
+    pairs = coco_pairs()
+    arrays, scores = {}, {}
+    for short, (arch, dim) in DATACOMP_DIMS.items():
+        torch.manual_seed(0)
+        model, _, preprocess = open_clip.create_model_and_transforms(arch, pretrained=None)
+        tokenizer = open_clip.get_tokenizer(arch)
+        model.eval()
+        with torch.no_grad():
+            images = torch.stack([preprocess(PILImage.open(p["path"]).convert("RGB")) for p in pairs])
+            img = torch.nn.functional.normalize(model.encode_image(images).float(), dim=-1)
+            txt = torch.nn.functional.normalize(model.encode_text(tokenizer([p["caption"] for p in pairs])).float(), dim=-1)
+        assert img.shape[1] == dim
+        arrays[f"{short}_img"] = img.numpy().astype(np.float16)
+        arrays[f"{short}_txt"] = txt.numpy().astype(np.float16)
+        # the published scores sit on the float16 grid (e.g. 0.233643): the dot of the stored vectors
+        dot = (arrays[f"{short}_img"].astype(np.float32) * arrays[f"{short}_txt"].astype(np.float32)).sum(1)
+        scores[f"clip_{short}_similarity_score"] = dot.astype(np.float16).astype(np.float32)
+        del model
+    pool = []
+    for i, p in enumerate(pairs):
+        data = p["path"].read_bytes()
+        with PILImage.open(p["path"]) as im:
+            width, height = im.size
+        pool.append({"uid": datacomp_uid(p), "file": p["path"].name, "text": p["caption"], "original_width": width,
+                     "original_height": height, **{k: float(v[i]) for k, v in scores.items()},
+                     "face_bboxes": [[0.25, 0.25, 0.5, 0.5]] if i == 5 else [],
+                     "sha256": hashlib.sha256(data).hexdigest()})
+    folder = fresh(work / "datacomp-embeddings")
+    np.savez(folder / f"{DATACOMP_NAME}.npz", **arrays)
+    (folder / "pool.json").write_text(json.dumps(pool, indent=1))
+    (folder / "versions.json").write_text(json.dumps({"torch": torch.__version__, "open_clip_torch": open_clip.__version__,
+                                                      "numpy": np.__version__}))
+
+
+def step_datacomp_shards(work: Path) -> None:
+    os.environ.update(NO_ALBUMENTATIONS_UPDATE="1", WANDB_MODE="disabled")
+    import img2dataset
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    out = fresh(HERE / "datacomp")
+    pool = json.loads((work / "datacomp-embeddings" / "pool.json").read_text())
+    pairs = coco_pairs()
+    failing = {12: "missing-1.jpg", 13: "not-an-image.jpg", 14: None, 15: "missing-2.jpg"}  # row -> served name
+    metadata_dir = out / "metadata"
+    metadata_dir.mkdir()
+    shutil.copy(work / "datacomp-embeddings" / f"{DATACOMP_NAME}.npz", metadata_dir / f"{DATACOMP_NAME}.npz")
+    with image_server(serve_dir(work, pairs[:12])) as (base, hang, _refused):
+        rows = []
+        for i, row in enumerate(pool):
+            name = row["file"] if i not in failing else failing[i]
+            url = f"{hang}/{row['file']}" if i in failing and name is None else f"{base}/{name}"
+            rows.append({"uid": row["uid"], "url": url, "text": row["text"], "original_width": row["original_width"],
+                         "original_height": row["original_height"],
+                         "clip_b32_similarity_score": row["clip_b32_similarity_score"],
+                         "clip_l14_similarity_score": row["clip_l14_similarity_score"],
+                         "face_bboxes": row["face_bboxes"], "sha256": row["sha256"]})
+        schema = pa.schema([("uid", pa.string()), ("url", pa.string()), ("text", pa.string()),
+                            ("original_width", pa.int64()), ("original_height", pa.int64()),
+                            ("clip_b32_similarity_score", pa.float32()), ("clip_l14_similarity_score", pa.float32()),
+                            ("face_bboxes", pa.list_(pa.list_(pa.float64()))), ("sha256", pa.string())])
+        pq.write_table(pa.Table.from_pylist(rows, schema), metadata_dir / f"{DATACOMP_NAME}.parquet")
+        shard_dir = out / "shards"
+        shard_dir.mkdir()
+        # download_upstream.py's call (lines 218-238 at 4a8df19), with a small image size, one process,
+        # 10 samples per shard (theirs: 10000), no retries and a 2 s timeout so the hanging URL ends.
+        kwargs = dict(url_list=str(metadata_dir), image_size=64, output_folder=str(shard_dir), processes_count=1,
+                      thread_count=4, resize_mode="keep_ratio_largest", resize_only_if_bigger=True, encode_format="jpg",
+                      output_format="webdataset", input_format="parquet", url_col="url", caption_col="text",
+                      bbox_col="face_bboxes", save_additional_columns=["uid"], number_sample_per_shard=10,
+                      oom_shard_count=8, retries=0, timeout=2, enable_wandb=False)
+        img2dataset.download(**kwargs)
+    # a subset file as their README and baselines write it: structured u8,u8 (uid's high and low 64
+    # bits), sorted; here the pool rows whose B/32 score is at or above the median
+    table = pq.read_table(metadata_dir / f"{DATACOMP_NAME}.parquet")
+    scores = np.array(table.column("clip_b32_similarity_score").to_pylist())
+    uids = [u for u, s in zip(table.column("uid").to_pylist(), scores) if s >= np.median(scores)]
+    subset = np.array([(int(uid[:16], 16), int(uid[16:32], 16)) for uid in uids], np.dtype("u8,u8"))
+    subset.sort()
+    (out / "subset").mkdir()
+    np.save(out / "subset" / "b32_top_half.npy", subset)
+    commands = [["img2dataset.download(" + ", ".join(f"{k}={v!r}" for k, v in kwargs.items()
+                 if k not in ("url_list", "output_folder")) + ", url_list='metadata', output_folder='shards')"]]
+    versions = json.loads((work / "datacomp-embeddings" / "versions.json").read_text())
+    write_provenance(out / "PROVENANCE.md", "DataComp", [("img2dataset", pip_version(sys.executable, "img2dataset")),
+                     *versions.items()], commands, DATACOMP_NOTES)
+
+
+def step_datacomp_reshard(work: Path) -> None:
+    """DataComp's own resharder.py (github:mlfoundations/datacomp, copied to the scratch folder by the
+    driver) on the fixture's shards with the subset file: what their filtering track's output looks
+    like. It imports `wds.writer.gopen.Pipe`, gone from webdataset after 0.2.31 (their pin), hence
+    its own venv."""
+    out = HERE / "datacomp"
+    fresh(out / "resharded")  # the resharder empties its output folder but does not create it
+    cmd = [sys.executable, str(work / "resharder.py"), "-i", "shards", "-o", "resharded", "-s", "subset/b32_top_half.npy",
+           "-j", "1", "--shard-size", "4"]
+    run(cmd, cwd=out)
+    versions = ", ".join(f"{name} {pip_version(sys.executable, name)}" for name in ("webdataset", "pysimdjson", "cloudpathlib"))
+    with open(out / "PROVENANCE.md", "a") as fh:
+        fh.write(f"\n## resharded/\n\nWritten by DataComp's `resharder.py` ({DATACOMP_COMMIT}), in its own venv "
+                 f"({versions}; Python {sys.version.split()[0]}):\n\n    python resharder.py {' '.join(cmd[2:])}\n\n"
+                 "It keeps the samples whose json `uid` is in the subset, renames them `{uid}-{j}`, writes "
+                 "`{:08d}.tar` + `{:08d}_stats.json` ({\"successes\": n}), copies the subset to `sample_ids.npy` "
+                 "and its arguments and counts to `meta.json`.\n")
+
+
+DATACOMP_COMMIT = "mlfoundations/datacomp@4a8df1992566ef8334773f7152e1855b1f716162"
+DATACOMP_NOTES = """\
+Follows DataComp's code at """ + DATACOMP_COMMIT + """:
+
+- `metadata/HASH.parquet` + `metadata/HASH.npz`: the pool metadata as download_upstream.py fetches
+  it from the hub (lines 168-187: `allow_patterns="*.parquet"`, and `*.npz` with `--download_npz`,
+  both into `metadata/`, one `.npz` beside each `.parquet` with the same stem). Parquet columns
+  and types as the hub's datacomp_small files: `uid` string (32 hex digits, 128 bits), `url`,
+  `text`, `original_width` int64, `original_height` int64, `clip_b32_similarity_score` float32,
+  `clip_l14_similarity_score` float32, `face_bboxes` list<list<float64>>, `sha256` string.
+  The `.npz` holds `b32_img`, `b32_txt` (N x 512), `l14_img`, `l14_txt` (N x 768), row i = parquet
+  row i (baselines/apply_filter.py lines 146-166 read `df` and `np.load(f)["l14_img"]` by the same
+  `path_root`, and mask both with one boolean index). Float16 and L2-normalised: the README's disk
+  table (small pool: 75 GB of npz for 12.8M samples = 2 bytes x 2,560 floats + a dedup vector per
+  sample) and scores on the float16 grid; DataComp's writer of these files is not public, so these
+  two facts are inferred, not read from code. Real files also hold a `dedup` array (read by
+  datachain's DataComp/LAION example) whose width is not documented: the fixture leaves it out.
+  The embeddings are from the ViT-B-32 and ViT-L-14 architectures built by open_clip with
+  `torch.manual_seed(0)` random weights (no hub here): layout and dtype are DataComp's, values not.
+  `clip_*_similarity_score` = the float16 dot product of the stored vectors, stored as float32.
+- `shards/`: img2dataset run by the call in download_upstream.py (lines 218-238): `input_format=
+  "parquet"`, `url_col="url"`, `caption_col="text"`, `bbox_col="face_bboxes"`,
+  `save_additional_columns=["uid"]`, `oom_shard_count=8` (so `00000000.tar`), `resize_mode=
+  "keep_ratio_largest"`, `encode_format="jpg"`, `output_format="webdataset"`; changed for size and
+  speed: `image_size=64` (512), `number_sample_per_shard=10` (10000), `processes_count=1`,
+  `thread_count=4`, `retries=0` (2), `timeout=2`. The json member carries `uid` and `face_bboxes`.
+  16 pool rows, 12 downloaded; 4 fail (2 x 404, an HTML page, a server that never answers), so the
+  `.npz` has 16 rows and the shards 12 samples.
+- `subset/b32_top_half.npy`: a subset file as the README ("Selecting samples in the filtering
+  track") and baselines write it: `np.dtype("u8,u8")` structured array of (high 64 bits, low 64
+  bits) of each uid, sorted, `np.save`d; here the 8 pool rows whose B/32 score is >= the median
+  (some of them failed downloads, as in a real subset). resharder.py `load_subset` (lines 661-673)
+  asserts `dtype == np.dtype("u8,u8")` for .npy, else reads the file as a raw memmap of that dtype;
+  `process_example` (lines 913-958) parses `uid` from each sample's json with
+  `divmod(int(uid, 16), 2**64)` and looks it up with `np.searchsorted`.
+"""
+
+
 # -- driver -------------------------------------------------------------------------------------------
 
 
@@ -304,14 +552,17 @@ def main() -> None:
     parser.add_argument("--venvs", default="/work/venvs", help="folder holding one venv per tool")
     parser.add_argument("--torch-python", default=sys.executable,
                         help="interpreter with torch and open_clip for DataComp's embeddings (default: this one)")
+    parser.add_argument("--resharder", help="datacomp's resharder.py (from github:mlfoundations/datacomp): also run it "
+                        "on the DataComp shards with the subset file, in venvs/datacomp-resharder (img2dataset, webdataset==0.2.31, "
+                        "pysimdjson, cloudpathlib)")
     parser.add_argument("--step", help=argparse.SUPPRESS)  # internal: run one step in this interpreter
     parser.add_argument("--work", default=None, help="scratch folder (default: a temporary one)")
     args = parser.parse_args()
+    if args.step:
+        globals()["step_" + args.step.replace("-", "_")](Path(args.work))
+        return
     work = Path(args.work or os.environ.get("TMPDIR", "/tmp")) / "pairclean-ecosystem-work"
     work.mkdir(parents=True, exist_ok=True)
-    if args.step:
-        globals()["step_" + args.step.replace("-", "_")](work)
-        return
     unknown = sorted(set(args.steps) - set(STEPS))
     if unknown:
         parser.error(f"unknown step(s) {unknown}; choose from {', '.join(STEPS)}")
@@ -320,6 +571,10 @@ def main() -> None:
             subprocess.run([args.torch_python, __file__, "--step", "datacomp-embeddings", "--work", str(work)], check=True)
             python = str(Path(args.venvs) / "img2dataset" / "bin" / "python")
             subprocess.run([python, __file__, "--step", "datacomp-shards", "--work", str(work)], check=True)
+            if args.resharder:
+                shutil.copy(args.resharder, work / "resharder.py")
+                python = str(Path(args.venvs) / "datacomp-resharder" / "bin" / "python")
+                subprocess.run([python, __file__, "--step", "datacomp-reshard", "--work", str(work)], check=True)
             continue
         python = str(Path(args.venvs) / VENV_OF[step] / "bin" / "python")
         subprocess.run([python, __file__, "--step", step, "--work", str(work)], check=True)
