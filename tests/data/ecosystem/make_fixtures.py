@@ -464,11 +464,12 @@ def step_datacomp_shards(work: Path) -> None:
         shard_dir.mkdir()
         # download_upstream.py's call (lines 218-238 at 4a8df19), with a small image size, one process,
         # 10 samples per shard (theirs: 10000), no retries and a 2 s timeout so the hanging URL ends.
-        kwargs = dict(url_list=str(metadata_dir), image_size=64, output_folder=str(shard_dir), processes_count=1,
-                      thread_count=4, resize_mode="keep_ratio_largest", resize_only_if_bigger=True, encode_format="jpg",
-                      output_format="webdataset", input_format="parquet", url_col="url", caption_col="text",
-                      bbox_col="face_bboxes", save_additional_columns=["uid"], number_sample_per_shard=10,
-                      oom_shard_count=8, retries=0, timeout=2, enable_wandb=False)
+        kwargs = {"url_list": str(metadata_dir), "image_size": 64, "output_folder": str(shard_dir),
+                  "processes_count": 1, "thread_count": 4, "resize_mode": "keep_ratio_largest",
+                  "resize_only_if_bigger": True, "encode_format": "jpg", "output_format": "webdataset",
+                  "input_format": "parquet", "url_col": "url", "caption_col": "text", "bbox_col": "face_bboxes",
+                  "save_additional_columns": ["uid"], "number_sample_per_shard": 10, "oom_shard_count": 8,
+                  "retries": 0, "timeout": 2, "enable_wandb": False}
         img2dataset.download(**kwargs)
     # a subset file as their README and baselines write it: structured u8,u8 (uid's high and low 64
     # bits), sorted; here the pool rows whose B/32 score is at or above the median
