@@ -6,7 +6,7 @@ open_clip<3, which would break pairclean's own environment):
 
     python -m venv /work/venvs/img2dataset    && /work/venvs/img2dataset/bin/pip install img2dataset
     python -m venv /work/venvs/datasets       && /work/venvs/datasets/bin/pip install datasets pillow
-    python -m venv /work/venvs/clip-retrieval && /work/venvs/clip-retrieval/bin/pip install clip-retrieval
+    python -m venv /work/venvs/clip-retrieval && /work/venvs/clip-retrieval/bin/pip install clip-retrieval "setuptools<81"
     python -m venv /work/venvs/datacomp-resharder && /work/venvs/datacomp-resharder/bin/pip install \
         img2dataset webdataset==0.2.31 pysimdjson cloudpathlib          # only for --resharder
 
@@ -364,6 +364,8 @@ writer.py `OutputSink`: `img_emb/img_emb_{N}.npy`, `text_emb/text_emb_{N}.npy`,
 `metadata/metadata_{N}.parquet`, N zero-padded to the digits of the partition count).
 `--wds_number_file_per_input_file 7 --write_batch_size 7`: clip-retrieval estimates 2 x 7 samples
 and writes 2 partitions, one per tar.
+The venv also needs `pip install "setuptools<81"`: clip-retrieval 2.45.0 pulls clip-anytorch, whose
+clip/clip.py imports `pkg_resources`, gone from the setuptools (84.2.1) pip installs today.
 """
 
 
