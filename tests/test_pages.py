@@ -181,3 +181,19 @@ def test_render_fills_each_field_once_by_the_values_type():
         render("{{a}}{{b}}", a=1)
     with pytest.raises(KeyError, match="not in the template: \\['c'\\]"):
         render("{{a}}", a=1, c=2)
+
+
+def test_every_page_template_is_filled_by_render_alone():
+    """The templates use `{{field}}` only, and nothing but curate/pages.py escapes HTML or fills a
+    template: a new page goes through `curate.pages.render`."""
+    from pairclean.conventions import sources
+
+    root = Path(__file__).parent.parent
+    for template in (root / "pairclean").rglob("*.html"):
+        text = template.read_text()
+        assert re.findall(r"\{\{(\w+)\}\}", text), template
+        assert not re.search(r"\$\w+|__[A-Z]+__", text), template
+    files = sources(root)
+    others = [path for path, source in files.items() if path != "pairclean/curate/pages.py"
+              and re.search(r"\bhtml\.escape\(|\bTemplate\(|\.replace\(\"__", source)]
+    assert others == []

@@ -5,14 +5,18 @@ written for a person. Each example of the issues is a test, run through the comm
 
 from __future__ import annotations
 
+import ast
 import json
 import re
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from helpers import run_cli
+
+from pairclean.conventions import sources
 
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
@@ -191,3 +195,29 @@ def test_query_columns_lists_each_column_with_its_type_and_meaning(coco_scores, 
     assert "FLOAT" in rows["sim"] and "cosine" in rows["sim"]
     assert "GMM rule's probability that the pair is clean" in rows["p_clean"]
     assert "true = flagged noisy (p_clean < 0.5)" in rows["gmm_noisy"]
+
+
+# ------------------------------------------------------------------ held for the next command
+
+def _code_strings(source: str) -> list[str]:
+    """The string literals of a module, docstrings aside."""
+    tree = ast.parse(source)
+    docstrings = {id(node.body[0].value) for node in ast.walk(tree)
+                  if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+                  and node.body and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant)}
+    return [node.value for node in ast.walk(tree)
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings]
+
+
+def test_the_terminal_module_is_the_one_console_path():
+    """No console but `LiteralConsole`, no rich markup in a string, no progress column that parses
+    markup: what a new command prints goes through cli/terminal.py."""
+    files = sources(Path(__file__).parent.parent)
+    consoles = [path for path, source in files.items()
+                if re.search(r"\bConsole\(", source) and path != "pairclean/cli/terminal.py"]
+    markup = [(path, text) for path, source in files.items() for text in _code_strings(source)
+              if re.search(r"\[/?(bold|dim|italic|underline|red|green|yellow|blue|cyan|magenta|link)\b[^\]]*\]", text)]
+    columns = [(path, node.lineno) for path, source in files.items() for node in ast.walk(ast.parse(source))
+               if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "TextColumn"
+               and not any(k.arg == "markup" and getattr(k.value, "value", True) is False for k in node.keywords)]
+    assert consoles == [] and markup == [] and columns == []

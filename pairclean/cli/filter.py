@@ -104,7 +104,7 @@ def filter_command(
 
     with ScoresDB(scores) as db:  # opened once: its provenance names the pair kind, filter_dataset reads it
         spec = open_dataset(source, pair=pair or (db.provenance or {}).get("pair"))
-        with Progress(TextColumn("{task.description}", markup=False), BarColumn(), MofNCompleteColumn(), TextColumn("shards"),
+        with Progress(TextColumn("{task.description}", markup=False), BarColumn(), MofNCompleteColumn(), TextColumn("shards", markup=False),
                       TimeElapsedColumn(), console=console, transient=True) as bar:
             task = bar.add_task("dry run" if dry_run else "filtering", total=len(spec.shards))
             result = filter_dataset(spec, db, out or Path("."), where=where, top_fraction=top_fraction, by=by,
