@@ -11,6 +11,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
@@ -160,3 +161,29 @@ def test_the_picture_is_drawn_as_large_as_the_window_allows(audit_page, tmp_path
     # contain: the picture touches its box on one side, so it is as large as the box allows
     assert max(drawn["drawn"][0] / drawn["box"][0], drawn["drawn"][1] / drawn["box"][1]) == pytest.approx(1, abs=0.01)
     assert max(drawn["drawn"]) >= 600 and shot
+
+
+def test_the_pair_kind_the_scores_were_made_with_is_what_the_page_shows(tmp_path, coco_src):
+    """Text-text pairs cut from an image dataset, in a shard without a manifest: the page shows both
+    texts the scores compared (and the sample's image as context), not an image and its first text."""
+    import webdataset as wds
+
+    from pairclean.scores.contract import METADATA_KEY, SCORES_SCHEMA
+
+    images = sorted((coco_src / "val2017").glob("*.jpg"))[:3]
+    shard = tmp_path / "tt-000000.tar"
+    with wds.TarWriter(str(shard)) as sink:
+        for i, img in enumerate(images):
+            sink.write({"__key__": f"k{i}", "jpg": img.read_bytes(), "txt": f"first {i}", "txt2": f"second {i}"})
+    provenance = {"pair": "text-text", "beta": 0.0, "input_shards": [str(shard)]}
+    sims = [0.1, -0.3, 0.5]
+    pq.write_table(pa.table({
+        "key": ["k0", "k1", "k2"], "shard": [str(shard)] * 3, "index": [0, 1, 2], "sim": sims, "sim_debiased": sims,
+        "weight": [0.1, 0.0, 0.5], "weight_norm": [0.2, 0.0, 1.0], "osa_noisy": [False, True, False],
+        "p_clean": [None] * 3, "gmm_noisy": [None] * 3, "error": [None] * 3,
+    }, schema=SCORES_SCHEMA.with_metadata({METADATA_KEY: json.dumps(provenance).encode()})), tmp_path / "s.parquet")
+    main(["audit", str(tmp_path / "s.parquet"), "--shards", str(shard), "--out", str(tmp_path / "a.html"),
+          "--per-decile", "1"])
+    cards = re.findall(r'<article class="pair" hidden>\n<div class="pics"><img src="data:image/jpeg[^"]+" alt=""></div>'
+                       r'<div class="texts">((?:<p>[^<]*</p>)+)', (tmp_path / "a.html").read_text())
+    assert cards == ["<p>first 1</p><p>second 1</p>", "<p>first 0</p><p>second 0</p>", "<p>first 2</p><p>second 2</p>"]

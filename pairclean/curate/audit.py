@@ -65,9 +65,10 @@ def build_audit(scores: str | Path, shards: list[str], out: str | Path, per_deci
     on their longer side: the page draws them as large as the browser window allows."""
     if per_decile < 1:
         raise ConfigError("per_decile must be at least 1", "per_decile")
-    spec = open_dataset(shards, pair=pair)
     with ScoresDB(scores) as db:
         rows = stratified_sample(db, per_decile, seed)
+        scored_pair = (db.provenance or {}).get("pair")
+    spec = open_dataset(shards, pair=pair or scored_pair)  # the sides the scores compared, as the report shows them
     if not rows:
         raise UserError(f"{scores} holds no scored pair to audit")
     media = fetch_media(spec, rows, thumb)
