@@ -19,8 +19,8 @@ import typer
 from rich.text import Text
 
 from pairclean.cli.app import app, console, err_console
-from pairclean.cli.terminal import literal
 from pairclean.cli.options import flag_for
+from pairclean.cli.terminal import literal
 from pairclean.errors import ConfigError, UserError, word_fields
 
 try:  # typer >= 0.22 runs on its own copy of click; older typer on click itself

@@ -7,8 +7,8 @@ from rich.table import Table
 
 import pairclean.cli.options as options
 from pairclean.cli.app import App, app, console, err_console
-from pairclean.cli.terminal import print_table
 from pairclean.cli.progress import RichProgress
+from pairclean.cli.terminal import print_table
 
 bench_app = App(no_args_is_help=True, help="Measure throughput on this machine.")
 app.add_typer(bench_app, name="bench")

@@ -20,8 +20,8 @@ from rich.text import Text
 from pairclean.cli.app import app, console
 from pairclean.cli.terminal import literal, print_table
 from pairclean.errors import UserError
-from pairclean.scores.contract import columns_phrase
 from pairclean.ops.guard import check_output
+from pairclean.scores.contract import columns_phrase
 
 if TYPE_CHECKING:
     from pairclean.curate.filter import FilterResult

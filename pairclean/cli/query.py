@@ -20,7 +20,7 @@ from pairclean.scores.contract import column_meanings
 from pairclean.scores.db import ScoresDB
 
 
-def _cell(value) -> str:
+def _cell(value) -> str | Text:
     if value is None:
         return Text("NULL", style="dim")
     if isinstance(value, float):

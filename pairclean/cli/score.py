@@ -10,8 +10,8 @@ from rich.table import Table
 
 import pairclean.cli.options as options
 from pairclean.cli.app import app, console
-from pairclean.cli.terminal import print_table
 from pairclean.cli.progress import RichProgress
+from pairclean.cli.terminal import print_table
 from pairclean.scores.rules import DEFAULT_RULES, REGISTRY
 
 RULE_HELP = "; ".join(f"{name}" + (f" ({', '.join(cls.OPTIONS)})" if cls.OPTIONS else "") + f": {cls.__doc__.split(chr(10))[0].rstrip('.')}"
