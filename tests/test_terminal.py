@@ -128,12 +128,8 @@ def test_a_table_is_plain_text_when_the_output_is_not_a_terminal(coco_scores, ca
 
 # ------------------------------------------------------------------ help
 
-COMMANDS = ["", "audit", "audit-import", "filter", "corrupt", "demo", "query", "report", "score", "train", "bench",
-            "bench score", "evaluate", "evaluate retrieval", "evaluate detection", "synth", "synth toy-world",
-            "synth coco-mini", "synth web-shards", "synth train-estimator", "synth coco-text", "synth toy-pairs"]
-
-
-def test_every_command_is_listed_here():
+def _commands() -> list[str]:
+    """Every command and command group of the app (a new one is checked without being listed here)."""
     import typer
 
     from pairclean.cli import _register_commands
@@ -145,7 +141,14 @@ def test_every_command_is_listed_here():
         yield prefix.strip()
         for name, sub in getattr(command, "commands", {}).items():
             yield from walk(sub, f"{prefix} {name}")
-    assert sorted(walk(typer.main.get_command(app))) == sorted(COMMANDS)
+    return sorted(walk(typer.main.get_command(app)))
+
+
+COMMANDS = _commands()
+
+
+def test_the_walk_finds_the_commands_and_their_groups():
+    assert {"", "score", "filter", "query", "evaluate", "evaluate detection", "synth toy-world"} <= set(COMMANDS)
 
 
 @pytest.mark.parametrize("command", COMMANDS)
