@@ -114,7 +114,7 @@ def test_an_enabled_rule_reaches_the_file_the_summary_evaluate_and_the_report(tm
     # evaluate detection: its row, with the metrics of the column against the truth.
     main(["evaluate", "detection", str(scores), "--truth", str(truth)])
     out = capsys.readouterr().out
-    assert re.search(rf"top-fraction\s*│\s*sim <= {cut:.4f}", out)
+    assert re.search(rf"top-fraction\s+sim <= {cut:.4f}", out)
     result = json.loads(scores.with_name("scores.detection.json").read_text())
     truth_noisy = np.array(noisy)
     assert result["rules"]["top-fraction"]["noise_caught"] == pytest.approx(

@@ -17,7 +17,7 @@ def audit_command(
     out: Path = typer.Option(Path("audit.html"), "--out", "-o", help="The audit page to write."),
     per_decile: int = typer.Option(10, help="Pairs drawn from each similarity decile."),
     seed: int = typer.Option(0, help="Which pairs are drawn."),
-    pair: Optional[str] = typer.Option(None, help="Pair kind of the shards (default: the manifest's or image-text)."),
+    pair: Optional[str] = typer.Option(None, help="Pair kind of the shards (default: the one the scores were made with)."),
 ) -> None:
     """A self-contained HTML page where a person marks keep / drop (k / d, arrows) and exports the marks."""
     from pairclean.curate.audit import build_audit

@@ -15,10 +15,13 @@ from rich.progress import (
     TimeElapsedColumn,
 )
 from rich.table import Table
+from rich.text import Text
 
 from pairclean.cli.app import app, console
+from pairclean.cli.terminal import literal, print_table
 from pairclean.errors import UserError
 from pairclean.ops.guard import check_output
+from pairclean.scores.contract import columns_phrase
 
 if TYPE_CHECKING:
     from pairclean.curate.filter import FilterResult
@@ -49,7 +52,7 @@ def result_table(result: FilterResult) -> Table:
     for c in result.counts:
         bytes_cells = [_size(c.bytes), _share(c.bytes, result.total_bytes)] if result.dry_run else []
         table.add_row(c.rule, f"{c.pairs:,}", _share(c.pairs, result.total_pairs), *bytes_cells)
-    table.add_row("[dim]scored pairs of the given shards[/dim]", f"{result.total_pairs:,}", "",
+    table.add_row(Text("scored pairs of the given shards", style="dim"), f"{result.total_pairs:,}", "",
                   *([_size(result.total_bytes), ""] if result.dry_run else []))
     if not result.dry_run:
         table.caption = (f"wrote {result.kept_pairs:,} pairs, {_size(result.kept_bytes)}, "
@@ -71,11 +74,15 @@ def sweep_table(sweep: Sweep) -> Table:
     return table
 
 
+WHERE_HELP = (f"Keep pairs where this DuckDB SQL expression over the scores columns is true (repeatable: all must "
+              f"hold). Columns: {columns_phrase()}. `pairclean query SCORES --columns` lists a file's.")
+
+
 @app.command("filter")
 def filter_command(
-    source: List[str] = typer.Argument(..., help="The scored shards: directory, glob, brace pattern, list file, Parquet files, or a manifest YAML."),
+    source: List[str] = typer.Argument(..., metavar="SHARDS", help="The scored shards: directory, glob, brace pattern, list file, Parquet files, or a manifest YAML."),
     scores: Path = typer.Option(..., "--scores", "-s", help="Scores Parquet written by `pairclean score` for these shards."),
-    where: Optional[List[str]] = typer.Option(None, "--where", "-w", help="Keep pairs where this DuckDB SQL expression over the scores columns is true (repeatable: all must hold)."),
+    where: Optional[List[str]] = typer.Option(None, "--where", "-w", metavar="SQL", help=WHERE_HELP),
     top_fraction: Optional[float] = typer.Option(None, help="Keep this fraction of the scored pairs with the highest --by (DataComp-style)."),
     by: str = typer.Option("sim", help="Score column ranked by --top-fraction."),
     out: Optional[Path] = typer.Option(None, "--out", "-o", help="Directory for the filtered dataset (with manifest.yaml and filter.json)."),
@@ -97,15 +104,15 @@ def filter_command(
 
     with ScoresDB(scores) as db:  # opened once: its provenance names the pair kind, filter_dataset reads it
         spec = open_dataset(source, pair=pair or (db.provenance or {}).get("pair"))
-        with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("shards"),
+        with Progress(TextColumn("{task.description}", markup=False), BarColumn(), MofNCompleteColumn(), TextColumn("shards", markup=False),
                       TimeElapsedColumn(), console=console, transient=True) as bar:
             task = bar.add_task("dry run" if dry_run else "filtering", total=len(spec.shards))
             result = filter_dataset(spec, db, out or Path("."), where=where, top_fraction=top_fraction, by=by,
                                     dry_run=dry_run, shard_size=shard_size, shard_bytes=shard_bytes, prefix=prefix,
                                     overwrite=overwrite, progress=lambda _shard: bar.advance(task))
-    console.print(result_table(result))
+    print_table(console, result_table(result))
     if result.sweep is not None:
-        console.print(sweep_table(result.sweep))
+        print_table(console, sweep_table(result.sweep))
     if result.read_failures:
-        console.print(f"[yellow]{len(result.read_failures)} shard read failure(s)[/yellow], first: "
-                      f"{result.read_failures[0]['shard']}: {result.read_failures[0]['reason']}", highlight=False)
+        console.print(Text.assemble((f"{len(result.read_failures)} shard read failure(s)", "yellow"), ", first: ",
+                                    literal(f"{result.read_failures[0]['shard']}: {result.read_failures[0]['reason']}")))

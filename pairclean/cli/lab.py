@@ -3,17 +3,19 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import List, Optional
+from typing import Optional
 
 import typer
 
+from pairclean.cli import options
 from pairclean.cli.app import app, console
 from pairclean.cli.progress import RichProgress
+from pairclean.cli.terminal import print_table
 
 
 @app.command("corrupt")
 def corrupt_command(
-    source: List[str] = typer.Argument(..., help="Shards: directory, glob, brace pattern, list file, Parquet files, or a manifest YAML."),
+    source: options.Source,
     out: Path = typer.Option(..., "--out", "-o", help="Directory for the noisy copy, truth/truth.parquet and manifest.yaml."),
     ratio: float = typer.Option(..., help="Share of the pairs drawn for noise, in [0, 1]."),
     seed: int = typer.Option(0, help="Noise seed."),
@@ -59,7 +61,7 @@ def demo_command(
                      workers=workers, device=device, progress=RichProgress(console, prefix="demo"))
     result = run_demo(cfg)
     for table in detection_tables(result.metrics):
-        console.print(table)
+        print_table(console, table)
     console.print(PAPER_TABLE5, soft_wrap=True)
     stages = ", ".join(f"{k} {v:.0f}s" for k, v in result.seconds.items() if k != "total")
     console.print(f"done in {result.seconds['total']:.0f}s ({stages}; estimator "

@@ -31,7 +31,7 @@ def flag_for(field: str) -> str:
 
 
 Source = Annotated[List[str], typer.Argument(
-    help="Shards: directory, glob, brace pattern, list file, Parquet files, or a manifest YAML.")]
+    metavar="SHARDS", help="Shards: directory, glob, brace pattern, list file, Parquet files, or a manifest YAML.")]
 Pair = Annotated[Optional[str], typer.Option(help="Pair kind: image-text, text-text, image-label, image-image.")]
 AllowPipe = Annotated[bool, typer.Option(help="Allow `pipe:` shard URLs, which run shell commands.")]
 Device = Annotated[str, typer.Option(help="auto, cpu, cuda, cuda:1 ...")]

@@ -33,4 +33,4 @@ def report_command(
     console.print(f"wrote {result.out} ({size / 1e6:.1f} MB): {result.pairs:,} pairs, "
                   f"{result.gallery_pairs} in the galleries, {result.thumbnails} thumbnails", highlight=False)
     if result.media_note:  # it names the library's field `shards`: worded as this command's flag
-        console.print(f"[yellow]{word_fields(result.media_note, ('shards',), flag_for)}[/yellow]", highlight=False)
+        console.print(word_fields(result.media_note, ("shards",), flag_for), style="yellow")

@@ -11,9 +11,10 @@ from rich.table import Table
 import pairclean.cli.options as options
 from pairclean.cli.app import app, console
 from pairclean.cli.progress import RichProgress
+from pairclean.cli.terminal import print_table
 from pairclean.scores.rules import DEFAULT_RULES, REGISTRY
 
-RULE_HELP = "; ".join(f"{name}" + (f" ({', '.join(cls.OPTIONS)})" if cls.OPTIONS else "") + f": {cls.__doc__.split(chr(10))[0]}"
+RULE_HELP = "; ".join(f"{name}" + (f" ({', '.join(cls.OPTIONS)})" if cls.OPTIONS else "") + f": {cls.__doc__.split(chr(10))[0].rstrip('.')}"
                       for name, cls in REGISTRY.items() if name not in DEFAULT_RULES)
 
 
@@ -67,9 +68,9 @@ def score_command(
     weight_fn: str = typer.Option("cubic", help="cubic, linear, cosine, official."),
     seed: int = typer.Option(0, help="Seed for beta's random inputs and the GMM."),
     gmm_sample: int = typer.Option(1_000_000, help="Fit the GMM (and every decision rule) on at most this many similarities."),
-    rule: Optional[List[str]] = typer.Option(None, "--rule", help="Also decide with this rule, NAME[:key=value,...] "
+    rule: Optional[List[str]] = typer.Option(None, "--rule", metavar="NAME[:KEY=VALUE]", help="Also decide with this rule, NAME[:key=value,...] "
                                              "(repeatable; beta and gmm always run): " + RULE_HELP),
-    from_embeddings: bool = typer.Option(False, "--from-embeddings", help="SOURCE holds precomputed embeddings (clip-retrieval output "
+    from_embeddings: bool = typer.Option(False, "--from-embeddings", help="SHARDS hold precomputed embeddings (clip-retrieval output "
                                          "directory, LEFT.npy RIGHT.npy, or Parquet with two embedding columns): no model is run."),
     embedding_layout: str = typer.Option("auto", help="--from-embeddings: auto, clip-retrieval, numpy or parquet."),
     left_emb_field: str = typer.Option("left_emb", help="--from-embeddings, Parquet layout: column of the left embeddings."),
@@ -101,7 +102,7 @@ def score_command(
         result = score_embeddings(spec, out, EmbeddingScoreConfig(
             beta_mode=beta_mode, beta=beta, random_embeddings=rand, weight_fn=weight_fn, seed=seed,
             gmm_sample=gmm_sample, rules=rules, overwrite=overwrite, resume=resume, progress=RichProgress(console)))
-        console.print(summary_table(result))
+        print_table(console, summary_table(result))
         return
     spec = dataset.spec(source)
     backend = check_backend(backend)
@@ -112,4 +113,4 @@ def score_command(
                       compile=compile, beta_cache=beta_cache, progress=RichProgress(console))
     result = score(spec, out, cfg)
     if result.summary:  # under torchrun only rank 0 finalizes and reports
-        console.print(summary_table(result))
+        print_table(console, summary_table(result))

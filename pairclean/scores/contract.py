@@ -17,7 +17,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pairclean.ops.atomic import write_json
-from pairclean.scores.rules import DEFAULT_RULES, REGISTRY, DecisionRule, RuleRecord
+from pairclean.scores.rules import DEFAULT_RULES, REGISTRY, DecisionRule, RuleRecord, recorded_rules
 
 BASE_COLUMNS = [
     ("key", pa.string()),
@@ -39,6 +39,41 @@ def scores_schema(rules: Iterable[DecisionRule | type[DecisionRule]]) -> pa.Sche
 
 
 SCORES_SCHEMA = scores_schema(REGISTRY[name] for name in DEFAULT_RULES)
+
+# What the columns every scores file has mean (a rule's columns are described by the rule's record).
+COLUMN_MEANINGS = {
+    "key": "the sample's key in its shard, or the Parquet id column (keys may repeat)",
+    "shard": "the tar shard or Parquet file the pair came from",
+    "index": "position of the pair within its shard (from 0); (shard, index) is unique",
+    "sim": "cosine of the two embeddings; NULL on error",
+    "sim_debiased": "sim - beta; NULL on error",
+    "weight": "OSA weight w(sim_debiased); 0 on error",
+    "weight_norm": "weight mapped onto [0, 1]; 0 on error",
+    "error": "NULL when fine, else why the pair could not be scored",
+}
+
+
+def columns_phrase() -> str:
+    """The columns a scores file can have, in words (for help texts): the default ones, then the
+    columns each other rule adds when it is enabled."""
+    others = "; ".join(f"{name}: {', '.join(column for column, _ in cls.columns)}"
+                       for name, cls in REGISTRY.items() if name not in DEFAULT_RULES)
+    return ", ".join(SCORES_SCHEMA.names) + (f"; a rule enabled when scoring adds its own ({others})" if others else "")
+
+
+def column_meanings(provenance: dict | None, columns) -> dict[str, str]:
+    """What each of `columns` of a scores file means: the contract's columns, then each rule's."""
+    meanings = {column: COLUMN_MEANINGS[column] for column in columns if column in COLUMN_MEANINGS}
+    for record in recorded_rules(provenance or {}, columns):
+        rule = REGISTRY.get(record.name)
+        for column in record.columns:
+            if column == record.decision:
+                meanings[column] = f"{record.label} rule's decision: true = flagged noisy ({record.noisy_if})"
+            elif rule is not None and column == rule.clean_probability:
+                meanings[column] = f"{record.label} rule's probability that the pair is clean"
+            else:
+                meanings[column] = f"written by the {record.label} rule"
+    return meanings
 
 
 class Provenance(TypedDict, total=False):
