@@ -10,6 +10,7 @@ import pyarrow as pa
 import typer
 from rich.table import Table
 
+import pairclean.cli.options as options
 from pairclean.cli.app import app, console
 from pairclean.curate.query import OUTPUT_FORMATS, write_result
 from pairclean.errors import UserError
@@ -55,12 +56,14 @@ def rich_result(batches: Iterable[pa.RecordBatch], schema: pa.Schema, limit: int
 @app.command("query")
 def query_command(
     scores: Path = typer.Argument(..., help="Scores Parquet written by `pairclean score`."),
-    sql: Optional[str] = typer.Argument(None, help="One SQL statement over the views `scores` (and `truth`, `labeled`)."),
+    sql: Optional[str] = typer.Argument(None, help="One SQL statement over the views `scores` (and `truth`, `labeled`, "
+                                                   "the --attach tables)."),
     file: Optional[Path] = typer.Option(None, "--file", "-f", help="Read the SQL from this file instead."),
     truth: Optional[Path] = typer.Option(None, help="Ground-truth Parquet (key, shard, index, noisy): adds views `truth` and `labeled`."),
     fmt: str = typer.Option("table", "--format", help="table, csv, json (JSON Lines) or parquet."),
     out: Optional[Path] = typer.Option(None, "--out", "-o", help="Write csv/json/parquet here (atomically) instead of stdout."),
     limit: int = typer.Option(50, help="Rows shown by --format table (the rest are counted)."),
+    attach: options.Attach = None,
 ) -> None:
     """Run SQL through DuckDB over the scores: `pairclean query scores.parquet "SELECT ..."`."""
     if (sql is None) == (file is None):
@@ -75,9 +78,10 @@ def query_command(
         raise UserError(f"unknown format {fmt!r}; choose one of {', '.join(OUTPUT_FORMATS)}")
     if fmt == "table" and out is not None:
         raise UserError("--out needs --format csv, json or parquet")
+    tables = options.parse_attachments(attach)
     if out is not None:
-        check_output(out, [scores, truth])
-    with ScoresDB(scores, truth=truth) as db:
+        check_output(out, [scores, truth, *(f for files in tables.values() for f in files)])
+    with ScoresDB(scores, truth=truth, attach=tables) as db:
         schema, batches = db.stream(db.run(sql))
         if fmt == "table":
             table, note = rich_result(batches, schema, limit)

@@ -18,9 +18,10 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from pairclean.scores.contract import from_embeddings
 from pairclean.scores.db import ScoresDB
-from pairclean.curate.report.media import fetch_media
-from pairclean.data.manifest import open_dataset
+from pairclean.curate.report.media import fetch_media, media_spec
+from pairclean.data.manifest import Fields
 from pairclean.errors import ConfigError, UserError
 from pairclean.ops.atomic import atomic_path
 
@@ -38,17 +39,23 @@ def stratified_sample(db: ScoresDB, per_decile: int, seed: int) -> list[dict]:
             WHERE r <= ? ORDER BY decile, sim""", [str(seed), per_decile]).fetchall()]
 
 
-def build_audit(scores: str | Path, shards: list[str], out: str | Path, per_decile: int = 10, seed: int = 0,
-                thumb: int = 256, pair: str | None = None) -> int:
-    """Write the audit page; returns the number of pairs on it."""
+def build_audit(scores: str | Path, shards: list[str] | None, out: str | Path, per_decile: int = 10, seed: int = 0,
+                thumb: int = 256, fields: Fields | None = None, **dataset_options) -> int:
+    """Write the audit page; returns the number of pairs on it. The pairs come from `shards`, else
+    the dataset the scores recorded (`fields`, `dataset_options` override how it is read)."""
     if per_decile < 1:
         raise ConfigError("per_decile must be at least 1", "per_decile")
-    spec = open_dataset(shards, pair=pair)
     with ScoresDB(scores) as db:
+        prov = db.provenance or {}
+        spec, note = media_spec(prov, shards, fields, **dataset_options)
+        if spec is None:
+            raise ConfigError(note, "shards")
+        if from_embeddings(prov):
+            db.check_unique_keys()
         rows = stratified_sample(db, per_decile, seed)
     if not rows:
         raise UserError(f"{scores} holds no scored pair to audit")
-    media = fetch_media(spec, rows, thumb)
+    media = fetch_media(spec, rows, thumb, from_embeddings(prov))
     items = []
     for r in rows:
         m = media[(r["shard"], int(r["index"]))]
