@@ -262,7 +262,7 @@ def load_manifest(path: Path, allow_pipe: bool = False) -> DatasetSpec:
         truth = str(path.parent / truth)
     image_root = raw.get("image_root")
     if image_root and not Path(image_root).is_absolute():
-        image_root = str(path.parent / image_root)
+        image_root = os.path.normpath(path.parent / image_root)
     spec = DatasetSpec(
         format=found.format,
         shards=found.shards,

@@ -516,7 +516,8 @@ def _image_value(value, root: Path) -> tuple[bytes | None, str | None]:
         if value["bytes"] is not None:
             return value["bytes"], None
         return _read_image_path(root, value["path"])
-    return None, f"image column holds {shown(value)}, not image bytes"
+    kind = f"a struct ({', '.join(map(str, value))})" if isinstance(value, dict) else type(value).__name__
+    return None, f"image column holds {kind}, not image bytes"
 
 
 def _pairs_fitting(spec: DatasetSpec, available: set[str]) -> list[str]:

@@ -144,6 +144,8 @@ def _spill_rows(spec: DatasetSpec, units: list[str], path: Path, progress) -> tu
                 if isinstance(item, UnitFailure):
                     raise ConfigError(f"cannot read {item.unit}: {item.reason}; corrupt copies whole shards, "
                                       "so repair that shard or leave it out", *item.fields)
+                if item.shard != unit_shard(unit):
+                    continue  # an error row from the shard's metadata (a failed download): no pair to copy
                 caption = item.right if item.error is None else None
                 context = item.left if caption is not None and spec.pair == "text-text" else None
                 for name, value in (("pos", pairs), ("shard", item.shard), ("index", item.index),

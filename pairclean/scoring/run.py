@@ -159,7 +159,8 @@ def check_unchanged(records: dict[str, dict]) -> None:
 def unusable_run(units: list[str], records: dict[str, dict], store: PartStore,
                  max_error_share: float | None) -> str | None:
     """Why a run's result is not worth a scores file (None: it is): every unit failed, every pair
-    is an error row, or more pairs than `max_error_share` are. The reason names the commonest errors."""
+    is an error row, or more pairs than `max_error_share` are (the reason then names that field).
+    The reason names the commonest errors."""
     rows = sum(records[u]["rows"] for u in units)
     errors = sum(records[u]["errors"] for u in units)
     failed = [u for u in units if records[u].get("failure")]
@@ -187,7 +188,8 @@ def fail_run(reason: str, units: list[str], records: dict[str, dict], store: Par
                "error_reasons": store.error_counts(units), "failed": reason}
     write_json(run_manifest_path(out), {"output": None, "summary": summary, "provenance": provenance})
     store.remove()
-    raise UserError(f"{reason}; no scores file was written (all reasons in {run_manifest_path(out)})")
+    message = f"{reason}; no scores file was written (all reasons in {run_manifest_path(out)})"
+    raise ConfigError(message, "max_error_share") if "`max_error_share`" in reason else UserError(message)
 
 
 def run_scoring(producer: Producer, out: str | Path, cfg: RunConfig) -> ScoreResult:

@@ -148,7 +148,10 @@ class Img2DatasetWebDataset(WebDatasetFormat):
     # -- filter: per-shard sidecars and stats beside each tar written ------------------------
 
     def write_kept(self, kept: KeptRows, tmp: Path, prefix: str, shard_size: int, shard_bytes: float, progress):
-        self._rows: list[pa.Table] = []  # the sidecar rows of the samples written to the open shard
+        # The sidecar row of each sample handed to the writer, in order (None: the sidecar has no row
+        # for it); a closed shard takes as many as it holds: the writer closes a shard when the next
+        # sample arrives, so the last one handed over may belong to the next shard.
+        self._rows: list[pa.Table | None] = []
         self._index: tuple[str | None, dict[str, int], pa.Table | None] = (None, {}, None)
         return super().write_kept(kept, tmp, prefix, shard_size, shard_bytes, progress)
 
@@ -162,16 +165,15 @@ class Img2DatasetWebDataset(WebDatasetFormat):
             self._index = (shard, rows, table)
         _, rows, table = self._index
         row = rows.get(sample_key(self.spec.fields.key, sample))
-        if row is not None:
-            self._rows.append(table.slice(row, 1))
+        self._rows.append(table.slice(row, 1) if row is not None else None)
 
     def on_closed(self, path: Path) -> None:
-        count = sum(t.num_rows for t in self._rows)
-        table = pa.concat_tables(self._rows, promote_options="default") if self._rows else None
+        count = self.count(str(path))
+        mine, self._rows = [t for t in self._rows[:count] if t is not None], self._rows[count:]
+        table = pa.concat_tables(mine, promote_options="default") if mine else None
         if table is not None:
             pq.write_table(table, path.with_suffix(".parquet"))
         write_stats(path, table, count)
-        self._rows = []
 
     # -- corrupt: the sidecar copied with the changed captions -------------------------------
 
