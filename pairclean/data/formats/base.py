@@ -210,9 +210,8 @@ class InputFormat:
                  "image-image": ("image", "image2")}[self.spec.pair]
         parts = []
         for role in roles:
-            path_role = f"{role}_path" if role in ("image", "image2") else None
-            column = getattr(f, path_role) if path_role and getattr(f, path_role) else getattr(f, role)
-            parts.append(f"{role}={column}")
+            by_path = getattr(f, f"{role}_path") if role in ("image", "image2") else None
+            parts.append(f"{role}={by_path} (paths)" if by_path else f"{role}={getattr(f, role)}")
         if self.spec.pair == "image-text" and f.json_text_key and self.suffix == ".tar":
             parts[-1] += f" (else json {f.json_text_key})"
         parts.append(f"key={f.key or 'none (file/row)'}")
