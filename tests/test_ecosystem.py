@@ -42,6 +42,11 @@ def tar_names(path: Path) -> list[str]:
         return [m.name for m in tar.getmembers()]
 
 
+def tar_members(path: Path) -> dict[str, bytes]:
+    with tarfile.open(path) as tar:
+        return {m.name: tar.extractfile(m).read() for m in tar.getmembers()}
+
+
 def audit_items(page: Path) -> list[dict]:
     return json.loads(re.search(r"const ITEMS = (\[.*?\]);\n", page.read_text()).group(1).replace("<\\/", "</"))
 
@@ -132,7 +137,7 @@ def test_5_report_and_audit_read_the_dataset_the_scores_recorded(i2d_pq_scores, 
 
 
 def test_5_field_flags_still_override_what_was_recorded(i2d_pq_scores, tmp_path, capsys):
-    code, out, err = run_cli(["report", i2d_pq_scores, "--out", tmp_path / "r.html", "--text-field", "url",
+    code, _, err = run_cli(["report", i2d_pq_scores, "--out", tmp_path / "r.html", "--text-field", "url",
                               "--gallery", "2", "--contrast", "0"], capsys)
     assert code == 0, err
     assert "http://127.0.0.1" in (tmp_path / "r.html").read_text()  # the url column shown as the text
@@ -226,8 +231,8 @@ def test_12_a_datacomp_uid_subset_keeps_what_datacomps_resharder_keeps(datacomp_
     code, _, err = run_cli(["filter", datacomp_scores, "--keep-keys", subset, "--out", tmp_path / "kept",
                             "--prefix", "", "--keys-out", tmp_path / "kept-uids.npy"], capsys)
     assert code == 0, err
-    ours = sorted(json.loads(tarfile.open(t).extractfile(m).read())["uid"] for t in (tmp_path / "kept").glob("*.tar")
-                  for m in tarfile.open(t).getmembers() if m.name.endswith(".json"))
+    ours = sorted(json.loads(data)["uid"] for t in (tmp_path / "kept").glob("*.tar")
+                  for name, data in tar_members(t).items() if name.endswith(".json"))
     theirs = sorted(n.split("-")[0] for t in (DATACOMP / "resharded").glob("*.tar") for n in tar_names(t)
                     if n.endswith(".json"))
     assert ours == theirs and len(ours) == 7  # one uid of the subset was a failed download
@@ -245,9 +250,9 @@ def test_12_metadata_in_predicates_and_queries(i2d_wds_scores, tmp_path, capsys)
     sidecars = pq.read_table(sorted(I2D_WDS.glob("*.parquet"))).to_pydict()
     wide = sorted(k for k, w in zip(sidecars["key"], sidecars["original_width"]) if w is not None and w > 400)
     assert (tmp_path / "wide.txt").read_text().split() == wide and 0 < len(wide) < 12
-    code, out, err = run_cli(["query", i2d_wds_scores, "SELECT count(*) AS n FROM scores s JOIN meta m USING (key) "
-                              "WHERE m.status = 'success'", "--attach", f"meta={I2D_WDS}/*.parquet",
-                              "--format", "csv"], capsys)
+    sql = "SELECT count(*) AS n FROM scores s JOIN meta m USING (key) WHERE m.status = 'success'"
+    code, out, err = run_cli(["query", i2d_wds_scores, sql, "--attach", f"meta={I2D_WDS}/*.parquet", "--format", "csv"],
+                             capsys)
     assert code == 0 and out.split() == ['"n"', "12"], err
 
 
@@ -282,8 +287,7 @@ def test_14_corrupt_changes_the_caption_wherever_it_is_read(tmp_path, capsys):
     truth = rows(tmp_path / "noisy" / "truth" / "truth.parquet")
     assert sum(truth["noisy"]) >= 3
     for shard in sorted((tmp_path / "noisy").glob("*.tar")):
-        with tarfile.open(shard) as tar:
-            members = {m.name: tar.extractfile(m).read() for m in tar.getmembers()}
+        members = tar_members(shard)
         for name in (n for n in members if n.endswith(".txt")):
             assert members[name].decode() == json.loads(members[name[:-4] + ".json"])["caption"], name
     scored = score(tmp_path / "noisy", tmp_path / "json.parquet", "--text-field", "nosuch", "--json-text-key", "caption")

@@ -371,7 +371,7 @@ def write_manifest(path: Path, spec: DatasetSpec, shards_relative_to: Path | Non
     base = shards_relative_to or path.parent
     shards = [os.path.relpath(s, base) if "://" not in s else s for s in spec.shards]
     data = {"name": spec.name or path.stem, "format": spec.format, "shards": shards, "pair": spec.pair,
-            "fields": {k: v for k, v in asdict(spec.fields).items() if v is not None}}
+            "fields": spec.input_format.manifest_fields()}
     if spec.truth:
         data["truth"] = os.path.relpath(spec.truth, base)
     if spec.split:
