@@ -152,9 +152,10 @@ def shown(value) -> str:
     structures, else its text cut to MAX_SHOWN characters."""
     if isinstance(value, (bytes, bytearray)):
         return f"<{len(value):,} bytes>"
-    if isinstance(value, (dict, list, tuple)):
-        return f"<{type(value).__name__} of {len(value)}: {', '.join(map(str, list(value)[:5]))}>" \
-            if isinstance(value, dict) else f"<{type(value).__name__} of {len(value)}>"
+    if isinstance(value, dict):
+        return f"<struct: {', '.join(map(str, value))}>"
+    if isinstance(value, (list, tuple)):
+        return f"<list of {len(value)}>"
     text = str(value)
     return text if len(text) <= MAX_SHOWN else text[:MAX_SHOWN - 3] + "..."
 
@@ -516,7 +517,7 @@ def _image_value(value, root: Path) -> tuple[bytes | None, str | None]:
         if value["bytes"] is not None:
             return value["bytes"], None
         return _read_image_path(root, value["path"])
-    kind = f"a struct ({', '.join(map(str, value))})" if isinstance(value, dict) else type(value).__name__
+    kind = shown(value) if isinstance(value, dict) else type(value).__name__
     return None, f"image column holds {kind}, not image bytes"
 
 

@@ -46,7 +46,7 @@ def media_spec(provenance: dict, shards: list[str] | None = None, fields: Fields
     the recorded format), else the dataset the scores recorded; `fields` and `options` (format,
     split, image_root, pair ...) override. (None, why) when there is none to open."""
     record = scored_pairs(provenance)
-    options.setdefault("pair", provenance.get("pair"))
+    options["pair"] = options.get("pair") or provenance.get("pair")
     if shards:
         return reopen_dataset(record or {}, shards, fields, **options), None
     if record is not None:

@@ -140,11 +140,6 @@ def check_key(shard: str, dec: Decisions, i: int, key: str) -> None:
         raise changed(shard, f"sample {i} is {key!r} in the shard but {dec.keys[i]!r} in the scores")
 
 
-def numbered_name(prefix: str, number: int, width: int, suffix: str) -> str:
-    """Output file names: PREFIX-000000.tar, or with an empty prefix the number alone (00000.tar)."""
-    return f"{prefix}-{number:06d}{suffix}" if prefix else f"{number:0{width}d}{suffix}"
-
-
 class InputFormat:
     """One way pairs are stored. Subclasses set the class attributes and the methods their
     layout needs; an instance reads one dataset (`self.spec`)."""
