@@ -103,3 +103,12 @@ app = App(no_args_is_help=True, pretty_exceptions_enable=False,
           help="Find and neutralise mismatched pairs in CLIP-style training data.")
 console = LiteralConsole()
 err_console = LiteralConsole(stderr=True)
+
+
+def announce(spec) -> None:
+    """The one line a run over a dataset starts with: its format and how it is read (its input
+    format's `describe`); under torchrun only rank 0 says it."""
+    import os
+
+    if os.environ.get("RANK", "0") == "0":
+        console.print(spec.input_format.describe())

@@ -8,12 +8,13 @@ from typing import Optional
 import typer
 
 from pairclean.cli import options
-from pairclean.cli.app import app, console
+from pairclean.cli.app import announce, app, console
 from pairclean.cli.progress import RichProgress
 from pairclean.cli.terminal import print_table
 
 
 @app.command("corrupt")
+@options.with_dataset
 def corrupt_command(
     source: options.Source,
     out: Path = typer.Option(..., "--out", "-o", help="Directory for the noisy copy, truth/truth.parquet and manifest.yaml."),
@@ -23,16 +24,16 @@ def corrupt_command(
                                              "(TF-IDF of its texts); weak: replace ~30% of their words; "
                                              "mixed: --ratio shuffled and --weak-ratio weakened, disjoint draws."),
     weak_ratio: Optional[float] = typer.Option(None, help="--mode mixed: share of the pairs weakened beside the --ratio shuffled."),
-    pair: Optional[str] = typer.Option(None, help="Pair kind (image-text or text-text; text-text noises the second text)."),
+    dataset: options.DatasetOptions = options.GIVEN,
     overwrite: bool = typer.Option(False, help="Replace an existing output directory."),
 ) -> None:
     """Inject caption noise into a dataset; every other member stays byte-identical."""
-    from pairclean.data.manifest import open_dataset
     from pairclean.lab.corrupt import corrupt
     from pairclean.ops.guard import check_output
 
     check_output(out, source)  # the directories named; the files read are checked by corrupt()
-    spec = open_dataset(source, pair=pair)
+    spec = dataset.spec(source)
+    announce(spec)
     result = corrupt(spec, out, ratio, seed=seed, mode=mode, overwrite=overwrite, weak_ratio=weak_ratio)
     console.print(f"{result.pairs:,} pairs copied to {result.out}: {result.selected:,} drawn, {result.noisy:,} noisy "
                   f"({result.selected - result.noisy:,} drawn pairs kept their caption)", soft_wrap=True)

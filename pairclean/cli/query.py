@@ -11,6 +11,7 @@ import typer
 from rich.table import Table
 from rich.text import Text
 
+import pairclean.cli.options as options
 from pairclean.cli.app import app, console
 from pairclean.cli.terminal import print_table
 from pairclean.curate.query import OUTPUT_FORMATS, write_result
@@ -70,7 +71,8 @@ def columns_table(db: ScoresDB, views: list[str]) -> Table:
 @app.command("query")
 def query_command(
     scores: Path = typer.Argument(..., help="Scores Parquet written by `pairclean score`."),
-    sql: Optional[str] = typer.Argument(None, help="One SQL statement over the views `scores` (and `truth`, `labeled`)."),
+    sql: Optional[str] = typer.Argument(None, help="One SQL statement over the views `scores` (and `truth`, `labeled`, "
+                                                   "the --attach tables)."),
     file: Optional[Path] = typer.Option(None, "--file", "-f", help="Read the SQL from this file instead."),
     truth: Optional[Path] = typer.Option(None, help="Ground-truth Parquet (key, shard, index, noisy): adds views `truth` and `labeled`."),
     fmt: str = typer.Option("table", "--format", help="table, csv, json (JSON Lines) or parquet."),
@@ -78,6 +80,7 @@ def query_command(
     limit: int = typer.Option(50, help="Rows shown by --format table (the rest are counted)."),
     columns: bool = typer.Option(False, "--columns", help="List the columns of the views (what --where, "
                                                           "--filter and SQL can use) with their types and meaning."),
+    attach: options.Attach = None,
 ) -> None:
     """Run SQL through DuckDB over the scores: `pairclean query scores.parquet "SELECT ..."`."""
     if columns:
@@ -98,9 +101,10 @@ def query_command(
         raise UserError(f"unknown format {fmt!r}; choose one of {', '.join(OUTPUT_FORMATS)}")
     if fmt == "table" and out is not None:
         raise UserError("--out needs --format csv, json or parquet")
+    tables = options.parse_attachments(attach)
     if out is not None:
-        check_output(out, [scores, truth])
-    with ScoresDB(scores, truth=truth) as db:
+        check_output(out, [scores, truth, *(f for files in tables.values() for f in files)])
+    with ScoresDB(scores, truth=truth, attach=tables) as db:
         schema, batches = db.stream(db.run(sql))
         if fmt == "table":
             table, note = rich_result(batches, schema, limit)

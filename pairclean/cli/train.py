@@ -19,7 +19,7 @@ from rich.table import Table
 
 import pairclean.cli.options as options
 from pairclean.ops.guard import check_output
-from pairclean.cli.app import Command, app, console
+from pairclean.cli.app import Command, announce, app, console
 from pairclean.cli.progress import RichProgress
 from pairclean.cli.terminal import print_table
 from pairclean.errors import ConfigError, UserError
@@ -208,6 +208,7 @@ def train_command(
                           diagnostics=diagnostics, seed=seed, resume=resume, overwrite=overwrite,
                           progress=RichProgress(console))
     spec = dataset.spec(source)
+    announce(spec)
     val_spec = dataset.spec(val, pair=spec.pair) if val else None
     with train_wording(name):
         result = train(spec, out, cfg, val=val_spec)

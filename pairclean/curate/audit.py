@@ -18,10 +18,11 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from pairclean.scores.contract import from_embeddings
 from pairclean.scores.db import ScoresDB
 from pairclean.curate.pages import Html, ScriptJson, join, render, template
-from pairclean.curate.report.media import fetch_media
-from pairclean.data.manifest import open_dataset
+from pairclean.curate.report.media import fetch_media, media_spec
+from pairclean.data.manifest import Fields
 from pairclean.errors import ConfigError, UserError
 from pairclean.ops.atomic import atomic_path
 
@@ -59,19 +60,25 @@ def _card(row: dict, media) -> Html:
                   shard=row["shard"], shard_name=Path(row["shard"]).name, index=int(row["index"]))
 
 
-def build_audit(scores: str | Path, shards: list[str], out: str | Path, per_decile: int = 10, seed: int = 0,
-                thumb: int = 1024, pair: str | None = None) -> int:
-    """Write the audit page; returns the number of pairs on it. Images are kept up to `thumb` pixels
-    on their longer side: the page draws them as large as the browser window allows."""
+def build_audit(scores: str | Path, shards: list[str] | None, out: str | Path, per_decile: int = 10, seed: int = 0,
+                thumb: int = 1024, fields: Fields | None = None, **dataset_options) -> int:
+    """Write the audit page; returns the number of pairs on it. The pairs come from `shards`, else
+    the dataset the scores recorded (`fields`, `dataset_options` override how it is read; the pair
+    kind defaults to the one the scores compared). Images are kept up to `thumb` pixels on their
+    longer side: the page draws them as large as the browser window allows."""
     if per_decile < 1:
         raise ConfigError("per_decile must be at least 1", "per_decile")
     with ScoresDB(scores) as db:
+        prov = db.provenance or {}
+        spec, note = media_spec(prov, shards, fields, **dataset_options)
+        if spec is None:
+            raise ConfigError(note, "shards")
+        if from_embeddings(prov):
+            db.check_unique_keys()
         rows = stratified_sample(db, per_decile, seed)
-        scored_pair = (db.provenance or {}).get("pair")
-    spec = open_dataset(shards, pair=pair or scored_pair)  # the sides the scores compared, as the report shows them
     if not rows:
         raise UserError(f"{scores} holds no scored pair to audit")
-    media = fetch_media(spec, rows, thumb)
+    media = fetch_media(spec, rows, thumb, from_embeddings(prov))
     items = [{"key": r["key"], "shard": r["shard"], "index": int(r["index"]), "sim": round(float(r["sim"]), 4),
               "decile": int(r["decile"])} for r in rows]
     page = render(template("pairclean.curate", "audit.html"), title=f"pairclean audit · {Path(scores).name}",
