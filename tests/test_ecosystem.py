@@ -48,7 +48,14 @@ def tar_members(path: Path) -> dict[str, bytes]:
 
 
 def audit_items(page: Path) -> list[dict]:
-    return json.loads(re.search(r"const ITEMS = (\[.*?\]);\n", page.read_text()).group(1).replace("<\\/", "</"))
+    """The pairs the audit page draws (one <article> each): their images, texts and note."""
+    items = []
+    for card in re.findall(r'<article class="pair[^"]*" hidden>(.*?)</article>', page.read_text(), re.S):
+        texts = re.search(r'<div class="texts">(.*?)<p class="where">similarity', card, re.S).group(1)
+        notes = re.findall(r'<p class="where">(.*?)</p>', texts)
+        items.append({"images": re.findall(r'<img src="(data:image/[^"]+)"', card),
+                      "texts": re.findall(r"<p>(.*?)</p>", texts), "note": notes[0] if notes else None})
+    return items
 
 
 @pytest.fixture(scope="module")
