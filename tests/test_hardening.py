@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import run_cli, tiny_scores
+from helpers import refused, run_cli, snapshot, tiny_scores
 from pairclean.scores.db import ScoresDB
 from pairclean.data.manifest import open_dataset
 from pairclean.errors import UserError
@@ -86,16 +86,6 @@ def test_query_is_read_only(tmp_path, coco_scores, host_file, capsys, sql):
 TINY = ["--model", "pairclean-tiny", "--pretrained", "none", "--beta-k", "64", "--workers", "0"]
 
 
-def snapshot(*paths: Path) -> dict[str, bytes]:
-    """Every file under `paths` with its bytes: what must survive a refused command."""
-    files = {}
-    for root in paths:
-        for f in ([root] if root.is_file() else sorted(root.rglob("*"))):
-            if f.is_file():
-                files[str(f)] = f.read_bytes()
-    return files
-
-
 @pytest.fixture
 def shards(tmp_path, coco_shards) -> Path:
     """A private copy of the COCO shards: a command that wrongly deletes its input harms only this."""
@@ -109,13 +99,6 @@ def scores_copy(tmp_path, coco_scores) -> Path:
     import shutil
 
     return Path(shutil.copy(coco_scores, tmp_path / "scores.parquet"))
-
-
-def refused(argv, capsys, *keep: Path, message: str = "") -> None:
-    before = snapshot(*keep)
-    code, _, err = run_cli(argv, capsys)
-    assert code == 2 and len(err.strip().splitlines()) == 1 and message in err, err
-    assert snapshot(*keep) == before
 
 
 def test_query_and_report_cannot_replace_the_scores_they_read(scores_copy, capsys):

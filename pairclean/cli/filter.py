@@ -18,7 +18,7 @@ from rich.table import Table
 
 from pairclean.cli.app import app, console
 from pairclean.errors import UserError
-from pairclean.ops.guard import check_output
+from pairclean.ops.guard import open_output
 
 if TYPE_CHECKING:
     from pairclean.curate.filter import FilterResult
@@ -89,8 +89,8 @@ def filter_command(
     """Write the pairs the rules keep as new shards (members byte-identical), or preview with --dry-run."""
     if out is None and not dry_run:
         raise UserError("give --out DIR (or --dry-run)")
-    if out is not None and not dry_run:
-        check_output(out, source)  # the directories named; the files read are checked by filter_dataset
+    if out is not None and not dry_run:  # the directories named; filter_dataset checks the files it reads
+        out = open_output(out, [*source, scores], "out", kind="directory", overwrite=overwrite)
     from pairclean.curate.filter import filter_dataset
     from pairclean.data.manifest import open_dataset
     from pairclean.scores.db import ScoresDB

@@ -27,11 +27,11 @@ def corrupt_command(
     """Inject caption noise into a dataset; every other member stays byte-identical."""
     from pairclean.data.manifest import open_dataset
     from pairclean.lab.corrupt import corrupt
-    from pairclean.ops.guard import check_output
+    from pairclean.ops.guard import open_output
 
-    check_output(out, source)  # the directories named; the files read are checked by corrupt()
+    target = open_output(out, source, "out", kind="directory", overwrite=overwrite)  # corrupt() adds the files it reads
     spec = open_dataset(source, pair=pair)
-    result = corrupt(spec, out, ratio, seed=seed, mode=mode, overwrite=overwrite, weak_ratio=weak_ratio)
+    result = corrupt(spec, target, ratio, seed=seed, mode=mode, overwrite=overwrite, weak_ratio=weak_ratio)
     console.print(f"{result.pairs:,} pairs copied to {result.out}: {result.selected:,} drawn, {result.noisy:,} noisy "
                   f"({result.selected - result.noisy:,} drawn pairs kept their caption)", soft_wrap=True)
     console.print(f"truth: {result.truth}\nmanifest: {result.manifest}", soft_wrap=True)

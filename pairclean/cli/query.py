@@ -13,7 +13,7 @@ from rich.table import Table
 from pairclean.cli.app import app, console
 from pairclean.curate.query import OUTPUT_FORMATS, write_result
 from pairclean.errors import UserError
-from pairclean.ops.guard import check_output
+from pairclean.ops.guard import open_output
 from pairclean.scores.db import ScoresDB
 
 
@@ -61,10 +61,12 @@ def query_command(
     fmt: str = typer.Option("table", "--format", help="table, csv, json (JSON Lines) or parquet."),
     out: Optional[Path] = typer.Option(None, "--out", "-o", help="Write csv/json/parquet here (atomically) instead of stdout."),
     limit: int = typer.Option(50, help="Rows shown by --format table (the rest are counted)."),
+    overwrite: bool = typer.Option(False, help="Replace an existing output file."),
 ) -> None:
     """Run SQL through DuckDB over the scores: `pairclean query scores.parquet "SELECT ..."`."""
     if (sql is None) == (file is None):
         raise UserError("give the SQL as an argument or with --file, not both")
+    target = open_output(out, [scores, truth, file], overwrite=overwrite) if out is not None else None  # before anything is read
     if file is not None:
         if not file.is_file():
             raise UserError(f"SQL file not found: {file}")
@@ -75,8 +77,6 @@ def query_command(
         raise UserError(f"unknown format {fmt!r}; choose one of {', '.join(OUTPUT_FORMATS)}")
     if fmt == "table" and out is not None:
         raise UserError("--out needs --format csv, json or parquet")
-    if out is not None:
-        check_output(out, [scores, truth])
     with ScoresDB(scores, truth=truth) as db:
         schema, batches = db.stream(db.run(sql))
         if fmt == "table":
@@ -84,4 +84,4 @@ def query_command(
             console.print(table)
             console.print(note, style="dim", highlight=False)
         else:
-            write_result(batches, schema, fmt, out)
+            write_result(batches, schema, fmt, target)

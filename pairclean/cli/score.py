@@ -82,11 +82,10 @@ def score_command(
 ) -> None:
     """Score every pair: cosine, cone bias beta, OSA weight, GMM p_clean -> Parquet."""
     from pairclean.backends import check_backend, default_model
-    from pairclean.ops.guard import check_output
+    from pairclean.ops.guard import open_output
     from pairclean.scoring.model import ScoreConfig, score
 
     rules = (*DEFAULT_RULES, *(rule or ()))
-    check_output(out, source)  # the directories named; the files read are checked by the run
     if from_embeddings:
         from pairclean.scoring.embeddings import (
             EmbeddingScoreConfig,
@@ -98,18 +97,20 @@ def score_command(
                                dataset.fields.get("key"), keys)
         rand = open_embeddings(random_embeddings, left_field=left_emb_field, right_field=right_emb_field) \
             if random_embeddings else None
-        result = score_embeddings(spec, out, EmbeddingScoreConfig(
+        target = open_output(out, source, "out", overwrite=None)  # the names given; the run adds the files it reads
+        result = score_embeddings(spec, target, EmbeddingScoreConfig(
             beta_mode=beta_mode, beta=beta, random_embeddings=rand, weight_fn=weight_fn, seed=seed,
             gmm_sample=gmm_sample, rules=rules, overwrite=overwrite, resume=resume, progress=RichProgress(console)))
         console.print(summary_table(result))
         return
     spec = dataset.spec(source)
+    target = open_output(out, [*source, *spec.shards], "out", overwrite=None)  # the run adds the files it reads
     backend = check_backend(backend)
     cfg = ScoreConfig(model=model or default_model(backend), backend=backend, pretrained=pretrained,
                       device=device, precision=precision, decode=decode,
                       batch_size=batch_size, workers=workers, beta_mode=beta_mode, beta=beta, beta_k=beta_k,
                       weight_fn=weight_fn, seed=seed, gmm_sample=gmm_sample, rules=rules, overwrite=overwrite, resume=resume,
                       compile=compile, beta_cache=beta_cache, progress=RichProgress(console))
-    result = score(spec, out, cfg)
+    result = score(spec, target, cfg)
     if result.summary:  # under torchrun only rank 0 finalizes and reports
         console.print(summary_table(result))

@@ -22,7 +22,7 @@ from pairclean.scores.db import ScoresDB
 from pairclean.curate.report.media import fetch_media
 from pairclean.data.manifest import open_dataset
 from pairclean.errors import ConfigError, UserError
-from pairclean.ops.atomic import atomic_path
+from pairclean.ops.guard import open_output
 
 DECILES = 10
 MARKS_SCHEMA = pa.schema([("key", pa.string()), ("shard", pa.string()), ("index", pa.int64()), ("noisy", pa.bool_())])
@@ -39,11 +39,12 @@ def stratified_sample(db: ScoresDB, per_decile: int, seed: int) -> list[dict]:
 
 
 def build_audit(scores: str | Path, shards: list[str], out: str | Path, per_decile: int = 10, seed: int = 0,
-                thumb: int = 256, pair: str | None = None) -> int:
+                thumb: int = 256, pair: str | None = None, overwrite: bool = False) -> int:
     """Write the audit page; returns the number of pairs on it."""
     if per_decile < 1:
         raise ConfigError("per_decile must be at least 1", "per_decile")
     spec = open_dataset(shards, pair=pair)
+    target = open_output(out, [scores, *shards, *spec.shards], overwrite=overwrite)
     with ScoresDB(scores) as db:
         rows = stratified_sample(db, per_decile, seed)
     if not rows:
@@ -57,13 +58,14 @@ def build_audit(scores: str | Path, shards: list[str], out: str | Path, per_deci
                       "note": m.note})
     page = PAGE.replace("__TITLE__", html.escape(f"pairclean audit · {Path(scores).name}")).replace(
         "__ITEMS__", json.dumps(items).replace("</", "<\\/")).replace("__STORE__", json.dumps(f"pairclean-audit:{Path(scores).name}"))
-    with atomic_path(Path(out)) as tmp:
+    with target.write() as tmp:
         tmp.write_text(page, encoding="utf-8")
     return len(items)
 
 
-def import_marks(marks: str | Path, out: str | Path) -> int:
+def import_marks(marks: str | Path, out: str | Path, overwrite: bool = False) -> int:
     """The exported marks JSON -> a truth Parquet (key, shard, index, noisy = marked drop); returns rows."""
+    target = open_output(out, [marks], overwrite=overwrite)
     try:
         entries = json.loads(Path(marks).read_text())
         rows = [{"key": str(e["key"]), "shard": str(e["shard"]), "index": int(e["index"]),
@@ -75,7 +77,7 @@ def import_marks(marks: str | Path, out: str | Path) -> int:
                         f"{type(exc).__name__} {exc}") from None
     if not rows:
         raise UserError(f"{marks} holds no marks")
-    with atomic_path(Path(out)) as tmp:
+    with target.write() as tmp:
         pq.write_table(pa.Table.from_pylist(rows, schema=MARKS_SCHEMA), tmp)
     return len(rows)
 

@@ -27,10 +27,10 @@ import pyarrow.parquet as pq
 from pairclean.curate.sweep import Sweep, threshold_sweep
 from pairclean.data.manifest import DatasetSpec, write_manifest
 from pairclean.data.reader import OnFailure, UnitFailure, list_samples, read_samples
-from pairclean.data.writer import staged_directory, write_shards
+from pairclean.data.writer import write_shards
 from pairclean.errors import ConfigError, UserError
 from pairclean.ops.atomic import write_json
-from pairclean.ops.guard import check_file_prefix, check_output
+from pairclean.ops.guard import Output, check_file_prefix, open_output
 from pairclean.scores.db import NUMERIC_TYPES, ScoresDB, compile_predicate, match_shards
 from pairclean.scores.rules import TopFractionRule
 from pairclean.scores.sql import duckdb_message
@@ -277,9 +277,9 @@ def _match(db: ScoresDB, spec: DatasetSpec) -> dict[str, str]:
     return mapping  # type: ignore[return-value]
 
 
-def filter_dataset(spec: DatasetSpec, scores: str | Path | ScoresDB, out: Path, where: list[str] | None = None,
-                   top_fraction: float | None = None, by: str = "sim", dry_run: bool = False,
-                   shard_size: int = 10_000, shard_bytes: float = 1e9, prefix: str = "shard",
+def filter_dataset(spec: DatasetSpec, scores: str | Path | ScoresDB, out: str | Path | Output,
+                   where: list[str] | None = None, top_fraction: float | None = None, by: str = "sim",
+                   dry_run: bool = False, shard_size: int = 10_000, shard_bytes: float = 1e9, prefix: str = "shard",
                    overwrite: bool = False, progress: Callable[[str], None] | None = None) -> FilterResult:
     """Keep the pairs every rule keeps; write them under `out` (nothing at all on a dry run).
 
@@ -288,18 +288,14 @@ def filter_dataset(spec: DatasetSpec, scores: str | Path | ScoresDB, out: Path, 
     Parquet in -> one Parquet file per input file that keeps rows (row groups of the input's size).
     `out` also gets `manifest.yaml` (the new dataset) and `filter.json` (rules, counts, provenance).
     """
-    out = Path(out)
     check_file_prefix(prefix)
     scores_path = scores.path if isinstance(scores, ScoresDB) else Path(scores)
-    if not dry_run:
-        check_output(out, [*spec.shards, scores_path])
+    target = None if dry_run else open_output(out, [*spec.shards, scores_path], "out", kind="directory",
+                                               overwrite=overwrite)
+    out = target.path if target is not None else Path(out.path if isinstance(out, Output) else out)
     if spec.format == "parquet" and (spec.fields.image_path or spec.fields.image2_path):
         raise UserError("this Parquet dataset names images by relative path: filtered files in another "
                         "directory could not find them; filter a Parquet that holds the image bytes")
-    if not dry_run and out.exists() and not out.is_dir():
-        raise UserError(f"{out} exists and is not a directory")
-    if not dry_run and out.exists() and any(out.iterdir()) and not overwrite:
-        raise ConfigError(f"{out} exists and is not empty; pass `overwrite` to replace it", "overwrite")
     if shard_size < 1:
         raise ConfigError(f"shard_size must be at least 1, got {shard_size}", "shard_size")
     if not shard_bytes >= 1 or not math.isfinite(shard_bytes):
@@ -322,7 +318,7 @@ def filter_dataset(spec: DatasetSpec, scores: str | Path | ScoresDB, out: Path, 
             return result
         if kept == 0:
             raise UserError(f"the rules keep none of the {total:,} pairs; nothing written")
-        _write(db, rules, spec, mapping, result, shard_size, shard_bytes, prefix, overwrite, progress)
+        _write(db, rules, spec, mapping, result, shard_size, shard_bytes, prefix, target, progress)
     return result
 
 
@@ -345,11 +341,11 @@ def _dry_run_bytes(db, rules, spec, mapping, result: FilterResult, progress) -> 
     result.kept_bytes = int(per_rule[-1])
 
 
-def _write(db: ScoresDB, rules, spec, mapping, result: FilterResult, shard_size, shard_bytes, prefix, overwrite,
-           progress) -> None:
+def _write(db: ScoresDB, rules, spec, mapping, result: FilterResult, shard_size, shard_bytes, prefix,
+           target: Output, progress) -> None:
     tally = {"pairs": 0, "bytes": 0}
-    out = result.out
-    with staged_directory(out, overwrite) as tmp:
+    out = target.path
+    with target.stage() as tmp:
         if spec.format == "webdataset":
             def samples() -> Iterator[dict]:
                 for shard in spec.shards:

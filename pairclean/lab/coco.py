@@ -14,7 +14,8 @@ import pyarrow.parquet as pq
 
 from pairclean.errors import ConfigError, UserError
 from pairclean.data.manifest import DatasetSpec, write_manifest
-from pairclean.data.writer import staged_directory, write_shards
+from pairclean.data.writer import write_shards
+from pairclean.ops.guard import open_output
 
 
 def read_pairs(src: Path, all_captions: bool = False, limit: int | None = None) -> list[dict]:
@@ -35,9 +36,10 @@ def read_pairs(src: Path, all_captions: bool = False, limit: int | None = None) 
 
 def build_shards(src: Path, out: Path, shard_size: int = 100, all_captions: bool = False,
                  limit: int | None = None, overwrite: bool = False) -> DatasetSpec:
+    target = open_output(out, [src], "out", kind="directory", overwrite=overwrite)
     pairs = read_pairs(src, all_captions, limit)
-    out = Path(out)
-    with staged_directory(out, overwrite) as tmp:
+    out = target.path
+    with target.stage() as tmp:
         write_shards(({"__key__": p["key"], "jpg": (Path(src) / p["image"]).read_bytes(), "txt": p["caption"]}
                       for p in pairs), tmp, prefix="coco-mini", maxcount=shard_size)
     shards = [str(p) for p in sorted(out.glob("coco-mini-*.tar"))]
@@ -47,16 +49,18 @@ def build_shards(src: Path, out: Path, shard_size: int = 100, all_captions: bool
 
 
 def build_parquet(src: Path, out_file: Path, by_path: bool = False, all_captions: bool = False,
-                  limit: int | None = None) -> Path:
+                  limit: int | None = None, overwrite: bool = False) -> Path:
     """Images as a bytes column, or (by_path) as paths relative to the Parquet file's directory."""
+    target = open_output(out_file, [src], "out", overwrite=overwrite)
     pairs = read_pairs(src, all_captions, limit)
     columns = {"key": [p["key"] for p in pairs], "caption": [p["caption"] for p in pairs]}
     if by_path:
         columns["image_path"] = [p["image"] for p in pairs]
     else:
         columns["image"] = [(Path(src) / p["image"]).read_bytes() for p in pairs]
-    pq.write_table(pa.table(columns), out_file, row_group_size=64)
-    return out_file
+    with target.write() as tmp:
+        pq.write_table(pa.table(columns), tmp, row_group_size=64)
+    return target.path
 
 
 WEB_SIDE = (256, 384)  # img2dataset's usual download sizes: the longer side, in pixels
@@ -97,9 +101,10 @@ def build_web_shards(src: Path, out: Path, shards: int = 2, pairs_per_shard: int
     lines_path = Path(src) / "pairs.jsonl"
     if not lines_path.is_file():
         raise ConfigError(f"{lines_path} not found: point `src` at shared/data/coco-mini", "src")
+    target = open_output(out, [src], "out", kind="directory", overwrite=overwrite)
     records = [json.loads(line) for line in lines_path.read_text().splitlines() if line.strip()]
-    out = Path(out)
-    with staged_directory(out, overwrite) as tmp:
+    out = target.path
+    with target.stage() as tmp:
         write_shards((web_pair(src, records[i % len(records)], seed, i) for i in range(shards * pairs_per_shard)),
                      tmp, prefix="web", maxcount=pairs_per_shard, maxsize=float("inf"))
     spec = DatasetSpec(format="webdataset", shards=[str(p) for p in sorted(out.glob("web-*.tar"))], name="coco-web")

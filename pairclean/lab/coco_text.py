@@ -18,7 +18,8 @@ from pairclean.ops.atomic import atomic_path
 from pairclean.config import check_choice
 from pairclean.errors import ConfigError, UserError
 from pairclean.data.manifest import FORMATS, DatasetSpec, write_manifest
-from pairclean.data.writer import staged_directory, write_shards
+from pairclean.data.writer import write_shards
+from pairclean.ops.guard import open_output
 
 
 def caption_pairs(captions_json: str | Path, limit: int | None = None) -> list[dict]:
@@ -47,11 +48,12 @@ def build_text_pairs(captions_json: str | Path, out: str | Path, format: str = "
     check_choice(format, FORMATS, "format")
     if shard_size < 1:
         raise ConfigError("shard_size must be at least 1", "shard_size")
+    target = open_output(out, [captions_json], "out", kind="directory", overwrite=overwrite)
     pairs = caption_pairs(captions_json, limit)
     if not pairs:
         raise UserError(f"no image in {captions_json} has two captions")
-    out = Path(out)
-    with staged_directory(out, overwrite) as tmp:
+    out = target.path
+    with target.stage() as tmp:
         if format == "webdataset":
             write_shards(({"__key__": p["key"], "txt": p["text"], "txt2": p["text2"]} for p in pairs),
                          tmp, prefix="coco-text", maxcount=shard_size)

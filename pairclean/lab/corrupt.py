@@ -44,8 +44,8 @@ from pairclean.ops.atomic import write_json
 from pairclean.config import check_choice
 from pairclean.errors import ConfigError, UserError
 from pairclean.data.manifest import DatasetSpec, open_dataset, write_manifest
-from pairclean.data.writer import staged_directory, write_shards
-from pairclean.ops.guard import check_output
+from pairclean.data.writer import write_shards
+from pairclean.ops.guard import Output, open_output
 from pairclean.scores.sql import sandboxed_connection, sql_string
 from pairclean.data.reader import UnitFailure, list_units, raise_failure, read_samples, read_unit
 from pairclean.data.units import unit_shard
@@ -371,7 +371,7 @@ def _copy_parquet(path: str, tmp: Path, noise: _Noise, field: str) -> None:
             offset += table.num_rows
 
 
-def corrupt(source: str | list[str] | DatasetSpec, out: str | Path, ratio: float, seed: int = 0,
+def corrupt(source: str | list[str] | DatasetSpec, out: str | Path | Output, ratio: float, seed: int = 0,
             mode: str = "shuffle", overwrite: bool = False, weak_share: float = WEAK_SHARE,
             progress: Callable[[str], None] | None = None, weak_ratio: float | None = None) -> CorruptResult:
     """Write a noisy copy of `source` to the directory `out` with `out/truth/truth.parquet`,
@@ -383,12 +383,12 @@ def corrupt(source: str | list[str] | DatasetSpec, out: str | Path, ratio: float
         raise ConfigError(f"seed must be at least 0, got {seed}", "seed")
     if not 0.0 < weak_share <= 1.0:
         raise UserError(f"the weak-noise word share must be within (0, 1], got {weak_share}")
-    out = Path(out)
-    check_output(out, [*spec.shards, spec.truth])
+    target = open_output(out, [*spec.shards, spec.truth], "out", kind="directory", overwrite=overwrite)
+    out = target.path
     field = caption_field(spec)
     units = list_units(spec)
     shards = list(dict.fromkeys(spec.shards))
-    with tempfile.TemporaryDirectory(prefix="pairclean-corrupt-") as work, staged_directory(out, overwrite) as tmp:
+    with tempfile.TemporaryDirectory(prefix="pairclean-corrupt-") as work, target.stage() as tmp:
         work = Path(work)
         rows, repl = work / "rows.parquet", work / "replacements.parquet"
         pairs, eligible = _spill_rows(spec, units, rows, progress)

@@ -20,6 +20,8 @@ from pathlib import Path
 
 from pairclean.config import pinned_settings, unpinned
 from pairclean.ops.atomic import write_json
+from pairclean.ops.cache import cache_dir
+from pairclean.ops.guard import open_output
 from pairclean.ops.progress import SILENT, Progress
 from pairclean.lab.corrupt import corrupt
 from pairclean.errors import ConfigError
@@ -57,18 +59,20 @@ class DemoResult:
     files: dict
 
 
-def _check_out(out: Path) -> None:
-    """The demo re-runs into its own directory, but never into someone else's."""
+def _open_out(cfg: DemoConfig) -> Path:
+    """The demo re-runs into its own directory, but never into someone else's, nor over the cache
+    its estimator comes from."""
+    out = open_output(cfg.out, [cfg.cache_dir or cache_dir()], "out", kind="directory", overwrite=None).path
     if out.exists() and any(out.iterdir()) and not (out / MARKER).is_file():
         raise ConfigError(f"{out} exists, is not empty and is not a demo output: choose another `out`", "out")
-    out.mkdir(parents=True, exist_ok=True)
+    out.mkdir(exist_ok=True)
+    return out
 
 
 def run_demo(cfg: DemoConfig | None = None) -> DemoResult:
     cfg = cfg or DemoConfig()
-    out = Path(cfg.out)
     say = cfg.progress.note
-    _check_out(out)
+    out = _open_out(cfg)
     seconds: dict[str, float] = {}
     clock = time.perf_counter()
 

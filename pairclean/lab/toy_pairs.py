@@ -27,7 +27,8 @@ from pairclean.ops.atomic import atomic_path
 from pairclean.config import check_choice
 from pairclean.errors import UserError
 from pairclean.data.manifest import DatasetSpec, Fields, write_manifest
-from pairclean.data.writer import staged_directory, write_shards
+from pairclean.data.writer import write_shards
+from pairclean.ops.guard import open_output
 from pairclean.lab.synth.world import Scene, png_bytes, render, sample_scene
 
 KINDS = ("image-label", "image-image")
@@ -70,7 +71,8 @@ def build_toy_pairs(out: str | Path, kind: str, pairs: int, seed: int = 0, noise
     check_choice(label, LABELS, "label", "label attribute")
     if pairs < 2 or shard_size < 1:
         raise UserError("need at least 2 pairs and a shard size of at least 1")
-    out = Path(out).resolve()  # the truth's shard column must match the scores' (absolute) shard paths
+    target = open_output(out, (), "out", kind="directory", overwrite=overwrite)
+    out = target.path.resolve()  # the truth's shard column must match the scores' (absolute) shard paths
     donor, selected = noise_plan(pairs, noise, seed)
     scenes = [sample_scene(seed, i) for i in range(pairs)]
     if kind == "image-label":
@@ -87,7 +89,7 @@ def build_toy_pairs(out: str | Path, kind: str, pairs: int, seed: int = 0, noise
         for i, scene in enumerate(scenes):
             yield {"__key__": keys[i], "png": png_bytes(render(scene)), member: seconds[i]}
 
-    with staged_directory(out, overwrite) as tmp:
+    with target.stage() as tmp:
         written = write_shards(samples(), tmp, prefix="toy", maxcount=shard_size)
         shards = [str(out / p.name) for p in written]
         truth = None

@@ -38,7 +38,7 @@ from pairclean.backends.text_trim import text_buckets
 from pairclean.data.manifest import DatasetSpec, open_dataset
 from pairclean.data.reader import UnitFailure, list_units, modalities, read_unit
 from pairclean.errors import ConfigError, UserError
-from pairclean.ops.atomic import write_json
+from pairclean.ops.guard import Output, open_output
 from pairclean.ops.measure import GpuBusy, PeakMemory, cpu_seconds, gpu_peak_mib, gpu_peak_reset
 from pairclean.ops.progress import SILENT, Progress
 from pairclean.scoring.model import ModelProducer, ScoreConfig, score
@@ -410,5 +410,6 @@ def bench_score(source: str | list[str] | DatasetSpec, cfg: ScoreConfig, naive_p
     return BenchReport(config, rounds, prepare_ms)
 
 
-def write_report(report: BenchReport, path: Path) -> None:
-    write_json(path, report.as_dict())
+def write_report(report: BenchReport, out: Output | Path) -> None:
+    """The report as JSON, through the output guard (`out` opened by the caller against its inputs)."""
+    open_output(out).write_json(report.as_dict())

@@ -40,6 +40,7 @@ from pairclean.core.scorer import null_partners
 from pairclean.data.manifest import PAIR_KINDS
 from pairclean.data.units import Unit
 from pairclean.errors import ConfigError, UserError
+from pairclean.ops.guard import Output, open_output
 from pairclean.ops.notices import notice
 from pairclean.scoring.run import Commit, Producer, RunConfig, ScoreResult, Work, run_scoring
 
@@ -618,6 +619,10 @@ class EmbeddingsProducer(Producer):
                 "right_field": spec.right_field, "key_field": spec.key_field,
                 "random_embeddings": rand.inputs() if rand else None}
 
+    def input_files(self) -> list[str]:
+        rand = self.cfg.random_embeddings
+        return [*self.spec.sources, *self.spec.inputs(), *(rand.sources + rand.inputs() if rand else [])]
+
     def random_beta(self) -> tuple[BetaEstimate, str]:
         rand = self.cfg.random_embeddings
         beta = random_embeddings_beta(rand, self.cfg.batch_rows)
@@ -666,7 +671,7 @@ class EmbeddingsProducer(Producer):
         return provenance, {"not_unit_left": not_unit["left"], "not_unit_right": not_unit["right"]}
 
 
-def score_embeddings(spec: EmbeddingSpec, out: str | Path, config: EmbeddingScoreConfig | None = None) -> ScoreResult:
+def score_embeddings(spec: EmbeddingSpec, out: str | Path | Output, config: EmbeddingScoreConfig | None = None) -> ScoreResult:
     """Score every row pair of precomputed embeddings into `out`, resumably, like `score()`."""
     cfg = config or EmbeddingScoreConfig()
     return run_scoring(EmbeddingsProducer(spec, cfg), out, cfg)
@@ -678,10 +683,10 @@ def write_embeddings(directory: str | Path, chunks: Iterable[tuple[np.ndarray, n
     per chunk (benchmarks and tests use it; so can users handing their own arrays to
     `pairclean score --from-embeddings`). Chunks are written as they come: memory is one chunk."""
     from pairclean.ops.atomic import atomic_path
-    from pairclean.data.writer import staged_directory
 
-    directory = Path(directory)
-    with staged_directory(directory, overwrite=overwrite) as tmp:
+    target = open_output(directory, (), "out", kind="directory", overwrite=overwrite)
+    directory = target.path
+    with target.stage() as tmp:
         for sub in _CLIP_RETRIEVAL:
             (tmp / sub).mkdir()
         for number, (left, right, keys) in enumerate(chunks):

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict
-from pathlib import Path
 from typing import Sequence
 
 import numpy as np
@@ -25,7 +24,7 @@ import pyarrow.parquet as pq
 from pairclean import __version__
 from pairclean.core.beta import BetaEstimate
 from pairclean.core.scorer import cone_weight, debias, normalised_weight
-from pairclean.ops.atomic import atomic_path
+from pairclean.ops.guard import Output
 from pairclean.ops.faults import fault_point
 from pairclean.scores.contract import (Provenance, Summary, flagged_summary, provenance_metadata, scores_schema,
                                        summary_metadata, write_run_manifest)
@@ -100,7 +99,7 @@ def weight_columns(sim: np.ndarray, beta: float, weight_fn: str, official_scale:
     return {"sim_debiased": sd, "weight": w, "weight_norm": wn}
 
 
-def finalize(store: PartStore, units: list[str], out: Path, beta: BetaEstimate, weight_fn: str,
+def finalize(store: PartStore, units: list[str], target: Output, beta: BetaEstimate, weight_fn: str,
              seed: int, gmm_sample: int, provenance: dict, records: dict[str, dict],
              rules: Sequence[str] = DEFAULT_RULES) -> Summary:
     """Write the final scores Parquet + run manifest; returns the run summary.
@@ -138,7 +137,8 @@ def finalize(store: PartStore, units: list[str], out: Path, beta: BetaEstimate, 
 
     flagged = {rule.name: 0 for rule in deciders}
     written = scored = errored = 0
-    with atomic_path(out, temp_dir=store.dir, no_clobber=not run.get("replaces_output")) as tmp:
+    out = target.path
+    with target.write(temp_dir=store.dir, no_clobber=not run.get("replaces_output")) as tmp:
         with pq.ParquetWriter(tmp, schema, compression="zstd") as writer:
             for batch in _iter_parts(store, units):
                 sim = batch.column("sim").to_numpy(zero_copy_only=False).astype(np.float64)  # nulls -> NaN

@@ -23,6 +23,7 @@ from pairclean.backends.base import file_sha256, resolve_precision
 from pairclean.backends.device_jpeg import finish_batch
 from pairclean.backends.oom import OomBackoff
 from pairclean.ops.faults import slow_point
+from pairclean.ops.guard import Output
 from pairclean.ops import distributed
 from pairclean.ops.notices import notice_once
 from pairclean.ops.worker_memory import steady_worker_memory
@@ -162,6 +163,9 @@ class ModelProducer(Producer):
         return {"pair": spec.pair, "fields": asdict(spec.fields), "label_template": spec.label_template,
                 "weights_sha256": weights}
 
+    def input_files(self) -> list[str]:
+        return [self.cfg.pretrained] if self.cfg.pretrained and os.path.isfile(self.cfg.pretrained) else []
+
     def prepare(self) -> None:
         if self.estimator is None:  # built (and so validated) before anything is written
             cfg = self.cfg
@@ -265,7 +269,7 @@ class ModelProducer(Producer):
                 {"batches": batches, "full_batches": counters["full_batches"], "mean_batch_fill": fill})
 
 
-def score(source: str | list[str] | DatasetSpec, out: str | Path, config: ScoreConfig | None = None,
+def score(source: str | list[str] | DatasetSpec, out: str | Path | Output, config: ScoreConfig | None = None,
           estimator=None) -> ScoreResult:
     """Score every pair of `source` and write `out` (Parquet); resumes an interrupted run."""
     cfg = config or ScoreConfig()

@@ -27,7 +27,7 @@ from pairclean.core.scorer import WEIGHT_FUNCTIONS
 from pairclean.errors import ConfigError, UserError
 from pairclean.ops import distributed
 from pairclean.data.units import unit_fingerprint, unit_shard
-from pairclean.ops.guard import check_output
+from pairclean.ops.guard import Output, open_output
 from pairclean.ops.progress import SILENT, Progress
 from pairclean.scores.contract import read_provenance, run_manifest_path
 from pairclean.scores.rules import DEFAULT_RULES, build_rules
@@ -103,6 +103,11 @@ class Producer(ABC):
         producer batches across units."""
         return [[unit] for unit in units]
 
+    def input_files(self) -> list[str]:
+        """Files the run reads besides its units' shards (a checkpoint, a keys file ...): the output
+        must not overwrite them."""
+        return []
+
     @abstractmethod
     def random_beta(self) -> tuple[BetaEstimate, str]:
         """beta from random inputs (beta mode random-inputs) and where it came from."""
@@ -161,16 +166,17 @@ def refuse_if_all_failed(units: list[str], records: dict[str, dict], out: Path) 
                         f"{records[failed[0]]['failure']} (all reasons in {run_manifest_path(out)})")
 
 
-def run_scoring(producer: Producer, out: str | Path, cfg: RunConfig) -> ScoreResult:
+def run_scoring(producer: Producer, out: str | Path | Output, cfg: RunConfig) -> ScoreResult:
     """Score every unit of `producer` into `out` (Parquet); resumes an interrupted run."""
-    out = Path(out)
     distributed.init_from_env(device_type=producer.device_type)
     progress = cfg.progress if distributed.is_main() else SILENT
     check_beta_mode(cfg.beta_mode, cfg.beta, producer.beta_modes, producer.missing_beta() or "")
-    if not out.parent.exists():
-        raise UserError(f"output directory {out.parent} does not exist")
+    target = open_output(out, (), "out", overwrite=None)  # the parent exists, the spelling is a local file
     units = producer.units()
-    check_output(out, {unit_shard(u) for u in units})
+    # The run also writes its parts directory and run manifest beside the output: neither may touch an input.
+    target = open_output(target, [*dict.fromkeys(unit_shard(u) for u in units), *producer.input_files()],
+                         companions=[parts_dir_for(target.path), run_manifest_path(target.path)])
+    out = target.path
     store = PartStore(parts_dir_for(out))
     settings = {**pinned_settings(cfg), **producer.settings(), **units_settings(units)}
     # Under torchrun, rank 0 alone decides (finished? fresh or resumed? beta) and tells the others.
@@ -235,7 +241,7 @@ def run_scoring(producer: Producer, out: str | Path, cfg: RunConfig) -> ScoreRes
     provenance = {**produced, "seed": cfg.seed, "beta_mode": cfg.beta_mode, "beta_source": beta_source,
                   "world_size": distributed.world_size(),
                   "units_by_rank": {str(r): by_rank.count(r) for r in sorted(set(by_rank))}}
-    summary = finalize(store, units, out, beta, cfg.weight_fn, cfg.seed, cfg.gmm_sample, provenance, records,
+    summary = finalize(store, units, target, beta, cfg.weight_fn, cfg.seed, cfg.gmm_sample, provenance, records,
                        cfg.rules)
     summary.update(extra, pairs_per_second=scored_now / elapsed if elapsed > 0 else 0.0, scoring_seconds=elapsed,
                    scoring_cpu_seconds=cpu, beta_seconds=beta_seconds, beta_source=beta_source)

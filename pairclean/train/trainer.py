@@ -10,6 +10,7 @@ order depends only on seed and epoch) and the same RNG streams, so it ends with 
 from __future__ import annotations
 
 import math
+import os
 import random
 import shutil
 import time
@@ -20,7 +21,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
-from pairclean.ops.guard import check_output
+from pairclean.ops.guard import Output, open_output
 from pairclean.config import pinned_settings, unpinned
 from pairclean.ops import distributed
 from pairclean.ops.progress import SILENT, Progress
@@ -33,8 +34,8 @@ from pairclean.backends.base import PRECISIONS, autocast_context
 from pairclean.data.manifest import DatasetSpec, open_dataset
 from pairclean.train.retrieval import JointTarget, evaluate_target
 from pairclean.data.reader import modalities
-from pairclean.train.checkpoint import (BEST, RUN_FILE, STATE_FILE, epoch_model_name, load_state, model_path,
-                                        read_run, save_state, set_rng_state)
+from pairclean.train.checkpoint import (BEST, RUN_FILE, STATE_FILE, epoch_model_name, is_training_run, load_state,
+                                        model_path, read_run, save_state, set_rng_state)
 from pairclean.train.data import TrainBatches, index_shards
 from pairclean.train.methods import Embeddings, MethodContext, build_method
 from pairclean.train.logs import DiagnosticsWriter, MetricsLog
@@ -131,12 +132,14 @@ def _spec(data, pair: str | None) -> DatasetSpec:
 
 
 def _prepare_run_dir(out: Path, cfg: TrainConfig) -> bool:
-    """Create or check RUN_DIR; True when a saved state will be resumed."""
+    """Create or check RUN_DIR; True when a saved state will be resumed. Only a training run's
+    directory is ever removed (`overwrite`): a directory holding any other run.json (a scoring
+    run's parts) or other files is refused."""
+    if out.exists() and any(out.iterdir()) and not is_training_run(out):
+        raise UserError(f"{out} exists, is not empty and holds no pairclean training run: choose another run directory")
     if (out / STATE_FILE).is_file() and cfg.resume and not cfg.overwrite:
         return True
     if out.exists() and any(out.iterdir()):
-        if not (out / RUN_FILE).is_file():
-            raise UserError(f"{out} exists, is not empty and holds no pairclean run: choose another run directory")
         if not (cfg.overwrite or cfg.resume):
             raise ConfigError(f"{out} holds a run: set resume to continue it or overwrite to start over", "resume",
                               "overwrite")
@@ -152,12 +155,11 @@ def _settings(cfg: TrainConfig, spec: DatasetSpec, val: DatasetSpec | None) -> d
             "val_shards": val.shards if val else None}
 
 
-def train(source: str | list[str] | DatasetSpec, out: str | Path, config: TrainConfig | None = None,
+def train(source: str | list[str] | DatasetSpec, out: str | Path | Output, config: TrainConfig | None = None,
           val: str | list[str] | DatasetSpec | None = None, pair: str | None = None) -> TrainResult:
     """Train `config.model` on `source` into the run directory `out`; see the package docstring."""
     cfg = config or TrainConfig()
     cfg.check()
-    out = Path(out)
     distributed.init_from_env()
     world = distributed.world_size()
     if cfg.batch_size % world:
@@ -166,7 +168,9 @@ def train(source: str | list[str] | DatasetSpec, out: str | Path, config: TrainC
     spec = _spec(source, pair)
     val_spec = _spec(val, pair or spec.pair) if val is not None else None
     method = build_method(cfg.method, cfg.method_options)
-    check_output(out, [*spec.shards, *(val_spec.shards if val_spec else []), *method.input_files()])
+    pretrained = [cfg.pretrained] if cfg.pretrained and os.path.isfile(cfg.pretrained) else []
+    out = open_output(out, [*spec.shards, *(val_spec.shards if val_spec else []), *method.input_files(), *pretrained],
+                      "out", kind="directory", overwrite=None).path
     resuming = distributed.on_main(lambda: _prepare_run_dir(out, cfg))  # rank 0 owns the run directory
     settings = _settings(cfg, spec, val_spec)
     state = None

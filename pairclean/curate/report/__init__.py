@@ -17,8 +17,7 @@ from pairclean.curate.report.media import fetch_media, media_spec
 from pairclean.curate.report.page import render_page
 from pairclean.curate.report.stats import gather
 from pairclean.errors import ConfigError, UserError
-from pairclean.ops.atomic import atomic_path
-from pairclean.ops.guard import check_output
+from pairclean.ops.guard import open_output
 from pairclean.scores.db import ScoresDB
 
 MAX_BINS = 1000  # a histogram bar per bin: more is unreadable and grows the page without bound
@@ -35,10 +34,12 @@ class ReportResult:
 
 def build_report(scores: str | Path, out: str | Path, shards: list[str] | None = None,
                  truth: str | Path | None = None, gallery: int = 24, contrast: int = 8, thumb: int = 224,
-                 bins: int = 60, max_shard_rows: int = 40, title: str | None = None) -> ReportResult:
+                 bins: int = 60, max_shard_rows: int = 40, title: str | None = None,
+                 overwrite: bool = False) -> ReportResult:
     """Write the HTML report for a scores file; thumbnails come from `shards` (or the scored paths)."""
-    scores, out = Path(scores), Path(out)
-    check_output(out, [scores, truth, *(shards or [])])
+    scores = Path(scores)
+    target = open_output(out, [scores, truth, *(shards or [])], overwrite=overwrite)
+    out = target.path
     if gallery < 0 or contrast < 0:
         raise ConfigError("gallery and contrast must not be negative", "gallery", "contrast")
     if not 2 <= bins <= MAX_BINS:
@@ -52,7 +53,7 @@ def build_report(scores: str | Path, out: str | Path, shards: list[str] | None =
     media = fetch_media(spec, stats.lowest + stats.highest, thumb) if spec is not None else {}
     page = render_page(scores, prov, stats, media, media_note, title or f"pairclean report · {scores.name}",
                        max_shard_rows)
-    with atomic_path(out) as tmp:
+    with target.write() as tmp:
         tmp.write_text(page, encoding="utf-8")
     return ReportResult(out=out, pairs=stats.summary["pairs"], gallery_pairs=len(stats.lowest) + len(stats.highest),
                         thumbnails=sum(1 for m in media.values() for src in m.images if src), media_note=media_note)

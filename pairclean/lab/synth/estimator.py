@@ -20,6 +20,7 @@ from pairclean import __version__
 from pairclean.ops.atomic import atomic_path, write_json
 from pairclean.ops.progress import SILENT, Progress
 from pairclean.ops.cache import cache_dir as pairclean_cache_dir
+from pairclean.ops.guard import open_output
 from pairclean.errors import ConfigError
 from pairclean.backends.open_clip import CONFIG_DIR
 from pairclean.lab.synth.world import WORLD_VERSION, build_world
@@ -71,10 +72,8 @@ def train_estimator(out: Path, recipe: EstimatorRecipe | None = None, world: Pat
 
     recipe = recipe or EstimatorRecipe()
     recipe.check()
-    out = Path(out)
-    if out.exists() and any(out.iterdir()) and not overwrite:
-        raise ConfigError(f"{out} exists and is not empty; pass `overwrite` to replace it", "overwrite")
-    out.mkdir(parents=True, exist_ok=True)
+    out = open_output(out, [world], "out", kind="directory", overwrite=overwrite).path  # filled piece by piece
+    out.mkdir(exist_ok=True)
     started = time.perf_counter()
     if world is None:
         world = out / "world"

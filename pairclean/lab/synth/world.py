@@ -24,7 +24,8 @@ from PIL import Image, ImageDraw
 
 from pairclean.errors import ConfigError
 from pairclean.data.manifest import DatasetSpec, Fields, write_manifest
-from pairclean.data.writer import staged_directory, write_shards
+from pairclean.data.writer import write_shards
+from pairclean.ops.guard import open_output
 
 WORLD_VERSION = 1  # bump when rendering or captions change: cached estimators are then retrained
 IMAGE_SIZE = 64
@@ -199,10 +200,11 @@ def build_world(out: Path, pairs: int, seed: int = 0, shard_size: int = 1000, ov
     if captions_per_scene < 1 or pairs % captions_per_scene:
         raise ConfigError(f"pairs ({pairs}) must be a multiple of captions_per_scene ({captions_per_scene})",
                           "pairs", "captions_per_scene")
-    out = Path(out)
+    target = open_output(out, (), "out", kind="directory", overwrite=overwrite)
+    out = target.path
     scenes = pairs // captions_per_scene
     name = f"toy-world-seed{seed}" + (f"-{captions_per_scene}-captions" if captions_per_scene > 1 else "")
-    with staged_directory(out, overwrite) as tmp:
+    with target.stage() as tmp:
         write_shards((s for i in range(scenes) for s in samples(seed, i, captions_per_scene)), tmp, prefix="toy",
                      maxcount=shard_size)
         spec = DatasetSpec(format="webdataset", shards=[str(out / p.name) for p in sorted(tmp.glob("toy-*.tar"))],
