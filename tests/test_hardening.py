@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import refused, run_cli, snapshot, tiny_scores
+from helpers import refused, run_cli, tiny_scores
 from pairclean.scores.db import ScoresDB
 from pairclean.data.manifest import open_dataset
 from pairclean.errors import UserError
