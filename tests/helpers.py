@@ -76,3 +76,22 @@ def refused(argv, capsys, *keep: Path, message: str = "") -> str:
     assert code == 2 and len(err.strip().splitlines()) == 1 and message in err, err
     assert snapshot(*keep) == before
     return err
+
+
+def killed_after_first_unit(run) -> None:
+    """Run `run` in a forked child SIGKILLed (pairclean.ops.faults) once its second part is written."""
+    import os
+    import signal
+
+    import torch
+
+    pid = os.fork()
+    if pid == 0:
+        os.environ["PAIRCLEAN_FAULT"] = "part-written:2"
+        torch.set_num_threads(1)
+        try:
+            run()
+        finally:
+            os._exit(1)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import refused, run_cli, tiny_scores
+from helpers import killed_after_first_unit, refused, run_cli, tiny_scores
 from pairclean.scores.db import ScoresDB
 from pairclean.data.manifest import open_dataset
 from pairclean.errors import UserError
@@ -348,25 +348,6 @@ def test_a_process_refused_at_begin_leaves_the_winners_run_alone(tmp_path, monke
 
 
 # -- 3. Resume trusts contents, not names --------------------------------------------------------
-
-def killed_after_first_unit(run) -> None:
-    """Run `run` in a forked child SIGKILLed (pairclean.ops.faults) once its second part is written."""
-    import os
-    import signal
-
-    import torch
-
-    pid = os.fork()
-    if pid == 0:
-        os.environ["PAIRCLEAN_FAULT"] = "part-written:2"
-        torch.set_num_threads(1)
-        try:
-            run()
-        finally:
-            os._exit(1)
-    _, status = os.waitpid(pid, 0)
-    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
-
 
 def test_one_shard_under_three_spellings_is_one_unit(tmp_path, shards, fast_config):
     from pairclean.data.reader import list_units

@@ -196,7 +196,7 @@ def run_scoring(producer: Producer, out: str | Path | Output, cfg: RunConfig) ->
             beta, source = resolve_beta(cfg.beta_mode, cfg.beta, producer.random_beta)
             if beta is not None:
                 store.save_beta({**beta.as_dict(), "source": source})
-        groups = store.load_groups()
+        groups = store.load_groups(start.units)
         if groups is None:  # packed once, when the run starts: a resumed run batches alike
             groups = producer.groups(start.units)
             store.save_groups(groups)
