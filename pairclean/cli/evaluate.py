@@ -69,7 +69,8 @@ def detection_tables(result: dict):
     summary.add_row("mean noise rank by weight (optimum)", "n/a" if rank is None else f"{rank:,.1f} ({best:,.1f})")
     for m in result["rules"].values():
         if "ece" in m:
-            summary.add_row(f"ECE of the {m['label']} rule's P(clean), pt (0 = calibrated)", pct(m["ece"]))
+            summary.add_row(f"ECE of the {m['label']} rule's P(clean), pt (0 = calibrated)",
+                            "none: the rule abstains" if m.get("abstains") else pct(m["ece"]))
     summary.add_row("joined on", str(result.get("join")))
     skipped = result.get("error_rows", 0) + result.get("unlabelled_rows", 0)
     if skipped:

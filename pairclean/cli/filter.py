@@ -59,8 +59,8 @@ def result_table(result: FilterResult) -> Table:
 
 def sweep_table(sweep: Sweep) -> Table:
     """The threshold sweep (`curate.sweep`): kept share and estimated precision / recall per threshold."""
-    table = Table(title=f"thresholds, estimated from the run's random pairings (noise share {sweep.noise_share:.1%})",
-                  header_style="bold")
+    table = Table(title="thresholds, estimated from the run's random pairings (pairs like random pairings: "
+                        f"{sweep.random_pairing_share:.1%})", header_style="bold")
     table.add_column("--where", no_wrap=True)
     for name in ("random\npairings\nabove", "kept", "est.\nprecision", "est. clean\nkept", "est. noise\ncaught"):
         table.add_column(name, justify="right", no_wrap=True)

@@ -53,10 +53,15 @@ def demo_command(
 ) -> None:
     """Toy world -> tiny estimator (trained or cached) -> shuffle noise -> score -> detection table. Offline."""
     from pairclean.cli.evaluate import detection_tables
+    from pairclean.cli.options import flag_for
+    from pairclean.errors import ConfigError, UserError
     from pairclean.lab.demo import DemoConfig, run_demo
 
-    cfg = DemoConfig(out=out, pairs=pairs, world_seed=seed, ratio=ratio, noise_seed=seed, beta_k=beta_k, retrain=retrain,
-                     workers=workers, device=device, progress=RichProgress(console, prefix="demo"))
+    try:
+        cfg = DemoConfig(out=out, pairs=pairs, world_seed=seed, ratio=ratio, noise_seed=seed, beta_k=beta_k,
+                         retrain=retrain, workers=workers, device=device, progress=RichProgress(console, prefix="demo"))
+    except ConfigError as exc:  # --seed sets both seeds of the demo
+        raise UserError(exc.worded(lambda f: "--seed" if f in ("world_seed", "noise_seed") else flag_for(f))) from None
     result = run_demo(cfg)
     for table in detection_tables(result.metrics):
         console.print(table)

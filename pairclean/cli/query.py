@@ -12,9 +12,12 @@ from rich.table import Table
 
 from pairclean.cli.app import app, console
 from pairclean.curate.query import OUTPUT_FORMATS, write_result
+from pairclean.config import at_least, check_value
 from pairclean.errors import UserError
 from pairclean.ops.guard import open_output
 from pairclean.scores.db import ScoresDB
+
+MAX_SQL_BYTES = 2**20  # a statement read with --file (/dev/zero would never end)
 
 
 def _cell(value) -> str:
@@ -68,11 +71,14 @@ def query_command(
         raise UserError("give the SQL as an argument or with --file, not both")
     target = open_output(out, [scores, truth, file], overwrite=overwrite) if out is not None else None  # before anything is read
     if file is not None:
-        if not file.is_file():
+        if not file.exists() or file.is_dir():
             raise UserError(f"SQL file not found: {file}")
-        sql = file.read_text()
-    if limit < 0:
-        raise UserError(f"--limit must be at least 0, got {limit}")
+        with open(file, "rb") as fh:
+            text = fh.read(MAX_SQL_BYTES + 1)
+        if len(text) > MAX_SQL_BYTES:
+            raise UserError(f"{file} is over {MAX_SQL_BYTES:,} bytes: not one SQL statement")
+        sql = text.decode("utf-8", errors="replace")
+    check_value(limit, int, at_least(0), "limit")
     if fmt not in OUTPUT_FORMATS:
         raise UserError(f"unknown format {fmt!r}; choose one of {', '.join(OUTPUT_FORMATS)}")
     if fmt == "table" and out is not None:

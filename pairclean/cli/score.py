@@ -30,6 +30,10 @@ def summary_table(result) -> Table:
                                        f"reasons in {result.out.stem}.run.json)")
     std = f" ± {s['beta_std']:.4f}" if s.get("beta_std") is not None else ""
     table.add_row(f"beta ({s['beta_mode']}, K={s['beta_k']})", f"{s['beta']:.4f}{std}")
+    if s.get("random_pairing_share") is not None:  # not all noise: a caption of a similar item is not counted
+        table.add_row("pairs like random pairings (est., 95%)",
+                      f"{s['random_pairing_share']:.1%} [{s['random_pairing_share_low']:.1%}, "
+                      f"{s['random_pairing_share_high']:.1%}]")
     for rule in s["rules"]:
         table.add_row(f"flagged by {rule['label']} rule ({rule['noisy_if']})", f"{rule['share_flagged']:.1%}")
     if result.already_complete:

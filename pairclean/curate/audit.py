@@ -21,7 +21,8 @@ import pyarrow.parquet as pq
 from pairclean.scores.db import ScoresDB
 from pairclean.curate.report.media import fetch_media
 from pairclean.data.manifest import open_dataset
-from pairclean.errors import ConfigError, UserError
+from pairclean.config import COUNT, INT64_MAX, SEED, declare, within
+from pairclean.errors import UserError
 from pairclean.ops.guard import open_output
 
 DECILES = 10
@@ -38,11 +39,10 @@ def stratified_sample(db: ScoresDB, per_decile: int, seed: int) -> list[dict]:
             WHERE r <= ? ORDER BY decile, sim""", [str(seed), per_decile]).fetchall()]
 
 
+@declare(per_decile=COUNT, seed=SEED, thumb=within(1, 4096))
 def build_audit(scores: str | Path, shards: list[str], out: str | Path, per_decile: int = 10, seed: int = 0,
                 thumb: int = 256, pair: str | None = None, overwrite: bool = False) -> int:
     """Write the audit page; returns the number of pairs on it."""
-    if per_decile < 1:
-        raise ConfigError("per_decile must be at least 1", "per_decile")
     spec = open_dataset(shards, pair=pair)
     target = open_output(out, [scores, *shards, *spec.shards], overwrite=overwrite)
     with ScoresDB(scores) as db:
@@ -63,18 +63,57 @@ def build_audit(scores: str | Path, shards: list[str], out: str | Path, per_deci
     return len(items)
 
 
+MAX_MARKS_BYTES = 64 * 2**20  # an export of 100,000 marks is about 15 MB
+MARKS = {"keep": False, "drop": True}  # mark -> noisy
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def read_marks(marks: str | Path) -> list[dict]:
+    """The audit page's export, typed strictly: a JSON list (at most MAX_MARKS_BYTES) of objects
+    with a string key and shard, an integer index >= 0 and a mark keep / drop; anything else is a
+    UserError naming the entry (a mark on index 1.9 or true would land on another pair)."""
+    try:
+        with open(marks, "rb") as fh:
+            data = fh.read(MAX_MARKS_BYTES + 1)
+    except FileNotFoundError:
+        raise UserError(f"marks file not found: {marks}") from None
+    except OSError as exc:
+        raise UserError(f"cannot read marks file {marks}: {exc.strerror}") from None
+    if len(data) > MAX_MARKS_BYTES:
+        raise UserError(f"{marks} is over {MAX_MARKS_BYTES:,} bytes: not an audit export")
+    try:
+        entries = json.loads(data, parse_constant=_no_constant)
+    except RecursionError:
+        raise UserError(f"{marks} is not an audit export: its JSON is nested too deeply") from None
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, NaN / Infinity
+        raise UserError(f"{marks} is not an audit export (a JSON list of key, shard, index, mark keep/drop): "
+                        f"{str(exc)[:200]}") from None
+    if not isinstance(entries, list):
+        raise UserError(f"{marks} is not an audit export: a JSON {type(entries).__name__}, not a list of marks")
+    rows = []
+    for n, entry in enumerate(entries):
+        where = f"{marks} is not an audit export: entry {n}"
+        if not isinstance(entry, dict):
+            raise UserError(f"{where}: a JSON {type(entry).__name__}, not an object with key, shard, index, mark")
+        for name in ("key", "shard"):
+            if not isinstance(entry.get(name), str):
+                raise UserError(f"{where}: {name} must be a string, got {json.dumps(entry.get(name))[:80]}")
+        index = entry.get("index")
+        if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index <= INT64_MAX:
+            raise UserError(f"{where}: index must be an integer from 0 to {INT64_MAX}, got {json.dumps(index)[:80]}")
+        if entry.get("mark") not in MARKS:
+            raise UserError(f"{where}: mark must be keep or drop, got {json.dumps(entry.get('mark'))[:80]}")
+        rows.append({"key": entry["key"], "shard": entry["shard"], "index": index, "noisy": MARKS[entry["mark"]]})
+    return rows
+
+
 def import_marks(marks: str | Path, out: str | Path, overwrite: bool = False) -> int:
     """The exported marks JSON -> a truth Parquet (key, shard, index, noisy = marked drop); returns rows."""
     target = open_output(out, [marks], overwrite=overwrite)
-    try:
-        entries = json.loads(Path(marks).read_text())
-        rows = [{"key": str(e["key"]), "shard": str(e["shard"]), "index": int(e["index"]),
-                 "noisy": {"drop": True, "keep": False}[e["mark"]]} for e in entries]
-    except FileNotFoundError:
-        raise UserError(f"marks file not found: {marks}") from None
-    except (ValueError, KeyError, TypeError) as exc:
-        raise UserError(f"{marks} is not an audit export (a JSON list of key, shard, index, mark keep/drop): "
-                        f"{type(exc).__name__} {exc}") from None
+    rows = read_marks(marks)
     if not rows:
         raise UserError(f"{marks} holds no marks")
     with target.write() as tmp:

@@ -13,7 +13,6 @@ stops the run instead of producing a silently wrong dataset.
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -24,6 +23,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from pairclean.config import COUNT, at_least, declare
 from pairclean.curate.sweep import Sweep, threshold_sweep
 from pairclean.data.manifest import DatasetSpec, write_manifest
 from pairclean.data.reader import OnFailure, UnitFailure, list_samples, read_samples
@@ -277,6 +277,7 @@ def _match(db: ScoresDB, spec: DatasetSpec) -> dict[str, str]:
     return mapping  # type: ignore[return-value]
 
 
+@declare(top_fraction=TopFractionRule.OPTIONS["keep"].bounds, shard_size=COUNT, shard_bytes=at_least(1))
 def filter_dataset(spec: DatasetSpec, scores: str | Path | ScoresDB, out: str | Path | Output,
                    where: list[str] | None = None, top_fraction: float | None = None, by: str = "sim",
                    dry_run: bool = False, shard_size: int = 10_000, shard_bytes: float = 1e9, prefix: str = "shard",
@@ -296,10 +297,6 @@ def filter_dataset(spec: DatasetSpec, scores: str | Path | ScoresDB, out: str | 
     if spec.format == "parquet" and (spec.fields.image_path or spec.fields.image2_path):
         raise UserError("this Parquet dataset names images by relative path: filtered files in another "
                         "directory could not find them; filter a Parquet that holds the image bytes")
-    if shard_size < 1:
-        raise ConfigError(f"shard_size must be at least 1, got {shard_size}", "shard_size")
-    if not shard_bytes >= 1 or not math.isfinite(shard_bytes):
-        raise ConfigError(f"shard_bytes must be a finite number of at least 1, got {shard_bytes}", "shard_bytes")
     opened = contextlib.nullcontext(scores) if isinstance(scores, ScoresDB) else ScoresDB(scores)
     with opened as db:
         mapping = _match(db, spec)

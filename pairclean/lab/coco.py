@@ -12,12 +12,14 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from pairclean.errors import ConfigError, UserError
+from pairclean.config import COUNT, SEED, declare
+from pairclean.errors import ConfigError
 from pairclean.data.manifest import DatasetSpec, write_manifest
 from pairclean.data.writer import write_shards
 from pairclean.ops.guard import open_output
 
 
+@declare(limit=COUNT)
 def read_pairs(src: Path, all_captions: bool = False, limit: int | None = None) -> list[dict]:
     lines_path = Path(src) / "pairs.jsonl"
     if not lines_path.is_file():
@@ -34,6 +36,7 @@ def read_pairs(src: Path, all_captions: bool = False, limit: int | None = None) 
     return pairs[:limit] if limit else pairs
 
 
+@declare(shard_size=COUNT)
 def build_shards(src: Path, out: Path, shard_size: int = 100, all_captions: bool = False,
                  limit: int | None = None, overwrite: bool = False) -> DatasetSpec:
     target = open_output(out, [src], "out", kind="directory", overwrite=overwrite)
@@ -92,12 +95,11 @@ def web_pair(src: Path, record: dict, seed: int, i: int) -> dict:
     return {"__key__": f"{seed:03d}{i:09d}", "jpg": buf.getvalue(), "txt": rng.choice(record["captions"])}
 
 
+@declare(shards=COUNT, pairs_per_shard=COUNT, seed=SEED)
 def build_web_shards(src: Path, out: Path, shards: int = 2, pairs_per_shard: int = 5000, seed: int = 0,
                      overwrite: bool = False) -> DatasetSpec:
     """Shards shaped like img2dataset's (thousands of 256-384 px JPEGs each) from COCO-mini's
     images, cycled and varied deterministically (`web_pair`): data to measure throughput on."""
-    if shards < 1 or pairs_per_shard < 1:
-        raise UserError("shards and pairs per shard must be at least 1")
     lines_path = Path(src) / "pairs.jsonl"
     if not lines_path.is_file():
         raise ConfigError(f"{lines_path} not found: point `src` at shared/data/coco-mini", "src")

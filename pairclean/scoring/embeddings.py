@@ -34,7 +34,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import torch
 
-from pairclean.config import check_choice, unpinned
+from pairclean.config import COUNT, at_least, check_choice, setting, unpinned
 from pairclean.core.beta import BETA_MODES, BetaEstimate, ShuffledAccumulator
 from pairclean.core.scorer import null_partners
 from pairclean.data.manifest import PAIR_KINDS
@@ -545,14 +545,12 @@ def random_embeddings_beta(spec: EmbeddingSpec, batch_rows: int = 65536) -> Beta
 @dataclass
 class EmbeddingScoreConfig(RunConfig):
     random_embeddings: EmbeddingSpec | None = unpinned(None)  # for beta_mode random-inputs (pinned by its paths)
-    batch_rows: int = unpinned(65536)  # rows read at a time: what bounds memory
-    unit_rows: int = 1 << 18  # rows per unit of an .npy pair: the grain of resume; its columns are held until commit
-    threads: int = unpinned(0)  # 0: torch.get_num_threads()
+    batch_rows: int = setting(65536, COUNT, pinned=False)  # rows read at a time: what bounds memory
+    unit_rows: int = setting(1 << 18, COUNT)  # rows per unit of an .npy pair: the grain of resume; held until commit
+    threads: int = setting(0, at_least(0), pinned=False)  # 0: torch.get_num_threads()
 
     def __post_init__(self):
         super().__post_init__()
-        if self.batch_rows < 1 or self.unit_rows < 1:
-            raise ConfigError("batch_rows and unit_rows must be at least 1", "batch_rows", "unit_rows")
         if self.beta_mode != "random-inputs" and self.random_embeddings is not None:
             raise ConfigError(f"random_embeddings is only used with beta_mode random-inputs, not {self.beta_mode}",
                               "random_embeddings", "beta_mode")

@@ -27,12 +27,11 @@ from pairclean.ops.guard import Output
 from pairclean.ops import distributed
 from pairclean.ops.notices import notice_once
 from pairclean.ops.worker_memory import steady_worker_memory
-from pairclean.config import check_numbers, check_pretrained, unpinned
+from pairclean.config import COUNT, at_least, check_pretrained, setting, unpinned
 from pairclean.core.beta import BetaEstimate, ShuffledAccumulator
 from pairclean.core.scorer import null_partners
 from pairclean.data.manifest import DatasetSpec, open_dataset
 from pairclean.data.reader import UnitFailure, count_pairs, list_units, modalities, read_unit
-from pairclean.errors import ConfigError
 from pairclean.scoring.beta_cache import BetaCache, cached_random_input_beta
 from pairclean.scoring.run import Commit, Producer, RunConfig, ScoreResult, Work, run_scoring
 
@@ -47,15 +46,12 @@ class ScoreConfig(RunConfig):
     decode: str = "fast"  # fast (JPEG draft decode) | exact | gpu (JPEGs decoded on the CUDA device)
     compile: bool = unpinned(False)  # torch.compile the towers (eager fallback if compiling fails)
     beta_cache: bool = unpinned(True)  # reuse a random-inputs beta computed earlier for the same weights/K/seed
-    batch_size: int = unpinned(256)
-    workers: int = unpinned(2)
-    beta_k: int = 1024
+    batch_size: int = setting(256, COUNT, pinned=False)
+    workers: int = setting(2, at_least(0), pinned=False)
+    beta_k: int = setting(1024, COUNT)
 
     def __post_init__(self):
         super().__post_init__()
-        if self.batch_size < 1:
-            raise ConfigError("batch_size must be at least 1", "batch_size")
-        check_numbers(self, at_least={"workers": 0, "beta_k": 1})
         check_pretrained(self.pretrained)
 
 

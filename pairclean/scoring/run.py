@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, ClassVar, Iterator
 
-from pairclean.config import check_choice, check_numbers, pinned_settings, unpinned
+from pairclean.config import FINITE, SEED, at_least, check_choice, check_settings, pinned_settings, setting, unpinned
 from pairclean.core.beta import BETA_MODES, BetaEstimate, check_beta_mode, resolve_beta, shuffled_beta
 from pairclean.core.scorer import WEIGHT_FUNCTIONS
 from pairclean.errors import ConfigError, UserError
@@ -43,17 +43,17 @@ class RunConfig:
     """The settings every scoring run shares, whatever produces its similarities."""
 
     beta_mode: str = "random-inputs"
-    beta: float | None = None  # for beta_mode == "fixed"
+    beta: float | None = setting(None, FINITE)  # for beta_mode == "fixed"
     weight_fn: str = "cubic"
-    seed: int = 0
-    gmm_sample: int = 1_000_000
+    seed: int = setting(0, SEED)
+    gmm_sample: int = setting(1_000_000, at_least(2))
     rules: tuple[str, ...] = DEFAULT_RULES  # decision-rule specs NAME[:key=value,...] (pairclean.scores.rules)
     overwrite: bool = unpinned(False)
     resume: bool = unpinned(False)  # insist on continuing an unfinished run (re-running resumes anyway)
     progress: Progress = unpinned(SILENT)
 
     def __post_init__(self):
-        check_numbers(self, finite=("beta",), at_least={"seed": 0, "gmm_sample": 2})
+        check_settings(self)  # every declared setting, of this class and of a subclass
         check_choice(self.weight_fn, WEIGHT_FUNCTIONS, "weight_fn", "weight function")
         check_beta_mode(self.beta_mode, self.beta)  # a known mode, and a value for `fixed`
         build_rules(self.rules)  # an unknown rule or option fails before anything is scored

@@ -16,7 +16,8 @@ from pathlib import Path
 from pairclean.curate.report.media import fetch_media, media_spec
 from pairclean.curate.report.page import render_page
 from pairclean.curate.report.stats import gather
-from pairclean.errors import ConfigError, UserError
+from pairclean.config import at_least, declare, within
+from pairclean.errors import UserError
 from pairclean.ops.guard import open_output
 from pairclean.scores.db import ScoresDB
 
@@ -32,6 +33,8 @@ class ReportResult:
     media_note: str | None
 
 
+@declare(gallery=at_least(0), contrast=at_least(0), thumb=within(1, 4096), bins=within(2, MAX_BINS),
+         max_shard_rows=at_least(0))
 def build_report(scores: str | Path, out: str | Path, shards: list[str] | None = None,
                  truth: str | Path | None = None, gallery: int = 24, contrast: int = 8, thumb: int = 224,
                  bins: int = 60, max_shard_rows: int = 40, title: str | None = None,
@@ -40,10 +43,6 @@ def build_report(scores: str | Path, out: str | Path, shards: list[str] | None =
     scores = Path(scores)
     target = open_output(out, [scores, truth, *(shards or [])], overwrite=overwrite)
     out = target.path
-    if gallery < 0 or contrast < 0:
-        raise ConfigError("gallery and contrast must not be negative", "gallery", "contrast")
-    if not 2 <= bins <= MAX_BINS:
-        raise ConfigError(f"bins must be within [2, {MAX_BINS}], got {bins}", "bins")
     with ScoresDB(scores, truth=truth) as db:
         prov = db.provenance
         if prov is None:

@@ -58,7 +58,8 @@ def _gallery(rows: list[dict], media: dict, truth: bool, rules: list[RuleRecord]
         elif m is not None and not m.texts:
             pics = f'<div class="pics"><div class="noimg">{_e(m.note or "no image")}</div></div>'
         texts = "".join(f'<p class="caption">{_e(t)}</p>' for t in (m.texts if m else []))
-        badges = [_badge(f"{rule.label}: noisy", "bad") if r[rule.decision] else _badge(f"{rule.label}: clean", "good")
+        badges = [_badge(f"{rule.label}: abstains", "abstains") if rule.abstains else
+                  _badge(f"{rule.label}: noisy", "bad") if r[rule.decision] else _badge(f"{rule.label}: clean", "good")
                   for rule in rules]
         rule_values = "".join(f'<span>{_e(column)} <b>{_num(r[column])}</b></span>'
                               for rule in rules for column in rule.columns if column != rule.decision)
@@ -140,8 +141,8 @@ def _sweep_html(sweep: Sweep | None) -> str:
                    for r in sweep.rows)
     return ('<section id="sweep"><h2>Choosing a threshold</h2><p class="lead">What each threshold would keep, '
             "estimated from the run's random pairings (in-data pairs that do not belong together) without labels: "
-            f"estimated noise share {_pct(sweep.noise_share)}. The estimates count noise as dissimilar as a random "
-            "pairing; a caption of a similar item counts as clean here.</p><table class=\"data\"><thead><tr>"
+            f"pairs like random pairings (est.) {_pct(sweep.random_pairing_share)}. The estimates count noise as "
+            "dissimilar as a random pairing; a caption of a similar item counts as clean here.</p><table class=\"data\"><thead><tr>"
             "<th>keep if</th><th>random pairings above</th><th>kept</th><th>est. precision</th>"
             f"<th>est. clean kept</th><th>est. noise caught</th></tr></thead><tbody>{rows}</tbody></table></section>")
 
@@ -184,10 +185,12 @@ def _cards(stats: ReportStats, prov: dict) -> list[str]:
 def _histogram_lead(mixture: FittedMixture | None, stats: ReportStats) -> str:
     edges = stats.edges
     boundaries = gmm_boundaries(mixture, float(edges[0]), float(edges[-1])) if mixture else []
+    abstains = {r.name: r.abstains for r in stats.rules if r.abstains}
+    gmm = (f"; the GMM rule abstains on these scores ({abstains['gmm']}): it flags nothing and no GMM boundary "
+           "is drawn" if "gmm" in abstains else " and by the GMM when the posterior of the clean component is "
+           "below 0.5" + (f" (left of the dotted line at s = {boundaries[0]:.3f})" if len(boundaries) == 1 else ""))
     lead = ("Cosine similarity of every scored pair. A pair is flagged by the OSA rule when its debiased "
-            "similarity s − β is ≤ 0 (left of the dashed β line) and by the GMM when the posterior of the "
-            "clean component is below 0.5" + (f" (left of the dotted line at s = {boundaries[0]:.3f})"
-                                              if len(boundaries) == 1 else "") + ".")
+            "similarity s − β is ≤ 0 (left of the dashed β line)" + gmm + ".")
     if stats.truth is not None:
         lead += " Colours are the ground truth: how well each boundary separates them is what to look at."
     return lead
@@ -208,7 +211,8 @@ def render_page(scores: Path, prov: dict, stats: ReportStats, media: dict, media
                 heading: str, max_shard_rows: int) -> str:
     """The self-contained HTML page."""
     here = files("pairclean.curate.report")
-    mixture = FittedMixture(**prov["gmm"]) if prov.get("gmm") else None
+    gmm_decides = not any(r.name == "gmm" and r.abstains for r in stats.rules)  # an abstaining GMM has no boundary
+    mixture = FittedMixture(**prov["gmm"]) if prov.get("gmm") and gmm_decides else None
     truth = stats.truth is not None
     return Template((here / "page.html").read_text(encoding="utf-8")).substitute(
         heading=_e(heading), css=(here / "report.css").read_text(encoding="utf-8"),
