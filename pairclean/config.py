@@ -22,6 +22,7 @@ import dataclasses
 import functools
 import inspect
 import math
+import numbers
 import sys
 import types
 import typing
@@ -127,17 +128,18 @@ def check_value(value: Any, kind: type, bounds: Bounds, field: str, optional: bo
     a ConfigError naming `field` otherwise. Returns the value (an int given for a float, as a float)."""
     if value is None and optional:
         return None
-    if kind is int:
-        if isinstance(value, bool) or not isinstance(value, int):
+    if kind is int:  # numpy integers too; a bool is no count
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
             raise ConfigError(f"{field} must be an integer, got {value!r}", field)
+        value = int(value)
         if bounds.holds(value) and abs(value) > INT64_MAX:
             raise ConfigError(f"{field} must be within [-{INT64_MAX}, {INT64_MAX}], got {value}", field)
     elif kind is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
             raise ConfigError(f"{field} must be a number, got {value!r}", field)
+        value = float(value)
         if not math.isfinite(value):
             raise ConfigError(f"{field} must be a finite number, got {value}", field)
-        value = float(value)
     else:
         raise TypeError(f"{field}: only int and float settings take bounds, not {kind}")
     if not bounds.holds(value):

@@ -141,7 +141,7 @@ def open_output(out: str | os.PathLike | Output, inputs: Iterable = (), field: s
     if overwrite is False and path.is_dir() and any(path.iterdir()):
         raise ConfigError(f"{path} exists and is not empty; pass `overwrite` to replace it", "overwrite")
     if not path.parent.exists():
-        raise UserError(f"directory {path.parent} does not exist (for `{field}` {path})")
+        raise UserError(f"directory {path.parent} does not exist (to write {path} in)")
     return output
 
 
