@@ -57,3 +57,41 @@ def tiny_scores(source: Path, out: Path) -> Path:
     score(open_dataset(str(source)), out, ScoreConfig(model="pairclean-tiny", pretrained="none", beta_k=64,
                                                       batch_size=8, workers=0, seed=0))
     return out
+
+
+def snapshot(*paths: Path) -> dict[str, bytes]:
+    """Every file under `paths` with its bytes: what must survive a refused command."""
+    files = {}
+    for root in paths:
+        for f in ([root] if root.is_file() else sorted(root.rglob("*"))):
+            if f.is_file():
+                files[str(f)] = f.read_bytes()
+    return files
+
+
+def refused(argv, capsys, *keep: Path, message: str = "") -> str:
+    """`pairclean ARGV` exits 2 with one line holding `message`, and every file under `keep` is as it was."""
+    before = snapshot(*keep)
+    code, _, err = run_cli(argv, capsys)
+    assert code == 2 and len(err.strip().splitlines()) == 1 and message in err, err
+    assert snapshot(*keep) == before
+    return err
+
+
+def killed_after_first_unit(run) -> None:
+    """Run `run` in a forked child SIGKILLed (pairclean.ops.faults) once its second part is written."""
+    import os
+    import signal
+
+    import torch
+
+    pid = os.fork()
+    if pid == 0:
+        os.environ["PAIRCLEAN_FAULT"] = "part-written:2"
+        torch.set_num_threads(1)
+        try:
+            run()
+        finally:
+            os._exit(1)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL

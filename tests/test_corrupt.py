@@ -15,7 +15,8 @@ from pairclean.cli import main
 from pairclean.lab.corrupt import corrupt, weaken
 from pairclean.errors import UserError
 from pairclean.data.manifest import DatasetSpec, load_manifest, open_dataset
-from pairclean.data.writer import staged_directory, write_shards
+from pairclean.data.writer import write_shards
+from pairclean.ops.atomic import atomic_directory
 from pairclean.data.reader import list_units, read_samples, read_unit
 from pairclean.lab.synth.world import build_world
 
@@ -97,7 +98,7 @@ def test_same_seed_same_noise_other_seed_other_noise(world, tmp_path):
 
 def test_a_pair_whose_caption_did_not_change_stays_clean(tmp_path):
     src = tmp_path / "dupes"
-    with staged_directory(src) as tmp:  # 8 pairs, only two distinct captions
+    with atomic_directory(src) as tmp:  # 8 pairs, only two distinct captions
         write_shards(({"__key__": f"k{i}", "txt": "same words" if i % 4 else "other words", "cls": str(i)}
                       for i in range(8)), tmp)
     spec = open_dataset(str(src), pair="text-text")

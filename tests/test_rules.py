@@ -59,8 +59,11 @@ def test_top_fraction_fits_the_quantile_of_the_sample():
     (("beta", "nope"), "unknown rule 'nope'"),
     (("top-fraction:keep",), "bad option 'keep'"),
     (("top-fraction:share=0.5",), "bad option 'share=0.5'"),
-    (("top-fraction:keep=lots",), "keep must be a float"),
-    (("top-fraction:keep=1.5",), "keep must be in (0, 1]"),
+    (("top-fraction:keep=lots",), "keep must be a number, got 'lots'"),
+    (("top-fraction:keep=1.5",), "keep must be within (0, 1]"),
+    (("fdr:alpha=0.1,alpha=0.2",), "option alpha is given twice"),  # issue 25: the last one was kept
+    (("fdr:alpha=nan",), "alpha must be a finite number"),
+    (("fdr:alpha=inf",), "alpha must be a finite number"),
     (("gmm", "gmm"), "rules gmm and gmm both write column p_clean"),
 ])
 def test_bad_rule_specs_fail_before_scoring(specs, message):
@@ -78,7 +81,7 @@ def test_unknown_rule_on_the_command_line_is_one_line(tmp_path, capsys):
         main(["score", str(tmp_path / "emb"), "--from-embeddings", "--out", str(tmp_path / "s.parquet"),
               "--rule", "top-fraction:keep=2"])
     err = capsys.readouterr().err
-    assert exit_info.value.code == 2 and len(err.strip().splitlines()) == 1 and "keep must be in (0, 1]" in err
+    assert exit_info.value.code == 2 and len(err.strip().splitlines()) == 1 and "keep must be within (0, 1]" in err
     assert not (tmp_path / "s.parquet").exists()
 
 

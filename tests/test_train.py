@@ -220,7 +220,7 @@ def test_run_directory_guards(tmp_path, coco_shards):
     other = tmp_path / "other"
     other.mkdir()
     (other / "notes.txt").write_text("mine")
-    with pytest.raises(UserError, match="holds no pairclean run"):
+    with pytest.raises(UserError, match="holds no pairclean training run"):
         train(str(coco_shards), other, tiny())
     assert (other / "notes.txt").exists()
     with pytest.raises(UserError, match="batch_size"):

@@ -152,9 +152,9 @@ def test_three_way_partition_and_the_percentile_rule():
     ("sps", {"warmup_epochs": "3", "e_qc": "2"}, "warmup_epochs < e_qc"),
     ("sps", {"eps1": "0.4"}, "eps2 <= eps1"),
     ("sps", {"proxy_label": "soft"}, "proxy_label"),
-    ("diffncl", {"steps": "0"}, "steps >= 1"),
-    ("diffncl", {"zeta": "-1"}, "zeta must be positive"),
-    ("diffncl", {"cross_weight": "-0.5"}, "must be non-negative"),
+    ("diffncl", {"steps": "0"}, "steps must be at least 1"),  # declared once (config.setting), issue 25
+    ("diffncl", {"zeta": "-1"}, "zeta must be above 0"),
+    ("diffncl", {"cross_weight": "-0.5"}, "cross_weight must be at least 0"),
 ])
 def test_bad_options_are_user_errors(name, options, message):
     with pytest.raises(UserError, match=message):

@@ -21,12 +21,13 @@ def audit_command(
     per_decile: int = typer.Option(10, help="Pairs drawn from each similarity decile."),
     seed: int = typer.Option(0, help="Which pairs are drawn."),
     dataset: options.DatasetOptions = options.GIVEN,
+    overwrite: bool = typer.Option(False, help="Replace an existing output file."),
 ) -> None:
     """A self-contained HTML page where a person marks keep / drop (k / d, arrows) and exports the marks."""
     from pairclean.curate.audit import build_audit
 
     n = build_audit(scores, shards, out, per_decile=per_decile, seed=seed, fields=dataset.given_fields(),
-                    **dataset.options())
+                    overwrite=overwrite, **dataset.options())
     console.print(f"{n:,} pairs ({per_decile} per similarity decile) -> {out}; mark them with k / d, export, then "
                   "`pairclean audit-import marks.json --out truth.parquet`", soft_wrap=True)
 
@@ -35,9 +36,10 @@ def audit_command(
 def audit_import_command(
     marks: Path = typer.Argument(..., help="The JSON the audit page exported."),
     out: Path = typer.Option(..., "--out", "-o", help="Truth Parquet for `evaluate detection --truth`."),
+    overwrite: bool = typer.Option(False, help="Replace an existing output file."),
 ) -> None:
     """Turn the audit page's exported marks into a truth Parquet (noisy = marked drop)."""
     from pairclean.curate.audit import import_marks
 
-    n = import_marks(marks, out)
+    n = import_marks(marks, out, overwrite=overwrite)
     console.print(f"{n:,} marks -> {out}", soft_wrap=True)

@@ -24,13 +24,15 @@ def retrieval_command(
     workers: int = typer.Option(2, help="DataLoader workers."),
     device: str = typer.Option("auto", help="auto, cpu, cuda ..."),
     json_out: Path | None = typer.Option(None, "--json", help="Also write the metrics to this JSON file."),
+    overwrite: bool = typer.Option(False, help="Replace an existing output file."),
 ) -> None:
     """R@1/5/10 both ways and rSum; an image with several captions is one query (hit if any caption is found)."""
     from rich.table import Table
 
-    from pairclean.ops.atomic import write_json
+    from pairclean.ops.guard import open_output
     from pairclean.train.retrieval import METRIC_NAMES, evaluate_retrieval
 
+    target = open_output(json_out, [model, *data], "json", overwrite=overwrite) if json_out is not None else None
     metrics = evaluate_retrieval(model, data, arch=arch, pair=pair, batch_size=batch_size, workers=workers, device=device)
     table = Table(title=f"retrieval: {model}")
     for name in METRIC_NAMES:
@@ -39,8 +41,8 @@ def retrieval_command(
     print_table(console, table)
     console.print(f"{metrics['queries_i2t']:,} left items (i2t queries), {metrics['queries_t2i']:,} pairs (t2i queries)"
                   + (f", {metrics['skipped']:,} unreadable pairs skipped" if metrics["skipped"] else ""))
-    if json_out is not None:
-        write_json(json_out, metrics)
+    if target is not None:
+        target.write_json(metrics)
 
 
 def detection_tables(result: dict):
@@ -68,7 +70,8 @@ def detection_tables(result: dict):
     summary.add_row("mean noise rank by weight (optimum)", "n/a" if rank is None else f"{rank:,.1f} ({best:,.1f})")
     for m in result["rules"].values():
         if "ece" in m:
-            summary.add_row(f"ECE of the {m['label']} rule's P(clean), pt (0 = calibrated)", pct(m["ece"]))
+            summary.add_row(f"ECE of the {m['label']} rule's P(clean), pt (0 = calibrated)",
+                            "none: the rule abstains" if m.get("abstains") else pct(m["ece"]))
     summary.add_row("joined on", str(result.get("join")))
     skipped = result.get("error_rows", 0) + result.get("unlabelled_rows", 0)
     if skipped:
@@ -84,15 +87,19 @@ def detection_command(
                                                             "both; default: the truth of the dataset the scores recorded)."),
     truth_key: str | None = typer.Option(None, "--truth-key", help="The truth's column holding the pair key "
                                                                    "(joined to the scores' key column)."),
-    json_out: Path | None = typer.Option(None, "--json", help="Metrics JSON to write (default: SCORES.detection.json)."),
+    json_out: Path | None = typer.Option(None, "--json", help="Metrics JSON to write (default: SCORES.detection.json, "
+                                                              "replaced by each run)."),
+    overwrite: bool = typer.Option(False, help="Replace an existing output file."),
 ) -> None:
     """Clean kept / noise caught / balanced accuracy / precision per rule in the file and the oracle, ROC-AUC, AP, mean noise rank, ECE of p_clean."""
-    from pairclean.ops.atomic import write_json
-    from pairclean.scores.evaluation import evaluate_detection
+    from pairclean.ops.guard import open_output
+    from pairclean.scores.evaluation import evaluate_detection, recorded_truth, resolve_truth
 
-    result = evaluate_detection(scores, truth, truth_key=truth_key)
+    truth_file = resolve_truth(truth) if truth is not None else recorded_truth(scores)
+    target = open_output(json_out or scores.with_name(scores.stem + ".detection.json"),
+                         [scores, truth, truth_file], "json", overwrite=overwrite or json_out is None)
+    result = evaluate_detection(scores, truth_file, truth_key=truth_key)
     for table in detection_tables(result):
         print_table(console, table)
-    target = json_out or scores.with_name(scores.stem + ".detection.json")
-    write_json(target, result)
-    console.print(f"metrics written to {target}")
+    target.write_json(result)
+    console.print(f"metrics written to {target.path}")

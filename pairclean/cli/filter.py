@@ -21,7 +21,7 @@ import pairclean.cli.options as options
 from pairclean.cli.app import announce, app, console
 from pairclean.cli.terminal import literal, print_table
 from pairclean.errors import UserError
-from pairclean.ops.guard import check_output
+from pairclean.ops.guard import open_output
 from pairclean.scores.contract import columns_phrase
 
 if TYPE_CHECKING:
@@ -63,8 +63,8 @@ def result_table(result: FilterResult) -> Table:
 
 def sweep_table(sweep: Sweep) -> Table:
     """The threshold sweep (`curate.sweep`): kept share and estimated precision / recall per threshold."""
-    table = Table(title=f"thresholds, estimated from the run's random pairings (noise share {sweep.noise_share:.1%})",
-                  header_style="bold")
+    table = Table(title="thresholds, estimated from the run's random pairings (pairs like random pairings: "
+                        f"{sweep.random_pairing_share:.1%})", header_style="bold")
     table.add_column("--where", no_wrap=True)
     for name in ("random\npairings\nabove", "kept", "est.\nprecision", "est. clean\nkept", "est. noise\ncaught"):
         table.add_column(name, justify="right", no_wrap=True)
@@ -119,13 +119,13 @@ def filter_command(
     """Write the pairs the rules keep as new shards in the input's shape (members byte-identical), or preview with --dry-run."""
     if out is None and not dry_run and keys_out is None:
         raise UserError("give --out DIR (or --keys-out FILE, or --dry-run)")
-    if out is not None and not dry_run:
-        check_output(out, source)  # the directories named; the files read are checked by filter_dataset
     from pairclean.curate.filter import attachments, filter_dataset
     from pairclean.scores.contract import read_metadata, scored_pairs
     from pairclean.scores.db import ScoresDB
 
     scores, shards = scores_and_shards(source, scores)
+    if out is not None and not dry_run:  # the names given; filter_dataset checks the files it reads
+        out = open_output(out, [*source, scores], "out", kind="directory", overwrite=overwrite)
     if not scores.is_file():
         raise UserError(f"scores file not found: {scores}")
     provenance = read_metadata(scores)[0] or {}

@@ -29,12 +29,12 @@ def corrupt_command(
 ) -> None:
     """Inject caption noise into a dataset; every other member stays byte-identical."""
     from pairclean.lab.corrupt import corrupt
-    from pairclean.ops.guard import check_output
+    from pairclean.ops.guard import open_output
 
-    check_output(out, source)  # the directories named; the files read are checked by corrupt()
+    target = open_output(out, source, "out", kind="directory", overwrite=overwrite)  # corrupt() adds the files it reads
     spec = dataset.spec(source)
     announce(spec)
-    result = corrupt(spec, out, ratio, seed=seed, mode=mode, overwrite=overwrite, weak_ratio=weak_ratio)
+    result = corrupt(spec, target, ratio, seed=seed, mode=mode, overwrite=overwrite, weak_ratio=weak_ratio)
     console.print(f"{result.pairs:,} pairs copied to {result.out}: {result.selected:,} drawn, {result.noisy:,} noisy "
                   f"({result.selected - result.noisy:,} drawn pairs kept their caption)", soft_wrap=True)
     console.print(f"truth: {result.truth}\nmanifest: {result.manifest}", soft_wrap=True)
@@ -56,10 +56,15 @@ def demo_command(
 ) -> None:
     """Toy world -> tiny estimator (trained or cached) -> shuffle noise -> score -> detection table. Offline."""
     from pairclean.cli.evaluate import detection_tables
+    from pairclean.cli.options import flag_for
+    from pairclean.errors import ConfigError, UserError
     from pairclean.lab.demo import DemoConfig, run_demo
 
-    cfg = DemoConfig(out=out, pairs=pairs, world_seed=seed, ratio=ratio, noise_seed=seed, beta_k=beta_k, retrain=retrain,
-                     workers=workers, device=device, progress=RichProgress(console, prefix="demo"))
+    try:
+        cfg = DemoConfig(out=out, pairs=pairs, world_seed=seed, ratio=ratio, noise_seed=seed, beta_k=beta_k,
+                         retrain=retrain, workers=workers, device=device, progress=RichProgress(console, prefix="demo"))
+    except ConfigError as exc:  # --seed sets both seeds of the demo
+        raise UserError(exc.worded(lambda f: "--seed" if f in ("world_seed", "noise_seed") else flag_for(f))) from None
     result = run_demo(cfg)
     for table in detection_tables(result.metrics):
         print_table(console, table)

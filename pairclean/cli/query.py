@@ -15,10 +15,13 @@ import pairclean.cli.options as options
 from pairclean.cli.app import app, console
 from pairclean.cli.terminal import print_table
 from pairclean.curate.query import OUTPUT_FORMATS, write_result
+from pairclean.config import at_least, check_value
 from pairclean.errors import UserError
-from pairclean.ops.guard import check_output
+from pairclean.ops.guard import open_output
 from pairclean.scores.contract import column_meanings
 from pairclean.scores.db import ScoresDB
+
+MAX_SQL_BYTES = 2**20  # a statement read with --file (/dev/zero would never end)
 
 
 def _cell(value) -> str | Text:
@@ -81,6 +84,7 @@ def query_command(
     columns: bool = typer.Option(False, "--columns", help="List the columns of the views (what --where, "
                                                           "--filter and SQL can use) with their types and meaning."),
     attach: options.Attach = None,
+    overwrite: bool = typer.Option(False, help="Replace an existing output file."),
 ) -> None:
     """Run SQL through DuckDB over the scores: `pairclean query scores.parquet "SELECT ..."`."""
     if columns:
@@ -91,19 +95,22 @@ def query_command(
         return
     if (sql is None) == (file is None):
         raise UserError("give the SQL as an argument or with --file, not both")
+    tables = options.parse_attachments(attach)
+    target = open_output(out, [scores, truth, file, *(f for files in tables.values() for f in files)],
+                         overwrite=overwrite) if out is not None else None  # before anything is read
     if file is not None:
-        if not file.is_file():
+        if not file.exists() or file.is_dir():
             raise UserError(f"SQL file not found: {file}")
-        sql = file.read_text()
-    if limit < 0:
-        raise UserError(f"--limit must be at least 0, got {limit}")
+        with open(file, "rb") as fh:
+            text = fh.read(MAX_SQL_BYTES + 1)
+        if len(text) > MAX_SQL_BYTES:
+            raise UserError(f"{file} is over {MAX_SQL_BYTES:,} bytes: not one SQL statement")
+        sql = text.decode("utf-8", errors="replace")
+    check_value(limit, int, at_least(0), "limit")
     if fmt not in OUTPUT_FORMATS:
         raise UserError(f"unknown format {fmt!r}; choose one of {', '.join(OUTPUT_FORMATS)}")
     if fmt == "table" and out is not None:
         raise UserError("--out needs --format csv, json or parquet")
-    tables = options.parse_attachments(attach)
-    if out is not None:
-        check_output(out, [scores, truth, *(f for files in tables.values() for f in files)])
     with ScoresDB(scores, truth=truth, attach=tables) as db:
         schema, batches = db.stream(db.run(sql))
         if fmt == "table":
@@ -111,4 +118,4 @@ def query_command(
             print_table(console, table)
             console.print(note, style="dim", highlight=False)
         else:
-            write_result(batches, schema, fmt, out)
+            write_result(batches, schema, fmt, target)

@@ -31,6 +31,10 @@ def summary_table(result) -> Table:
                                        f"reasons in {result.out.stem}.run.json)")
     std = f" ± {s['beta_std']:.4f}" if s.get("beta_std") is not None else ""
     table.add_row(f"beta ({s['beta_mode']}, K={s['beta_k']})", f"{s['beta']:.4f}{std}")
+    if s.get("random_pairing_share") is not None:  # not all noise: a caption of a similar item is not counted
+        table.add_row("pairs like random pairings (est., 95%)",
+                      f"{s['random_pairing_share']:.1%} [{s['random_pairing_share_low']:.1%}, "
+                      f"{s['random_pairing_share_high']:.1%}]")
     for rule in s["rules"]:
         table.add_row(f"flagged by {rule['label']} rule ({rule['noisy_if']})", f"{rule['share_flagged']:.1%}")
     if result.already_complete:
@@ -88,11 +92,10 @@ def score_command(
 ) -> None:
     """Score every pair: cosine, cone bias beta, OSA weight, GMM p_clean -> Parquet."""
     from pairclean.backends import check_backend, default_model
-    from pairclean.ops.guard import check_output
+    from pairclean.ops.guard import open_output
     from pairclean.scoring.model import ScoreConfig, score
 
     rules = (*DEFAULT_RULES, *(rule or ()))
-    check_output(out, source)  # the directories named; the files read are checked by the run
     if from_embeddings:
         from pairclean.data.formats.embeddings import open_embeddings
         from pairclean.scoring.embeddings import EmbeddingScoreConfig, score_embeddings
@@ -102,13 +105,15 @@ def score_command(
         rand = open_embeddings(random_embeddings, left_field=left_emb_field, right_field=right_emb_field) \
             if random_embeddings else None
         announce(spec)
-        result = score_embeddings(spec, out, EmbeddingScoreConfig(
+        target = open_output(out, source, "out", overwrite=None)  # the names given; the run adds the files it reads
+        result = score_embeddings(spec, target, EmbeddingScoreConfig(
             beta_mode=beta_mode, beta=beta, random_embeddings=rand, weight_fn=weight_fn, seed=seed,
             gmm_sample=gmm_sample, rules=rules, max_error_share=max_error_share, overwrite=overwrite, resume=resume,
             progress=RichProgress(console)))
         print_table(console, summary_table(result))
         return
     spec = dataset.spec(source)
+    target = open_output(out, [*source, *spec.shards], "out", overwrite=None)  # the run adds the files it reads
     backend = check_backend(backend)
     cfg = ScoreConfig(model=model or default_model(backend), backend=backend, pretrained=pretrained,
                       device=device, precision=precision, decode=decode,
@@ -117,6 +122,6 @@ def score_command(
                       max_error_share=max_error_share, overwrite=overwrite, resume=resume,
                       compile=compile, beta_cache=beta_cache, progress=RichProgress(console))
     announce(spec)
-    result = score(spec, out, cfg)
+    result = score(spec, target, cfg)
     if result.summary:  # under torchrun only rank 0 finalizes and reports
         print_table(console, summary_table(result))

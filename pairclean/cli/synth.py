@@ -43,13 +43,10 @@ def coco_mini_command(
     overwrite: bool = typer.Option(False, help="Replace an existing output."),
 ) -> None:
     """Real COCO JPEGs with their human captions, as WebDataset shards or Parquet."""
-    from pairclean.errors import UserError
     from pairclean.lab.coco import build_parquet, build_shards
 
     if parquet:
-        if out.exists() and not overwrite:
-            raise UserError(f"{out} exists; pass --overwrite to replace it")
-        build_parquet(src, out, all_captions=all_captions, limit=limit)
+        build_parquet(src, out, all_captions=all_captions, limit=limit, overwrite=overwrite)
         console.print(f"wrote {out}")
     else:
         spec = build_shards(src, out, shard_size=shard_size, all_captions=all_captions, limit=limit, overwrite=overwrite)

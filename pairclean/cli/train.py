@@ -18,7 +18,7 @@ import typer
 from rich.table import Table
 
 import pairclean.cli.options as options
-from pairclean.ops.guard import check_output
+from pairclean.ops.guard import open_output
 from pairclean.cli.app import Command, announce, app, console
 from pairclean.cli.progress import RichProgress
 from pairclean.cli.terminal import print_table
@@ -195,7 +195,7 @@ def train_command(
     overwrite: bool = typer.Option(False, help="Replace the run in --out."),
 ) -> None:
     """Train a dual encoder on (reweighted or filtered) pairs: weighted symmetric InfoNCE."""
-    check_output(out, [*source, *(val or [])])  # the directories named; the files read are checked by train()
+    target = open_output(out, [*source, *(val or [])], "out", kind="directory", overwrite=None)  # train() adds the files
     name, method_options = method_and_options(method, ctx.meta.get(SHORTCUTS_GIVEN, {}), method_option or [])
     from pairclean.train import TrainConfig, train
 
@@ -211,7 +211,7 @@ def train_command(
     announce(spec)
     val_spec = dataset.spec(val, pair=spec.pair) if val else None
     with train_wording(name):
-        result = train(spec, out, cfg, val=val_spec)
+        result = train(spec, target, cfg, val=val_spec)
     from pairclean.ops import distributed
 
     if not distributed.is_main():  # under torchrun rank 0 reports

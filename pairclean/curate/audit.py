@@ -23,8 +23,9 @@ from pairclean.scores.db import ScoresDB
 from pairclean.curate.pages import Html, ScriptJson, join, render, template
 from pairclean.curate.report.media import fetch_media, media_spec
 from pairclean.data.manifest import Fields
+from pairclean.config import COUNT, INT64_MAX, SEED, declare, within
 from pairclean.errors import ConfigError, UserError
-from pairclean.ops.atomic import atomic_path
+from pairclean.ops.guard import open_output
 
 DECILES = 10
 MARKS_SCHEMA = pa.schema([("key", pa.string()), ("shard", pa.string()), ("index", pa.int64()), ("noisy", pa.bool_())])
@@ -60,14 +61,13 @@ def _card(row: dict, media) -> Html:
                   shard=row["shard"], shard_name=Path(row["shard"]).name, index=int(row["index"]))
 
 
+@declare(per_decile=COUNT, seed=SEED, thumb=within(1, 4096))
 def build_audit(scores: str | Path, shards: list[str] | None, out: str | Path, per_decile: int = 10, seed: int = 0,
-                thumb: int = 1024, fields: Fields | None = None, **dataset_options) -> int:
+                thumb: int = 1024, fields: Fields | None = None, overwrite: bool = False, **dataset_options) -> int:
     """Write the audit page; returns the number of pairs on it. The pairs come from `shards`, else
     the dataset the scores recorded (`fields`, `dataset_options` override how it is read; the pair
     kind defaults to the one the scores compared). Images are kept up to `thumb` pixels on their
     longer side: the page draws them as large as the browser window allows."""
-    if per_decile < 1:
-        raise ConfigError("per_decile must be at least 1", "per_decile")
     with ScoresDB(scores) as db:
         prov = db.provenance or {}
         spec, note = media_spec(prov, shards, fields, **dataset_options)
@@ -78,31 +78,72 @@ def build_audit(scores: str | Path, shards: list[str] | None, out: str | Path, p
         rows = stratified_sample(db, per_decile, seed)
     if not rows:
         raise UserError(f"{scores} holds no scored pair to audit")
+    target = open_output(out, [scores, *(shards or []), *spec.shards], overwrite=overwrite)
     media = fetch_media(spec, rows, thumb, from_embeddings(prov))
     items = [{"key": r["key"], "shard": r["shard"], "index": int(r["index"]), "sim": round(float(r["sim"]), 4),
               "decile": int(r["decile"])} for r in rows]
     page = render(template("pairclean.curate", "audit.html"), title=f"pairclean audit · {Path(scores).name}",
                   cards=join(_card(r, media[(r["shard"], int(r["index"]))]) for r in rows),
                   items=ScriptJson(items), store=ScriptJson(f"pairclean-audit:{Path(scores).name}"))
-    with atomic_path(Path(out)) as tmp:
+    with target.write() as tmp:
         tmp.write_text(page, encoding="utf-8")
     return len(items)
 
 
-def import_marks(marks: str | Path, out: str | Path) -> int:
-    """The exported marks JSON -> a truth Parquet (key, shard, index, noisy = marked drop); returns rows."""
+MAX_MARKS_BYTES = 64 * 2**20  # an export of 100,000 marks is about 15 MB
+MARKS = {"keep": False, "drop": True}  # mark -> noisy
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def read_marks(marks: str | Path) -> list[dict]:
+    """The audit page's export, typed strictly: a JSON list (at most MAX_MARKS_BYTES) of objects
+    with a string key and shard, an integer index >= 0 and a mark keep / drop; anything else is a
+    UserError naming the entry (a mark on index 1.9 or true would land on another pair)."""
     try:
-        entries = json.loads(Path(marks).read_text())
-        rows = [{"key": str(e["key"]), "shard": str(e["shard"]), "index": int(e["index"]),
-                 "noisy": {"drop": True, "keep": False}[e["mark"]]} for e in entries]
+        with open(marks, "rb") as fh:
+            data = fh.read(MAX_MARKS_BYTES + 1)
     except FileNotFoundError:
         raise UserError(f"marks file not found: {marks}") from None
-    except (ValueError, KeyError, TypeError) as exc:
+    except OSError as exc:
+        raise UserError(f"cannot read marks file {marks}: {exc.strerror}") from None
+    if len(data) > MAX_MARKS_BYTES:
+        raise UserError(f"{marks} is over {MAX_MARKS_BYTES:,} bytes: not an audit export")
+    try:
+        entries = json.loads(data, parse_constant=_no_constant)
+    except RecursionError:
+        raise UserError(f"{marks} is not an audit export: its JSON is nested too deeply") from None
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, NaN / Infinity
         raise UserError(f"{marks} is not an audit export (a JSON list of key, shard, index, mark keep/drop): "
-                        f"{type(exc).__name__} {exc}") from None
+                        f"{str(exc)[:200]}") from None
+    if not isinstance(entries, list):
+        raise UserError(f"{marks} is not an audit export: a JSON {type(entries).__name__}, not a list of marks")
+    rows = []
+    for n, entry in enumerate(entries):
+        where = f"{marks} is not an audit export: entry {n}"
+        if not isinstance(entry, dict):
+            raise UserError(f"{where}: a JSON {type(entry).__name__}, not an object with key, shard, index, mark")
+        for name in ("key", "shard"):
+            if not isinstance(entry.get(name), str):
+                raise UserError(f"{where}: {name} must be a string, got {json.dumps(entry.get(name))[:80]}")
+        index = entry.get("index")
+        if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index <= INT64_MAX:
+            raise UserError(f"{where}: index must be an integer from 0 to {INT64_MAX}, got {json.dumps(index)[:80]}")
+        if entry.get("mark") not in MARKS:
+            raise UserError(f"{where}: mark must be keep or drop, got {json.dumps(entry.get('mark'))[:80]}")
+        rows.append({"key": entry["key"], "shard": entry["shard"], "index": index, "noisy": MARKS[entry["mark"]]})
+    return rows
+
+
+def import_marks(marks: str | Path, out: str | Path, overwrite: bool = False) -> int:
+    """The exported marks JSON -> a truth Parquet (key, shard, index, noisy = marked drop); returns rows."""
+    target = open_output(out, [marks], overwrite=overwrite)
+    rows = read_marks(marks)
     if not rows:
         raise UserError(f"{marks} holds no marks")
-    with atomic_path(Path(out)) as tmp:
+    with target.write() as tmp:
         pq.write_table(pa.Table.from_pylist(rows, schema=MARKS_SCHEMA), tmp)
     return len(rows)
 

@@ -20,7 +20,6 @@ precomputed embeddings) meet it by key (`ScoresDB.join_keys`).
 from __future__ import annotations
 
 import contextlib
-import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -29,14 +28,14 @@ import duckdb
 import numpy as np
 import pyarrow as pa
 
+from pairclean.config import COUNT, at_least, declare
 from pairclean.curate.sweep import Sweep, threshold_sweep
 from pairclean.data.formats import Decisions, KeptRows
 from pairclean.data.keys import read_keys, write_keys
 from pairclean.data.manifest import DatasetSpec, write_manifest
-from pairclean.data.writer import staged_directory
 from pairclean.errors import ConfigError, UserError
 from pairclean.ops.atomic import write_json
-from pairclean.ops.guard import check_file_prefix, check_output
+from pairclean.ops.guard import Output, check_file_prefix, open_output
 from pairclean.scores.contract import from_embeddings
 from pairclean.scores.db import NUMERIC_TYPES, ScoresDB, compile_predicate, match_shards
 from pairclean.scores.rules import TopFractionRule
@@ -206,7 +205,8 @@ def _export_keys(db: ScoresDB, rules: list[Predicate], path: Path) -> int:
     return write_keys(path, (str(k) for k in keys))
 
 
-def filter_dataset(spec: DatasetSpec | None, scores: str | Path | ScoresDB, out: Path | None = None,
+@declare(top_fraction=TopFractionRule.OPTIONS["keep"].bounds, shard_size=COUNT, shard_bytes=at_least(1))
+def filter_dataset(spec: DatasetSpec | None, scores: str | Path | ScoresDB, out: str | Path | Output | None = None,
                    where: list[str] | None = None, top_fraction: float | None = None, by: str = "sim",
                    dry_run: bool = False, shard_size: int = 10_000, shard_bytes: float = 1e9, prefix: str = "shard",
                    overwrite: bool = False, progress: Callable[[str], None] | None = None,
@@ -226,24 +226,20 @@ def filter_dataset(spec: DatasetSpec | None, scores: str | Path | ScoresDB, out:
     scores_path = scores.path if isinstance(scores, ScoresDB) else Path(scores)
     inputs = [*(spec.shards if spec else []), scores_path, keep_keys, *(f for fs in (attach or {}).values() for f in fs)]
     writing = not dry_run and out is not None
+    target = None
     if writing:
         if spec is None:
             raise ConfigError("writing the kept pairs needs the dataset: the scores file does not name one", "out")
-        check_output(out, inputs)
+        target = open_output(out, inputs, "out", kind="directory", overwrite=overwrite)
+        out = target.path
         spec.input_format.check_rewritable()
-        if out.exists() and not out.is_dir():
-            raise UserError(f"{out} exists and is not a directory")
-        if out.exists() and any(out.iterdir()) and not overwrite:
-            raise ConfigError(f"{out} exists and is not empty; pass `overwrite` to replace it", "overwrite")
     elif not dry_run and keys_out is None:
         raise ConfigError("give `out` (a directory for the kept pairs), `keys_out`, or `dry_run`", "out", "keys_out",
                           "dry_run")
-    if keys_out is not None:
-        check_output(keys_out, inputs, "keys_out")
-    if shard_size < 1:
-        raise ConfigError(f"shard_size must be at least 1, got {shard_size}", "shard_size")
-    if not shard_bytes >= 1 or not math.isfinite(shard_bytes):
-        raise ConfigError(f"shard_bytes must be a finite number of at least 1, got {shard_bytes}", "shard_bytes")
+    elif out is not None:
+        out = out.path if isinstance(out, Output) else Path(out)
+    if keys_out is not None and not dry_run:
+        keys_out = open_output(keys_out, inputs, "keys_out", overwrite=overwrite).path
     opened = contextlib.nullcontext(scores) if isinstance(scores, ScoresDB) \
         else ScoresDB(scores, attach=attachments(spec, attach))
     with opened as db:
@@ -269,7 +265,7 @@ def filter_dataset(spec: DatasetSpec | None, scores: str | Path | ScoresDB, out:
             return result
         if kept == 0:
             raise UserError(f"the rules keep none of the {total:,} pairs; nothing written")
-        _write(db, rules, spec, mapping, result, shard_size, shard_bytes, prefix, overwrite, progress)
+        _write(db, rules, spec, mapping, result, shard_size, shard_bytes, prefix, target, progress)
     return result
 
 
@@ -290,9 +286,9 @@ def _dry_run_bytes(kept: ScoresKept, spec: DatasetSpec, result: FilterResult, pr
 
 
 def _write(db: ScoresDB, rules, spec: DatasetSpec, mapping, result: FilterResult, shard_size, shard_bytes, prefix,
-           overwrite, progress) -> None:
-    out = result.out
-    with staged_directory(out, overwrite) as tmp:
+           target: Output, progress) -> None:
+    out = target.path
+    with target.stage() as tmp:
         written = spec.input_format.write_kept(ScoresKept(db, rules, mapping), tmp, prefix, shard_size, shard_bytes,
                                                progress)
         result.read_failures = written.read_failures

@@ -1,37 +1,13 @@
-"""Writing datasets: WebDataset shards (via wds.ShardWriter) and Parquet, into a temp directory
-that is renamed into place only when complete."""
+"""Writing datasets: WebDataset shards (via wds.ShardWriter), into a directory that the caller
+stages (`ops.guard.Output.stage`: a temp directory renamed into place only when complete)."""
 
 from __future__ import annotations
 
-import os
-import shutil
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterable
 
 import webdataset as wds
 
-from pairclean.errors import ConfigError, UserError
-
-
-@contextmanager
-def staged_directory(out: Path, overwrite: bool = False):
-    """Yield a temp sibling directory; rename it to `out` on success, remove it on failure."""
-    out = Path(out)
-    if out.exists() and any(out.iterdir()) and not overwrite:
-        raise ConfigError(f"{out} exists and is not empty; pass `overwrite` to replace it", "overwrite")
-    if not out.parent.exists():
-        raise UserError(f"directory {out.parent} does not exist")
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
-        yield tmp
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def write_shards(samples: Iterable[dict], directory: Path, prefix: str = "shard", maxcount: int = 1000,

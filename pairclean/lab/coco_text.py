@@ -15,12 +15,14 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pairclean.ops.atomic import atomic_path
-from pairclean.config import check_choice
-from pairclean.errors import ConfigError, UserError
+from pairclean.config import COUNT, check_choice, declare
+from pairclean.errors import UserError
 from pairclean.data.manifest import DatasetSpec, write_manifest
-from pairclean.data.writer import staged_directory, write_shards
+from pairclean.data.writer import write_shards
+from pairclean.ops.guard import open_output
 
 
+@declare(limit=COUNT)
 def caption_pairs(captions_json: str | Path, limit: int | None = None) -> list[dict]:
     """[{key, text, text2}] in image-id order; images with fewer than two captions are skipped."""
     path = Path(captions_json)
@@ -59,17 +61,17 @@ def _write_parquet(pairs: list[dict], tmp: Path, shard_size: int) -> list[str]:
 WRITERS = {"webdataset": _write_tars, "parquet": _write_parquet}  # the formats this world is written in
 
 
+@declare(shard_size=COUNT)
 def build_text_pairs(captions_json: str | Path, out: str | Path, format: str = "webdataset",
                      shard_size: int = 1000, limit: int | None = None, overwrite: bool = False) -> DatasetSpec:
     """Write the caption pairs as WebDataset shards (txt, txt2) or one Parquet file, plus manifest.yaml."""
     check_choice(format, WRITERS, "format")
-    if shard_size < 1:
-        raise ConfigError("shard_size must be at least 1", "shard_size")
+    target = open_output(out, [captions_json], "out", kind="directory", overwrite=overwrite)
     pairs = caption_pairs(captions_json, limit)
     if not pairs:
         raise UserError(f"no image in {captions_json} has two captions")
-    out = Path(out)
-    with staged_directory(out, overwrite) as tmp:
+    out = target.path
+    with target.stage() as tmp:
         names = WRITERS[format](pairs, tmp, shard_size)
         spec = DatasetSpec(format=format, shards=[str(tmp / n) for n in names], pair="text-text", name="coco-text")
         write_manifest(tmp / "manifest.yaml", spec)

@@ -39,11 +39,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pairclean.ops.atomic import write_json
-from pairclean.config import check_choice
+from pairclean.config import SEED, SHARE, check_choice, declare, within
 from pairclean.errors import ConfigError, UserError
 from pairclean.data.manifest import DatasetSpec, open_dataset, write_manifest
-from pairclean.data.writer import staged_directory
-from pairclean.ops.guard import check_output
+from pairclean.ops.guard import Output, open_output
 from pairclean.scores.sql import sandboxed_connection, sql_string
 from pairclean.data.reader import UnitFailure, list_units, read_unit
 from pairclean.data.units import unit_shard
@@ -111,14 +110,11 @@ def weaken(caption: str, vocabulary: list[str], index: dict[str, int], rng: np.r
 
 def _check_source(spec: DatasetSpec, ratio: float, mode: str, weak_ratio: float | None = None) -> None:
     check_choice(mode, MODES, "mode", "noise mode")
-    if not 0.0 <= ratio <= 1.0:
-        raise ConfigError(f"ratio must be within [0, 1], got {ratio}", "ratio")
     if (mode == "mixed") != (weak_ratio is not None):
         raise ConfigError("weak_ratio goes with mode mixed (the share weakened beside the ratio shuffled), "
                           "and mixed needs it", "weak_ratio", "mode", "ratio")
-    if weak_ratio is not None and not (0.0 <= weak_ratio <= 1.0 and ratio + weak_ratio <= 1.0):
-        raise ConfigError(f"weak_ratio must be within [0, 1] and ratio + weak_ratio at most 1, "
-                          f"got {ratio} + {weak_ratio}", "weak_ratio", "ratio")
+    if weak_ratio is not None and ratio + weak_ratio > 1.0:
+        raise ConfigError(f"ratio + weak_ratio must be at most 1, got {ratio} + {weak_ratio}", "weak_ratio", "ratio")
     caption_field(spec)
     remote = [s for s in spec.shards if not is_local(s)]
     if remote:
@@ -304,7 +300,8 @@ class _Noise:
         self.writer.close()
 
 
-def corrupt(source: str | list[str] | DatasetSpec, out: str | Path, ratio: float, seed: int = 0,
+@declare(ratio=SHARE, seed=SEED, weak_share=within(0, 1, low_open=True), weak_ratio=SHARE)
+def corrupt(source: str | list[str] | DatasetSpec, out: str | Path | Output, ratio: float, seed: int = 0,
             mode: str = "shuffle", overwrite: bool = False, weak_share: float = WEAK_SHARE,
             progress: Callable[[str], None] | None = None, weak_ratio: float | None = None) -> CorruptResult:
     """Write a noisy copy of `source` to the directory `out` with `out/truth/truth.parquet`,
@@ -312,16 +309,12 @@ def corrupt(source: str | list[str] | DatasetSpec, out: str | Path, ratio: float
     drawn for `mode`'s noise; in mixed mode the share shuffled, beside `weak_ratio` weakened."""
     spec = source if isinstance(source, DatasetSpec) else open_dataset(source)
     _check_source(spec, ratio, mode, weak_ratio)
-    if seed < 0:
-        raise ConfigError(f"seed must be at least 0, got {seed}", "seed")
-    if not 0.0 < weak_share <= 1.0:
-        raise UserError(f"the weak-noise word share must be within (0, 1], got {weak_share}")
-    out = Path(out)
-    check_output(out, [*spec.shards, spec.truth])
+    target = open_output(out, [*spec.shards, spec.truth], "out", kind="directory", overwrite=overwrite)
+    out = target.path
     field = caption_field(spec)
     units = list_units(spec)
     shards = list(dict.fromkeys(spec.shards))
-    with tempfile.TemporaryDirectory(prefix="pairclean-corrupt-") as work, staged_directory(out, overwrite) as tmp:
+    with tempfile.TemporaryDirectory(prefix="pairclean-corrupt-") as work, target.stage() as tmp:
         work = Path(work)
         rows, repl = work / "rows.parquet", work / "replacements.parquet"
         pairs, eligible = _spill_rows(spec, units, rows, progress)

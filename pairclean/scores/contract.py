@@ -150,7 +150,10 @@ class Summary(TypedDict, total=False):
     beta_std: float | None
     beta_k: int
     beta_mode: str
-    rules: list[dict]  # name, label, decision, noisy_if, flagged, share_flagged, and the rule's notes
+    random_pairing_share: float  # share of pairs that look like random pairings (not all noise), when null pairs were drawn
+    random_pairing_share_low: float  # its 95% interval
+    random_pairing_share_high: float
+    rules: list[dict]  # name, label, decision, noisy_if, flagged, share_flagged, abstains, and the rule's notes
     # added by the scoring run after finalize
     pairs_per_second: float
     scoring_seconds: float
@@ -162,7 +165,8 @@ def flagged_summary(records: list[RuleRecord], flagged: dict[str, int], scored: 
     """The summary's per-rule entries: flagged counts and shares among the scored pairs."""
     share = {name: count / scored if scored else 0.0 for name, count in flagged.items()}
     return {"rules": [{"name": r.name, "label": r.label, "decision": r.decision, "noisy_if": r.noisy_if,
-                       "flagged": flagged[r.name], "share_flagged": share[r.name], **r.notes} for r in records],
+                       "abstains": r.abstains, "flagged": flagged[r.name], "share_flagged": share[r.name], **r.notes}
+                      for r in records],
             **{f"flagged_{name}": count for name, count in flagged.items()},
             **{f"share_flagged_{name}": value for name, value in share.items()}}
 

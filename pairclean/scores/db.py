@@ -58,7 +58,30 @@ def compile_predicate(db: "ScoresDB", predicate: str, field: str, view: str = "s
         raise bad("give one boolean SQL expression")
     if str(types[0]) != "BOOLEAN":
         raise bad(f"it is {types[0]}, not BOOLEAN")
+    _warn_if_abstaining(db, predicate, expression, field, view)
     return expression
+
+
+def _warn_if_abstaining(db: "ScoresDB", predicate: str, expression: str, field: str, view: str) -> None:
+    """A predicate over a column of a rule that abstained on this file decides nothing: say so.
+    Whether the predicate uses the column is asked of DuckDB itself (it binds the predicate over
+    the view without that column), not guessed from the text."""
+    from pairclean.ops.notices import notice
+    from pairclean.scores.rules import recorded_rules
+
+    rules = recorded_rules(db.provenance or {}, db.columns(view))
+    deciding = ", ".join(r.decision for r in rules if not r.abstains) or "none"
+    for rule in rules:
+        for column in rule.value_columns if rule.abstains else ():
+            try:
+                db.describe(f"SELECT {expression} FROM (SELECT * EXCLUDE ({sql_identifier(column)}) FROM {view})")
+                continue  # it binds without the column: the predicate does not use it
+            except duckdb.Error:
+                pass
+            notice(f"`{field}` {predicate!r} uses {column}, a column of the {rule.label} rule, which abstains on "
+                   f"{db.path.name} ({rule.abstains}): {column} decides nothing here (NULL for every pair; in "
+                   f"files scored before, a number that only looks usable). Decide with the decision column of "
+                   f"a rule that decides (here: {deciding})", field)
 
 
 READ_ONLY_STATEMENTS = ("SELECT", "EXPLAIN")

@@ -8,7 +8,9 @@ count (`truth_metrics`), which the report uses too. Threshold-free: ROC-AUC and 
 of `-sim` as a noise detector (sklearn), and OSA Table 11's mean noise rank: the mean rank of the
 noisy pairs when all pairs are sorted by weight, highest first (ties share their mean rank),
 against its optimum (every noisy pair ranked last). A rule that claims a probability of being
-clean (`clean_probability`, the GMM's p_clean) gets its expected calibration error (ECE, 10 bins).
+clean (`clean_probability`, the GMM's p_clean) gets its expected calibration error (ECE, 10 bins),
+unless it abstains on the file: its probability is then no claim (NULL since it abstains; a
+number in files scored before) and its ECE is None, with the rule's `abstains` reason.
 
 Scores and truth are joined by `pairclean.scores.db.ScoresDB`: on (shard, index), then on (shard file
 name, index), else on key. The metrics need every labelled similarity in memory at once (a sort),
@@ -139,8 +141,11 @@ def evaluate_detection(scores: str | Path, truth: str | Path | None = None, trut
     result = detection_metrics(column["noisy"].astype(bool), column["sim"], column["weight"],
                                {rule.name: column[rule.decision].astype(bool) for rule in rules})
     for rule in rules:
-        result["rules"][rule.name].update(threshold=rule.threshold, label=rule.label, noisy_if=rule.noisy_if)
-        if rule.name in probabilities:
+        result["rules"][rule.name].update(threshold=rule.threshold, label=rule.label, noisy_if=rule.noisy_if,
+                                          abstains=rule.abstains)
+        if rule.name in probabilities and rule.abstains:
+            result["rules"][rule.name]["ece"] = None
+        elif rule.name in probabilities:
             result["rules"][rule.name]["ece"] = expected_calibration_error(~column["noisy"].astype(bool),
                                                                            column[probabilities[rule.name]])
     oracle = result["rules"]["oracle"]

@@ -24,12 +24,13 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import torch
 
-from pairclean.config import unpinned
+from pairclean.config import COUNT, at_least, setting, unpinned
 from pairclean.core.beta import BETA_MODES, BetaEstimate, ShuffledAccumulator
 from pairclean.core.scorer import null_partners
 from pairclean.data.formats.embeddings import (BLOCK_ROWS, ArrayRows, EmbeddingBatch, EmbeddingSpec, NpyRows,
                                                block_buffer, iter_batches)
 from pairclean.errors import ConfigError, UserError
+from pairclean.ops.guard import Output
 from pairclean.ops.notices import notice
 from pairclean.scoring.run import Commit, Producer, RunConfig, ScoreResult, Work, run_scoring
 
@@ -166,14 +167,12 @@ def random_embeddings_beta(spec: EmbeddingSpec, batch_rows: int = 65536) -> Beta
 @dataclass
 class EmbeddingScoreConfig(RunConfig):
     random_embeddings: EmbeddingSpec | None = unpinned(None)  # for beta_mode random-inputs (pinned by its paths)
-    batch_rows: int = unpinned(65536)  # rows read at a time: what bounds memory
-    unit_rows: int = 1 << 18  # rows per unit of an .npy pair: the grain of resume; its columns are held until commit
-    threads: int = unpinned(0)  # 0: torch.get_num_threads()
+    batch_rows: int = setting(65536, COUNT, pinned=False)  # rows read at a time: what bounds memory
+    unit_rows: int = setting(1 << 18, COUNT)  # rows per unit of an .npy pair: the grain of resume; held until commit
+    threads: int = setting(0, at_least(0), pinned=False)  # 0: torch.get_num_threads()
 
     def __post_init__(self):
         super().__post_init__()
-        if self.batch_rows < 1 or self.unit_rows < 1:
-            raise ConfigError("batch_rows and unit_rows must be at least 1", "batch_rows", "unit_rows")
         if self.beta_mode != "random-inputs" and self.random_embeddings is not None:
             raise ConfigError(f"random_embeddings is only used with beta_mode random-inputs, not {self.beta_mode}",
                               "random_embeddings", "beta_mode")
@@ -240,6 +239,10 @@ class EmbeddingsProducer(Producer):
                 "right_field": spec.right_field, "key_field": spec.key_field,
                 "random_embeddings": rand.inputs() if rand else None}
 
+    def input_files(self) -> list[str]:
+        rand = self.cfg.random_embeddings
+        return [*self.spec.sources, *self.spec.inputs(), *(rand.sources + rand.inputs() if rand else [])]
+
     def random_beta(self) -> tuple[BetaEstimate, str]:
         rand = self.cfg.random_embeddings
         beta = random_embeddings_beta(rand, self.cfg.batch_rows)
@@ -288,7 +291,7 @@ class EmbeddingsProducer(Producer):
         return provenance, {"not_unit_left": not_unit["left"], "not_unit_right": not_unit["right"]}
 
 
-def score_embeddings(spec: EmbeddingSpec, out: str | Path, config: EmbeddingScoreConfig | None = None) -> ScoreResult:
+def score_embeddings(spec: EmbeddingSpec, out: str | Path | Output, config: EmbeddingScoreConfig | None = None) -> ScoreResult:
     """Score every row pair of precomputed embeddings into `out`, resumably, like `score()`."""
     cfg = config or EmbeddingScoreConfig()
     return run_scoring(EmbeddingsProducer(spec, cfg), out, cfg)

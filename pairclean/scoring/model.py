@@ -23,15 +23,15 @@ from pairclean.backends.base import file_sha256, resolve_precision
 from pairclean.backends.device_jpeg import finish_batch
 from pairclean.backends.oom import OomBackoff
 from pairclean.ops.faults import slow_point
+from pairclean.ops.guard import Output
 from pairclean.ops import distributed
 from pairclean.ops.notices import notice_once
 from pairclean.ops.worker_memory import steady_worker_memory
-from pairclean.config import check_numbers, check_pretrained, unpinned
+from pairclean.config import COUNT, at_least, check_pretrained, setting, unpinned
 from pairclean.core.beta import BetaEstimate, ShuffledAccumulator
 from pairclean.core.scorer import null_partners
 from pairclean.data.manifest import DatasetSpec, open_dataset
 from pairclean.data.reader import UnitFailure, count_pairs, list_units, modalities, read_unit
-from pairclean.errors import ConfigError
 from pairclean.scoring.beta_cache import BetaCache, cached_random_input_beta
 from pairclean.scoring.run import Commit, Producer, RunConfig, ScoreResult, Work, run_scoring
 
@@ -46,15 +46,12 @@ class ScoreConfig(RunConfig):
     decode: str = "fast"  # fast (JPEG draft decode) | exact | gpu (JPEGs decoded on the CUDA device)
     compile: bool = unpinned(False)  # torch.compile the towers (eager fallback if compiling fails)
     beta_cache: bool = unpinned(True)  # reuse a random-inputs beta computed earlier for the same weights/K/seed
-    batch_size: int = unpinned(256)
-    workers: int = unpinned(2)
-    beta_k: int = 1024
+    batch_size: int = setting(256, COUNT, pinned=False)
+    workers: int = setting(2, at_least(0), pinned=False)
+    beta_k: int = setting(1024, COUNT)
 
     def __post_init__(self):
         super().__post_init__()
-        if self.batch_size < 1:
-            raise ConfigError("batch_size must be at least 1", "batch_size")
-        check_numbers(self, at_least={"workers": 0, "beta_k": 1})
         check_pretrained(self.pretrained)
 
 
@@ -163,6 +160,9 @@ class ModelProducer(Producer):
                 "label_template": spec.label_template, "split": spec.split, "image_root": spec.image_root,
                 "weights_sha256": weights}
 
+    def input_files(self) -> list[str]:
+        return [self.cfg.pretrained] if self.cfg.pretrained and os.path.isfile(self.cfg.pretrained) else []
+
     def prepare(self) -> None:
         if self.estimator is None:  # built (and so validated) before anything is written
             cfg = self.cfg
@@ -266,7 +266,7 @@ class ModelProducer(Producer):
                 {"batches": batches, "full_batches": counters["full_batches"], "mean_batch_fill": fill})
 
 
-def score(source: str | list[str] | DatasetSpec, out: str | Path, config: ScoreConfig | None = None,
+def score(source: str | list[str] | DatasetSpec, out: str | Path | Output, config: ScoreConfig | None = None,
           estimator=None) -> ScoreResult:
     """Score every pair of `source` and write `out` (Parquet); resumes an interrupted run."""
     cfg = config or ScoreConfig()

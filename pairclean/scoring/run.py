@@ -21,14 +21,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, ClassVar, Iterator
 
-from pairclean.config import check_choice, check_numbers, pinned_settings, unpinned
+from pairclean.config import FINITE, SEED, SHARE, at_least, check_choice, check_settings, pinned_settings, setting, unpinned
 from pairclean.core.beta import BETA_MODES, BetaEstimate, check_beta_mode, resolve_beta, shuffled_beta
 from pairclean.core.scorer import WEIGHT_FUNCTIONS
 from pairclean.errors import ConfigError, UserError
 from pairclean.ops import distributed
 from pairclean.data.units import unit_fingerprint, unit_shard
 from pairclean.ops.atomic import write_json
-from pairclean.ops.guard import check_output
+from pairclean.ops.guard import Output, open_output
 from pairclean.ops.progress import SILENT, Progress
 from pairclean.scores.contract import read_provenance, run_manifest_path
 from pairclean.scores.rules import DEFAULT_RULES, build_rules
@@ -44,20 +44,18 @@ class RunConfig:
     """The settings every scoring run shares, whatever produces its similarities."""
 
     beta_mode: str = "random-inputs"
-    beta: float | None = None  # for beta_mode == "fixed"
+    beta: float | None = setting(None, FINITE)  # for beta_mode == "fixed"
     weight_fn: str = "cubic"
-    seed: int = 0
-    gmm_sample: int = 1_000_000
+    seed: int = setting(0, SEED)
+    gmm_sample: int = setting(1_000_000, at_least(2))
     rules: tuple[str, ...] = DEFAULT_RULES  # decision-rule specs NAME[:key=value,...] (pairclean.scores.rules)
-    max_error_share: float | None = unpinned(None)  # fail the run (no scores file) when more pairs than this are errors
+    max_error_share: float | None = setting(None, SHARE, pinned=False)  # fail the run (no scores file) when more pairs than this are errors
     overwrite: bool = unpinned(False)
     resume: bool = unpinned(False)  # insist on continuing an unfinished run (re-running resumes anyway)
     progress: Progress = unpinned(SILENT)
 
     def __post_init__(self):
-        check_numbers(self, finite=("beta", "max_error_share"), at_least={"seed": 0, "gmm_sample": 2})
-        if self.max_error_share is not None and not 0.0 <= self.max_error_share <= 1.0:
-            raise ConfigError(f"max_error_share must be within [0, 1], got {self.max_error_share}", "max_error_share")
+        check_settings(self)  # every declared setting, of this class and of a subclass
         check_choice(self.weight_fn, WEIGHT_FUNCTIONS, "weight_fn", "weight function")
         check_beta_mode(self.beta_mode, self.beta)  # a known mode, and a value for `fixed`
         build_rules(self.rules)  # an unknown rule or option fails before anything is scored
@@ -106,6 +104,11 @@ class Producer(ABC):
         """Units packed into groups whose pairs may share batches: one unit each unless the
         producer batches across units."""
         return [[unit] for unit in units]
+
+    def input_files(self) -> list[str]:
+        """Files the run reads besides its units' shards (a checkpoint, a keys file ...): the output
+        must not overwrite them."""
+        return []
 
     @abstractmethod
     def random_beta(self) -> tuple[BetaEstimate, str]:
@@ -192,16 +195,17 @@ def fail_run(reason: str, units: list[str], records: dict[str, dict], store: Par
     raise ConfigError(message, "max_error_share") if "`max_error_share`" in reason else UserError(message)
 
 
-def run_scoring(producer: Producer, out: str | Path, cfg: RunConfig) -> ScoreResult:
+def run_scoring(producer: Producer, out: str | Path | Output, cfg: RunConfig) -> ScoreResult:
     """Score every unit of `producer` into `out` (Parquet); resumes an interrupted run."""
-    out = Path(out)
     distributed.init_from_env(device_type=producer.device_type)
     progress = cfg.progress if distributed.is_main() else SILENT
     check_beta_mode(cfg.beta_mode, cfg.beta, producer.beta_modes, producer.missing_beta() or "")
-    if not out.parent.exists():
-        raise UserError(f"output directory {out.parent} does not exist")
+    target = open_output(out, (), "out", overwrite=None)  # the parent exists, the spelling is a local file
     units = producer.units()
-    check_output(out, {unit_shard(u) for u in units})
+    # The run also writes its parts directory and run manifest beside the output: neither may touch an input.
+    target = open_output(target, [*dict.fromkeys(unit_shard(u) for u in units), *producer.input_files()],
+                         companions=[parts_dir_for(target.path), run_manifest_path(target.path)])
+    out = target.path
     store = PartStore(parts_dir_for(out))
     settings = {**pinned_settings(cfg), **producer.settings(), **units_settings(units)}
     # Under torchrun, rank 0 alone decides (finished? fresh or resumed? beta) and tells the others.
@@ -221,7 +225,7 @@ def run_scoring(producer: Producer, out: str | Path, cfg: RunConfig) -> ScoreRes
             beta, source = resolve_beta(cfg.beta_mode, cfg.beta, producer.random_beta)
             if beta is not None:
                 store.save_beta({**beta.as_dict(), "source": source})
-        groups = store.load_groups()
+        groups = store.load_groups(start.units)
         if groups is None:  # packed once, when the run starts: a resumed run batches alike
             groups = producer.groups(start.units)
             store.save_groups(groups)
@@ -268,7 +272,7 @@ def run_scoring(producer: Producer, out: str | Path, cfg: RunConfig) -> ScoreRes
         fail_run(reason, units, records, store, out, provenance)
     if beta is None:
         beta = shuffled_beta([records[u].get("shuffled") for u in units])
-    summary = finalize(store, units, out, beta, cfg.weight_fn, cfg.seed, cfg.gmm_sample, provenance, records,
+    summary = finalize(store, units, target, beta, cfg.weight_fn, cfg.seed, cfg.gmm_sample, provenance, records,
                        cfg.rules)
     summary.update(extra, pairs_per_second=scored_now / elapsed if elapsed > 0 else 0.0, scoring_seconds=elapsed,
                    scoring_cpu_seconds=cpu, beta_seconds=beta_seconds, beta_source=beta_source)

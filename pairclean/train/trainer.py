@@ -10,6 +10,7 @@ order depends only on seed and epoch) and the same RNG streams, so it ends with 
 from __future__ import annotations
 
 import math
+import os
 import random
 import shutil
 import time
@@ -20,21 +21,22 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
-from pairclean.ops.guard import check_output
-from pairclean.config import pinned_settings, unpinned
+from pairclean.ops.guard import Output, open_output
+from pairclean.config import (COUNT, SEED, SHARE, above, at_least, check_settings, pinned_settings, setting,
+                              unpinned)
 from pairclean.ops import distributed
 from pairclean.ops.progress import SILENT, Progress
 from pairclean.ops.worker_memory import steady_worker_memory
 from pairclean.ops.atomic import write_json
-from pairclean.config import check_choice, check_numbers, check_pretrained
+from pairclean.config import check_choice, check_pretrained
 from pairclean.errors import ConfigError, UserError
 from pairclean.backends import check_backend, load_target
 from pairclean.backends.base import PRECISIONS, autocast_context
 from pairclean.data.manifest import DatasetSpec, open_dataset
 from pairclean.train.retrieval import JointTarget, evaluate_target
 from pairclean.data.reader import modalities
-from pairclean.train.checkpoint import (BEST, RUN_FILE, STATE_FILE, epoch_model_name, load_state, model_path,
-                                        read_run, save_state, set_rng_state)
+from pairclean.train.checkpoint import (BEST, RUN_FILE, STATE_FILE, epoch_model_name, is_training_run, load_state,
+                                        model_path, read_run, save_state, set_rng_state)
 from pairclean.train.data import TrainBatches, index_shards
 from pairclean.train.methods import Embeddings, MethodContext, build_method
 from pairclean.train.logs import DiagnosticsWriter, MetricsLog
@@ -48,22 +50,22 @@ class TrainConfig:
     backend: str = "auto"  # auto | open_clip | sentence-transformers
     device: str = unpinned("auto")
     precision: str = "fp32"  # fp32 | bf16 (autocast) | fp16 (CUDA, with a grad scaler)
-    epochs: int = 5
-    batch_size: int = 256
-    lr: float = 5e-6
-    weight_decay: float = 0.2
-    warmup_steps: int = 500
-    min_lr_ratio: float = 0.0  # the cosine ends at lr * min_lr_ratio
-    grad_clip: float | None = 1.0  # max gradient norm; None disables
-    temperature: float | None = None  # None: open_clip learns it, sentence-transformers uses 0.05
+    epochs: int = setting(5, COUNT)
+    batch_size: int = setting(256, at_least(2))  # in-batch negatives need two pairs
+    lr: float = setting(5e-6, above(0))
+    weight_decay: float = setting(0.2, at_least(0))
+    warmup_steps: int = setting(500, at_least(0))
+    min_lr_ratio: float = setting(0.0, SHARE)  # the cosine ends at lr * min_lr_ratio
+    grad_clip: float | None = setting(1.0, above(0))  # max gradient norm; None disables
+    temperature: float | None = setting(None, above(0))  # None: open_clip learns it, sentence-transformers uses 0.05
     method: str = "plain"
     method_options: dict = field(default_factory=dict)
-    workers: int = 2
-    shuffle_buffer: int = 1000
-    val_batch_size: int = unpinned(256)
-    log_every: int = 10
+    workers: int = setting(2, at_least(0))
+    shuffle_buffer: int = setting(1000, at_least(0))
+    val_batch_size: int = setting(256, COUNT, pinned=False)
+    log_every: int = setting(10, COUNT)
     diagnostics: bool = True
-    seed: int = 0
+    seed: int = setting(0, SEED)
     resume: bool = unpinned(False)
     overwrite: bool = unpinned(False)
     progress: Progress = unpinned(SILENT)
@@ -72,26 +74,9 @@ class TrainConfig:
         self.check()
 
     def check(self) -> None:
-        if self.epochs < 1:
-            raise ConfigError("epochs must be at least 1", "epochs")
-        if self.batch_size < 2:
-            raise ConfigError("batch_size must be at least 2 (in-batch negatives)", "batch_size")
-        check_numbers(self, finite=("lr", "weight_decay", "min_lr_ratio", "temperature", "grad_clip"),
-                      at_least={"seed": 0})
+        check_settings(self)
         check_pretrained(self.pretrained)
-        if self.temperature is not None and self.temperature <= 0:
-            raise ConfigError("temperature must be positive (or None)", "temperature")
-        if self.lr <= 0 or self.weight_decay < 0 or self.warmup_steps < 0:
-            raise ConfigError("lr must be positive, weight_decay and warmup_steps non-negative", "lr", "weight_decay",
-                              "warmup_steps")
-        if not 0 <= self.min_lr_ratio <= 1:
-            raise ConfigError("min_lr_ratio must be within [0, 1]", "min_lr_ratio")
-        if self.grad_clip is not None and self.grad_clip <= 0:
-            raise ConfigError("grad_clip must be positive (or None)", "grad_clip")
         check_choice(self.precision, PRECISIONS, "precision")
-        if self.log_every < 1 or self.workers < 0 or self.shuffle_buffer < 0:
-            raise ConfigError("log_every must be >= 1, workers and shuffle_buffer >= 0", "log_every", "workers",
-                              "shuffle_buffer")
 
 
 @dataclass
@@ -131,12 +116,14 @@ def _spec(data, pair: str | None) -> DatasetSpec:
 
 
 def _prepare_run_dir(out: Path, cfg: TrainConfig) -> bool:
-    """Create or check RUN_DIR; True when a saved state will be resumed."""
+    """Create or check RUN_DIR; True when a saved state will be resumed. Only a training run's
+    directory is ever removed (`overwrite`): a directory holding any other run.json (a scoring
+    run's parts) or other files is refused."""
+    if out.exists() and any(out.iterdir()) and not is_training_run(out):
+        raise UserError(f"{out} exists, is not empty and holds no pairclean training run: choose another run directory")
     if (out / STATE_FILE).is_file() and cfg.resume and not cfg.overwrite:
         return True
     if out.exists() and any(out.iterdir()):
-        if not (out / RUN_FILE).is_file():
-            raise UserError(f"{out} exists, is not empty and holds no pairclean run: choose another run directory")
         if not (cfg.overwrite or cfg.resume):
             raise ConfigError(f"{out} holds a run: set resume to continue it or overwrite to start over", "resume",
                               "overwrite")
@@ -152,12 +139,11 @@ def _settings(cfg: TrainConfig, spec: DatasetSpec, val: DatasetSpec | None) -> d
             "val_shards": val.shards if val else None}
 
 
-def train(source: str | list[str] | DatasetSpec, out: str | Path, config: TrainConfig | None = None,
+def train(source: str | list[str] | DatasetSpec, out: str | Path | Output, config: TrainConfig | None = None,
           val: str | list[str] | DatasetSpec | None = None, pair: str | None = None) -> TrainResult:
     """Train `config.model` on `source` into the run directory `out`; see the package docstring."""
     cfg = config or TrainConfig()
     cfg.check()
-    out = Path(out)
     distributed.init_from_env()
     world = distributed.world_size()
     if cfg.batch_size % world:
@@ -166,7 +152,9 @@ def train(source: str | list[str] | DatasetSpec, out: str | Path, config: TrainC
     spec = _spec(source, pair)
     val_spec = _spec(val, pair or spec.pair) if val is not None else None
     method = build_method(cfg.method, cfg.method_options)
-    check_output(out, [*spec.shards, *(val_spec.shards if val_spec else []), *method.input_files()])
+    pretrained = [cfg.pretrained] if cfg.pretrained and os.path.isfile(cfg.pretrained) else []
+    out = open_output(out, [*spec.shards, *(val_spec.shards if val_spec else []), *method.input_files(), *pretrained],
+                      "out", kind="directory", overwrite=None).path
     resuming = distributed.on_main(lambda: _prepare_run_dir(out, cfg))  # rank 0 owns the run directory
     settings = _settings(cfg, spec, val_spec)
     state = None

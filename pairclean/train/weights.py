@@ -34,7 +34,7 @@ from pairclean.ops.atomic import atomic_path
 from pairclean.config import check_choice
 from pairclean.errors import ConfigError, UserError
 from pairclean.data.manifest import DatasetSpec
-from pairclean.data.writer import staged_directory
+from pairclean.ops.atomic import atomic_directory
 from pairclean.scores.db import NUMERIC_TYPES, ScoresDB, compile_predicate
 from pairclean.scores.sql import duckdb_message
 from pairclean.train.data import DROPPED, ShardInfo, shard_keys
@@ -117,7 +117,7 @@ def build_weight_arrays(scores: str | Path, spec: DatasetSpec, shards: list[Shar
     src = _Scores(scores, column, predicate)
     con = src.con
     out = Path(run_dir) / WEIGHTS_DIR
-    with src.db, staged_directory(out, overwrite=True) as tmp:
+    with src.db, atomic_directory(out, overwrite=True) as tmp:
         keys_file = tmp / "train-keys.parquet"
         _write_train_keys(spec, shards, keys_file)
         con.register("train_keys", pads.dataset(keys_file))

@@ -74,7 +74,8 @@ def _gallery(rows: list[dict], media: dict, truth: bool, rules: list[RuleRecord]
     cards = []
     for rank, r in enumerate(rows, 1):
         m = media.get((r["shard"], int(r["index"])))
-        badges = [_badge(f"{rule.label}: noisy", "bad") if r[rule.decision] else _badge(f"{rule.label}: clean", "good")
+        badges = [_badge(f"{rule.label}: abstains", "abstains") if rule.abstains else
+                  _badge(f"{rule.label}: noisy", "bad") if r[rule.decision] else _badge(f"{rule.label}: clean", "good")
                   for rule in rules]
         if truth and r.get("noisy") is not None:
             badges.append(_badge("truth: noisy", "truth-bad") if r["noisy"] else _badge("truth: clean", "truth-good"))
@@ -153,9 +154,9 @@ def _sweep_html(sweep: Sweep | None) -> Html:
              _pct(r.noise_caught)] for r in sweep.rows]
     return render('<section id="sweep"><h2>Choosing a threshold</h2><p class="lead">What each threshold would keep, '
                   "estimated from the run's random pairings (in-data pairs that do not belong together) without "
-                  "labels: estimated noise share {{share}}. The estimates count noise as dissimilar as a random "
-                  "pairing; a caption of a similar item counts as clean here.</p>{{table}}</section>",
-                  share=_pct(sweep.noise_share),
+                  "labels: pairs like random pairings (est.) {{share}}. The estimates count noise as dissimilar as a "
+                  "random pairing; a caption of a similar item counts as clean here.</p>{{table}}</section>",
+                  share=_pct(sweep.random_pairing_share),
                   table=_table(["keep if", "random pairings above", "kept", "est. precision", "est. clean kept",
                                 "est. noise caught"], rows))
 
@@ -196,10 +197,12 @@ def _cards(stats: ReportStats, prov: dict) -> list[Html]:
 def _histogram_lead(mixture: FittedMixture | None, stats: ReportStats) -> str:
     edges = stats.edges
     boundaries = gmm_boundaries(mixture, float(edges[0]), float(edges[-1])) if mixture else []
+    abstains = {r.name: r.abstains for r in stats.rules if r.abstains}
+    gmm = (f"; the GMM rule abstains on these scores ({abstains['gmm']}): it flags nothing and no GMM boundary "
+           "is drawn" if "gmm" in abstains else " and by the GMM when the posterior of the clean component is "
+           "below 0.5" + (f" (left of the dotted line at s = {boundaries[0]:.3f})" if len(boundaries) == 1 else ""))
     lead = ("Cosine similarity of every scored pair. A pair is flagged by the OSA rule when its debiased "
-            "similarity s − β is ≤ 0 (left of the dashed β line) and by the GMM when the posterior of the "
-            "clean component is below 0.5" + (f" (left of the dotted line at s = {boundaries[0]:.3f})"
-                                              if len(boundaries) == 1 else "") + ".")
+            "similarity s − β is ≤ 0 (left of the dashed β line)" + gmm + ".")
     if stats.truth is not None:
         lead += " Colours are the ground truth: how well each boundary separates them is what to look at."
     return lead
@@ -218,7 +221,8 @@ def _errors(stats: ReportStats) -> Html:
 def render_page(scores: Path, prov: dict, stats: ReportStats, media: dict, media_note: str | None,
                 heading: str, max_shard_rows: int) -> str:
     """The self-contained HTML page."""
-    mixture = FittedMixture(**prov["gmm"]) if prov.get("gmm") else None
+    gmm_decides = not any(r.name == "gmm" and r.abstains for r in stats.rules)  # an abstaining GMM has no boundary
+    mixture = FittedMixture(**prov["gmm"]) if prov.get("gmm") and gmm_decides else None
     truth = stats.truth is not None
     return render(
         template("pairclean.curate.report", "page.html"),

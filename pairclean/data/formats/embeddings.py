@@ -583,10 +583,11 @@ def write_embeddings(directory: str | Path, chunks: Iterable[tuple[np.ndarray, n
     per chunk (benchmarks and tests use it; so can users handing their own arrays to
     `pairclean score --from-embeddings`). Chunks are written as they come: memory is one chunk."""
     from pairclean.ops.atomic import atomic_path
-    from pairclean.data.writer import staged_directory
+    from pairclean.ops.guard import open_output
 
-    directory = Path(directory)
-    with staged_directory(directory, overwrite=overwrite) as tmp:
+    target = open_output(directory, (), "out", kind="directory", overwrite=overwrite)
+    directory = target.path
+    with target.stage() as tmp:
         for sub in _CLIP_RETRIEVAL:
             (tmp / sub).mkdir()
         for number, (left, right, keys) in enumerate(chunks):

@@ -22,9 +22,11 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageDraw
 
+from pairclean.config import COUNT, SEED, declare
 from pairclean.errors import ConfigError
 from pairclean.data.manifest import DatasetSpec, Fields, write_manifest
-from pairclean.data.writer import staged_directory, write_shards
+from pairclean.data.writer import write_shards
+from pairclean.ops.guard import open_output
 
 WORLD_VERSION = 1  # bump when rendering or captions change: cached estimators are then retrained
 IMAGE_SIZE = 64
@@ -188,21 +190,19 @@ def samples(seed: int, index: int, captions_per_scene: int = 1) -> list[dict]:
             for j, text in enumerate(scene.captions(captions_per_scene, seed, index))]
 
 
+@declare(pairs=COUNT, seed=SEED, shard_size=COUNT, captions_per_scene=COUNT)
 def build_world(out: Path, pairs: int, seed: int = 0, shard_size: int = 1000, overwrite: bool = False,
                 captions_per_scene: int = 1) -> DatasetSpec:
     """Write `pairs` toy-world samples (pairs / captions_per_scene scenes) as WebDataset shards
     plus manifest.yaml into `out`."""
-    if pairs < 1:
-        raise ConfigError("pairs must be at least 1", "pairs")
-    if shard_size < 1:
-        raise ConfigError("shard_size must be at least 1", "shard_size")
-    if captions_per_scene < 1 or pairs % captions_per_scene:
+    if pairs % captions_per_scene:
         raise ConfigError(f"pairs ({pairs}) must be a multiple of captions_per_scene ({captions_per_scene})",
                           "pairs", "captions_per_scene")
-    out = Path(out)
+    target = open_output(out, (), "out", kind="directory", overwrite=overwrite)
+    out = target.path
     scenes = pairs // captions_per_scene
     name = f"toy-world-seed{seed}" + (f"-{captions_per_scene}-captions" if captions_per_scene > 1 else "")
-    with staged_directory(out, overwrite) as tmp:
+    with target.stage() as tmp:
         write_shards((s for i in range(scenes) for s in samples(seed, i, captions_per_scene)), tmp, prefix="toy",
                      maxcount=shard_size)
         spec = DatasetSpec(format="webdataset", shards=[str(out / p.name) for p in sorted(tmp.glob("toy-*.tar"))],

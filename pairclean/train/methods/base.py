@@ -28,7 +28,7 @@ from typing import Any, Callable, ClassVar
 
 import torch
 
-from pairclean.config import check_choice
+from pairclean.config import check_choice, check_value, declarations, parse_value
 from pairclean.data.manifest import DatasetSpec
 from pairclean.errors import ConfigError, UserError
 from pairclean.train.data import BatchPlan, ShardInfo
@@ -184,8 +184,9 @@ def _coerce(value: Any, annotation: str, name: str):
 
 
 def build_method(name: str, options: dict | None = None) -> Method:
-    """The registered method `name` with its options (strings are converted to the declared types;
-    each Options checks its values)."""
+    """The registered method `name` with its options: numbers are parsed and checked against their
+    declarations (`config.setting` on each Options field), other strings converted to the field's
+    type; each Options checks what concerns several fields at once."""
     check_choice(name, sorted(METHODS), "method")
     cls = METHODS[name]
     fields = {f.name: f for f in dataclasses.fields(cls.Options)}
@@ -194,7 +195,10 @@ def build_method(name: str, options: dict | None = None) -> Method:
     if unknown:
         known = ", ".join(fields) or "none"
         raise UserError(f"method {name} has no option(s) {', '.join(unknown)} (its options: {known})")
-    values = {k: _coerce(v, str(fields[k].type), k) for k, v in options.items()}
+    declared = declarations(cls.Options)  # numbers: their declared type and bounds, checked here for every method
+    values = {k: (parse_value(v, declared[k], k) if isinstance(v, str) else
+                  check_value(v, declared[k].kind, declared[k].bounds, k, declared[k].optional))
+              if k in declared else _coerce(v, str(fields[k].type), k) for k, v in options.items()}
     try:
         opts = cls.Options(**values)
     except TypeError as exc:

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from pairclean.core.mixture import clean_posterior
-from pairclean.errors import ConfigError
+from pairclean.config import COUNT, above, at_least, setting, within
 from pairclean.train.loss import infonce_terms
 from pairclean.train.methods.base import Embeddings, LossOutput, Method, MethodContext, register_method
 from pairclean.train.robust import OwnModule, PairIndex, Peer, embedding_dim, pair_pass, write_pair_table
@@ -151,31 +151,18 @@ def weak_pair_losses(f: torch.Tensor, g: torch.Tensor, denoiser: Denoiser, steps
 
 @dataclass
 class DiffnclOptions:
-    warmup_epochs: int = 5  # plain InfoNCE on everything for both networks (the paper: 5 on Flickr30K)
-    steps: int = 4  # diffusion steps T
+    warmup_epochs: int = setting(5, at_least(0))  # plain InfoNCE on everything for both networks (the paper: 5 on Flickr30K)
+    steps: int = setting(4, COUNT)  # diffusion steps T
     shared_noise: bool = True  # one Gaussian draw for both sides per step (see the module docstring)
-    zeta: float | None = None  # weight of Psi in the GMM features; None: the paper's dynamic E[sigmoid(-l)]
-    hidden_ratio: float = 0.5  # the denoiser's bottleneck width h = d * hidden_ratio (paper: 512 of 1024)
+    zeta: float | None = setting(None, above(0))  # weight of Psi in the GMM features; None: the paper's dynamic E[sigmoid(-l)]
+    hidden_ratio: float = setting(0.5, within(0, 1, low_open=True))  # the denoiser's bottleneck width h = d * hidden_ratio (paper: 512 of 1024)
     noisy_as_weak: bool = False  # route noisy pairs through the denoiser with the weak ones instead of dropping them
-    intra_weight: float = 1.0  # weights of the weak pairs' three losses (the paper: all 1); for ablations
-    cross_weight: float = 1.0
-    robust_weight: float = 1.0
+    intra_weight: float = setting(1.0, at_least(0))  # weights of the weak pairs' three losses (the paper: all 1)
+    cross_weight: float = setting(1.0, at_least(0))
+    robust_weight: float = setting(1.0, at_least(0))
     cross_detach: bool = False  # L_cross trains the denoiser only: the original embeddings enter it detached
-    gmm_max_iter: int = 100
-    gmm_reg_covar: float = 1e-3
-
-    def __post_init__(self):
-        if self.warmup_epochs < 0 or self.steps < 1:
-            raise ConfigError(f"diffncl: warmup_epochs must be >= 0 and steps >= 1, got {self.warmup_epochs}, "
-                              f"{self.steps}", "warmup_epochs", "steps")
-        if not 0 < self.hidden_ratio <= 1:
-            raise ConfigError(f"diffncl: hidden_ratio must be within (0, 1], got {self.hidden_ratio}", "hidden_ratio")
-        if min(self.intra_weight, self.cross_weight, self.robust_weight) < 0:
-            raise ConfigError("diffncl: intra_weight, cross_weight and robust_weight must be non-negative",
-                              "intra_weight", "cross_weight", "robust_weight")
-        if self.zeta is not None and self.zeta <= 0:
-            raise ConfigError(f"diffncl: zeta must be positive (or none for the dynamic weight), got {self.zeta}",
-                              "zeta")
+    gmm_max_iter: int = setting(100, COUNT)
+    gmm_reg_covar: float = setting(1e-3, above(0))
 
 
 @register_method

@@ -22,9 +22,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from pairclean.config import check_choice
+from pairclean.config import COUNT, SHARE, above, at_least, setting, within
 from pairclean.core.mixture import clean_posterior
-from pairclean.errors import ConfigError
 from pairclean.train.loss import infonce_terms, weighted_infonce
 from pairclean.train.methods.base import Embeddings, LossOutput, Method, MethodContext, register_method
 from pairclean.train.robust import PairIndex, Peer, gather_batch_ids, gather_pairs, write_pair_table
@@ -69,23 +68,16 @@ def momentum(previous: np.ndarray, current: np.ndarray, beta: float) -> np.ndarr
 
 @dataclass
 class GscOptions:
-    tau1: float | None = None  # temperature of the cross-modal indicator; None: the run's (the paper's L_CM and
+    tau1: float | None = setting(None, above(0))  # temperature of the cross-modal indicator; None: the run's (the paper's L_CM and
     # y_CM share tau1 = 0.07; here L_CM trains at the run's temperature, so y_CM follows it unless set)
-    tau2: float = 1.0  # temperature of the intra-modal loss
-    gamma: float = 0.01  # weight of L_IM
-    beta1: float = 0.7  # momentum of y_CM (weight of the new epoch's estimate)
-    beta2: float = 0.7  # momentum of y_IM
-    networks: int = 1  # 2: a peer network; each trains with the other's labels
-    gmm_max_iter: int = 10
-    gmm_tol: float = 1e-2
-    gmm_reg_covar: float = 5e-4
-
-    def __post_init__(self):
-        check_choice(self.networks, (1, 2), "networks", "network count")
-        if (self.tau1 is not None and self.tau1 <= 0) or self.tau2 <= 0 or self.gamma < 0:
-            raise ConfigError("gsc: tau1 and tau2 must be positive, gamma non-negative", "tau1", "tau2", "gamma")
-        if not (0 <= self.beta1 <= 1 and 0 <= self.beta2 <= 1):
-            raise ConfigError("gsc: beta1 and beta2 must be within [0, 1]", "beta1", "beta2")
+    tau2: float = setting(1.0, above(0))  # temperature of the intra-modal loss
+    gamma: float = setting(0.01, at_least(0))  # weight of L_IM
+    beta1: float = setting(0.7, SHARE)  # momentum of y_CM (weight of the new epoch's estimate)
+    beta2: float = setting(0.7, SHARE)  # momentum of y_IM
+    networks: int = setting(1, within(1, 2))  # 2: a peer network; each trains with the other's labels
+    gmm_max_iter: int = setting(10, COUNT)
+    gmm_tol: float = setting(1e-2, above(0))
+    gmm_reg_covar: float = setting(5e-4, above(0))
 
 
 class _Labels:

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from pairclean.backends.oom import take_rows
-from pairclean.config import check_choice
+from pairclean.config import COUNT, FINITE, SHARE, above, at_least, check_choice, setting
 from pairclean.core.mixture import clean_posterior
 from pairclean.errors import ConfigError
 from pairclean.ops import distributed
@@ -95,33 +95,31 @@ def _nullable(values: np.ndarray) -> np.ndarray:
 
 @dataclass
 class SpsOptions:
-    warmup_epochs: int = 5  # plain InfoNCE on everything for both networks (essential, per the paper)
-    e_qc: int = 10  # quasi-clean pairs are trained from this epoch
-    e_n: int = 15  # noisy pairs, with proxy captions, from this epoch
-    eps1: float = 0.99  # reliable: p > eps1 (the paper's value; the authors' code uses 0.6)
-    eps2: float = 0.5  # noisy: p <= eps2
-    lambda_cro: float = 25.0  # [C]
-    lambda_met: float = 25.0  # [C]
-    alpha: float = 0.0  # margin of both constraints [C]
+    warmup_epochs: int = setting(5, at_least(0))  # plain InfoNCE on everything for both networks (essential, per the paper)
+    e_qc: int = setting(10, COUNT)  # quasi-clean pairs are trained from this epoch
+    e_n: int = setting(15, COUNT)  # noisy pairs, with proxy captions, from this epoch
+    eps1: float = setting(0.99, SHARE)  # reliable: p > eps1 (the paper's value; the authors' code uses 0.6)
+    eps2: float = setting(0.5, SHARE)  # noisy: p <= eps2
+    lambda_cro: float = setting(25.0, at_least(0))  # [C]
+    lambda_met: float = setting(25.0, at_least(0))  # [C]
+    alpha: float = setting(0.0, FINITE)  # margin of both constraints [C]
     constraint_on: str = "cosine"  # cosine: S = U V^T (SGR's S is a score in [0, 1]); logit: S = U V^T / tau
     proxy_label: str = "threshold"  # threshold [C] or paper (Eq. 12)
-    proxy_threshold: float = 0.5
-    proxy_gamma: float = 1.0  # Eq. 12 (the paper gives no values)
-    proxy_beta: float = 5.0
-    gmm_max_iter: int = 100
-    gmm_tol: float = 1e-3
-    gmm_reg_covar: float = 5e-4
+    proxy_threshold: float = setting(0.5, SHARE)
+    proxy_gamma: float = setting(1.0, FINITE)  # Eq. 12 (the paper gives no values)
+    proxy_beta: float = setting(5.0, FINITE)
+    gmm_max_iter: int = setting(100, COUNT)
+    gmm_tol: float = setting(1e-3, above(0))
+    gmm_reg_covar: float = setting(5e-4, above(0))
 
     def __post_init__(self):
-        if self.warmup_epochs < 0 or not (self.warmup_epochs < self.e_qc <= self.e_n):
+        if not (self.warmup_epochs < self.e_qc <= self.e_n):
             raise ConfigError(f"sps: need 0 <= warmup_epochs < e_qc <= e_n, got {self.warmup_epochs}, {self.e_qc}, "
                               f"{self.e_n}", "warmup_epochs", "e_qc", "e_n")
-        if not 0 <= self.eps2 <= self.eps1 <= 1:
+        if not self.eps2 <= self.eps1:
             raise ConfigError(f"sps: need 0 <= eps2 <= eps1 <= 1, got eps1={self.eps1}, eps2={self.eps2}", "eps1", "eps2")
         check_choice(self.proxy_label, PROXY_LABELS, "proxy_label", "proxy label")
         check_choice(self.constraint_on, CONSTRAINT_ON, "constraint_on", "constraint matrix")
-        if self.lambda_cro < 0 or self.lambda_met < 0:
-            raise ConfigError("sps: lambda_cro and lambda_met must be non-negative", "lambda_cro", "lambda_met")
 
 
 @dataclass
