@@ -165,7 +165,7 @@ def test_help_reads_as_words_at_80_columns(command, capsys, monkeypatch):
 @pytest.mark.parametrize("command, usage, metavars, flag", [
     ("score", "pairclean score [OPTIONS] SHARDS...", ["--out PATH", "--batch-size N", "--beta NUMBER", "--rule NAME"],
      "--compile"),
-    ("filter", "pairclean filter [OPTIONS] SHARDS...", ["--where SQL", "--top-fraction NUMBER"],
+    ("filter", "pairclean filter [OPTIONS] SOURCE...", ["--where SQL", "--top-fraction NUMBER"],
      "--dry-run / --no-dry-run"),
     ("query", "pairclean query [OPTIONS] SCORES [SQL]", ["--format TEXT", "--limit N"], "--columns"),
     ("train", "pairclean train [OPTIONS] SHARDS...", ["--method-option KEY=VALUE", "--epochs N"], "--online"),
