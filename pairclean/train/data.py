@@ -26,7 +26,8 @@ from torch.utils.data import IterableDataset
 
 from pairclean.errors import UserError
 from pairclean.data.manifest import DatasetSpec
-from pairclean.data.reader import UnitFailure, list_samples, list_units, modalities, parquet_keys, read_unit
+from pairclean.data.reader import (UnitFailure, count_pairs, list_samples, list_units, modalities, parquet_keys,
+                                   read_unit)
 from pairclean.data.units import unit_shard
 from pairclean.ops.urls import is_local
 
@@ -79,6 +80,27 @@ def content_digest(value: bytes | str) -> str:
 
 
 @dataclass
+class UnitSpan:
+    """Where a unit's pairs lie in its shard: indexes start .. start + rows - 1."""
+
+    shard: str
+    start: int
+    rows: int
+
+
+def unit_spans(spec: DatasetSpec, units: list[str], shards: list[ShardInfo]) -> dict[str, UnitSpan]:
+    """Each unit's span, from the shard index (a tar shard is one unit) or the Parquet metadata (row groups)."""
+    rows = {s.shard: s.rows for s in shards}
+    spans, next_start = {}, {}
+    for unit in units:
+        shard = unit_shard(unit)
+        n = count_pairs(spec, unit) if spec.format == "parquet" else rows[shard]
+        spans[unit] = UnitSpan(shard, next_start.get(shard, 0), n)
+        next_start[shard] = spans[unit].start + n
+    return spans
+
+
+@dataclass
 class BatchPlan:
     """What the workers put into each batch besides the target's inputs."""
 
@@ -104,11 +126,35 @@ class TrainBatches(IterableDataset):
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
 
-    def _unit_order(self) -> list[str]:
+    def _unit_order(self, epoch: int) -> list[str]:
         units = list(self.units)
         if self.shuffle:
-            random.Random(f"units-{self.seed}-{self.epoch}").shuffle(units)
+            random.Random(f"units-{self.seed}-{epoch}").shuffle(units)
         return units
+
+    def kept_pairs(self, spans: dict[str, UnitSpan]) -> dict[str, float]:
+        """The pairs each unit gives as far as is known before reading it: its rows less those the
+        plan's weight arrays drop or, where the arrays are not written yet, its rows times the plan's
+        share of kept pairs. Pairs found unusable only when read (a missing caption, an undecodable
+        image) are not known here."""
+        plan, rows = self.plan, sum(span.rows for span in spans.values())
+        share = plan.pairs / rows if plan.pairs is not None and rows else 1.0
+        kept = {}
+        for unit, span in spans.items():
+            path = os.path.join(plan.weights_dir, plan.shard_files[span.shard]) if plan.weights_dir else None
+            if path is not None and os.path.isfile(path):
+                weights = np.load(path, mmap_mode="r")[span.start:span.start + span.rows]
+                kept[unit] = float(np.count_nonzero(weights != DROPPED))
+            else:
+                kept[unit] = span.rows * share
+        return kept
+
+    def reader_pairs(self, epoch: int, kept: dict[str, float], workers: int, world: int) -> list[list[float]]:
+        """The pairs each (rank, DataLoader worker) reads in `epoch` (`kept`: per unit): the split
+        `__iter__` makes, webdataset's split_by_node then split_by_worker of the epoch's unit order."""
+        order, readers = self._unit_order(epoch), max(workers, 1)
+        return [[sum(kept[u] for u in order[rank::world][worker::readers]) for worker in range(readers)]
+                for rank in range(world)]
 
     def _weights_for(self, shard: str) -> np.ndarray | None:
         if self.plan.weights_dir is None:
@@ -162,7 +208,7 @@ class TrainBatches(IterableDataset):
 
     def __iter__(self):
         rank, _, worker, _ = wds.utils.pytorch_worker_info()
-        units = wds.split_by_worker(wds.split_by_node(self._unit_order()))
+        units = wds.split_by_worker(wds.split_by_node(self._unit_order(self.epoch)))
         stats = self._new_stats()
         pairs = self._pairs(iter(units), stats)
         if self.shuffle and self.shuffle_buffer > 1:
