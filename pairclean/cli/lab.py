@@ -66,5 +66,5 @@ def demo_command(
                   f"{'from the cache' if result.estimator_cached else 'trained now'})", soft_wrap=True)
     for name, path in result.files.items():
         console.print(f"  {name:<10} {path}", soft_wrap=True, highlight=False)
-    console.print(f"query: duckdb -c \"SELECT key, sim, p_clean, osa_noisy FROM '{result.files['scores']}' "
+    console.print(f"query: pairclean query {result.files['scores']} \"SELECT key, sim, p_clean, osa_noisy FROM scores "
                   f"ORDER BY sim LIMIT 10\"", soft_wrap=True, highlight=False)
