@@ -32,8 +32,11 @@ def corrupt_command(
     check_output(out, source)  # the directories named; the files read are checked by corrupt()
     spec = open_dataset(source, pair=pair)
     result = corrupt(spec, out, ratio, seed=seed, mode=mode, overwrite=overwrite, weak_ratio=weak_ratio)
-    console.print(f"{result.pairs:,} pairs copied to {result.out}: {result.selected:,} drawn, {result.noisy:,} noisy "
-                  f"({result.selected - result.noisy:,} drawn pairs kept their caption)", soft_wrap=True)
+    unchanged = result.selected - result.noisy
+    kept = f" ({unchanged:,} drawn pair kept its caption)" if unchanged == 1 else \
+        f" ({unchanged:,} drawn pairs kept their caption)" if unchanged else ""
+    console.print(f"{result.pairs:,} pair{'s' if result.pairs != 1 else ''} copied to {result.out}: "
+                  f"{result.selected:,} drawn, {result.noisy:,} noisy{kept}", soft_wrap=True)
     console.print(f"truth: {result.truth}\nmanifest: {result.manifest}", soft_wrap=True)
 
 

@@ -57,6 +57,25 @@ def compile_predicate(db: "ScoresDB", predicate: str, field: str, view: str = "s
 READ_ONLY_STATEMENTS = ("SELECT", "EXPLAIN")
 
 
+def resolve_truth(truth: str | Path) -> Path:
+    """The truth Parquet a truth argument names: the file itself, the `truth:` entry of a dataset
+    manifest, or that of the manifest in a directory (`pairclean corrupt` writes DIR/manifest.yaml)."""
+    from pairclean.data.manifest import MANIFEST_NAME, load_manifest
+
+    truth = Path(truth)
+    if truth.is_dir():
+        if not (truth / MANIFEST_NAME).is_file():
+            raise UserError(f"{truth} is a directory without a {MANIFEST_NAME} naming a truth file: give the truth "
+                            "Parquet")
+        truth = truth / MANIFEST_NAME
+    if truth.suffix in (".yaml", ".yml"):
+        spec = load_manifest(truth)
+        if not spec.truth:
+            raise UserError(f"manifest {truth} names no truth file")
+        return Path(spec.truth)
+    return truth
+
+
 class ScoresDB:
     """A scores file opened once: a DuckDB session over it (and an optional truth file), its
     provenance and its summary.
@@ -68,6 +87,7 @@ class ScoresDB:
         self.path = Path(scores)
         if not self.path.is_file():
             raise UserError(f"scores file not found: {self.path}")
+        truth = resolve_truth(truth) if truth is not None else None
         # Sorts and joins larger than memory spill here, not into a `.tmp` in the working directory.
         self._tmp = tempfile.mkdtemp(prefix="pairclean-duckdb-")
         self.con = sandboxed_connection(self._tmp, [self.path] + ([Path(truth)] if truth is not None else []))
@@ -85,7 +105,7 @@ class ScoresDB:
         self.truth_join: str | None = None
         if truth is not None:
             try:
-                self._attach_truth(Path(truth), truth_key)
+                self._attach_truth(truth, truth_key)
             except UserError:
                 self.close()
                 raise

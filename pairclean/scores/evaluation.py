@@ -111,10 +111,10 @@ def detection_metrics(noisy, sim, weight, decisions: dict[str, np.ndarray]) -> d
 
 
 def evaluate_detection(scores: str | Path, truth: str | Path, truth_key: str | None = None) -> dict:
-    """Join a scores file with a truth file (Parquet, or a manifest whose `truth:` names one) and
-    measure every rule the file holds; rows with an error or without a truth label are counted,
-    not scored. Each rule's entry carries its table label, `noisy_if` and `threshold`."""
-    truth = resolve_truth(truth)
+    """Join a scores file with a truth file (`db.resolve_truth`: Parquet, a manifest whose `truth:` names
+    one, or the directory of that manifest) and measure every rule the file holds; rows with an error
+    or without a truth label are counted, not scored. Each rule's entry carries its table label,
+    `noisy_if` and `threshold`."""
     with ScoresDB(scores, truth, truth_key=truth_key) as db:
         provenance = db.provenance or {}
         rules = recorded_rules(provenance, db.columns("labeled"))
@@ -150,16 +150,3 @@ def evaluate_detection(scores: str | Path, truth: str | Path, truth_key: str | N
                    "estimator": provenance.get("estimator"), "beta_mode": provenance.get("beta_mode"),
                    "weight_fn": provenance.get("weight_fn")})
     return result
-
-
-def resolve_truth(truth: str | Path) -> Path:
-    """A truth Parquet path, or the `truth:` entry of a dataset manifest."""
-    truth = Path(truth)
-    if truth.suffix in (".yaml", ".yml"):
-        from pairclean.data.manifest import load_manifest
-
-        spec = load_manifest(truth)
-        if not spec.truth:
-            raise UserError(f"manifest {truth} names no truth file")
-        return Path(spec.truth)
-    return truth

@@ -418,8 +418,9 @@ class _Loop:
         if totals["steps"] == 0:
             if self.diag is not None:
                 self.diag.abort()
+            first = f"; first failure: {failures[0]}" if failures else ""
             raise UserError(f"epoch {epoch} had no batch of at least 2 usable pairs (errors: {totals['errors']}, "
-                            f"dropped: {totals['dropped']}, failed shards: {len(failures)})")
+                            f"dropped: {totals['dropped']}, failed shards: {len(failures)}){first}")
         seconds = time.perf_counter() - epoch_start
         record = {"event": "epoch", "epoch": epoch, "step": self.step,
                   "train_loss": totals["loss_sum"] / totals["pairs"], "pairs": totals["pairs"],
