@@ -55,6 +55,9 @@ def demo_command(
     device: str = typer.Option("auto", help="auto, cpu, cuda ..."),
 ) -> None:
     """Toy world -> tiny estimator (trained or cached) -> shuffle noise -> score -> detection table. Offline."""
+    from pairclean.lab.numerics import pin_cpu_numerics
+
+    pin_cpu_numerics()  # before torch starts: the same table on any x86-64 CPU
     from pairclean.cli.evaluate import detection_tables
     from pairclean.lab.demo import DemoConfig, run_demo
 

@@ -22,6 +22,7 @@ from pairclean.config import pinned_settings, unpinned
 from pairclean.ops.atomic import write_json
 from pairclean.ops.progress import SILENT, Progress
 from pairclean.lab.corrupt import corrupt
+from pairclean.lab.numerics import cpu_numerics, torch_threads
 from pairclean.errors import ConfigError
 from pairclean.scores.evaluation import evaluate_detection
 from pairclean.scoring.model import ScoreConfig, score
@@ -66,6 +67,11 @@ def _check_out(out: Path) -> None:
 
 def run_demo(cfg: DemoConfig | None = None) -> DemoResult:
     cfg = cfg or DemoConfig()
+    with torch_threads(cfg.recipe.threads):  # scoring too: the table is the same wherever the arithmetic is
+        return _run_demo(cfg)
+
+
+def _run_demo(cfg: DemoConfig) -> DemoResult:
     out = Path(cfg.out)
     say = cfg.progress.note
     _check_out(out)
@@ -110,7 +116,8 @@ def run_demo(cfg: DemoConfig | None = None) -> DemoResult:
 
     files = {"world": out / "world", "noisy": out / "noisy", "truth": noisy.truth, "scores": scores,
              "detection": out / "detection.json", "checkpoint": checkpoint, "summary": out / MARKER}
-    write_json(out / MARKER, {"settings": {**pinned_settings(cfg), "out": str(out)}, "estimator_cached": cached,
+    write_json(out / MARKER, {"settings": {**pinned_settings(cfg), "out": str(out)}, "cpu": cpu_numerics(),
+                              "estimator_cached": cached,
                               "seconds": seconds, "files": {k: str(v) for k, v in files.items()},
                               "corrupt": noisy.as_dict()})
     return DemoResult(out, checkpoint, cached, metrics, seconds, files)
