@@ -2,14 +2,14 @@
 
 Training the estimator for 192 steps carries the last bits in which torch's CPU kernels differ
 between machines into different weights, and the demo's table with them (docs/lab.md, "Across
-machines": beta 0.4186 to 0.5199 on one machine under other machines' settings). What differs
+machines": beta 0.4060 to 0.5199 on one machine under other machines' settings). What differs
 between x86-64 machines: the instruction set of ATen's kernels (AVX-512 where the CPU has it, else
 AVX2), of oneDNN's, MKL's code path for the CPU, and the number of threads. The estimator is trained
 (and the demo scores) with all four fixed to what every x86-64 CPU of the last decade has: AVX2 and
 2 threads. ATen, oneDNN and MKL read their settings when torch starts, so `pin_cpu_numerics` runs
 before torch is imported (the `demo` and `synth train-estimator` commands call it first); the thread
 count is the recipe's (`EstimatorRecipe.threads`), set while it runs. Measured cost on the 2-core
-machine: none beyond noise (201 s of CPU against 196 s unpinned).
+machine: none beyond noise (`demo --retrain`: 201 CPU s with these settings, 196 s without).
 """
 
 from __future__ import annotations
