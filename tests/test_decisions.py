@@ -19,7 +19,7 @@ from pairclean.data.manifest import open_dataset
 from pairclean.scores.contract import read_provenance, read_summary
 from pairclean.scores.evaluation import expected_calibration_error
 from pairclean.scores.rules import FitContext, parse_rule
-from pairclean.scoring.embeddings import write_embeddings
+from pairclean.data.formats.embeddings import write_embeddings
 from pairclean.scoring.model import score
 
 DIM, PAIRS = 16, 600

@@ -18,7 +18,8 @@ from pairclean.cli import main
 from pairclean.errors import UserError
 from pairclean.scores.contract import SCORES_SCHEMA, read_provenance, read_summary
 from pairclean.scores.rules import DEFAULT_RULES, REGISTRY, FitContext, build_rules, parse_rule, recorded_rules
-from pairclean.scoring.embeddings import EmbeddingScoreConfig, write_embeddings
+from pairclean.data.formats.embeddings import write_embeddings
+from pairclean.scoring.embeddings import EmbeddingScoreConfig
 from pairclean.scoring.model import ScoreConfig
 
 DIM, PAIRS, NOISY_EVERY = 16, 400, 4
@@ -114,7 +115,7 @@ def test_an_enabled_rule_reaches_the_file_the_summary_evaluate_and_the_report(tm
     # evaluate detection: its row, with the metrics of the column against the truth.
     main(["evaluate", "detection", str(scores), "--truth", str(truth)])
     out = capsys.readouterr().out
-    assert re.search(rf"top-fraction\s*│\s*sim <= {cut:.4f}", out)
+    assert re.search(rf"top-fraction\s+sim <= {cut:.4f}", out)
     result = json.loads(scores.with_name("scores.detection.json").read_text())
     truth_noisy = np.array(noisy)
     assert result["rules"]["top-fraction"]["noise_caught"] == pytest.approx(

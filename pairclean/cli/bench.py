@@ -6,10 +6,11 @@ import typer
 from rich.table import Table
 
 import pairclean.cli.options as options
-from pairclean.cli.app import app, console, err_console
+from pairclean.cli.app import App, app, console, err_console
 from pairclean.cli.progress import RichProgress
+from pairclean.cli.terminal import print_table
 
-bench_app = typer.Typer(no_args_is_help=True, help="Measure throughput on this machine.")
+bench_app = App(no_args_is_help=True, help="Measure throughput on this machine.")
 app.add_typer(bench_app, name="bench")
 
 
@@ -112,7 +113,7 @@ def bench_score_command(
     report = bench_score(spec, cfg, naive_pairs=naive_pairs, min_seconds=min_seconds, repeat=repeat,
                          progress=RichProgress(err_console))
     for table in report_tables(report):
-        console.print(table)
+        print_table(console, table)
     for line in summary_lines(report):
         console.print(line, highlight=False)
     if json_out is not None:

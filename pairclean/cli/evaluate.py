@@ -6,15 +6,16 @@ from pathlib import Path
 
 import typer
 
-from pairclean.cli.app import app, console
+from pairclean.cli.app import App, app, console
+from pairclean.cli.terminal import print_table
 
-evaluate_app = typer.Typer(no_args_is_help=True, help="Measure detection quality or retrieval quality.")
+evaluate_app = App(no_args_is_help=True, help="Measure detection quality or retrieval quality.")
 app.add_typer(evaluate_app, name="evaluate")
 
 
 @evaluate_app.command("retrieval")
 def retrieval_command(
-    data: list[str] = typer.Argument(..., help="Validation pairs: shards, Parquet files, or a manifest YAML."),
+    data: list[str] = typer.Argument(..., metavar="SHARDS", help="Validation pairs: shards, Parquet files, or a manifest YAML."),
     model: str = typer.Option(..., "--model", help="A `pairclean train` run directory or model file, a sentence-transformers "
                                                    "directory, or (with --arch) an open_clip checkpoint or tag."),
     arch: str | None = typer.Option(None, help="open_clip model name for a bare checkpoint or pretrained tag."),
@@ -35,7 +36,7 @@ def retrieval_command(
     for name in METRIC_NAMES:
         table.add_column(name.replace("_r", " R@"), justify="right")
     table.add_row(*(f"{metrics[name]:.2f}" for name in METRIC_NAMES))
-    console.print(table)
+    print_table(console, table)
     console.print(f"{metrics['queries_i2t']:,} left items (i2t queries), {metrics['queries_t2i']:,} pairs (t2i queries)"
                   + (f", {metrics['skipped']:,} unreadable pairs skipped" if metrics["skipped"] else ""))
     if json_out is not None:
@@ -78,8 +79,10 @@ def detection_tables(result: dict):
 @evaluate_app.command("detection")
 def detection_command(
     scores: Path = typer.Argument(..., help="Scores Parquet written by `pairclean score`."),
-    truth: Path = typer.Option(..., "--truth", help="Truth Parquet (columns noisy + shard/index or key), or a "
-                                                    "manifest YAML whose `truth:` names one, or its directory (`pairclean corrupt` writes all three)."),
+    truth: Path | None = typer.Option(None, "--truth", help="Truth Parquet (columns noisy + shard/index or key), or a "
+                                                            "manifest YAML whose `truth:` names one, or its directory "
+                                                            "(`pairclean corrupt` writes all three; default: the truth of "
+                                                            "the dataset the scores recorded)."),
     truth_key: str | None = typer.Option(None, "--truth-key", help="The truth's column holding the pair key "
                                                                    "(joined to the scores' key column)."),
     json_out: Path | None = typer.Option(None, "--json", help="Metrics JSON to write (default: SCORES.detection.json)."),
@@ -90,7 +93,7 @@ def detection_command(
 
     result = evaluate_detection(scores, truth, truth_key=truth_key)
     for table in detection_tables(result):
-        console.print(table)
+        print_table(console, table)
     target = json_out or scores.with_name(scores.stem + ".detection.json")
     write_json(target, result)
     console.print(f"metrics written to {target}")

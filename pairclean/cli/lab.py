@@ -3,17 +3,20 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import List, Optional
+from typing import Optional
 
 import typer
 
-from pairclean.cli.app import app, console
+from pairclean.cli import options
+from pairclean.cli.app import announce, app, console
 from pairclean.cli.progress import RichProgress
+from pairclean.cli.terminal import print_table
 
 
 @app.command("corrupt")
+@options.with_dataset
 def corrupt_command(
-    source: List[str] = typer.Argument(..., help="Shards: directory, glob, brace pattern, list file, Parquet files, or a manifest YAML."),
+    source: options.Source,
     out: Path = typer.Option(..., "--out", "-o", help="Directory for the noisy copy, truth/truth.parquet and manifest.yaml."),
     ratio: float = typer.Option(..., help="Share of the pairs drawn for noise, in [0, 1]."),
     seed: int = typer.Option(0, help="Noise seed."),
@@ -21,16 +24,16 @@ def corrupt_command(
                                              "(TF-IDF of its texts); weak: replace ~30% of their words; "
                                              "mixed: --ratio shuffled and --weak-ratio weakened, disjoint draws."),
     weak_ratio: Optional[float] = typer.Option(None, help="--mode mixed: share of the pairs weakened beside the --ratio shuffled."),
-    pair: Optional[str] = typer.Option(None, help="Pair kind (image-text or text-text; text-text noises the second text)."),
+    dataset: options.DatasetOptions = options.GIVEN,
     overwrite: bool = typer.Option(False, help="Replace an existing output directory."),
 ) -> None:
     """Inject caption noise into a dataset; every other member stays byte-identical."""
-    from pairclean.data.manifest import open_dataset
     from pairclean.lab.corrupt import corrupt
     from pairclean.ops.guard import check_output
 
     check_output(out, source)  # the directories named; the files read are checked by corrupt()
-    spec = open_dataset(source, pair=pair)
+    spec = dataset.spec(source)
+    announce(spec)
     result = corrupt(spec, out, ratio, seed=seed, mode=mode, overwrite=overwrite, weak_ratio=weak_ratio)
     unchanged = result.selected - result.noisy
     kept = f" ({unchanged:,} drawn pair kept its caption)" if unchanged == 1 else \
@@ -65,7 +68,7 @@ def demo_command(
                      workers=workers, device=device, progress=RichProgress(console, prefix="demo"))
     result = run_demo(cfg)
     for table in detection_tables(result.metrics):
-        console.print(table)
+        print_table(console, table)
     console.print(PAPER_TABLE5, soft_wrap=True)
     stages = ", ".join(f"{k} {v:.0f}s" for k, v in result.seconds.items() if k != "total")
     console.print(f"done in {result.seconds['total']:.0f}s ({stages}; estimator "

@@ -9,17 +9,21 @@ from typing import Iterable, Optional
 import pyarrow as pa
 import typer
 from rich.table import Table
+from rich.text import Text
 
+import pairclean.cli.options as options
 from pairclean.cli.app import app, console
+from pairclean.cli.terminal import print_table
 from pairclean.curate.query import OUTPUT_FORMATS, write_result
 from pairclean.errors import UserError
 from pairclean.ops.guard import check_output
+from pairclean.scores.contract import column_meanings
 from pairclean.scores.db import ScoresDB
 
 
-def _cell(value) -> str:
+def _cell(value) -> str | Text:
     if value is None:
-        return "[dim]NULL[/dim]"
+        return Text("NULL", style="dim")
     if isinstance(value, float):
         if math.isnan(value):
             return "NaN"
@@ -39,7 +43,7 @@ def rich_result(batches: Iterable[pa.RecordBatch], schema: pa.Schema, limit: int
     table = Table(show_lines=False, header_style="bold")
     for f in schema:
         numeric = pa.types.is_integer(f.type) or pa.types.is_floating(f.type) or pa.types.is_decimal(f.type)
-        table.add_column(f.name, justify="right" if numeric else "left", overflow="fold")
+        table.add_column(f.name, justify="right" if numeric else "left")
     shown = total = 0
     for batch in batches:
         total += batch.num_rows
@@ -52,17 +56,39 @@ def rich_result(batches: Iterable[pa.RecordBatch], schema: pa.Schema, limit: int
     return table, f"first {shown:,} of {total:,} rows (raise --limit, or --format csv|json|parquet for all)"
 
 
+def columns_table(db: ScoresDB, views: list[str]) -> Table:
+    """The columns of each view with their DuckDB types and, for the scores file's, what they mean."""
+    meanings = column_meanings(db.provenance, list(db.columns("scores")))
+    table = Table(title=f"columns of {db.path.name}", header_style="bold")
+    for name in ("view", "column", "type", "meaning"):
+        table.add_column(name)
+    for view in views:
+        for column, kind in db.columns(view).items():
+            table.add_row(view, column, kind, meanings.get(column, ""))
+    return table
+
+
 @app.command("query")
 def query_command(
     scores: Path = typer.Argument(..., help="Scores Parquet written by `pairclean score`."),
-    sql: Optional[str] = typer.Argument(None, help="One SQL statement over the views `scores` (and `truth`, `labeled`)."),
+    sql: Optional[str] = typer.Argument(None, help="One SQL statement over the views `scores` (and `truth`, `labeled`, "
+                                                   "the --attach tables)."),
     file: Optional[Path] = typer.Option(None, "--file", "-f", help="Read the SQL from this file instead."),
     truth: Optional[Path] = typer.Option(None, help="Ground-truth Parquet (key, shard, index, noisy): adds views `truth` and `labeled`."),
     fmt: str = typer.Option("table", "--format", help="table, csv, json (JSON Lines) or parquet."),
     out: Optional[Path] = typer.Option(None, "--out", "-o", help="Write csv/json/parquet here (atomically) instead of stdout."),
     limit: int = typer.Option(50, help="Rows shown by --format table (the rest are counted)."),
+    columns: bool = typer.Option(False, "--columns", help="List the columns of the views (what --where, "
+                                                          "--filter and SQL can use) with their types and meaning."),
+    attach: options.Attach = None,
 ) -> None:
     """Run SQL through DuckDB over the scores: `pairclean query scores.parquet "SELECT ..."`."""
+    if columns:
+        if sql is not None or file is not None:
+            raise UserError("--columns lists the columns: give no SQL with it")
+        with ScoresDB(scores, truth=truth) as db:
+            print_table(console, columns_table(db, ["scores", *(["truth", "labeled"] if truth else [])]))
+        return
     if (sql is None) == (file is None):
         raise UserError("give the SQL as an argument or with --file, not both")
     if file is not None:
@@ -75,13 +101,14 @@ def query_command(
         raise UserError(f"unknown format {fmt!r}; choose one of {', '.join(OUTPUT_FORMATS)}")
     if fmt == "table" and out is not None:
         raise UserError("--out needs --format csv, json or parquet")
+    tables = options.parse_attachments(attach)
     if out is not None:
-        check_output(out, [scores, truth])
-    with ScoresDB(scores, truth=truth) as db:
+        check_output(out, [scores, truth, *(f for files in tables.values() for f in files)])
+    with ScoresDB(scores, truth=truth, attach=tables) as db:
         schema, batches = db.stream(db.run(sql))
         if fmt == "table":
             table, note = rich_result(batches, schema, limit)
-            console.print(table)
+            print_table(console, table)
             console.print(note, style="dim", highlight=False)
         else:
             write_result(batches, schema, fmt, out)

@@ -9,11 +9,12 @@ import typer
 from rich.table import Table
 
 import pairclean.cli.options as options
-from pairclean.cli.app import app, console
+from pairclean.cli.app import announce, app, console
 from pairclean.cli.progress import RichProgress
+from pairclean.cli.terminal import print_table
 from pairclean.scores.rules import DEFAULT_RULES, REGISTRY
 
-RULE_HELP = "; ".join(f"{name}" + (f" ({', '.join(cls.OPTIONS)})" if cls.OPTIONS else "") + f": {cls.__doc__.split(chr(10))[0]}"
+RULE_HELP = "; ".join(f"{name}" + (f" ({', '.join(cls.OPTIONS)})" if cls.OPTIONS else "") + f": {cls.__doc__.split(chr(10))[0].rstrip('.')}"
                       for name, cls in REGISTRY.items() if name not in DEFAULT_RULES)
 
 
@@ -67,13 +68,18 @@ def score_command(
     weight_fn: str = typer.Option("cubic", help="cubic, linear, cosine, official."),
     seed: int = typer.Option(0, help="Seed for beta's random inputs and the GMM."),
     gmm_sample: int = typer.Option(1_000_000, help="Fit the GMM (and every decision rule) on at most this many similarities."),
-    rule: Optional[List[str]] = typer.Option(None, "--rule", help="Also decide with this rule, NAME[:key=value,...] "
+    rule: Optional[List[str]] = typer.Option(None, "--rule", metavar="NAME[:KEY=VALUE]", help="Also decide with this rule, NAME[:key=value,...] "
                                              "(repeatable; beta and gmm always run): " + RULE_HELP),
-    from_embeddings: bool = typer.Option(False, "--from-embeddings", help="SOURCE holds precomputed embeddings (clip-retrieval output "
-                                         "directory, LEFT.npy RIGHT.npy, or Parquet with two embedding columns): no model is run."),
-    embedding_layout: str = typer.Option("auto", help="--from-embeddings: auto, clip-retrieval, numpy or parquet."),
-    left_emb_field: str = typer.Option("left_emb", help="--from-embeddings, Parquet layout: column of the left embeddings."),
-    right_emb_field: str = typer.Option("right_emb", help="--from-embeddings, Parquet layout: column of the right embeddings."),
+    max_error_share: Optional[float] = typer.Option(None, help="Fail the run, writing no scores file, when more than this "
+                                                    "share of the pairs are error rows (a run where every pair is one always fails)."),
+    from_embeddings: bool = typer.Option(False, "--from-embeddings", help="SHARDS hold precomputed embeddings (clip-retrieval output "
+                                         "directory, LEFT.npy RIGHT.npy, DataComp's metadata/ (.npz), or Parquet with two "
+                                         "embedding columns): no model is run."),
+    embedding_layout: str = typer.Option("auto", help="--from-embeddings: auto, clip-retrieval, numpy, datacomp-npz or parquet-embeddings."),
+    left_emb_field: Optional[str] = typer.Option(None, help="--from-embeddings: the left embeddings' column or array "
+                                                 "(default left_emb for Parquet, b32_img for DataComp: l14_img for ViT-L/14)."),
+    right_emb_field: Optional[str] = typer.Option(None, help="--from-embeddings: the right embeddings' column or array "
+                                                  "(default right_emb for Parquet, b32_txt for DataComp)."),
     keys: Optional[str] = typer.Option(None, help="--from-embeddings, numpy layout: Parquet file with one key per row (--key-field names the column)."),
     random_embeddings: Optional[List[str]] = typer.Option(None, help="--from-embeddings: embeddings of random inputs from the same model, "
                                                           "in any of the layouts (repeat for two .npy files); beta = their mean cross cosine."),
@@ -88,28 +94,29 @@ def score_command(
     rules = (*DEFAULT_RULES, *(rule or ()))
     check_output(out, source)  # the directories named; the files read are checked by the run
     if from_embeddings:
-        from pairclean.scoring.embeddings import (
-            EmbeddingScoreConfig,
-            open_embeddings,
-            score_embeddings,
-        )
+        from pairclean.data.formats.embeddings import open_embeddings
+        from pairclean.scoring.embeddings import EmbeddingScoreConfig, score_embeddings
 
         spec = open_embeddings(source, embedding_layout, dataset.pair, left_emb_field, right_emb_field,
                                dataset.fields.get("key"), keys)
         rand = open_embeddings(random_embeddings, left_field=left_emb_field, right_field=right_emb_field) \
             if random_embeddings else None
+        announce(spec)
         result = score_embeddings(spec, out, EmbeddingScoreConfig(
             beta_mode=beta_mode, beta=beta, random_embeddings=rand, weight_fn=weight_fn, seed=seed,
-            gmm_sample=gmm_sample, rules=rules, overwrite=overwrite, resume=resume, progress=RichProgress(console)))
-        console.print(summary_table(result))
+            gmm_sample=gmm_sample, rules=rules, max_error_share=max_error_share, overwrite=overwrite, resume=resume,
+            progress=RichProgress(console)))
+        print_table(console, summary_table(result))
         return
     spec = dataset.spec(source)
     backend = check_backend(backend)
     cfg = ScoreConfig(model=model or default_model(backend), backend=backend, pretrained=pretrained,
                       device=device, precision=precision, decode=decode,
                       batch_size=batch_size, workers=workers, beta_mode=beta_mode, beta=beta, beta_k=beta_k,
-                      weight_fn=weight_fn, seed=seed, gmm_sample=gmm_sample, rules=rules, overwrite=overwrite, resume=resume,
+                      weight_fn=weight_fn, seed=seed, gmm_sample=gmm_sample, rules=rules,
+                      max_error_share=max_error_share, overwrite=overwrite, resume=resume,
                       compile=compile, beta_cache=beta_cache, progress=RichProgress(console))
+    announce(spec)
     result = score(spec, out, cfg)
     if result.summary:  # under torchrun only rank 0 finalizes and reports
-        console.print(summary_table(result))
+        print_table(console, summary_table(result))

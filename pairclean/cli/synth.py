@@ -7,10 +7,10 @@ from typing import Optional
 
 import typer
 
-from pairclean.cli.app import app, console
+from pairclean.cli.app import App, app, console
 from pairclean.cli.progress import RichProgress
 
-synth_app = typer.Typer(no_args_is_help=True, help="Build lab datasets with known ground truth, and the toy estimator.")
+synth_app = App(no_args_is_help=True, help="Build lab datasets with known ground truth, and the toy estimator.")
 app.add_typer(synth_app, name="synth")
 
 

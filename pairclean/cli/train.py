@@ -16,12 +16,12 @@ from typing import List, Optional
 
 import typer
 from rich.table import Table
-from typer.core import TyperCommand
 
 import pairclean.cli.options as options
 from pairclean.ops.guard import check_output
-from pairclean.cli.app import app, console
+from pairclean.cli.app import Command, announce, app, console
 from pairclean.cli.progress import RichProgress
+from pairclean.cli.terminal import print_table
 from pairclean.errors import ConfigError, UserError
 
 SHORTCUTS_GIVEN = "pairclean_method_shortcuts"  # ctx.meta key: {flag: value} of the shortcut flags given
@@ -66,11 +66,11 @@ def _shortcut_parameters() -> tuple:
     return tuple(built)
 
 
-class _TrainCommand(TyperCommand):
+class _TrainCommand(Command):
     """`pairclean train` with the methods' shortcut flags added when it is parsed or its help shown."""
 
-    def get_params(self, ctx):
-        params = super().get_params(ctx)
+    def parameters(self, ctx):
+        params = super().parameters(ctx)
         return [*params[:-1], *_shortcut_parameters(), params[-1]] if params else list(_shortcut_parameters())
 
 
@@ -156,7 +156,7 @@ def list_method_options(value: Optional[List[str]]):
         options = ", ".join(f"{f.name}={f.default!r}" for f in dataclasses.fields(cls.Options)) or "-"
         flags = ", ".join(s.flag + (f" ({s.option})" if s.option else "") for s in cls.shortcuts) or "-"
         table.add_row(name, (cls.__doc__ or "").strip().splitlines()[0], options, flags)
-    console.print(table)
+    print_table(console, table)
     raise typer.Exit()
 
 
@@ -172,7 +172,7 @@ def train_command(
     backend: str = typer.Option("auto", help="auto, open_clip, or sentence-transformers."),
     dataset: options.DatasetOptions = options.GIVEN,
     method: Optional[str] = typer.Option(None, help="Training method by name (plain, osa-weights, filter, osa-online, sdd, gsc, ...)."),
-    method_option: Optional[List[str]] = typer.Option(None, callback=list_method_options, is_eager=True,
+    method_option: Optional[List[str]] = typer.Option(None, metavar="KEY=VALUE", callback=list_method_options, is_eager=True,
                                                       help="Method option key=value (repeatable); 'help' lists every "
                                                            "method's options and defaults."),
     epochs: int = typer.Option(5, help="Passes over the training data."),
@@ -208,6 +208,7 @@ def train_command(
                           diagnostics=diagnostics, seed=seed, resume=resume, overwrite=overwrite,
                           progress=RichProgress(console))
     spec = dataset.spec(source)
+    announce(spec)
     val_spec = dataset.spec(val, pair=spec.pair) if val else None
     with train_wording(name):
         result = train(spec, out, cfg, val=val_spec)
@@ -215,7 +216,7 @@ def train_command(
 
     if not distributed.is_main():  # under torchrun rank 0 reports
         return
-    console.print(epochs_table(result))
+    print_table(console, epochs_table(result))
     if result.best_model is not None:
         console.print(f"best: epoch {result.best_epoch}, rSum {result.best_rsum:.1f} -> {result.best_model}")
     console.print(f"last: {result.last_model}")

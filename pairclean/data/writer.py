@@ -7,7 +7,7 @@ import os
 import shutil
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterable
+from typing import Callable, Iterable
 
 import webdataset as wds
 
@@ -35,15 +35,25 @@ def staged_directory(out: Path, overwrite: bool = False):
 
 
 def write_shards(samples: Iterable[dict], directory: Path, prefix: str = "shard", maxcount: int = 1000,
-                 maxsize: float = 1e9, encoder: bool = True) -> list[Path]:
-    """Write samples ({"__key__": ..., "jpg": bytes, "txt": str, ...}) as numbered tar shards.
+                 maxsize: float = 1e9, encoder: bool = True, pattern: str | None = None,
+                 post: Callable[[Path], None] | None = None) -> list[Path]:
+    """Write samples ({"__key__": ..., "jpg": bytes, "txt": str, ...}) as numbered tar shards named
+    PREFIX-000000.tar (or by the printf `pattern`, e.g. `%05d.tar`); `post(path)` runs as each
+    shard is closed. Returns the shards written, in order.
 
     `encoder=False` writes every member's bytes exactly as given (webdataset's encoder would
     gzip `*.gz` members a second time); all values must then be bytes.
     """
     directory = Path(directory)
-    pattern = str(directory / f"{prefix}-%06d.tar")
-    with wds.ShardWriter(pattern, maxcount=maxcount, maxsize=maxsize, verbose=0, encoder=encoder) as sink:
+    written: list[Path] = []
+
+    def closed(name: str) -> None:
+        written.append(Path(name))
+        if post is not None:
+            post(Path(name))
+
+    with wds.ShardWriter(str(directory / (pattern or f"{prefix}-%06d.tar")), maxcount=maxcount, maxsize=maxsize,
+                         verbose=0, encoder=encoder, post=closed) as sink:
         for sample in samples:
             sink.write(sample)
-    return sorted(directory.glob(f"{prefix}-*.tar"))
+    return written

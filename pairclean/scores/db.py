@@ -3,9 +3,15 @@
 A `ScoresDB` is a sandboxed in-memory DuckDB connection holding views over the Parquet files,
 never a copy of them: `scores_file` (the whole scores file), `scores` (the same, or the shards a
 command was given), `truth` and `labeled` (scores + the ground-truth `noisy` column) when a truth
-file is given. It also carries the file's provenance and summary (`scores.contract`), read once,
-so a command opens the file once and passes this object, not the path. Results come back as
-Arrow record batches, so printing or exporting a result is bounded by a batch.
+file is given, and the tables a user attached (`attach`: NAME -> Parquet files, or a key list read
+by `data.keys`), read-only and the only other files the sandbox lets SQL read. It also carries the
+file's provenance and summary (`scores.contract`), read once, so a command opens the file once and
+passes this object, not the path. Results come back as Arrow record batches, so printing or
+exporting a result is bounded by a batch.
+
+Rows are matched to a dataset by (shard, index); scores whose rows are not the dataset's
+(scores from precomputed embeddings) are matched by key instead (`join_keys`), refused when a key
+repeats on either side.
 
 Here too: the one way a user's predicate enters SQL (`compile_predicate`), the SQL quoting
 helpers, and the matching of given shard paths to the names the file holds (`match_shards`).
@@ -14,10 +20,11 @@ helpers, and the matching of given shard paths to the names the file holds (`mat
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Mapping
 
 import duckdb
 import pyarrow as pa
@@ -55,6 +62,16 @@ def compile_predicate(db: "ScoresDB", predicate: str, field: str, view: str = "s
 
 
 READ_ONLY_STATEMENTS = ("SELECT", "EXPLAIN")
+VIEWS = ("scores_file", "scores", "scores_keyed", "truth", "labeled", "dataset_keys", "selected_shards", "keep_keys")
+TABLE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def check_attach_name(name: str, field: str = "attach") -> str:
+    """A table name a user may attach: a plain SQL identifier, not one of the views pairclean makes."""
+    if not TABLE_NAME.fullmatch(name) or name.lower() in VIEWS:
+        raise ConfigError(f"`{field}` name {name!r} must be a plain identifier (letters, digits, _) and not one of "
+                          f"{', '.join(VIEWS)}", field)
+    return name
 
 
 def resolve_truth(truth: str | Path) -> Path:
@@ -83,14 +100,21 @@ class ScoresDB:
     `scores_file` is always the whole file; `scores` is too unless `restrict` narrows it.
     """
 
-    def __init__(self, scores: str | Path, truth: str | Path | None = None, truth_key: str | None = None):
+    def __init__(self, scores: str | Path, truth: str | Path | None = None, truth_key: str | None = None,
+                 attach: Mapping[str, list[str]] | None = None):
         self.path = Path(scores)
         if not self.path.is_file():
             raise UserError(f"scores file not found: {self.path}")
         truth = resolve_truth(truth) if truth is not None else None
+        attach = dict(attach or {})
+        for name in attach:
+            check_attach_name(name)
+        tables = {name: files for name, files in attach.items() if all(f.endswith(".parquet") for f in files)}
         # Sorts and joins larger than memory spill here, not into a `.tmp` in the working directory.
         self._tmp = tempfile.mkdtemp(prefix="pairclean-duckdb-")
-        self.con = sandboxed_connection(self._tmp, [self.path] + ([Path(truth)] if truth is not None else []))
+        readable = [self.path] + ([Path(truth)] if truth is not None else []) + [Path(f) for fs in tables.values() for f in fs]
+        self.con = sandboxed_connection(self._tmp, readable)
+        self.base = "scores_file"  # what `scores` selects from: the file, or its rows joined by key to a dataset
         try:
             self.con.execute(f"CREATE VIEW scores_file AS SELECT * FROM read_parquet({sql_string(self.path)})")
         except duckdb.Error as exc:
@@ -103,12 +127,64 @@ class ScoresDB:
         self.con.execute("CREATE VIEW scores AS SELECT * FROM scores_file")
         self._metadata: tuple[Provenance | None, Summary | None] | None = None
         self.truth_join: str | None = None
-        if truth is not None:
-            try:
+        try:
+            for name, files in attach.items():
+                self._attach(name, files, name in tables)
+            if truth is not None:
                 self._attach_truth(truth, truth_key)
-            except UserError:
-                self.close()
-                raise
+        except UserError:
+            self.close()
+            raise
+
+    def _attach(self, name: str, files: list[str], parquet: bool) -> None:
+        """A read-only table NAME: a view over the Parquet files (readable because they are listed
+        in the sandbox's allowed paths, and nothing else is), or a key list read by pairclean."""
+        missing = [f for f in files if not os.path.isfile(f)]
+        if missing or not files:
+            raise UserError(f"attached table {name}: file not found: {missing[0] if missing else '(none given)'}")
+        if parquet:
+            listed = "[" + ", ".join(sql_string(f) for f in files) + "]"
+            try:
+                self.con.execute(f"CREATE VIEW {sql_identifier(name)} AS SELECT * FROM read_parquet({listed}, "
+                                 "union_by_name = true)")
+                self.con.execute(f"SELECT * FROM {sql_identifier(name)} LIMIT 0")
+            except duckdb.Error as exc:
+                raise UserError(f"cannot read attached table {name} ({files[0]}): {duckdb_message(exc)}") from None
+            return
+        if len(files) != 1:
+            raise UserError(f"attached table {name}: give one key list (.txt, .npy) or Parquet files")
+        from pairclean.data.keys import read_keys
+
+        self.register(name, pa.table({"key": read_keys(files[0])}))
+
+    def register(self, name: str, table: pa.Table) -> None:
+        """A table pairclean built (a key list) as a read-only temp table NAME."""
+        self.con.register(f"{name}_arrow", table)
+        self.con.execute(f"CREATE OR REPLACE TEMP TABLE {sql_identifier(name)} AS SELECT * FROM {name}_arrow")
+        self.con.unregister(f"{name}_arrow")
+
+    def check_unique_keys(self, view: str = "scores_file", label: str | None = None) -> None:
+        """Refuse a key that repeats in `view`: rows matched by key must be one row each."""
+        dup = self.con.execute(f"SELECT key, count(*) AS n FROM {view} GROUP BY key HAVING n > 1 "
+                               "ORDER BY n DESC, key LIMIT 1").fetchone()
+        if dup:
+            raise UserError(f"key {dup[0]!r} is {dup[1]} rows of {label or self.path}: rows are matched by key here "
+                            "(the scores were not made from these shards), and keys must then be unique")
+
+    def join_keys(self, dataset_keys) -> tuple[int, int]:
+        """Meet a dataset whose rows are not the scores' rows by key: `dataset_keys` (an Arrow table
+        or dataset of the dataset's shard, index, key) is joined on `key`, and `scores` then holds
+        the joined rows with the dataset's (shard, index). Refused when a key repeats on either side.
+        Returns (scores rows joined, scores rows whose key is not in the dataset)."""
+        self.con.register("dataset_keys", dataset_keys)
+        for view, label in (("scores_file", str(self.path)), ("dataset_keys", "the dataset")):
+            self.check_unique_keys(view, label)
+        self.con.execute('CREATE OR REPLACE VIEW scores_keyed AS SELECT s.* REPLACE (d.shard AS shard, '
+                         'd."index" AS "index") FROM scores_file s JOIN dataset_keys d ON s.key = d.key')
+        self.con.execute("CREATE OR REPLACE VIEW scores AS SELECT * FROM scores_keyed")
+        self.base = "scores_keyed"
+        joined = self.scalar("SELECT count(*) FROM scores_keyed")
+        return joined, self.scalar("SELECT count(*) FROM scores_file") - joined
 
     def _read_metadata(self) -> tuple[Provenance | None, Summary | None]:
         if self._metadata is None:
@@ -128,10 +204,8 @@ class ScoresDB:
     def restrict(self, shards: list[str]) -> None:
         """Narrow `scores` to these scored shard names: filter works on the dataset it is given,
         which may be part of what was scored."""
-        self.con.register("selected_shards_arrow", pa.table({"shard": pa.array(shards, pa.string())}))
-        self.con.execute("CREATE OR REPLACE TEMP TABLE selected_shards AS SELECT * FROM selected_shards_arrow")
-        self.con.unregister("selected_shards_arrow")
-        self.con.execute("CREATE OR REPLACE VIEW scores AS SELECT * FROM scores_file "
+        self.register("selected_shards", pa.table({"shard": pa.array(shards, pa.string())}))
+        self.con.execute(f"CREATE OR REPLACE VIEW scores AS SELECT * FROM {self.base} "
                          "WHERE shard IN (SELECT shard FROM selected_shards)")
 
     def __enter__(self) -> "ScoresDB":
@@ -228,7 +302,8 @@ class ScoresDB:
 
         return reader.schema, batches()
 
-    def scored_shards(self, view: str = "scores_file") -> list[str]:
+    def scored_shards(self, view: str | None = None) -> list[str]:
+        view = view or self.base
         return [r[0] for r in self.con.sql(f"SELECT DISTINCT shard FROM {view} ORDER BY shard").fetchall()]
 
 

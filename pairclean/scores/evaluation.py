@@ -23,7 +23,7 @@ import numpy as np
 from scipy.stats import rankdata
 from sklearn.metrics import average_precision_score, roc_auc_score, roc_curve
 
-from pairclean.errors import UserError
+from pairclean.errors import ConfigError, UserError
 from pairclean.scores.db import ScoresDB
 from pairclean.scores.rules import REGISTRY, recorded_rules
 from pairclean.scores.sql import sql_identifier
@@ -110,11 +110,13 @@ def detection_metrics(noisy, sim, weight, decisions: dict[str, np.ndarray]) -> d
     }
 
 
-def evaluate_detection(scores: str | Path, truth: str | Path, truth_key: str | None = None) -> dict:
+def evaluate_detection(scores: str | Path, truth: str | Path | None = None, truth_key: str | None = None) -> dict:
     """Join a scores file with a truth file (`db.resolve_truth`: Parquet, a manifest whose `truth:` names
-    one, or the directory of that manifest) and measure every rule the file holds; rows with an error
-    or without a truth label are counted, not scored. Each rule's entry carries its table label,
+    one, or the directory of that manifest; by default the truth of the dataset the scores recorded,
+    e.g. the copy `corrupt` wrote) and measure every rule the file holds; rows with an error or
+    without a truth label are counted, not scored. Each rule's entry carries its table label,
     `noisy_if` and `threshold`."""
+    truth = truth if truth is not None else recorded_truth(scores)
     with ScoresDB(scores, truth, truth_key=truth_key) as db:
         provenance = db.provenance or {}
         rules = recorded_rules(provenance, db.columns("labeled"))
@@ -150,3 +152,16 @@ def evaluate_detection(scores: str | Path, truth: str | Path, truth_key: str | N
                    "estimator": provenance.get("estimator"), "beta_mode": provenance.get("beta_mode"),
                    "weight_fn": provenance.get("weight_fn")})
     return result
+
+
+def recorded_truth(scores: str | Path) -> Path:
+    """The truth file of the dataset a scores file recorded (a dataset `corrupt` wrote names one)."""
+    from pairclean.scores.contract import read_metadata, scored_pairs
+
+    if not Path(scores).is_file():
+        raise UserError(f"scores file not found: {scores}")
+    dataset = scored_pairs(read_metadata(scores)[0]) or {}
+    if not dataset.get("truth"):
+        raise ConfigError(f"the dataset {scores} was scored from names no truth file: give `truth`", "truth")
+    return Path(dataset["truth"])
+

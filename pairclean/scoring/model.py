@@ -159,7 +159,8 @@ class ModelProducer(Producer):
         # A checkpoint replaced at the same path between a kill and the re-run is another model:
         # its hash is pinned, so the resumed run is refused instead of mixing two models' scores.
         weights = file_sha256(pretrained) if pretrained and os.path.isfile(pretrained) else None
-        return {"pair": spec.pair, "fields": asdict(spec.fields), "label_template": spec.label_template,
+        return {"pair": spec.pair, "format": spec.format, "fields": asdict(spec.fields),
+                "label_template": spec.label_template, "split": spec.split, "image_root": spec.image_root,
                 "weights_sha256": weights}
 
     def prepare(self) -> None:
@@ -261,7 +262,7 @@ class ModelProducer(Producer):
         if notice := small_shards_notice(counters["pairs"], todo, self.cfg.batch_size, fill):
             notice_once("small-shards", notice, "batch_size")
         return ({"estimator": self.estimator.provenance(), "pair": self.spec.pair, "input_shards": self.spec.shards,
-                 "dataset": self.spec.name},
+                 "dataset": self.spec.record()},
                 {"batches": batches, "full_batches": counters["full_batches"], "mean_batch_fill": fill})
 
 

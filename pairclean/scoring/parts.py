@@ -50,6 +50,7 @@ PART_SCHEMA = pa.schema([
 ])
 UNIT_KEYS = ("units_sha1", "n_units")  # settings that describe the unit list (compared separately)
 NON_FINITE = "no finite similarity"  # NaN/inf from the estimator, or a row it never scored
+MAX_ERROR_CHARS = 300  # an error row's reason is cut here: one line, never a dump of the row's data
 _HELD: dict[str, int] = {}  # parts directories whose run lock this process holds -> descriptor
 
 
@@ -141,7 +142,7 @@ class PartStore:
         an error row (it could be neither scored nor weighted). Columns: lists or arrays."""
         values = pa.array(columns["sim"], type=pa.float32(), from_pandas=True).to_numpy(zero_copy_only=False)
         bad = ~np.isfinite(values)  # NaN, inf, and None (null -> NaN)
-        error = pa.array(columns["error"], type=pa.string())
+        error = pc.utf8_slice_codeunits(pa.array(columns["error"], type=pa.string()), 0, MAX_ERROR_CHARS)
         unexplained = pa.array(bad & ~error.is_valid().to_numpy(zero_copy_only=False))
         null = columns.get("null_sim")
         null = (pa.array(null, type=pa.float32(), from_pandas=True) if null is not None
@@ -158,6 +159,20 @@ class PartStore:
                                             "null_rows": table.num_rows - null.null_count},
                    temp_dir=self.dir)
         fault_point("committed")
+
+    def error_counts(self, units: list[str], top: int = 5) -> list[dict]:
+        """The commonest error reasons of the committed parts, most frequent first."""
+        counts: dict[str, int] = {}
+        for unit in units:
+            column = pq.read_table(self.part_path(unit), columns=["error"]).column("error")
+            for item in pc.value_counts(pc.drop_null(column.combine_chunks())).to_pylist():
+                counts[item["values"]] = counts.get(item["values"], 0) + item["counts"]
+        ranked = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))[:top]
+        return [{"error": reason, "rows": n} for reason, n in ranked]
+
+    def common_errors(self, units: list[str]) -> str:
+        """The commonest error reasons as one line: `12 x 'missing image'; 4 x '...'`."""
+        return "; ".join(f"{c['rows']:,} x {c['error']!r}" for c in self.error_counts(units, top=2))
 
     # -- starting, resuming, finishing ------------------------------------------------------
 

@@ -27,6 +27,7 @@ from pairclean.core.scorer import WEIGHT_FUNCTIONS
 from pairclean.errors import ConfigError, UserError
 from pairclean.ops import distributed
 from pairclean.data.units import unit_fingerprint, unit_shard
+from pairclean.ops.atomic import write_json
 from pairclean.ops.guard import check_output
 from pairclean.ops.progress import SILENT, Progress
 from pairclean.scores.contract import read_provenance, run_manifest_path
@@ -48,12 +49,15 @@ class RunConfig:
     seed: int = 0
     gmm_sample: int = 1_000_000
     rules: tuple[str, ...] = DEFAULT_RULES  # decision-rule specs NAME[:key=value,...] (pairclean.scores.rules)
+    max_error_share: float | None = unpinned(None)  # fail the run (no scores file) when more pairs than this are errors
     overwrite: bool = unpinned(False)
     resume: bool = unpinned(False)  # insist on continuing an unfinished run (re-running resumes anyway)
     progress: Progress = unpinned(SILENT)
 
     def __post_init__(self):
-        check_numbers(self, finite=("beta",), at_least={"seed": 0, "gmm_sample": 2})
+        check_numbers(self, finite=("beta", "max_error_share"), at_least={"seed": 0, "gmm_sample": 2})
+        if self.max_error_share is not None and not 0.0 <= self.max_error_share <= 1.0:
+            raise ConfigError(f"max_error_share must be within [0, 1], got {self.max_error_share}", "max_error_share")
         check_choice(self.weight_fn, WEIGHT_FUNCTIONS, "weight_fn", "weight function")
         check_beta_mode(self.beta_mode, self.beta)  # a known mode, and a value for `fixed`
         build_rules(self.rules)  # an unknown rule or option fails before anything is scored
@@ -152,13 +156,40 @@ def check_unchanged(records: dict[str, dict]) -> None:
                         f"({len(changed)} unit(s) changed): pass `overwrite` to score the inputs again", "overwrite")
 
 
-def refuse_if_all_failed(units: list[str], records: dict[str, dict], out: Path) -> None:
-    """A run in which every unit failed read no pair: it fails, saying why on stderr, not only
-    inside run.json (which is written, with every unit's reason, before this is raised)."""
+def unusable_run(units: list[str], records: dict[str, dict], store: PartStore,
+                 max_error_share: float | None) -> str | None:
+    """Why a run's result is not worth a scores file (None: it is): every unit failed, every pair
+    is an error row, or more pairs than `max_error_share` are (the reason then names that field).
+    The reason names the commonest errors."""
+    rows = sum(records[u]["rows"] for u in units)
+    errors = sum(records[u]["errors"] for u in units)
     failed = [u for u in units if records[u].get("failure")]
-    if units and len(failed) == len(units) and not any(records[u].get("rows") for u in units):
-        raise UserError(f"every input unit failed ({len(units)}), no pair was read; first: {unit_shard(failed[0])}: "
-                        f"{records[failed[0]]['failure']} (all reasons in {run_manifest_path(out)})")
+    if units and len(failed) == len(units) and not rows:
+        return (f"every input unit failed ({len(units)}), no pair was read; first: {unit_shard(failed[0])}: "
+                f"{records[failed[0]]['failure']}")
+    if rows and errors == rows:
+        return f"every pair ({rows:,}) is an error row: {store.common_errors(units)}"
+    if max_error_share is not None and rows and errors / rows > max_error_share:
+        return (f"{errors:,} of {rows:,} pairs ({errors / rows:.1%}) are error rows, more than `max_error_share` "
+                f"{max_error_share:g}: {store.common_errors(units)}")
+    if not rows:
+        return "the inputs hold no pair"
+    return None
+
+
+def fail_run(reason: str, units: list[str], records: dict[str, dict], store: PartStore, out: Path,
+             provenance: dict) -> None:
+    """End a run that gives no scores file: its reasons in the run manifest, the parts removed (so
+    the corrected command starts afresh), nothing else written; then the one-line error."""
+    failures = [{"unit": u, "reason": records[u]["failure"], "rows": records[u]["rows"]}
+                for u in units if records[u].get("failure")]
+    summary = {"pairs": sum(records[u]["rows"] for u in units), "errors": sum(records[u]["errors"] for u in units),
+               "unit_failures": failures, "failed_units": len(failures), "units": len(units),
+               "error_reasons": store.error_counts(units), "failed": reason}
+    write_json(run_manifest_path(out), {"output": None, "summary": summary, "provenance": provenance})
+    store.remove()
+    message = f"{reason}; no scores file was written (all reasons in {run_manifest_path(out)})"
+    raise ConfigError(message, "max_error_share") if "`max_error_share`" in reason else UserError(message)
 
 
 def run_scoring(producer: Producer, out: str | Path, cfg: RunConfig) -> ScoreResult:
@@ -228,17 +259,18 @@ def run_scoring(producer: Producer, out: str | Path, cfg: RunConfig) -> ScoreRes
     missing = [u for u in units if u not in records]
     if missing:
         raise RuntimeError(f"{len(missing)} unit(s) were not committed (first: {missing[0]})")
-    if beta is None:
-        beta = shuffled_beta([records[u].get("shuffled") for u in units])
     produced, extra = producer.finish(records, counters, todo)
     by_rank = [records[u]["rank"] for u in units if u not in work.done and "rank" in records[u]]
     provenance = {**produced, "seed": cfg.seed, "beta_mode": cfg.beta_mode, "beta_source": beta_source,
                   "world_size": distributed.world_size(),
                   "units_by_rank": {str(r): by_rank.count(r) for r in sorted(set(by_rank))}}
+    if reason := unusable_run(units, records, store, cfg.max_error_share):
+        fail_run(reason, units, records, store, out, provenance)
+    if beta is None:
+        beta = shuffled_beta([records[u].get("shuffled") for u in units])
     summary = finalize(store, units, out, beta, cfg.weight_fn, cfg.seed, cfg.gmm_sample, provenance, records,
                        cfg.rules)
     summary.update(extra, pairs_per_second=scored_now / elapsed if elapsed > 0 else 0.0, scoring_seconds=elapsed,
                    scoring_cpu_seconds=cpu, beta_seconds=beta_seconds, beta_source=beta_source)
     store.remove()
-    refuse_if_all_failed(units, records, out)
     return ScoreResult(out, summary, elapsed, scored_now, resumed, provenance)

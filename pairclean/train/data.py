@@ -1,7 +1,7 @@
 """The training data path: shard index, per-shard weight arrays, shuffled prepared batches.
 
-`index_shards` counts the pairs of every shard without reading pixel data (Parquet metadata;
-the reader's header listing of a tar shard, whose indexes are those `read_unit` gives).
+`index_shards` counts the pairs of every shard without reading pixel data (the dataset's input
+format: Parquet metadata, a tar shard's header listing, whose indexes are those `read_unit` gives).
 `TrainBatches` is an IterableDataset: units (tar shards / Parquet row groups) are shuffled per
 epoch, split by node (torch.distributed rank, a no-op in one process) then by DataLoader worker
 (webdataset's `split_by_node` / `split_by_worker`), read with the reader's `read_unit`, joined with
@@ -19,15 +19,13 @@ from dataclasses import dataclass
 from typing import Iterator
 
 import numpy as np
-import pyarrow.parquet as pq
 import torch
 import webdataset as wds
 from torch.utils.data import IterableDataset
 
 from pairclean.errors import UserError
 from pairclean.data.manifest import DatasetSpec
-from pairclean.data.reader import (UnitFailure, count_pairs, list_samples, list_units, modalities, parquet_keys,
-                                   read_unit)
+from pairclean.data.reader import UnitFailure, list_units, modalities, read_unit
 from pairclean.data.units import unit_shard
 from pairclean.ops.urls import is_local
 
@@ -41,37 +39,21 @@ class ShardInfo:
     failure: str | None = None  # the shard could only be listed partly
 
 
-def tar_keys(shard: str, allow_pipe: bool = False) -> tuple[list[str], str | None]:
-    """The sample keys of a tar shard by position (the indexes `read_unit` gives), from its
-    headers, and the reason if the listing stopped early."""
-    failures: list[UnitFailure] = []
-    keys = [sample.key for sample in list_samples(shard, failures.append, allow_pipe)]
-    return keys, failures[0].reason if failures else None
-
-
 def index_shards(spec: DatasetSpec) -> list[ShardInfo]:
-    """Pairs per shard, in the spec's order."""
+    """Pairs per shard, in the spec's order, as the dataset's format counts them (no pixel data read)."""
     out = []
+    fmt = spec.input_format
     for shard in dict.fromkeys(spec.shards):  # a shard listed twice is one unit (reader.list_units)
-        if spec.format == "parquet":
-            try:
-                rows = pq.ParquetFile(shard).metadata.num_rows
-            except Exception as exc:
-                raise UserError(f"cannot read Parquet shard {shard}: {str(exc).splitlines()[0][:200]}") from None
-            out.append(ShardInfo(shard, rows))
-        else:
-            if is_local(shard) and not os.path.isfile(shard):
-                raise UserError(f"shard not found: {shard}")
-            keys, failure = tar_keys(shard, spec.allow_pipe)
-            out.append(ShardInfo(shard, len(keys), failure))
+        if is_local(shard) and not os.path.isfile(shard):
+            raise UserError(f"shard not found: {shard}")
+        rows, failure = fmt.rows(shard)
+        out.append(ShardInfo(shard, rows, failure))
     return out
 
 
 def shard_keys(spec: DatasetSpec, shard: str) -> list[str]:
     """Keys of one shard by position (for joining scores by key)."""
-    if spec.format == "parquet":
-        return parquet_keys(spec, shard)
-    return tar_keys(shard, spec.allow_pipe)[0]
+    return spec.input_format.keys(shard)
 
 
 def content_digest(value: bytes | str) -> str:
@@ -89,12 +71,13 @@ class UnitSpan:
 
 
 def unit_spans(spec: DatasetSpec, units: list[str], shards: list[ShardInfo]) -> dict[str, UnitSpan]:
-    """Each unit's span, from the shard index (a tar shard is one unit) or the Parquet metadata (row groups)."""
+    """Each unit's span: a whole shard's from the shard index, a part's (a Parquet row group) as the
+    dataset's format counts it (file metadata)."""
     rows = {s.shard: s.rows for s in shards}
     spans, next_start = {}, {}
     for unit in units:
         shard = unit_shard(unit)
-        n = count_pairs(spec, unit) if spec.format == "parquet" else rows[shard]
+        n = rows[shard] if unit == shard else spec.input_format.count(unit)
         spans[unit] = UnitSpan(shard, next_start.get(shard, 0), n)
         next_start[shard] = spans[unit].start + n
     return spans

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pairclean.config import check_choice
 from pairclean.errors import ConfigError
 from pairclean.ops import distributed
+from pairclean.scores.contract import columns_phrase
 from pairclean.train.data import BatchPlan
 from pairclean.train.methods.base import Method, MethodContext, Shortcut
 from pairclean.train.weights import JOINS, ON_MISSING, build_weight_arrays
@@ -30,6 +31,11 @@ def needs_scores(method: str, options: ScoresOptions) -> None:
         raise ConfigError(f"method {method} needs a scores file: set scores FILE (the Parquet `pairclean score` "
                           "wrote)", "scores")
 
+
+# Declared by filter (which it selects) and osa-weights; its help names the columns the predicate can use.
+FILTER_SHORTCUT = Shortcut("--filter", "filter", "DuckDB predicate over the scores columns (" + columns_phrase()
+                           + "; `pairclean query SCORES --columns` lists a file's); pairs where it is not true are "
+                             "dropped (method filter, or with --weights).")
 
 SCORES_SHORTCUTS = (
     Shortcut("--scores", "scores", "Scores Parquet the weights or the --filter predicate are read from."),
