@@ -83,8 +83,9 @@ def detection_tables(result: dict):
 def detection_command(
     scores: Path = typer.Argument(..., help="Scores Parquet written by `pairclean score`."),
     truth: Path | None = typer.Option(None, "--truth", help="Truth Parquet (columns noisy + shard/index or key), or a "
-                                                            "manifest YAML whose `truth:` names one (`pairclean corrupt` writes "
-                                                            "both; default: the truth of the dataset the scores recorded)."),
+                                                            "manifest YAML whose `truth:` names one, or its directory "
+                                                            "(`pairclean corrupt` writes all three; default: the truth of "
+                                                            "the dataset the scores recorded)."),
     truth_key: str | None = typer.Option(None, "--truth-key", help="The truth's column holding the pair key "
                                                                    "(joined to the scores' key column)."),
     json_out: Path | None = typer.Option(None, "--json", help="Metrics JSON to write (default: SCORES.detection.json, "

@@ -35,8 +35,11 @@ def corrupt_command(
     spec = dataset.spec(source)
     announce(spec)
     result = corrupt(spec, target, ratio, seed=seed, mode=mode, overwrite=overwrite, weak_ratio=weak_ratio)
-    console.print(f"{result.pairs:,} pairs copied to {result.out}: {result.selected:,} drawn, {result.noisy:,} noisy "
-                  f"({result.selected - result.noisy:,} drawn pairs kept their caption)", soft_wrap=True)
+    unchanged = result.selected - result.noisy
+    kept = f" ({unchanged:,} drawn pair kept its caption)" if unchanged == 1 else \
+        f" ({unchanged:,} drawn pairs kept their caption)" if unchanged else ""
+    console.print(f"{result.pairs:,} pair{'s' if result.pairs != 1 else ''} copied to {result.out}: "
+                  f"{result.selected:,} drawn, {result.noisy:,} noisy{kept}", soft_wrap=True)
     console.print(f"truth: {result.truth}\nmanifest: {result.manifest}", soft_wrap=True)
 
 
@@ -55,6 +58,9 @@ def demo_command(
     device: str = typer.Option("auto", help="auto, cpu, cuda ..."),
 ) -> None:
     """Toy world -> tiny estimator (trained or cached) -> shuffle noise -> score -> detection table. Offline."""
+    from pairclean.lab.numerics import pin_cpu_numerics
+
+    pin_cpu_numerics()  # before torch starts: the same table on any x86-64 CPU
     from pairclean.cli.evaluate import detection_tables
     from pairclean.cli.options import flag_for
     from pairclean.errors import ConfigError, UserError
@@ -74,5 +80,5 @@ def demo_command(
                   f"{'from the cache' if result.estimator_cached else 'trained now'})", soft_wrap=True)
     for name, path in result.files.items():
         console.print(f"  {name:<10} {path}", soft_wrap=True, highlight=False)
-    console.print(f"query: duckdb -c \"SELECT key, sim, p_clean, osa_noisy FROM '{result.files['scores']}' "
+    console.print(f"query: pairclean query {result.files['scores']} \"SELECT key, sim, p_clean, osa_noisy FROM scores "
                   f"ORDER BY sim LIMIT 10\"", soft_wrap=True, highlight=False)

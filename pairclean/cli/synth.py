@@ -87,6 +87,9 @@ def train_estimator_command(
     overwrite: bool = typer.Option(False, help="Replace an existing directory."),
 ) -> None:
     """Train the tiny CLIP-style `pairclean-toy` estimator on clean toy-world pairs (pairclean's trainer)."""
+    from pairclean.lab.numerics import pin_cpu_numerics
+
+    pin_cpu_numerics()  # before torch starts: the demo's weights on any x86-64 CPU
     from pairclean.lab.synth.estimator import (
         TOY_MODEL,
         EstimatorRecipe,

@@ -179,7 +179,7 @@ def train_command(
     batch_size: int = typer.Option(256, help="Pairs per step (in-batch negatives)."),
     lr: float = typer.Option(5e-6, help="Peak AdamW learning rate."),
     weight_decay: float = typer.Option(0.2, help="AdamW weight decay (not on gains, biases, logit scale)."),
-    warmup_steps: int = typer.Option(500, help="Linear warm-up steps before the cosine decay."),
+    warmup_steps: int = typer.Option(500, help="Linear warm-up steps before the cosine decay (at most a fifth of the run)."),
     min_lr_ratio: float = typer.Option(0.0, help="The cosine ends at lr x this."),
     grad_clip: Optional[float] = typer.Option(1.0, help="Max gradient norm (0 disables)."),
     temperature: Optional[float] = typer.Option(None, help="Fixed softmax temperature (default: open_clip learns it; sentence-transformers 0.05)."),

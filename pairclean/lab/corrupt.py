@@ -138,8 +138,10 @@ def _spill_rows(spec: DatasetSpec, units: list[str], path: Path, progress) -> tu
         for unit in units:
             for item in read_unit(spec, unit):
                 if isinstance(item, UnitFailure):
-                    raise ConfigError(f"cannot read {item.unit}: {item.reason}; corrupt copies whole shards, "
-                                      "so repair that shard or leave it out", *item.fields)
+                    if item.fields:  # a setting reads it wrong (the reason names which): nothing to repair
+                        raise ConfigError(f"cannot read {item.unit}: {item.reason}", *item.fields)
+                    raise UserError(f"cannot read {item.unit}: {item.reason}; corrupt copies whole shards, "
+                                    "so repair that shard or leave it out")
                 if item.shard != unit_shard(unit):
                     continue  # an error row from the shard's metadata (a failed download): no pair to copy
                 caption = item.right if item.error is None else None

@@ -24,6 +24,7 @@ from pairclean.ops.cache import cache_dir
 from pairclean.ops.guard import open_output
 from pairclean.ops.progress import SILENT, Progress
 from pairclean.lab.corrupt import corrupt
+from pairclean.lab.numerics import cpu_numerics, torch_threads
 from pairclean.errors import ConfigError
 from pairclean.scores.evaluation import evaluate_detection
 from pairclean.scoring.model import ScoreConfig, score
@@ -74,6 +75,11 @@ def _open_out(cfg: DemoConfig) -> Path:
 
 def run_demo(cfg: DemoConfig | None = None) -> DemoResult:
     cfg = cfg or DemoConfig()
+    with torch_threads(cfg.recipe.threads):  # scoring too: the table is the same wherever the arithmetic is
+        return _run_demo(cfg)
+
+
+def _run_demo(cfg: DemoConfig) -> DemoResult:
     say = cfg.progress.note
     out = _open_out(cfg)
     seconds: dict[str, float] = {}
@@ -117,7 +123,8 @@ def run_demo(cfg: DemoConfig | None = None) -> DemoResult:
 
     files = {"world": out / "world", "noisy": out / "noisy", "truth": noisy.truth, "scores": scores,
              "detection": out / "detection.json", "checkpoint": checkpoint, "summary": out / MARKER}
-    write_json(out / MARKER, {"settings": {**pinned_settings(cfg), "out": str(out)}, "estimator_cached": cached,
+    write_json(out / MARKER, {"settings": {**pinned_settings(cfg), "out": str(out)}, "cpu": cpu_numerics(),
+                              "estimator_cached": cached,
                               "seconds": seconds, "files": {k: str(v) for k, v in files.items()},
                               "corrupt": noisy.as_dict()})
     return DemoResult(out, checkpoint, cached, metrics, seconds, files)

@@ -97,6 +97,25 @@ def check_attach_name(name: str, field: str = "attach") -> str:
     return name
 
 
+def resolve_truth(truth: str | Path) -> Path:
+    """The truth Parquet a truth argument names: the file itself, the `truth:` entry of a dataset
+    manifest, or that of the manifest in a directory (`pairclean corrupt` writes DIR/manifest.yaml)."""
+    from pairclean.data.manifest import MANIFEST_NAME, load_manifest
+
+    truth = Path(truth)
+    if truth.is_dir():
+        if not (truth / MANIFEST_NAME).is_file():
+            raise UserError(f"{truth} is a directory without a {MANIFEST_NAME} naming a truth file: give the truth "
+                            "Parquet")
+        truth = truth / MANIFEST_NAME
+    if truth.suffix in (".yaml", ".yml"):
+        spec = load_manifest(truth)
+        if not spec.truth:
+            raise UserError(f"manifest {truth} names no truth file")
+        return Path(spec.truth)
+    return truth
+
+
 class ScoresDB:
     """A scores file opened once: a DuckDB session over it (and an optional truth file), its
     provenance and its summary.
@@ -109,6 +128,7 @@ class ScoresDB:
         self.path = Path(scores)
         if not self.path.is_file():
             raise UserError(f"scores file not found: {self.path}")
+        truth = resolve_truth(truth) if truth is not None else None
         attach = dict(attach or {})
         for name in attach:
             check_attach_name(name)
@@ -134,7 +154,7 @@ class ScoresDB:
             for name, files in attach.items():
                 self._attach(name, files, name in tables)
             if truth is not None:
-                self._attach_truth(Path(truth), truth_key)
+                self._attach_truth(truth, truth_key)
         except UserError:
             self.close()
             raise

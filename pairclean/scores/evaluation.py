@@ -113,11 +113,12 @@ def detection_metrics(noisy, sim, weight, decisions: dict[str, np.ndarray]) -> d
 
 
 def evaluate_detection(scores: str | Path, truth: str | Path | None = None, truth_key: str | None = None) -> dict:
-    """Join a scores file with a truth file (Parquet, or a manifest whose `truth:` names one; by
-    default the truth of the dataset the scores recorded, e.g. the copy `corrupt` wrote) and
-    measure every rule the file holds; rows with an error or without a truth label are counted,
-    not scored. Each rule's entry carries its table label, `noisy_if` and `threshold`."""
-    truth = resolve_truth(truth) if truth is not None else recorded_truth(scores)
+    """Join a scores file with a truth file (`db.resolve_truth`: Parquet, a manifest whose `truth:` names
+    one, or the directory of that manifest; by default the truth of the dataset the scores recorded,
+    e.g. the copy `corrupt` wrote) and measure every rule the file holds; rows with an error or
+    without a truth label are counted, not scored. Each rule's entry carries its table label,
+    `noisy_if` and `threshold`."""
+    truth = truth if truth is not None else recorded_truth(scores)
     with ScoresDB(scores, truth, truth_key=truth_key) as db:
         provenance = db.provenance or {}
         rules = recorded_rules(provenance, db.columns("labeled"))
@@ -169,15 +170,3 @@ def recorded_truth(scores: str | Path) -> Path:
         raise ConfigError(f"the dataset {scores} was scored from names no truth file: give `truth`", "truth")
     return Path(dataset["truth"])
 
-
-def resolve_truth(truth: str | Path) -> Path:
-    """A truth Parquet path, or the `truth:` entry of a dataset manifest."""
-    truth = Path(truth)
-    if truth.suffix in (".yaml", ".yml"):
-        from pairclean.data.manifest import load_manifest
-
-        spec = load_manifest(truth)
-        if not spec.truth:
-            raise UserError(f"manifest {truth} names no truth file")
-        return Path(spec.truth)
-    return truth

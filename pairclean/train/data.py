@@ -62,6 +62,28 @@ def content_digest(value: bytes | str) -> str:
 
 
 @dataclass
+class UnitSpan:
+    """Where a unit's pairs lie in its shard: indexes start .. start + rows - 1."""
+
+    shard: str
+    start: int
+    rows: int
+
+
+def unit_spans(spec: DatasetSpec, units: list[str], shards: list[ShardInfo]) -> dict[str, UnitSpan]:
+    """Each unit's span: a whole shard's from the shard index, a part's (a Parquet row group) as the
+    dataset's format counts it (file metadata)."""
+    rows = {s.shard: s.rows for s in shards}
+    spans, next_start = {}, {}
+    for unit in units:
+        shard = unit_shard(unit)
+        n = rows[shard] if unit == shard else spec.input_format.count(unit)
+        spans[unit] = UnitSpan(shard, next_start.get(shard, 0), n)
+        next_start[shard] = spans[unit].start + n
+    return spans
+
+
+@dataclass
 class BatchPlan:
     """What the workers put into each batch besides the target's inputs."""
 
@@ -87,11 +109,35 @@ class TrainBatches(IterableDataset):
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
 
-    def _unit_order(self) -> list[str]:
+    def _unit_order(self, epoch: int) -> list[str]:
         units = list(self.units)
         if self.shuffle:
-            random.Random(f"units-{self.seed}-{self.epoch}").shuffle(units)
+            random.Random(f"units-{self.seed}-{epoch}").shuffle(units)
         return units
+
+    def kept_pairs(self, spans: dict[str, UnitSpan]) -> dict[str, float]:
+        """The pairs each unit gives as far as is known before reading it: its rows less those the
+        plan's weight arrays drop or, where the arrays are not written yet, its rows times the plan's
+        share of kept pairs. Pairs found unusable only when read (a missing caption, an undecodable
+        image) are not known here."""
+        plan, rows = self.plan, sum(span.rows for span in spans.values())
+        share = plan.pairs / rows if plan.pairs is not None and rows else 1.0
+        kept = {}
+        for unit, span in spans.items():
+            path = os.path.join(plan.weights_dir, plan.shard_files[span.shard]) if plan.weights_dir else None
+            if path is not None and os.path.isfile(path):
+                weights = np.load(path, mmap_mode="r")[span.start:span.start + span.rows]
+                kept[unit] = float(np.count_nonzero(weights != DROPPED))
+            else:
+                kept[unit] = span.rows * share
+        return kept
+
+    def reader_pairs(self, epoch: int, kept: dict[str, float], workers: int, world: int) -> list[list[float]]:
+        """The pairs each (rank, DataLoader worker) reads in `epoch` (`kept`: per unit): the split
+        `__iter__` makes, webdataset's split_by_node then split_by_worker of the epoch's unit order."""
+        order, readers = self._unit_order(epoch), max(workers, 1)
+        return [[sum(kept[u] for u in order[rank::world][worker::readers]) for worker in range(readers)]
+                for rank in range(world)]
 
     def _weights_for(self, shard: str) -> np.ndarray | None:
         if self.plan.weights_dir is None:
@@ -145,7 +191,7 @@ class TrainBatches(IterableDataset):
 
     def __iter__(self):
         rank, _, worker, _ = wds.utils.pytorch_worker_info()
-        units = wds.split_by_worker(wds.split_by_node(self._unit_order()))
+        units = wds.split_by_worker(wds.split_by_node(self._unit_order(self.epoch)))
         stats = self._new_stats()
         pairs = self._pairs(iter(units), stats)
         if self.shuffle and self.shuffle_buffer > 1:

@@ -25,6 +25,7 @@ from pairclean.ops.guard import Output, open_output
 from pairclean.config import (COUNT, SEED, SHARE, above, at_least, check_settings, pinned_settings, setting,
                               unpinned)
 from pairclean.ops import distributed
+from pairclean.ops.notices import notice
 from pairclean.ops.progress import SILENT, Progress
 from pairclean.ops.worker_memory import steady_worker_memory
 from pairclean.ops.atomic import write_json
@@ -37,7 +38,7 @@ from pairclean.train.retrieval import JointTarget, evaluate_target
 from pairclean.data.reader import modalities
 from pairclean.train.checkpoint import (BEST, RUN_FILE, STATE_FILE, epoch_model_name, is_training_run, load_state,
                                         model_path, read_run, save_state, set_rng_state)
-from pairclean.train.data import TrainBatches, index_shards
+from pairclean.train.data import TrainBatches, index_shards, unit_spans
 from pairclean.train.methods import Embeddings, MethodContext, build_method
 from pairclean.train.logs import DiagnosticsWriter, MetricsLog
 
@@ -89,6 +90,38 @@ class TrainResult:
     last_model: Path
     resumed_from: int  # epochs already done when this call started
     seconds: float
+
+
+WARMUP_SHARE = 0.2  # the longest warm-up a run gets, as a share of its steps
+
+
+def bounded_warmup(warmup: int, total: int) -> int:
+    """The warm-up a run of `total` steps gets: `warmup`, but at most a fifth of the run (at least
+    one step where one was asked for), so that the peak lr is reached and most steps are near it."""
+    return min(warmup, max(1, int(total * WARMUP_SHARE)))
+
+
+def epoch_steps(reader_pairs: list[list[float]], local_batch: int, across_ranks: bool) -> int:
+    """The steps `_Loop._batches` takes from readers holding these pairs (`TrainBatches.reader_pairs`):
+    every reader's full batches and, in one process, its last partial one when it has 2 pairs or more
+    (a lone pair has no negatives); under torch.distributed only full batches, as many as the rank
+    with the fewest has."""
+    def batches(pairs: float) -> int:
+        n = round(pairs)
+        return n // local_batch + (not across_ranks and n % local_batch >= 2)
+
+    return min(sum(batches(pairs) for pairs in rank) for rank in reader_pairs)
+
+
+def warmup_notice(cfg: TrainConfig, total: int, warmup: int) -> str:
+    """Why the warm-up was shortened: the one the settings asked for would keep the run from learning."""
+    steps = f"{total:,} step{'s' if total != 1 else ''}"
+    if cfg.warmup_steps >= total:
+        why = f"is longer than this run ({steps}), so lr {cfg.lr:g} would never be reached"
+    else:
+        why = f"is more than a fifth of this run ({steps})"
+    return (f"warmup_steps {cfg.warmup_steps:,} {why}: warming up over {warmup:,} step{'s' if warmup != 1 else ''} "
+            "instead")
 
 
 def cosine_lr(step: int, warmup: int, total: int, min_ratio: float) -> float:
@@ -181,8 +214,18 @@ def train(source: str | list[str] | DatasetSpec, out: str | Path | Output, confi
                         right=right_mod, config=cfg)
     plan = method.setup(ctx)  # before the saved weights are loaded: a frozen estimator copies the initial model
     pairs = plan.pairs if plan.pairs is not None else sum(s.rows for s in shards)
-    steps_per_epoch = max(math.ceil(pairs / cfg.batch_size), 1)
-    loop = _Loop(cfg, target, method, ctx, out, steps_per_epoch)
+    # Each rank reads its own shards (split_by_node) in batches of batch_size / world.
+    dataset = TrainBatches(spec, target.preparer, cfg.batch_size // world, cfg.seed, cfg.shuffle_buffer, plan)
+    workers = min(cfg.workers, len(dataset.units))
+    spans = unit_spans(spec, dataset.units, shards)
+
+    def steps_in(epoch: int, kept: dict) -> int:
+        return epoch_steps(dataset.reader_pairs(epoch, kept, workers, world), cfg.batch_size // world,
+                           distributed.is_distributed())
+
+    kept = dataset.kept_pairs(spans)
+    planned = [steps_in(epoch, kept) for epoch in range(1, cfg.epochs + 1)]
+    loop = _Loop(cfg, target, method, ctx, out, sum(planned))
     ctx.new_optimizer, ctx.current_step = loop.new_optimizer, lambda: loop.step
     if state is not None:
         loop.restore(state)
@@ -193,19 +236,19 @@ def train(source: str | list[str] | DatasetSpec, out: str | Path | Output, confi
         write_json(out / RUN_FILE, {"settings": settings, "world_size": world, "target": target.describe(),
                                     "method": method.describe(), "extra_networks": sorted(method.extra_networks()),
                                     "train": {"shards": len(shards), "pairs": sum(s.rows for s in shards),
-                                              "pairs_trained_per_epoch": pairs, "steps_per_epoch": steps_per_epoch,
+                                              "pairs_trained_per_epoch": pairs, "steps_per_epoch": planned,
+                                              "schedule_steps": loop.total_steps, "warmup_steps": loop.warmup,
                                               "unreadable_shards": [f"{s.shard}: {s.failure}" for s in shards if s.failure]}})
-    # Each rank reads its own shards (split_by_node) in batches of batch_size / world.
-    dataset = TrainBatches(spec, target.preparer, cfg.batch_size // world, cfg.seed, cfg.shuffle_buffer, plan)
-    workers = min(cfg.workers, len(dataset.units))
     started = time.perf_counter()
     progress = cfg.progress if distributed.is_main() else SILENT
     for epoch in range(loop.done_epochs + 1, cfg.epochs + 1):
         dataset.set_epoch(epoch)
+        method.on_epoch_start(epoch, ctx)  # may rewrite the weight arrays this epoch reads (its bar counts them)
         loader = DataLoader(dataset, batch_size=None, num_workers=workers,
                             pin_memory=target.device.type == "cuda", worker_init_fn=steady_worker_memory,
                             generator=torch.Generator().manual_seed(cfg.seed * 1000 + epoch))
-        with progress.task(f"epoch {epoch}", total=steps_per_epoch, loss=0.0, lr=0.0, rate=0.0) as task:
+        steps = steps_in(epoch, dataset.kept_pairs(spans))
+        with progress.task(f"epoch {epoch}", total=steps, loss=0.0, lr=0.0, rate=0.0) as task:
             record = loop.run_epoch(epoch, loader, task)
         if val_spec is not None and distributed.is_main():
             val_metrics = evaluate_target(JointTarget([target, *method.extra_networks().values()]), val_spec,
@@ -234,9 +277,12 @@ class _Towers(torch.nn.Module):
 class _Loop:
     """The optimisation state of a run and what one epoch does with it."""
 
-    def __init__(self, cfg: TrainConfig, target, method, ctx: MethodContext, out: Path, steps_per_epoch: int):
+    def __init__(self, cfg: TrainConfig, target, method, ctx: MethodContext, out: Path, total_steps: int):
         self.cfg, self.target, self.method, self.ctx, self.out = cfg, target, method, ctx, out
-        self.total_steps = steps_per_epoch * cfg.epochs
+        self.total_steps = max(total_steps, 1)
+        self.warmup = bounded_warmup(cfg.warmup_steps, self.total_steps)
+        if self.warmup < cfg.warmup_steps and distributed.is_main():
+            notice(warmup_notice(cfg, self.total_steps, self.warmup), "warmup_steps", "lr")
         self.optimizer, self.scheduler = self.new_optimizer(target.module)
         self.scaler = torch.amp.GradScaler(target.device.type, enabled=cfg.precision == "fp16")
         self.metrics = MetricsLog(out / "metrics.jsonl")
@@ -251,13 +297,16 @@ class _Loop:
 
     def new_optimizer(self, module: torch.nn.Module, start_step: int = 0):
         """AdamW and the warm-up + cosine schedule of this run for `module`, the schedule at `start_step`."""
-        cfg, total = self.cfg, self.total_steps
+        cfg = self.cfg
         optimizer = torch.optim.AdamW(param_groups(module, cfg.weight_decay), lr=cfg.lr, betas=(0.9, 0.98), eps=1e-6)
-        scheduler = torch.optim.lr_scheduler.LambdaLR(
-            optimizer, lambda step: cosine_lr(step + start_step, cfg.warmup_steps, total, cfg.min_lr_ratio))
+        scheduler = torch.optim.lr_scheduler.LambdaLR(  # reads the schedule when it steps: a resume restores it
+            optimizer, lambda step: cosine_lr(step + start_step, self.warmup, self.total_steps, cfg.min_lr_ratio))
         return optimizer, scheduler
 
     def restore(self, state: dict) -> None:
+        # The schedule the run started with (a method that rewrites its weight arrays changes the count since).
+        self.total_steps = state.get("total_steps", self.total_steps)
+        self.warmup = bounded_warmup(self.cfg.warmup_steps, self.total_steps)
         self.target.module.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
@@ -326,7 +375,6 @@ class _Loop:
     def run_epoch(self, epoch: int, loader, task) -> dict:
         """One pass over the training data; returns the epoch's metrics record so far."""
         cfg = self.cfg
-        self.method.on_epoch_start(epoch, self.ctx)
         if cfg.diagnostics:
             rank = f"-rank{distributed.rank()}" if distributed.is_distributed() else ""
             self.diag = DiagnosticsWriter(self.out / "diagnostics" / f"epoch-{epoch:03d}{rank}.parquet")
@@ -336,6 +384,7 @@ class _Loop:
         for batch in self._batches(loader, totals, failures):
             began = time.perf_counter()
             totals["data_s"] += began - ready
+            lr = self.optimizer.param_groups[0]["lr"]  # this step's (the schedule moves on after it)
             out = self._step(batch)
             loss, n = distributed.all_reduce_mean(float(out.loss.detach())), len(batch["key"])
             if not math.isfinite(loss):  # every rank sees the same mean: all stop, none saves a checkpoint
@@ -349,7 +398,6 @@ class _Loop:
             if self.diag is not None:
                 self.diag.add({"key": batch["key"], "shard": batch["shard"], "index": batch["index"].numpy(),
                                "epoch": [epoch] * n, **{k: v.float().cpu().numpy() for k, v in out.per_pair.items()}})
-            lr = self.optimizer.param_groups[0]["lr"]
             if self.step % cfg.log_every == 0 and distributed.is_main():
                 self.metrics.write({"event": "step", "epoch": epoch, "step": self.step, "loss": loss, "lr": lr,
                                     "logit_scale": float(self.target.logit_scale().detach()), **out.metrics})
@@ -358,8 +406,9 @@ class _Loop:
         if totals["steps"] == 0:
             if self.diag is not None:
                 self.diag.abort()
+            first = f"; first failure: {failures[0]}" if failures else ""
             raise UserError(f"epoch {epoch} had no batch of at least 2 usable pairs (errors: {totals['errors']}, "
-                            f"dropped: {totals['dropped']}, failed shards: {len(failures)})")
+                            f"dropped: {totals['dropped']}, failed shards: {len(failures)}){first}")
         seconds = time.perf_counter() - epoch_start
         record = {"event": "epoch", "epoch": epoch, "step": self.step,
                   "train_loss": totals["loss_sum"] / totals["pairs"], "pairs": totals["pairs"],
@@ -396,5 +445,6 @@ class _Loop:
         save_state(self.out, {"model": target.module.state_dict(), "optimizer": self.optimizer.state_dict(),
                               "scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict(),
                               "method": self.method.state_dict(), "epoch": epoch, "step": self.step,
+                              "total_steps": self.total_steps,
                               "best_rsum": self.best_rsum, "best_epoch": self.best_epoch, "history": self.history})
         self.done_epochs = epoch

@@ -24,6 +24,7 @@ from pairclean.ops.guard import open_output
 from pairclean.config import COUNT, SEED, above, at_least, check_settings, declare, setting
 from pairclean.errors import ConfigError
 from pairclean.backends.open_clip import CONFIG_DIR
+from pairclean.lab.numerics import cpu_numerics, torch_threads
 from pairclean.lab.synth.world import WORLD_VERSION, build_world
 
 TOY_MODEL = "pairclean-toy"
@@ -44,6 +45,7 @@ class EstimatorRecipe:
     warmup_steps: int = setting(30, at_least(0))
     temperature: float | None = setting(0.02, above(0))  # fixed, CLIP-like sharpness; None: learned from 0.07 (ends near 0.06)
     seed: int = setting(0, SEED)
+    threads: int = setting(2, at_least(1))  # torch's intra-op threads while training: their number changes the weights (lab/numerics.py)
 
     def __post_init__(self):
         check_settings(self)
@@ -54,10 +56,11 @@ class EstimatorRecipe:
             raise ConfigError(f"pairs ({self.pairs}) must be at least batch_size ({self.batch_size})", "pairs", "batch_size")
 
     def cache_key(self) -> str:
-        """Recipe + model config + world version + pairclean version: a change to any retrains."""
+        """Recipe + model config + world version + pairclean version + this process's CPU arithmetic
+        (`numerics.cpu_numerics`): a change to any retrains."""
         config = (CONFIG_DIR / f"{TOY_MODEL}.json").read_text()
-        blob = json.dumps({"recipe": asdict(self), "config": config, "world": WORLD_VERSION, "pairclean": __version__},
-                          sort_keys=True)
+        blob = json.dumps({"recipe": asdict(self), "config": config, "world": WORLD_VERSION, "pairclean": __version__,
+                           "cpu": cpu_numerics()}, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
@@ -93,12 +96,14 @@ def train_estimator(out: Path, recipe: EstimatorRecipe | None = None, world: Pat
                          workers=workers, diagnostics=False, overwrite=True, progress=progress)
     progress.note(f"training {TOY_MODEL} for {recipe.epochs} epochs (batch {recipe.batch_size}) -> {out / 'run'}")
     manifest = world / "manifest.yaml"
-    result = train(str(manifest) if manifest.is_file() else str(world), out / "run", config)
+    with torch_threads(recipe.threads):
+        result = train(str(manifest) if manifest.is_file() else str(world), out / "run", config)
     checkpoint = out / CHECKPOINT
     with atomic_path(checkpoint) as tmp:
         shutil.copyfile(result.last_model, tmp)
     record = {"model": TOY_MODEL, "checkpoint": str(checkpoint), "recipe": asdict(recipe),
-              "training_world": str(world), "cache_key": recipe.cache_key(), "world_seconds": world_seconds,
+              "training_world": str(world), "cache_key": recipe.cache_key(), "cpu": cpu_numerics(),
+              "world_seconds": world_seconds,
               "train_seconds": result.seconds, "epochs": [{k: e.get(k) for k in ("epoch", "train_loss", "seconds")}
                                                            for e in result.epochs],
               "score_with": f"pairclean score DATA --model {TOY_MODEL} --pretrained {checkpoint}"}
