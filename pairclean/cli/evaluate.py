@@ -94,7 +94,8 @@ def detection_command(
 ) -> None:
     """Clean kept / noise caught / balanced accuracy / precision per rule in the file and the oracle, ROC-AUC, AP, mean noise rank, ECE of p_clean."""
     from pairclean.ops.guard import open_output
-    from pairclean.scores.evaluation import evaluate_detection, recorded_truth, resolve_truth
+    from pairclean.scores.db import resolve_truth
+    from pairclean.scores.evaluation import evaluate_detection, recorded_truth
 
     truth_file = resolve_truth(truth) if truth is not None else recorded_truth(scores)
     target = open_output(json_out or scores.with_name(scores.stem + ".detection.json"),
