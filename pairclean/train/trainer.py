@@ -263,11 +263,17 @@ class _Loop:
 
     def new_optimizer(self, module: torch.nn.Module, start_step: int = 0):
         """AdamW and the warm-up + cosine schedule of this run for `module`, the schedule at `start_step`."""
-        cfg, total = self.cfg, self.total_steps
+        cfg = self.cfg
         optimizer = torch.optim.AdamW(param_groups(module, cfg.weight_decay), lr=cfg.lr, betas=(0.9, 0.98), eps=1e-6)
-        scheduler = torch.optim.lr_scheduler.LambdaLR(
-            optimizer, lambda step: cosine_lr(step + start_step, cfg.warmup_steps, total, cfg.min_lr_ratio))
+        scheduler = torch.optim.lr_scheduler.LambdaLR(  # reads total_steps when it steps: a re-plan reaches every schedule
+            optimizer, lambda step: cosine_lr(step + start_step, cfg.warmup_steps, self.total_steps, cfg.min_lr_ratio))
         return optimizer, scheduler
+
+    def replan(self, epoch: int, pairs: int) -> None:
+        """The method trains `pairs` pairs this epoch (and, as far as anyone knows, in each later one): the
+        schedule's end moves so the cosine still ends with the run. Deterministic, so a resumed run re-plans alike."""
+        steps = max(math.ceil(pairs / self.cfg.batch_size), 1)
+        self.total_steps = self.step + steps * (self.cfg.epochs - epoch + 1)
 
     def restore(self, state: dict) -> None:
         self.target.module.load_state_dict(state["model"])
@@ -339,6 +345,9 @@ class _Loop:
         """One pass over the training data; returns the epoch's metrics record so far."""
         cfg = self.cfg
         self.method.on_epoch_start(epoch, self.ctx)
+        pairs = self.method.epoch_pairs()
+        if pairs is not None:
+            self.replan(epoch, pairs)
         if cfg.diagnostics:
             rank = f"-rank{distributed.rank()}" if distributed.is_distributed() else ""
             self.diag = DiagnosticsWriter(self.out / "diagnostics" / f"epoch-{epoch:03d}{rank}.parquet")
