@@ -257,12 +257,13 @@ class Diffncl(Method):
         self.plan = self.schedule(ctx.config.epochs)
         too_short(self.name, self.plan, ctx.config.epochs, {})
         self.loops = self.options.loops == "batches"
-        self.drives = [EpochWeights(ctx, self.index, f"clean-{k}") for k in range(2)] if self.loops else [None, None]
-        self.peer = Peer(ctx, subset=self.drives[1])
+        # loops=batches: both networks read the consensus's clean pairs (the main one through the trainer's
+        # loader) and its weak ones (through a loader each)
+        self.clean_pairs = EpochWeights(ctx, self.index, "clean") if self.loops else None
+        self.peer = Peer(ctx, subset=self.clean_pairs)
         if self.loops:
-            weak = EpochWeights(ctx, self.index, "weak")
-            self.weak_pairs = weak
-            self.weak_batches = [NetworkBatches(ctx, net.preparer, ctx.seed + 20 + k, weak)
+            self.weak_pairs = EpochWeights(ctx, self.index, "weak")
+            self.weak_batches = [NetworkBatches(ctx, net.preparer, ctx.seed + 20 + k, self.weak_pairs)
                                  for k, net in enumerate((ctx.target, self.peer.target))]
         dim = embedding_dim(ctx.target)
         hidden = max(1, round(dim * self.options.hidden_ratio))
@@ -270,7 +271,7 @@ class Diffncl(Method):
             torch.manual_seed(ctx.seed)
             self.denoisers = [OwnModule(Denoiser(dim, hidden).to(net.device), ctx.config.grad_clip)
                               for net in (ctx.target, self.peer.target)]
-        return self.drives[0].plan(self.index.size) if self.loops else super().setup(ctx)
+        return self.clean_pairs.plan(self.index.size) if self.loops else super().setup(ctx)
 
     def on_epoch_start(self, epoch: int, ctx: MethodContext) -> None:
         if self.peer.start_epoch(epoch, ctx, self.saved and self.saved["peer"]):
@@ -282,8 +283,7 @@ class Diffncl(Method):
         if epoch <= self.plan["warmup_epochs"]:
             self.partition = None
             if self.loops:
-                for drive in self.drives:
-                    drive.select(np.ones(self.index.size, dtype=bool))
+                self.clean_pairs.select(np.ones(self.index.size, dtype=bool))
             return
         self._partition(epoch, ctx)
         if self.loops:
@@ -291,8 +291,7 @@ class Diffncl(Method):
             if not clean.any():
                 raise UserError(f"diffncl: no pair is clean by both networks' consensus at epoch {epoch}: nothing "
                                 "to train the clean loop on")
-            for drive in self.drives:
-                drive.select(clean)
+            self.clean_pairs.select(clean)
             self.weak_pairs.select(self._weak(self.partition))
             for loader in self.weak_batches:
                 loader.start(epoch)
