@@ -337,3 +337,14 @@ def test_schedules_scale_with_the_run_and_keep_given_values():
 def test_a_run_too_short_for_the_method_says_so(method, options, said, tmp_path, mixed_noise, caplog):
     train(str(mixed_noise.manifest), tmp_path / "run", _config(method, epochs=1, method_options=options))
     assert any(said in r.getMessage() for r in caplog.records if r.name == "pairclean")
+
+
+@pytest.mark.parametrize("method", ["sps", "diffncl"])
+def test_a_finished_run_leaves_no_loader_workers_behind(method, tmp_path, mixed_noise):
+    """The method's own loaders close their passes at each epoch's end: a process that trains several runs
+    (a benchmark) does not keep a DataLoader worker per loader and run alive."""
+    import multiprocessing
+
+    before = set(multiprocessing.active_children())
+    train(str(mixed_noise.manifest), tmp_path / "run", _config(method, epochs=2, workers=1))
+    assert set(multiprocessing.active_children()) - before == set()

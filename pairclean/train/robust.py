@@ -327,6 +327,12 @@ class NetworkBatches:
         self.dataset.set_epoch(epoch)
         self.iterator, self.finished = None, False
 
+    def close(self) -> None:
+        """Drop the pass under way, which shuts its DataLoader workers down (a method closes its loaders at
+        each epoch's end: a pass left open would keep its workers alive after the run, e.g. in a process
+        that trains several runs)."""
+        self.iterator = None
+
     def _restart(self):
         loader = DataLoader(self.dataset, batch_size=None, num_workers=self.workers, worker_init_fn=steady_worker_memory,
                             generator=torch.Generator().manual_seed(self.seed * 1000 + self.dataset.epoch))
@@ -393,6 +399,9 @@ class Peer:
 
     def step(self, loss: torch.Tensor) -> None:
         self.network.step(loss)
+
+    def close(self) -> None:
+        self.batches.close()
 
     def state_dict(self) -> dict:
         return self.network.state_dict()

@@ -427,6 +427,9 @@ class Diffncl(Method):
         return {"peer_loss": float(loss.detach())}
 
     def on_epoch_end(self, epoch: int, ctx: MethodContext) -> dict:
+        self.peer.close()
+        for loader in getattr(self, "weak_batches", ()):
+            loader.close()
         if self.partition is None:
             return {}
         columns = {"partition": PARTITION_NAMES[self.partition]}

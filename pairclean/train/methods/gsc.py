@@ -278,6 +278,8 @@ class Gsc(Method):
         return LossOutput(loss, diag, metrics)
 
     def on_epoch_end(self, epoch: int, ctx: MethodContext) -> dict:
+        if self.peer is not None:
+            self.peer.close()
         columns, seen = {}, np.zeros(self.index.size, dtype=bool)
         for k, labels in enumerate(self.labels):
             suffix = "" if k == 0 else "_peer"

@@ -431,6 +431,11 @@ class Sps(Method):
         return loss
 
     def on_epoch_end(self, epoch: int, ctx: MethodContext) -> dict:
+        self.peer.close()
+        for net in self.networks:
+            for loader in (net.quasi, net.noisy):
+                if loader is not None:
+                    loader.close()
         if self.partition is None:
             return {}
         ids = np.concatenate(self.records["ids"]) if self.records["ids"] else np.zeros(0, dtype=np.int64)
