@@ -141,21 +141,32 @@ def epochs_table(result) -> Table:
     return table
 
 
-def list_method_options(value: Optional[List[str]]):
-    """`--method-option help`: every method with its options and their defaults, then exit."""
+def list_method_options(ctx: typer.Context, value: Optional[List[str]]):
+    """`--method-option help`: every method (or the one --method names) with its options and defaults, and
+    the warm-up and phases it would run at --epochs (given options included), then exit. --method and
+    --epochs are eager, so they are read by now wherever they stand on the line."""
     if not value or "help" not in value:
         return value
     import dataclasses
 
-    from pairclean.train import METHODS
+    from pairclean.train import METHODS, Method, build_method
 
+    epochs, named = ctx.params.get("epochs", 5), ctx.params.get("method")
+    given = dict(item.split("=", 1) for item in value if "=" in item)
     table = Table(title="pairclean train --method NAME --method-option key=value")
-    for column in ("method", "what it does", "options (default)", "shortcut flags"):
+    for column in ("method", "what it does", "options (default)", "shortcut flags", f"schedule at --epochs {epochs}"):
         table.add_column(column)
     for name, cls in sorted(METHODS.items()):
+        if named is not None and name != named:
+            continue
         options = ", ".join(f"{f.name}={f.default!r}" for f in dataclasses.fields(cls.Options)) or "-"
         flags = ", ".join(s.flag + (f" ({s.option})" if s.option else "") for s in cls.shortcuts) or "-"
-        table.add_row(name, (cls.__doc__ or "").strip().splitlines()[0], options, flags)
+        schedule = {}
+        if cls.schedule is not Method.schedule:  # only methods with a schedule: the others may need options
+            with train_wording(name):
+                schedule = build_method(name, given if name == named else {}).schedule(epochs)
+        shown = ", ".join(f"{k}={v}" for k, v in schedule.items()) or "-"
+        table.add_row(name, (cls.__doc__ or "").strip().splitlines()[0], options, flags, shown)
     print_table(console, table)
     raise typer.Exit()
 
@@ -171,11 +182,11 @@ def train_command(
     pretrained: options.Pretrained = "openai",
     backend: str = typer.Option("auto", help="auto, open_clip, or sentence-transformers."),
     dataset: options.DatasetOptions = options.GIVEN,
-    method: Optional[str] = typer.Option(None, help="Training method by name (plain, osa-weights, filter, osa-online, sdd, gsc, ...)."),
+    method: Optional[str] = typer.Option(None, is_eager=True, help="Training method by name (plain, osa-weights, filter, osa-online, sdd, gsc, ...)."),
     method_option: Optional[List[str]] = typer.Option(None, metavar="KEY=VALUE", callback=list_method_options, is_eager=True,
                                                       help="Method option key=value (repeatable); 'help' lists every "
-                                                           "method's options and defaults."),
-    epochs: int = typer.Option(5, help="Passes over the training data."),
+                                                           "method's options, defaults and schedule at --epochs."),
+    epochs: int = typer.Option(5, is_eager=True, help="Passes over the training data."),
     batch_size: int = typer.Option(256, help="Pairs per step (in-batch negatives)."),
     lr: float = typer.Option(5e-6, help="Peak AdamW learning rate."),
     weight_decay: float = typer.Option(0.2, help="AdamW weight decay (not on gains, biases, logit scale)."),

@@ -247,7 +247,8 @@ def train(source: str | list[str] | DatasetSpec, out: str | Path | Output, confi
         loader = DataLoader(dataset, batch_size=None, num_workers=workers,
                             pin_memory=target.device.type == "cuda", worker_init_fn=steady_worker_memory,
                             generator=torch.Generator().manual_seed(cfg.seed * 1000 + epoch))
-        steps = steps_in(epoch, dataset.kept_pairs(spans))
+        chosen = method.epoch_pairs()  # a method that picks this epoch's pairs re-plans the schedule to them
+        steps = loop.replan(epoch, chosen) if chosen is not None else steps_in(epoch, dataset.kept_pairs(spans))
         with progress.task(f"epoch {epoch}", total=steps, loss=0.0, lr=0.0, rate=0.0) as task:
             record = loop.run_epoch(epoch, loader, task)
         if val_spec is not None and distributed.is_main():
@@ -299,9 +300,17 @@ class _Loop:
         """AdamW and the warm-up + cosine schedule of this run for `module`, the schedule at `start_step`."""
         cfg = self.cfg
         optimizer = torch.optim.AdamW(param_groups(module, cfg.weight_decay), lr=cfg.lr, betas=(0.9, 0.98), eps=1e-6)
-        scheduler = torch.optim.lr_scheduler.LambdaLR(  # reads the schedule when it steps: a resume restores it
+        scheduler = torch.optim.lr_scheduler.LambdaLR(  # reads the schedule when it steps: a resume or a re-plan reaches it
             optimizer, lambda step: cosine_lr(step + start_step, self.warmup, self.total_steps, cfg.min_lr_ratio))
         return optimizer, scheduler
+
+    def replan(self, epoch: int, pairs: int) -> int:
+        """The method trains `pairs` pairs this epoch (and, as far as anyone knows, in each later one): the
+        schedule's end moves so the cosine still ends with the run. Deterministic, so a resumed run re-plans alike. Returns the epoch's steps."""
+        steps = max(math.ceil(pairs / self.cfg.batch_size), 1)
+        self.total_steps = self.step + steps * (self.cfg.epochs - epoch + 1)
+        self.warmup = bounded_warmup(self.cfg.warmup_steps, self.total_steps)
+        return steps
 
     def restore(self, state: dict) -> None:
         # The schedule the run started with (a method that rewrites its weight arrays changes the count since).
