@@ -7,6 +7,8 @@
     python benchmarks/train_table.py step-time --out /tmp/pc-step-methods --methods sdd,gsc,gsc-2 --repeats 3
     python benchmarks/train_table.py methods --out /tmp/pc-methods --estimator /tmp/demo-estimator.pt
                                                                       # SDD, GSC vs plain / OSA / oracle, 3 seeds
+    python benchmarks/train_table.py ablation --method gsc --out /tmp/pc-methods --estimator /tmp/demo-estimator.pt
+                                                                      # each change of a method alone and together
 
 Each subcommand builds its data, runs `pairclean.train.train` for every row of its table,
 prints the table and writes it (JSON + Markdown) into --out. Finished runs are picked up
@@ -284,6 +286,12 @@ def partition_summary(run: Path, truth: Path, kind: str) -> dict:
         summary["second_reading"] = {"name": second[0], "accuracy": other}
     summary["counts"] = dict(duckdb.execute(f"SELECT d.partition || ' / ' || {TRUTH_KIND}, count(*) {join} "
                                             "GROUP BY 1 ORDER BY 1").fetchall())
+    if kind == "gsc":  # the labels of every epoch by truth kind (the per-epoch tables, one query)
+        every = sql_string(str(run / "diagnostics" / "pairs-epoch-*.parquet"))
+        summary["y_by_epoch"] = [
+            {"epoch": e, "kind": k, "y": y, "y_cm": cm, "y_im": im} for e, k, y, cm, im in duckdb.execute(
+                f"SELECT d.epoch, {TRUTH_KIND}, avg(d.y), avg(d.y_cm), avg(d.y_im) FROM read_parquet({every}) d "
+                f"JOIN read_parquet({truth_file}) t USING (shard, \"index\") GROUP BY ALL ORDER BY ALL").fetchall()]
     if kind == "diffncl":
         summary["psi_by_truth"] = {k: {"psi": m, "psi_peer": mp, "loss": ml, "pairs": n} for k, m, mp, ml, n in
                                    duckdb.execute(f"SELECT {TRUTH_KIND}, avg(d.psi), avg(d.psi_peer), avg(d.loss), "
@@ -366,11 +374,13 @@ def noise_copy(args) -> tuple[str, str, object]:
 
 
 def method_options(args) -> tuple[dict, dict, dict]:
-    """SDD's, SPS's and DiffNCL's options from the command line (strings, as `--method-option` passes them)."""
+    """SDD's, SPS's and DiffNCL's options from the command line (strings, as `--method-option` passes them);
+    a schedule option not given is left to the method (the paper's proportions of --epochs)."""
+    def given(**values) -> dict:
+        return {k: str(v) for k, v in values.items() if v is not None}
     sdd = {"alpha": str(args.sdd_alpha), "beta": str(args.sdd_beta)}
-    sps = {"warmup_epochs": str(args.warmup_epochs), "e_qc": str(args.e_qc), "e_n": str(args.e_n),
-           "eps1": str(args.sps_eps1)}
-    return sdd, sps, {"warmup_epochs": str(args.warmup_epochs)}
+    sps = given(warmup_epochs=args.warmup_epochs, e_qc=args.e_qc, e_n=args.e_n, eps1=args.sps_eps1)
+    return sdd, sps, given(warmup_epochs=args.warmup_epochs)
 
 
 def methods_table(args) -> None:
@@ -395,6 +405,85 @@ def methods_table(args) -> None:
          f"{args.lr:g}, batch {args.batch_size}; mean ± half-range over seeds {args.seeds}", METHOD_COLUMNS, table, out,
          f"table-methods-rows-{'-'.join(map(str, chosen))}" if args.rows else "table-methods",
          {"runs": results, "detection": world.detection, "args": vars(args)})
+
+
+# Each changed method's variants: the state before issue 26 (as the tables measured it), the paper's letter
+# where it differs, each change alone on top of it, all changes (the method's defaults), and all but one.
+_GSC_LETTER = {"y_cm": "softmax", "structure": "paper", "init_labels": "ones"}
+_DIFFNCL_BEFORE = {"cross": "as-written", "shared_noise": "true", "temperature": "none", "loops": "rows",
+                   "order_by": "sum", "zeta_on": "raw", "warmup_epochs": "1"}
+_DIFFNCL_CHANGES = {"cross": "L_cross per the prose", "shared_noise": "independent draws",
+                    "temperature": "temperature 0.07", "loops": "clean / weak loops (Algorithm 1)",
+                    "order_by": "components ordered by loss", "zeta_on": "zeta on the normalised loss",
+                    "warmup_epochs": "warm-up scaled (0 of 4)"}
+_SPS_BEFORE = {"gmm_max_iter": "100", "gmm_tol": "0.001", "batches": "rows", "warmup_epochs": "1", "e_qc": "2",
+               "e_n": "3"}
+_SPS_CHANGES = {"gmm_max_iter": "GMM as the code (10 iterations, tol 1e-2)", "batches": "full batches per kind",
+                "warmup_epochs": "schedule scaled (0, 2, 3)"}
+_SPS_TOGETHER = {"gmm_max_iter": ("gmm_tol",), "warmup_epochs": ("e_qc", "e_n")}  # options that change together
+
+
+def _alone_and_without(before: dict, changes: dict, together: dict) -> list[tuple[str, dict]]:
+    """before + each change alone, then the defaults (every change) and the defaults without each one."""
+    def keys(key):
+        return (key, *together.get(key, ()))
+    rows = [("before issue 26", dict(before))]
+    rows += [(f"before + {label}", {k: v for k, v in before.items() if k not in keys(key)})
+             for key, label in changes.items()]
+    rows.append(("every change (the defaults)", {}))
+    rows += [(f"defaults without: {label}", {k: before[k] for k in keys(key)}) for key, label in changes.items()]
+    return rows
+
+
+ABLATIONS = {
+    "gsc": [("before issue 26 (tau1 = the run's 0.02, the letter)", {"tau1": "none", **_GSC_LETTER}),
+            ("the paper's letter (tau1 0.07)", dict(_GSC_LETTER)),
+            ("letter + calibrated y_CM posterior", {"structure": "paper", "init_labels": "ones"}),
+            ("letter + centred intra-modal rows", {"y_cm": "softmax", "init_labels": "ones"}),
+            ("letter + labels from a pass", {"y_cm": "softmax", "structure": "paper"}),
+            ("every change (the defaults)", {}),
+            ("defaults without the posterior", {"y_cm": "softmax"}),
+            ("defaults without centred rows", {"structure": "paper"}),
+            ("defaults without the pass", {"init_labels": "ones"}),
+            ("defaults, tau1 = the run's 0.02", {"tau1": "none"})],
+    "diffncl": _alone_and_without(_DIFFNCL_BEFORE, _DIFFNCL_CHANGES, {}) + [
+        ("defaults, denoising from step 3 of 4", {"denoise_from": "3"}),
+        ("defaults, noisy pairs through the denoiser (Alg. 1: D_w and D_n)", {"noisy_as_weak": "true"})],
+    # (eps1 = 0.99, the paper's text, is no variant: no pair is reliable and the run stops with that error)
+    "sps": _alone_and_without(_SPS_BEFORE, _SPS_CHANGES, _SPS_TOGETHER),
+}
+
+
+def ablation_table(args) -> None:
+    """One method's variants (ABLATIONS) on the methods table's toy world, over --seeds: what each change does
+    alone and together. Runs live in OUT/ablation-METHOD; the data is the methods table's (same --out)."""
+    out = Path(args.out)
+    name, noise, make = noise_copy(args)
+    world = toy_data(args, out, name, make)
+    init = str(world.estimator) if args.init == "estimator" else "none"
+    variants = ABLATIONS[args.method]
+    rows = [MethodRow(f"{args.method}-{i}", label, False, {"method": args.method, "method_options": options},
+                      args.method) for i, (label, options) in enumerate(variants)]
+    chosen, seeds = chosen_rows(args.rows, rows), [int(x) for x in args.seeds.split(",")]
+
+    def make_cfg(seed: int, settings: dict) -> TrainConfig:
+        args.seed = seed
+        return toy_cfg(args, init, **settings)
+
+    results = run_methods(out / f"ablation-{args.method}", rows, chosen, seeds, make_cfg, world.clean, world.noisy,
+                          world.val, world.truth)
+    table = []
+    for i in chosen:
+        runs = results[rows[i].key]
+        parts = [r["partition"] for r in runs]
+        second = f" ({spread([p['second_reading']['accuracy'] for p in parts])})" if "second_reading" in parts[0] else ""
+        table.append([rows[i].label, " ".join(f"{k}={v}" for k, v in variants[i][1].items()) or "-",
+                      spread([r["rsum"] for r in runs]), " / ".join(f"{r['rsum']:.1f}" for r in runs),
+                      spread([p["accuracy"] for p in parts]) + second])
+    show(f"{args.method} ablation, toy world {args.pairs} pairs, {noise} noise, seeds {args.seeds}",
+         ["variant", "options", "rSum", "rSum per seed", "partition accuracy %"], table, out / f"ablation-{args.method}",
+         f"table-ablation-{args.method}" + (f"-rows-{'-'.join(map(str, chosen))}" if args.rows else ""),
+         {"runs": results, "variants": variants, "args": vars(args)})
 
 
 def _coco_val(captions_json: Path, skip: int, n: int, out: Path) -> Path:
@@ -573,20 +662,24 @@ def toy_arguments(parser, **defaults) -> None:
     parser.set_defaults(**defaults)
 
 
-def method_arguments(parser, warmup_epochs: int, e_qc: int, e_n: int, seeds: str = "0,1,2") -> None:
-    """The methods tables' options: seeds, the noise mix, the methods' settings (papers' values where they fit)."""
+def method_arguments(parser, warmup_epochs: int | None = None, e_qc: int | None = None, e_n: int | None = None,
+                     seeds: str = "0,1,2") -> None:
+    """The methods tables' options: seeds, the noise mix, the methods' settings (papers' values where they fit;
+    the schedules, unless given, each method's own: the paper's proportions of --epochs)."""
     parser.add_argument("--seeds", default=seeds, help="training seeds (comma-separated)")
     parser.add_argument("--weak-noise", type=float, default=0.0, help="share of the pairs weakened beside the --noise "
                                                                        "shuffled (pairclean corrupt --mode mixed)")
     parser.add_argument("--sdd-alpha", type=float, default=20.0, help="SDD's self-drop threshold (100 cos; the paper's)")
     parser.add_argument("--sdd-beta", type=float, default=30.0, help="SDD's memory-bank threshold (100 cos; the paper's)")
     parser.add_argument("--warmup-epochs", type=int, default=warmup_epochs, help="SPS and DiffNCL warm-up epochs "
-                                                                                 "(papers: 5)")
-    parser.add_argument("--e-qc", type=int, default=e_qc, help="SPS: quasi-clean pairs from this epoch (paper: 10)")
-    parser.add_argument("--e-n", type=int, default=e_n, help="SPS: noisy pairs with proxies from this epoch (paper: 15)")
-    parser.add_argument("--sps-eps1", type=float, default=0.6,
-                        help="SPS reliable bound: the authors' code's 0.6 (the paper's 0.99 leaves no reliable pair when "
-                             "the loss GMM's clean posterior tops out below it)")
+                                                                                 "(default: the methods', 5 of 45 scaled)")
+    parser.add_argument("--e-qc", type=int, default=e_qc, help="SPS: quasi-clean pairs from this epoch (default: "
+                                                                 "the method's, 16 of 45 scaled)")
+    parser.add_argument("--e-n", type=int, default=e_n, help="SPS: noisy pairs with proxies from this epoch (default: "
+                                                               "the method's, 21 of 45 scaled)")
+    parser.add_argument("--sps-eps1", type=float, default=None,
+                        help="SPS reliable bound (default: the method's, the authors' code's 0.6; the paper's text says "
+                             "0.99, which leaves no reliable pair when the loss GMM's clean posterior tops out below it)")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -609,7 +702,13 @@ def main(argv: list[str] | None = None) -> None:
                                         "and the oracle filter, fine-tuning the toy estimator on five captions per scene")
     toy_arguments(mt, noise=0.4, pairs=8000, val_pairs=5000, val_seed=3, captions_per_scene=5, epochs=4, lr=3e-4,
                   warmup_steps=20, temperature=0.02, init="estimator")
-    method_arguments(mt, warmup_epochs=1, e_qc=2, e_n=3)
+    method_arguments(mt)
+    ab = sub.add_parser("ablation", help="one method's variants: each change alone and together (same world and "
+                                         "options as `methods`)")
+    toy_arguments(ab, noise=0.4, pairs=8000, val_pairs=5000, val_seed=3, captions_per_scene=5, epochs=4, lr=3e-4,
+                  warmup_steps=20, temperature=0.02, init="estimator")
+    method_arguments(ab, seeds="0")
+    ab.add_argument("--method", required=True, choices=sorted(ABLATIONS))
     ct = sub.add_parser("coco-text", help="COCO captions text-text table (all-MiniLM-L6-v2)")
     ct.add_argument("--out", required=True)
     ct.add_argument("--captions", default=str(Path(__file__).resolve().parents[2] / "shared" / "data" / "coco-captions"
@@ -625,14 +724,14 @@ def main(argv: list[str] | None = None) -> None:
     ct.add_argument("--model", default="all-MiniLM-L6-v2")
     ct.add_argument("--methods", action="store_true", help="the methods table: every row (or --rows) over --seeds")
     ct.add_argument("--rows", help="with --methods: only these rows (indices or keys, comma-separated)")
-    # Two epochs leave no room for the papers' warm-up: the pre-trained model's own losses make the first partition.
-    method_arguments(ct, warmup_epochs=0, e_qc=1, e_n=2, seeds="0")
+    method_arguments(ct, seeds="0")
     args = parser.parse_args(argv)
     for name in ("temperature", "estimator_temperature"):
         if getattr(args, name, None) == 0:
             setattr(args, name, None)
     torch.set_num_threads(args.threads)
-    {"step-time": step_time, "toy": toy, "methods": methods_table, "coco-text": coco_text}[args.table](args)
+    {"step-time": step_time, "toy": toy, "methods": methods_table, "ablation": ablation_table,
+     "coco-text": coco_text}[args.table](args)
 
 
 if __name__ == "__main__":

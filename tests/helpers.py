@@ -62,7 +62,8 @@ def tiny_scores(source: Path, out: Path) -> Path:
 
 
 def forked(fn, fault: str | None = None) -> int:
-    """Run fn() in a forked child; its exit status, or minus the signal that ended it."""
+    """Run fn() in a forked child (with the fault point `fault` armed, pairclean.ops.faults); its
+    exit status, or minus the signal that ended it."""
     import open_clip  # noqa: F401 - imported once here rather than in every child
     import torch
 
@@ -83,3 +84,29 @@ def forked(fn, fault: str | None = None) -> int:
             os._exit(code)
     _, status = os.waitpid(pid, 0)
     return -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+
+
+def snapshot(*paths: Path) -> dict[str, bytes]:
+    """Every file under `paths` with its bytes: what must survive a refused command."""
+    files = {}
+    for root in paths:
+        for f in ([root] if root.is_file() else sorted(root.rglob("*"))):
+            if f.is_file():
+                files[str(f)] = f.read_bytes()
+    return files
+
+
+def refused(argv, capsys, *keep: Path, message: str = "") -> str:
+    """`pairclean ARGV` exits 2 with one line holding `message`, and every file under `keep` is as it was."""
+    before = snapshot(*keep)
+    code, _, err = run_cli(argv, capsys)
+    assert code == 2 and len(err.strip().splitlines()) == 1 and message in err, err
+    assert snapshot(*keep) == before
+    return err
+
+
+def killed_after_first_unit(run) -> None:
+    """Run `run` in a forked child SIGKILLed (pairclean.ops.faults) once its second part is written."""
+    import signal
+
+    assert forked(run, "part-written:2") == -signal.SIGKILL

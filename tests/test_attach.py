@@ -1,5 +1,6 @@
-"""`--attach NAME=FILE`: a Parquet file joined with the scores in one predicate (filter, query,
-train --filter), inside the same sandbox: the attached file is readable, nothing else is."""
+"""`--attach NAME=FILE` with `pairclean dedup`'s output: a Parquet file joined with the scores in one
+predicate (filter, query, train --filter), inside the same sandbox: the attached file is readable,
+nothing else is. (tests/test_ecosystem.py covers attaching img2dataset's metadata and key lists.)"""
 
 from __future__ import annotations
 
@@ -26,25 +27,24 @@ def dedup_file(tmp_path_factory, coco_scores):
 
 
 def test_a_predicate_joins_the_attached_table(coco_scores, dedup_file):
-    with ScoresDB(coco_scores, attach={"dedup": dedup_file}) as db:
+    with ScoresDB(coco_scores, attach={"dedup": [str(dedup_file)]}) as db:
         sql = compile_predicate(db, f"sim > -1 AND {KEPT}", "where")
         kept = db.scalar(f"SELECT count(*) FROM scores WHERE {sql}")
         total = db.scalar("SELECT count(*) FROM scores")
-        assert db.inputs == [coco_scores, dedup_file]
     assert kept == total - len(range(0, total, 3)) and kept > 0
 
 
 def test_attach_opens_no_other_file(coco_scores, dedup_file, tmp_path):
     other = tmp_path / "secret.parquet"
     pq.write_table(pa.table({"x": [1]}), other)
-    with ScoresDB(coco_scores, attach={"dedup": dedup_file}) as db:
+    with ScoresDB(coco_scores, attach={"dedup": [str(dedup_file)]}) as db:
         with pytest.raises(ConfigError, match="where"):
             compile_predicate(db, f"key IN (SELECT CAST(x AS VARCHAR) FROM read_parquet('{other}'))", "where")
 
 
 @pytest.mark.parametrize("specs, message", [
-    (["dedup"], "NAME=FILE"), (["1x=a.parquet"], "NAME=FILE"), (["scores=a.parquet"], "taken"),
-    (["d=a.parquet", "D=b.parquet"], "attached twice"),
+    (["dedup"], "NAME=FILE"), (["=a.parquet"], "NAME=FILE"), (["1x=a.parquet"], "plain identifier"),
+    (["scores=a.parquet"], "not one of"), (["d=a.parquet", "D=b.parquet"], "attached twice"),
 ])
 def test_bad_attach_specs_are_refused(specs, message):
     with pytest.raises(ConfigError, match=message) as caught:
@@ -53,12 +53,12 @@ def test_bad_attach_specs_are_refused(specs, message):
 
 
 def test_missing_or_unreadable_attached_file(coco_scores, tmp_path):
-    with pytest.raises(UserError, match="attached file not found"):
-        ScoresDB(coco_scores, attach={"d": tmp_path / "nope.parquet"})
+    with pytest.raises(UserError, match="file not found"):
+        ScoresDB(coco_scores, attach={"d": [str(tmp_path / "nope.parquet")]})
     bad = tmp_path / "bad.parquet"
     bad.write_text("not parquet")
-    with pytest.raises(UserError, match="cannot read attached file"):
-        ScoresDB(coco_scores, attach={"d": bad})
+    with pytest.raises(UserError, match="cannot read attached table d"):
+        ScoresDB(coco_scores, attach={"d": [str(bad)]})
 
 
 def test_filter_and_query_take_attach(coco_scores, coco_shards, dedup_file, capsys):

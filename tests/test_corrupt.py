@@ -11,11 +11,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from helpers import run_cli
 from pairclean.cli import main
 from pairclean.lab.corrupt import corrupt, weaken
 from pairclean.errors import UserError
 from pairclean.data.manifest import DatasetSpec, load_manifest, open_dataset
-from pairclean.data.writer import staged_directory, write_shards
+from pairclean.data.writer import write_shards
+from pairclean.ops.atomic import atomic_directory
 from pairclean.data.reader import list_units, read_samples, read_unit
 from pairclean.lab.synth.world import build_world
 
@@ -97,7 +99,7 @@ def test_same_seed_same_noise_other_seed_other_noise(world, tmp_path):
 
 def test_a_pair_whose_caption_did_not_change_stays_clean(tmp_path):
     src = tmp_path / "dupes"
-    with staged_directory(src) as tmp:  # 8 pairs, only two distinct captions
+    with atomic_directory(src) as tmp:  # 8 pairs, only two distinct captions
         write_shards(({"__key__": f"k{i}", "txt": "same words" if i % 4 else "other words", "cls": str(i)}
                       for i in range(8)), tmp)
     spec = open_dataset(str(src), pair="text-text")
@@ -271,3 +273,43 @@ def test_hard_noise_from_the_cli(coco_shards, tmp_path, capsys):
     code = main(["corrupt", str(coco_shards), "--out", str(tmp_path / "hard"), "--ratio", "0.25", "--mode", "hard"])
     assert code in (0, None)
     assert "4 noisy" in capsys.readouterr().out
+
+
+def test_cli_counts_in_words_a_person_writes(tmp_path, capsys):
+    """Two pairs at 50%: one drawn, and a shuffle of one caption gives it back its own."""
+    build_world(tmp_path / "two", 2, seed=0)
+    code, out, err = run_cli(["corrupt", tmp_path / "two", "--out", tmp_path / "half", "--ratio", "0.5"], capsys)
+    out = out.replace("\n", "")
+    assert code == 0 and "2 pairs copied to" in out and "1 drawn, 0 noisy (1 drawn pair kept its caption)" in out, err
+    code, out, err = run_cli(["corrupt", tmp_path / "two", "--out", tmp_path / "all", "--ratio", "1"], capsys)
+    assert code == 0 and "2 drawn, 2 noisy" in out.replace("\n", "") and "kept" not in out, err
+
+
+def test_a_pair_kind_hint_does_not_ask_to_repair_the_shard(world, tmp_path, capsys):
+    """Text-text columns read as image-text: the fix is --pair, not the file; a truncated shard is repaired."""
+    path = tmp_path / "texts.parquet"
+    pq.write_table(pa.table({"key": ["a", "b"], "caption": ["one", "two"], "caption2": ["uno", "dos"]}), path)
+    code, _, err = run_cli(["corrupt", path, "--out", tmp_path / "noisy", "--ratio", "0.5"], capsys)
+    assert code == 2 and err.rstrip().endswith("its columns fit --pair text-text") and "repair" not in err
+    cut = tmp_path / "cut.tar"
+    cut.write_bytes(sorted(world.glob("*.tar"))[0].read_bytes()[:700])
+    code, _, err = run_cli(["corrupt", cut, "--out", tmp_path / "noisy2", "--ratio", "0.5"], capsys)
+    assert code == 2 and "so repair that shard or leave it out" in err
+
+
+def test_truth_may_be_the_directory_corrupt_wrote(world, tmp_path, coco_shards, capsys):
+    """`--truth noisy/`: the manifest in it says where the truth is (query, evaluate detection)."""
+    from helpers import tiny_scores
+
+    noisy = tmp_path / "noisy"
+    corrupt(str(world), noisy, ratio=0.5, seed=0)
+    scores = tiny_scores(noisy, tmp_path / "scores.parquet")
+    code, out, err = run_cli(["evaluate", "detection", scores, "--truth", f"{noisy}/"], capsys)
+    assert code == 0 and "20 noisy" in out, err
+    code, out, err = run_cli(["query", scores, "SELECT count(*) FILTER (WHERE noisy) FROM labeled", "--truth", noisy,
+                              "--format", "csv"], capsys)
+    assert code == 0 and out.splitlines()[1:] == ["20"], err
+    code, _, err = run_cli(["evaluate", "detection", scores, "--truth", world], capsys)
+    assert code == 2 and "names no truth file" in err
+    code, _, err = run_cli(["evaluate", "detection", scores, "--truth", tmp_path / "empty"], capsys)
+    assert code == 2 and "truth file not found" in err

@@ -19,7 +19,7 @@ from pairclean.data.manifest import open_dataset
 from pairclean.scores.contract import read_provenance, read_summary
 from pairclean.scores.evaluation import expected_calibration_error
 from pairclean.scores.rules import FitContext, parse_rule
-from pairclean.scoring.embeddings import write_embeddings
+from pairclean.data.formats.embeddings import write_embeddings
 from pairclean.scoring.model import score
 
 DIM, PAIRS = 16, 600
@@ -69,11 +69,11 @@ def test_q_values_are_benjamini_hochberg_when_the_sample_holds_every_pair():
     assert ((cal.q_values(sim) > 0.05) == (sim <= cut)).all()
 
 
-def test_noise_share_estimate_covers_the_truth_for_random_pairing_noise():
+def test_random_pairing_share_estimate_covers_the_truth_for_random_pairing_noise():
     rng = np.random.default_rng(2)
     null = rng.normal(0.1, 0.1, 20000)
     sim = np.concatenate([rng.normal(0.1, 0.1, 3000), rng.normal(0.6, 0.1, 7000)])
-    estimate, low, high = NullCalibration.fit(null, sim).noise_share(sim)
+    estimate, low, high = NullCalibration.fit(null, sim).random_pairing_share(sim)
     assert low <= 0.3 <= high and high - low < 0.05 and estimate == pytest.approx(0.3, abs=0.02)
 
 
@@ -91,7 +91,7 @@ def test_embeddings_run_draws_the_null_and_the_fdr_rule_keeps_a_bounded_share_of
     kept = ~flagged
     assert kept.sum() > 0.6 * PAIRS and noisy[kept].mean() <= 0.05  # the share of noise among the kept
     fdr = next(r for r in summary["rules"] if r["name"] == "fdr")
-    assert fdr["noise_share_low"] <= noisy.mean() <= fdr["noise_share_high"]
+    assert summary["random_pairing_share_low"] <= noisy.mean() <= summary["random_pairing_share_high"]
     cut = provenance["rules"][2]["threshold"]
     assert fdr["noisy_if"] == f"q > 0.05 (sim <= {cut:.4f})" and (flagged == (sim <= np.float32(cut))).all()
 
@@ -187,7 +187,7 @@ def test_threshold_sweep_estimates_and_the_report(tmp_path, capsys):
     with ScoresDB(scores) as db:
         sweep = threshold_sweep(db, read_provenance(scores)["null_quantiles"])
     sim = np.array(pq.read_table(scores).column("sim").to_pylist())
-    assert sweep.noise_share == pytest.approx(noisy.mean(), abs=0.06)
+    assert sweep.random_pairing_share == pytest.approx(noisy.mean(), abs=0.06)
     for row in sweep.rows:  # the estimates against the truth, on random-pairing noise
         kept = sim > row.threshold
         assert row.kept == pytest.approx(kept.mean())

@@ -10,16 +10,17 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from helpers import run_cli
 
+from pairclean.data.formats.embeddings import write_embeddings
 from pairclean.dedup import DedupConfig, dedup
 from pairclean.dedup.kmeans import nearest_centroid, train_kmeans
 from pairclean.dedup.pairwise import cluster_duplicates
 from pairclean.errors import ConfigError, UserError
 from pairclean.scores.contract import read_provenance, read_summary
-from pairclean.scoring.embeddings import write_embeddings
 
 DIM = 16
 
@@ -271,3 +272,34 @@ def test_faiss_backend_without_faiss_is_refused(world, tmp_path):
     with pytest.raises(ConfigError, match="faiss-cpu"):
         dedup(str(emb), tmp_path / "x.parquet", scores, DedupConfig(backend="faiss"))
     assert not (tmp_path / "x.parquet").exists()
+
+
+def test_datacomp_npz_gives_the_rows_of_the_same_vectors_and_parquet_is_refused(world, tmp_path, capsys):
+    """eco's readers: DataComp's metadata/ (.npz members read by row in place) dedups like the same
+    vectors in clip-retrieval's layout; Parquet embedding columns cannot be read by row and are refused."""
+    from pairclean.data.formats.embeddings import open_embeddings
+
+    _, emb, _, _ = world
+    spec = open_embeddings(str(emb))
+    images = np.concatenate([np.load(p.left) for p in spec.npy])
+    texts = np.concatenate([np.load(p.right) for p in spec.npy])
+    keys = [k for p in spec.npy for k in pq.read_table(p.keys).column("key").to_pylist()]
+    (tmp_path / "pool" / "metadata").mkdir(parents=True)
+    np.savez(tmp_path / "pool" / "metadata" / "0123.npz", b32_img=images, b32_txt=texts)
+    pq.write_table(pa.table({"uid": keys}), tmp_path / "pool" / "metadata" / "0123.parquet")
+    cfg = dict(keep="semdedup", threads=1, unit_rows=1 << 10)
+    reference = dedup(str(emb), tmp_path / "ref.parquet", config=DedupConfig(**cfg))
+    npz = dedup(str(tmp_path / "pool"), tmp_path / "npz.parquet", config=DedupConfig(**cfg))
+    assert reference.summary["removed"] > 0
+    def by_key(path):
+        return {r["key"]: (r["kept"], r["group_size"]) for r in pq.read_table(path).to_pylist()}
+
+    assert by_key(npz.out) == by_key(reference.out)
+    assert read_provenance(npz.out)["embeddings"]["format"] == "datacomp-npz"
+
+    pq.write_table(pa.table({"key": keys, "left_emb": list(images.astype(np.float32)),
+                             "right_emb": list(texts.astype(np.float32))}), tmp_path / "emb.parquet")
+    code, _, err = run_cli(["dedup", tmp_path / "emb.parquet", "--keep", "random", "--out", tmp_path / "p.parquet"],
+                           capsys)
+    assert code == 2 and "parquet-embeddings" in err and "by position" in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "p.parquet").exists()

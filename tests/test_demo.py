@@ -67,3 +67,31 @@ def test_cli_demo_reuses_the_cached_estimator_and_repeats_the_figures(first_run,
     again = json.loads((tmp_path / "out" / "detection.json").read_text())
     assert again["roc_auc"] == first.metrics["roc_auc"]  # same world, noise, weights: same figures
     assert again["rules"] == first.metrics["rules"]
+
+
+def test_the_demo_pins_the_cpu_arithmetic_before_torch_starts(first_run, tmp_path):
+    """Machines differ in the instruction set of torch's kernels (and oneDNN's, MKL's) and in their
+    threads: the demo fixes both (lab/numerics.py). A child process stands for a machine whose own
+    setting would be the scalar kernels; the pin, made before torch starts, wins."""
+    import os
+    import subprocess
+    import sys
+
+    import torch
+
+    from pairclean.lab.numerics import CPU_NUMERICS, pin_cpu_numerics
+
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        pytest.skip("not an x86-64 CPU with AVX2")
+    before = dict(os.environ)
+    assert pin_cpu_numerics() is False and dict(os.environ) == before  # torch is running here: too late
+    child = ("from pairclean.lab.numerics import pin_cpu_numerics, cpu_numerics\n"
+             "assert pin_cpu_numerics()\nimport torch\nprint(cpu_numerics())")
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": "default", "ONEDNN_MAX_CPU_ISA": "SSE41"}
+    printed = subprocess.run([sys.executable, "-c", child], env=env, capture_output=True, text=True, check=True).stdout
+    assert printed.strip() == str({"capability": "AVX2", "ONEDNN_MAX_CPU_ISA": CPU_NUMERICS["ONEDNN_MAX_CPU_ISA"],
+                                   "MKL_CBWR": CPU_NUMERICS["MKL_CBWR"]})
+    # The threads are the recipe's, and both are part of what a cached estimator is filed under.
+    summary = json.loads(first_run[1].files["summary"].read_text())
+    assert summary["cpu"]["capability"] == torch.backends.cpu.get_cpu_capability()
+    assert EstimatorRecipe(threads=1).cache_key() != EstimatorRecipe().cache_key()

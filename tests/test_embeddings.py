@@ -15,8 +15,8 @@ import pytest
 
 from pairclean.scoring import embeddings
 from pairclean.cli import main
-from pairclean.scoring.embeddings import (EmbeddingScoreConfig, iter_batches, open_embeddings, random_embeddings_beta,
-                                  score_embeddings, write_embeddings)
+from pairclean.data.formats.embeddings import iter_batches, open_embeddings, write_embeddings
+from pairclean.scoring.embeddings import EmbeddingScoreConfig, random_embeddings_beta, score_embeddings
 from pairclean.errors import UserError
 from pairclean.scores.contract import SCORES_SCHEMA, read_provenance
 from pairclean.core.scorer import cosine_similarity
@@ -91,7 +91,7 @@ def test_numpy_and_parquet_layouts_agree_and_bad_rows_become_errors(tmp_path, mo
     np_spec = open_embeddings([str(tmp_path / "left.npy"), str(tmp_path / "right.npy")], keys=str(tmp_path / "keys.parquet"),
                               key_field="id", pair="image-text")
     pq_spec = open_embeddings(str(tmp_path / "emb.parquet"), left_field="image_emb", right_field="text_emb", key_field="id")
-    assert (np_spec.layout, pq_spec.layout, pq_spec.dim) == ("numpy", "parquet", DIM)
+    assert (np_spec.layout, pq_spec.layout, pq_spec.dim) == ("numpy", "parquet-embeddings", DIM)
     # Small units and batches: keys must be sliced from the right row groups of the key file.
     cfg = EmbeddingScoreConfig(beta_mode="fixed", beta=0.0, unit_rows=17, batch_rows=15, threads=2)
     score_embeddings(np_spec, tmp_path / "np.parquet", cfg)

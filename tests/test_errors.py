@@ -12,7 +12,7 @@ from pairclean.scoring.model import ScoreConfig, score
 def test_library_names_the_config_field(coco_shards, tmp_path):
     with pytest.raises(ConfigError) as caught:
         score(str(coco_shards), tmp_path / "s.parquet", ScoreConfig(batch_size=0))
-    assert str(caught.value) == "batch_size must be at least 1" and caught.value.fields == ("batch_size",)
+    assert str(caught.value) == "batch_size must be at least 1, got 0" and caught.value.fields == ("batch_size",)
     assert not (tmp_path / "s.parquet").exists()
 
 

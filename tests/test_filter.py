@@ -150,7 +150,7 @@ def test_unscored_shards_and_missing_rules_are_user_errors(tmp_path, coco_shards
         filter_dataset(open_dataset(str(coco_shards)), coco_scores, tmp_path / "x")
     with pytest.raises(UserError, match="keep none"):
         filter_dataset(open_dataset(str(coco_shards)), coco_scores, tmp_path / "x", where=["sim > 2"])
-    with pytest.raises(UserError, match="top-fraction"):
+    with pytest.raises(UserError, match="top_fraction must be within"):
         filter_dataset(open_dataset(str(coco_shards)), coco_scores, tmp_path / "x", top_fraction=1.5)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["stray.tar"]
 

@@ -146,5 +146,5 @@ def test_toy_pairs_carry_their_mismatches_in_a_truth_file(kind, tmp_path):
         assert [p.right == v for p, v in zip(pairs, views)] == [not n for n in truth["noisy"]]
         assert all(p.left != p.right for p in pairs)  # a second view is another rendering
     assert sum(truth["selected"]) == 12 and 0 < sum(truth["noisy"]) <= 12
-    with pytest.raises(UserError, match="noise share"):
+    with pytest.raises(UserError, match="noise must be within"):
         build_toy_pairs(tmp_path / "bad", kind, 10, noise=1.0)

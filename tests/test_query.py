@@ -118,3 +118,19 @@ def test_not_a_scores_file(coco_parquet, tmp_path, capsys):
     assert code == 2 and "is not a pairclean scores file" in err
     code, _, err = run_cli(["query", str(tmp_path / "missing.parquet"), "SELECT 1"], capsys)
     assert code == 2 and "scores file not found" in err
+
+
+def test_the_readme_queries_with_what_the_main_install_brings(tmp_path, coco_scores, capsys, monkeypatch):
+    """README's query line runs after `pip install -e .` alone: no `duckdb` shell (that is duckdb-cli,
+    outside the main dependencies), and it counts what DuckDB counts."""
+    import shlex
+
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    commands = [line.strip() for line in readme.splitlines() if line.startswith("    ")]
+    assert not [c for c in commands if c.startswith("duckdb ")]
+    query = next(c for c in commands if c.startswith("pairclean query scores.parquet "))
+    (tmp_path / "scores.parquet").write_bytes(coco_scores.read_bytes())
+    monkeypatch.chdir(tmp_path)
+    code, out, err = run_cli(shlex.split(query)[1:] + ["--format", "csv"], capsys)
+    expected = direct(coco_scores, "SELECT count(*) FROM scores WHERE p_clean < 0.5")[0][0]
+    assert code == 0 and out.splitlines()[1:] == [str(expected)], err

@@ -153,6 +153,7 @@ def test_missing_shards_are_noted_not_fatal(tmp_path, coco_scores, capsys):
     table = pq.read_table(coco_scores)
     prov = read_provenance(coco_scores)
     prov["input_shards"] = ["/nonexistent/coco-mini-000000.tar"]
+    prov["dataset"]["sources"] = ["/nonexistent/coco-mini-000000.tar"]  # the recorded dataset moved away
     moved = tmp_path / "scores.parquet"
     pq.write_table(table.replace_schema_metadata({METADATA_KEY: json.dumps(prov).encode()}), moved)
     main(["report", str(moved), "--out", str(tmp_path / "r.html"), "--gallery", "3", "--contrast", "0"])

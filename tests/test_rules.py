@@ -18,7 +18,8 @@ from pairclean.cli import main
 from pairclean.errors import UserError
 from pairclean.scores.contract import SCORES_SCHEMA, read_provenance, read_summary
 from pairclean.scores.rules import DEFAULT_RULES, REGISTRY, FitContext, build_rules, parse_rule, recorded_rules
-from pairclean.scoring.embeddings import EmbeddingScoreConfig, write_embeddings
+from pairclean.data.formats.embeddings import write_embeddings
+from pairclean.scoring.embeddings import EmbeddingScoreConfig
 from pairclean.scoring.model import ScoreConfig
 
 DIM, PAIRS, NOISY_EVERY = 16, 400, 4
@@ -58,8 +59,11 @@ def test_top_fraction_fits_the_quantile_of_the_sample():
     (("beta", "nope"), "unknown rule 'nope'"),
     (("top-fraction:keep",), "bad option 'keep'"),
     (("top-fraction:share=0.5",), "bad option 'share=0.5'"),
-    (("top-fraction:keep=lots",), "keep must be a float"),
-    (("top-fraction:keep=1.5",), "keep must be in (0, 1]"),
+    (("top-fraction:keep=lots",), "keep must be a number, got 'lots'"),
+    (("top-fraction:keep=1.5",), "keep must be within (0, 1]"),
+    (("fdr:alpha=0.1,alpha=0.2",), "option alpha is given twice"),  # issue 25: the last one was kept
+    (("fdr:alpha=nan",), "alpha must be a finite number"),
+    (("fdr:alpha=inf",), "alpha must be a finite number"),
     (("gmm", "gmm"), "rules gmm and gmm both write column p_clean"),
 ])
 def test_bad_rule_specs_fail_before_scoring(specs, message):
@@ -77,7 +81,7 @@ def test_unknown_rule_on_the_command_line_is_one_line(tmp_path, capsys):
         main(["score", str(tmp_path / "emb"), "--from-embeddings", "--out", str(tmp_path / "s.parquet"),
               "--rule", "top-fraction:keep=2"])
     err = capsys.readouterr().err
-    assert exit_info.value.code == 2 and len(err.strip().splitlines()) == 1 and "keep must be in (0, 1]" in err
+    assert exit_info.value.code == 2 and len(err.strip().splitlines()) == 1 and "keep must be within (0, 1]" in err
     assert not (tmp_path / "s.parquet").exists()
 
 
@@ -114,7 +118,7 @@ def test_an_enabled_rule_reaches_the_file_the_summary_evaluate_and_the_report(tm
     # evaluate detection: its row, with the metrics of the column against the truth.
     main(["evaluate", "detection", str(scores), "--truth", str(truth)])
     out = capsys.readouterr().out
-    assert re.search(rf"top-fraction\s*│\s*sim <= {cut:.4f}", out)
+    assert re.search(rf"top-fraction\s+sim <= {cut:.4f}", out)
     result = json.loads(scores.with_name("scores.detection.json").read_text())
     truth_noisy = np.array(noisy)
     assert result["rules"]["top-fraction"]["noise_caught"] == pytest.approx(

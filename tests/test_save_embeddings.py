@@ -15,7 +15,7 @@ import pyarrow.parquet as pq
 import pytest
 from helpers import forked, run_cli
 
-from pairclean.scoring.embeddings import open_embeddings
+from pairclean.data.formats.embeddings import open_embeddings
 from pairclean.scoring.model import ScoreConfig, score
 from pairclean.scores.contract import read_provenance
 
@@ -78,6 +78,11 @@ def test_from_embeddings_scores_them_again_without_a_model(saved, tmp_path, caps
     assert provenance["beta"] == pytest.approx(read_provenance(out)["beta"])  # the recorded random-inputs beta
     assert "recorded with the embeddings" in provenance["beta_source"]
     assert provenance["estimator"]["saved_by"]["estimator"]["model"] == "pairclean-tiny"
+    # the dataset the saving run scored, recorded with the embeddings: filter finds the pairs from the scores alone
+    assert provenance["dataset"]["pairs"] == read_provenance(out)["dataset"]
+    code, printed, err = run_cli(["filter", again, "--where", "sim > -2", "--out", tmp_path / "kept"], capsys)
+    assert code == 0, err
+    assert len(list((tmp_path / "kept").glob("*.tar"))) >= 1
     spec = open_embeddings(str(emb))
     assert spec.pair == "image-text" and spec.saved["rows"] == 16
 

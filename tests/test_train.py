@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import logging
+import math
 from pathlib import Path
 
 import duckdb
@@ -24,6 +27,8 @@ from pairclean.train import METHODS, build_method, train
 from pairclean.train import trainer as trainer_module
 from pairclean.train.data import index_shards
 from pairclean.train.logs import read_metrics
+from pairclean.train.trainer import bounded_warmup, epoch_steps
+from pairclean.ops.progress import Progress, ProgressTask
 from pairclean.backends import load_target
 from pairclean.train.weights import build_weight_arrays
 
@@ -99,6 +104,65 @@ def test_resumed_run_ends_with_the_same_weights(tmp_path, coco_shards, monkeypat
     assert epochs == [1, 2]
     with pytest.raises(UserError, match="different settings"):
         train(str(coco_shards), tmp_path / "killed", tiny(epochs=2, workers=1, resume=True, lr=0.5))
+
+
+class _CountingProgress(Progress):
+    """Records each epoch bar's total and how far it advanced."""
+
+    def __init__(self):
+        self.bars = []
+
+    @contextlib.contextmanager
+    def task(self, label, total=None, completed=0, **fields):
+        bar = {"label": label, "total": total, "done": completed}
+        self.bars.append(bar)
+
+        class Task(ProgressTask):
+            def update(self, advance=0, **fields):
+                bar["done"] += advance
+
+        yield Task()
+
+
+@pytest.mark.parametrize("method", ["plain", "filter"])
+def test_each_worker_s_partial_batch_is_counted_in_the_bar_and_the_schedule(tmp_path, coco_shards, scores, method):
+    """Shards of 6 + 6 + 4 pairs, batches of 8, two workers: each worker ends on a partial batch, so an
+    epoch takes 3 steps (2 with half the pairs filtered), not 16 / 8 = 2 (the bar read 3/2, and the
+    cosine reached lr 0 before the last steps)."""
+    options = {"scores": str(scores), "filter": '"index" % 2 = 0'} if method == "filter" else {}
+    progress = _CountingProgress()
+    result = train(str(coco_shards), tmp_path / "run", tiny(epochs=3, workers=2, method=method,
+                                                            method_options=options, progress=progress))
+    steps = [r["steps"] for r in result.epochs]
+    assert [(bar["total"], bar["done"]) for bar in progress.bars] == [(n, n) for n in steps]
+    assert all(n > math.ceil(r["pairs"] / 8) for n, r in zip(steps, result.epochs))  # what the old count said
+    run = json.loads((tmp_path / "run" / "run.json").read_text())
+    assert run["train"]["steps_per_epoch"] == steps and run["train"]["schedule_steps"] == sum(steps)
+    lrs = [x["lr"] for x in read_metrics(tmp_path / "run" / "metrics.jsonl") if x["event"] == "step"]
+    assert len(lrs) == sum(steps) and min(lrs) > 0  # every step learns: none past the end of the cosine
+
+
+def test_a_warm_up_longer_than_the_run_is_shortened_and_said(tmp_path, coco_shards, caplog):
+    """The defaults (warm-up 500 steps) on 16 pairs: the peak lr is reached, and a warning says why."""
+    with caplog.at_level(logging.WARNING, logger="pairclean"):
+        result = train(str(coco_shards), tmp_path / "run", tiny(epochs=3, warmup_steps=500))
+    total = sum(r["steps"] for r in result.epochs)
+    assert f"warmup_steps 500 is longer than this run ({total} steps), so lr 0.001 would never be reached: " \
+           "warming up over 1 step instead" in caplog.text
+    lrs = [x["lr"] for x in read_metrics(tmp_path / "run" / "metrics.jsonl") if x["event"] == "step"]
+    assert lrs[0] == pytest.approx(1e-3) and lrs == sorted(lrs, reverse=True)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="pairclean"):
+        train(str(coco_shards), tmp_path / "quiet", tiny(epochs=3, warmup_steps=1))
+    assert "warm" not in caplog.text
+
+
+def test_warm_up_is_at_most_a_fifth_of_the_run():
+    assert [bounded_warmup(500, total) for total in (1, 4, 5, 10, 2500, 10_000)] == [1, 1, 1, 2, 500, 500]
+    assert bounded_warmup(0, 10) == 0 and bounded_warmup(30, 192) == 30  # the demo's estimator: unchanged
+    # Two ranks, two workers each: only full batches, as many as the rank with the fewest has.
+    assert epoch_steps([[20, 7], [9, 3]], local_batch=4, across_ranks=True) == 2
+    assert epoch_steps([[20, 7, 1]], local_batch=4, across_ranks=False) == 5 + 2 + 0
 
 
 def test_osa_weights_are_joined_per_shard_and_index(tmp_path, coco_shards, scores):
@@ -220,7 +284,7 @@ def test_run_directory_guards(tmp_path, coco_shards):
     other = tmp_path / "other"
     other.mkdir()
     (other / "notes.txt").write_text("mine")
-    with pytest.raises(UserError, match="holds no pairclean run"):
+    with pytest.raises(UserError, match="holds no pairclean training run"):
         train(str(coco_shards), other, tiny())
     assert (other / "notes.txt").exists()
     with pytest.raises(UserError, match="batch_size"):

@@ -12,7 +12,7 @@ from torch.utils.data import DataLoader
 from pairclean.backends.open_clip import OpenClipEstimator
 from pairclean.data.manifest import open_dataset
 from pairclean.data.reader import UnitFailure, read_unit
-from pairclean.train.data import TrainBatches, index_shards, tar_keys
+from pairclean.train.data import TrainBatches, index_shards
 
 
 def _tar(path, members):
@@ -29,17 +29,17 @@ def test_header_listing_matches_read_unit_even_with_repeated_keys(tmp_path):
                  ("b.txt", b"q"), ("b.txt2", b"r"), ("c.json", b"{}")])
     spec = open_dataset(str(shard), pair="text-text")
     read = [item.key for item in read_unit(spec, str(shard)) if not isinstance(item, UnitFailure)]
-    keys, failure = tar_keys(str(shard))
+    keys, (rows, failure) = spec.input_format.keys(str(shard)), spec.input_format.rows(str(shard))
     assert keys == read == ["a", "a", "b", "c"] and failure is None
-    assert index_shards(spec)[0].rows == 4
+    assert index_shards(spec)[0].rows == rows == 4
 
 
 def test_truncated_shard_counts_what_is_readable(tmp_path, coco_shards):
     whole = sorted(coco_shards.glob("*.tar"))[0]
     cut = tmp_path / "cut.tar"
     cut.write_bytes(whole.read_bytes()[:len(whole.read_bytes()) // 2])
-    keys, failure = tar_keys(str(cut))
-    assert failure is not None and 0 < len(keys) < 6
+    rows, failure = open_dataset(str(cut)).input_format.rows(str(cut))
+    assert failure is not None and 0 < rows < 6
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,8 @@ from helpers import tiny_train_config
 from pairclean.errors import UserError
 from pairclean.train import build_method, train
 from pairclean.train import trainer as trainer_module
-from pairclean.train.methods.gsc import cross_modal_indicator, intra_modal_loss, intra_modal_similarity, momentum
+from pairclean.train.methods.gsc import (calibrated_indicator, cross_modal_indicator, intra_modal_loss,
+                                        intra_modal_similarity, momentum, structure_rows)
 from pairclean.train.retrieval import evaluate_retrieval
 from pairclean.train.methods.sdd import confidence_weights, memory_bank, nearest, partition, self_drop, significance
 
@@ -84,6 +85,38 @@ def test_gsc_intra_modal_loss_with_label_masking():
     # y_3 = 0 zeroes M's third column and row: rows 1-2 see logits (1, 0, 0); row 3 sees (0, 0, 0)
     masked = float(intra_modal_loss(eye, eye, torch.tensor([1.0, 1.0, 0.0]), torch.ones(3), tau2=1.0))
     assert masked == pytest.approx((2 * ce + math.log(3)) / 3)
+
+
+def test_gsc_centred_rows_leave_out_the_diagonal_and_the_common_offset():
+    # three items whose cosines share an offset of 0.5: row 0 = (1, 0.7, 0.5), without its diagonal (0.7, 0.5)
+    gram = torch.tensor([[1.0, 0.7, 0.5], [0.7, 1.0, 0.6], [0.5, 0.6, 1.0]])
+    items = torch.linalg.cholesky(gram)  # rows whose inner products are `gram`
+    rows = structure_rows(items, items, torch.ones(3), centred=True)
+    assert rows[0].tolist() == pytest.approx([0.0, 0.1, -0.1], abs=1e-6)  # (0.7, 0.5) minus their mean 0.6
+    weighted = structure_rows(items, items, torch.tensor([1.0, 1.0, 0.0]), centred=True)
+    assert weighted[0].tolist() == pytest.approx([0.0, 0.0, 0.0], abs=1e-6)  # one column left: its own mean
+    assert weighted[2].tolist() == pytest.approx([-0.05, 0.05, 0.0], abs=1e-6)  # mean of (0.5, 0.6), col 2 * 0
+    local = structure_rows(items[1:], items, torch.ones(3), offset=1, centred=True)  # rank 2 of 2: rows 1-2
+    assert torch.allclose(local, rows[1:], atol=1e-6)
+
+
+def test_gsc_centred_structure_tells_a_mismatched_pair_from_clean_ones():
+    torch.manual_seed(0)
+    unit = lambda x: torch.nn.functional.normalize(x, dim=-1)  # noqa: E731
+    offset = unit(torch.ones(32))  # a direction every embedding shares, as a dual encoder's cosines do
+    images = unit(unit(torch.randn(16, 32)) + 2 * offset)
+    texts = unit(images + 0.3 * unit(torch.randn(16, 32)))  # each text near its own image
+    texts[0] = texts[5]  # pair 0 is mismatched: its text is item 5's
+    raw = intra_modal_similarity(images, texts, torch.ones(16))
+    centred = intra_modal_similarity(images, texts, torch.ones(16), centred=True)
+    assert float(raw.min()) > 0.98  # the common offset makes every raw row alike (Eq. 8 on cosines)
+    assert float(centred[0]) < 0 < float(centred[1:].min())  # centred rows single out the mismatched pair
+
+
+def test_gsc_calibrated_indicator_is_a_clean_posterior():
+    softmax = np.array([0.01, 0.012, 0.015, 0.02, 0.011, 0.12, 0.15, 0.1, 0.13, 0.14])  # noisy ~0.01, clean ~0.13
+    y = calibrated_indicator(softmax)
+    assert (y[:5] < 0.05).all() and (y[5:] > 0.95).all()
 
 
 def test_gsc_momentum_update_from_one():
@@ -157,6 +190,17 @@ def test_sdd_refuses_an_empty_memory_bank(tmp_path, coco_shards):
         train(str(coco_shards), tmp_path / "run", tiny(method="sdd", method_options={"alpha": "99", "beta": "99"}))
 
 
+def test_gsc_labels_start_from_a_pass_of_the_starting_model(tmp_path, coco_shards):
+    """init_labels=pass: the first epoch already trains with labels (not 1), and they are the posteriors
+    of the starting model's own indicators; ones: every label is 1 during the first epoch."""
+    train(str(coco_shards), tmp_path / "pass", tiny(epochs=1, method="gsc"))
+    train(str(coco_shards), tmp_path / "ones", tiny(epochs=1, method="gsc", method_options={"init_labels": "ones"}))
+    first = pq.read_table(tmp_path / "pass" / "diagnostics" / "epoch-001.parquet").to_pylist()
+    assert len({round(r["y"], 6) for r in first}) > 1 and min(r["y"] for r in first) < 1
+    ones = pq.read_table(tmp_path / "ones" / "diagnostics" / "epoch-001.parquet").to_pylist()
+    assert {r["y"] for r in ones} == {1.0}
+
+
 def test_two_network_gsc_run_is_evaluated_with_both_networks(tmp_path, coco_shards):
     result = train(str(coco_shards), tmp_path / "run", tiny(epochs=1, method="gsc", method_options={"networks": "2"}),
                    val=str(coco_shards))
@@ -177,5 +221,5 @@ def test_method_option_help_lists_every_method_with_its_defaults(capsys):
 
     main(["train", "--method-option", "help"])  # no data, no --out: the listing comes first
     out = capsys.readouterr().out
-    for text in ("sdd", "alpha=20.0", "beta=30.0", "gsc", "tau1=None", "gamma=0.01", "networks=1", "osa-weights"):
+    for text in ("sdd", "alpha=20.0", "beta=30.0", "gsc", "tau1=0.07", "gamma=0.01", "networks=1", "osa-weights"):
         assert text in out

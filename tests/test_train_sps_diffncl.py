@@ -4,6 +4,7 @@ and the per-epoch pair tables joined with `pairclean corrupt`'s truth in one Duc
 
 from __future__ import annotations
 
+import json
 import math
 
 import duckdb
@@ -95,20 +96,68 @@ def test_denoiser_shares_its_weights_across_steps_and_cross_loss_by_hand():
     u = torch.nn.functional.normalize(torch.randn(1, 4), dim=-1)
     v, uh, vh = (torch.nn.functional.normalize(torch.randn(1, 4), dim=-1) for _ in range(3))
     expected = math.log(math.exp(float(uh @ v.T)) + math.exp(float(vh @ u.T))) - float(uh @ vh.T)
-    assert float(cross_consistency(uh, vh, u, v, 1.0)) == pytest.approx(expected, abs=1e-5)
+    assert float(cross_consistency(uh, vh, u, v, 1.0, form="as-written")) == pytest.approx(expected, abs=1e-5)
 
 
 def test_cross_loss_as_written_pushes_the_pairs_own_originals_apart_and_detached_leaves_them_alone():
     f = torch.nn.functional.normalize(torch.randn(4, 8), dim=-1).requires_grad_()
     g = torch.nn.functional.normalize(torch.randn(4, 8), dim=-1).requires_grad_()
     f_hat, g_hat = f.detach() * 0.9 + 0.1, g.detach() * 0.9 + 0.1  # the denoised pair, near its originals
-    as_written = cross_consistency(f_hat, g_hat, f, g, 10.0)
+    as_written = cross_consistency(f_hat, g_hat, f, g, 10.0, form="as-written")
     as_written.backward()
     # descent moves g_i along -grad: away from f_hat_i (the pair's own denoised image sits in the denominator)
     assert float((-g.grad * f_hat).sum(-1).min()) < 0
     f.grad = g.grad = None
-    detached = cross_consistency(f_hat, g_hat, f, g, 10.0, detach_originals=True)
+    detached = cross_consistency(f_hat, g_hat, f, g, 10.0, detach_originals=True, form="as-written")
     assert float(detached) == pytest.approx(float(as_written)) and not detached.requires_grad
+
+
+def test_cross_loss_per_the_prose_by_hand_leaves_out_the_pairs_own_originals():
+    # two pairs, scale 1: row i's softmax holds the positive <f_hat_i, g_hat_i> and the OTHER pair's originals
+    f, g = torch.eye(3)[:2], torch.eye(3)[1:]
+    f_hat, g_hat = torch.eye(3)[[2, 0]], torch.eye(3)[[2, 1]]
+    logits = [[1.0, float(f_hat[0] @ g[1]), float(g_hat[0] @ f[1])], [float(f_hat[1] @ g_hat[1]), float(f_hat[1] @ g[0]),
+                                                                       float(g_hat[1] @ f[0])]]
+    expected = sum(math.log(sum(math.exp(x) for x in row)) - row[0] for row in logits) / 2
+    assert float(cross_consistency(f_hat, g_hat, f, g, 1.0)) == pytest.approx(expected, abs=1e-6)
+    # a pair's own originals move nothing: the loss is the same whatever they are
+    moved_f, moved_g = f.clone(), g.clone()
+    moved_f[0], moved_g[0] = -f[0], torch.tensor([0.6, 0.8, 0.0])
+    assert float(cross_consistency(f_hat[:1], g_hat[:1], moved_f[:1], moved_g[:1], 1.0)) == pytest.approx(0.0)
+    # gradient: descent pulls the denoised pair together (never pushes its own originals away: they get none)
+    f_var = f.clone().requires_grad_()
+    g_var = g.clone().requires_grad_()
+    fh, gh = f_hat.clone().requires_grad_(), g_hat.clone().requires_grad_()
+    cross_consistency(fh, gh, f_var, g_var, 5.0).backward()
+    assert float((-fh.grad * gh.detach()).sum()) > 0
+    assert float((g_var.grad[0] * fh.detach()[0]).abs().sum()) == 0.0  # g_0 sits only in row 1's denominator
+
+
+def test_dynamic_zeta_on_the_normalised_loss_does_not_depend_on_its_scale():
+    loss = np.array([1.0, 2.0, 4.0, 9.0])
+    assert dynamic_zeta([loss], normalised=True) == pytest.approx(dynamic_zeta([loss * 50], normalised=True))
+    raw = dynamic_zeta([loss * 50])
+    assert raw < 1e-3 < dynamic_zeta([loss * 50], normalised=True)  # the paper's form shrinks with the scale
+
+
+def test_three_way_labels_ordered_by_loss_when_psi_runs_the_other_way():
+    rng = np.random.default_rng(0)
+    # independent noise: Psi grows with a pair's similarity, so clean pairs (low loss) have the HIGHEST Psi
+    centres = {CLEAN: (1.0, 0.9), WEAK: (5.0, 0.5), NOISY: (9.0, 0.1)}
+    truth = np.repeat([NOISY, CLEAN, WEAK], 60)
+    points = np.array([centres[k] for k in truth]) + rng.normal(0, [0.3, 0.02], size=(len(truth), 2))
+    labels, _ = three_way_labels(points[:, 0], points[:, 1], zeta=1.0, order_by="loss")
+    assert (labels == truth).mean() > 0.95
+
+
+def test_partial_forward_diffusion_keeps_signal_for_the_denoiser():
+    f, g = torch.eye(64)[:1].expand(200, 64), torch.eye(64)[1:2].expand(200, 64)
+    full, _ = forward_diffusion(f, g, 4, shared_noise=False, generator=torch.Generator().manual_seed(0))
+    part, _ = forward_diffusion(f, g, 3, shared_noise=False, generator=torch.Generator().manual_seed(0), total=4)
+    signal = lambda x: float((x[:, 0] / 8).mean())  # noqa: E731  the component along f, on the unit scale
+    assert abs(signal(full[-1])) < 0.05  # step T of 4: alpha_T = 0, nothing of f is left
+    alpha, _ = noise_schedules(4)
+    assert signal(part[-1]) == pytest.approx(float(alpha[:3].prod().sqrt()), abs=0.05)  # step 3: sqrt(prod alpha)
 
 
 # ---------------------------------------------------------------- SPS equations
@@ -152,9 +201,9 @@ def test_three_way_partition_and_the_percentile_rule():
     ("sps", {"warmup_epochs": "3", "e_qc": "2"}, "warmup_epochs < e_qc"),
     ("sps", {"eps1": "0.4"}, "eps2 <= eps1"),
     ("sps", {"proxy_label": "soft"}, "proxy_label"),
-    ("diffncl", {"steps": "0"}, "steps >= 1"),
-    ("diffncl", {"zeta": "-1"}, "zeta must be positive"),
-    ("diffncl", {"cross_weight": "-0.5"}, "must be non-negative"),
+    ("diffncl", {"steps": "0"}, "steps must be at least 1"),  # declared once (config.setting), issue 25
+    ("diffncl", {"zeta": "-1"}, "zeta must be above 0"),
+    ("diffncl", {"cross_weight": "-0.5"}, "cross_weight must be at least 0"),
 ])
 def test_bad_options_are_user_errors(name, options, message):
     with pytest.raises(UserError, match=message):
@@ -248,3 +297,58 @@ def test_pair_tables_join_the_corrupt_truth_in_one_query(method, columns, tmp_pa
         unlabelled = duckdb.execute(f"SELECT count(*) FROM '{table}' WHERE partition = 'reliable' "
                                     "AND (y_qc IS NOT NULL OR y_proxy IS NOT NULL)").fetchone()[0]
         assert unlabelled == 0  # soft and proxy labels are NULL where they do not apply
+
+
+# ---------------------------------------------------------------- loops, schedules, short runs
+
+@pytest.mark.parametrize("method, count", [("sps", "sps_reliable"), ("diffncl", "diffncl_clean")])
+def test_an_epoch_after_the_warm_up_is_one_pass_over_the_pairs_that_drive_it(method, count, tmp_path, mixed_noise):
+    """As the authors run them: the main network's loader reads only SPS's reliable / DiffNCL's clean pairs
+    (the other kinds come in batches of their own), and the step log's rows are all of that kind."""
+    result = train(str(mixed_noise.manifest), tmp_path / "run", _config(method, epochs=2))
+    assert result.epochs[0]["pairs"] == 16  # warm-up: every pair
+    assert result.epochs[1]["pairs"] == result.epochs[1][count] < 16
+    steps = pq.read_table(tmp_path / "run" / "diagnostics" / "epoch-002.parquet").to_pylist()
+    assert {r["partition_code"] for r in steps} == {0.0}  # RELIABLE / CLEAN
+
+
+def test_the_schedule_is_replanned_to_end_with_the_run(tmp_path, mixed_noise):
+    """An epoch that trains fewer pairs than planned moves the cosine's end: the schedule reaches lr 0
+    exactly when the run's last step is taken (each step logs the lr it used, the state the lr after it)."""
+    from pairclean.train.checkpoint import load_state
+
+    result = train(str(mixed_noise.manifest), tmp_path / "run", _config("diffncl", epochs=2, min_lr_ratio=0.0))
+    steps = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    steps = [s for s in steps if s["event"] == "step"]
+    after_last = load_state(tmp_path / "run")["optimizer"]["param_groups"][0]["lr"]
+    assert result.epochs[1]["pairs"] < 16 and steps[-1]["lr"] > 0 and after_last == pytest.approx(0.0, abs=1e-12)
+
+
+def test_schedules_scale_with_the_run_and_keep_given_values():
+    sps, diffncl = build_method("sps"), build_method("diffncl")
+    assert sps.schedule(45) == {"warmup_epochs": 5, "e_qc": 16, "e_n": 21}  # the authors' code
+    assert sps.schedule(4) == {"warmup_epochs": 0, "e_qc": 2, "e_n": 3}
+    assert build_method("sps", {"e_n": "4"}).schedule(4) == {"warmup_epochs": 0, "e_qc": 2, "e_n": 4}
+    assert diffncl.schedule(45) == {"warmup_epochs": 5} and diffncl.schedule(4) == {"warmup_epochs": 0}
+    assert build_method("diffncl", {"warmup_epochs": "2"}).schedule(4) == {"warmup_epochs": 2}
+
+
+@pytest.mark.parametrize("method, options, said", [
+    ("sps", {"warmup_epochs": "1", "e_qc": "2", "e_n": "2"}, "covers the whole 1-epoch run"),
+    ("diffncl", {"warmup_epochs": "3"}, "covers the whole 1-epoch run"),
+    ("sps", {"e_qc": "2", "e_n": "3"}, "ends before e_qc=2 (quasi-clean pairs), e_n=3 (noisy pairs) starts"),
+])
+def test_a_run_too_short_for_the_method_says_so(method, options, said, tmp_path, mixed_noise, caplog):
+    train(str(mixed_noise.manifest), tmp_path / "run", _config(method, epochs=1, method_options=options))
+    assert any(said in r.getMessage() for r in caplog.records if r.name == "pairclean")
+
+
+@pytest.mark.parametrize("method", ["sps", "diffncl"])
+def test_a_finished_run_leaves_no_loader_workers_behind(method, tmp_path, mixed_noise):
+    """The method's own loaders close their passes at each epoch's end: a process that trains several runs
+    (a benchmark) does not keep a DataLoader worker per loader and run alive."""
+    import multiprocessing
+
+    before = set(multiprocessing.active_children())
+    train(str(mixed_noise.manifest), tmp_path / "run", _config(method, epochs=2, workers=1))
+    assert set(multiprocessing.active_children()) - before == set()

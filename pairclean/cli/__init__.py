@@ -16,10 +16,11 @@ import time
 import traceback
 
 import typer
-from rich.markup import escape
+from rich.text import Text
 
 from pairclean.cli.app import app, console, err_console
 from pairclean.cli.options import flag_for
+from pairclean.cli.terminal import literal
 from pairclean.errors import ConfigError, UserError, word_fields
 
 try:  # typer >= 0.22 runs on its own copy of click; older typer on click itself
@@ -74,8 +75,8 @@ def _crash_log(exc: BaseException) -> str:
 
 
 def _one_line(kind: str, message: str, colour: str = "red") -> None:
-    # The message carries user text (paths, predicates): escaped, `[/red]` in it is printed, not parsed.
-    err_console.print(f"[{colour}]{kind}:[/{colour}] {escape(message)}", highlight=False, soft_wrap=True)
+    # The message carries user text (paths, predicates): printed literally, `[/red]` in it is not parsed.
+    err_console.print(Text.assemble((f"{kind}:", colour), " ", literal(message)), soft_wrap=True)
 
 
 class _NoticeLines(logging.Handler):
@@ -106,7 +107,7 @@ def main(argv: list[str] | None = None) -> None:
     _register_commands()
     try:
         with _notices_as_lines():
-            returned = app(args=argv, standalone_mode=False)
+            returned = app(args=argv, standalone_mode=False, prog_name="pairclean")
         if returned == 130:  # typer hands a Ctrl-C inside a command back as this value
             raise KeyboardInterrupt
         if isinstance(returned, int) and returned:

@@ -1,9 +1,114 @@
-"""The typer application and the consoles every command prints to (stdout: results, stderr: messages)."""
+"""The typer application, its help, and the consoles every command prints to (stdout: results,
+stderr: messages): `cli.terminal.LiteralConsole`, which prints every string literally.
+
+Help is written for a person and read at any width: plain text (no rich markup parsed in help
+strings, so `NAME[:key=value]` and `[loss, zeta * Psi]` survive; no boxes to squeeze at 80
+columns), a usage line such as `pairclean score [OPTIONS] SHARDS...`, and metavars that say
+what a value is (`PATH`, `TEXT`, `N`, `NUMBER`, or one a command declares, e.g. `SQL`) instead
+of a Python type (`<list[str]>`); a flag has none. Every command and command group is made with
+`App`, so a new command gets the same help.
+"""
+
+import typing
+from pathlib import Path
 
 import typer
-from rich.console import Console
+from typer.core import TyperCommand, TyperGroup
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
-                  help="Find and neutralise mismatched pairs in CLIP-style training data.")
-console = Console()
-err_console = Console(stderr=True)
+from pairclean.cli.terminal import LiteralConsole
+
+# What an option's value is, by the kind of its value, when the option declares no metavar.
+METAVARS = {"path": "PATH", "text": "TEXT", "integer": "N", "float": "NUMBER"}
+_KINDS = {Path: "path", str: "text", int: "integer", float: "float"}
+
+
+def _kind(param) -> str:
+    """The kind of value an option takes: "path", "text", "integer", "float" (else "")."""
+    descriptor = getattr(param, "type_descriptor", None)  # typer >= 0.22: the parameter's annotation
+    if descriptor is None:
+        return getattr(param.type, "name", "")  # older typer: click's parameter type
+    annotation = descriptor.annotation
+    if typing.get_origin(annotation) in (list, tuple):  # a repeatable option: the kind of one value
+        annotation = typing.get_args(annotation)[0]
+    return _KINDS.get(annotation, "")
+
+
+def readable(param) -> None:
+    """Give `param` a metavar a person reads: an argument its name in capitals, an option one by
+    the kind of its value; a flag none. A metavar the command declared is kept."""
+    if param.metavar is not None:
+        return
+    if param.param_type_name == "argument":
+        param.metavar = param.name.upper()
+    elif not getattr(param, "is_flag", False) and not getattr(param, "count", False):
+        param.metavar = METAVARS.get(_kind(param), "VALUE")
+
+
+class Command(TyperCommand):
+    """A command with help a person reads (see the module docstring)."""
+
+    def parameters(self, ctx) -> list:
+        """The command's parameters (a command that adds some when it is parsed overrides this)."""
+        return super().get_params(ctx)
+
+    def get_params(self, ctx):
+        params = self.parameters(ctx)
+        for param in params:
+            readable(param)
+        return params
+
+    def format_options(self, ctx, formatter) -> None:
+        """The arguments by their metavars (typer would show their Python type), then the options."""
+        params = self.get_params(ctx)
+        arguments = [(p.metavar + ("..." if p.nargs != 1 else ""), getattr(p, "help", None) or "")
+                     for p in params if p.param_type_name == "argument"]
+        options = [record for p in params if p.param_type_name == "option" and (record := p.get_help_record(ctx))]
+        for title, records in (("Arguments", arguments), ("Options", options)):
+            if records:
+                with formatter.section(title):
+                    formatter.write_dl(records)
+
+    def collect_usage_pieces(self, ctx) -> list[str]:
+        """`[OPTIONS] SHARDS...`: an argument by its metavar, `...` when it takes several, in
+        brackets when it may be left out."""
+        pieces = [self.options_metavar] if self.options_metavar else []
+        for param in self.get_params(ctx):
+            if param.param_type_name == "argument":
+                name = param.metavar + ("..." if param.nargs != 1 else "")
+                pieces.append(name if param.required else f"[{name}]")
+        return pieces
+
+
+class Group(TyperGroup):
+    """A command group with the same help as `Command`."""
+
+    def get_params(self, ctx):
+        params = super().get_params(ctx)
+        for param in params:
+            readable(param)
+        return params
+
+
+class App(typer.Typer):
+    """pairclean's typer application and its command groups: plain help, `Command` for every command."""
+
+    def __init__(self, **kwargs):
+        super().__init__(cls=Group, rich_markup_mode=None, add_completion=False, **kwargs)
+
+    def command(self, *args, cls=None, **kwargs):
+        return super().command(*args, cls=cls or Command, **kwargs)
+
+
+app = App(no_args_is_help=True, pretty_exceptions_enable=False,
+          help="Find and neutralise mismatched pairs in CLIP-style training data.")
+console = LiteralConsole()
+err_console = LiteralConsole(stderr=True)
+
+
+def announce(spec) -> None:
+    """The one line a run over a dataset starts with: its format and how it is read (its input
+    format's `describe`); under torchrun only rank 0 says it."""
+    import os
+
+    if os.environ.get("RANK", "0") == "0":
+        console.print(spec.input_format.describe())

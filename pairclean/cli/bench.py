@@ -6,10 +6,11 @@ import typer
 from rich.table import Table
 
 import pairclean.cli.options as options
-from pairclean.cli.app import app, console, err_console
+from pairclean.cli.app import App, app, console, err_console
 from pairclean.cli.progress import RichProgress
+from pairclean.cli.terminal import print_table
 
-bench_app = typer.Typer(no_args_is_help=True, help="Measure throughput on this machine.")
+bench_app = App(no_args_is_help=True, help="Measure throughput on this machine.")
 app.add_typer(bench_app, name="bench")
 
 
@@ -76,6 +77,13 @@ def summary_lines(report) -> list[str]:
     return lines
 
 
+def _files(*given: str) -> list[str]:
+    """The given values that name files (a --pretrained checkpoint, not a tag)."""
+    import os
+
+    return [g for g in given if g and os.path.isfile(g)]
+
+
 @bench_app.command("score")
 @options.with_dataset
 def bench_score_command(
@@ -97,24 +105,24 @@ def bench_score_command(
     min_seconds: float = typer.Option(10.0, help="Run the model-only ceiling at least this long."),
     repeat: int = typer.Option(1, help="Rounds of (a)(b)(c), interleaved; ratios are reported per round and as medians."),
     json_out: options.JsonOut = None,
+    overwrite: bool = typer.Option(False, help="Replace an existing output file."),
 ) -> None:
     """Model-only ceiling vs end-to-end `pairclean score` vs a naive loop: pairs/s, ratios, peak memory."""
     from pairclean.scoring.bench import bench_score, write_report
-    from pairclean.ops.guard import check_output
+    from pairclean.ops.guard import open_output
     from pairclean.scoring.model import ScoreConfig
 
     spec = dataset.spec(source)
+    target = open_output(json_out, [*source, *spec.shards, *_files(pretrained)], "json", overwrite=overwrite) if json_out is not None else None
     cfg = ScoreConfig(model=model, pretrained=pretrained, backend=backend, device=device, precision=precision,
                       decode=decode, compile=compile, batch_size=batch_size, workers=workers, beta_mode=beta_mode,
                       beta_k=beta_k, beta_cache=beta_cache)
-    if json_out is not None:
-        check_output(json_out, spec.shards, field="json")
     report = bench_score(spec, cfg, naive_pairs=naive_pairs, min_seconds=min_seconds, repeat=repeat,
                          progress=RichProgress(err_console))
     for table in report_tables(report):
-        console.print(table)
+        print_table(console, table)
     for line in summary_lines(report):
         console.print(line, highlight=False)
-    if json_out is not None:
-        write_report(report, json_out)
-        console.print(f"report: {json_out}", highlight=False)
+    if target is not None:
+        write_report(report, target)
+        console.print(f"report: {target.path}", highlight=False)

@@ -8,8 +8,9 @@ from typing import List, Optional
 import typer
 from rich.table import Table
 
-from pairclean.cli.app import app, console
+from pairclean.cli.app import announce, app, console
 from pairclean.cli.progress import RichProgress
+from pairclean.cli.terminal import print_table
 from pairclean.dedup.run import DEFAULT_THRESHOLD
 
 
@@ -34,8 +35,9 @@ def summary_table(result) -> Table:
 
 @app.command("dedup")
 def dedup_command(
-    source: List[str] = typer.Argument(..., help="Saved embeddings: a clip-retrieval layout directory (img_emb/, text_emb/, "
-                                                  "metadata/; `pairclean score --save-embeddings` writes one), or LEFT.npy RIGHT.npy."),
+    source: List[str] = typer.Argument(..., metavar="EMBEDDINGS", help="Saved embeddings: a clip-retrieval layout directory "
+                                       "(img_emb/, text_emb/, metadata/; `pairclean score --save-embeddings` writes one), "
+                                       "LEFT.npy RIGHT.npy, or DataComp's metadata/ (.npz beside .parquet)."),
     out: Path = typer.Option(..., "--out", "-o", help="Dedup Parquet to write: key, shard, index, cluster, group_id, "
                                                      "group_size, kept, nearest_key/shard/index, nearest_sim."),
     scores: Optional[Path] = typer.Option(None, "--scores", "-s", help="Scores Parquet of these pairs: --keep cleanest keeps the "
@@ -51,21 +53,26 @@ def dedup_command(
     backend: str = typer.Option("auto", help="k-means: auto (faiss if installed), faiss, or torch."),
     threads: int = typer.Option(0, help="torch threads (0: torch's default; 1 is faster on a busy machine)."),
     group_rows: int = typer.Option(65536, help="Clusters are handed out (to torchrun ranks) and committed in groups of at least this many rows."),
+    layout: str = typer.Option("auto", help="The embeddings' layout: auto, clip-retrieval, numpy or datacomp-npz."),
+    left_emb_field: Optional[str] = typer.Option(None, help="DataComp .npz: the image embeddings' array (default b32_img; l14_img for ViT-L/14)."),
+    right_emb_field: Optional[str] = typer.Option(None, help="DataComp .npz: the text embeddings' array (default b32_txt)."),
     keys: Optional[str] = typer.Option(None, help="LEFT.npy RIGHT.npy input: Parquet file with one key per row."),
-    key_field: Optional[str] = typer.Option(None, help="Metadata column holding the key (default key, else image_path)."),
+    key_field: Optional[str] = typer.Option(None, help="Metadata column holding the key (default key, else image_path; uid for DataComp)."),
     overwrite: bool = typer.Option(False, help="Replace an existing output (and discard an unfinished run)."),
     resume: bool = typer.Option(False, help="Continue an unfinished run, failing if there is none (re-running resumes anyway)."),
 ) -> None:
     """Semantic deduplication (SemDeDup) of saved embeddings, keeping the copy whose caption matches best."""
+    from pairclean.data.formats.embeddings import open_embeddings
     from pairclean.dedup.run import DedupConfig, dedup
-    from pairclean.ops.guard import check_output
-    from pairclean.scoring.embeddings import open_embeddings
+    from pairclean.ops.guard import open_output
 
-    check_output(out, source)
-    spec = open_embeddings(source, key_field=key_field, keys=keys)
     cfg = DedupConfig(side=side, threshold=threshold, keep=keep, clusters=clusters, sample_per_cluster=sample_per_cluster,
                       iterations=iterations, seed=seed, backend=backend, threads=threads, group_rows=group_rows, overwrite=overwrite,
                       resume=resume, progress=RichProgress(console))
-    result = dedup(spec, out, scores, cfg)
+    target = open_output(out, source, "out", overwrite=None)  # the names given; the run adds the files it reads
+    spec = open_embeddings(source, layout, left_field=left_emb_field, right_field=right_emb_field, key_field=key_field,
+                           keys=keys)
+    announce(spec)
+    result = dedup(spec, target, scores, cfg)
     if result.summary:  # under torchrun only rank 0 writes and reports
-        console.print(summary_table(result))
+        print_table(console, summary_table(result))

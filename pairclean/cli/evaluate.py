@@ -1,4 +1,4 @@
-"""`pairclean evaluate ...`: detection (scores vs ground truth) and retrieval (a trained model)."""
+"""`pairclean evaluate ...`: detection (scores vs ground truth), dedup (vs planted duplicates) and retrieval (a trained model)."""
 
 from __future__ import annotations
 
@@ -6,15 +6,16 @@ from pathlib import Path
 
 import typer
 
-from pairclean.cli.app import app, console
+from pairclean.cli.app import App, app, console
+from pairclean.cli.terminal import print_table
 
-evaluate_app = typer.Typer(no_args_is_help=True, help="Measure detection quality or retrieval quality.")
+evaluate_app = App(no_args_is_help=True, help="Measure detection quality, dedup quality or retrieval quality.")
 app.add_typer(evaluate_app, name="evaluate")
 
 
 @evaluate_app.command("retrieval")
 def retrieval_command(
-    data: list[str] = typer.Argument(..., help="Validation pairs: shards, Parquet files, or a manifest YAML."),
+    data: list[str] = typer.Argument(..., metavar="SHARDS", help="Validation pairs: shards, Parquet files, or a manifest YAML."),
     model: str = typer.Option(..., "--model", help="A `pairclean train` run directory or model file, a sentence-transformers "
                                                    "directory, or (with --arch) an open_clip checkpoint or tag."),
     arch: str | None = typer.Option(None, help="open_clip model name for a bare checkpoint or pretrained tag."),
@@ -23,23 +24,25 @@ def retrieval_command(
     workers: int = typer.Option(2, help="DataLoader workers."),
     device: str = typer.Option("auto", help="auto, cpu, cuda ..."),
     json_out: Path | None = typer.Option(None, "--json", help="Also write the metrics to this JSON file."),
+    overwrite: bool = typer.Option(False, help="Replace an existing output file."),
 ) -> None:
     """R@1/5/10 both ways and rSum; an image with several captions is one query (hit if any caption is found)."""
     from rich.table import Table
 
-    from pairclean.ops.atomic import write_json
+    from pairclean.ops.guard import open_output
     from pairclean.train.retrieval import METRIC_NAMES, evaluate_retrieval
 
+    target = open_output(json_out, [model, *data], "json", overwrite=overwrite) if json_out is not None else None
     metrics = evaluate_retrieval(model, data, arch=arch, pair=pair, batch_size=batch_size, workers=workers, device=device)
     table = Table(title=f"retrieval: {model}")
     for name in METRIC_NAMES:
         table.add_column(name.replace("_r", " R@"), justify="right")
     table.add_row(*(f"{metrics[name]:.2f}" for name in METRIC_NAMES))
-    console.print(table)
+    print_table(console, table)
     console.print(f"{metrics['queries_i2t']:,} left items (i2t queries), {metrics['queries_t2i']:,} pairs (t2i queries)"
                   + (f", {metrics['skipped']:,} unreadable pairs skipped" if metrics["skipped"] else ""))
-    if json_out is not None:
-        write_json(json_out, metrics)
+    if target is not None:
+        target.write_json(metrics)
 
 
 def detection_tables(result: dict):
@@ -67,7 +70,8 @@ def detection_tables(result: dict):
     summary.add_row("mean noise rank by weight (optimum)", "n/a" if rank is None else f"{rank:,.1f} ({best:,.1f})")
     for m in result["rules"].values():
         if "ece" in m:
-            summary.add_row(f"ECE of the {m['label']} rule's P(clean), pt (0 = calibrated)", pct(m["ece"]))
+            summary.add_row(f"ECE of the {m['label']} rule's P(clean), pt (0 = calibrated)",
+                            "none: the rule abstains" if m.get("abstains") else pct(m["ece"]))
     summary.add_row("joined on", str(result.get("join")))
     skipped = result.get("error_rows", 0) + result.get("unlabelled_rows", 0)
     if skipped:
@@ -78,27 +82,35 @@ def detection_tables(result: dict):
 @evaluate_app.command("detection")
 def detection_command(
     scores: Path = typer.Argument(..., help="Scores Parquet written by `pairclean score`."),
-    truth: Path = typer.Option(..., "--truth", help="Truth Parquet (columns noisy + shard/index or key), or a "
-                                                    "manifest YAML whose `truth:` names one (`pairclean corrupt` writes both)."),
+    truth: Path | None = typer.Option(None, "--truth", help="Truth Parquet (columns noisy + shard/index or key), or a "
+                                                            "manifest YAML whose `truth:` names one, or its directory "
+                                                            "(`pairclean corrupt` writes all three; default: the truth of "
+                                                            "the dataset the scores recorded)."),
     truth_key: str | None = typer.Option(None, "--truth-key", help="The truth's column holding the pair key "
                                                                    "(joined to the scores' key column)."),
-    json_out: Path | None = typer.Option(None, "--json", help="Metrics JSON to write (default: SCORES.detection.json)."),
+    json_out: Path | None = typer.Option(None, "--json", help="Metrics JSON to write (default: SCORES.detection.json, "
+                                                              "replaced by each run)."),
+    overwrite: bool = typer.Option(False, help="Replace an existing output file."),
 ) -> None:
     """Clean kept / noise caught / balanced accuracy / precision per rule in the file and the oracle, ROC-AUC, AP, mean noise rank, ECE of p_clean."""
-    from pairclean.ops.atomic import write_json
-    from pairclean.scores.evaluation import evaluate_detection
+    from pairclean.ops.guard import open_output
+    from pairclean.scores.db import resolve_truth
+    from pairclean.scores.evaluation import evaluate_detection, recorded_truth
 
-    result = evaluate_detection(scores, truth, truth_key=truth_key)
+    truth_file = resolve_truth(truth) if truth is not None else recorded_truth(scores)
+    target = open_output(json_out or scores.with_name(scores.stem + ".detection.json"),
+                         [scores, truth, truth_file], "json", overwrite=overwrite or json_out is None)
+    result = evaluate_detection(scores, truth_file, truth_key=truth_key)
     for table in detection_tables(result):
-        console.print(table)
-    target = json_out or scores.with_name(scores.stem + ".detection.json")
-    write_json(target, result)
-    console.print(f"metrics written to {target}")
+        print_table(console, table)
+    target.write_json(result)
+    console.print(f"metrics written to {target.path}")
 
 
 def dedup_tables(result: dict):
     """The dedup metrics as rich tables: per duplicate kind, then overall and removal."""
     from rich.table import Table
+    from rich.text import Text
 
     def pct(value) -> str:
         return "n/a" if value is None else f"{value:.2f}"
@@ -109,8 +121,8 @@ def dedup_tables(result: dict):
         table.add_column(name, justify="left" if name == "kind" else "right")
     for kind, m in result["kinds"].items():
         table.add_row(kind, f"{m['true_pairs']:,}", f"{m['found']:,}", pct(m["recall"]), pct(m["precision"]))
-    table.add_row("[bold]all[/bold]", f"{result['true_pairs']:,}", f"{result['found_pairs']:,}", pct(result["recall"]),
-                  pct(result["precision"]))
+    table.add_row(Text("all", style="bold"), f"{result['true_pairs']:,}", f"{result['found_pairs']:,}",
+                  pct(result["recall"]), pct(result["precision"]))
     summary = Table(show_header=False)
     summary.add_column(style="bold")
     summary.add_column(justify="right")
@@ -120,26 +132,29 @@ def dedup_tables(result: dict):
     if "kept_noisy_share" in result:
         summary.add_row("noisy caption: kept copies / all copies of those groups",
                         f"{pct(result['kept_noisy_share'])}% / {pct(result['noisy_share_in_groups'])}%")
-    summary.add_row("joined on", result["join"])
+    summary.add_row("joined on", str(result["join"]))
     return table, summary
 
 
 @evaluate_app.command("dedup")
 def dedup_command(
-    dedup_file: Path = typer.Argument(..., help="Dedup Parquet written by `pairclean dedup`."),
+    dedup_file: Path = typer.Argument(..., metavar="DEDUP", help="Dedup Parquet written by `pairclean dedup`."),
     truth: Path = typer.Option(..., "--truth", help="Duplicates truth (`pairclean corrupt --mode duplicate` writes it), or its manifest."),
     noise_truth: Path | None = typer.Option(None, "--noise-truth", help="Caption-noise truth of the same pairs (`corrupt --mode shuffle` "
                                                                          "on the duplicated data): how often the kept copy is the noisy one."),
     side: str | None = typer.Option(None, help="image, text or both (default: the side the dedup ran on)."),
-    json_out: Path | None = typer.Option(None, "--json", help="Metrics JSON to write (default: DEDUP.evaluation.json)."),
+    json_out: Path | None = typer.Option(None, "--json", help="Metrics JSON to write (default: DEDUP.evaluation.json, "
+                                                              "replaced by each run)."),
+    overwrite: bool = typer.Option(False, help="Replace an existing output file."),
 ) -> None:
     """Precision and recall of a dedup per planted duplicate kind (exact, reencode, resize, crop, caption, identical)."""
     from pairclean.dedup.evaluation import evaluate_dedup
-    from pairclean.ops.atomic import write_json
+    from pairclean.ops.guard import open_output
 
+    target = open_output(json_out or dedup_file.with_name(dedup_file.stem + ".evaluation.json"),
+                         [dedup_file, truth, noise_truth], "json", overwrite=overwrite or json_out is None)
     result = evaluate_dedup(dedup_file, truth, noise_truth=noise_truth, side=side)
     for table in dedup_tables(result):
-        console.print(table)
-    target = json_out or dedup_file.with_name(dedup_file.stem + ".evaluation.json")
-    write_json(target, result)
-    console.print(f"metrics written to {target}")
+        print_table(console, table)
+    target.write_json(result)
+    console.print(f"metrics written to {target.path}")

@@ -15,10 +15,14 @@ from rich.progress import (
     TimeElapsedColumn,
 )
 from rich.table import Table
+from rich.text import Text
 
-from pairclean.cli.app import app, console
+import pairclean.cli.options as options
+from pairclean.cli.app import announce, app, console
+from pairclean.cli.terminal import literal, print_table
 from pairclean.errors import UserError
-from pairclean.ops.guard import check_output
+from pairclean.ops.guard import open_output
+from pairclean.scores.contract import columns_phrase
 
 if TYPE_CHECKING:
     from pairclean.curate.filter import FilterResult
@@ -38,7 +42,7 @@ def _share(part: int | None, whole: int | None) -> str:
 
 def result_table(result: FilterResult) -> Table:
     """Pairs (and, on a dry run, bytes) each rule keeps; a pair is kept when all rules keep it."""
-    title = "pairclean filter --dry-run (nothing written)" if result.dry_run else f"pairclean filter -> {result.out}"
+    title = "pairclean filter --dry-run (nothing written)" if result.dry_run else f"pairclean filter -> {result.out or 'keys'}"
     table = Table(title=title, header_style="bold")
     table.add_column("rule")
     table.add_column("pairs kept", justify="right")
@@ -49,9 +53,9 @@ def result_table(result: FilterResult) -> Table:
     for c in result.counts:
         bytes_cells = [_size(c.bytes), _share(c.bytes, result.total_bytes)] if result.dry_run else []
         table.add_row(c.rule, f"{c.pairs:,}", _share(c.pairs, result.total_pairs), *bytes_cells)
-    table.add_row("[dim]scored pairs of the given shards[/dim]", f"{result.total_pairs:,}", "",
+    table.add_row(Text("scored pairs of the given shards", style="dim"), f"{result.total_pairs:,}", "",
                   *([_size(result.total_bytes), ""] if result.dry_run else []))
-    if not result.dry_run:
+    if not result.dry_run and result.out is not None:
         table.caption = (f"wrote {result.kept_pairs:,} pairs, {_size(result.kept_bytes)}, "
                          f"in {len(result.output_files)} file(s)")
     return table
@@ -59,8 +63,8 @@ def result_table(result: FilterResult) -> Table:
 
 def sweep_table(sweep: Sweep) -> Table:
     """The threshold sweep (`curate.sweep`): kept share and estimated precision / recall per threshold."""
-    table = Table(title=f"thresholds, estimated from the run's random pairings (noise share {sweep.noise_share:.1%})",
-                  header_style="bold")
+    table = Table(title="thresholds, estimated from the run's random pairings (pairs like random pairings: "
+                        f"{sweep.random_pairing_share:.1%})", header_style="bold")
     table.add_column("--where", no_wrap=True)
     for name in ("random\npairings\nabove", "kept", "est.\nprecision", "est. clean\nkept", "est. noise\ncaught"):
         table.add_column(name, justify="right", no_wrap=True)
@@ -71,43 +75,83 @@ def sweep_table(sweep: Sweep) -> Table:
     return table
 
 
+WHERE_HELP = (f"Keep pairs where this DuckDB SQL expression over the scores columns is true (repeatable: all must "
+              f"hold). Columns: {columns_phrase()}. `pairclean query SCORES --columns` lists a file's.")
+
+
+def scores_and_shards(source: list[str], scores: Path | None) -> tuple[Path, list[str] | None]:
+    """(the scores file, the shards given or None): `filter scores.parquet` alone reads the
+    dataset the scores recorded; `filter SHARDS --scores scores.parquet` reads SHARDS."""
+    from pairclean.scores.contract import is_scores_file
+
+    if scores is not None:
+        return scores, source or None
+    if len(source) == 1 and is_scores_file(source[0]):
+        return Path(source[0]), None
+    raise UserError("give the scores file alone (pairclean filter scores.parquet --out kept/), or the shards "
+                    "with --scores scores.parquet")
+
+
 @app.command("filter")
+@options.with_dataset
 def filter_command(
-    source: List[str] = typer.Argument(..., help="The scored shards: directory, glob, brace pattern, list file, Parquet files, or a manifest YAML."),
-    scores: Path = typer.Option(..., "--scores", "-s", help="Scores Parquet written by `pairclean score` for these shards."),
-    where: Optional[List[str]] = typer.Option(None, "--where", "-w", help="Keep pairs where this DuckDB SQL expression over the scores columns is true (repeatable: all must hold)."),
-    attach: Optional[List[str]] = typer.Option(None, "--attach", help="NAME=FILE: a Parquet file (e.g. `pairclean dedup` output) readable as the table NAME "
-                                               "in --where (repeatable; docs/dedup.md has the predicate)."),
+    source: List[str] = typer.Argument(..., metavar="SOURCE", help="A scores file (its dataset is read from it), or the "
+                                       "shards to filter (directory, glob, list file, Parquet files, manifest) with --scores."),
+    scores: Optional[Path] = typer.Option(None, "--scores", "-s", help="Scores Parquet written by `pairclean score`, "
+                                          "when SOURCE is the shards."),
+    where: Optional[List[str]] = typer.Option(None, "--where", "-w", metavar="SQL", help=WHERE_HELP),
     top_fraction: Optional[float] = typer.Option(None, help="Keep this fraction of the scored pairs with the highest --by (DataComp-style)."),
     by: str = typer.Option("sim", help="Score column ranked by --top-fraction."),
+    keep_keys: Optional[Path] = typer.Option(None, help="Keep only pairs whose key is listed in this file: text (one key per "
+                                             "line), Parquet (key or uid column), or DataComp's uid .npy."),
+    keys_out: Optional[Path] = typer.Option(None, help="Also write the kept pairs' keys here: .npy (DataComp's uid "
+                                            "array, for their resharder), .parquet or text."),
+    attach: options.Attach = None,
     out: Optional[Path] = typer.Option(None, "--out", "-o", help="Directory for the filtered dataset (with manifest.yaml and filter.json)."),
     dry_run: bool = typer.Option(False, help="Print how many pairs and bytes each rule keeps; write nothing."),
     shard_size: int = typer.Option(10_000, help="WebDataset output: samples per shard at most."),
     shard_bytes: float = typer.Option(1e9, help="WebDataset output: bytes per shard at most."),
-    prefix: str = typer.Option("shard", help="Output file names: PREFIX-000000.tar / .parquet."),
-    pair: Optional[str] = typer.Option(None, help="Pair kind written into the new manifest (default: the one the scores were made with)."),
+    prefix: str = typer.Option("shard", help="Output file names: PREFIX-000000.tar / .parquet; '' names them like "
+                                             "the input (00000.tar, Parquet files keep their names)."),
+    dataset: options.DatasetOptions = options.GIVEN,
     overwrite: bool = typer.Option(False, help="Replace a non-empty --out directory."),
 ) -> None:
-    """Write the pairs the rules keep as new shards (members byte-identical), or preview with --dry-run."""
-    if out is None and not dry_run:
-        raise UserError("give --out DIR (or --dry-run)")
-    if out is not None and not dry_run:
-        check_output(out, source)  # the directories named; the files read are checked by filter_dataset
-    from pairclean.curate.filter import filter_dataset
-    from pairclean.data.manifest import open_dataset
+    """Write the pairs the rules keep as new shards in the input's shape (members byte-identical), or preview with --dry-run."""
+    if out is None and not dry_run and keys_out is None:
+        raise UserError("give --out DIR (or --keys-out FILE, or --dry-run)")
+    from pairclean.curate.filter import attachments, filter_dataset
+    from pairclean.scores.contract import read_metadata, scored_pairs
     from pairclean.scores.db import ScoresDB, parse_attachments
 
-    with ScoresDB(scores, attach=parse_attachments(attach)) as db:  # opened once: its provenance names the pair kind, filter_dataset reads it
-        spec = open_dataset(source, pair=pair or (db.provenance or {}).get("pair"))
-        with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("shards"),
+    scores, shards = scores_and_shards(source, scores)
+    if out is not None and not dry_run:  # the names given; filter_dataset checks the files it reads
+        out = open_output(out, [*source, scores], "out", kind="directory", overwrite=overwrite)
+    if not scores.is_file():
+        raise UserError(f"scores file not found: {scores}")
+    provenance = read_metadata(scores)[0] or {}
+    spec = dataset.reopen(scored_pairs(provenance), shards, pair=dataset.pair or provenance.get("pair"))
+    if spec is None and out is not None and not dry_run:
+        raise UserError(f"{scores} does not say which shards it describes (scored from embeddings without a link to "
+                        "their pairs): give the shards, pairclean filter SHARDS --scores SCORES")
+    if spec is not None:
+        announce(spec)
+    tables = parse_attachments(attach)
+    with ScoresDB(scores, attach=attachments(spec, tables)) as db:
+        with Progress(TextColumn("{task.description}", markup=False), BarColumn(), MofNCompleteColumn(), TextColumn("shards", markup=False),
                       TimeElapsedColumn(), console=console, transient=True) as bar:
-            task = bar.add_task("dry run" if dry_run else "filtering", total=len(spec.shards))
-            result = filter_dataset(spec, db, out or Path("."), where=where, top_fraction=top_fraction, by=by,
+            task = bar.add_task("dry run" if dry_run else "filtering", total=len(spec.shards) if spec else 0)
+            result = filter_dataset(spec, db, out, where=where, top_fraction=top_fraction, by=by,
                                     dry_run=dry_run, shard_size=shard_size, shard_bytes=shard_bytes, prefix=prefix,
-                                    overwrite=overwrite, progress=lambda _shard: bar.advance(task))
-    console.print(result_table(result))
+                                    overwrite=overwrite, progress=lambda _shard: bar.advance(task),
+                                    keep_keys=str(keep_keys) if keep_keys else None, keys_out=keys_out,
+                                    attach=tables)
+    print_table(console, result_table(result))
+    if result.join == "key":
+        console.print(f"matched by key: {result.unmatched:,} scored row(s) have no pair in the given shards")
+    if result.keys_written is not None:
+        console.print(f"wrote {result.keys_written:,} keys to {keys_out}")
     if result.sweep is not None:
-        console.print(sweep_table(result.sweep))
+        print_table(console, sweep_table(result.sweep))
     if result.read_failures:
-        console.print(f"[yellow]{len(result.read_failures)} shard read failure(s)[/yellow], first: "
-                      f"{result.read_failures[0]['shard']}: {result.read_failures[0]['reason']}", highlight=False)
+        console.print(Text.assemble((f"{len(result.read_failures)} shard read failure(s)", "yellow"), ", first: ",
+                                    literal(f"{result.read_failures[0]['shard']}: {result.read_failures[0]['reason']}")))

@@ -3,18 +3,21 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import List, Optional
+from typing import Optional
 
 import typer
 
-from pairclean.cli.app import app, console
+from pairclean.cli import options
+from pairclean.cli.app import announce, app, console
 from pairclean.cli.progress import RichProgress
+from pairclean.cli.terminal import print_table
 from pairclean.errors import UserError
 
 
 @app.command("corrupt")
+@options.with_dataset
 def corrupt_command(
-    source: List[str] = typer.Argument(..., help="Shards: directory, glob, brace pattern, list file, Parquet files, or a manifest YAML."),
+    source: options.Source,
     out: Path = typer.Option(..., "--out", "-o", help="Directory for the noisy copy, truth/truth.parquet and manifest.yaml."),
     ratio: float = typer.Option(..., help="Share of the pairs drawn for noise, in [0, 1]."),
     seed: int = typer.Option(0, help="Noise seed."),
@@ -27,28 +30,32 @@ def corrupt_command(
                                                    "(default: every kind that applies)."),
     other_captions: Optional[Path] = typer.Option(None, help="--mode duplicate: Parquet of (key, caption) rows, other captions of "
                                                              "the same items, for the caption kind."),
-    pair: Optional[str] = typer.Option(None, help="Pair kind (image-text or text-text; text-text noises the second text)."),
+    dataset: options.DatasetOptions = options.GIVEN,
     overwrite: bool = typer.Option(False, help="Replace an existing output directory."),
 ) -> None:
-    """Inject caption noise into a dataset; every other member stays byte-identical."""
-    from pairclean.data.manifest import open_dataset
+    """Inject caption noise into a dataset, or plant duplicates (--mode duplicate); every other member stays byte-identical."""
     from pairclean.lab.corrupt import corrupt
-    from pairclean.ops.guard import check_output
+    from pairclean.ops.guard import open_output
 
-    check_output(out, source)  # the directories named; the files read are checked by corrupt()
-    spec = open_dataset(source, pair=pair)
+    target = open_output(out, source, "out", kind="directory", overwrite=overwrite)  # the run adds the files it reads
+    spec = dataset.spec(source)
+    announce(spec)
     if mode == "duplicate":
         from pairclean.lab.duplicates import plant_duplicates
 
-        result = plant_duplicates(spec, out, ratio, seed=seed, overwrite=overwrite, other_captions=other_captions,
+        result = plant_duplicates(spec, target, ratio, seed=seed, overwrite=overwrite, other_captions=other_captions,
                                   kinds=tuple(k.strip() for k in kinds.split(",") if k.strip()) if kinds else None)
-        console.print(f"{result.pairs:,} pairs written to {result.out}: {result.selected:,} copies planted", soft_wrap=True)
+        console.print(f"{result.pairs:,} pair{'s' if result.pairs != 1 else ''} written to {result.out}: "
+                      f"{result.selected:,} cop{'y' if result.selected == 1 else 'ies'} planted", soft_wrap=True)
     else:
         if kinds or other_captions:
             raise UserError("--kinds and --other-captions go with --mode duplicate")
-        result = corrupt(spec, out, ratio, seed=seed, mode=mode, overwrite=overwrite, weak_ratio=weak_ratio)
-        console.print(f"{result.pairs:,} pairs copied to {result.out}: {result.selected:,} drawn, {result.noisy:,} noisy "
-                      f"({result.selected - result.noisy:,} drawn pairs kept their caption)", soft_wrap=True)
+        result = corrupt(spec, target, ratio, seed=seed, mode=mode, overwrite=overwrite, weak_ratio=weak_ratio)
+        unchanged = result.selected - result.noisy
+        kept = f" ({unchanged:,} drawn pair kept its caption)" if unchanged == 1 else \
+            f" ({unchanged:,} drawn pairs kept their caption)" if unchanged else ""
+        console.print(f"{result.pairs:,} pair{'s' if result.pairs != 1 else ''} copied to {result.out}: "
+                      f"{result.selected:,} drawn, {result.noisy:,} noisy{kept}", soft_wrap=True)
     console.print(f"truth: {result.truth}\nmanifest: {result.manifest}", soft_wrap=True)
 
 
@@ -67,19 +74,27 @@ def demo_command(
     device: str = typer.Option("auto", help="auto, cpu, cuda ..."),
 ) -> None:
     """Toy world -> tiny estimator (trained or cached) -> shuffle noise -> score -> detection table. Offline."""
+    from pairclean.lab.numerics import pin_cpu_numerics
+
+    pin_cpu_numerics()  # before torch starts: the same table on any x86-64 CPU
     from pairclean.cli.evaluate import detection_tables
+    from pairclean.cli.options import flag_for
+    from pairclean.errors import ConfigError, UserError
     from pairclean.lab.demo import DemoConfig, run_demo
 
-    cfg = DemoConfig(out=out, pairs=pairs, world_seed=seed, ratio=ratio, noise_seed=seed, beta_k=beta_k, retrain=retrain,
-                     workers=workers, device=device, progress=RichProgress(console, prefix="demo"))
+    try:
+        cfg = DemoConfig(out=out, pairs=pairs, world_seed=seed, ratio=ratio, noise_seed=seed, beta_k=beta_k,
+                         retrain=retrain, workers=workers, device=device, progress=RichProgress(console, prefix="demo"))
+    except ConfigError as exc:  # --seed sets both seeds of the demo
+        raise UserError(exc.worded(lambda f: "--seed" if f in ("world_seed", "noise_seed") else flag_for(f))) from None
     result = run_demo(cfg)
     for table in detection_tables(result.metrics):
-        console.print(table)
+        print_table(console, table)
     console.print(PAPER_TABLE5, soft_wrap=True)
     stages = ", ".join(f"{k} {v:.0f}s" for k, v in result.seconds.items() if k != "total")
     console.print(f"done in {result.seconds['total']:.0f}s ({stages}; estimator "
                   f"{'from the cache' if result.estimator_cached else 'trained now'})", soft_wrap=True)
     for name, path in result.files.items():
         console.print(f"  {name:<10} {path}", soft_wrap=True, highlight=False)
-    console.print(f"query: duckdb -c \"SELECT key, sim, p_clean, osa_noisy FROM '{result.files['scores']}' "
+    console.print(f"query: pairclean query {result.files['scores']} \"SELECT key, sim, p_clean, osa_noisy FROM scores "
                   f"ORDER BY sim LIMIT 10\"", soft_wrap=True, highlight=False)

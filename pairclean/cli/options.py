@@ -31,7 +31,8 @@ def flag_for(field: str) -> str:
 
 
 Source = Annotated[List[str], typer.Argument(
-    help="Shards: directory, glob, brace pattern, list file, Parquet files, or a manifest YAML.")]
+    metavar="SHARDS", help="Shards: directory, glob, brace pattern, list file, Parquet files, or a manifest YAML; "
+                            "img2dataset, Hugging Face datasets and DataComp layouts are recognised.")]
 Pair = Annotated[Optional[str], typer.Option(help="Pair kind: image-text, text-text, image-label, image-image.")]
 AllowPipe = Annotated[bool, typer.Option(help="Allow `pipe:` shard URLs, which run shell commands.")]
 Device = Annotated[str, typer.Option(help="auto, cpu, cuda, cuda:1 ...")]
@@ -48,12 +49,19 @@ BetaK = Annotated[int, typer.Option(help="K random inputs per side for --beta-mo
 BetaCache = Annotated[bool, typer.Option(help="Reuse a random-inputs beta computed before for the same weights, K and seed.")]
 JsonOut = Annotated[Optional[Path], typer.Option("--json", help="Also write the result as JSON.")]
 
+# How the dataset is read: its format (detected from the files), a split, where image paths start.
+InputFormat = Annotated[Optional[str], typer.Option(
+    help="Input format (default: detected from the files): webdataset, parquet, img2dataset-webdataset, "
+         "img2dataset-parquet, datacomp-shards, hf-parquet.")]
+Split = Annotated[Optional[str], typer.Option(help="Hugging Face datasets layouts: read this split only (default: all).")]
+ImageRoot = Annotated[Optional[str], typer.Option(
+    help="Where relative image paths start (default: the Parquet file's folder; a Hugging Face dataset's root).")]
 # Which member (tar) or column (Parquet) holds each side of a pair: DatasetSpec.fields overrides.
-ImageField = Annotated[Optional[str], typer.Option(help="Image member extensions (';'-separated) or Parquet bytes column.")]
-ImagePathField = Annotated[Optional[str], typer.Option(help="Parquet column of image paths relative to the file.")]
+ImageField = Annotated[Optional[str], typer.Option(help="Image member extensions (';'-separated) or Parquet image column.")]
+ImagePathField = Annotated[Optional[str], typer.Option(help="Parquet column of image paths relative to --image-root.")]
 TextField = Annotated[Optional[str], typer.Option(help="Caption member extension or Parquet column.")]
 JsonTextKey = Annotated[Optional[str], typer.Option(help="Caption key inside a json member.")]
-KeyField = Annotated[Optional[str], typer.Option(help="Parquet id column.")]
+KeyField = Annotated[Optional[str], typer.Option(help="Key: Parquet column; tar: __key__ or a key of the json member (uid).")]
 Text2Field = Annotated[Optional[str], typer.Option(help="text-text pairs: second text member or Parquet column.")]
 Image2Field = Annotated[Optional[str], typer.Option(
     help="image-image pairs: second image member extensions or Parquet bytes column.")]
@@ -64,7 +72,8 @@ LabelTemplate = Annotated[Optional[str], typer.Option(
 
 # The dataset options, in the order the help lists them: parameter -> (type, default, Fields attribute).
 DATASET_OPTIONS = {
-    "pair": (Pair, None, None), "image_field": (ImageField, None, "image"),
+    "pair": (Pair, None, None), "input_format": (InputFormat, None, None), "split": (Split, None, None),
+    "image_root": (ImageRoot, None, None), "image_field": (ImageField, None, "image"),
     "image_path_field": (ImagePathField, None, "image_path"), "text_field": (TextField, None, "text"),
     "json_text_key": (JsonTextKey, None, "json_text_key"), "key_field": (KeyField, None, "key"),
     "text2_field": (Text2Field, None, "text2"), "image2_field": (Image2Field, None, "image2"),
@@ -75,24 +84,49 @@ DATASET_OPTIONS = {
 
 @dataclass
 class DatasetOptions:
-    """What a command was told about its dataset: the pair kind, which member or column holds each
-    side of a pair (`fields`: DatasetSpec.fields attributes given on the command line), the label
-    template, and whether `pipe:` URLs may run."""
+    """What a command was told about its dataset: the pair kind, its format, split and image root,
+    which member or column holds each side of a pair (`fields`: DatasetSpec.fields attributes given
+    on the command line), the label template, and whether `pipe:` URLs may run."""
 
     pair: str | None = None
     fields: dict[str, str] = field(default_factory=dict)
     label_template: str | None = None
     allow_pipe: bool = False
+    format: str | None = None
+    split: str | None = None
+    image_root: str | None = None
+
+    def given_fields(self):
+        from pairclean.data.manifest import Fields
+
+        return Fields(**self.fields) if self.fields else None
+
+    def options(self, pair: str | None = None) -> dict:
+        """These options as `reopen_dataset` / the report's and audit's `dataset_options` take them."""
+        return {"pair": pair or self.pair, "allow_pipe": self.allow_pipe, "label_template": self.label_template,
+                "format": self.format, "split": self.split, "image_root": self.image_root}
 
     def spec(self, source: list[str], pair: str | None = None):
         """The DatasetSpec of `source` with these options applied (`pair` overrides the option)."""
-        from pairclean.data.manifest import Fields, open_dataset
+        from pairclean.data.manifest import open_dataset
 
-        spec = open_dataset(source, pair=pair or self.pair, allow_pipe=self.allow_pipe,
-                            label_template=self.label_template)
-        if self.fields:
-            spec.fields = Fields(**{**spec.fields.__dict__, **self.fields})
-        return spec
+        return open_dataset(source, pair=pair or self.pair, fields=self.given_fields(), allow_pipe=self.allow_pipe,
+                            label_template=self.label_template, format=self.format, split=self.split,
+                            image_root=self.image_root)
+
+    def reopen(self, record: dict | None, source: list[str] | None = None, pair: str | None = None):
+        """The dataset a scores file recorded (or `source`, read with the recorded mapping), these
+        options applied; None when there is neither."""
+        from pairclean.data.manifest import reopen_dataset
+
+        if not source and not record:
+            return None
+        return reopen_dataset(record or {}, source or None, self.given_fields(), **self.options(pair))
+
+
+Attach = Annotated[Optional[List[str]], typer.Option(
+    "--attach", help="NAME=FILE: a read-only table the SQL may read, e.g. img2dataset's metadata "
+                     "(meta='out/*.parquet') or a key list (.txt, .npy); repeatable. No other file is readable.")]
 
 
 GIVEN = DatasetOptions()  # the default a command writes for `dataset`: @with_dataset fills it from the command line
@@ -117,7 +151,8 @@ def with_dataset(command):
         options = {name: given.pop(name) for name in DATASET_OPTIONS}
         fields = {attribute: options[name] for name, (_, _, attribute) in DATASET_OPTIONS.items()
                   if attribute is not None and options[name] is not None}
-        dataset = DatasetOptions(options["pair"], fields, options["label_template"], options["allow_pipe"])
+        dataset = DatasetOptions(options["pair"], fields, options["label_template"], options["allow_pipe"],
+                                 options["input_format"], options["split"], options["image_root"])
         return command(**given, dataset=dataset)
 
     run.__signature__ = signature.replace(parameters=parameters)

@@ -10,6 +10,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsed
 from rich.progress import Progress as RichBars
 from rich.text import Text
 
+from pairclean.cli.terminal import literal
 from pairclean.ops.progress import Progress, ProgressTask
 
 # How a task's named figures are shown: format and unit, in this order; others are not shown.
@@ -37,13 +38,13 @@ class RichProgress(Progress):
 
     @contextlib.contextmanager
     def task(self, label: str, total: int | None = None, completed: int = 0, **fields) -> Iterator[ProgressTask]:
-        bars = RichBars(TextColumn(f"[bold]{label}"), BarColumn(), MofNCompleteColumn(),
-                        TextColumn("{task.fields[figures]}"), TimeElapsedColumn(), console=self.console,
+        bars = RichBars(TextColumn("{task.description}", style="bold", markup=False), BarColumn(), MofNCompleteColumn(),
+                        TextColumn("{task.fields[figures]}", markup=False), TimeElapsedColumn(), console=self.console,
                         transient=False)
         with bars:
             task_id = bars.add_task(label, total=total, completed=completed, figures=_figures(fields))
             yield _RichTask(bars, task_id, dict(fields))
 
     def note(self, message: str) -> None:
-        line = Text.assemble((f"{self.prefix} ", "bold"), message) if self.prefix else Text(message)
+        line = Text.assemble((f"{self.prefix} ", "bold"), literal(message)) if self.prefix else literal(message)
         self.console.print(line, highlight=False, soft_wrap=True)

@@ -4,22 +4,29 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Iterable, List, Optional
+from typing import Iterable, Optional
 
 import pyarrow as pa
 import typer
 from rich.table import Table
+from rich.text import Text
 
+import pairclean.cli.options as options
 from pairclean.cli.app import app, console
+from pairclean.cli.terminal import print_table
 from pairclean.curate.query import OUTPUT_FORMATS, write_result
+from pairclean.config import at_least, check_value
 from pairclean.errors import UserError
-from pairclean.ops.guard import check_output
+from pairclean.ops.guard import open_output
+from pairclean.scores.contract import column_meanings
 from pairclean.scores.db import ScoresDB, parse_attachments
 
+MAX_SQL_BYTES = 2**20  # a statement read with --file (/dev/zero would never end)
 
-def _cell(value) -> str:
+
+def _cell(value) -> str | Text:
     if value is None:
-        return "[dim]NULL[/dim]"
+        return Text("NULL", style="dim")
     if isinstance(value, float):
         if math.isnan(value):
             return "NaN"
@@ -39,7 +46,7 @@ def rich_result(batches: Iterable[pa.RecordBatch], schema: pa.Schema, limit: int
     table = Table(show_lines=False, header_style="bold")
     for f in schema:
         numeric = pa.types.is_integer(f.type) or pa.types.is_floating(f.type) or pa.types.is_decimal(f.type)
-        table.add_column(f.name, justify="right" if numeric else "left", overflow="fold")
+        table.add_column(f.name, justify="right" if numeric else "left")
     shown = total = 0
     for batch in batches:
         total += batch.num_rows
@@ -52,38 +59,63 @@ def rich_result(batches: Iterable[pa.RecordBatch], schema: pa.Schema, limit: int
     return table, f"first {shown:,} of {total:,} rows (raise --limit, or --format csv|json|parquet for all)"
 
 
+def columns_table(db: ScoresDB, views: list[str]) -> Table:
+    """The columns of each view with their DuckDB types and, for the scores file's, what they mean."""
+    meanings = column_meanings(db.provenance, list(db.columns("scores")))
+    table = Table(title=f"columns of {db.path.name}", header_style="bold")
+    for name in ("view", "column", "type", "meaning"):
+        table.add_column(name)
+    for view in views:
+        for column, kind in db.columns(view).items():
+            table.add_row(view, column, kind, meanings.get(column, ""))
+    return table
+
+
 @app.command("query")
 def query_command(
     scores: Path = typer.Argument(..., help="Scores Parquet written by `pairclean score`."),
-    sql: Optional[str] = typer.Argument(None, help="One SQL statement over the views `scores` (and `truth`, `labeled`)."),
+    sql: Optional[str] = typer.Argument(None, help="One SQL statement over the views `scores` (and `truth`, `labeled`, "
+                                                   "the --attach tables)."),
     file: Optional[Path] = typer.Option(None, "--file", "-f", help="Read the SQL from this file instead."),
     truth: Optional[Path] = typer.Option(None, help="Ground-truth Parquet (key, shard, index, noisy): adds views `truth` and `labeled`."),
-    attach: Optional[List[str]] = typer.Option(None, "--attach", help="NAME=FILE: also a Parquet file as the view NAME (e.g. dedup=dedup.parquet; repeatable)."),
     fmt: str = typer.Option("table", "--format", help="table, csv, json (JSON Lines) or parquet."),
     out: Optional[Path] = typer.Option(None, "--out", "-o", help="Write csv/json/parquet here (atomically) instead of stdout."),
     limit: int = typer.Option(50, help="Rows shown by --format table (the rest are counted)."),
+    columns: bool = typer.Option(False, "--columns", help="List the columns of the views (what --where, "
+                                                          "--filter and SQL can use) with their types and meaning."),
+    attach: options.Attach = None,
+    overwrite: bool = typer.Option(False, help="Replace an existing output file."),
 ) -> None:
     """Run SQL through DuckDB over the scores: `pairclean query scores.parquet "SELECT ..."`."""
+    if columns:
+        if sql is not None or file is not None:
+            raise UserError("--columns lists the columns: give no SQL with it")
+        with ScoresDB(scores, truth=truth) as db:
+            print_table(console, columns_table(db, ["scores", *(["truth", "labeled"] if truth else [])]))
+        return
     if (sql is None) == (file is None):
         raise UserError("give the SQL as an argument or with --file, not both")
+    tables = parse_attachments(attach)
+    target = open_output(out, [scores, truth, file, *(f for files in tables.values() for f in files)],
+                         overwrite=overwrite) if out is not None else None  # before anything is read
     if file is not None:
-        if not file.is_file():
+        if not file.exists() or file.is_dir():
             raise UserError(f"SQL file not found: {file}")
-        sql = file.read_text()
-    if limit < 0:
-        raise UserError(f"--limit must be at least 0, got {limit}")
+        with open(file, "rb") as fh:
+            text = fh.read(MAX_SQL_BYTES + 1)
+        if len(text) > MAX_SQL_BYTES:
+            raise UserError(f"{file} is over {MAX_SQL_BYTES:,} bytes: not one SQL statement")
+        sql = text.decode("utf-8", errors="replace")
+    check_value(limit, int, at_least(0), "limit")
     if fmt not in OUTPUT_FORMATS:
         raise UserError(f"unknown format {fmt!r}; choose one of {', '.join(OUTPUT_FORMATS)}")
     if fmt == "table" and out is not None:
         raise UserError("--out needs --format csv, json or parquet")
-    attached = parse_attachments(attach)
-    if out is not None:
-        check_output(out, [scores, truth, *attached.values()])
-    with ScoresDB(scores, truth=truth, attach=attached) as db:
+    with ScoresDB(scores, truth=truth, attach=tables) as db:
         schema, batches = db.stream(db.run(sql))
         if fmt == "table":
             table, note = rich_result(batches, schema, limit)
-            console.print(table)
+            print_table(console, table)
             console.print(note, style="dim", highlight=False)
         else:
-            write_result(batches, schema, fmt, out)
+            write_result(batches, schema, fmt, target)

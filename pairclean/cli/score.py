@@ -9,12 +9,13 @@ import typer
 from rich.table import Table
 
 import pairclean.cli.options as options
-from pairclean.cli.app import app, console
+from pairclean.cli.app import announce, app, console
 from pairclean.cli.progress import RichProgress
+from pairclean.cli.terminal import print_table
 from pairclean.errors import UserError
 from pairclean.scores.rules import DEFAULT_RULES, REGISTRY
 
-RULE_HELP = "; ".join(f"{name}" + (f" ({', '.join(cls.OPTIONS)})" if cls.OPTIONS else "") + f": {cls.__doc__.split(chr(10))[0]}"
+RULE_HELP = "; ".join(f"{name}" + (f" ({', '.join(cls.OPTIONS)})" if cls.OPTIONS else "") + f": {cls.__doc__.split(chr(10))[0].rstrip('.')}"
                       for name, cls in REGISTRY.items() if name not in DEFAULT_RULES)
 
 
@@ -31,6 +32,10 @@ def summary_table(result) -> Table:
                                        f"reasons in {result.out.stem}.run.json)")
     std = f" ± {s['beta_std']:.4f}" if s.get("beta_std") is not None else ""
     table.add_row(f"beta ({s['beta_mode']}, K={s['beta_k']})", f"{s['beta']:.4f}{std}")
+    if s.get("random_pairing_share") is not None:  # not all noise: a caption of a similar item is not counted
+        table.add_row("pairs like random pairings (est., 95%)",
+                      f"{s['random_pairing_share']:.1%} [{s['random_pairing_share_low']:.1%}, "
+                      f"{s['random_pairing_share_high']:.1%}]")
     for rule in s["rules"]:
         table.add_row(f"flagged by {rule['label']} rule ({rule['noisy_if']})", f"{rule['share_flagged']:.1%}")
     if result.already_complete:
@@ -71,13 +76,18 @@ def score_command(
     weight_fn: str = typer.Option("cubic", help="cubic, linear, cosine, official."),
     seed: int = typer.Option(0, help="Seed for beta's random inputs and the GMM."),
     gmm_sample: int = typer.Option(1_000_000, help="Fit the GMM (and every decision rule) on at most this many similarities."),
-    rule: Optional[List[str]] = typer.Option(None, "--rule", help="Also decide with this rule, NAME[:key=value,...] "
+    rule: Optional[List[str]] = typer.Option(None, "--rule", metavar="NAME[:KEY=VALUE]", help="Also decide with this rule, NAME[:key=value,...] "
                                              "(repeatable; beta and gmm always run): " + RULE_HELP),
-    from_embeddings: bool = typer.Option(False, "--from-embeddings", help="SOURCE holds precomputed embeddings (clip-retrieval output "
-                                         "directory, LEFT.npy RIGHT.npy, or Parquet with two embedding columns): no model is run."),
-    embedding_layout: str = typer.Option("auto", help="--from-embeddings: auto, clip-retrieval, numpy or parquet."),
-    left_emb_field: str = typer.Option("left_emb", help="--from-embeddings, Parquet layout: column of the left embeddings."),
-    right_emb_field: str = typer.Option("right_emb", help="--from-embeddings, Parquet layout: column of the right embeddings."),
+    max_error_share: Optional[float] = typer.Option(None, help="Fail the run, writing no scores file, when more than this "
+                                                    "share of the pairs are error rows (a run where every pair is one always fails)."),
+    from_embeddings: bool = typer.Option(False, "--from-embeddings", help="SHARDS hold precomputed embeddings (clip-retrieval output "
+                                         "directory, LEFT.npy RIGHT.npy, DataComp's metadata/ (.npz), or Parquet with two "
+                                         "embedding columns): no model is run."),
+    embedding_layout: str = typer.Option("auto", help="--from-embeddings: auto, clip-retrieval, numpy, datacomp-npz or parquet-embeddings."),
+    left_emb_field: Optional[str] = typer.Option(None, help="--from-embeddings: the left embeddings' column or array "
+                                                 "(default left_emb for Parquet, b32_img for DataComp: l14_img for ViT-L/14)."),
+    right_emb_field: Optional[str] = typer.Option(None, help="--from-embeddings: the right embeddings' column or array "
+                                                  "(default right_emb for Parquet, b32_txt for DataComp)."),
     keys: Optional[str] = typer.Option(None, help="--from-embeddings, numpy layout: Parquet file with one key per row (--key-field names the column)."),
     random_embeddings: Optional[List[str]] = typer.Option(None, help="--from-embeddings: embeddings of random inputs from the same model, "
                                                           "in any of the layouts (repeat for two .npy files); beta = their mean cross cosine."),
@@ -90,37 +100,41 @@ def score_command(
 ) -> None:
     """Score every pair: cosine, cone bias beta, OSA weight, GMM p_clean -> Parquet."""
     from pairclean.backends import check_backend, default_model
-    from pairclean.ops.guard import check_output
+    from pairclean.ops.guard import open_output
     from pairclean.scoring.model import ScoreConfig, score
 
     rules = (*DEFAULT_RULES, *(rule or ()))
-    check_output(out, source)  # the directories named; the files read are checked by the run
     if from_embeddings:
         if save_embeddings is not None:
             raise UserError("--save-embeddings writes the embeddings a model computes; --from-embeddings runs no model")
-        from pairclean.scoring.embeddings import (
-            EmbeddingScoreConfig,
-            open_embeddings,
-            score_embeddings,
-        )
+        from pairclean.data.formats.embeddings import open_embeddings
+        from pairclean.scoring.embeddings import EmbeddingScoreConfig, score_embeddings
 
         spec = open_embeddings(source, embedding_layout, dataset.pair, left_emb_field, right_emb_field,
                                dataset.fields.get("key"), keys)
         rand = open_embeddings(random_embeddings, left_field=left_emb_field, right_field=right_emb_field) \
             if random_embeddings else None
-        result = score_embeddings(spec, out, EmbeddingScoreConfig(
+        announce(spec)
+        target = open_output(out, source, "out", overwrite=None)  # the names given; the run adds the files it reads
+        result = score_embeddings(spec, target, EmbeddingScoreConfig(
             beta_mode=beta_mode, beta=beta, random_embeddings=rand, weight_fn=weight_fn, seed=seed,
-            gmm_sample=gmm_sample, rules=rules, overwrite=overwrite, resume=resume, progress=RichProgress(console)))
-        console.print(summary_table(result))
+            gmm_sample=gmm_sample, rules=rules, max_error_share=max_error_share, overwrite=overwrite, resume=resume,
+            progress=RichProgress(console)))
+        print_table(console, summary_table(result))
         return
     spec = dataset.spec(source)
+    target = open_output(out, [*source, *spec.shards], "out", overwrite=None)  # the run adds the files it reads
+    if save_embeddings is not None:  # against the names given too (score() checks it against the files it reads)
+        open_output(save_embeddings, [*source, *spec.shards], "save_embeddings", kind="directory", overwrite=None)
     backend = check_backend(backend)
     cfg = ScoreConfig(model=model or default_model(backend), backend=backend, pretrained=pretrained,
                       device=device, precision=precision, decode=decode,
                       batch_size=batch_size, workers=workers, beta_mode=beta_mode, beta=beta, beta_k=beta_k,
-                      weight_fn=weight_fn, seed=seed, gmm_sample=gmm_sample, rules=rules, overwrite=overwrite, resume=resume,
+                      weight_fn=weight_fn, seed=seed, gmm_sample=gmm_sample, rules=rules,
+                      max_error_share=max_error_share, overwrite=overwrite, resume=resume,
                       compile=compile, beta_cache=beta_cache, save_embeddings=save_embeddings,
                       embeddings_dtype=embeddings_dtype, progress=RichProgress(console))
-    result = score(spec, out, cfg)
+    announce(spec)
+    result = score(spec, target, cfg)
     if result.summary:  # under torchrun only rank 0 finalizes and reports
-        console.print(summary_table(result))
+        print_table(console, summary_table(result))

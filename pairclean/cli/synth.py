@@ -7,10 +7,10 @@ from typing import Optional
 
 import typer
 
-from pairclean.cli.app import app, console
+from pairclean.cli.app import App, app, console
 from pairclean.cli.progress import RichProgress
 
-synth_app = typer.Typer(no_args_is_help=True, help="Build lab datasets with known ground truth, and the toy estimator.")
+synth_app = App(no_args_is_help=True, help="Build lab datasets with known ground truth, and the toy estimator.")
 app.add_typer(synth_app, name="synth")
 
 
@@ -45,13 +45,10 @@ def coco_mini_command(
     overwrite: bool = typer.Option(False, help="Replace an existing output."),
 ) -> None:
     """Real COCO JPEGs with their human captions, as WebDataset shards or Parquet."""
-    from pairclean.errors import UserError
     from pairclean.lab.coco import build_parquet, build_shards
 
     if parquet:
-        if out.exists() and not overwrite:
-            raise UserError(f"{out} exists; pass --overwrite to replace it")
-        build_parquet(src, out, all_captions=all_captions, limit=limit)
+        build_parquet(src, out, all_captions=all_captions, limit=limit, overwrite=overwrite)
         console.print(f"wrote {out}")
     else:
         spec = build_shards(src, out, shard_size=shard_size, all_captions=all_captions, limit=limit, overwrite=overwrite)
@@ -92,6 +89,9 @@ def train_estimator_command(
     overwrite: bool = typer.Option(False, help="Replace an existing directory."),
 ) -> None:
     """Train the tiny CLIP-style `pairclean-toy` estimator on clean toy-world pairs (pairclean's trainer)."""
+    from pairclean.lab.numerics import pin_cpu_numerics
+
+    pin_cpu_numerics()  # before torch starts: the demo's weights on any x86-64 CPU
     from pairclean.lab.synth.estimator import (
         TOY_MODEL,
         EstimatorRecipe,

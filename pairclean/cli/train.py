@@ -16,12 +16,12 @@ from typing import List, Optional
 
 import typer
 from rich.table import Table
-from typer.core import TyperCommand
 
 import pairclean.cli.options as options
-from pairclean.ops.guard import check_output
-from pairclean.cli.app import app, console
+from pairclean.ops.guard import open_output
+from pairclean.cli.app import Command, announce, app, console
 from pairclean.cli.progress import RichProgress
+from pairclean.cli.terminal import print_table
 from pairclean.errors import ConfigError, UserError
 
 SHORTCUTS_GIVEN = "pairclean_method_shortcuts"  # ctx.meta key: {flag: value} of the shortcut flags given
@@ -66,11 +66,11 @@ def _shortcut_parameters() -> tuple:
     return tuple(built)
 
 
-class _TrainCommand(TyperCommand):
+class _TrainCommand(Command):
     """`pairclean train` with the methods' shortcut flags added when it is parsed or its help shown."""
 
-    def get_params(self, ctx):
-        params = super().get_params(ctx)
+    def parameters(self, ctx):
+        params = super().parameters(ctx)
         return [*params[:-1], *_shortcut_parameters(), params[-1]] if params else list(_shortcut_parameters())
 
 
@@ -141,22 +141,33 @@ def epochs_table(result) -> Table:
     return table
 
 
-def list_method_options(value: Optional[List[str]]):
-    """`--method-option help`: every method with its options and their defaults, then exit."""
+def list_method_options(ctx: typer.Context, value: Optional[List[str]]):
+    """`--method-option help`: every method (or the one --method names) with its options and defaults, and
+    the warm-up and phases it would run at --epochs (given options included), then exit. --method and
+    --epochs are eager, so they are read by now wherever they stand on the line."""
     if not value or "help" not in value:
         return value
     import dataclasses
 
-    from pairclean.train import METHODS
+    from pairclean.train import METHODS, Method, build_method
 
+    epochs, named = ctx.params.get("epochs", 5), ctx.params.get("method")
+    given = dict(item.split("=", 1) for item in value if "=" in item)
     table = Table(title="pairclean train --method NAME --method-option key=value")
-    for column in ("method", "what it does", "options (default)", "shortcut flags"):
+    for column in ("method", "what it does", "options (default)", "shortcut flags", f"schedule at --epochs {epochs}"):
         table.add_column(column)
     for name, cls in sorted(METHODS.items()):
+        if named is not None and name != named:
+            continue
         options = ", ".join(f"{f.name}={f.default!r}" for f in dataclasses.fields(cls.Options)) or "-"
         flags = ", ".join(s.flag + (f" ({s.option})" if s.option else "") for s in cls.shortcuts) or "-"
-        table.add_row(name, (cls.__doc__ or "").strip().splitlines()[0], options, flags)
-    console.print(table)
+        schedule = {}
+        if cls.schedule is not Method.schedule:  # only methods with a schedule: the others may need options
+            with train_wording(name):
+                schedule = build_method(name, given if name == named else {}).schedule(epochs)
+        shown = ", ".join(f"{k}={v}" for k, v in schedule.items()) or "-"
+        table.add_row(name, (cls.__doc__ or "").strip().splitlines()[0], options, flags, shown)
+    print_table(console, table)
     raise typer.Exit()
 
 
@@ -171,15 +182,15 @@ def train_command(
     pretrained: options.Pretrained = "openai",
     backend: str = typer.Option("auto", help="auto, open_clip, or sentence-transformers."),
     dataset: options.DatasetOptions = options.GIVEN,
-    method: Optional[str] = typer.Option(None, help="Training method by name (plain, osa-weights, filter, osa-online, sdd, gsc, ...)."),
-    method_option: Optional[List[str]] = typer.Option(None, callback=list_method_options, is_eager=True,
+    method: Optional[str] = typer.Option(None, is_eager=True, help="Training method by name (plain, osa-weights, filter, osa-online, sdd, gsc, ...)."),
+    method_option: Optional[List[str]] = typer.Option(None, metavar="KEY=VALUE", callback=list_method_options, is_eager=True,
                                                       help="Method option key=value (repeatable); 'help' lists every "
-                                                           "method's options and defaults."),
-    epochs: int = typer.Option(5, help="Passes over the training data."),
+                                                           "method's options, defaults and schedule at --epochs."),
+    epochs: int = typer.Option(5, is_eager=True, help="Passes over the training data."),
     batch_size: int = typer.Option(256, help="Pairs per step (in-batch negatives)."),
     lr: float = typer.Option(5e-6, help="Peak AdamW learning rate."),
     weight_decay: float = typer.Option(0.2, help="AdamW weight decay (not on gains, biases, logit scale)."),
-    warmup_steps: int = typer.Option(500, help="Linear warm-up steps before the cosine decay."),
+    warmup_steps: int = typer.Option(500, help="Linear warm-up steps before the cosine decay (at most a fifth of the run)."),
     min_lr_ratio: float = typer.Option(0.0, help="The cosine ends at lr x this."),
     grad_clip: Optional[float] = typer.Option(1.0, help="Max gradient norm (0 disables)."),
     temperature: Optional[float] = typer.Option(None, help="Fixed softmax temperature (default: open_clip learns it; sentence-transformers 0.05)."),
@@ -195,7 +206,7 @@ def train_command(
     overwrite: bool = typer.Option(False, help="Replace the run in --out."),
 ) -> None:
     """Train a dual encoder on (reweighted or filtered) pairs: weighted symmetric InfoNCE."""
-    check_output(out, [*source, *(val or [])])  # the directories named; the files read are checked by train()
+    target = open_output(out, [*source, *(val or [])], "out", kind="directory", overwrite=None)  # train() adds the files
     name, method_options = method_and_options(method, ctx.meta.get(SHORTCUTS_GIVEN, {}), method_option or [])
     from pairclean.train import TrainConfig, train
 
@@ -208,14 +219,15 @@ def train_command(
                           diagnostics=diagnostics, seed=seed, resume=resume, overwrite=overwrite,
                           progress=RichProgress(console))
     spec = dataset.spec(source)
+    announce(spec)
     val_spec = dataset.spec(val, pair=spec.pair) if val else None
     with train_wording(name):
-        result = train(spec, out, cfg, val=val_spec)
+        result = train(spec, target, cfg, val=val_spec)
     from pairclean.ops import distributed
 
     if not distributed.is_main():  # under torchrun rank 0 reports
         return
-    console.print(epochs_table(result))
+    print_table(console, epochs_table(result))
     if result.best_model is not None:
         console.print(f"best: epoch {result.best_epoch}, rSum {result.best_rsum:.1f} -> {result.best_model}")
     console.print(f"last: {result.last_model}")

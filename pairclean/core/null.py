@@ -11,10 +11,11 @@ another row's right. Against its m sorted values:
   taken from finalize's uniform sample of the similarities: exact when the sample holds every
   pair (N <= gmm_sample, default one million), within the sampling error of a million-pair
   uniform sample (about 0.1 pt of rank share) beyond. Memory: m + 1 floats, whatever N is.
-- Noise share (Storey's pi0 at lambda = 1/2): twice the share of pairs whose p-value exceeds 1/2,
-  i.e. the share of pairs that look like random pairings, with a 95% Wilson interval on the
-  sample. It counts only noise that is as dissimilar as a random pairing: a caption that
-  belongs to a similar item (hard noise) is not counted.
+- Random-pairing share (Storey's pi0 at lambda = 1/2): twice the share of pairs whose p-value
+  exceeds 1/2, i.e. the share of pairs that look like random pairings, with a 95% Wilson interval
+  on the sample. It is named for what it measures: it estimates only the noise that is as
+  dissimilar as a random pairing; a caption that belongs to a similar item (hard noise) is not
+  counted, so it is no estimate of all noise.
 """
 
 from __future__ import annotations
@@ -69,7 +70,7 @@ class NullCalibration:
         k = int(passing.max())  # q is non-decreasing in k: pairs with count <= k pass
         return -np.inf if k >= self.m else float(self.null[self.m - k - 1])
 
-    def noise_share(self, sample: np.ndarray) -> tuple[float, float, float]:
+    def random_pairing_share(self, sample: np.ndarray) -> tuple[float, float, float]:
         """(estimate, low, high): Storey's pi0 with a 95% Wilson interval, clipped to [0, 1]."""
         n = len(sample)
         if n == 0:

@@ -1,39 +1,47 @@
-"""Filter a dataset by its scores: new WebDataset shards, or Parquet files, holding the kept pairs.
+"""Filter a dataset by its scores: the kept pairs as new files in the shape the dataset came in.
 
 Each rule is a predicate: a boolean SQL expression over the `scores` view that DuckDB evaluates
-(`where`), or the top fraction by a score column (`scores.rules.TopFractionRule`, DataComp style);
-a pair is kept when every predicate keeps it (NULL counts as no). All rules are run over every row before anything is written, so a bad
-predicate fails with DuckDB's message and leaves nothing behind. The kept set is then fetched
-one shard (or Parquet row group) at a time and joined with a stream of the shard's samples:
-memory holds one shard's decisions and one sample, never every key. Each kept sample is checked
-against the key the scores have for its (shard, index), so a shard that changed after scoring
-stops the run instead of producing a silently wrong dataset.
+(`where`, which may read the tables a user attached, and the dataset's own metadata sidecars as
+`metadata`), the top fraction by a score column (`scores.rules.TopFractionRule`, DataComp style),
+or a keep-list of keys (`keep_keys`: text, Parquet or DataComp's uid .npy); a pair is kept when
+every predicate keeps it (NULL counts as no). All rules are run over every row before anything is
+written, so a bad predicate fails with DuckDB's message and leaves nothing behind. The kept keys
+can be exported (`keys_out`: a DataComp uid .npy for their resharder, text or Parquet).
+
+The dataset's input format writes the kept samples (`InputFormat.write_kept`): tar members or
+Parquet rows byte for byte, img2dataset's per-shard metadata and stats beside each tar. It fetches
+the kept set one shard (or Parquet row group) at a time from DuckDB (`ScoresKept`): memory holds
+one shard's decisions and one sample, never every key. Each kept sample is checked against the
+key the scores have for its (shard, index), so a shard that changed after scoring stops the run
+instead of producing a silently wrong dataset. Scores whose rows are not the dataset's (made from
+precomputed embeddings) meet it by key (`ScoresDB.join_keys`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
-import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable
 
 import duckdb
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 
+from pairclean.config import COUNT, at_least, declare
 from pairclean.curate.sweep import Sweep, threshold_sweep
+from pairclean.data.formats import Decisions, KeptRows
+from pairclean.data.keys import read_keys, write_keys
 from pairclean.data.manifest import DatasetSpec, write_manifest
-from pairclean.data.reader import OnFailure, UnitFailure, list_samples, read_samples
-from pairclean.data.writer import staged_directory, write_shards
 from pairclean.errors import ConfigError, UserError
 from pairclean.ops.atomic import write_json
-from pairclean.ops.guard import check_file_prefix, check_output
+from pairclean.ops.guard import Output, check_file_prefix, open_output
+from pairclean.scores.contract import from_embeddings
 from pairclean.scores.db import NUMERIC_TYPES, ScoresDB, compile_predicate, match_shards
 from pairclean.scores.rules import TopFractionRule
 from pairclean.scores.sql import duckdb_message
+
+METADATA_TABLE = "metadata"  # the dataset's own per-shard metadata (img2dataset's sidecars), attached under this name
 
 
 @dataclass
@@ -51,9 +59,9 @@ class RuleCount:
 
 @dataclass
 class FilterResult:
-    out: Path
+    out: Path | None
     dry_run: bool
-    format: str
+    format: str | None
     total_pairs: int  # scored pairs of the given shards
     total_bytes: int | None
     counts: list[RuleCount]  # one per rule, then "all rules" when there are several
@@ -63,6 +71,9 @@ class FilterResult:
     output_files: list[str] = field(default_factory=list)
     read_failures: list[dict] = field(default_factory=list)
     sweep: Sweep | None = None  # dry run: what each similarity threshold would keep (`curate.sweep`)
+    join: str = "shard, index"  # how scores met the dataset: "shard, index" or "key"
+    unmatched: int = 0  # key join: scored rows whose key is not in the dataset (not downloaded, another split)
+    keys_written: int | None = None  # pairs whose keys went to `keys_out`
 
 
 def _top_fraction(db: ScoresDB, fraction: float, by: str) -> Predicate:
@@ -76,12 +87,19 @@ def _top_fraction(db: ScoresDB, fraction: float, by: str) -> Predicate:
     return Predicate(f"top {fraction:g} by {by}", rule.keep_sql(db, by))
 
 
-def keep_predicates(db: ScoresDB, where: list[str], top_fraction: float | None, by: str) -> list[Predicate]:
+def keep_predicates(db: ScoresDB, where: list[str], top_fraction: float | None, by: str,
+                    keep_keys: str | None = None) -> list[Predicate]:
     predicates = [Predicate(w, compile_predicate(db, w, "where")) for w in where]
     if top_fraction is not None:
         predicates.append(_top_fraction(db, top_fraction, by))
+    if keep_keys is not None:
+        keys = read_keys(keep_keys)
+        db.register("keep_keys", pa.table({"key": keys}))
+        predicates.append(Predicate(f"key in {Path(keep_keys).name} ({len(keys):,} keys)",
+                                    "(key IN (SELECT key FROM keep_keys))"))
     if not predicates:
-        raise ConfigError("give at least one rule: `where` (a predicate) and/or `top_fraction`", "where", "top_fraction")
+        raise ConfigError("give at least one rule: `where` (a predicate), `top_fraction` and/or `keep_keys`",
+                          "where", "top_fraction", "keep_keys")
     return predicates
 
 
@@ -103,21 +121,8 @@ def count_rules(db: ScoresDB, rules: list[Predicate]) -> tuple[int, list[int], i
     return int(row[0]), [int(c) for c in row[1:-1]], int(row[-1])
 
 
-@dataclass
-class ShardDecisions:
-    """One shard's scored rows, positioned by index: keys[i] and flags[rule][i] (keep is the last)."""
-
-    scored: np.ndarray  # bool, True where the scores have this index
-    keys: np.ndarray  # object
-    flags: np.ndarray  # bool, (n_rules + 1, size)
-
-    @property
-    def keep(self) -> np.ndarray:
-        return self.flags[-1]
-
-
 def shard_decisions(db: ScoresDB, rules: list[Predicate], shard: str, lo: int | None = None,
-                    hi: int | None = None) -> ShardDecisions:
+                    hi: int | None = None) -> Decisions:
     """The rule flags of one scored shard (or its index range [lo, hi]), from DuckDB."""
     where, params = "shard = ?", [shard]
     if lo is not None:
@@ -135,253 +140,172 @@ def shard_decisions(db: ScoresDB, rules: list[Predicate], shard: str, lo: int | 
     for j in range(len(rules)):
         flags[j, index] = np.asarray(res[f"r{j}"], dtype=bool)
     flags[-1, index] = np.asarray(res["keep"], dtype=bool)
-    return ShardDecisions(scored, keys, flags)
+    return Decisions(scored, keys, flags)
 
 
-def _recorder(failures: list[dict]) -> OnFailure:
-    """The error policy of scoring: keep what could be read, report the shard (in filter.json)."""
-    def record(failure: UnitFailure) -> None:
-        failures.append({"shard": failure.unit, "reason": failure.reason})
+class ScoresKept(KeptRows):
+    """The decisions a format writes by, from DuckDB, for the dataset's shards (named as the
+    dataset names them; `mapping` gives the name each has in the scores)."""
 
-    return record
+    def __init__(self, db: ScoresDB, rules: list[Predicate], mapping: dict[str, str]):
+        self.db, self.predicates, self.mapping, self.rules = db, rules, mapping, len(rules)
 
+    def decisions(self, shard: str, lo: int | None = None, hi: int | None = None) -> Decisions:
+        return shard_decisions(self.db, self.predicates, self.mapping[shard], lo, hi)
 
-def _changed(shard: str, detail: str) -> UserError:
-    return UserError(f"{shard} changed since it was scored ({detail}); score it again before filtering")
-
-
-def _check_key(shard: str, dec: ShardDecisions, i: int, key: str) -> None:
-    if i >= len(dec.scored):
-        return  # past the last scored row: not kept, nothing to compare
-    if dec.scored[i] and dec.keys[i] != key:
-        raise _changed(shard, f"sample {i} is {key!r} in the shard but {dec.keys[i]!r} in the scores")
+    def last_index(self, shard: str) -> int | None:
+        return self.db.scalar("SELECT max(\"index\") FROM scores WHERE shard = ?", [self.mapping[shard]])
 
 
-def _kept_tar_samples(spec: DatasetSpec, shard: str, dec: ShardDecisions, failures: list[dict],
-                      tally: dict) -> Iterator[dict]:
-    """The kept samples of one shard, members exactly as stored."""
-    i = -1
-    for i, sample in enumerate(read_samples(shard, _recorder(failures), spec.allow_pipe)):
-        _check_key(shard, dec, i, sample.key)
-        if i < len(dec.keep) and dec.keep[i]:
-            tally["pairs"] += 1
-            tally["bytes"] += sum(len(data) for data in sample.members.values())
-            yield {"__key__": sample.key, **sample.members}
-    if i + 1 < len(dec.scored):
-        raise _changed(shard, f"it has {i + 1} samples, the scores have index {len(dec.scored) - 1}")
+def _dataset_keys(spec: DatasetSpec) -> pa.Table:
+    """(shard, index, key) of every pair the dataset's shards hold, as its format keys them."""
+    fmt = spec.input_format
+    shards, index, keys = [], [], []
+    for shard in dict.fromkeys(spec.shards):
+        listed = fmt.keys(shard)
+        shards.extend([shard] * len(listed))
+        index.extend(range(len(listed)))
+        keys.extend(listed)
+    return pa.table({"shard": pa.array(shards, pa.string()), "index": pa.array(index, pa.int64()),
+                     "key": pa.array(keys, pa.string())})
 
 
-def _tar_bytes_per_rule(spec: DatasetSpec, shard: str, dec: ShardDecisions,
-                        failures: list[dict]) -> tuple[int, np.ndarray]:
-    """Dry run: (bytes of the scored samples, bytes each rule keeps) from the headers."""
-    total, per_rule, i = 0, np.zeros(len(dec.flags), np.int64), -1
-    for i, sample in enumerate(list_samples(shard, _recorder(failures), spec.allow_pipe)):
-        _check_key(shard, dec, i, sample.key)
-        size = sum(sample.members.values())
-        if i < len(dec.scored) and dec.scored[i]:
-            total += size
-            per_rule += size * dec.flags[:, i]
-    if i + 1 < len(dec.scored):
-        raise _changed(shard, f"it has {i + 1} samples, the scores have index {len(dec.scored) - 1}")
-    return total, per_rule
-
-
-def _parquet_key_check(path: str, key_column: str, table: pa.Table, dec: ShardDecisions) -> None:
-    if key_column not in table.column_names:
-        return  # scoring named rows by position: nothing stored to compare
-    for i, value in enumerate(table.column(key_column).to_pylist()):
-        _check_key(path, dec, i, str(value))
-
-
-class _RowGroupBuffer:
-    """Re-pack filtered rows into row groups of the input's size (heavy filtering would
-    otherwise leave many tiny row groups)."""
-
-    def __init__(self, writer: pq.ParquetWriter, rows: int):
-        self.writer, self.rows, self.parts, self.count = writer, max(rows, 1), [], 0
-
-    def add(self, table: pa.Table) -> None:
-        self.parts.append(table)
-        self.count += table.num_rows
-        if self.count >= self.rows:
-            whole = pa.concat_tables(self.parts)
-            full = self.count // self.rows * self.rows
-            self.writer.write_table(whole.slice(0, full), row_group_size=self.rows)
-            rest = whole.slice(full)
-            self.parts, self.count = ([rest] if rest.num_rows else []), rest.num_rows
-
-    def flush(self) -> None:
-        """Write the last, partial row group."""
-        if self.count:
-            self.writer.write_table(pa.concat_tables(self.parts), row_group_size=self.rows)
-        self.parts, self.count = [], 0
-
-
-def _filter_parquet_file(db: ScoresDB, rules: list[Predicate], path: str, scored_name: str, key_column: str,
-                         target: Path, tally: dict) -> bool:
-    """Write the kept rows of one Parquet file to `target`; False (and no file) when none is kept."""
-    pf = pq.ParquetFile(path)
-    meta = pf.metadata
-    max_rows = max((meta.row_group(g).num_rows for g in range(meta.num_row_groups)), default=0)
-    last_scored = db.scalar("SELECT max(\"index\") FROM scores WHERE shard = ?", [scored_name])
-    if last_scored is not None and last_scored >= meta.num_rows:
-        raise _changed(path, f"it has {meta.num_rows} rows, the scores have index {last_scored}")
-    writer = buffer = None
-    offset = 0
-    try:
-        for g in range(meta.num_row_groups):
-            n = meta.row_group(g).num_rows
-            dec = shard_decisions(db, rules, scored_name, offset, offset + n - 1)
-            if dec.keep.any():
-                table = pf.read_row_group(g)
-                _parquet_key_check(path, key_column, table, dec)
-                kept = table.filter(pa.array(dec.keep))
-                tally["pairs"] += kept.num_rows
-                if writer is None:
-                    writer = pq.ParquetWriter(target, pf.schema_arrow, compression="zstd")
-                    buffer = _RowGroupBuffer(writer, max_rows)
-                buffer.add(kept)
-            offset += n
-        if buffer is not None:
-            buffer.flush()
-    finally:
-        if writer is not None:
-            writer.close()
-    if writer is None:
-        return False
-    tally["bytes"] += target.stat().st_size
-    return True
-
-
-def _parquet_bytes_per_rule(db: ScoresDB, rules: list[Predicate], path: str, scored_name: str) -> tuple[int, np.ndarray]:
-    """Dry run: each row group's compressed size shared out over its rows (an estimate)."""
-    meta = pq.ParquetFile(path).metadata
-    total, per_rule, offset = 0, np.zeros(len(rules) + 1, np.int64), 0
-    for g in range(meta.num_row_groups):
-        n = meta.row_group(g).num_rows
-        dec = shard_decisions(db, rules, scored_name, offset, offset + n - 1)
-        rg = meta.row_group(g)
-        size = sum(rg.column(c).total_compressed_size for c in range(rg.num_columns)) / max(n, 1)
-        total += round(size * int(dec.scored.sum()))
-        per_rule += np.round(size * dec.flags.sum(axis=1)).astype(np.int64)
-        offset += n
-    return total, per_rule
-
-
-def _match(db: ScoresDB, spec: DatasetSpec) -> dict[str, str]:
+def match_dataset(db: ScoresDB, spec: DatasetSpec, result: FilterResult) -> dict[str, str]:
+    """Given shard -> its name in `scores`, narrowed to those shards. Scores made from these shards
+    meet them by (shard, index); scores made elsewhere (precomputed embeddings) by key."""
     mapping = match_shards(spec.shards, db.scored_shards())
     missing = [s for s, m in mapping.items() if m is None]
-    if missing:
+    if missing and (len(missing) == len(mapping) or from_embeddings(db.provenance)):
+        result.join = "key"
+        joined, result.unmatched = db.join_keys(_dataset_keys(spec))
+        if not joined:
+            raise UserError(f"no key of {db.path} is a key of the given shards (first: {spec.shards[0]}): "
+                            "filter the data these scores describe")
+        mapping = {s: s for s in spec.shards}
+    elif missing:
         raise UserError(f"{len(missing)} of the {len(spec.shards)} given shards have no rows in {db.path} "
                         f"(first: {missing[0]}); filter the shards that were scored")
+    db.restrict(sorted(set(mapping.values())))
     return mapping  # type: ignore[return-value]
 
 
-def filter_dataset(spec: DatasetSpec, scores: str | Path | ScoresDB, out: Path, where: list[str] | None = None,
-                   top_fraction: float | None = None, by: str = "sim", dry_run: bool = False,
-                   shard_size: int = 10_000, shard_bytes: float = 1e9, prefix: str = "shard",
-                   overwrite: bool = False, progress: Callable[[str], None] | None = None) -> FilterResult:
+def attachments(spec: DatasetSpec | None, attach: dict[str, list[str]] | None) -> dict[str, list[str]]:
+    """The tables filter's predicates may read: the user's, and the dataset's own metadata sidecars
+    as `metadata` (img2dataset's per-shard Parquet: width, status, url, ...) unless a user table has the name."""
+    attach = dict(attach or {})
+    sidecars = spec.input_format.metadata_files() if spec is not None else []
+    if sidecars and METADATA_TABLE not in attach:
+        attach[METADATA_TABLE] = sidecars
+    return attach
+
+
+def _export_keys(db: ScoresDB, rules: list[Predicate], path: Path) -> int:
+    """The kept pairs' keys, sorted, in the format `keys_out`'s suffix names."""
+    keys = db.con.sql(f"SELECT key FROM ({_decision_sql(rules)}) WHERE keep ORDER BY key").fetchnumpy()["key"]
+    return write_keys(path, (str(k) for k in keys))
+
+
+@declare(top_fraction=TopFractionRule.OPTIONS["keep"].bounds, shard_size=COUNT, shard_bytes=at_least(1))
+def filter_dataset(spec: DatasetSpec | None, scores: str | Path | ScoresDB, out: str | Path | Output | None = None,
+                   where: list[str] | None = None, top_fraction: float | None = None, by: str = "sim",
+                   dry_run: bool = False, shard_size: int = 10_000, shard_bytes: float = 1e9, prefix: str = "shard",
+                   overwrite: bool = False, progress: Callable[[str], None] | None = None,
+                   keep_keys: str | None = None, keys_out: str | Path | None = None,
+                   attach: dict[str, list[str]] | None = None) -> FilterResult:
     """Keep the pairs every rule keeps; write them under `out` (nothing at all on a dry run).
 
-    `scores`: the scores file, or a `ScoresDB` the caller opened (and closes) on it.
-    WebDataset in -> WebDataset shards of at most `shard_size` samples / `shard_bytes` bytes;
-    Parquet in -> one Parquet file per input file that keeps rows (row groups of the input's size).
-    `out` also gets `manifest.yaml` (the new dataset) and `filter.json` (rules, counts, provenance).
+    `spec`: the dataset to write from (None: work on the scores alone, for a dry run's counts or
+    `keys_out`). `scores`: the scores file, or a `ScoresDB` the caller opened (and closes) on it.
+    WebDataset in -> shards of at most `shard_size` samples / `shard_bytes` bytes; Parquet in ->
+    one file per input file that keeps rows. `prefix` '' names outputs like the input
+    (img2dataset's `00000.tar`). `out` also gets `manifest.yaml` (the new dataset) and
+    `filter.json` (rules, counts, provenance). `keys_out`: also write the kept keys there.
     """
-    out = Path(out)
-    check_file_prefix(prefix)
-    inputs = scores.inputs if isinstance(scores, ScoresDB) else [Path(scores)]
-    if not dry_run:
-        check_output(out, [*spec.shards, *inputs])
-    if spec.format == "parquet" and (spec.fields.image_path or spec.fields.image2_path):
-        raise UserError("this Parquet dataset names images by relative path: filtered files in another "
-                        "directory could not find them; filter a Parquet that holds the image bytes")
-    if not dry_run and out.exists() and not out.is_dir():
-        raise UserError(f"{out} exists and is not a directory")
-    if not dry_run and out.exists() and any(out.iterdir()) and not overwrite:
-        raise ConfigError(f"{out} exists and is not empty; pass `overwrite` to replace it", "overwrite")
-    if shard_size < 1:
-        raise ConfigError(f"shard_size must be at least 1, got {shard_size}", "shard_size")
-    if not shard_bytes >= 1 or not math.isfinite(shard_bytes):
-        raise ConfigError(f"shard_bytes must be a finite number of at least 1, got {shard_bytes}", "shard_bytes")
-    opened = contextlib.nullcontext(scores) if isinstance(scores, ScoresDB) else ScoresDB(scores)
+    if prefix:
+        check_file_prefix(prefix)
+    scores_path = scores.path if isinstance(scores, ScoresDB) else Path(scores)
+    inputs = [*(spec.shards if spec else []), scores_path, keep_keys, *(f for fs in (attach or {}).values() for f in fs)]
+    writing = not dry_run and out is not None
+    target = None
+    if writing:
+        if spec is None:
+            raise ConfigError("writing the kept pairs needs the dataset: the scores file does not name one", "out")
+        target = open_output(out, inputs, "out", kind="directory", overwrite=overwrite)
+        out = target.path
+        spec.input_format.check_rewritable()
+    elif not dry_run and keys_out is None:
+        raise ConfigError("give `out` (a directory for the kept pairs), `keys_out`, or `dry_run`", "out", "keys_out",
+                          "dry_run")
+    elif out is not None:
+        out = out.path if isinstance(out, Output) else Path(out)
+    if keys_out is not None and not dry_run:
+        keys_out = open_output(keys_out, inputs, "keys_out", overwrite=overwrite).path
+    opened = contextlib.nullcontext(scores) if isinstance(scores, ScoresDB) \
+        else ScoresDB(scores, attach=attachments(spec, attach))
     with opened as db:
-        mapping = _match(db, spec)
-        db.restrict(sorted(set(mapping.values())))
-        rules = keep_predicates(db, where or [], top_fraction, by)
+        result = FilterResult(out=out, dry_run=dry_run, format=spec.format if spec else None, total_pairs=0,
+                              total_bytes=None, counts=[], kept_pairs=0, kept_bytes=None,
+                              bytes_estimated=bool(spec and spec.input_format.bytes_estimated()))
+        mapping = match_dataset(db, spec, result) if spec is not None else {}
+        rules = keep_predicates(db, where or [], top_fraction, by, keep_keys)
         total, per_rule, kept = count_rules(db, rules)
         names = [r.name for r in rules] + (["all rules"] if len(rules) > 1 else [])
         pair_counts = per_rule + ([kept] if len(rules) > 1 else [])
-        result = FilterResult(out=out, dry_run=dry_run, format=spec.format, total_pairs=total, total_bytes=None,
-                              counts=[RuleCount(n, c) for n, c in zip(names, pair_counts)], kept_pairs=kept,
-                              kept_bytes=None, bytes_estimated=spec.format == "parquet")
+        result.total_pairs, result.kept_pairs = total, kept
+        result.counts = [RuleCount(n, c) for n, c in zip(names, pair_counts)]
+        if keys_out is not None and not dry_run:
+            result.keys_written = _export_keys(db, rules, Path(keys_out))
         if dry_run:
-            _dry_run_bytes(db, rules, spec, mapping, result, progress)
+            if spec is not None:
+                _dry_run_bytes(ScoresKept(db, rules, mapping), spec, result, progress)
             # over the whole file, as the run's null was drawn
             result.sweep = threshold_sweep(db, (db.provenance or {}).get("null_quantiles"), view="scores_file")
             return result
+        if not writing:
+            return result
         if kept == 0:
             raise UserError(f"the rules keep none of the {total:,} pairs; nothing written")
-        _write(db, rules, spec, mapping, result, shard_size, shard_bytes, prefix, overwrite, progress)
+        _write(db, rules, spec, mapping, result, shard_size, shard_bytes, prefix, target, progress)
     return result
 
 
-def _dry_run_bytes(db, rules, spec, mapping, result: FilterResult, progress) -> None:
-    total, per_rule = 0, np.zeros(len(rules) + 1, np.int64)
+def _dry_run_bytes(kept: ScoresKept, spec: DatasetSpec, result: FilterResult, progress) -> None:
+    total, per_rule = 0, np.zeros(kept.rules + 1, np.int64)
+    fmt = spec.input_format
     for shard in spec.shards:
-        if spec.format == "webdataset":
-            dec = shard_decisions(db, rules, mapping[shard])
-            t, r = _tar_bytes_per_rule(spec, shard, dec, result.read_failures)
-        else:
-            t, r = _parquet_bytes_per_rule(db, rules, shard, mapping[shard])
+        t, r = fmt.kept_bytes(kept, shard, result.read_failures)
         total += t
         per_rule += r
         if progress:
             progress(shard)
     result.total_bytes = total
-    sizes = list(per_rule[:-1]) + ([per_rule[-1]] if len(rules) > 1 else [])
+    sizes = list(per_rule[:-1]) + ([per_rule[-1]] if kept.rules > 1 else [])
     for count, size in zip(result.counts, sizes):
         count.bytes = int(size)
     result.kept_bytes = int(per_rule[-1])
 
 
-def _write(db: ScoresDB, rules, spec, mapping, result: FilterResult, shard_size, shard_bytes, prefix, overwrite,
-           progress) -> None:
-    tally = {"pairs": 0, "bytes": 0}
-    out = result.out
-    with staged_directory(out, overwrite) as tmp:
-        if spec.format == "webdataset":
-            def samples() -> Iterator[dict]:
-                for shard in spec.shards:
-                    dec = shard_decisions(db, rules, mapping[shard])
-                    yield from _kept_tar_samples(spec, shard, dec, result.read_failures, tally)
-                    if progress:
-                        progress(shard)
-
-            files = write_shards(samples(), tmp, prefix=prefix, maxcount=shard_size, maxsize=shard_bytes,
-                                 encoder=False)
-        else:
-            files = []
-            for shard in spec.shards:
-                target = tmp / f"{prefix}-{len(files):06d}.parquet"
-                if _filter_parquet_file(db, rules, shard, mapping[shard], spec.fields.key, target, tally):
-                    files.append(target)
-                if progress:
-                    progress(shard)
-        if tally["pairs"] != result.kept_pairs:
+def _write(db: ScoresDB, rules, spec: DatasetSpec, mapping, result: FilterResult, shard_size, shard_bytes, prefix,
+           target: Output, progress) -> None:
+    out = target.path
+    with target.stage() as tmp:
+        written = spec.input_format.write_kept(ScoresKept(db, rules, mapping), tmp, prefix, shard_size, shard_bytes,
+                                               progress)
+        result.read_failures = written.read_failures
+        if written.pairs != result.kept_pairs:
             # Every shard was read to its last scored index, so only repeated rows get here.
-            raise UserError(f"wrote {tally['pairs']:,} pairs but the rules keep {result.kept_pairs:,} rows: "
+            raise UserError(f"wrote {written.pairs:,} pairs but the rules keep {result.kept_pairs:,} rows: "
                             f"{db.path} holds some (shard, index) more than once")
-        result.kept_bytes = tally["bytes"]
-        result.output_files = [str(out / f.name) for f in files]
+        result.kept_bytes = written.bytes
+        result.output_files = [str(out / f.name) for f in written.files]
         new_spec = DatasetSpec(format=spec.format, shards=result.output_files, pair=spec.pair, fields=spec.fields,
-                               label_template=spec.label_template,
+                               label_template=spec.label_template, image_root=spec.input_format.copy_root(),
                                name=f"{spec.name}-filtered" if spec.name else out.name)
         write_manifest(tmp / "manifest.yaml", new_spec, shards_relative_to=out)
         write_json(tmp / "filter.json", {
-            "source": spec.shards, "source_format": spec.format, "scores": str(db.path),
+            "source": spec.shards, "source_format": spec.format, "scores": str(db.path), "join": result.join,
             "rules": [asdict(r) for r in rules], "pairs": result.total_pairs,
             "counts": [asdict(c) for c in result.counts], "kept_pairs": result.kept_pairs,
             "kept_bytes": result.kept_bytes, "bytes_estimated": result.bytes_estimated,
-            "output": [os.path.basename(f) for f in result.output_files],
+            "output": [Path(f).name for f in result.output_files],
             "read_failures": result.read_failures, "scores_provenance": db.provenance})

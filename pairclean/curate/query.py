@@ -19,7 +19,7 @@ import pyarrow.parquet as pq
 
 from pairclean.config import check_choice
 from pairclean.errors import ConfigError
-from pairclean.ops.atomic import atomic_path
+from pairclean.ops.guard import Output, open_output
 
 OUTPUT_FORMATS = ("table", "csv", "json", "parquet")  # "table" is the command line's rich table
 
@@ -35,9 +35,10 @@ def _json_value(value, float32: bool):
     return value
 
 
-def write_result(batches: Iterable[pa.RecordBatch], schema: pa.Schema, fmt: str, out: Path | None,
+def write_result(batches: Iterable[pa.RecordBatch], schema: pa.Schema, fmt: str, out: Output | Path | None,
                  stdout: IO[bytes] | None = None) -> int:
-    """Stream a result as CSV, JSON Lines or Parquet to `out` (atomically) or stdout; returns rows."""
+    """Stream a result as CSV, JSON Lines or Parquet to `out` (atomically; opened by the caller with
+    the inputs it must not replace, `ops.guard.open_output`) or stdout; returns rows."""
     check_choice(fmt, OUTPUT_FORMATS[1:], "format")
     stdout = stdout if stdout is not None else sys.stdout.buffer
     if fmt == "parquet" and out is None and stdout.isatty():
@@ -68,5 +69,5 @@ def write_result(batches: Iterable[pa.RecordBatch], schema: pa.Schema, fmt: str,
         rows = emit(stdout)
         stdout.flush()
         return rows
-    with atomic_path(out) as tmp, open(tmp, "wb") as fh:
+    with open_output(out).write() as tmp, open(tmp, "wb") as fh:
         return emit(fh)

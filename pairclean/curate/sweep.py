@@ -4,12 +4,15 @@ recall, so that a user picks a threshold with numbers in front of them.
 The estimates come from the run's null (the provenance's `null_quantiles`: similarities of in-data
 pairs that do not belong together), not from labels. With S0(t) the share of random pairings
 above t and K(t) the share of scored pairs above t:
-- noise share pi0 (Storey, lambda = 1/2): twice the share of pairs at or below the null's median;
-- expected noise among the kept pairs: pi0 S0(t) / K(t); precision = 1 - that;
+- the random-pairing share pi0 (Storey, lambda = 1/2): twice the share of pairs at or below the
+  null's median, the share of pairs that look like random pairings;
+- expected random-pairing noise among the kept pairs: pi0 S0(t) / K(t); precision = 1 - that;
 - clean kept (recall of the clean pairs): (K(t) - pi0 S0(t)) / (1 - pi0); noise caught: 1 - S0(t).
 They hold for noise that looks like a random pairing (shuffled captions); noise that is more
 similar than that (a caption of a similar item) is counted as clean, so the figures are upper
-bounds on precision when such noise exists.
+bounds on precision when such noise exists. Every estimate is a share and is kept within [0, 1]:
+the sampling error of pi0 and of the stored null quantiles can push the raw ratios past it
+(`filter --dry-run` once showed "est. clean kept 142.9%").
 """
 
 from __future__ import annotations
@@ -35,8 +38,12 @@ class SweepRow:
 
 @dataclass
 class Sweep:
-    noise_share: float
+    random_pairing_share: float  # pi0: the pairs that look like random pairings (not all noise)
     rows: list[SweepRow]
+
+
+def _share(value: float) -> float:
+    return min(max(value, 0.0), 1.0)
 
 
 def _null_above(quantiles: np.ndarray, t: float) -> float:
@@ -64,7 +71,7 @@ def threshold_sweep(db: ScoresDB, null_quantiles: list[float] | None, view: str 
         s0 = _null_above(quantiles, t)
         noise_kept = min(pi0 * s0, kept)
         rows.append(SweepRow(threshold=t, null_above=s0, kept=kept,
-                             precision=1.0 - noise_kept / kept if kept else None,
-                             clean_kept=(kept - noise_kept) / (1.0 - pi0) if pi0 < 1 else None,
-                             noise_caught=1.0 - s0))
+                             precision=_share(1.0 - noise_kept / kept) if kept else None,
+                             clean_kept=_share((kept - noise_kept) / (1.0 - pi0)) if pi0 < 1 else None,
+                             noise_caught=_share(1.0 - s0)))
     return Sweep(pi0, rows)

@@ -1,14 +1,16 @@
 """The one reader: the only code that turns a shard into rows, so every command numbers rows alike.
 
 A row is `(shard, index, key)`: its position in the shard after the members are grouped into
-samples. Three modes read a tar shard with one member-skip rule and one grouping rule:
-`read_unit` gives RawPairs (scoring, training, report, corrupt's pass 1), `read_samples` the
-members exactly as stored (filter and corrupt copy them), `list_samples` the member sizes from the
-headers alone (train's key checks, filter's dry run). A *unit* (see `units`) is one tar shard or
-one Parquet row group; when it breaks (truncated tar, vanished file, unreadable Parquet) the rows
-before the break are kept and a UnitFailure goes to the caller's error policy, like webdataset's
-`handler=`: `read_unit` yields it as its last item, a list's `append` records it, `raise_failure`
-stops the command.
+samples. `read_unit`, `list_units` and `count_pairs` are the entry points: each goes through the
+dataset's input format (`data.formats`), which reads with the mechanics below. Three modes read a
+tar shard with one member-skip rule and one grouping rule: `read_tar_pairs` gives RawPairs
+(scoring, training, report, corrupt's pass 1), `read_samples` the members exactly as stored
+(filter and corrupt copy them), `list_samples` the member sizes from the headers alone (train's
+key checks, filter's dry run); `read_parquet_pairs` reads a Parquet row group. A *unit* (see
+`units`) is one tar shard or one Parquet row group; when it breaks (truncated tar, vanished file,
+unreadable Parquet) the rows before the break are kept and a UnitFailure goes to the caller's
+error policy, like webdataset's `handler=`: `read_unit` yields it as its last item, a list's
+`append` records it, `raise_failure` stops the command.
 
 Local files and `pipe:` commands are opened with webdataset's `gopen`; every other URL
 (`s3://`, `gs://`, `az://`, `https://`, ...) with fsspec (`open_input`), so object stores are
@@ -42,6 +44,7 @@ from pairclean.ops.urls import is_local
 # Text encoders keep the first 77 (CLIP) or 256 (MiniLM) tokens, far fewer than 4096 characters;
 # a longer caption only costs tokeniser time (CLIP's BPE is quadratic in the length of a word).
 MAX_TEXT_CHARS = 4096
+MAX_SHOWN = 120  # characters of a stored value an error message quotes (never an image's bytes)
 MAX_MEMBER_BYTES = 256 << 20  # a tar member bigger than this is refused without being read (pairs mode)
 _SKIP_META = re.compile(r"__[^/]*__($|/)")  # webdataset's tar_file_iterator skip_meta
 
@@ -106,7 +109,7 @@ def check_protocols(urls: list[str]) -> None:
                             "(pip install 'pairclean[s3]' or 'pairclean[gcs]' for s3:// and gs://)") from None
 
 
-def _parquet_file(path: str) -> pq.ParquetFile:
+def parquet_file(path: str) -> pq.ParquetFile:
     return pq.ParquetFile(path if is_local(path) else open_input(path))
 
 
@@ -117,7 +120,8 @@ def modalities(pair: str) -> tuple[str, str]:
 
 
 def list_units(spec: DatasetSpec) -> list[str]:
-    """Every unit of the dataset, in a stable order (the order of the output rows).
+    """Every unit of the dataset, in a stable order (the order of the output rows), as its format
+    cuts it.
 
     A shard listed twice (overlapping patterns, a repeated line in a list file) is one unit:
     its pairs would otherwise be scored, and written, twice.
@@ -127,16 +131,33 @@ def list_units(spec: DatasetSpec) -> list[str]:
         raise ConfigError("refusing shell `pipe:` shard URLs: pass `allow_pipe` to run shell commands from shard lists",
                           "allow_pipe")
     check_protocols(shards)
-    if spec.format == "webdataset":
-        return shards
+    return spec.input_format.units()
+
+
+def parquet_row_groups(shards: list[str]) -> list[str]:
+    """Each Parquet file's row groups as units (a file that cannot be opened is one unit, whose
+    read reports why)."""
     units = []
-    for path in shards:
+    for path in unique_shards(shards):
         try:
-            n = _parquet_file(path).metadata.num_row_groups  # 0 for an empty file: no unit, no pairs
+            n = parquet_file(path).metadata.num_row_groups  # 0 for an empty file: no unit, no pairs
         except Exception:
-            n = 1  # read_unit reports the failure for this file
+            n = 1
         units.extend(str(Unit.row_group(path, i)) for i in range(n))
     return units
+
+
+def shown(value) -> str:
+    """A stored value as an error message may quote it: its type and length for bytes and
+    structures, else its text cut to MAX_SHOWN characters."""
+    if isinstance(value, (bytes, bytearray)):
+        return f"<{len(value):,} bytes>"
+    if isinstance(value, dict):
+        return f"<struct: {', '.join(map(str, value))}>"
+    if isinstance(value, (list, tuple)):
+        return f"<list of {len(value)}>"
+    text = str(value)
+    return text if len(text) <= MAX_SHOWN else text[:MAX_SHOWN - 3] + "..."
 
 
 class _Oversized:
@@ -193,9 +214,30 @@ def _fill(pair: RawPair, side: str, value, error) -> None:
         pair.error = error
 
 
+def json_value(sample: dict, name: str):
+    """A value of the sample's json member (None when there is no member, no such key, or no JSON)."""
+    raw = sample.get("json")
+    if raw is None or isinstance(raw, (_Oversized, int)):
+        return None
+    try:
+        obj = json.loads(raw)
+    except Exception:
+        return None
+    return obj.get(name) if isinstance(obj, dict) else None
+
+
+def sample_key(key_field: str | None, raw: Sample) -> str:
+    """A tar sample's key: its member names' prefix (`__key__`), or a key of its json member
+    (DataComp's `uid`), falling back to the prefix when the member lacks it."""
+    if key_field in (None, "__key__"):
+        return raw.key
+    value = json_value({s.lower(): v for s, v in raw.members.items()}, key_field)
+    return raw.key if value is None else str(value)
+
+
 def _wds_pair(spec: DatasetSpec, raw: Sample) -> RawPair:
     f = spec.fields
-    pair = RawPair(key=raw.key, shard=raw.shard, index=raw.index)
+    pair = RawPair(key=sample_key(f.key, raw), shard=raw.shard, index=raw.index)
     sample = {suffix.lower(): value for suffix, value in raw.members.items()}
     if spec.pair in ("image-text", "image-label", "image-image"):
         _fill(pair, "left", *_wds_image(sample, f.image_candidates()))
@@ -368,25 +410,30 @@ def read_samples(url: str, on_failure: OnFailure, allow_pipe: bool = False) -> I
     return _tar_samples(url, on_failure, _whole_bytes, allow_pipe)
 
 
-def list_samples(url: str, on_failure: OnFailure, allow_pipe: bool = False) -> Iterator[Sample]:
+def list_samples(url: str, on_failure: OnFailure, allow_pipe: bool = False,
+                 read: tuple[str, ...] = ()) -> Iterator[Sample]:
     """Header mode: the tar shard's samples with each member's size in bytes; a local shard's
-    member data is seeked over, not read."""
-    return _tar_samples(url, on_failure, _present_size, allow_pipe, seek=True)
+    member data is seeked over, not read, except members with a suffix in `read` (e.g. `json`,
+    to take a key from it), whose bytes are given (capped like pairs mode)."""
+    if not read:
+        return _tar_samples(url, on_failure, _present_size, allow_pipe, seek=True)
+    wanted = {suffix.lower() for suffix in read}
+
+    def member(archive: tarfile.TarFile, info: tarfile.TarInfo):
+        suffix = base_plus_ext(info.name)[1]
+        return _capped_bytes(archive, info) if suffix and suffix.lower() in wanted else _present_size(archive, info)
+
+    return _tar_samples(url, on_failure, member, allow_pipe, seek=True)
 
 
 def count_pairs(spec: DatasetSpec, unit: str) -> int:
     """Header mode for a unit: how many rows it holds (a Parquet row group's count from the file's
     metadata, a tar shard's from its member headers), rows before a break included."""
-    parsed = Unit.parse(unit)
-    if spec.format == "parquet":
-        try:
-            return _parquet_file(parsed.path).metadata.row_group(parsed.part).num_rows
-        except Exception:
-            return 0  # read_unit reports the failure
-    return sum(1 for _ in list_samples(unit, lambda failure: None, spec.allow_pipe))
+    return spec.input_format.count(unit)
 
 
-def _read_tar(spec: DatasetSpec, unit: str) -> Iterator[RawPair | UnitFailure]:
+def read_tar_pairs(spec: DatasetSpec, unit: str) -> Iterator[RawPair | UnitFailure]:
+    """Pairs mode for a tar shard."""
     failures: list[UnitFailure] = []
     for sample in _tar_samples(unit, failures.append, _capped_bytes, spec.allow_pipe):
         yield _wds_pair(spec, sample)
@@ -403,25 +450,27 @@ def safe_join(root: Path, relative: str) -> Path | None:
 def _read_image_path(root: Path, value) -> tuple[bytes | None, str | None]:
     if value is None:
         return None, "missing image path"
-    path = safe_join(root, str(value))
+    if not isinstance(value, str):
+        return None, f"image path is {shown(value)}, not text"
+    path = safe_join(root, value)
     if path is None:
-        return None, f"image path escapes the dataset root: {value}"
+        return None, f"image path escapes the dataset root: {shown(value)}"
     try:
         # Non-blocking open, then fstat: a FIFO or device is refused instead of hanging the
         # reader, and a file is held to the same size limit as a tar member before it is read.
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
     except OSError as exc:
-        return None, f"cannot read image file {value}: {exc.strerror or exc}"
+        return None, f"cannot read image file {shown(value)}: {exc.strerror or exc}"
     with os.fdopen(fd, "rb") as fh:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):
-            return None, f"image path {value} is not a regular file"
+            return None, f"image path {shown(value)} is not a regular file"
         if info.st_size > MAX_MEMBER_BYTES:
             return None, _Oversized(str(value), info.st_size, "image file").reason
         try:
             data = fh.read(MAX_MEMBER_BYTES + 1)
         except OSError as exc:
-            return None, f"cannot read image file {value}: {exc.strerror or exc}"
+            return None, f"cannot read image file {shown(value)}: {exc.strerror or exc}"
     if len(data) > MAX_MEMBER_BYTES:  # it grew after the check
         return None, _Oversized(str(value), len(data), "image file").reason
     return data, None
@@ -451,10 +500,25 @@ def _positional_key(path: str, index: int) -> str:
 
 def parquet_keys(spec: DatasetSpec, path: str) -> list[str]:
     """Header mode for Parquet: the keys of every row of the file, reading the key column alone."""
-    pf = _parquet_file(path)
+    pf = parquet_file(path)
     if spec.fields.key in pf.schema_arrow.names:
         return [str(k) for k in pf.read(columns=[spec.fields.key]).column(0).to_pylist()]
     return [_positional_key(path, i) for i in range(pf.metadata.num_rows)]
+
+
+def _image_value(value, root: Path) -> tuple[bytes | None, str | None]:
+    """An image column's value: bytes, or a Hugging Face `Image` struct {bytes, path} (bytes when
+    embedded, else the file at path under the dataset root)."""
+    if isinstance(value, (bytes, bytearray)):
+        return bytes(value), None
+    if value is None:
+        return None, "missing image"
+    if isinstance(value, dict) and {"bytes", "path"} <= set(value):
+        if value["bytes"] is not None:
+            return value["bytes"], None
+        return _read_image_path(root, value["path"])
+    kind = shown(value) if isinstance(value, dict) else type(value).__name__
+    return None, f"image column holds {kind}, not image bytes"
 
 
 def _pairs_fitting(spec: DatasetSpec, available: set[str]) -> list[str]:
@@ -462,17 +526,23 @@ def _pairs_fitting(spec: DatasetSpec, available: set[str]) -> list[str]:
     kind's columns are missing (text-text pairs read as the default image-text)."""
     fits = []
     for kind in PAIR_KINDS:
-        other = DatasetSpec(format="parquet", shards=spec.shards, pair=kind)
+        other = DatasetSpec(format=spec.format, shards=spec.shards, pair=kind)
         if kind != spec.pair and all(c in available or c == other.fields.key for c in _parquet_columns(other).values()):
             fits.append(kind)
     return fits
 
 
-def _read_parquet(spec: DatasetSpec, unit: str) -> Iterator[RawPair | UnitFailure]:
+RowError = Callable[[dict], "str | None"]  # a format's own per-row failure (img2dataset's status), from `extra` columns
+
+
+def read_parquet_pairs(spec: DatasetSpec, unit: str, root: Path, extra: tuple[str, ...] = (),
+                       row_error: RowError | None = None) -> Iterator[RawPair | UnitFailure]:
+    """Pairs mode for a Parquet row group. Image paths are read under `root`; `row_error(values of
+    the `extra` columns)` names a row the source itself marks failed (it becomes an error row)."""
     parsed = Unit.parse(unit)
     path, rg = parsed.path, parsed.part
     try:
-        pf = _parquet_file(path)
+        pf = parquet_file(path)
         offset = sum(pf.metadata.row_group(i).num_rows for i in range(rg))
         cols = _parquet_columns(spec)
         available = set(pf.schema_arrow.names)
@@ -483,18 +553,23 @@ def _read_parquet(spec: DatasetSpec, unit: str) -> Iterator[RawPair | UnitFailur
             yield UnitFailure(unit, f"column(s) {missing} not in {path} (has {sorted(available)}){hint}",
                               ("pair",) if fits else ())
             return
-        table = pf.read_row_group(rg, columns=[c for c in dict.fromkeys(cols.values()) if c in available])
+        extra = tuple(c for c in extra if c in available)
+        table = pf.read_row_group(rg, columns=[c for c in dict.fromkeys([*cols.values(), *extra]) if c in available])
     except Exception as exc:
         yield UnitFailure(unit, f"cannot read Parquet: {str(exc).splitlines()[0][:300]}")
         return
-    root = Path(path).parent
     f = spec.fields
+    extras = {c: table.column(c).to_pylist() for c in extra}
     by_path = {"left_image": f.image_path is not None, "right_image": f.image2_path is not None}
     data = {role: (table.column(col).to_pylist() if col in table.column_names else None) for role, col in cols.items()}
     for i in range(table.num_rows):
         keys = data["key"]
         pair = RawPair(key=str(keys[i]) if keys is not None else _positional_key(path, offset + i), shard=path,
                        index=offset + i)
+        if row_error is not None and (reason := row_error({c: v[i] for c, v in extras.items()})):
+            pair.error = reason
+            yield pair
+            continue
         for role, values in data.items():
             if role == "key":
                 continue
@@ -504,7 +579,7 @@ def _read_parquet(spec: DatasetSpec, unit: str) -> Iterator[RawPair | UnitFailur
                 if by_path[role]:
                     _fill(pair, side, *_read_image_path(root, value))
                 else:
-                    _fill(pair, side, value, None if value is not None else "missing image")
+                    _fill(pair, side, *_image_value(value, root))
             elif kind == "label":
                 label, err = _decode_text(None if value is None else str(value), "label")
                 _fill(pair, side, spec.label_template.format(label=label) if label else None, err)
@@ -516,7 +591,6 @@ def _read_parquet(spec: DatasetSpec, unit: str) -> Iterator[RawPair | UnitFailur
 
 
 def read_unit(spec: DatasetSpec, unit: str) -> Iterator[RawPair | UnitFailure]:
-    """Pairs mode: the unit's pairs in order (index = position in its shard), then any UnitFailure."""
-    if spec.format == "parquet":
-        return _read_parquet(spec, unit)
-    return _read_tar(spec, unit)
+    """Pairs mode: the unit's pairs in order (index = position in its shard), then any UnitFailure,
+    as the dataset's format reads them."""
+    return spec.input_format.read(unit)

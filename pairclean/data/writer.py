@@ -1,49 +1,35 @@
-"""Writing datasets: WebDataset shards (via wds.ShardWriter) and Parquet, into a temp directory
-that is renamed into place only when complete."""
+"""Writing datasets: WebDataset shards (via wds.ShardWriter), into a directory that the caller
+stages (`ops.guard.Output.stage`: a temp directory renamed into place only when complete)."""
 
 from __future__ import annotations
 
-import os
-import shutil
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterable
+from typing import Callable, Iterable
 
 import webdataset as wds
 
-from pairclean.errors import ConfigError, UserError
-
-
-@contextmanager
-def staged_directory(out: Path, overwrite: bool = False):
-    """Yield a temp sibling directory; rename it to `out` on success, remove it on failure."""
-    out = Path(out)
-    if out.exists() and any(out.iterdir()) and not overwrite:
-        raise ConfigError(f"{out} exists and is not empty; pass `overwrite` to replace it", "overwrite")
-    if not out.parent.exists():
-        raise UserError(f"directory {out.parent} does not exist")
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
-        yield tmp
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def write_shards(samples: Iterable[dict], directory: Path, prefix: str = "shard", maxcount: int = 1000,
-                 maxsize: float = 1e9, encoder: bool = True) -> list[Path]:
-    """Write samples ({"__key__": ..., "jpg": bytes, "txt": str, ...}) as numbered tar shards.
+                 maxsize: float = 1e9, encoder: bool = True, pattern: str | None = None,
+                 post: Callable[[Path], None] | None = None) -> list[Path]:
+    """Write samples ({"__key__": ..., "jpg": bytes, "txt": str, ...}) as numbered tar shards named
+    PREFIX-000000.tar (or by the printf `pattern`, e.g. `%05d.tar`); `post(path)` runs as each
+    shard is closed. Returns the shards written, in order.
 
     `encoder=False` writes every member's bytes exactly as given (webdataset's encoder would
     gzip `*.gz` members a second time); all values must then be bytes.
     """
     directory = Path(directory)
-    pattern = str(directory / f"{prefix}-%06d.tar")
-    with wds.ShardWriter(pattern, maxcount=maxcount, maxsize=maxsize, verbose=0, encoder=encoder) as sink:
+    written: list[Path] = []
+
+    def closed(name: str) -> None:
+        written.append(Path(name))
+        if post is not None:
+            post(Path(name))
+
+    with wds.ShardWriter(str(directory / (pattern or f"{prefix}-%06d.tar")), maxcount=maxcount, maxsize=maxsize,
+                         verbose=0, encoder=encoder, post=closed) as sink:
         for sample in samples:
             sink.write(sample)
-    return sorted(directory.glob(f"{prefix}-*.tar"))
+    return written

@@ -55,7 +55,7 @@ def evaluate_dedup(dedup_file: str | Path, truth: str | Path, noise_truth: str |
                    side: str | None = None) -> dict:
     """Precision and recall of a dedup output against a duplicates truth (a Parquet or a manifest
     whose `truth:` names it); `side` defaults to the one the output was made with."""
-    from pairclean.scores.evaluation import resolve_truth
+    from pairclean.scores.db import resolve_truth
 
     dedup_file, truth = Path(dedup_file), resolve_truth(truth)
     noise_truth = resolve_truth(noise_truth) if noise_truth is not None else None

@@ -46,7 +46,8 @@ import pyarrow.parquet as pq
 import torch
 
 from pairclean import __version__
-from pairclean.config import check_choice, check_numbers, pinned_settings, unpinned
+from pairclean.config import COUNT, SEED, at_least, check_choice, check_settings, pinned_settings, setting, unpinned, within
+from pairclean.data.formats.embeddings import EmbeddingSpec, iter_batches, open_embeddings
 from pairclean.data.units import Unit, unit_fingerprint
 from pairclean.dedup.kmeans import BACKENDS, nearest_centroid, resolve_backend, train_kmeans
 from pairclean.dedup.pairwise import cluster_duplicates
@@ -55,13 +56,12 @@ from pairclean.errors import ConfigError, UserError
 from pairclean.ops import distributed
 from pairclean.ops.atomic import atomic_path, write_json
 from pairclean.ops.faults import fault_point
-from pairclean.ops.guard import check_output
+from pairclean.ops.guard import Output, open_output
 from pairclean.ops.notices import notice
 from pairclean.ops.progress import SILENT, Progress
 from pairclean.ops.worker_memory import give_back_freed_memory
-from pairclean.scores.contract import provenance_metadata, summary_metadata, write_run_manifest
+from pairclean.scores.contract import provenance_metadata, run_manifest_path, summary_metadata, write_run_manifest
 from pairclean.scores.sql import duckdb_message, sandboxed_connection, sql_string
-from pairclean.scoring.embeddings import EmbeddingSpec, iter_batches, open_embeddings
 from pairclean.scoring.parts import GroupClaims, PartStore, parts_dir_for
 from pairclean.scoring.run import check_unchanged, units_settings
 
@@ -91,34 +91,28 @@ DEDUP_SCHEMA = pa.schema([
 @dataclass
 class DedupConfig:
     side: str = "image"  # image (left vectors), text (right vectors), or both (each side above the threshold)
-    threshold: float = DEFAULT_THRESHOLD  # duplicates: cosine > threshold (SemDeDup: > 1 - eps)
+    # duplicates: cosine > threshold (SemDeDup: > 1 - eps); a cosine, below 1 (nothing is above 1)
+    threshold: float = setting(DEFAULT_THRESHOLD, within(-1, 1, high_open=True))
     keep: str = "cleanest"  # cleanest (highest sim_debiased), semdedup (farthest from the centroid), random
-    clusters: int | None = None  # k-means clusters; None: ceil(sqrt(usable rows))
-    sample_per_cluster: int = 40  # k-means is trained on clusters x this many rows (faiss warns below 39)
-    iterations: int = 20  # k-means iterations (faiss's default is 25; SemDeDup ran 100 on GPUs)
-    seed: int = 0
+    clusters: int | None = setting(None, COUNT)  # k-means clusters; None: ceil(sqrt(usable rows))
+    sample_per_cluster: int = setting(40, COUNT)  # k-means is trained on clusters x this many rows (faiss warns below 39)
+    iterations: int = setting(20, COUNT)  # k-means iterations (faiss's default is 25; SemDeDup ran 100 on GPUs)
+    seed: int = setting(0, SEED)
     backend: str = "auto"  # auto (faiss if installed), faiss, torch
-    block_rows: int = 4096  # members compared per block: a block x block matrix of float32
-    group_rows: int = 65536  # a group (claimed by one rank, committed as one part) holds at least this many rows
-    unit_rows: int = 1 << 18  # rows per assignment unit (the grain of its resume)
-    batch_rows: int = unpinned(16384)  # rows read at a time while assigning
-    threads: int = unpinned(0)  # torch intra-op threads during the run (0: leave torch's setting)
+    block_rows: int = setting(4096, COUNT)  # members compared per block: a block x block matrix of float32
+    group_rows: int = setting(65536, COUNT)  # a group (claimed by one rank, committed as one part) holds at least this many rows
+    unit_rows: int = setting(1 << 18, COUNT)  # rows per assignment unit (the grain of its resume)
+    batch_rows: int = setting(16384, COUNT, pinned=False)  # rows read at a time while assigning
+    threads: int = setting(0, at_least(0), pinned=False)  # torch intra-op threads during the run (0: leave torch's setting)
     overwrite: bool = unpinned(False)
     resume: bool = unpinned(False)
     progress: Progress = unpinned(SILENT)
 
     def __post_init__(self):
+        check_settings(self)
         check_choice(self.side, SIDES, "side")
         check_choice(self.keep, KEEP_ORDERS, "keep", "keep order")
         check_choice(self.backend, BACKENDS, "backend", "k-means backend")
-        check_numbers(self, finite=("threshold",), at_least={
-            "sample_per_cluster": 1, "iterations": 1, "seed": 0, "block_rows": 1, "group_rows": 1, "unit_rows": 1,
-            "batch_rows": 1, "threads": 0})
-        if not -1.0 <= self.threshold < 1.0:
-            raise ConfigError(f"threshold must be a cosine within [-1, 1), got {self.threshold} "
-                              "(SemDeDup's eps is 1 - threshold)", "threshold")
-        if self.clusters is not None and self.clusters < 1:
-            raise ConfigError(f"clusters must be at least 1, got {self.clusters}", "clusters")
 
 
 @dataclass
@@ -133,21 +127,22 @@ class DedupResult:
 # -- the run -------------------------------------------------------------------------------------
 
 
-def dedup(source: str | list[str] | EmbeddingSpec, out: str | Path, scores: str | Path | None = None,
+def dedup(source: str | list[str] | EmbeddingSpec, out: str | Path | Output, scores: str | Path | None = None,
           config: DedupConfig | None = None) -> DedupResult:
     """Deduplicate the embeddings `source` into `out` (Parquet, one row per input row); resumes an
     interrupted run. `scores`: the scores file whose sim_debiased decides the copy kept (`cleanest`)."""
     cfg = config or DedupConfig()
     spec = source if isinstance(source, EmbeddingSpec) else open_embeddings(source)
-    out = Path(out)
     distributed.init_from_env(device_type="cpu")
     progress = cfg.progress if distributed.is_main() else SILENT
     scores = Path(scores) if scores is not None else None
     _check_scores(scores, cfg.keep)
     vectors = Vectors(spec, cfg.side)
-    if not out.parent.exists():
-        raise UserError(f"output directory {out.parent} does not exist")
-    check_output(out, [*spec.inputs(), *([scores] if scores else [])])
+    # The run also keeps its parts directory and run manifest beside the output: neither may touch an input.
+    target = open_output(out, (), "out", overwrite=None)
+    target = open_output(target, [*spec.sources, *spec.inputs(), scores],
+                         companions=[parts_dir_for(target.path), run_manifest_path(target.path)])
+    out = target.path
     units = spec.units(cfg.unit_rows)
     backend = resolve_backend(cfg.backend)
     store = PartStore(parts_dir_for(out))
@@ -183,12 +178,13 @@ def dedup(source: str | list[str] | EmbeddingSpec, out: str | Path, scores: str 
     if not distributed.is_main():
         return DedupResult(out, {}, time.perf_counter() - started, resumed)
     provenance = {"kind": "dedup", "pairclean_version": __version__, "input": spec.sources, "layout": spec.layout,
+                  "embeddings": spec.record(),
                   "embedding_dim": spec.dim, "side": cfg.side, "threshold": cfg.threshold, "eps": 1 - cfg.threshold,
                   "keep": cfg.keep, "scores": str(scores) if scores else None, "seed": cfg.seed, "backend": backend,
                   "kmeans": kmeans, "scores_join": index["scores_join"], "world_size": distributed.world_size()}
     records = store.committed()
     provenance["work_by_rank"] = {stage: _by_rank(records, stage) for stage in ("assign", "clusters")}
-    summary = _finalize(store, units, index, out, provenance, seconds, progress)
+    summary = _finalize(store, units, index, target, provenance, seconds, progress)
     store.remove()
     if summary["share_removed"] > CROWDED:
         notice(f"{summary['share_removed']:.0%} of the rows were removed at threshold {cfg.threshold}: in this "
@@ -465,10 +461,11 @@ def _cluster_group(group: pa.Table, vectors: Vectors, cfg: DedupConfig) -> pa.Ta
 # -- stage 5: one file in input order ---------------------------------------------------------
 
 
-def _finalize(store: PartStore, units: list[str], index: dict, out: Path, provenance: dict,
+def _finalize(store: PartStore, units: list[str], index: dict, target: Output, provenance: dict,
               seconds: dict[str, float], progress: Progress) -> dict:
     """Write OUT (and OUT.run.json) from the parts; its summary counts the rows as they are written.
     `seconds`: the stages' times in this process (a resumed run's earlier work is not in them)."""
+    out = target.path
     progress.note(f"writing {out}")
     assigned = ", ".join(sql_string(store.part_path(u)) for u in units)
     clustered = ", ".join(sql_string(store.part_path(f"{CLUSTERS_UNIT}{g}")) for g in range(len(index["groups"])))
@@ -491,7 +488,7 @@ def _finalize(store: PartStore, units: list[str], index: dict, out: Path, proven
                    n."index" AS nearest_index, c.nearest_sim
             FROM a LEFT JOIN c ON a.row = c.row LEFT JOIN a AS n ON n.row = c.nearest_row
             ORDER BY a.row""").to_arrow_reader(65536)
-        with atomic_path(out, temp_dir=store.dir, no_clobber=not run.get("replaces_output")) as tmp:
+        with target.write(temp_dir=store.dir, no_clobber=not run.get("replaces_output")) as tmp:
             with pq.ParquetWriter(tmp, schema, compression="zstd") as writer:
                 for batch in reader:
                     table = pa.Table.from_batches([batch]).cast(schema)

@@ -2,9 +2,11 @@
 
 Rows are numbered across the input in the order of its units (file pair after file pair): that
 number (`row`) is the dedup's own identity of a pair; the output names it by key, shard and index.
-Streaming (the assignment pass) goes through the embeddings reader (`scoring.embeddings`); the
-k-means sample and each cluster's members are read by position with pread from the .npy files in
-place (no memory map: resident memory stays the rows asked for, however large the files).
+Streaming (the assignment pass) goes through the embeddings reader (`data.formats.embeddings`); the
+k-means sample and each cluster's members are read by position with pread from the arrays in
+place (.npy files, or the uncompressed members of DataComp's .npz; no memory map: resident memory
+stays the rows asked for, however large the files). Parquet embedding columns cannot be read by
+row in place, so that layout is refused.
 
 A side is `image` (the left vectors: img_emb/), `text` (the right ones: text_emb/) or `both`.
 Vectors are compared by cosine: rows are L2-normalised when read; a zero or non-finite vector
@@ -22,11 +24,10 @@ import torch
 
 from pairclean.config import check_choice
 from pairclean.errors import UserError
-from pairclean.scoring.embeddings import EmbeddingBatch, EmbeddingSpec, NpyFiles
+from pairclean.data.formats.embeddings import EmbeddingBatch, EmbeddingSpec, NpyFiles
 
 SIDES = ("image", "text", "both")
 SIDE_COLUMNS = {"image": (0,), "text": (1,), "both": (0, 1)}  # 0: left (img_emb), 1: right (text_emb)
-IN_PLACE_LAYOUTS = ("clip-retrieval", "numpy")
 OPEN_FILES = 64  # .npy pairs kept open at a time (a clip-retrieval output can hold thousands)
 
 
@@ -47,13 +48,14 @@ def joined(sides: list[np.ndarray]) -> np.ndarray:
 
 
 class Vectors:
-    """The rows of an .npy embeddings input (clip-retrieval layout or a numpy pair) by global position."""
+    """The rows of an array embeddings input (clip-retrieval, a numpy pair, DataComp's .npz) by global position."""
 
     def __init__(self, spec: EmbeddingSpec, side: str):
         check_choice(side, SIDES, "side")
-        if spec.layout not in IN_PLACE_LAYOUTS:
-            raise UserError(f"dedup reads .npy embeddings in place ({' or '.join(IN_PLACE_LAYOUTS)} layouts, "
-                            f"as `pairclean score` saves them); this input is {spec.layout}")
+        if not spec.input_format.rows_in_place:
+            raise UserError(f"dedup reads array embeddings by row in place (clip-retrieval, numpy or datacomp-npz "
+                            f"layouts; `pairclean score --save-embeddings` writes clip-retrieval's); this input is "
+                            f"{spec.layout}, whose rows cannot be read by position: write its columns as .npy arrays")
         self.spec, self.side = spec, side
         self.columns = SIDE_COLUMNS[side]
         self.starts = np.cumsum([0] + [pair.rows for pair in spec.npy]).astype(np.int64)

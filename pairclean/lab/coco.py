@@ -12,11 +12,14 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from pairclean.errors import ConfigError, UserError
+from pairclean.config import COUNT, SEED, declare
+from pairclean.errors import ConfigError
 from pairclean.data.manifest import DatasetSpec, write_manifest
-from pairclean.data.writer import staged_directory, write_shards
+from pairclean.data.writer import write_shards
+from pairclean.ops.guard import open_output
 
 
+@declare(limit=COUNT)
 def read_pairs(src: Path, all_captions: bool = False, limit: int | None = None) -> list[dict]:
     lines_path = Path(src) / "pairs.jsonl"
     if not lines_path.is_file():
@@ -33,11 +36,13 @@ def read_pairs(src: Path, all_captions: bool = False, limit: int | None = None) 
     return pairs[:limit] if limit else pairs
 
 
+@declare(shard_size=COUNT)
 def build_shards(src: Path, out: Path, shard_size: int = 100, all_captions: bool = False,
                  limit: int | None = None, overwrite: bool = False) -> DatasetSpec:
+    target = open_output(out, [src], "out", kind="directory", overwrite=overwrite)
     pairs = read_pairs(src, all_captions, limit)
-    out = Path(out)
-    with staged_directory(out, overwrite) as tmp:
+    out = target.path
+    with target.stage() as tmp:
         write_shards(({"__key__": p["key"], "jpg": (Path(src) / p["image"]).read_bytes(), "txt": p["caption"]}
                       for p in pairs), tmp, prefix="coco-mini", maxcount=shard_size)
     shards = [str(p) for p in sorted(out.glob("coco-mini-*.tar"))]
@@ -47,16 +52,18 @@ def build_shards(src: Path, out: Path, shard_size: int = 100, all_captions: bool
 
 
 def build_parquet(src: Path, out_file: Path, by_path: bool = False, all_captions: bool = False,
-                  limit: int | None = None) -> Path:
+                  limit: int | None = None, overwrite: bool = False) -> Path:
     """Images as a bytes column, or (by_path) as paths relative to the Parquet file's directory."""
+    target = open_output(out_file, [src], "out", overwrite=overwrite)
     pairs = read_pairs(src, all_captions, limit)
     columns = {"key": [p["key"] for p in pairs], "caption": [p["caption"] for p in pairs]}
     if by_path:
         columns["image_path"] = [p["image"] for p in pairs]
     else:
         columns["image"] = [(Path(src) / p["image"]).read_bytes() for p in pairs]
-    pq.write_table(pa.table(columns), out_file, row_group_size=64)
-    return out_file
+    with target.write() as tmp:
+        pq.write_table(pa.table(columns), tmp, row_group_size=64)
+    return target.path
 
 
 WEB_SIDE = (256, 384)  # img2dataset's usual download sizes: the longer side, in pixels
@@ -88,18 +95,18 @@ def web_pair(src: Path, record: dict, seed: int, i: int) -> dict:
     return {"__key__": f"{seed:03d}{i:09d}", "jpg": buf.getvalue(), "txt": rng.choice(record["captions"])}
 
 
+@declare(shards=COUNT, pairs_per_shard=COUNT, seed=SEED)
 def build_web_shards(src: Path, out: Path, shards: int = 2, pairs_per_shard: int = 5000, seed: int = 0,
                      overwrite: bool = False) -> DatasetSpec:
     """Shards shaped like img2dataset's (thousands of 256-384 px JPEGs each) from COCO-mini's
     images, cycled and varied deterministically (`web_pair`): data to measure throughput on."""
-    if shards < 1 or pairs_per_shard < 1:
-        raise UserError("shards and pairs per shard must be at least 1")
     lines_path = Path(src) / "pairs.jsonl"
     if not lines_path.is_file():
         raise ConfigError(f"{lines_path} not found: point `src` at shared/data/coco-mini", "src")
+    target = open_output(out, [src], "out", kind="directory", overwrite=overwrite)
     records = [json.loads(line) for line in lines_path.read_text().splitlines() if line.strip()]
-    out = Path(out)
-    with staged_directory(out, overwrite) as tmp:
+    out = target.path
+    with target.stage() as tmp:
         write_shards((web_pair(src, records[i % len(records)], seed, i) for i in range(shards * pairs_per_shard)),
                      tmp, prefix="web", maxcount=pairs_per_shard, maxsize=float("inf"))
     spec = DatasetSpec(format="webdataset", shards=[str(p) for p in sorted(out.glob("web-*.tar"))], name="coco-web")

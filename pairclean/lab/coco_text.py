@@ -15,15 +15,17 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pairclean.ops.atomic import atomic_path
-from pairclean.config import check_choice
-from pairclean.errors import ConfigError, UserError
-from pairclean.data.manifest import FORMATS, DatasetSpec, write_manifest
-from pairclean.data.writer import staged_directory, write_shards
+from pairclean.config import COUNT, check_choice, declare
+from pairclean.errors import UserError
+from pairclean.data.manifest import DatasetSpec, write_manifest
+from pairclean.data.writer import write_shards
+from pairclean.ops.guard import open_output
 
 
 OTHER_CAPTIONS = "captions/other-captions.parquet"  # beside the pairs: each image's captions after its first two
 
 
+@declare(limit=COUNT)
 def caption_pairs(captions_json: str | Path, limit: int | None = None) -> list[dict]:
     """[{key, text, text2, others}] in image-id order (`others`: the image's remaining captions);
     images with fewer than two captions are skipped."""
@@ -45,32 +47,41 @@ def caption_pairs(captions_json: str | Path, limit: int | None = None) -> list[d
     return pairs[:limit] if limit else pairs
 
 
+def _write_tars(pairs: list[dict], tmp: Path, shard_size: int) -> list[str]:
+    written = write_shards(({"__key__": p["key"], "txt": p["text"], "txt2": p["text2"]} for p in pairs),
+                           tmp, prefix="coco-text", maxcount=shard_size)
+    return [p.name for p in written]
+
+
+def _write_parquet(pairs: list[dict], tmp: Path, shard_size: int) -> list[str]:
+    name = "coco-text.parquet"
+    table = pa.table({"key": [p["key"] for p in pairs], "caption": [p["text"] for p in pairs],
+                      "caption2": [p["text2"] for p in pairs]})
+    with atomic_path(tmp / name) as part:
+        pq.write_table(table, part, row_group_size=shard_size)
+    return [name]
+
+
+WRITERS = {"webdataset": _write_tars, "parquet": _write_parquet}  # the formats this world is written in
+
+
+@declare(shard_size=COUNT)
 def build_text_pairs(captions_json: str | Path, out: str | Path, format: str = "webdataset",
                      shard_size: int = 1000, limit: int | None = None, overwrite: bool = False) -> DatasetSpec:
     """Write the caption pairs as WebDataset shards (txt, txt2) or one Parquet file, plus manifest.yaml
     and, for `corrupt --mode duplicate`, every image's other captions (captions/other-captions.parquet)."""
-    check_choice(format, FORMATS, "format")
-    if shard_size < 1:
-        raise ConfigError("shard_size must be at least 1", "shard_size")
+    check_choice(format, WRITERS, "format")
+    target = open_output(out, [captions_json], "out", kind="directory", overwrite=overwrite)
     pairs = caption_pairs(captions_json, limit)
     if not pairs:
         raise UserError(f"no image in {captions_json} has two captions")
-    out = Path(out)
-    with staged_directory(out, overwrite) as tmp:
-        if format == "webdataset":
-            write_shards(({"__key__": p["key"], "txt": p["text"], "txt2": p["text2"]} for p in pairs),
-                         tmp, prefix="coco-text", maxcount=shard_size)
-            names = sorted(p.name for p in tmp.glob("coco-text-*.tar"))
-        else:
-            names = ["coco-text.parquet"]
-            table = pa.table({"key": [p["key"] for p in pairs], "caption": [p["text"] for p in pairs],
-                              "caption2": [p["text2"] for p in pairs]})
-            with atomic_path(tmp / names[0]) as part:
-                pq.write_table(table, part, row_group_size=shard_size)
+    out = target.path
+    with target.stage() as tmp:
+        names = WRITERS[format](pairs, tmp, shard_size)
         spec = DatasetSpec(format=format, shards=[str(tmp / n) for n in names], pair="text-text", name="coco-text")
         write_manifest(tmp / "manifest.yaml", spec)
         (tmp / OTHER_CAPTIONS).parent.mkdir()
         pq.write_table(pa.table({"key": [p["key"] for p in pairs for _ in p["others"]],
                                  "caption": [c for p in pairs for c in p["others"]]}), tmp / OTHER_CAPTIONS)
-    spec.shards = [str(out / n) for n in names]
+    spec.shards = spec.sources = [str(out / n) for n in names]
     return spec

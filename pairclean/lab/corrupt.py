@@ -19,17 +19,15 @@ Three streaming passes, memory bounded by a batch:
    (`hard`: the donors come from sklearn's NearestNeighbors over the TF-IDF matrix, queried in
    chunks of drawn pairs; its brute-force search is itself chunked by sklearn's working_memory,
    so no N x N matrix is held; the sparse TF-IDF matrix of every caption is);
-3. the dataset is read again and written to the new directory with only the caption member (or
-   column) replaced, every other member byte-identical, one output shard per input shard with
-   the same file name, while the truth Parquet (key, shard, index, noisy, original_caption, ...)
-   is streamed out.
+3. the dataset is read again and written to the new directory by its input format
+   (`InputFormat.rewrite`) with only the caption replaced wherever the text field reads it (the
+   text member and a json caption, or the column), every other member byte-identical, one output
+   shard per input shard with the same file name (and its metadata sidecar, for img2dataset
+   output), while the truth Parquet (key, shard, index, noisy, original_caption, ...) is streamed out.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import sys
 import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -41,13 +39,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pairclean.ops.atomic import write_json
-from pairclean.config import check_choice
+from pairclean.config import SEED, SHARE, check_choice, declare, within
 from pairclean.errors import ConfigError, UserError
 from pairclean.data.manifest import DatasetSpec, open_dataset, write_manifest
-from pairclean.data.writer import staged_directory, write_shards
-from pairclean.ops.guard import check_output
+from pairclean.ops.guard import Output, open_output
 from pairclean.scores.sql import sandboxed_connection, sql_string
-from pairclean.data.reader import UnitFailure, list_units, raise_failure, read_samples, read_unit
+from pairclean.data.reader import UnitFailure, list_units, read_unit
 from pairclean.data.units import unit_shard
 from pairclean.ops.urls import is_local
 
@@ -111,34 +108,19 @@ def weaken(caption: str, vocabulary: list[str], index: dict[str, int], rng: np.r
     return " ".join(words)
 
 
-def _output_name(shard: str, fmt: str) -> str:
-    name = os.path.basename(shard)
-    if fmt == "parquet":
-        return name
-    for suffix in (".tar.gz", ".tgz", ".tar"):
-        if name.endswith(suffix):
-            return name[: -len(suffix)] + ".tar"
-    return name + ".tar"
-
-
 def _check_source(spec: DatasetSpec, ratio: float, mode: str, weak_ratio: float | None = None) -> None:
     check_choice(mode, MODES, "mode", "noise mode")
-    if not 0.0 <= ratio <= 1.0:
-        raise ConfigError(f"ratio must be within [0, 1], got {ratio}", "ratio")
     if (mode == "mixed") != (weak_ratio is not None):
         raise ConfigError("weak_ratio goes with mode mixed (the share weakened beside the ratio shuffled), "
                           "and mixed needs it", "weak_ratio", "mode", "ratio")
-    if weak_ratio is not None and not (0.0 <= weak_ratio <= 1.0 and ratio + weak_ratio <= 1.0):
-        raise ConfigError(f"weak_ratio must be within [0, 1] and ratio + weak_ratio at most 1, "
-                          f"got {ratio} + {weak_ratio}", "weak_ratio", "ratio")
+    if weak_ratio is not None and ratio + weak_ratio > 1.0:
+        raise ConfigError(f"ratio + weak_ratio must be at most 1, got {ratio} + {weak_ratio}", "weak_ratio", "ratio")
     caption_field(spec)
     remote = [s for s in spec.shards if not is_local(s)]
     if remote:
         raise UserError(f"corrupt reads local shards twice; copy {remote[0]} (and the other URLs) to disk first")
-    if spec.format == "parquet" and (spec.fields.image_path or spec.fields.image2_path):
-        raise UserError("this Parquet dataset names images by relative path: corrupted files in another "
-                        "directory could not find them; use a Parquet that holds the image bytes")
-    names = [_output_name(s, spec.format) for s in dict.fromkeys(spec.shards)]
+    spec.input_format.check_rewritable()
+    names = [spec.input_format.output_name(s) for s in dict.fromkeys(spec.shards)]
     if len(set(names)) != len(names):
         raise UserError("two input shards share a file name: corrupt keeps file names, so rename one of them")
 
@@ -156,8 +138,12 @@ def _spill_rows(spec: DatasetSpec, units: list[str], path: Path, progress) -> tu
         for unit in units:
             for item in read_unit(spec, unit):
                 if isinstance(item, UnitFailure):
-                    raise ConfigError(f"cannot read {item.unit}: {item.reason}; corrupt copies whole shards, "
-                                      "so repair that shard or leave it out", *item.fields)
+                    if item.fields:  # a setting reads it wrong (the reason names which): nothing to repair
+                        raise ConfigError(f"cannot read {item.unit}: {item.reason}", *item.fields)
+                    raise UserError(f"cannot read {item.unit}: {item.reason}; corrupt copies whole shards, "
+                                    "so repair that shard or leave it out")
+                if item.shard != unit_shard(unit):
+                    continue  # an error row from the shard's metadata (a failed download): no pair to copy
                 caption = item.right if item.error is None else None
                 context = item.left if caption is not None and spec.pair == "text-text" else None
                 for name, value in (("pos", pairs), ("shard", item.shard), ("index", item.index),
@@ -316,62 +302,8 @@ class _Noise:
         self.writer.close()
 
 
-def _member(members: dict, ext: str) -> str | None:
-    """The sample's member for extension `ext` (member names keep their case in the copy)."""
-    return next((k for k in members if k.lower() == ext.lower()), None)
-
-
-def _replace_caption(members: dict, spec: DatasetSpec, field: str, new: str) -> None:
-    member = _member(members, field)
-    if member is not None:
-        members[member] = new.encode("utf-8")
-        return
-    member = _member(members, "json")  # the reader takes the caption from the json member
-    obj = json.loads(members[member])
-    obj[spec.fields.json_text_key] = new
-    members[member] = json.dumps(obj, ensure_ascii=False).encode("utf-8")
-
-
-def _copy_tar(spec: DatasetSpec, shard: str, tmp: Path, noise: _Noise, field: str) -> None:
-    def samples() -> Iterator[dict]:
-        for sample in read_samples(shard, raise_failure):
-            new = noise.next(shard, sample.index, sample.key)
-            if new is not None:
-                _replace_caption(sample.members, spec, field, new)
-            yield {"__key__": sample.key, **sample.members}
-
-    prefix = f".{os.getpid()}-{_output_name(shard, 'webdataset')[:-4]}"
-    written = write_shards(samples(), tmp, prefix=prefix, maxcount=sys.maxsize, maxsize=float("inf"), encoder=False)
-    os.replace(written[0], tmp / _output_name(shard, "webdataset"))
-
-
-def _copy_parquet(path: str, tmp: Path, noise: _Noise, field: str) -> None:
-    pf = pq.ParquetFile(path)
-    schema = pf.schema_arrow
-    if field not in schema.names:
-        raise UserError(f"{path} has no caption column {field!r} (has {', '.join(schema.names)})")
-    column = schema.get_field_index(field)
-    meta = pf.metadata
-    codec = meta.row_group(0).column(0).compression if meta.num_row_groups and meta.num_columns else "ZSTD"
-    with pq.ParquetWriter(tmp / _output_name(path, "parquet"), schema,
-                          compression="none" if codec == "UNCOMPRESSED" else codec.lower()) as writer:
-        offset = 0
-        for rg in range(meta.num_row_groups):
-            table = pf.read_row_group(rg)
-            values = table.column(column).to_pylist()
-            changed = False
-            for i in range(table.num_rows):
-                new = noise.next(path, offset + i, None)
-                if new is not None:
-                    values[i] = new
-                    changed = True
-            if changed:
-                table = table.set_column(column, schema.field(column), pa.array(values, type=schema.field(column).type))
-            writer.write_table(table, row_group_size=max(table.num_rows, 1))
-            offset += table.num_rows
-
-
-def corrupt(source: str | list[str] | DatasetSpec, out: str | Path, ratio: float, seed: int = 0,
+@declare(ratio=SHARE, seed=SEED, weak_share=within(0, 1, low_open=True), weak_ratio=SHARE)
+def corrupt(source: str | list[str] | DatasetSpec, out: str | Path | Output, ratio: float, seed: int = 0,
             mode: str = "shuffle", overwrite: bool = False, weak_share: float = WEAK_SHARE,
             progress: Callable[[str], None] | None = None, weak_ratio: float | None = None) -> CorruptResult:
     """Write a noisy copy of `source` to the directory `out` with `out/truth/truth.parquet`,
@@ -379,16 +311,12 @@ def corrupt(source: str | list[str] | DatasetSpec, out: str | Path, ratio: float
     drawn for `mode`'s noise; in mixed mode the share shuffled, beside `weak_ratio` weakened."""
     spec = source if isinstance(source, DatasetSpec) else open_dataset(source)
     _check_source(spec, ratio, mode, weak_ratio)
-    if seed < 0:
-        raise ConfigError(f"seed must be at least 0, got {seed}", "seed")
-    if not 0.0 < weak_share <= 1.0:
-        raise UserError(f"the weak-noise word share must be within (0, 1], got {weak_share}")
-    out = Path(out)
-    check_output(out, [*spec.shards, spec.truth])
+    target = open_output(out, [*spec.shards, spec.truth], "out", kind="directory", overwrite=overwrite)
+    out = target.path
     field = caption_field(spec)
     units = list_units(spec)
     shards = list(dict.fromkeys(spec.shards))
-    with tempfile.TemporaryDirectory(prefix="pairclean-corrupt-") as work, staged_directory(out, overwrite) as tmp:
+    with tempfile.TemporaryDirectory(prefix="pairclean-corrupt-") as work, target.stage() as tmp:
         work = Path(work)
         rows, repl = work / "rows.parquet", work / "replacements.parquet"
         pairs, eligible = _spill_rows(spec, units, rows, progress)
@@ -401,21 +329,20 @@ def corrupt(source: str | list[str] | DatasetSpec, out: str | Path, ratio: float
             vocabulary = _vocabulary(con, rows) if weakened else None
         finally:
             con.close()
-        names = {s: str(out / _output_name(s, spec.format)) for s in shards}
+        fmt = spec.input_format
+        names = {s: str(out / fmt.output_name(s)) for s in shards}
         (tmp / "truth").mkdir()
         noise = _Noise(rows, repl, seed, vocabulary, names, tmp / TRUTH_NAME, weak_share)
         try:
             for shard in shards:
-                if spec.format == "webdataset":
-                    _copy_tar(spec, shard, tmp, noise, field)
-                else:
-                    _copy_parquet(shard, tmp, noise, field)
+                fmt.rewrite(shard, tmp, noise.next, field)
                 if progress:
                     progress(f"wrote {names[shard]}")
             noise.finish()
         finally:
             noise.close()
         new_spec = DatasetSpec(format=spec.format, shards=list(names.values()), pair=spec.pair, fields=spec.fields,
+                               image_root=fmt.copy_root(),
                                label_template=spec.label_template, truth=str(out / TRUTH_NAME),
                                name=f"{spec.name or 'dataset'}-{mode}-{ratio:g}"
                                     + (f"-weak-{weak_ratio:g}" if weak_ratio is not None else ""))

@@ -18,10 +18,13 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pairclean.config import pinned_settings, unpinned
+from pairclean.config import COUNT, SEED, SHARE, at_least, check_settings, pinned_settings, setting, unpinned
 from pairclean.ops.atomic import write_json
+from pairclean.ops.cache import cache_dir
+from pairclean.ops.guard import open_output
 from pairclean.ops.progress import SILENT, Progress
 from pairclean.lab.corrupt import corrupt
+from pairclean.lab.numerics import cpu_numerics, torch_threads
 from pairclean.errors import ConfigError
 from pairclean.scores.evaluation import evaluate_detection
 from pairclean.scoring.model import ScoreConfig, score
@@ -34,17 +37,20 @@ MARKER = "demo.json"
 @dataclass
 class DemoConfig:
     out: Path = Path("demo-output")
-    pairs: int = 2000  # evaluation pairs (OSA Table 11 ranks 2,000 samples)
-    world_seed: int = 0
-    ratio: float = 0.5
-    noise_seed: int = 0
+    pairs: int = setting(2000, at_least(2))  # evaluation pairs (OSA Table 11 ranks 2,000 samples)
+    world_seed: int = setting(0, SEED)
+    ratio: float = setting(0.5, SHARE)
+    noise_seed: int = setting(0, SEED)
     recipe: EstimatorRecipe = field(default_factory=EstimatorRecipe)
-    beta_k: int = 1024  # random inputs per side for the cone bias beta
+    beta_k: int = setting(1024, COUNT)  # random inputs per side for the cone bias beta
     retrain: bool = False  # ignore the cached estimator
     cache_dir: Path | None = None
-    workers: int = 1
+    workers: int = setting(1, at_least(0))
     device: str = "auto"
     progress: Progress = unpinned(SILENT)  # step notes and the training/scoring bars
+
+    def __post_init__(self):
+        check_settings(self)
 
 
 @dataclass
@@ -57,18 +63,25 @@ class DemoResult:
     files: dict
 
 
-def _check_out(out: Path) -> None:
-    """The demo re-runs into its own directory, but never into someone else's."""
+def _open_out(cfg: DemoConfig) -> Path:
+    """The demo re-runs into its own directory, but never into someone else's, nor over the cache
+    its estimator comes from."""
+    out = open_output(cfg.out, [cfg.cache_dir or cache_dir()], "out", kind="directory", overwrite=None).path
     if out.exists() and any(out.iterdir()) and not (out / MARKER).is_file():
         raise ConfigError(f"{out} exists, is not empty and is not a demo output: choose another `out`", "out")
-    out.mkdir(parents=True, exist_ok=True)
+    out.mkdir(exist_ok=True)
+    return out
 
 
 def run_demo(cfg: DemoConfig | None = None) -> DemoResult:
     cfg = cfg or DemoConfig()
-    out = Path(cfg.out)
+    with torch_threads(cfg.recipe.threads):  # scoring too: the table is the same wherever the arithmetic is
+        return _run_demo(cfg)
+
+
+def _run_demo(cfg: DemoConfig) -> DemoResult:
     say = cfg.progress.note
-    _check_out(out)
+    out = _open_out(cfg)
     seconds: dict[str, float] = {}
     clock = time.perf_counter()
 
@@ -110,7 +123,8 @@ def run_demo(cfg: DemoConfig | None = None) -> DemoResult:
 
     files = {"world": out / "world", "noisy": out / "noisy", "truth": noisy.truth, "scores": scores,
              "detection": out / "detection.json", "checkpoint": checkpoint, "summary": out / MARKER}
-    write_json(out / MARKER, {"settings": {**pinned_settings(cfg), "out": str(out)}, "estimator_cached": cached,
+    write_json(out / MARKER, {"settings": {**pinned_settings(cfg), "out": str(out)}, "cpu": cpu_numerics(),
+                              "estimator_cached": cached,
                               "seconds": seconds, "files": {k: str(v) for k, v in files.items()},
                               "corrupt": noisy.as_dict()})
     return DemoResult(out, checkpoint, cached, metrics, seconds, files)

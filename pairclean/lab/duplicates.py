@@ -43,15 +43,15 @@ import pyarrow.parquet as pq
 import webdataset as wds
 from PIL import Image
 
-from pairclean.config import check_choice
+from pairclean.config import SEED, SHARE, check_choice, declare
+from pairclean.data.formats.webdataset import WebDatasetFormat, member_named
 from pairclean.data.manifest import DatasetSpec, open_dataset, write_manifest
 from pairclean.data.reader import list_units, raise_failure, read_samples
-from pairclean.data.writer import staged_directory, write_shards
+from pairclean.data.writer import write_shards
 from pairclean.errors import ConfigError, UserError
-from pairclean.lab.corrupt import (TRUTH_NAME, CorruptResult, _check_source, _member, _output_name, _records,
-                                   _replace_caption, _spill_rows, caption_field)
+from pairclean.lab.corrupt import TRUTH_NAME, CorruptResult, _check_source, _records, _spill_rows, caption_field
 from pairclean.ops.atomic import write_json
-from pairclean.ops.guard import check_output
+from pairclean.ops.guard import Output, open_output
 from pairclean.scores.sql import sandboxed_connection, sql_string
 
 DUPLICATE_KINDS = ("exact", "reencode", "resize", "crop", "caption")
@@ -177,7 +177,7 @@ class _Copies:
 
     def _image(self, members: dict) -> tuple[str | None, bytes | None]:
         for ext in self.image_fields:
-            if (member := _member(members, ext)) is not None:
+            if (member := member_named(members, ext)) is not None:
                 return member, members[member]
         return None, None
 
@@ -214,10 +214,10 @@ class _Copies:
             copy[member] = new_left = transform_image(data, member.rsplit(".", 1)[-1], kind, rng)
         elif kind == "caption":
             new_caption = repl["other"]
-            _replace_caption(copy, self.spec, self.caption_field, new_caption)
+            self.spec.input_format.replace_caption(copy, self.caption_field, new_caption)
             if self.spec.pair == "text-text":
                 new_left = repl["other2"]
-                copy[_member(copy, self.text_field)] = new_left.encode("utf-8")
+                copy[member_named(copy, self.text_field)] = new_left.encode("utf-8")
         number = sum(self.count.values())
         name = str(self.out / f"{DUPLICATES_PREFIX}-{number // _SHARD_COPIES:06d}.tar")
         self.copies.write({"__key__": key + COPY_SUFFIX, **copy})
@@ -237,7 +237,8 @@ class _Copies:
         self.truth.close()
 
 
-def plant_duplicates(source: str | list[str] | DatasetSpec, out: str | Path, ratio: float, seed: int = 0,
+@declare(ratio=SHARE, seed=SEED)
+def plant_duplicates(source: str | list[str] | DatasetSpec, out: str | Path | Output, ratio: float, seed: int = 0,
                      kinds: tuple[str, ...] | None = None, other_captions: str | Path | None = None,
                      overwrite: bool = False, progress: Callable[[str], None] | None = None) -> CorruptResult:
     """Copy `source` to `out` with a copy of a share `ratio` of its pairs in `duplicates-*.tar`,
@@ -248,16 +249,15 @@ def plant_duplicates(source: str | list[str] | DatasetSpec, out: str | Path, rat
     kinds = tuple(kinds) if kinds else default_kinds(spec.pair, other_captions)
     _check_source(spec, ratio, "shuffle")  # the checks every copy of a dataset shares (shards, caption, ratio)
     _check_kinds(kinds, spec.pair, other_captions)
-    if seed < 0:
-        raise ConfigError(f"seed must be at least 0, got {seed}", "seed")
-    if spec.format != "webdataset":
-        raise UserError("duplicate mode writes its copies as WebDataset shards: give WebDataset input")
-    names = {s: _output_name(s, spec.format) for s in dict.fromkeys(spec.shards)}
+    if type(spec.input_format) is not WebDatasetFormat:  # a plain copy: no sidecars to keep beside the shards
+        raise UserError(f"duplicate mode writes its copies as plain WebDataset shards: give WebDataset input, not "
+                        f"{spec.input_format.label}")
+    names = {s: spec.input_format.output_name(s) for s in dict.fromkeys(spec.shards)}
     if any(n.startswith(DUPLICATES_PREFIX + "-") for n in names.values()):
         raise UserError(f"an input shard is named {DUPLICATES_PREFIX}-*: the copies' shards would take its name")
-    out = Path(out)
-    check_output(out, [*spec.shards, spec.truth, other_captions])
-    with tempfile.TemporaryDirectory(prefix="pairclean-dup-") as work, staged_directory(out, overwrite) as tmp:
+    target = open_output(out, [*spec.shards, spec.truth, other_captions], "out", kind="directory", overwrite=overwrite)
+    out = target.path
+    with tempfile.TemporaryDirectory(prefix="pairclean-dup-") as work, target.stage() as tmp:
         work = Path(work)
         rows, repl = work / "rows.parquet", work / "copies.parquet"
         pairs, eligible = _spill_rows(spec, list_units(spec), rows, progress)

@@ -24,10 +24,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pairclean.ops.atomic import atomic_path
-from pairclean.config import check_choice
-from pairclean.errors import UserError
+from pairclean.config import COUNT, SEED, at_least, check_choice, declare, within
 from pairclean.data.manifest import DatasetSpec, Fields, write_manifest
-from pairclean.data.writer import staged_directory, write_shards
+from pairclean.data.writer import write_shards
+from pairclean.ops.guard import open_output
 from pairclean.lab.synth.world import Scene, png_bytes, render, sample_scene
 
 KINDS = ("image-label", "image-image")
@@ -50,10 +50,9 @@ def second_view(scene: Scene, seed: int, index: int) -> Scene:
     return replace(scene, background=look.background, jitter=jitter, tint=tint)
 
 
+@declare(noise=within(0, 1, high_open=True))
 def noise_plan(n: int, noise: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
     """(donor of each pair's second side, selected mask): a seeded share permuted among itself."""
-    if not 0.0 <= noise < 1.0:
-        raise UserError(f"the noise share must be within [0, 1), got {noise}")
     rng = np.random.default_rng([seed, 4])
     chosen = np.sort(rng.choice(n, size=round(noise * n), replace=False))
     donor = np.arange(n)
@@ -63,14 +62,14 @@ def noise_plan(n: int, noise: float, seed: int) -> tuple[np.ndarray, np.ndarray]
     return donor, selected
 
 
+@declare(pairs=at_least(2), seed=SEED, noise=within(0, 1, high_open=True), shard_size=COUNT)
 def build_toy_pairs(out: str | Path, kind: str, pairs: int, seed: int = 0, noise: float = 0.0,
                     shard_size: int = 1000, label: str = "shape", overwrite: bool = False) -> DatasetSpec:
     """Write `pairs` toy pairs of `kind` as WebDataset shards + manifest.yaml (+ truth when noise > 0)."""
     check_choice(kind, KINDS, "kind", "toy pair kind")
     check_choice(label, LABELS, "label", "label attribute")
-    if pairs < 2 or shard_size < 1:
-        raise UserError("need at least 2 pairs and a shard size of at least 1")
-    out = Path(out).resolve()  # the truth's shard column must match the scores' (absolute) shard paths
+    target = open_output(out, (), "out", kind="directory", overwrite=overwrite)
+    out = target.path.resolve()  # the truth's shard column must match the scores' (absolute) shard paths
     donor, selected = noise_plan(pairs, noise, seed)
     scenes = [sample_scene(seed, i) for i in range(pairs)]
     if kind == "image-label":
@@ -87,7 +86,7 @@ def build_toy_pairs(out: str | Path, kind: str, pairs: int, seed: int = 0, noise
         for i, scene in enumerate(scenes):
             yield {"__key__": keys[i], "png": png_bytes(render(scene)), member: seconds[i]}
 
-    with staged_directory(out, overwrite) as tmp:
+    with target.stage() as tmp:
         written = write_shards(samples(), tmp, prefix="toy", maxcount=shard_size)
         shards = [str(out / p.name) for p in written]
         truth = None

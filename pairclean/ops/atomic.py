@@ -16,7 +16,7 @@ import socket
 from contextlib import contextmanager
 from pathlib import Path
 
-from pairclean.errors import ConfigError
+from pairclean.errors import ConfigError, UserError
 from pairclean.ops.faults import fault_point
 
 TEMP_INFIX = ".tmp-"
@@ -94,6 +94,29 @@ def atomic_path(path: str | os.PathLike, temp_dir: str | os.PathLike | None = No
             shutil.rmtree(tmp, ignore_errors=True)
         elif tmp.exists():
             tmp.unlink()
+
+
+@contextmanager
+def atomic_directory(path: str | os.PathLike, overwrite: bool = False):
+    """Yield a temp sibling directory to fill; on success it replaces `path` (an existing non-empty
+    directory only with `overwrite`); on failure it is removed and `path` is left as it was."""
+    path = Path(path)
+    if path.exists() and (not path.is_dir() or any(path.iterdir())) and not overwrite:
+        raise ConfigError(f"{path} exists and is not empty; pass `overwrite` to replace it", "overwrite")
+    if not path.parent.exists():
+        raise UserError(f"directory {path.parent} does not exist")
+    tmp = temp_name(path)
+    tmp.mkdir()
+    try:
+        yield tmp
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        elif path.exists() or path.is_symlink():
+            path.unlink()
+        os.replace(tmp, path)
+        fsync_dir(path.parent)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def remove_stale_temps(directory: Path) -> int:

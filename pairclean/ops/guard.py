@@ -1,24 +1,74 @@
-"""The output guard: every writing command checks its output here before it writes anything.
+"""The output guard: the one way a command opens an output.
 
-An output must never replace, delete or be read back as one of the run's inputs. Paths are
-compared resolved (symlinks and `..` followed), so `x.tar`, `../shards/x.tar` and a link to it
-are one file. Refused, in either direction:
+`open_output(out, inputs, field)` is called before anything is written; it refuses an output that
+would replace, delete or be read back as one of the run's inputs, and returns an `Output`, the
+only handle through which the output is then written (atomically: a temp name renamed into place,
+`Output.write` for a file, `Output.stage` for a directory written whole). A command that owns a
+run directory (scoring's parts, a training run, the demo) writes inside `Output.path` itself.
+
+Every spelling is compared as the file it names (`ops.urls.local_path`: `file://D/x.parquet` is
+`D/x.parquet`), resolved (symlinks and `..` followed), so `x.tar`, `../shards/x.tar`, a link to it
+and its `file://` URL are one file. Refused, in either direction:
 
 - the output is an input (a scores file rewritten by the query or report that reads it);
 - the output contains an input (`--out` equal to, or a parent of, the shards' directory: the
   replacement with `--overwrite` would delete them);
 - the output lies inside an input directory (the next run over that directory reads it back):
   front ends pass the directories the user named along with the files read from them.
+
+The same holds for an output's companions (files or directories written beside it: a scoring
+run's `<out>.parts/` and `<stem>.run.json`). `tests/test_outputs.py` walks every command's output
+options and proves each is refused this way.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable
+from typing import Iterable, Iterator
 
-from pairclean.ops.urls import is_local
-from pairclean.errors import ConfigError
+from pairclean.errors import ConfigError, UserError
+from pairclean.ops.atomic import atomic_directory, atomic_path, write_json
+from pairclean.ops.urls import local_path
+
+KINDS = ("file", "directory")
+
+
+@dataclass(frozen=True)
+class Output:
+    """An output that passed the guard. `overwrite`: replace an existing output (True), refuse a
+    non-empty one (False), or leave that to the command that owns it (None: run directories that
+    resume)."""
+
+    path: Path
+    field: str
+    kind: str
+    overwrite: bool | None
+    inputs: tuple[str, ...] = ()
+    companions: tuple[Path, ...] = ()
+
+    @contextmanager
+    def write(self, temp_dir: str | os.PathLike | None = None, no_clobber: bool = False) -> Iterator[Path]:
+        """A temp path to write the file to; renamed over `path` when the block ends without error."""
+        if self.kind != "file":
+            raise TypeError(f"{self.path} is a directory output: stage() it")
+        with atomic_path(self.path, temp_dir=temp_dir, no_clobber=no_clobber) as tmp:
+            yield tmp
+
+    def write_json(self, obj) -> None:
+        with self.write() as tmp:
+            write_json(tmp, obj)
+
+    @contextmanager
+    def stage(self) -> Iterator[Path]:
+        """A temp directory to fill; renamed to `path` when the block ends without error."""
+        if self.kind != "directory":
+            raise TypeError(f"{self.path} is a file output: write() it")
+        with atomic_directory(self.path, overwrite=bool(self.overwrite)) as tmp:
+            yield tmp
 
 
 def _resolved(path: str | Path) -> Path:
@@ -29,23 +79,70 @@ def _within(path: Path, directory: Path) -> bool:
     return path == directory or directory in path.parents
 
 
-def check_output(out: str | Path, inputs: Iterable[str | Path], field: str = "out") -> Path:
-    """Refuse `out` when it overlaps any input file or directory; the resolved output path.
-    `field`: the setting that holds `out`, named in the error."""
-    target = _resolved(out)
+def _overlap(target: Path, source: Path) -> int:
+    """How `target` (written) overlaps `source` (read): 3 it is the input, 2 it contains it, 1 it lies
+    inside the input directory, 0 not at all."""
+    if target == source:
+        return 3
+    if _within(source, target):
+        return 2
+    return 1 if source.is_dir() and _within(target, source) else 0
+
+
+def _guard(output: Output, inputs: Iterable) -> tuple[str, ...]:
+    """The local inputs, after refusing the worst overlap of the output (or a companion) with any of them."""
+    checked, worst = [], (0, None, None)
     for given in inputs:
-        if given is None or not is_local(str(given)):
+        path = local_path(str(given)) if given is not None else None
+        if path is None:  # none, a remote URL or a command: nothing here can overwrite it
             continue
-        source = _resolved(given)
-        if target == source:
-            raise ConfigError(f"`{field}` {out} is an input of this run ({given}): write the output somewhere else", field)
-        if _within(source, target):
-            raise ConfigError(f"`{field}` {out} contains the input {given}: writing it would replace the input; "
-                              "write the output somewhere else", field)
-        if source.is_dir() and _within(target, source):
-            raise ConfigError(f"`{field}` {out} is inside the input directory {given}: the next run over it would "
-                              "read its own output; write the output somewhere else", field)
-    return target
+        source = _resolved(path)
+        for written in (output.path, *output.companions):
+            worst = max(worst, (_overlap(_resolved(written), source), str(written), str(given)), key=lambda w: w[0])
+        checked.append(str(given))
+    kind, written, given = worst
+    if kind:
+        shown = str(output.path) if written == str(output.path) else f"{output.path} (its {Path(written).name})"
+        field = output.field
+        raise ConfigError({
+            3: f"`{field}` {shown} is an input of this run ({given}): write the output somewhere else",
+            2: f"`{field}` {shown} contains the input {given}: writing it would replace the input; "
+               "write the output somewhere else",
+            1: f"`{field}` {shown} is inside the input directory {given}: the next run over it would "
+               "read its own output; write the output somewhere else"}[kind], field)
+    return tuple(checked)
+
+
+def open_output(out: str | os.PathLike | Output, inputs: Iterable = (), field: str = "out", *, kind: str = "file",
+                overwrite: bool | None = False, companions: Iterable[str | os.PathLike] = ()) -> Output:
+    """Check the output `out` against every input (files read and directories named; None and
+    remote URLs are skipped) and return the handle to write it through. `field`: the setting that
+    holds `out`, named in errors. `kind`: a file or a directory. `overwrite`: see `Output` (an
+    existing output is replaced only when the caller's config says so). An `Output` opened earlier
+    (by a front end that knows the directories the user named) is checked against these inputs
+    too, and its companions with them."""
+    if isinstance(out, Output):
+        more = dataclasses.replace(out, companions=out.companions + tuple(Path(c) for c in companions))
+        return dataclasses.replace(more, inputs=_guard(more, [*out.inputs, *inputs]))
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+    path = local_path(str(out))
+    if path is None:
+        raise ConfigError(f"`{field}` {out} is not a local path: pairclean writes its outputs on this machine", field)
+    path = Path(os.path.expanduser(path))
+    output = Output(path, field, kind, overwrite, companions=tuple(Path(c) for c in companions))
+    output = dataclasses.replace(output, inputs=_guard(output, inputs))
+    if kind == "file" and path.is_dir():
+        raise ConfigError(f"`{field}` {path} is a directory: give the file to write", field)
+    if kind == "directory" and path.exists() and not path.is_dir():
+        raise ConfigError(f"`{field}` {path} is a file: give a directory to write", field)
+    if overwrite is False and path.is_file():
+        raise ConfigError(f"{path} exists; pass `overwrite` to replace it", "overwrite")
+    if overwrite is False and path.is_dir() and any(path.iterdir()):
+        raise ConfigError(f"{path} exists and is not empty; pass `overwrite` to replace it", "overwrite")
+    if not path.parent.exists():
+        raise UserError(f"directory {path.parent} does not exist (to write {path} in)")
+    return output
 
 
 def check_file_prefix(prefix: str, field: str = "prefix") -> str:

@@ -3,11 +3,15 @@
 A `ScoresDB` is a sandboxed in-memory DuckDB connection holding views over the Parquet files,
 never a copy of them: `scores_file` (the whole scores file), `scores` (the same, or the shards a
 command was given), `truth` and `labeled` (scores + the ground-truth `noisy` column) when a truth
-file is given, and one view per attached table (`attach`: NAME -> a Parquet file, e.g. the
-output of `pairclean dedup`), which a predicate or a query joins with the scores. Attached files
-are the only other files the sandbox lets the session read. It also carries the file's provenance and summary (`scores.contract`), read once,
-so a command opens the file once and passes this object, not the path. Results come back as
-Arrow record batches, so printing or exporting a result is bounded by a batch.
+file is given, and the tables a user attached (`attach`: NAME -> Parquet files, or a key list read
+by `data.keys`), read-only and the only other files the sandbox lets SQL read. It also carries the
+file's provenance and summary (`scores.contract`), read once, so a command opens the file once and
+passes this object, not the path. Results come back as Arrow record batches, so printing or
+exporting a result is bounded by a batch.
+
+Rows are matched to a dataset by (shard, index); scores whose rows are not the dataset's
+(scores from precomputed embeddings) are matched by key instead (`join_keys`), refused when a key
+repeats on either side.
 
 Here too: the one way a user's predicate enters SQL (`compile_predicate`), the SQL quoting
 helpers, and the matching of given shard paths to the names the file holds (`match_shards`).
@@ -20,7 +24,7 @@ import re
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Mapping
 
 import duckdb
 import pyarrow as pa
@@ -30,24 +34,6 @@ from pairclean.scores.contract import Provenance, Summary, read_metadata
 from pairclean.scores.sql import duckdb_message, sandboxed_connection, sql_identifier, sql_string
 
 SCORE_COLUMNS = ("key", "shard", "index")
-VIEWS = ("scores_file", "scores", "truth", "labeled", "selected_shards")  # names an attached table cannot take
-ATTACH_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
-
-
-def parse_attachments(specs: list[str] | None, field: str = "attach") -> dict[str, str]:
-    """`NAME=FILE` specs -> {NAME: FILE}; a malformed spec, a reserved or repeated name is refused
-    naming `field`."""
-    attached: dict[str, str] = {}
-    for spec in specs or ():
-        name, sep, path = spec.partition("=")
-        name = name.strip()
-        if not sep or not path or not ATTACH_NAME.fullmatch(name):
-            raise ConfigError(f"bad `{field}` {spec!r}: give NAME=FILE, NAME a SQL name (letters, digits, _)", field)
-        if name.lower() in VIEWS or name.lower() in {n.lower() for n in attached}:
-            raise ConfigError(f"bad `{field}` {spec!r}: the name {name!r} is taken "
-                              f"({'a view of every session' if name.lower() in VIEWS else 'attached twice'})", field)
-        attached[name] = path
-    return attached
 NUMERIC_TYPES = ("FLOAT", "DOUBLE", "TINYINT", "SMALLINT", "INTEGER", "BIGINT", "HUGEINT", "UTINYINT",
                  "USMALLINT", "UINTEGER", "UBIGINT", "DECIMAL")  # DuckDB type names a column may start with
 
@@ -72,10 +58,82 @@ def compile_predicate(db: "ScoresDB", predicate: str, field: str, view: str = "s
         raise bad("give one boolean SQL expression")
     if str(types[0]) != "BOOLEAN":
         raise bad(f"it is {types[0]}, not BOOLEAN")
+    _warn_if_abstaining(db, predicate, expression, field, view)
     return expression
 
 
+def _warn_if_abstaining(db: "ScoresDB", predicate: str, expression: str, field: str, view: str) -> None:
+    """A predicate over a column of a rule that abstained on this file decides nothing: say so.
+    Whether the predicate uses the column is asked of DuckDB itself (it binds the predicate over
+    the view without that column), not guessed from the text."""
+    from pairclean.ops.notices import notice
+    from pairclean.scores.rules import recorded_rules
+
+    rules = recorded_rules(db.provenance or {}, db.columns(view))
+    deciding = ", ".join(r.decision for r in rules if not r.abstains) or "none"
+    for rule in rules:
+        for column in rule.value_columns if rule.abstains else ():
+            try:
+                db.describe(f"SELECT {expression} FROM (SELECT * EXCLUDE ({sql_identifier(column)}) FROM {view})")
+                continue  # it binds without the column: the predicate does not use it
+            except duckdb.Error:
+                pass
+            notice(f"`{field}` {predicate!r} uses {column}, a column of the {rule.label} rule, which abstains on "
+                   f"{db.path.name} ({rule.abstains}): {column} decides nothing here (NULL for every pair; in "
+                   f"files scored before, a number that only looks usable). Decide with the decision column of "
+                   f"a rule that decides (here: {deciding})", field)
+
+
 READ_ONLY_STATEMENTS = ("SELECT", "EXPLAIN")
+VIEWS = ("scores_file", "scores", "scores_keyed", "truth", "labeled", "dataset_keys", "selected_shards", "keep_keys")
+TABLE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def check_attach_name(name: str, field: str = "attach") -> str:
+    """A table name a user may attach: a plain SQL identifier, not one of the views pairclean makes."""
+    if not TABLE_NAME.fullmatch(name) or name.lower() in VIEWS:
+        raise ConfigError(f"`{field}` name {name!r} must be a plain identifier (letters, digits, _) and not one of "
+                          f"{', '.join(VIEWS)}", field)
+    return name
+
+
+def parse_attachments(values: list[str] | None, field: str = "attach") -> dict[str, list[str]]:
+    """`NAME=FILE` values -> {NAME: files} (a glob names several Parquet files); a malformed value,
+    a reserved name or a name given twice is refused naming `field`."""
+    import glob
+
+    tables: dict[str, list[str]] = {}
+    for value in values or []:
+        name, sep, pattern = value.partition("=")
+        if not sep or not name or not pattern:
+            raise ConfigError(f"`{field}` {value!r}: give NAME=FILE (e.g. meta=out/00000.parquet)", field)
+        check_attach_name(name, field)
+        if name.lower() in {n.lower() for n in tables}:
+            raise ConfigError(f"`{field}` {value!r}: the table {name} is attached twice", field)
+        files = sorted(glob.glob(pattern)) if any(c in pattern for c in "*?[") else [pattern]
+        if not files:
+            raise UserError(f"`{field}` {value!r}: no file matches {pattern}")
+        tables[name] = files
+    return tables
+
+
+def resolve_truth(truth: str | Path) -> Path:
+    """The truth Parquet a truth argument names: the file itself, the `truth:` entry of a dataset
+    manifest, or that of the manifest in a directory (`pairclean corrupt` writes DIR/manifest.yaml)."""
+    from pairclean.data.manifest import MANIFEST_NAME, load_manifest
+
+    truth = Path(truth)
+    if truth.is_dir():
+        if not (truth / MANIFEST_NAME).is_file():
+            raise UserError(f"{truth} is a directory without a {MANIFEST_NAME} naming a truth file: give the truth "
+                            "Parquet")
+        truth = truth / MANIFEST_NAME
+    if truth.suffix in (".yaml", ".yml"):
+        spec = load_manifest(truth)
+        if not spec.truth:
+            raise UserError(f"manifest {truth} names no truth file")
+        return Path(spec.truth)
+    return truth
 
 
 class ScoresDB:
@@ -86,21 +144,20 @@ class ScoresDB:
     """
 
     def __init__(self, scores: str | Path, truth: str | Path | None = None, truth_key: str | None = None,
-                 attach: dict[str, str | Path] | None = None):
+                 attach: Mapping[str, list[str]] | None = None):
         self.path = Path(scores)
         if not self.path.is_file():
             raise UserError(f"scores file not found: {self.path}")
-        self.attached = {name: Path(path) for name, path in (attach or {}).items()}
-        for name, path in self.attached.items():
-            if not ATTACH_NAME.fullmatch(name) or name.lower() in VIEWS:
-                raise ConfigError(f"cannot attach a table as {name!r}: give a SQL name that is not one of "
-                                  f"{', '.join(VIEWS)}", "attach")
-            if not path.is_file():
-                raise UserError(f"attached file not found: {path} ({name})")
+        truth = resolve_truth(truth) if truth is not None else None
+        attach = dict(attach or {})
+        for name in attach:
+            check_attach_name(name)
+        tables = {name: files for name, files in attach.items() if all(f.endswith(".parquet") for f in files)}
         # Sorts and joins larger than memory spill here, not into a `.tmp` in the working directory.
         self._tmp = tempfile.mkdtemp(prefix="pairclean-duckdb-")
-        self.con = sandboxed_connection(self._tmp, [self.path] + ([Path(truth)] if truth is not None else [])
-                                        + list(self.attached.values()))
+        readable = [self.path] + ([Path(truth)] if truth is not None else []) + [Path(f) for fs in tables.values() for f in fs]
+        self.con = sandboxed_connection(self._tmp, readable)
+        self.base = "scores_file"  # what `scores` selects from: the file, or its rows joined by key to a dataset
         try:
             self.con.execute(f"CREATE VIEW scores_file AS SELECT * FROM read_parquet({sql_string(self.path)})")
         except duckdb.Error as exc:
@@ -111,25 +168,66 @@ class ScoresDB:
             self.close()
             raise UserError(f"{self.path} is not a pairclean scores file (no column {', '.join(missing)})")
         self.con.execute("CREATE VIEW scores AS SELECT * FROM scores_file")
-        for name, path in self.attached.items():
-            try:
-                self.con.execute(f"CREATE VIEW {sql_identifier(name)} AS SELECT * FROM read_parquet({sql_string(path)})")
-            except duckdb.Error as exc:
-                self.close()
-                raise UserError(f"cannot read attached file {path} ({name}) as Parquet: {duckdb_message(exc)}") from None
         self._metadata: tuple[Provenance | None, Summary | None] | None = None
         self.truth_join: str | None = None
-        if truth is not None:
-            try:
-                self._attach_truth(Path(truth), truth_key)
-            except UserError:
-                self.close()
-                raise
+        try:
+            for name, files in attach.items():
+                self._attach(name, files, name in tables)
+            if truth is not None:
+                self._attach_truth(truth, truth_key)
+        except UserError:
+            self.close()
+            raise
 
-    @property
-    def inputs(self) -> list[Path]:
-        """Every file this session reads (what an output must never overwrite)."""
-        return [self.path, *self.attached.values()]
+    def _attach(self, name: str, files: list[str], parquet: bool) -> None:
+        """A read-only table NAME: a view over the Parquet files (readable because they are listed
+        in the sandbox's allowed paths, and nothing else is), or a key list read by pairclean."""
+        missing = [f for f in files if not os.path.isfile(f)]
+        if missing or not files:
+            raise UserError(f"attached table {name}: file not found: {missing[0] if missing else '(none given)'}")
+        if parquet:
+            listed = "[" + ", ".join(sql_string(f) for f in files) + "]"
+            try:
+                self.con.execute(f"CREATE VIEW {sql_identifier(name)} AS SELECT * FROM read_parquet({listed}, "
+                                 "union_by_name = true)")
+                self.con.execute(f"SELECT * FROM {sql_identifier(name)} LIMIT 0")
+            except duckdb.Error as exc:
+                raise UserError(f"cannot read attached table {name} ({files[0]}): {duckdb_message(exc)}") from None
+            return
+        if len(files) != 1:
+            raise UserError(f"attached table {name}: give one key list (.txt, .npy) or Parquet files")
+        from pairclean.data.keys import read_keys
+
+        self.register(name, pa.table({"key": read_keys(files[0])}))
+
+    def register(self, name: str, table: pa.Table) -> None:
+        """A table pairclean built (a key list) as a read-only temp table NAME."""
+        self.con.register(f"{name}_arrow", table)
+        self.con.execute(f"CREATE OR REPLACE TEMP TABLE {sql_identifier(name)} AS SELECT * FROM {name}_arrow")
+        self.con.unregister(f"{name}_arrow")
+
+    def check_unique_keys(self, view: str = "scores_file", label: str | None = None) -> None:
+        """Refuse a key that repeats in `view`: rows matched by key must be one row each."""
+        dup = self.con.execute(f"SELECT key, count(*) AS n FROM {view} GROUP BY key HAVING n > 1 "
+                               "ORDER BY n DESC, key LIMIT 1").fetchone()
+        if dup:
+            raise UserError(f"key {dup[0]!r} is {dup[1]} rows of {label or self.path}: rows are matched by key here "
+                            "(the scores were not made from these shards), and keys must then be unique")
+
+    def join_keys(self, dataset_keys) -> tuple[int, int]:
+        """Meet a dataset whose rows are not the scores' rows by key: `dataset_keys` (an Arrow table
+        or dataset of the dataset's shard, index, key) is joined on `key`, and `scores` then holds
+        the joined rows with the dataset's (shard, index). Refused when a key repeats on either side.
+        Returns (scores rows joined, scores rows whose key is not in the dataset)."""
+        self.con.register("dataset_keys", dataset_keys)
+        for view, label in (("scores_file", str(self.path)), ("dataset_keys", "the dataset")):
+            self.check_unique_keys(view, label)
+        self.con.execute('CREATE OR REPLACE VIEW scores_keyed AS SELECT s.* REPLACE (d.shard AS shard, '
+                         'd."index" AS "index") FROM scores_file s JOIN dataset_keys d ON s.key = d.key')
+        self.con.execute("CREATE OR REPLACE VIEW scores AS SELECT * FROM scores_keyed")
+        self.base = "scores_keyed"
+        joined = self.scalar("SELECT count(*) FROM scores_keyed")
+        return joined, self.scalar("SELECT count(*) FROM scores_file") - joined
 
     def _read_metadata(self) -> tuple[Provenance | None, Summary | None]:
         if self._metadata is None:
@@ -149,10 +247,8 @@ class ScoresDB:
     def restrict(self, shards: list[str]) -> None:
         """Narrow `scores` to these scored shard names: filter works on the dataset it is given,
         which may be part of what was scored."""
-        self.con.register("selected_shards_arrow", pa.table({"shard": pa.array(shards, pa.string())}))
-        self.con.execute("CREATE OR REPLACE TEMP TABLE selected_shards AS SELECT * FROM selected_shards_arrow")
-        self.con.unregister("selected_shards_arrow")
-        self.con.execute("CREATE OR REPLACE VIEW scores AS SELECT * FROM scores_file "
+        self.register("selected_shards", pa.table({"shard": pa.array(shards, pa.string())}))
+        self.con.execute(f"CREATE OR REPLACE VIEW scores AS SELECT * FROM {self.base} "
                          "WHERE shard IN (SELECT shard FROM selected_shards)")
 
     def __enter__(self) -> "ScoresDB":
@@ -249,7 +345,8 @@ class ScoresDB:
 
         return reader.schema, batches()
 
-    def scored_shards(self, view: str = "scores_file") -> list[str]:
+    def scored_shards(self, view: str | None = None) -> list[str]:
+        view = view or self.base
         return [r[0] for r in self.con.sql(f"SELECT DISTINCT shard FROM {view} ORDER BY shard").fetchall()]
 
 

@@ -8,7 +8,9 @@ count (`truth_metrics`), which the report uses too. Threshold-free: ROC-AUC and 
 of `-sim` as a noise detector (sklearn), and OSA Table 11's mean noise rank: the mean rank of the
 noisy pairs when all pairs are sorted by weight, highest first (ties share their mean rank),
 against its optimum (every noisy pair ranked last). A rule that claims a probability of being
-clean (`clean_probability`, the GMM's p_clean) gets its expected calibration error (ECE, 10 bins).
+clean (`clean_probability`, the GMM's p_clean) gets its expected calibration error (ECE, 10 bins),
+unless it abstains on the file: its probability is then no claim (NULL since it abstains; a
+number in files scored before) and its ECE is None, with the rule's `abstains` reason.
 
 Scores and truth are joined by `pairclean.scores.db.ScoresDB`: on (shard, index), then on (shard file
 name, index), else on key. The metrics need every labelled similarity in memory at once (a sort),
@@ -23,7 +25,7 @@ import numpy as np
 from scipy.stats import rankdata
 from sklearn.metrics import average_precision_score, roc_auc_score, roc_curve
 
-from pairclean.errors import UserError
+from pairclean.errors import ConfigError, UserError
 from pairclean.scores.db import ScoresDB
 from pairclean.scores.rules import REGISTRY, recorded_rules
 from pairclean.scores.sql import sql_identifier
@@ -110,11 +112,13 @@ def detection_metrics(noisy, sim, weight, decisions: dict[str, np.ndarray]) -> d
     }
 
 
-def evaluate_detection(scores: str | Path, truth: str | Path, truth_key: str | None = None) -> dict:
-    """Join a scores file with a truth file (Parquet, or a manifest whose `truth:` names one) and
-    measure every rule the file holds; rows with an error or without a truth label are counted,
-    not scored. Each rule's entry carries its table label, `noisy_if` and `threshold`."""
-    truth = resolve_truth(truth)
+def evaluate_detection(scores: str | Path, truth: str | Path | None = None, truth_key: str | None = None) -> dict:
+    """Join a scores file with a truth file (`db.resolve_truth`: Parquet, a manifest whose `truth:` names
+    one, or the directory of that manifest; by default the truth of the dataset the scores recorded,
+    e.g. the copy `corrupt` wrote) and measure every rule the file holds; rows with an error or
+    without a truth label are counted, not scored. Each rule's entry carries its table label,
+    `noisy_if` and `threshold`."""
+    truth = truth if truth is not None else recorded_truth(scores)
     with ScoresDB(scores, truth, truth_key=truth_key) as db:
         provenance = db.provenance or {}
         rules = recorded_rules(provenance, db.columns("labeled"))
@@ -138,8 +142,11 @@ def evaluate_detection(scores: str | Path, truth: str | Path, truth_key: str | N
     result = detection_metrics(column["noisy"].astype(bool), column["sim"], column["weight"],
                                {rule.name: column[rule.decision].astype(bool) for rule in rules})
     for rule in rules:
-        result["rules"][rule.name].update(threshold=rule.threshold, label=rule.label, noisy_if=rule.noisy_if)
-        if rule.name in probabilities:
+        result["rules"][rule.name].update(threshold=rule.threshold, label=rule.label, noisy_if=rule.noisy_if,
+                                          abstains=rule.abstains)
+        if rule.name in probabilities and rule.abstains:
+            result["rules"][rule.name]["ece"] = None
+        elif rule.name in probabilities:
             result["rules"][rule.name]["ece"] = expected_calibration_error(~column["noisy"].astype(bool),
                                                                            column[probabilities[rule.name]])
     oracle = result["rules"]["oracle"]
@@ -152,14 +159,14 @@ def evaluate_detection(scores: str | Path, truth: str | Path, truth_key: str | N
     return result
 
 
-def resolve_truth(truth: str | Path) -> Path:
-    """A truth Parquet path, or the `truth:` entry of a dataset manifest."""
-    truth = Path(truth)
-    if truth.suffix in (".yaml", ".yml"):
-        from pairclean.data.manifest import load_manifest
+def recorded_truth(scores: str | Path) -> Path:
+    """The truth file of the dataset a scores file recorded (a dataset `corrupt` wrote names one)."""
+    from pairclean.scores.contract import read_metadata, scored_pairs
 
-        spec = load_manifest(truth)
-        if not spec.truth:
-            raise UserError(f"manifest {truth} names no truth file")
-        return Path(spec.truth)
-    return truth
+    if not Path(scores).is_file():
+        raise UserError(f"scores file not found: {scores}")
+    dataset = scored_pairs(read_metadata(scores)[0]) or {}
+    if not dataset.get("truth"):
+        raise ConfigError(f"the dataset {scores} was scored from names no truth file: give `truth`", "truth")
+    return Path(dataset["truth"])
+

@@ -5,8 +5,13 @@ A rule is one class registered by name (`@register`): the columns it writes (nam
 columns out), its decision column (True = flagged noisy) and `noisy_if`, a human description of
 its fitted threshold that every table shows. finalize, score's summary, `evaluate detection`, the
 report and the demo iterate the rules a file records in its provenance (`recorded_rules`), so a new
-rule needs no edit anywhere else. A rule that cannot decide on some data (a mixture that does not
-separate) says so in `noisy_if`, which every table prints.
+rule needs no edit anywhere else.
+
+A rule that cannot decide on some data (a mixture that does not separate, no null pairs) abstains,
+and abstains everywhere: it flags nothing, its other columns are NULL (not numbers that look
+usable), its record says why (`RuleRecord.abstains`, also in `noisy_if`, which every table prints),
+and a predicate over its columns is warned about (`scores.db.compile_predicate`); the report draws
+no boundary for it and `evaluate detection` reports no calibration for it.
 
 Rules are named at score time as specs `NAME[:key=value,...]` (`ScoreConfig.rules`, `--rule`).
 The rules' own computations are imported when they run: the CLI lists the registry at start-up
@@ -23,8 +28,8 @@ from typing import TYPE_CHECKING, ClassVar
 import numpy as np
 import pyarrow as pa
 
-from pairclean.config import check_choice
-from pairclean.errors import UserError
+from pairclean.config import Declared, check_choice, check_value, parse_value, within
+from pairclean.errors import ConfigError, UserError
 from pairclean.scores.sql import sql_identifier
 
 if TYPE_CHECKING:
@@ -57,20 +62,30 @@ class RuleRecord:
     threshold: float | None  # the similarity at or below which pairs are flagged, when one exists
     options: dict
     notes: dict = field(default_factory=dict)  # what the rule measured on the data (an estimate, a check)
+    abstains: str | None = None  # why the rule decides nothing on this file (None: it decides)
+
+    @property
+    def value_columns(self) -> list[str]:
+        """Its columns other than the decision: NULL in every row when the rule abstains."""
+        return [c for c in self.columns if c != self.decision]
 
 
 class DecisionRule(ABC):
     """One way to decide which pairs are noisy. Subclasses set the class attributes, take their
-    options as keyword arguments (`OPTIONS` maps each to its type) and implement the methods."""
+    options as keyword arguments (`OPTIONS` declares each one's type and bounds, checked here) and
+    implement the methods."""
 
     name: ClassVar[str]  # registry key: `--rule NAME`, summary keys flagged_NAME / share_flagged_NAME
     label: ClassVar[str]  # how tables name it
     columns: ClassVar[tuple[tuple[str, pa.DataType], ...]]  # written in this order
     decision: ClassVar[str]  # the bool column among `columns`: True = flagged noisy
     clean_probability: ClassVar[str | None] = None  # a column among `columns` claiming P(clean): its calibration is measured
-    OPTIONS: ClassVar[dict[str, type]] = {}
+    OPTIONS: ClassVar[dict[str, Declared]] = {}
 
     def __init__(self, **options):
+        for key, value in options.items():
+            declared = self.OPTIONS[key]
+            options[key] = check_value(value, declared.kind, declared.bounds, key, declared.optional)
         self.options = options
 
     @abstractmethod
@@ -98,10 +113,16 @@ class DecisionRule(ABC):
         """What the rule measured on the data that a reader of the summary should see (JSON values)."""
         return {}
 
+    def abstains(self) -> str | None:
+        """Why the rule decides nothing on the data it was fitted on (None: it decides). An abstaining
+        rule's `derive` flags nothing and gives NaN (written as NULL) in its other columns."""
+        return None
+
     def record(self) -> RuleRecord:
         return RuleRecord(name=self.name, label=self.label, decision=self.decision,
                           columns=[name for name, _ in self.columns], noisy_if=self.noisy_if(),
-                          threshold=self.threshold(), options=dict(self.options), notes=self.notes())
+                          threshold=self.threshold(), options=dict(self.options), notes=self.notes(),
+                          abstains=self.abstains())
 
 
 def register(cls: type[DecisionRule]) -> type[DecisionRule]:
@@ -141,9 +162,10 @@ class GmmRule(DecisionRule):
     """Two Gaussians over the similarities: noisy when the clean component's posterior is < 0.5.
 
     NCR/SDD style; the mixture is recorded in the provenance under "gmm". It abstains (flags
-    nothing, says why in `noisy_if`, the summary and a warning) when the mixture does not separate
-    the data (`core.mixture.mixture_separation`): a mixture fitted to one hump, or whose noisy
-    component is far from the run's random pairings, would flag clean pairs."""
+    nothing, p_clean NULL, says why in `noisy_if`, the summary and a warning) when the mixture does
+    not separate the data (`core.mixture.mixture_separation`): a mixture fitted to one hump, or
+    whose noisy component is far from the run's random pairings, would flag clean pairs, and its
+    posterior would look like a probability that means nothing."""
 
     name, label, decision = "gmm", "GMM", "gmm_noisy"
     columns = (("p_clean", pa.float32()), ("gmm_noisy", pa.bool_()))
@@ -155,28 +177,33 @@ class GmmRule(DecisionRule):
 
         self.mixture: FittedMixture | None = fit_similarity_mixture(sample, seed=context.seed) \
             if len(sample) >= 2 else None
-        self.separation, self.abstains = {}, None
+        self.separation, self.why = {}, None
         if self.mixture is not None:
-            self.separation, self.abstains = mixture_separation(self.mixture, context.null_sample)
-        if self.abstains:
-            notice(f"the GMM rule abstains (flags nothing): {self.abstains}; the noise is not separable by "
-                   "this estimator's similarity. Use the null-calibrated rule (`rules` fdr) or an audit", "rules")
+            self.separation, self.why = mixture_separation(self.mixture, context.null_sample)
+        if self.why:
+            notice(f"the GMM rule abstains (flags nothing, p_clean is NULL): {self.why}; the noise is not "
+                   "separable by this estimator's similarity. Use the null-calibrated rule (`rules` fdr) or an audit",
+                   "rules")
+
+    def abstains(self):
+        return self.why
 
     def derive(self, sim):
-        p = self.mixture.p_clean(np.nan_to_num(sim, nan=0.0)) if self.mixture is not None \
-            else np.full(len(sim), np.nan)
-        return {"p_clean": p, "gmm_noisy": (p < 0.5) & (self.abstains is None)}
+        if self.mixture is None or self.abstains():
+            return {"p_clean": np.full(len(sim), np.nan), "gmm_noisy": np.zeros(len(sim), bool)}
+        p = self.mixture.p_clean(np.nan_to_num(sim, nan=0.0))
+        return {"p_clean": p, "gmm_noisy": p < 0.5}
 
     def noisy_if(self):
-        if self.abstains:
-            return f"abstains: {self.abstains}"
+        if self.abstains():
+            return f"abstains: {self.abstains()}"
         return "p_clean < 0.5"  # the crossing in sim depends on both components (one or two boundaries)
 
     def provenance(self):
         return {"gmm": self.mixture.as_dict() if self.mixture is not None else None}
 
     def notes(self):
-        return {**self.separation, "separates": self.mixture is not None and self.abstains is None}
+        return {**self.separation, "separates": self.mixture is not None and self.abstains() is None}
 
 
 @register
@@ -186,19 +213,15 @@ class FdrRule(DecisionRule):
     Each pair's p-value is the share of the run's null similarities (in-data pairs that do not
     belong together) at least as high; Benjamini-Hochberg q-values over all pairs; flagged when
     q > alpha, so that among the kept pairs the expected share of random-pairing noise is at most
-    alpha (`core.null`). The notes hold the share of pairs that look like random pairings, with a
-    95% interval: an estimate of the (random-pairing) noise share."""
+    alpha (`core.null`). It abstains when the run drew no null pairs."""
 
     name, label, decision = "fdr", "FDR", "fdr_noisy"
     columns = (("p_null", pa.float32()), ("q_null", pa.float32()), ("fdr_noisy", pa.bool_()))
-    OPTIONS = {"alpha": float}
+    OPTIONS = {"alpha": Declared(float, within(0, 1, low_open=True, high_open=True))}
 
     def __init__(self, alpha: float = 0.05):
-        if not 0 < alpha < 1:
-            raise UserError(f"rule fdr: alpha must be in (0, 1), got {alpha}")
         super().__init__(alpha=alpha)
         self.calibration = None
-        self.share = (None, None, None)
 
     def fit(self, sample, context):
         from pairclean.core.null import NullCalibration
@@ -211,7 +234,9 @@ class FdrRule(DecisionRule):
             return
         self.calibration = NullCalibration.fit(null, sample)
         self.cut = self.calibration.cut(self.options["alpha"])
-        self.share = self.calibration.noise_share(sample)
+
+    def abstains(self):
+        return None if self.calibration is not None else "no null pairs were drawn"
 
     def derive(self, sim):
         if self.calibration is None:
@@ -221,8 +246,8 @@ class FdrRule(DecisionRule):
         return {"p_null": self.calibration.p_values(sim), "q_null": q, "fdr_noisy": q > self.options["alpha"]}
 
     def noisy_if(self):
-        if self.calibration is None:
-            return "abstains: no null pairs were drawn"
+        if self.abstains():
+            return f"abstains: {self.abstains()}"
         return f"q > {self.options['alpha']:g} (sim <= {self.cut:.4f})"
 
     def threshold(self):
@@ -231,9 +256,7 @@ class FdrRule(DecisionRule):
     def notes(self):
         if self.calibration is None:
             return {}
-        estimate, low, high = self.share
-        return {"null_pairs": self.calibration.m, "null_mean": float(self.calibration.null.mean()),
-                "noise_share": estimate, "noise_share_low": low, "noise_share_high": high}
+        return {"null_pairs": self.calibration.m, "null_mean": float(self.calibration.null.mean())}
 
 
 def top_count(keep: float, n: int) -> int:
@@ -253,11 +276,9 @@ class TopFractionRule(DecisionRule):
 
     name, label, decision = "top-fraction", "top-fraction", "top_fraction_noisy"
     columns = (("top_fraction_noisy", pa.bool_()),)
-    OPTIONS = {"keep": float}
+    OPTIONS = {"keep": Declared(float, within(0, 1, low_open=True))}
 
     def __init__(self, keep: float = 0.8):
-        if not 0 < keep <= 1:
-            raise UserError(f"rule top-fraction: keep must be in (0, 1], got {keep}")
         super().__init__(keep=keep)
         self.cut: float | None = None
         self.ranked = 0
@@ -299,20 +320,24 @@ class TopFractionRule(DecisionRule):
 
 
 def parse_rule(spec: str) -> DecisionRule:
-    """A rule from its spec `NAME[:key=value,...]`; an unknown name or option is a UserError."""
+    """A rule from its spec `NAME[:key=value,...]`: an unknown name or option, an option given twice,
+    or a value outside its declaration is a ConfigError naming `rules` (the CLI's --rule)."""
     name, _, rest = spec.strip().partition(":")
     check_choice(name, tuple(REGISTRY), "rules", "rule")
     cls = REGISTRY[name]
     options = {}
     for item in filter(None, (part.strip() for part in rest.split(","))):
-        key, eq, value = item.partition("=")
+        key, eq, value = (part.strip() for part in item.partition("="))
         if not eq or key not in cls.OPTIONS:
             allowed = ", ".join(cls.OPTIONS) or "none"
-            raise UserError(f"rule {name}: bad option {item!r} (options: {allowed}; write NAME:key=value)")
+            raise ConfigError(f"`rules` {spec!r}: bad option {item!r} (options of {name}: {allowed}; "
+                              "write NAME:key=value)", "rules")
+        if key in options:
+            raise ConfigError(f"`rules` {spec!r}: option {key} is given twice", "rules")
         try:
-            options[key] = cls.OPTIONS[key](value)
-        except ValueError:
-            raise UserError(f"rule {name}: option {key} must be a {cls.OPTIONS[key].__name__}, got {value!r}") from None
+            options[key] = parse_value(value, cls.OPTIONS[key], key)
+        except ConfigError as exc:
+            raise ConfigError(f"`rules` {spec!r}: {exc}", "rules") from None
     return cls(**options)
 
 
@@ -329,12 +354,20 @@ def build_rules(specs) -> list[DecisionRule]:
     return rules
 
 
+def _record(entry: dict) -> RuleRecord:
+    """A provenance entry as a RuleRecord; files scored before `abstains` was recorded said it only in
+    `noisy_if` (and still wrote the unusable posterior)."""
+    noisy_if = entry.get("noisy_if", "")
+    abstains = entry.get("abstains") or (noisy_if.split(":", 1)[1].strip() if noisy_if.startswith("abstains") else None)
+    return RuleRecord(**{**entry, "abstains": abstains})
+
+
 def recorded_rules(provenance: dict, columns) -> list[RuleRecord]:
     """The rules a scores file holds: as its provenance records them (those whose columns it
     still has), else (files written before rules were recorded) the default rules whose decision
     column it has, with the file's beta."""
     if "rules" in provenance:
-        return [record for record in (RuleRecord(**entry) for entry in provenance["rules"])
+        return [record for record in (_record(entry) for entry in provenance["rules"])
                 if all(column in columns for column in record.columns)]
     present = []
     for name in DEFAULT_RULES:

@@ -37,8 +37,9 @@ from pairclean.backends.open_clip import OpenClipEstimator
 from pairclean.backends.text_trim import text_buckets
 from pairclean.data.manifest import DatasetSpec, open_dataset
 from pairclean.data.reader import UnitFailure, list_units, modalities, read_unit
-from pairclean.errors import ConfigError, UserError
-from pairclean.ops.atomic import write_json
+from pairclean.config import COUNT, at_least, declare
+from pairclean.errors import UserError
+from pairclean.ops.guard import Output, open_output
 from pairclean.ops.measure import GpuBusy, PeakMemory, cpu_seconds, gpu_peak_mib, gpu_peak_reset
 from pairclean.ops.progress import SILENT, Progress
 from pairclean.scoring.model import ModelProducer, ScoreConfig, score
@@ -368,13 +369,10 @@ def measure_naive(estimator, spec: DatasetSpec, batch_size: int, max_pairs: int)
 
 # ---------------------------------------------------------------- all three
 
+@declare(naive_pairs=at_least(0), min_seconds=at_least(0), repeat=COUNT)
 def bench_score(source: str | list[str] | DatasetSpec, cfg: ScoreConfig, naive_pairs: int = 512,
                 min_seconds: float = 10.0, repeat: int = 1, estimator=None, progress: Progress = SILENT) -> BenchReport:
     """Measure (a), (b), (c) `repeat` times, interleaved, with one estimator."""
-    if repeat < 1:
-        raise ConfigError("repeat must be at least 1", "repeat")
-    if cfg.batch_size < 1:
-        raise ConfigError("batch_size must be at least 1", "batch_size")
     spec = source if isinstance(source, DatasetSpec) else open_dataset(source)
     if cfg.precision == "auto":
         cfg = replace(cfg, precision=resolve_precision(cfg.device, "auto"))
@@ -410,5 +408,6 @@ def bench_score(source: str | list[str] | DatasetSpec, cfg: ScoreConfig, naive_p
     return BenchReport(config, rounds, prepare_ms)
 
 
-def write_report(report: BenchReport, path: Path) -> None:
-    write_json(path, report.as_dict())
+def write_report(report: BenchReport, out: Output | Path) -> None:
+    """The report as JSON, through the output guard (`out` opened by the caller against its inputs)."""
+    open_output(out).write_json(report.as_dict())

@@ -1,17 +1,9 @@
 """Scoring from precomputed embeddings: no model and no GPU, the same parts, finalize and output.
 
-Layouts (`open_embeddings`):
-  clip-retrieval  DIR/img_emb/img_emb_N.npy + DIR/text_emb/text_emb_N.npy (+ DIR/metadata/metadata_N.parquet;
-                  `pairclean score --save-embeddings` writes this layout with `write_embedding_block`, its
-                  metadata naming each pair's dataset shard and index, and DIR/provenance.json)
-  numpy           LEFT.npy RIGHT.npy, row i of one paired with row i of the other (+ --keys KEYS.parquet)
-  parquet         FILE.parquet ...: a key column and two list<float> embedding columns
-
-A unit (the grain of resume) is a chunk of rows of one .npy pair (`left.npy#rows=A-B`) or one
-Parquet row group (`file.parquet#rg=N`). .npy rows are read (pread at the row's offset, after
-the header np.load(mmap_mode="r") parsed) block by block into reused per-thread buffers, so
-resident memory is a few blocks, not the file, and a block is scored while it is in cache;
-Parquet rows come a record batch at a time.
+The layouts (clip-retrieval, two .npy files, Parquet embedding columns, DataComp's .npz) are
+input formats of kind "embeddings" (`data.formats.embeddings`: `open_embeddings`, `iter_batches`):
+a unit's rows arrive block by block in reused per-thread buffers, and a block is scored here
+while it is in cache.
 
 The similarity is the cosine: the row-wise dot divided by both norms, which are computed anyway
 to check that the vectors are unit length (a user may hand over unnormalised ones) and to turn
@@ -22,442 +14,28 @@ or the shuffled-pairs diagnostic.
 
 from __future__ import annotations
 
-import json
-import os
-import re
-import threading
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Iterator
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
-import pyarrow.parquet as pq
 import torch
 
-from pairclean.config import check_choice, unpinned
+from pairclean.config import COUNT, at_least, setting, unpinned
 from pairclean.core.beta import BETA_MODES, BetaEstimate, ShuffledAccumulator
 from pairclean.core.scorer import null_partners
-from pairclean.data.manifest import PAIR_KINDS
-from pairclean.data.units import Unit
+from pairclean.data.formats.embeddings import (BLOCK_ROWS, SAVED_PROVENANCE, ArrayRows, EmbeddingBatch, EmbeddingSpec,
+                                               NpyRows, block_buffer, iter_batches)
 from pairclean.errors import ConfigError, UserError
+from pairclean.ops.guard import Output
 from pairclean.ops.notices import notice
 from pairclean.scoring.run import Commit, Producer, RunConfig, ScoreResult, Work, run_scoring
 
-LAYOUTS = ("clip-retrieval", "numpy", "parquet")
 UNIT_TOLERANCE = 1e-2  # |norm - 1| above this is "not unit length" (float16 storage rounds to ~1e-3)
-BLOCK_ROWS = 2048  # rows read and scored at a time (see docs/pair-kinds.md for the measurement)
 NULL_PER_BATCH = 4096  # rows per batch (evenly spaced) that draw a null pair: bounds the extra dot products
 JOB_ROWS = 16384  # rows per thread-pool job (a run of blocks)
-NPY_DTYPES = (np.float16, np.float32, np.float64)
-_CLIP_RETRIEVAL = {"img_emb": "img_emb_", "text_emb": "text_emb_", "metadata": "metadata_"}
-SAVED_PROVENANCE = "provenance.json"  # beside img_emb/ when `score --save-embeddings` wrote the directory
-ORIGIN_COLUMNS = ("shard", "index")  # metadata columns naming each row's pair in its dataset (`score --save-embeddings`)
-
-
-@dataclass
-class NpyPair:
-    """Two row-aligned .npy files (+ an optional Parquet file holding one key per row)."""
-
-    left: str
-    right: str
-    rows: int
-    dim: int
-    dtype: str
-    left_offset: int  # where the data starts, after the .npy header
-    right_offset: int
-    keys: str | None = None  # the metadata Parquet (clip-retrieval's metadata_N.parquet, or the numpy layout's key file)
-    key_column: str | None = None
-    origin: bool = False  # the metadata also holds `shard` and `index`: where each row's pair lives in its dataset
-
-
-@dataclass
-class EmbeddingSpec:
-    layout: str
-    pair: str
-    sources: list[str]  # what the user named (a directory, .npy files, Parquet files)
-    npy: list[NpyPair] = field(default_factory=list)
-    parquet: list[str] = field(default_factory=list)
-    left_field: str = "left_emb"
-    right_field: str = "right_emb"
-    key_field: str | None = None
-    dim: int | None = None
-    saved: dict | None = None  # DIR/provenance.json of a directory `score --save-embeddings` wrote
-
-    def inputs(self) -> list[str]:
-        return [p for n in self.npy for p in (n.left, n.right, n.keys) if p] + list(self.parquet)
-
-    def units(self, unit_rows: int) -> list[str]:
-        """Every unit in output order: row chunks of each .npy pair, or each Parquet row group."""
-        if self.layout == "parquet":
-            return [str(Unit.row_group(path, i)) for path in self.parquet
-                    for i in range(max(pq.ParquetFile(path).num_row_groups, 1))]
-        return [str(Unit.rows(n.left, a, min(a + unit_rows, n.rows))) for n in self.npy for a in range(0, n.rows, unit_rows)]
-
-
-# -- opening the layouts ---------------------------------------------------------------------
-
-
-def _npy_header(path: str) -> tuple[tuple[int, ...], np.dtype, int]:
-    """(shape, dtype, data offset) of an .npy file whose rows can be read in place."""
-    try:
-        array = np.load(path, mmap_mode="r")
-    except (OSError, ValueError) as exc:
-        raise UserError(f"cannot read {path} as a .npy array: {str(exc).splitlines()[0][:200]}") from None
-    if array.ndim == 2 and not array.flags.c_contiguous:
-        raise UserError(f"{path} is stored column-major; save it with np.save(path, np.ascontiguousarray(x))")
-    if not array.dtype.isnative:
-        raise UserError(f"{path} is stored in non-native byte order ({array.dtype.str}); convert it with x.astype(x.dtype.newbyteorder('='))")
-    return array.shape, array.dtype, int(array.offset)
-
-
-def _npy_pair(left: str, right: str, keys: str | None, key_field: str | None) -> NpyPair:
-    (lshape, ldtype, loffset), (rshape, rdtype, roffset) = _npy_header(left), _npy_header(right)
-    for path, shape, dtype in ((left, lshape, ldtype), (right, rshape, rdtype)):
-        if len(shape) != 2:
-            raise UserError(f"{path} holds an array of shape {shape}; embeddings must be 2-D (rows x dim)")
-        if dtype.type not in NPY_DTYPES:
-            raise UserError(f"{path} holds {dtype} values; embeddings must be float16, float32 or float64")
-    if lshape != rshape:
-        raise UserError(f"{left} and {right} do not pair up: shapes {lshape} and {rshape}")
-    if ldtype != rdtype:
-        raise UserError(f"{left} ({ldtype}) and {right} ({rdtype}) must have the same dtype")
-    column = None
-    if keys is not None:
-        try:
-            pf = pq.ParquetFile(keys)
-        except Exception as exc:
-            raise UserError(f"cannot read keys file {keys}: {str(exc).splitlines()[0][:200]}") from None
-        names = pf.schema_arrow.names
-        candidates = [key_field] if key_field else ["key", "image_path"]
-        column = next((c for c in candidates if c in names), None)
-        if column is None:
-            raise ConfigError(f"{keys} has no key column ({' or '.join(candidates)}); it has {names}: pass `key_field`",
-                              "key_field")
-        if pf.metadata.num_rows != lshape[0]:
-            raise UserError(f"{keys} has {pf.metadata.num_rows:,} rows but {left} has {lshape[0]:,}")
-        origin = set(ORIGIN_COLUMNS) <= set(names)
-    return NpyPair(left, right, int(lshape[0]), int(lshape[1]), str(ldtype), loffset, roffset, keys, column,
-                   keys is not None and origin)
-
-
-def _numbered(directory: Path, prefix: str, suffix: str) -> dict[str, Path]:
-    pattern = re.compile(re.escape(prefix) + r"(\d+)" + re.escape(suffix) + "$")
-    found = {}
-    for path in directory.iterdir() if directory.is_dir() else []:
-        match = pattern.match(path.name)
-        if match:
-            found[match.group(1)] = path
-    return found
-
-
-def _clip_retrieval(root: Path, key_field: str | None) -> list[NpyPair]:
-    images = _numbered(root / "img_emb", _CLIP_RETRIEVAL["img_emb"], ".npy")
-    texts = _numbered(root / "text_emb", _CLIP_RETRIEVAL["text_emb"], ".npy")
-    metadata = _numbered(root / "metadata", _CLIP_RETRIEVAL["metadata"], ".parquet")
-    if not images:
-        raise UserError(f"{root}/img_emb holds no img_emb_N.npy files")
-    unmatched = sorted(set(images) ^ set(texts))
-    if unmatched:
-        raise UserError(f"{root}: img_emb and text_emb files do not pair up (unmatched number {unmatched[0]})")
-    order = sorted(images, key=int)
-    return [_npy_pair(str(images[n]), str(texts[n]), str(metadata[n]) if n in metadata else None, key_field)
-            for n in order]
-
-
-def _check_parquet(path: str, left_field: str, right_field: str, key_field: str | None) -> None:
-    try:
-        names = pq.ParquetFile(path).schema_arrow
-    except Exception as exc:
-        raise UserError(f"cannot read Parquet {path}: {str(exc).splitlines()[0][:200]}") from None
-    for name in (left_field, right_field) + ((key_field,) if key_field else ()):
-        if name not in names.names:
-            raise ConfigError(f"{path} has no column {name!r} (it has {names.names}); "
-                              "name the columns with `left_field` / `right_field` / `key_field`",
-                              "left_field", "right_field", "key_field")
-    for name in (left_field, right_field):
-        kind = names.field(name).type
-        if not (pa.types.is_list(kind) or pa.types.is_large_list(kind) or pa.types.is_fixed_size_list(kind)) \
-                or not pa.types.is_floating(kind.value_type):
-            raise UserError(f"column {name!r} of {path} is {kind}; an embedding column must be a list of floats")
-
-
-def _parquet_dim(paths: list[str], column: str) -> int:
-    """The embedding dimension: the length of the first non-null vector of the left column."""
-    for path in paths:
-        for batch in pq.ParquetFile(path).iter_batches(batch_size=1024, columns=[column]):
-            lengths = pc.drop_null(pc.list_value_length(batch.column(0)))
-            if len(lengths):
-                return int(lengths[0].as_py())
-    raise UserError(f"column {column!r} holds no embedding in {', '.join(paths)}")
-
-
-def read_saved_provenance(directory: str | Path) -> dict | None:
-    """What `score --save-embeddings` recorded beside the embeddings (None: another tool wrote them)."""
-    path = Path(directory) / SAVED_PROVENANCE
-    if not path.is_file():
-        return None
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise UserError(f"cannot read {path}: {str(exc).splitlines()[0][:200]}") from None
-
-
-def detect_layout(sources: list[str]) -> str:
-    if len(sources) == 1 and Path(sources[0]).is_dir() and (Path(sources[0]) / "img_emb").is_dir():
-        return "clip-retrieval"
-    if sources and all(s.endswith(".npy") for s in sources):
-        return "numpy"
-    if sources and all(s.endswith(".parquet") or (Path(s).is_dir() and any(Path(s).glob("*.parquet")))
-                       for s in sources):
-        return "parquet"
-    raise ConfigError("cannot tell the embeddings layout of " + ", ".join(sources) + ": give a clip-retrieval "
-                      "output directory (img_emb/, text_emb/, metadata/), two .npy files (left, right), "
-                      "or Parquet files with two embedding columns (or pass `layout`)", "layout")
-
-
-def open_embeddings(sources: str | list[str], layout: str = "auto", pair: str | None = None,
-                    left_field: str = "left_emb", right_field: str = "right_emb", key_field: str | None = None,
-                    keys: str | None = None) -> EmbeddingSpec:
-    """Resolve and check an embeddings input; every structural problem is a UserError here."""
-    from pairclean.data.manifest import resolve_shards
-
-    sources = [sources] if isinstance(sources, str) else list(sources)
-    for s in sources:
-        if not Path(s).exists():
-            raise UserError(f"path not found: {s}")
-    check_choice(layout, ("auto", *LAYOUTS), "layout")
-    layout = detect_layout(sources) if layout == "auto" else layout
-    if pair is not None:
-        check_choice(pair, PAIR_KINDS, "pair")
-    if keys is not None and layout != "numpy":
-        raise ConfigError("`keys` names the key file of the numpy layout (LEFT.npy RIGHT.npy); "
-                          "clip-retrieval keys come from metadata/, Parquet keys from `key_field`", "keys", "key_field")
-    spec = EmbeddingSpec(layout=layout, pair=pair or "image-text", sources=sources, left_field=left_field, right_field=right_field,
-                         key_field=key_field)
-    if layout == "clip-retrieval":
-        if len(sources) != 1 or not Path(sources[0]).is_dir():
-            raise UserError("the clip-retrieval layout is one directory holding img_emb/ and text_emb/")
-        spec.npy = _clip_retrieval(Path(sources[0]), key_field)
-        spec.saved = read_saved_provenance(sources[0])
-        if pair is None and spec.saved:
-            spec.pair = spec.saved.get("pair") or spec.pair
-    elif layout == "numpy":
-        if len(sources) != 2:
-            raise UserError(f"the numpy layout is two .npy files (left, right), got {len(sources)} path(s)")
-        spec.npy = [_npy_pair(sources[0], sources[1], keys, key_field)]
-    else:
-        spec.parquet = [s for s in resolve_shards(sources) if s.endswith(".parquet")]
-        if not spec.parquet:
-            raise UserError(f"no .parquet files in {', '.join(sources)}")
-        for path in spec.parquet:
-            _check_parquet(path, left_field, right_field, key_field)
-    dims = {n.dim for n in spec.npy} if spec.npy else {_parquet_dim(spec.parquet, left_field)}
-    if len(dims) > 1:
-        raise UserError(f"the embedding files have different dimensions: {sorted(dims)}")
-    spec.dim = dims.pop() if dims else None
-    return spec
-
-
-# -- reading batches ---------------------------------------------------------------------------
-
-_buffers = threading.local()  # per-thread, reused block buffers: no allocation, no page faults
-
-
-def _buffer(slot: str, dtype: np.dtype, dim: int) -> np.ndarray:
-    cache = _buffers.__dict__.setdefault("arrays", {})
-    key = (slot, dtype.str, dim, BLOCK_ROWS)
-    if key not in cache:
-        cache[key] = np.empty((BLOCK_ROWS, dim), dtype=dtype)
-    return cache[key]
-
-
-class ArrayRows:
-    """Row pairs already in memory (a Parquet batch)."""
-
-    def __init__(self, left: np.ndarray, right: np.ndarray):
-        self.left, self.right = left, right
-
-    def __len__(self) -> int:
-        return len(self.left)
-
-    def block(self, a: int, b: int) -> tuple[np.ndarray, np.ndarray]:
-        return self.left[a:b], self.right[a:b]
-
-    def arrays(self) -> tuple[np.ndarray, np.ndarray]:
-        return self.left, self.right
-
-
-class NpyFiles:
-    """The two open files of an .npy pair, read with pread at row offsets (thread-safe, no seek).
-
-    Reading rather than mapping keeps resident memory to the blocks being scored and avoids one
-    page fault per 4 kB: a block lands in a reused buffer that stays in cache while it is scored.
-    """
-
-    def __init__(self, pair: NpyPair):
-        self.dtype, self.dim = np.dtype(pair.dtype), pair.dim
-        self.row_bytes = self.dim * self.dtype.itemsize
-        self.offsets = [pair.left_offset, pair.right_offset]
-        self.paths = [pair.left, pair.right]
-        self.fds: list[int] = []
-        try:
-            for path in self.paths:
-                self.fds.append(os.open(path, os.O_RDONLY))
-        except OSError:
-            self.close()
-            raise
-
-    def read(self, side: int, row: int, out: np.ndarray) -> None:
-        view = memoryview(out).cast("B")
-        offset = self.offsets[side] + row * self.row_bytes
-        while len(view):
-            if hasattr(os, "preadv"):
-                n = os.preadv(self.fds[side], [view], offset)
-            else:
-                data = os.pread(self.fds[side], len(view), offset)
-                n = len(data)
-                view[:n] = data
-            if n == 0:
-                raise OSError(f"{self.paths[side]} ended early: rows {row}..{row + len(out) - 1} are not all there")
-            view, offset = view[n:], offset + n
-
-    def close(self) -> None:
-        for fd in self.fds:
-            os.close(fd)
-
-
-class NpyRows:
-    """Rows [start, stop) of an .npy pair, read block by block into per-thread buffers."""
-
-    def __init__(self, files: NpyFiles, start: int, stop: int):
-        self.files, self.start, self.stop = files, start, stop
-
-    def __len__(self) -> int:
-        return self.stop - self.start
-
-    def block(self, a: int, b: int) -> tuple[np.ndarray, np.ndarray]:
-        out = []
-        for side, slot in ((0, "raw-left"), (1, "raw-right")):
-            buf = _buffer(slot, self.files.dtype, self.files.dim)[:b - a]
-            self.files.read(side, self.start + a, buf)
-            out.append(buf)
-        return out[0], out[1]
-
-    def arrays(self) -> tuple[np.ndarray, np.ndarray]:
-        return self.array(0), self.array(1)
-
-    def array(self, side: int) -> np.ndarray:
-        """One side's rows (0: left, 1: right), read whole into a new array."""
-        array = np.empty((len(self), self.files.dim), dtype=self.files.dtype)
-        self.files.read(side, self.start, array)
-        return array
-
-
-@dataclass
-class EmbeddingBatch:
-    shard: str
-    index: np.ndarray  # row numbers within `shard`
-    keys: pa.Array | None
-    rows: ArrayRows | NpyRows
-    bad: dict[int, str] = field(default_factory=dict)  # row position -> reason it has no usable vector
-    origin: tuple[pa.Array, pa.Array] | None = None  # (shard, index) of each row's pair in its dataset, if recorded
-
-    def identity(self) -> tuple[pa.Array, pa.Array, np.ndarray]:
-        """(key, shard, index) of every row, as the scores file names the pair: where the metadata
-        records the pair's dataset shard and index (`score --save-embeddings`), those, so scores
-        computed again from the embeddings join the first run's and its truth; else the embedding
-        file and the row in it, and `<file stem>/<row>` for a missing key."""
-        keys = self.keys if self.keys is not None else _default_keys(self.shard, self.index)
-        if self.origin is not None:
-            return keys, self.origin[0], self.origin[1].to_numpy(zero_copy_only=False)
-        return keys, pa.repeat(self.shard, len(self.index)), self.index
-
-
-def _read_metadata(pair: NpyPair, start: int, stop: int) -> pa.Table | None:
-    """The key (and origin) columns of rows [start, stop) from the pair's metadata file, reading
-    only the row groups they span."""
-    if pair.keys is None:
-        return None
-    pf = pq.ParquetFile(pair.keys)
-    groups, first, offset = [], None, 0
-    for i in range(pf.num_row_groups):
-        n = pf.metadata.row_group(i).num_rows
-        if offset + n > start and offset < stop:
-            groups.append(i)
-            first = offset if first is None else first
-        offset += n
-    columns = [pair.key_column, *(ORIGIN_COLUMNS if pair.origin else ())]
-    table = pf.read_row_groups(groups, columns=columns).slice(start - first, stop - start)
-    return pa.table([pc.cast(table.column(0), pa.string()),
-                     *([pc.cast(table.column(1), pa.string()), pc.cast(table.column(2), pa.int64())]
-                       if pair.origin else [])],
-                    names=["key", *(ORIGIN_COLUMNS if pair.origin else ())])
-
-
-def _npy_batches(spec: EmbeddingSpec, unit: str, batch_rows: int) -> Iterator[EmbeddingBatch]:
-    parsed = Unit.parse(unit)
-    left_path, start, stop = parsed.path, parsed.part.start, parsed.part.stop
-    pair = next(n for n in spec.npy if n.left == left_path)
-    meta = _read_metadata(pair, start, stop)
-    files = NpyFiles(pair)
-    try:
-        for a in range(start, stop, batch_rows):
-            b = min(a + batch_rows, stop)
-            rows = meta.slice(a - start, b - a) if meta is not None else None
-            yield EmbeddingBatch(pair.left, np.arange(a, b, dtype=np.int64),
-                                 rows.column("key").combine_chunks() if rows is not None else None,
-                                 NpyRows(files, a, b),
-                                 origin=(rows.column("shard").combine_chunks(), rows.column("index").combine_chunks())
-                                 if pair.origin else None)
-    finally:
-        files.close()
-
-
-def _list_column(column: pa.Array, dim: int, what: str) -> tuple[np.ndarray, dict[int, str]]:
-    """(rows x dim float array, bad rows) from a list<float> column; a null or wrongly sized list
-    becomes a bad row (zeros in the array)."""
-    if isinstance(column, pa.ChunkedArray):
-        column = column.combine_chunks()
-    lengths = pc.list_value_length(column).to_numpy(zero_copy_only=False)
-    nulls = column.is_null().to_numpy(zero_copy_only=False)
-    good = ~nulls & (np.nan_to_num(lengths, nan=-1) == dim)
-    out = np.zeros((len(column), dim), dtype=np.float32)
-    if good.all():
-        out[:] = column.flatten().to_numpy(zero_copy_only=False).reshape(len(column), dim)
-    elif good.any():
-        kept = column.filter(pa.array(good))
-        out[good] = kept.flatten().to_numpy(zero_copy_only=False).reshape(int(good.sum()), dim)
-    bad = {int(i): (f"missing {what} embedding" if nulls[i] else
-                    f"{what} embedding has {int(lengths[i])} values, expected {dim}") for i in np.flatnonzero(~good)}
-    return out, bad
-
-
-def _parquet_batches(spec: EmbeddingSpec, unit: str, batch_rows: int) -> Iterator[EmbeddingBatch]:
-    parsed = Unit.parse(unit)
-    path, rg = parsed.path, parsed.part
-    pf = pq.ParquetFile(path)
-    if pf.num_row_groups == 0:
-        return
-    offset = sum(pf.metadata.row_group(i).num_rows for i in range(rg))
-    columns = [spec.left_field, spec.right_field] + ([spec.key_field] if spec.key_field else [])
-    for batch in pf.iter_batches(batch_size=batch_rows, row_groups=[rg], columns=columns):
-        left, bad = _list_column(batch.column(spec.left_field), spec.dim, "left")
-        right, bad_right = _list_column(batch.column(spec.right_field), spec.dim, "right")
-        for i, reason in bad_right.items():
-            bad.setdefault(i, reason)
-        keys = pc.cast(batch.column(spec.key_field), pa.string()) if spec.key_field else None
-        yield EmbeddingBatch(path, np.arange(offset, offset + batch.num_rows, dtype=np.int64), keys,
-                             ArrayRows(left, right), bad)
-        offset += batch.num_rows
-
-
-def iter_batches(spec: EmbeddingSpec, unit: str, batch_rows: int) -> Iterator[EmbeddingBatch]:
-    if spec.layout == "parquet":
-        return _parquet_batches(spec, unit, batch_rows)
-    return _npy_batches(spec, unit, batch_rows)
 
 
 # -- the arithmetic ----------------------------------------------------------------------------
@@ -467,7 +45,7 @@ def _as_float32(block: np.ndarray, slot: str) -> np.ndarray:
     """The block as float32: itself, or converted into a reused per-thread buffer."""
     if block.dtype == np.float32:
         return block
-    view = torch.from_numpy(_buffer(slot, np.dtype(np.float32), block.shape[1])[:len(block)])
+    view = torch.from_numpy(block_buffer(slot, np.dtype(np.float32), block.shape[1])[:len(block)])
     view.copy_(torch.from_numpy(block))  # torch converts float16 with F16C; numpy's cast is several times slower
     return view.numpy()
 
@@ -588,22 +166,15 @@ def random_embeddings_beta(spec: EmbeddingSpec, batch_rows: int = 65536) -> Beta
 @dataclass
 class EmbeddingScoreConfig(RunConfig):
     random_embeddings: EmbeddingSpec | None = unpinned(None)  # for beta_mode random-inputs (pinned by its paths)
-    batch_rows: int = unpinned(65536)  # rows read at a time: what bounds memory
-    unit_rows: int = 1 << 18  # rows per unit of an .npy pair: the grain of resume; its columns are held until commit
-    threads: int = unpinned(0)  # 0: torch.get_num_threads()
+    batch_rows: int = setting(65536, COUNT, pinned=False)  # rows read at a time: what bounds memory
+    unit_rows: int = setting(1 << 18, COUNT)  # rows per unit of an .npy pair: the grain of resume; held until commit
+    threads: int = setting(0, at_least(0), pinned=False)  # 0: torch.get_num_threads()
 
     def __post_init__(self):
         super().__post_init__()
-        if self.batch_rows < 1 or self.unit_rows < 1:
-            raise ConfigError("batch_rows and unit_rows must be at least 1", "batch_rows", "unit_rows")
         if self.beta_mode != "random-inputs" and self.random_embeddings is not None:
             raise ConfigError(f"random_embeddings is only used with beta_mode random-inputs, not {self.beta_mode}",
                               "random_embeddings", "beta_mode")
-
-
-def _default_keys(shard: str, index: np.ndarray) -> pa.Array:
-    """`<file stem>/<row>` for rows without a key file."""
-    return pc.binary_join_element_wise(Path(shard).stem, pc.cast(pa.array(index), pa.string()), "/")
 
 
 def _score_unit(unit: str, spec: EmbeddingSpec, batch_rows: int, pool: ThreadPoolExecutor | None,
@@ -666,6 +237,10 @@ class EmbeddingsProducer(Producer):
                 "right_field": spec.right_field, "key_field": spec.key_field,
                 "random_embeddings": rand.inputs() if rand else None}
 
+    def input_files(self) -> list[str]:
+        rand = self.cfg.random_embeddings
+        return [*self.spec.sources, *self.spec.inputs(), *(rand.sources + rand.inputs() if rand else [])]
+
     def random_beta(self) -> tuple[BetaEstimate, str]:
         rand = self.cfg.random_embeddings
         if rand is None:
@@ -703,7 +278,7 @@ class EmbeddingsProducer(Producer):
         return {}
 
     def finish(self, records: dict[str, dict], counters: dict[str, int], todo: int,
-               beta: BetaEstimate) -> tuple[dict, dict]:
+               beta: BetaEstimate | None) -> tuple[dict, dict]:
         units = list(records)
         not_unit = {side: sum(records[u].get(f"not_unit_{side}", 0) for u in units) for side in ("left", "right")}
         deviation = max((records[u].get("max_norm_deviation", 0.0) for u in units), default=0.0)
@@ -715,59 +290,12 @@ class EmbeddingsProducer(Producer):
                      "dtype": sorted({n.dtype for n in spec.npy}) or None}
         if spec.saved:  # the model that computed them, as the saving run recorded it
             estimator["saved_by"] = {k: spec.saved.get(k) for k in ("estimator", "weights_sha1", "preprocessing")}
-        provenance = {"estimator": estimator, "pair": spec.pair, "input_shards": spec.inputs(), "dataset": None,
+        provenance = {"estimator": estimator, "pair": spec.pair, "input_shards": spec.inputs(), "dataset": spec.record(),
                       "renormalised": {**not_unit, "max_norm_deviation": deviation}}
         return provenance, {"not_unit_left": not_unit["left"], "not_unit_right": not_unit["right"]}
 
 
-def score_embeddings(spec: EmbeddingSpec, out: str | Path, config: EmbeddingScoreConfig | None = None) -> ScoreResult:
+def score_embeddings(spec: EmbeddingSpec, out: str | Path | Output, config: EmbeddingScoreConfig | None = None) -> ScoreResult:
     """Score every row pair of precomputed embeddings into `out`, resumably, like `score()`."""
     cfg = config or EmbeddingScoreConfig()
     return run_scoring(EmbeddingsProducer(spec, cfg), out, cfg)
-
-
-def write_embedding_block(directory: str | Path, number: int, left: np.ndarray, right: np.ndarray,
-                          metadata: pa.Table | None = None, temp_dir: str | Path | None = None) -> int:
-    """Write block `number` of clip-retrieval's layout under `directory` (img_emb/img_emb_N.npy,
-    text_emb/text_emb_N.npy, metadata/metadata_N.parquet): row-aligned left / right vectors and
-    their metadata (key, and `shard`, `index` where the pairs' dataset is known). Each file is
-    written under a temp name and renamed into place, so a block is rewritten whole or not at all;
-    the bytes written. The one writer of the layout (`write_embeddings`, `score --save-embeddings`)."""
-    from pairclean.ops.atomic import atomic_path
-
-    directory = Path(directory)
-    if left.shape != right.shape or left.ndim != 2:
-        raise UserError(f"left {left.shape} and right {right.shape} must be the same 2-D shape")
-    if metadata is not None and metadata.num_rows != len(left):
-        raise UserError(f"metadata holds {metadata.num_rows} rows for {len(left)} embeddings")
-    written = 0
-    for sub, array in (("img_emb", left), ("text_emb", right)):
-        (directory / sub).mkdir(parents=True, exist_ok=True)
-        with atomic_path(directory / sub / f"{_CLIP_RETRIEVAL[sub]}{number}.npy", temp_dir=temp_dir) as path:
-            with open(path, "wb") as fh:
-                np.save(fh, array)
-            written += path.stat().st_size
-    if metadata is not None:
-        (directory / "metadata").mkdir(parents=True, exist_ok=True)
-        with atomic_path(directory / "metadata" / f"{_CLIP_RETRIEVAL['metadata']}{number}.parquet",
-                         temp_dir=temp_dir) as path:
-            pq.write_table(metadata, path)
-            written += path.stat().st_size
-    return written
-
-
-def write_embeddings(directory: str | Path, chunks: Iterable[tuple[np.ndarray, np.ndarray, list[str] | None]],
-                     overwrite: bool = False) -> Path:
-    """Write row-aligned (left, right, keys) chunks in clip-retrieval's layout, one numbered block
-    per chunk (benchmarks and tests use it; so can users handing their own arrays to
-    `pairclean score --from-embeddings`). Chunks are written as they come: memory is one chunk."""
-    from pairclean.data.writer import staged_directory
-
-    directory = Path(directory)
-    with staged_directory(directory, overwrite=overwrite) as tmp:
-        for sub in _CLIP_RETRIEVAL:
-            (tmp / sub).mkdir()
-        for number, (left, right, keys) in enumerate(chunks):
-            write_embedding_block(tmp, number, left, right,
-                                  pa.table({"key": pa.array(keys, pa.string())}) if keys is not None else None)
-    return directory

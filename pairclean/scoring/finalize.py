@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict
-from pathlib import Path
 from typing import Sequence
 
 import numpy as np
@@ -24,8 +23,9 @@ import pyarrow.parquet as pq
 
 from pairclean import __version__
 from pairclean.core.beta import BetaEstimate
+from pairclean.core.null import NullCalibration
 from pairclean.core.scorer import cone_weight, debias, normalised_weight
-from pairclean.ops.atomic import atomic_path
+from pairclean.ops.guard import Output
 from pairclean.ops.faults import fault_point
 from pairclean.scores.contract import (Provenance, Summary, flagged_summary, provenance_metadata, scores_schema,
                                        summary_metadata, write_run_manifest)
@@ -91,6 +91,17 @@ def null_quantiles(null_sample: np.ndarray) -> list[float] | None:
     return np.quantile(null_sample, np.linspace(0, 1, NULL_QUANTILE_LEVELS + 1)).round(6).tolist()
 
 
+def random_pairing_share(sample: np.ndarray, null_sample: np.ndarray) -> dict:
+    """The share of the scored pairs that look like random pairings, with a 95% interval
+    (`core.null.NullCalibration.random_pairing_share`): an estimate of the noise that is as dissimilar
+    as a random pairing, not of all noise (a caption of a similar item is not counted). Empty when
+    the run drew no null pairs."""
+    if len(null_sample) < 2 or not len(sample):
+        return {}
+    estimate, low, high = NullCalibration.fit(null_sample, sample).random_pairing_share(sample)
+    return {"random_pairing_share": estimate, "random_pairing_share_low": low, "random_pairing_share_high": high}
+
+
 def weight_columns(sim: np.ndarray, beta: float, weight_fn: str, official_scale: float | None) -> dict[str, np.ndarray]:
     """The scorer's per-pair columns computed from the similarity (NaN for error rows)."""
     valid = ~np.isnan(sim)
@@ -100,7 +111,7 @@ def weight_columns(sim: np.ndarray, beta: float, weight_fn: str, official_scale:
     return {"sim_debiased": sd, "weight": w, "weight_norm": wn}
 
 
-def finalize(store: PartStore, units: list[str], out: Path, beta: BetaEstimate, weight_fn: str,
+def finalize(store: PartStore, units: list[str], target: Output, beta: BetaEstimate, weight_fn: str,
              seed: int, gmm_sample: int, provenance: dict, records: dict[str, dict],
              rules: Sequence[str] = DEFAULT_RULES) -> Summary:
     """Write the final scores Parquet + run manifest; returns the run summary.
@@ -138,7 +149,8 @@ def finalize(store: PartStore, units: list[str], out: Path, beta: BetaEstimate, 
 
     flagged = {rule.name: 0 for rule in deciders}
     written = scored = errored = 0
-    with atomic_path(out, temp_dir=store.dir, no_clobber=not run.get("replaces_output")) as tmp:
+    out = target.path
+    with target.write(temp_dir=store.dir, no_clobber=not run.get("replaces_output")) as tmp:
         with pq.ParquetWriter(tmp, schema, compression="zstd") as writer:
             for batch in _iter_parts(store, units):
                 sim = batch.column("sim").to_numpy(zero_copy_only=False).astype(np.float64)  # nulls -> NaN
@@ -155,8 +167,10 @@ def finalize(store: PartStore, units: list[str], out: Path, beta: BetaEstimate, 
                 for rule in deciders:
                     derived = rule.derive(sim)
                     flagged[rule.name] += int((derived[rule.decision] & valid).sum())
-                    for name, dtype in rule.columns:
-                        columns[name] = pa.array(derived[name], type=dtype, mask=~valid)
+                    for name, dtype in rule.columns:  # a rule's NaN (no value: it abstains) is NULL, never a number
+                        values = np.asarray(derived[name])
+                        missing = ~valid | np.isnan(values) if pa.types.is_floating(dtype) else ~valid
+                        columns[name] = pa.array(values, type=dtype, mask=missing)
                 columns["error"] = batch.column("error")
                 writer.write_table(pa.table(columns, schema=schema))
                 fault_point("finalize-batch")
@@ -167,7 +181,7 @@ def finalize(store: PartStore, units: list[str], out: Path, beta: BetaEstimate, 
                 "pairs": n_rows, "scored": n_valid, "errors": n_errors, "unit_failures": unit_failures,
                 "failed_units": len(unit_failures), "units": len(units),
                 "beta": beta.beta, "beta_std": beta.std, "beta_k": beta.k, "beta_mode": beta.mode,
-                **flagged_summary(rule_records, flagged, n_valid)}
+                **random_pairing_share(sample, null_sample), **flagged_summary(rule_records, flagged, n_valid)}
             writer.add_key_value_metadata(summary_metadata(summary))
         # The run manifest lands before the Parquet is renamed into place: an output file
         # that exists is always complete and always has its manifest.

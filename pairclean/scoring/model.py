@@ -26,19 +26,19 @@ from pairclean.backends.base import file_sha256, resolve_precision
 from pairclean.backends.device_jpeg import finish_batch
 from pairclean.backends.oom import OomBackoff
 from pairclean.ops.faults import slow_point
+from pairclean.ops.guard import Output, open_output
 from pairclean.ops import distributed
 from pairclean.ops.notices import notice_once
 from pairclean.ops.worker_memory import steady_worker_memory
-from pairclean.config import check_choice, check_numbers, check_pretrained, unpinned
+from pairclean.config import COUNT, at_least, check_choice, check_pretrained, setting, unpinned
 from pairclean.core.beta import BetaEstimate, ShuffledAccumulator
 from pairclean.core.scorer import null_partners
 from pairclean.data.manifest import DatasetSpec, open_dataset
 from pairclean.data.reader import UnitFailure, count_pairs, list_units, modalities, read_unit
-from pairclean.errors import ConfigError, UserError
+from pairclean.data.formats.embeddings import SAVED_PROVENANCE, write_embedding_block
+from pairclean.errors import ConfigError
 from pairclean.ops.atomic import remove_stale_temps, write_json
-from pairclean.ops.guard import check_output
 from pairclean.scoring.beta_cache import BetaCache, cached_random_input_beta, weights_fingerprint
-from pairclean.scoring.embeddings import SAVED_PROVENANCE, write_embedding_block
 from pairclean.scoring.run import Commit, Producer, RunConfig, ScoreResult, Work, run_scoring
 
 
@@ -52,17 +52,14 @@ class ScoreConfig(RunConfig):
     decode: str = "fast"  # fast (JPEG draft decode) | exact | gpu (JPEGs decoded on the CUDA device)
     compile: bool = unpinned(False)  # torch.compile the towers (eager fallback if compiling fails)
     beta_cache: bool = unpinned(True)  # reuse a random-inputs beta computed earlier for the same weights/K/seed
-    batch_size: int = unpinned(256)
-    workers: int = unpinned(2)
-    beta_k: int = 1024
+    batch_size: int = setting(256, COUNT, pinned=False)
+    workers: int = setting(2, at_least(0), pinned=False)
+    beta_k: int = setting(1024, COUNT)
     save_embeddings: str | None = None  # directory: also write every pair's embeddings in clip-retrieval's layout
     embeddings_dtype: str = "float16"  # what they are stored as
 
     def __post_init__(self):
         super().__post_init__()
-        if self.batch_size < 1:
-            raise ConfigError("batch_size must be at least 1", "batch_size")
-        check_numbers(self, at_least={"workers": 0, "beta_k": 1})
         check_pretrained(self.pretrained)
         check_choice(self.embeddings_dtype, EMBEDDING_DTYPES, "embeddings_dtype")
         if self.save_embeddings is not None:
@@ -157,10 +154,11 @@ def small_shards_notice(pairs: int, units: int, batch_size: int, fill: float) ->
 class ModelProducer(Producer):
     """Similarities from a frozen estimator over a dataset's shards."""
 
-    def __init__(self, spec: DatasetSpec, cfg: ScoreConfig, estimator=None):
+    def __init__(self, spec: DatasetSpec, cfg: ScoreConfig, estimator=None, embeddings: Output | None = None):
         if estimator is None:
             check_backend(cfg.backend, modalities(spec.pair))  # before any output exists
         self.spec, self.cfg, self.estimator = spec, cfg, estimator
+        self.embeddings = embeddings  # save_embeddings, opened through the output guard
         self.built_from_config = estimator is None
         self.device_type = "cuda" if cfg.device in ("auto", "cuda") and torch.cuda.is_available() else "cpu"
 
@@ -172,10 +170,9 @@ class ModelProducer(Producer):
     def started(self, resumed: bool) -> None:
         """save_embeddings: a fresh run starts from an empty directory (a resumed one keeps the
         blocks of its committed units; any other block is rewritten when its unit is scored)."""
-        directory = self.cfg.save_embeddings
-        if directory is None:
+        if self.embeddings is None:
             return
-        directory = Path(directory)
+        directory = self.embeddings.path
         found = [directory / name for name in LAYOUT_ENTRIES if (directory / name).exists()]
         if not resumed and found:
             if not self.cfg.overwrite:
@@ -183,8 +180,6 @@ class ModelProducer(Producer):
                                   "replace them, or give another directory", "save_embeddings", "overwrite")
             for path in found:
                 shutil.rmtree(path) if path.is_dir() else path.unlink()
-        if not directory.parent.is_dir():
-            raise UserError(f"the parent of `save_embeddings` {directory} does not exist")
         directory.mkdir(exist_ok=True)
         for folder in (directory, *(directory / name for name in LAYOUT_ENTRIES)):
             remove_stale_temps(folder)  # a killed run's half-written block files (this run holds the lock)
@@ -194,8 +189,12 @@ class ModelProducer(Producer):
         # A checkpoint replaced at the same path between a kill and the re-run is another model:
         # its hash is pinned, so the resumed run is refused instead of mixing two models' scores.
         weights = file_sha256(pretrained) if pretrained and os.path.isfile(pretrained) else None
-        return {"pair": spec.pair, "fields": asdict(spec.fields), "label_template": spec.label_template,
+        return {"pair": spec.pair, "format": spec.format, "fields": asdict(spec.fields),
+                "label_template": spec.label_template, "split": spec.split, "image_root": spec.image_root,
                 "weights_sha256": weights}
+
+    def input_files(self) -> list[str]:
+        return [self.cfg.pretrained] if self.cfg.pretrained and os.path.isfile(self.cfg.pretrained) else []
 
     def prepare(self) -> None:
         if self.estimator is None:  # built (and so validated) before anything is written
@@ -271,7 +270,7 @@ class ModelProducer(Producer):
                     if unit not in work.done:
                         mask = torch.tensor([x == unit for x in ok_units])
                         accumulators[unit].add(u[mask], v[mask])
-                        if cfg.save_embeddings is not None:
+                        if self.embeddings is not None:
                             block = saved[unit]
                             block["left"].append(u[mask].to(save_dtype).cpu())
                             block["right"].append(v[mask].to(save_dtype).cpu())
@@ -296,7 +295,7 @@ class ModelProducer(Producer):
                 errors = sum(e is not None for e in columns["error"])
                 record = {"errors": errors, "failure": failure,
                           "shuffled": accumulators.pop(unit, ShuffledAccumulator()).state()}
-                if cfg.save_embeddings is not None:  # the unit's block first: committed units have theirs
+                if self.embeddings is not None:  # the unit's block first: committed units have theirs
                     record.update(self._save_block(unit, saved.pop(unit, None)))
                 commit(unit, dict(columns), record)
             slow_point()
@@ -310,20 +309,20 @@ class ModelProducer(Producer):
         left, right = torch.cat(block["left"]).numpy(), torch.cat(block["right"]).numpy()
         metadata = pa.table({"key": pa.array(block["key"], pa.string()), "shard": pa.array(block["shard"], pa.string()),
                              "index": pa.array(block["index"], pa.int64())})
-        written = write_embedding_block(self.cfg.save_embeddings, self.block_of[unit], left, right, metadata)
+        written = write_embedding_block(self.embeddings.path, self.block_of[unit], left, right, metadata)
         return {"embeddings": len(left), "embedding_bytes": written}
 
     def finish(self, records: dict[str, dict], counters: dict[str, int], todo: int,
-               beta: BetaEstimate) -> tuple[dict, dict]:
+               beta: BetaEstimate | None) -> tuple[dict, dict]:
         batches = counters["batches"]
         fill = counters["batch_rows"] / (batches * self.cfg.batch_size) if batches else 0.0
         if notice := small_shards_notice(counters["pairs"], todo, self.cfg.batch_size, fill):
             notice_once("small-shards", notice, "batch_size")
         extra = {"batches": batches, "full_batches": counters["full_batches"], "mean_batch_fill": fill}
-        if self.cfg.save_embeddings is not None:
+        if self.embeddings is not None and beta is not None:
             extra.update(self._saved_provenance(records, beta))
         return ({"estimator": self.estimator.provenance(), "pair": self.spec.pair, "input_shards": self.spec.shards,
-                 "dataset": self.spec.name}, extra)
+                 "dataset": self.spec.record()}, extra)
 
     def _saved_provenance(self, records: dict[str, dict], beta: BetaEstimate) -> dict:
         """DIR/provenance.json, written when every unit is committed (its presence marks the
@@ -338,21 +337,22 @@ class ModelProducer(Producer):
             "weights_sha1": weights_fingerprint(model) if isinstance(model, torch.nn.Module) else None,
             "preprocessing": repr(estimator.input_signature()) if hasattr(estimator, "input_signature") else None,
             "pair": self.spec.pair, "img_emb": left, "text_emb": right, "dtype": cfg.embeddings_dtype,
-            "normalised": True, "rows": rows, "bytes": written, "dataset": self.spec.name,
+            "normalised": True, "rows": rows, "bytes": written, "dataset": self.spec.record(),
             "input_shards": self.spec.shards, "beta": beta.as_dict(),
             "blocks": {str(self.block_of[u]): {"unit": u, "rows": r.get("embeddings", 0)}
                        for u, r in records.items() if r.get("embeddings")}}
-        write_json(Path(cfg.save_embeddings) / SAVED_PROVENANCE, provenance)
-        return {"embeddings_saved": rows, "embedding_bytes": written, "embeddings_dir": cfg.save_embeddings}
+        write_json(self.embeddings.path / SAVED_PROVENANCE, provenance)
+        return {"embeddings_saved": rows, "embedding_bytes": written, "embeddings_dir": str(self.embeddings.path)}
 
 
-def score(source: str | list[str] | DatasetSpec, out: str | Path, config: ScoreConfig | None = None,
+def score(source: str | list[str] | DatasetSpec, out: str | Path | Output, config: ScoreConfig | None = None,
           estimator=None) -> ScoreResult:
     """Score every pair of `source` and write `out` (Parquet); resumes an interrupted run."""
     cfg = config or ScoreConfig()
     spec = source if isinstance(source, DatasetSpec) else open_dataset(source)
-    if cfg.save_embeddings is not None:
-        check_output(cfg.save_embeddings, spec.shards, "save_embeddings")
+    # A directory the run owns (it resumes): the blocks of committed units stay; `started` clears the rest.
+    embeddings = None if cfg.save_embeddings is None else open_output(
+        cfg.save_embeddings, [*spec.sources, *spec.shards], "save_embeddings", kind="directory", overwrite=None)
     if cfg.precision == "auto":  # pinned in the settings as what it means on this machine
         cfg = replace(cfg, precision=resolve_precision(cfg.device, "auto"))
-    return run_scoring(ModelProducer(spec, cfg, estimator), out, cfg)
+    return run_scoring(ModelProducer(spec, cfg, estimator, embeddings), out, cfg)

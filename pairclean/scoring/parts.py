@@ -21,6 +21,7 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import json
+import math
 import os
 import shutil
 import socket
@@ -50,6 +51,7 @@ PART_SCHEMA = pa.schema([
 ])
 UNIT_KEYS = ("units_sha1", "n_units")  # settings that describe the unit list (compared separately)
 NON_FINITE = "no finite similarity"  # NaN/inf from the estimator, or a row it never scored
+MAX_ERROR_CHARS = 300  # an error row's reason is cut here: one line, never a dump of the row's data
 _HELD: dict[str, int] = {}  # parts directories whose run lock this process holds -> descriptor
 
 
@@ -64,6 +66,13 @@ def settings_digest(settings: dict) -> str:
 
 def _canonical(obj) -> dict:
     return json.loads(json.dumps(obj, default=str))
+
+
+def _is_record(record) -> bool:
+    """A commit record as `PartStore.commit` writes it: its unit and its row counts."""
+    counts = [record.get(k) for k in ("rows", "errors")] if isinstance(record, dict) else [None]
+    return isinstance(record.get("unit") if isinstance(record, dict) else None, str) and all(
+        isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in counts)
 
 
 @dataclass(frozen=True)
@@ -131,6 +140,8 @@ class PartStore:
                 record = json.loads(path.read_text())
             except (OSError, ValueError):
                 continue  # an unreadable record means the unit is redone
+            if not _is_record(record) or path != self.record_path(record["unit"]):
+                continue  # so does one that is not a commit record of its own unit
             if self.part_path(record["unit"]).is_file():
                 records[record["unit"]] = record
         return records
@@ -141,7 +152,7 @@ class PartStore:
         an error row (it could be neither scored nor weighted). Columns: lists or arrays."""
         values = pa.array(columns["sim"], type=pa.float32(), from_pandas=True).to_numpy(zero_copy_only=False)
         bad = ~np.isfinite(values)  # NaN, inf, and None (null -> NaN)
-        error = pa.array(columns["error"], type=pa.string())
+        error = pc.utf8_slice_codeunits(pa.array(columns["error"], type=pa.string()), 0, MAX_ERROR_CHARS)
         unexplained = pa.array(bad & ~error.is_valid().to_numpy(zero_copy_only=False))
         null = columns.get("null_sim")
         null = (pa.array(null, type=pa.float32(), from_pandas=True) if null is not None
@@ -155,13 +166,29 @@ class PartStore:
                           use_dictionary=["shard", "error"])  # keys are unique: no dictionary
 
     def commit_table(self, unit: str, table: pa.Table, record: dict, **write_options) -> None:
-        """Write any part (a table of rows) and then its commit record (`rows` added): the commit
-        protocol of every run that keeps parts here (scoring's scores, dedup's assignments and clusters)."""
+        """Write any part (a table of rows) and then its commit record (`rows` added, and `errors`
+        0 unless the record counts error rows): the commit protocol of every run that keeps parts
+        here (scoring's scores, dedup's assignments and clusters)."""
         with atomic_path(self.part_path(unit), temp_dir=self.dir) as tmp:
             pq.write_table(table, tmp, **write_options)
         fault_point("part-written")
-        write_json(self.record_path(unit), {**record, "unit": unit, "rows": table.num_rows}, temp_dir=self.dir)
+        write_json(self.record_path(unit), {"errors": 0, **record, "unit": unit, "rows": table.num_rows},
+                   temp_dir=self.dir)
         fault_point("committed")
+
+    def error_counts(self, units: list[str], top: int = 5) -> list[dict]:
+        """The commonest error reasons of the committed parts, most frequent first."""
+        counts: dict[str, int] = {}
+        for unit in units:
+            column = pq.read_table(self.part_path(unit), columns=["error"]).column("error")
+            for item in pc.value_counts(pc.drop_null(column.combine_chunks())).to_pylist():
+                counts[item["values"]] = counts.get(item["values"], 0) + item["counts"]
+        ranked = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))[:top]
+        return [{"error": reason, "rows": n} for reason, n in ranked]
+
+    def common_errors(self, units: list[str]) -> str:
+        """The commonest error reasons as one line: `12 x 'missing image'; 4 x '...'`."""
+        return "; ".join(f"{c['rows']:,} x {c['error']!r}" for c in self.error_counts(units, top=2))
 
     # -- starting, resuming, finishing ------------------------------------------------------
 
@@ -204,14 +231,23 @@ class PartStore:
             else:
                 entry.unlink()
 
-    def _read(self, name: str) -> dict | list | None:
+    def _read(self, name: str, kind: type | None = None) -> dict | list | None:
+        """A run file as JSON (None when absent); `kind`: the type it must be."""
         path = self.dir / name
         try:
-            return json.loads(path.read_text())
+            value = json.loads(path.read_text())
         except FileNotFoundError:
             return None
         except (OSError, ValueError) as exc:
             raise ConfigError(f"{path} is unreadable ({exc}); pass `overwrite` to start the run over", "overwrite") from None
+        if kind is not None and not isinstance(value, kind):
+            raise self._invalid(name, f"a JSON {type(value).__name__}, not a {kind.__name__}")
+        return value
+
+    def _invalid(self, name: str, why: str) -> ConfigError:
+        """The one error for resume state that does not describe a run: it is never trusted, never repaired."""
+        return ConfigError(f"{self.dir / name} is not a valid record of the unfinished run ({why}); "
+                           "pass `overwrite` to start the run over", "overwrite")
 
     def _start(self, settings: dict, units: list[str], replaces_output: bool) -> RunStart:
         self._clear()
@@ -232,7 +268,9 @@ class PartStore:
             shown = "; ".join(f"{k}: {earlier.get(k)!r} -> {current.get(k)!r}" for k in differ)
             raise ConfigError(f"{self.dir} holds an unfinished run with different settings ({shown}); "
                             "re-run with the same settings to resume, or pass `overwrite` to start over", "overwrite")
-        pinned = self._read("units.json")
+        pinned = self._read("units.json", list)
+        if pinned is not None and (not all(isinstance(u, str) for u in pinned) or len(set(pinned)) != len(pinned)):
+            raise self._invalid("units.json", "not a list of distinct units")
         if pinned is None:
             raise ConfigError(f"{self.dir} has no units.json; pass `overwrite` to start the run over", "overwrite")
         if pinned != units:
@@ -292,12 +330,12 @@ class PartStore:
         if existed:
             self._lock()
         try:
-            earlier = self._read("settings.json") if existed else None
-            run = self.run_info() if earlier is not None else {}
-            if overwrite:
+            if overwrite:  # the unfinished run is discarded unread
                 self.dir.mkdir(parents=True, exist_ok=True)
                 self._lock()
                 return self._start(settings, units, replaces_output=out.exists())
+            earlier = self._read("settings.json", dict) if existed else None
+            run = self.run_info() if earlier is not None else {}
             if out.exists():
                 if earlier is not None and run.get("replaces_output"):
                     return self._resume(settings, units, earlier)  # an --overwrite run, killed: carry on
@@ -323,14 +361,28 @@ class PartStore:
 
     def run_info(self) -> dict:
         """run.json: the run id (stored in the output's provenance) and whether it replaces an output."""
-        return self._read("run.json") or {}
+        return self._read("run.json", dict) or {}
 
     def settings_sha1(self) -> str | None:
         settings = self._read("settings.json")
         return settings_digest(settings) if settings is not None else None
 
-    def load_groups(self) -> list[list[str]] | None:
-        return self._read("groups.json")
+    def load_groups(self, units: list[str]) -> list[list[str]] | None:
+        """The pinned packing (None before it is saved), checked against the run's own units: every
+        unit in exactly one group, no other unit, every group a non-empty list of units."""
+        groups = self._read("groups.json", list)
+        if groups is None:
+            return None
+        if not all(isinstance(g, list) and g and all(isinstance(u, str) for u in g) for g in groups):
+            raise self._invalid("groups.json", "not a list of non-empty lists of units")
+        packed = [u for g in groups for u in g]
+        missing, foreign = set(units) - set(packed), set(packed) - set(units)
+        if missing or foreign or len(packed) != len(units):
+            why = "; ".join([f"{len(missing)} unit(s) in no group"] * bool(missing)
+                            + [f"{len(foreign)} unit(s) not of this run"] * bool(foreign)
+                            + ["a unit in two groups"] * (not missing and not foreign))
+            raise self._invalid("groups.json", why)
+        return groups
 
     def save_groups(self, groups: list[list[str]]) -> None:
         write_json(self.dir / "groups.json", groups, temp_dir=self.dir)
@@ -338,12 +390,21 @@ class PartStore:
     def fresh_claims(self) -> GroupClaims:
         """The claims of this run, with those of earlier (dead) runs cleared: call with the run lock held."""
         claims = self.dir / "claims"
+        if claims.is_symlink() or (claims.exists() and not claims.is_dir()):
+            raise self._invalid("claims", "not a directory")
         shutil.rmtree(claims, ignore_errors=True)
         claims.mkdir()
         return GroupClaims(claims)
 
     def load_beta(self) -> dict | None:
-        return self._read("beta.json")
+        """beta as saved when the run started (None before), checked: a finite number, known fields."""
+        beta = self._read("beta.json", dict)
+        known = {"mode", "beta", "std", "k", "seed", "source"}
+        if beta is not None and (set(beta) - known or not {"mode", "beta"} <= set(beta)
+                                 or isinstance(beta["beta"], bool) or not isinstance(beta["beta"], (int, float))
+                                 or not math.isfinite(beta["beta"])):
+            raise self._invalid("beta.json", "not a saved beta")
+        return beta
 
     def save_beta(self, beta: dict) -> None:
         write_json(self.dir / "beta.json", beta, temp_dir=self.dir)

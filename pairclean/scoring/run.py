@@ -21,13 +21,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, ClassVar, Iterator
 
-from pairclean.config import check_choice, check_numbers, pinned_settings, unpinned
+from pairclean.config import FINITE, SEED, SHARE, at_least, check_choice, check_settings, pinned_settings, setting, unpinned
 from pairclean.core.beta import BETA_MODES, BetaEstimate, check_beta_mode, resolve_beta, shuffled_beta
 from pairclean.core.scorer import WEIGHT_FUNCTIONS
 from pairclean.errors import ConfigError, UserError
 from pairclean.ops import distributed
 from pairclean.data.units import unit_fingerprint, unit_shard
-from pairclean.ops.guard import check_output
+from pairclean.ops.atomic import write_json
+from pairclean.ops.guard import Output, open_output
 from pairclean.ops.progress import SILENT, Progress
 from pairclean.scores.contract import read_provenance, run_manifest_path
 from pairclean.scores.rules import DEFAULT_RULES, build_rules
@@ -43,17 +44,18 @@ class RunConfig:
     """The settings every scoring run shares, whatever produces its similarities."""
 
     beta_mode: str = "random-inputs"
-    beta: float | None = None  # for beta_mode == "fixed"
+    beta: float | None = setting(None, FINITE)  # for beta_mode == "fixed"
     weight_fn: str = "cubic"
-    seed: int = 0
-    gmm_sample: int = 1_000_000
+    seed: int = setting(0, SEED)
+    gmm_sample: int = setting(1_000_000, at_least(2))
     rules: tuple[str, ...] = DEFAULT_RULES  # decision-rule specs NAME[:key=value,...] (pairclean.scores.rules)
+    max_error_share: float | None = setting(None, SHARE, pinned=False)  # fail the run (no scores file) when more pairs than this are errors
     overwrite: bool = unpinned(False)
     resume: bool = unpinned(False)  # insist on continuing an unfinished run (re-running resumes anyway)
     progress: Progress = unpinned(SILENT)
 
     def __post_init__(self):
-        check_numbers(self, finite=("beta",), at_least={"seed": 0, "gmm_sample": 2})
+        check_settings(self)  # every declared setting, of this class and of a subclass
         check_choice(self.weight_fn, WEIGHT_FUNCTIONS, "weight_fn", "weight function")
         check_beta_mode(self.beta_mode, self.beta)  # a known mode, and a value for `fixed`
         build_rules(self.rules)  # an unknown rule or option fails before anything is scored
@@ -107,6 +109,11 @@ class Producer(ABC):
         producer batches across units."""
         return [[unit] for unit in units]
 
+    def input_files(self) -> list[str]:
+        """Files the run reads besides its units' shards (a checkpoint, a keys file ...): the output
+        must not overwrite them."""
+        return []
+
     @abstractmethod
     def random_beta(self) -> tuple[BetaEstimate, str]:
         """beta from random inputs (beta mode random-inputs) and where it came from."""
@@ -123,10 +130,10 @@ class Producer(ABC):
 
     @abstractmethod
     def finish(self, records: dict[str, dict], counters: dict[str, int], todo: int,
-               beta: BetaEstimate) -> tuple[dict, dict]:
+               beta: BetaEstimate | None) -> tuple[dict, dict]:
         """(provenance entries: `estimator`, `pair`, `input_shards`, `dataset`, ...; extra summary
         entries). `counters`: `score`'s, summed over ranks, with `pairs` (scored by this run);
-        `beta`: the run's."""
+        `beta`: the run's, None when the run gives no scores file (nothing is to be marked complete)."""
 
 
 @dataclass
@@ -158,25 +165,53 @@ def check_unchanged(records: dict[str, dict]) -> None:
                         f"({len(changed)} unit(s) changed): pass `overwrite` to score the inputs again", "overwrite")
 
 
-def refuse_if_all_failed(units: list[str], records: dict[str, dict], out: Path) -> None:
-    """A run in which every unit failed read no pair: it fails, saying why on stderr, not only
-    inside run.json (which is written, with every unit's reason, before this is raised)."""
+def unusable_run(units: list[str], records: dict[str, dict], store: PartStore,
+                 max_error_share: float | None) -> str | None:
+    """Why a run's result is not worth a scores file (None: it is): every unit failed, every pair
+    is an error row, or more pairs than `max_error_share` are (the reason then names that field).
+    The reason names the commonest errors."""
+    rows = sum(records[u]["rows"] for u in units)
+    errors = sum(records[u]["errors"] for u in units)
     failed = [u for u in units if records[u].get("failure")]
-    if units and len(failed) == len(units) and not any(records[u].get("rows") for u in units):
-        raise UserError(f"every input unit failed ({len(units)}), no pair was read; first: {unit_shard(failed[0])}: "
-                        f"{records[failed[0]]['failure']} (all reasons in {run_manifest_path(out)})")
+    if units and len(failed) == len(units) and not rows:
+        return (f"every input unit failed ({len(units)}), no pair was read; first: {unit_shard(failed[0])}: "
+                f"{records[failed[0]]['failure']}")
+    if rows and errors == rows:
+        return f"every pair ({rows:,}) is an error row: {store.common_errors(units)}"
+    if max_error_share is not None and rows and errors / rows > max_error_share:
+        return (f"{errors:,} of {rows:,} pairs ({errors / rows:.1%}) are error rows, more than `max_error_share` "
+                f"{max_error_share:g}: {store.common_errors(units)}")
+    if not rows:
+        return "the inputs hold no pair"
+    return None
 
 
-def run_scoring(producer: Producer, out: str | Path, cfg: RunConfig) -> ScoreResult:
+def fail_run(reason: str, units: list[str], records: dict[str, dict], store: PartStore, out: Path,
+             provenance: dict) -> None:
+    """End a run that gives no scores file: its reasons in the run manifest, the parts removed (so
+    the corrected command starts afresh), nothing else written; then the one-line error."""
+    failures = [{"unit": u, "reason": records[u]["failure"], "rows": records[u]["rows"]}
+                for u in units if records[u].get("failure")]
+    summary = {"pairs": sum(records[u]["rows"] for u in units), "errors": sum(records[u]["errors"] for u in units),
+               "unit_failures": failures, "failed_units": len(failures), "units": len(units),
+               "error_reasons": store.error_counts(units), "failed": reason}
+    write_json(run_manifest_path(out), {"output": None, "summary": summary, "provenance": provenance})
+    store.remove()
+    message = f"{reason}; no scores file was written (all reasons in {run_manifest_path(out)})"
+    raise ConfigError(message, "max_error_share") if "`max_error_share`" in reason else UserError(message)
+
+
+def run_scoring(producer: Producer, out: str | Path | Output, cfg: RunConfig) -> ScoreResult:
     """Score every unit of `producer` into `out` (Parquet); resumes an interrupted run."""
-    out = Path(out)
     distributed.init_from_env(device_type=producer.device_type)
     progress = cfg.progress if distributed.is_main() else SILENT
     check_beta_mode(cfg.beta_mode, cfg.beta, producer.beta_modes, producer.missing_beta() or "")
-    if not out.parent.exists():
-        raise UserError(f"output directory {out.parent} does not exist")
+    target = open_output(out, (), "out", overwrite=None)  # the parent exists, the spelling is a local file
     units = producer.units()
-    check_output(out, {unit_shard(u) for u in units})
+    # The run also writes its parts directory and run manifest beside the output: neither may touch an input.
+    target = open_output(target, [*dict.fromkeys(unit_shard(u) for u in units), *producer.input_files()],
+                         companions=[parts_dir_for(target.path), run_manifest_path(target.path)])
+    out = target.path
     store = PartStore(parts_dir_for(out))
     settings = {**pinned_settings(cfg), **producer.settings(), **units_settings(units)}
     # Under torchrun, rank 0 alone decides (finished? fresh or resumed? beta) and tells the others.
@@ -197,7 +232,7 @@ def run_scoring(producer: Producer, out: str | Path, cfg: RunConfig) -> ScoreRes
             beta, source = resolve_beta(cfg.beta_mode, cfg.beta, producer.random_beta)
             if beta is not None:
                 store.save_beta({**beta.as_dict(), "source": source})
-        groups = store.load_groups()
+        groups = store.load_groups(start.units)
         if groups is None:  # packed once, when the run starts: a resumed run batches alike
             groups = producer.groups(start.units)
             store.save_groups(groups)
@@ -235,17 +270,19 @@ def run_scoring(producer: Producer, out: str | Path, cfg: RunConfig) -> ScoreRes
     missing = [u for u in units if u not in records]
     if missing:
         raise RuntimeError(f"{len(missing)} unit(s) were not committed (first: {missing[0]})")
-    if beta is None:
+    reason = unusable_run(units, records, store, cfg.max_error_share)
+    if beta is None and reason is None:
         beta = shuffled_beta([records[u].get("shuffled") for u in units])
-    produced, extra = producer.finish(records, counters, todo, beta)
+    produced, extra = producer.finish(records, counters, todo, None if reason else beta)
     by_rank = [records[u]["rank"] for u in units if u not in work.done and "rank" in records[u]]
     provenance = {**produced, "seed": cfg.seed, "beta_mode": cfg.beta_mode, "beta_source": beta_source,
                   "world_size": distributed.world_size(),
                   "units_by_rank": {str(r): by_rank.count(r) for r in sorted(set(by_rank))}}
-    summary = finalize(store, units, out, beta, cfg.weight_fn, cfg.seed, cfg.gmm_sample, provenance, records,
+    if reason:
+        fail_run(reason, units, records, store, out, provenance)
+    summary = finalize(store, units, target, beta, cfg.weight_fn, cfg.seed, cfg.gmm_sample, provenance, records,
                        cfg.rules)
     summary.update(extra, pairs_per_second=scored_now / elapsed if elapsed > 0 else 0.0, scoring_seconds=elapsed,
                    scoring_cpu_seconds=cpu, beta_seconds=beta_seconds, beta_source=beta_source)
     store.remove()
-    refuse_if_all_failed(units, records, out)
     return ScoreResult(out, summary, elapsed, scored_now, resumed, provenance)

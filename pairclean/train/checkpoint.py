@@ -78,6 +78,16 @@ def read_run(run_dir: Path) -> dict:
         raise UserError(f"cannot read {path}: {exc}") from None
 
 
+def is_training_run(run_dir: Path) -> bool:
+    """A directory whose run.json is a training run's (settings and target): a scoring run's parts
+    directory also holds a run.json, and must never be taken for one."""
+    try:
+        run = json.loads((Path(run_dir) / RUN_FILE).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(run, dict) and isinstance(run.get("settings"), dict) and isinstance(run.get("target"), dict)
+
+
 def resolve_trained_model(path: Path) -> tuple[dict, Path]:
     """(target description, model file or directory) for a run directory or a model inside one."""
     path = Path(path)

@@ -1,7 +1,7 @@
 """The training data path: shard index, per-shard weight arrays, shuffled prepared batches.
 
-`index_shards` counts the pairs of every shard without reading pixel data (Parquet metadata;
-the reader's header listing of a tar shard, whose indexes are those `read_unit` gives).
+`index_shards` counts the pairs of every shard without reading pixel data (the dataset's input
+format: Parquet metadata, a tar shard's header listing, whose indexes are those `read_unit` gives).
 `TrainBatches` is an IterableDataset: units (tar shards / Parquet row groups) are shuffled per
 epoch, split by node (torch.distributed rank, a no-op in one process) then by DataLoader worker
 (webdataset's `split_by_node` / `split_by_worker`), read with the reader's `read_unit`, joined with
@@ -19,14 +19,13 @@ from dataclasses import dataclass
 from typing import Iterator
 
 import numpy as np
-import pyarrow.parquet as pq
 import torch
 import webdataset as wds
 from torch.utils.data import IterableDataset
 
 from pairclean.errors import UserError
 from pairclean.data.manifest import DatasetSpec
-from pairclean.data.reader import UnitFailure, list_samples, list_units, modalities, parquet_keys, read_unit
+from pairclean.data.reader import UnitFailure, list_units, modalities, read_unit
 from pairclean.data.units import unit_shard
 from pairclean.ops.urls import is_local
 
@@ -40,42 +39,48 @@ class ShardInfo:
     failure: str | None = None  # the shard could only be listed partly
 
 
-def tar_keys(shard: str, allow_pipe: bool = False) -> tuple[list[str], str | None]:
-    """The sample keys of a tar shard by position (the indexes `read_unit` gives), from its
-    headers, and the reason if the listing stopped early."""
-    failures: list[UnitFailure] = []
-    keys = [sample.key for sample in list_samples(shard, failures.append, allow_pipe)]
-    return keys, failures[0].reason if failures else None
-
-
 def index_shards(spec: DatasetSpec) -> list[ShardInfo]:
-    """Pairs per shard, in the spec's order."""
+    """Pairs per shard, in the spec's order, as the dataset's format counts them (no pixel data read)."""
     out = []
+    fmt = spec.input_format
     for shard in dict.fromkeys(spec.shards):  # a shard listed twice is one unit (reader.list_units)
-        if spec.format == "parquet":
-            try:
-                rows = pq.ParquetFile(shard).metadata.num_rows
-            except Exception as exc:
-                raise UserError(f"cannot read Parquet shard {shard}: {str(exc).splitlines()[0][:200]}") from None
-            out.append(ShardInfo(shard, rows))
-        else:
-            if is_local(shard) and not os.path.isfile(shard):
-                raise UserError(f"shard not found: {shard}")
-            keys, failure = tar_keys(shard, spec.allow_pipe)
-            out.append(ShardInfo(shard, len(keys), failure))
+        if is_local(shard) and not os.path.isfile(shard):
+            raise UserError(f"shard not found: {shard}")
+        rows, failure = fmt.rows(shard)
+        out.append(ShardInfo(shard, rows, failure))
     return out
 
 
 def shard_keys(spec: DatasetSpec, shard: str) -> list[str]:
     """Keys of one shard by position (for joining scores by key)."""
-    if spec.format == "parquet":
-        return parquet_keys(spec, shard)
-    return tar_keys(shard, spec.allow_pipe)[0]
+    return spec.input_format.keys(shard)
 
 
 def content_digest(value: bytes | str) -> str:
     """Identity of an item by content: the same image (or text) under several captions."""
     return hashlib.sha1(value.encode() if isinstance(value, str) else value).hexdigest()
+
+
+@dataclass
+class UnitSpan:
+    """Where a unit's pairs lie in its shard: indexes start .. start + rows - 1."""
+
+    shard: str
+    start: int
+    rows: int
+
+
+def unit_spans(spec: DatasetSpec, units: list[str], shards: list[ShardInfo]) -> dict[str, UnitSpan]:
+    """Each unit's span: a whole shard's from the shard index, a part's (a Parquet row group) as the
+    dataset's format counts it (file metadata)."""
+    rows = {s.shard: s.rows for s in shards}
+    spans, next_start = {}, {}
+    for unit in units:
+        shard = unit_shard(unit)
+        n = rows[shard] if unit == shard else spec.input_format.count(unit)
+        spans[unit] = UnitSpan(shard, next_start.get(shard, 0), n)
+        next_start[shard] = spans[unit].start + n
+    return spans
 
 
 @dataclass
@@ -104,11 +109,35 @@ class TrainBatches(IterableDataset):
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
 
-    def _unit_order(self) -> list[str]:
+    def _unit_order(self, epoch: int) -> list[str]:
         units = list(self.units)
         if self.shuffle:
-            random.Random(f"units-{self.seed}-{self.epoch}").shuffle(units)
+            random.Random(f"units-{self.seed}-{epoch}").shuffle(units)
         return units
+
+    def kept_pairs(self, spans: dict[str, UnitSpan]) -> dict[str, float]:
+        """The pairs each unit gives as far as is known before reading it: its rows less those the
+        plan's weight arrays drop or, where the arrays are not written yet, its rows times the plan's
+        share of kept pairs. Pairs found unusable only when read (a missing caption, an undecodable
+        image) are not known here."""
+        plan, rows = self.plan, sum(span.rows for span in spans.values())
+        share = plan.pairs / rows if plan.pairs is not None and rows else 1.0
+        kept = {}
+        for unit, span in spans.items():
+            path = os.path.join(plan.weights_dir, plan.shard_files[span.shard]) if plan.weights_dir else None
+            if path is not None and os.path.isfile(path):
+                weights = np.load(path, mmap_mode="r")[span.start:span.start + span.rows]
+                kept[unit] = float(np.count_nonzero(weights != DROPPED))
+            else:
+                kept[unit] = span.rows * share
+        return kept
+
+    def reader_pairs(self, epoch: int, kept: dict[str, float], workers: int, world: int) -> list[list[float]]:
+        """The pairs each (rank, DataLoader worker) reads in `epoch` (`kept`: per unit): the split
+        `__iter__` makes, webdataset's split_by_node then split_by_worker of the epoch's unit order."""
+        order, readers = self._unit_order(epoch), max(workers, 1)
+        return [[sum(kept[u] for u in order[rank::world][worker::readers]) for worker in range(readers)]
+                for rank in range(world)]
 
     def _weights_for(self, shard: str) -> np.ndarray | None:
         if self.plan.weights_dir is None:
@@ -162,7 +191,7 @@ class TrainBatches(IterableDataset):
 
     def __iter__(self):
         rank, _, worker, _ = wds.utils.pytorch_worker_info()
-        units = wds.split_by_worker(wds.split_by_node(self._unit_order()))
+        units = wds.split_by_worker(wds.split_by_node(self._unit_order(self.epoch)))
         stats = self._new_stats()
         pairs = self._pairs(iter(units), stats)
         if self.shuffle and self.shuffle_buffer > 1:

@@ -18,6 +18,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from pairclean.ops.worker_memory import steady_worker_memory
+from pairclean.config import COUNT, at_least, declare
 from pairclean.errors import UserError
 from pairclean.data.manifest import DatasetSpec, open_dataset
 from pairclean.data.reader import modalities
@@ -148,6 +149,7 @@ def load_trained(model: str | Path, arch: str | None = None, device: str = "auto
     return target
 
 
+@declare(batch_size=COUNT, workers=at_least(0))
 def evaluate_retrieval(model: str | Path, data: str | list[str] | DatasetSpec, arch: str | None = None,
                        pair: str | None = None, batch_size: int = 256, workers: int = 0,
                        device: str = "auto") -> dict:

@@ -37,7 +37,7 @@ from pairclean.errors import ConfigError, UserError
 from pairclean.ops import distributed
 from pairclean.ops.atomic import atomic_path
 from pairclean.ops.worker_memory import steady_worker_memory
-from pairclean.train.data import BatchPlan, ShardInfo, TrainBatches
+from pairclean.train.data import DROPPED, BatchPlan, ShardInfo, TrainBatches
 from pairclean.train.logs import DiagnosticsWriter
 from pairclean.train.methods.base import Embeddings
 
@@ -161,22 +161,27 @@ def write_pair_table(ctx, epoch: int, index: PairIndex, seen: np.ndarray, column
 
 
 class EpochWeights:
-    """Per-shard float32 weight arrays under RUN_DIR/method-weights that the data workers read
+    """Per-shard float32 weight arrays under RUN_DIR/method-weights[/NAME] that the data workers read
     (`data.DROPPED` = the pair is not read this epoch). Workers map a shard's array when they
     open the shard and every epoch starts new workers, so rewriting the arrays between epochs
-    changes what the next epoch reads: per-epoch selection without a second data path."""
+    changes what the next epoch reads: per-epoch selection without a second data path. A named
+    set selects the pairs of one loader (a method that loops over subsets keeps one per subset)."""
 
-    def __init__(self, ctx, index: PairIndex):
-        self.index, self.directory = index, Path(ctx.run_dir) / METHOD_WEIGHTS_DIR
+    def __init__(self, ctx, index: PairIndex, name: str = ""):
+        self.index, self.directory = index, Path(ctx.run_dir) / METHOD_WEIGHTS_DIR / name
         self.files = {shard: f"shard-{i:06d}.npy" for i, shard in enumerate(index.shards)}
 
-    def plan(self, pairs: int) -> BatchPlan:
+    def plan(self, pairs: int | None = None) -> BatchPlan:
         return BatchPlan(weights_dir=str(self.directory), shard_files=self.files, pairs=pairs)
+
+    def select(self, keep: np.ndarray) -> None:
+        """Read exactly the pairs where `keep` is true (weight 1)."""
+        self.write(np.where(keep, 1.0, DROPPED))
 
     def write(self, weights: np.ndarray) -> None:
         """Rank 0 writes every shard's array; the other ranks wait for it."""
         def write() -> None:
-            self.directory.mkdir(exist_ok=True)
+            self.directory.mkdir(parents=True, exist_ok=True)
             for shard, start, end in zip(self.index.shards, self.index.offsets[:-1], self.index.offsets[1:]):
                 with atomic_path(self.directory / self.files[shard]) as tmp, open(tmp, "wb") as fh:
                     np.save(fh, weights[start:end].astype(np.float32))
@@ -302,19 +307,30 @@ class Network:
 
 
 class NetworkBatches:
-    """A second network's own pass over the training data each epoch (its own shuffle seed), one
-    batch per trainer step; restarted when it runs out first. Under torchrun only full local
-    batches are used, as in the trainer."""
+    """A loader a method drives itself, one batch per call: a second network's pass over the training
+    data (its own shuffle seed), or, with `subset`, a pass over the pairs an `EpochWeights` selects
+    (SPS's quasi-clean and noisy sets, DiffNCL's weak set). With `cycle` a finished pass restarts;
+    without, `next()` returns None until `start()`. Under torchrun a rank's last, partial batch is
+    used too (these networks and steps need the same number of steps on every rank, not the same
+    batch size: a subset's share on a rank may be smaller than a batch); `next()` agrees across
+    ranks (None on every rank when one has none)."""
 
-    def __init__(self, ctx, preparer, seed: int):
+    def __init__(self, ctx, preparer, seed: int, subset: EpochWeights | None = None, cycle: bool = True):
         cfg = ctx.config
         self.full = cfg.batch_size // distributed.world_size()
-        self.dataset = TrainBatches(ctx.spec, preparer, self.full, seed, cfg.shuffle_buffer, BatchPlan())
+        plan = subset.plan() if subset is not None else BatchPlan()
+        self.dataset = TrainBatches(ctx.spec, preparer, self.full, seed, cfg.shuffle_buffer, plan)
         self.workers = min(cfg.workers, len(self.dataset.units))
-        self.seed, self.iterator = seed, None
+        self.seed, self.cycle, self.iterator, self.finished = seed, cycle, None, False
 
     def start(self, epoch: int) -> None:
         self.dataset.set_epoch(epoch)
+        self.iterator, self.finished = None, False
+
+    def close(self) -> None:
+        """Drop the pass under way, which shuts its DataLoader workers down (a method closes its loaders at
+        each epoch's end: a pass left open would keep its workers alive after the run, e.g. in a process
+        that trains several runs)."""
         self.iterator = None
 
     def _restart(self):
@@ -322,28 +338,36 @@ class NetworkBatches:
                             generator=torch.Generator().manual_seed(self.seed * 1000 + self.dataset.epoch))
         return iter(loader)
 
-    def next(self) -> dict:
-        for _ in range(2):  # the rest of the current pass, then one fresh pass
+    def _next_local(self) -> dict | None:
+        for _ in range(2 if self.cycle else 1):  # the rest of the current pass, then (cycling) one fresh pass
+            if self.finished:
+                return None
             if self.iterator is None:
                 self.iterator = self._restart()
             for batch in self.iterator:
-                n = len(batch["key"])
-                if n >= 2 and (n == self.full or not distributed.is_distributed()):
+                if len(batch["key"]) >= 2:
                     return batch
             self.iterator = None
-        raise UserError("the second network's pass over the training data has no batch of at least 2 usable pairs")
+            self.finished = not self.cycle
+        return None
+
+    def next(self) -> dict | None:
+        batch = self._next_local()
+        return batch if distributed.all_reduce_min(batch is not None) else None
 
 
 class Peer:
     """A second network co-trained beside the main one, with its own initialisation and data order
     (seed + PEER_SEED_OFFSET): SPS's and DiffNCL's second network, GSC's with networks=2. Built in
     the method's setup; its optimiser starts at the first epoch this process trains (the trainer's
-    schedule is known only then), from the saved state when the run is resumed."""
+    schedule is known only then), from the saved state when the run is resumed. `subset`: it reads
+    only the pairs an EpochWeights selects (a method that picks the pairs each network trains on)."""
 
-    def __init__(self, ctx):
+    def __init__(self, ctx, subset: EpochWeights | None = None):
         self.network = Network.fresh(ctx, PEER_SEED_OFFSET)
         self.target = self.network.target
-        self.batches = NetworkBatches(ctx, self.target.preparer, ctx.seed + PEER_SEED_OFFSET)
+        self.subset = subset
+        self.batches = NetworkBatches(ctx, self.target.preparer, ctx.seed + PEER_SEED_OFFSET, subset)
 
     def start_epoch(self, epoch: int, ctx, saved: dict | None) -> bool:
         """The optimiser at the first epoch (restored from `saved`), then this epoch's data order; True
@@ -356,8 +380,13 @@ class Peer:
         self.batches.start(epoch)
         return first
 
-    def next_batch(self) -> dict:
-        return self.batches.next()
+    def next_batch(self) -> dict | None:
+        """The peer's next batch; None (on every rank) when it reads a subset of which some rank has no
+        batch (the peer skips that step), an error when it reads every pair and has none."""
+        batch = self.batches.next()
+        if batch is None and self.subset is None:
+            raise UserError("the second network's pass over the training data has no batch of at least 2 usable pairs")
+        return batch
 
     def embed(self, ctx, batch: dict, across_ranks: bool = False) -> Embeddings:
         """The peer's embeddings of a batch; `across_ranks`: with every rank's rows as negatives (torchrun)."""
@@ -370,6 +399,9 @@ class Peer:
 
     def step(self, loss: torch.Tensor) -> None:
         self.network.step(loss)
+
+    def close(self) -> None:
+        self.batches.close()
 
     def state_dict(self) -> dict:
         return self.network.state_dict()

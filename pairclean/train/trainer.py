@@ -10,6 +10,7 @@ order depends only on seed and epoch) and the same RNG streams, so it ends with 
 from __future__ import annotations
 
 import math
+import os
 import random
 import shutil
 import time
@@ -20,22 +21,24 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
-from pairclean.ops.guard import check_output
-from pairclean.config import pinned_settings, unpinned
+from pairclean.ops.guard import Output, open_output
+from pairclean.config import (COUNT, SEED, SHARE, above, at_least, check_settings, pinned_settings, setting,
+                              unpinned)
 from pairclean.ops import distributed
+from pairclean.ops.notices import notice
 from pairclean.ops.progress import SILENT, Progress
 from pairclean.ops.worker_memory import steady_worker_memory
 from pairclean.ops.atomic import write_json
-from pairclean.config import check_choice, check_numbers, check_pretrained
+from pairclean.config import check_choice, check_pretrained
 from pairclean.errors import ConfigError, UserError
 from pairclean.backends import check_backend, load_target
 from pairclean.backends.base import PRECISIONS, autocast_context
 from pairclean.data.manifest import DatasetSpec, open_dataset
 from pairclean.train.retrieval import JointTarget, evaluate_target
 from pairclean.data.reader import modalities
-from pairclean.train.checkpoint import (BEST, RUN_FILE, STATE_FILE, epoch_model_name, load_state, model_path,
-                                        read_run, save_state, set_rng_state)
-from pairclean.train.data import TrainBatches, index_shards
+from pairclean.train.checkpoint import (BEST, RUN_FILE, STATE_FILE, epoch_model_name, is_training_run, load_state,
+                                        model_path, read_run, save_state, set_rng_state)
+from pairclean.train.data import TrainBatches, index_shards, unit_spans
 from pairclean.train.methods import Embeddings, MethodContext, build_method
 from pairclean.train.logs import DiagnosticsWriter, MetricsLog
 
@@ -48,22 +51,22 @@ class TrainConfig:
     backend: str = "auto"  # auto | open_clip | sentence-transformers
     device: str = unpinned("auto")
     precision: str = "fp32"  # fp32 | bf16 (autocast) | fp16 (CUDA, with a grad scaler)
-    epochs: int = 5
-    batch_size: int = 256
-    lr: float = 5e-6
-    weight_decay: float = 0.2
-    warmup_steps: int = 500
-    min_lr_ratio: float = 0.0  # the cosine ends at lr * min_lr_ratio
-    grad_clip: float | None = 1.0  # max gradient norm; None disables
-    temperature: float | None = None  # None: open_clip learns it, sentence-transformers uses 0.05
+    epochs: int = setting(5, COUNT)
+    batch_size: int = setting(256, at_least(2))  # in-batch negatives need two pairs
+    lr: float = setting(5e-6, above(0))
+    weight_decay: float = setting(0.2, at_least(0))
+    warmup_steps: int = setting(500, at_least(0))
+    min_lr_ratio: float = setting(0.0, SHARE)  # the cosine ends at lr * min_lr_ratio
+    grad_clip: float | None = setting(1.0, above(0))  # max gradient norm; None disables
+    temperature: float | None = setting(None, above(0))  # None: open_clip learns it, sentence-transformers uses 0.05
     method: str = "plain"
     method_options: dict = field(default_factory=dict)
-    workers: int = 2
-    shuffle_buffer: int = 1000
-    val_batch_size: int = unpinned(256)
-    log_every: int = 10
+    workers: int = setting(2, at_least(0))
+    shuffle_buffer: int = setting(1000, at_least(0))
+    val_batch_size: int = setting(256, COUNT, pinned=False)
+    log_every: int = setting(10, COUNT)
     diagnostics: bool = True
-    seed: int = 0
+    seed: int = setting(0, SEED)
     resume: bool = unpinned(False)
     overwrite: bool = unpinned(False)
     progress: Progress = unpinned(SILENT)
@@ -72,26 +75,9 @@ class TrainConfig:
         self.check()
 
     def check(self) -> None:
-        if self.epochs < 1:
-            raise ConfigError("epochs must be at least 1", "epochs")
-        if self.batch_size < 2:
-            raise ConfigError("batch_size must be at least 2 (in-batch negatives)", "batch_size")
-        check_numbers(self, finite=("lr", "weight_decay", "min_lr_ratio", "temperature", "grad_clip"),
-                      at_least={"seed": 0})
+        check_settings(self)
         check_pretrained(self.pretrained)
-        if self.temperature is not None and self.temperature <= 0:
-            raise ConfigError("temperature must be positive (or None)", "temperature")
-        if self.lr <= 0 or self.weight_decay < 0 or self.warmup_steps < 0:
-            raise ConfigError("lr must be positive, weight_decay and warmup_steps non-negative", "lr", "weight_decay",
-                              "warmup_steps")
-        if not 0 <= self.min_lr_ratio <= 1:
-            raise ConfigError("min_lr_ratio must be within [0, 1]", "min_lr_ratio")
-        if self.grad_clip is not None and self.grad_clip <= 0:
-            raise ConfigError("grad_clip must be positive (or None)", "grad_clip")
         check_choice(self.precision, PRECISIONS, "precision")
-        if self.log_every < 1 or self.workers < 0 or self.shuffle_buffer < 0:
-            raise ConfigError("log_every must be >= 1, workers and shuffle_buffer >= 0", "log_every", "workers",
-                              "shuffle_buffer")
 
 
 @dataclass
@@ -104,6 +90,38 @@ class TrainResult:
     last_model: Path
     resumed_from: int  # epochs already done when this call started
     seconds: float
+
+
+WARMUP_SHARE = 0.2  # the longest warm-up a run gets, as a share of its steps
+
+
+def bounded_warmup(warmup: int, total: int) -> int:
+    """The warm-up a run of `total` steps gets: `warmup`, but at most a fifth of the run (at least
+    one step where one was asked for), so that the peak lr is reached and most steps are near it."""
+    return min(warmup, max(1, int(total * WARMUP_SHARE)))
+
+
+def epoch_steps(reader_pairs: list[list[float]], local_batch: int, across_ranks: bool) -> int:
+    """The steps `_Loop._batches` takes from readers holding these pairs (`TrainBatches.reader_pairs`):
+    every reader's full batches and, in one process, its last partial one when it has 2 pairs or more
+    (a lone pair has no negatives); under torch.distributed only full batches, as many as the rank
+    with the fewest has."""
+    def batches(pairs: float) -> int:
+        n = round(pairs)
+        return n // local_batch + (not across_ranks and n % local_batch >= 2)
+
+    return min(sum(batches(pairs) for pairs in rank) for rank in reader_pairs)
+
+
+def warmup_notice(cfg: TrainConfig, total: int, warmup: int) -> str:
+    """Why the warm-up was shortened: the one the settings asked for would keep the run from learning."""
+    steps = f"{total:,} step{'s' if total != 1 else ''}"
+    if cfg.warmup_steps >= total:
+        why = f"is longer than this run ({steps}), so lr {cfg.lr:g} would never be reached"
+    else:
+        why = f"is more than a fifth of this run ({steps})"
+    return (f"warmup_steps {cfg.warmup_steps:,} {why}: warming up over {warmup:,} step{'s' if warmup != 1 else ''} "
+            "instead")
 
 
 def cosine_lr(step: int, warmup: int, total: int, min_ratio: float) -> float:
@@ -131,12 +149,14 @@ def _spec(data, pair: str | None) -> DatasetSpec:
 
 
 def _prepare_run_dir(out: Path, cfg: TrainConfig) -> bool:
-    """Create or check RUN_DIR; True when a saved state will be resumed."""
+    """Create or check RUN_DIR; True when a saved state will be resumed. Only a training run's
+    directory is ever removed (`overwrite`): a directory holding any other run.json (a scoring
+    run's parts) or other files is refused."""
+    if out.exists() and any(out.iterdir()) and not is_training_run(out):
+        raise UserError(f"{out} exists, is not empty and holds no pairclean training run: choose another run directory")
     if (out / STATE_FILE).is_file() and cfg.resume and not cfg.overwrite:
         return True
     if out.exists() and any(out.iterdir()):
-        if not (out / RUN_FILE).is_file():
-            raise UserError(f"{out} exists, is not empty and holds no pairclean run: choose another run directory")
         if not (cfg.overwrite or cfg.resume):
             raise ConfigError(f"{out} holds a run: set resume to continue it or overwrite to start over", "resume",
                               "overwrite")
@@ -152,12 +172,11 @@ def _settings(cfg: TrainConfig, spec: DatasetSpec, val: DatasetSpec | None) -> d
             "val_shards": val.shards if val else None}
 
 
-def train(source: str | list[str] | DatasetSpec, out: str | Path, config: TrainConfig | None = None,
+def train(source: str | list[str] | DatasetSpec, out: str | Path | Output, config: TrainConfig | None = None,
           val: str | list[str] | DatasetSpec | None = None, pair: str | None = None) -> TrainResult:
     """Train `config.model` on `source` into the run directory `out`; see the package docstring."""
     cfg = config or TrainConfig()
     cfg.check()
-    out = Path(out)
     distributed.init_from_env()
     world = distributed.world_size()
     if cfg.batch_size % world:
@@ -166,7 +185,9 @@ def train(source: str | list[str] | DatasetSpec, out: str | Path, config: TrainC
     spec = _spec(source, pair)
     val_spec = _spec(val, pair or spec.pair) if val is not None else None
     method = build_method(cfg.method, cfg.method_options)
-    check_output(out, [*spec.shards, *(val_spec.shards if val_spec else []), *method.input_files()])
+    pretrained = [cfg.pretrained] if cfg.pretrained and os.path.isfile(cfg.pretrained) else []
+    out = open_output(out, [*spec.shards, *(val_spec.shards if val_spec else []), *method.input_files(), *pretrained],
+                      "out", kind="directory", overwrite=None).path
     resuming = distributed.on_main(lambda: _prepare_run_dir(out, cfg))  # rank 0 owns the run directory
     settings = _settings(cfg, spec, val_spec)
     state = None
@@ -193,8 +214,18 @@ def train(source: str | list[str] | DatasetSpec, out: str | Path, config: TrainC
                         right=right_mod, config=cfg)
     plan = method.setup(ctx)  # before the saved weights are loaded: a frozen estimator copies the initial model
     pairs = plan.pairs if plan.pairs is not None else sum(s.rows for s in shards)
-    steps_per_epoch = max(math.ceil(pairs / cfg.batch_size), 1)
-    loop = _Loop(cfg, target, method, ctx, out, steps_per_epoch)
+    # Each rank reads its own shards (split_by_node) in batches of batch_size / world.
+    dataset = TrainBatches(spec, target.preparer, cfg.batch_size // world, cfg.seed, cfg.shuffle_buffer, plan)
+    workers = min(cfg.workers, len(dataset.units))
+    spans = unit_spans(spec, dataset.units, shards)
+
+    def steps_in(epoch: int, kept: dict) -> int:
+        return epoch_steps(dataset.reader_pairs(epoch, kept, workers, world), cfg.batch_size // world,
+                           distributed.is_distributed())
+
+    kept = dataset.kept_pairs(spans)
+    planned = [steps_in(epoch, kept) for epoch in range(1, cfg.epochs + 1)]
+    loop = _Loop(cfg, target, method, ctx, out, sum(planned))
     ctx.new_optimizer, ctx.current_step = loop.new_optimizer, lambda: loop.step
     if state is not None:
         loop.restore(state)
@@ -205,19 +236,20 @@ def train(source: str | list[str] | DatasetSpec, out: str | Path, config: TrainC
         write_json(out / RUN_FILE, {"settings": settings, "world_size": world, "target": target.describe(),
                                     "method": method.describe(), "extra_networks": sorted(method.extra_networks()),
                                     "train": {"shards": len(shards), "pairs": sum(s.rows for s in shards),
-                                              "pairs_trained_per_epoch": pairs, "steps_per_epoch": steps_per_epoch,
+                                              "pairs_trained_per_epoch": pairs, "steps_per_epoch": planned,
+                                              "schedule_steps": loop.total_steps, "warmup_steps": loop.warmup,
                                               "unreadable_shards": [f"{s.shard}: {s.failure}" for s in shards if s.failure]}})
-    # Each rank reads its own shards (split_by_node) in batches of batch_size / world.
-    dataset = TrainBatches(spec, target.preparer, cfg.batch_size // world, cfg.seed, cfg.shuffle_buffer, plan)
-    workers = min(cfg.workers, len(dataset.units))
     started = time.perf_counter()
     progress = cfg.progress if distributed.is_main() else SILENT
     for epoch in range(loop.done_epochs + 1, cfg.epochs + 1):
         dataset.set_epoch(epoch)
+        method.on_epoch_start(epoch, ctx)  # may rewrite the weight arrays this epoch reads (its bar counts them)
         loader = DataLoader(dataset, batch_size=None, num_workers=workers,
                             pin_memory=target.device.type == "cuda", worker_init_fn=steady_worker_memory,
                             generator=torch.Generator().manual_seed(cfg.seed * 1000 + epoch))
-        with progress.task(f"epoch {epoch}", total=steps_per_epoch, loss=0.0, lr=0.0, rate=0.0) as task:
+        chosen = method.epoch_pairs()  # a method that picks this epoch's pairs re-plans the schedule to them
+        steps = loop.replan(epoch, chosen) if chosen is not None else steps_in(epoch, dataset.kept_pairs(spans))
+        with progress.task(f"epoch {epoch}", total=steps, loss=0.0, lr=0.0, rate=0.0) as task:
             record = loop.run_epoch(epoch, loader, task)
         if val_spec is not None and distributed.is_main():
             val_metrics = evaluate_target(JointTarget([target, *method.extra_networks().values()]), val_spec,
@@ -246,9 +278,12 @@ class _Towers(torch.nn.Module):
 class _Loop:
     """The optimisation state of a run and what one epoch does with it."""
 
-    def __init__(self, cfg: TrainConfig, target, method, ctx: MethodContext, out: Path, steps_per_epoch: int):
+    def __init__(self, cfg: TrainConfig, target, method, ctx: MethodContext, out: Path, total_steps: int):
         self.cfg, self.target, self.method, self.ctx, self.out = cfg, target, method, ctx, out
-        self.total_steps = steps_per_epoch * cfg.epochs
+        self.total_steps = max(total_steps, 1)
+        self.warmup = bounded_warmup(cfg.warmup_steps, self.total_steps)
+        if self.warmup < cfg.warmup_steps and distributed.is_main():
+            notice(warmup_notice(cfg, self.total_steps, self.warmup), "warmup_steps", "lr")
         self.optimizer, self.scheduler = self.new_optimizer(target.module)
         self.scaler = torch.amp.GradScaler(target.device.type, enabled=cfg.precision == "fp16")
         self.metrics = MetricsLog(out / "metrics.jsonl")
@@ -263,13 +298,24 @@ class _Loop:
 
     def new_optimizer(self, module: torch.nn.Module, start_step: int = 0):
         """AdamW and the warm-up + cosine schedule of this run for `module`, the schedule at `start_step`."""
-        cfg, total = self.cfg, self.total_steps
+        cfg = self.cfg
         optimizer = torch.optim.AdamW(param_groups(module, cfg.weight_decay), lr=cfg.lr, betas=(0.9, 0.98), eps=1e-6)
-        scheduler = torch.optim.lr_scheduler.LambdaLR(
-            optimizer, lambda step: cosine_lr(step + start_step, cfg.warmup_steps, total, cfg.min_lr_ratio))
+        scheduler = torch.optim.lr_scheduler.LambdaLR(  # reads the schedule when it steps: a resume or a re-plan reaches it
+            optimizer, lambda step: cosine_lr(step + start_step, self.warmup, self.total_steps, cfg.min_lr_ratio))
         return optimizer, scheduler
 
+    def replan(self, epoch: int, pairs: int) -> int:
+        """The method trains `pairs` pairs this epoch (and, as far as anyone knows, in each later one): the
+        schedule's end moves so the cosine still ends with the run. Deterministic, so a resumed run re-plans alike. Returns the epoch's steps."""
+        steps = max(math.ceil(pairs / self.cfg.batch_size), 1)
+        self.total_steps = self.step + steps * (self.cfg.epochs - epoch + 1)
+        self.warmup = bounded_warmup(self.cfg.warmup_steps, self.total_steps)
+        return steps
+
     def restore(self, state: dict) -> None:
+        # The schedule the run started with (a method that rewrites its weight arrays changes the count since).
+        self.total_steps = state.get("total_steps", self.total_steps)
+        self.warmup = bounded_warmup(self.cfg.warmup_steps, self.total_steps)
         self.target.module.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
@@ -338,7 +384,6 @@ class _Loop:
     def run_epoch(self, epoch: int, loader, task) -> dict:
         """One pass over the training data; returns the epoch's metrics record so far."""
         cfg = self.cfg
-        self.method.on_epoch_start(epoch, self.ctx)
         if cfg.diagnostics:
             rank = f"-rank{distributed.rank()}" if distributed.is_distributed() else ""
             self.diag = DiagnosticsWriter(self.out / "diagnostics" / f"epoch-{epoch:03d}{rank}.parquet")
@@ -348,6 +393,7 @@ class _Loop:
         for batch in self._batches(loader, totals, failures):
             began = time.perf_counter()
             totals["data_s"] += began - ready
+            lr = self.optimizer.param_groups[0]["lr"]  # this step's (the schedule moves on after it)
             out = self._step(batch)
             loss, n = distributed.all_reduce_mean(float(out.loss.detach())), len(batch["key"])
             if not math.isfinite(loss):  # every rank sees the same mean: all stop, none saves a checkpoint
@@ -361,7 +407,6 @@ class _Loop:
             if self.diag is not None:
                 self.diag.add({"key": batch["key"], "shard": batch["shard"], "index": batch["index"].numpy(),
                                "epoch": [epoch] * n, **{k: v.float().cpu().numpy() for k, v in out.per_pair.items()}})
-            lr = self.optimizer.param_groups[0]["lr"]
             if self.step % cfg.log_every == 0 and distributed.is_main():
                 self.metrics.write({"event": "step", "epoch": epoch, "step": self.step, "loss": loss, "lr": lr,
                                     "logit_scale": float(self.target.logit_scale().detach()), **out.metrics})
@@ -370,8 +415,9 @@ class _Loop:
         if totals["steps"] == 0:
             if self.diag is not None:
                 self.diag.abort()
+            first = f"; first failure: {failures[0]}" if failures else ""
             raise UserError(f"epoch {epoch} had no batch of at least 2 usable pairs (errors: {totals['errors']}, "
-                            f"dropped: {totals['dropped']}, failed shards: {len(failures)})")
+                            f"dropped: {totals['dropped']}, failed shards: {len(failures)}){first}")
         seconds = time.perf_counter() - epoch_start
         record = {"event": "epoch", "epoch": epoch, "step": self.step,
                   "train_loss": totals["loss_sum"] / totals["pairs"], "pairs": totals["pairs"],
@@ -408,5 +454,6 @@ class _Loop:
         save_state(self.out, {"model": target.module.state_dict(), "optimizer": self.optimizer.state_dict(),
                               "scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict(),
                               "method": self.method.state_dict(), "epoch": epoch, "step": self.step,
+                              "total_steps": self.total_steps,
                               "best_rsum": self.best_rsum, "best_epoch": self.best_epoch, "history": self.history})
         self.done_epochs = epoch

@@ -34,7 +34,7 @@ from pairclean.ops.atomic import atomic_path
 from pairclean.config import check_choice
 from pairclean.errors import ConfigError, UserError
 from pairclean.data.manifest import DatasetSpec
-from pairclean.data.writer import staged_directory
+from pairclean.ops.atomic import atomic_directory
 from pairclean.scores.db import NUMERIC_TYPES, ScoresDB, compile_predicate
 from pairclean.scores.sql import duckdb_message
 from pairclean.train.data import DROPPED, ShardInfo, shard_keys
@@ -65,7 +65,7 @@ class _Scores:
     """`query.ScoresDB` (views, spill directory) plus the user's weight column and predicate, checked."""
 
     def __init__(self, path: str | Path, column: str | None, predicate: str | None,
-                 attach: dict[str, str] | None = None):
+                 attach: dict[str, list[str]] | None = None):
         self.db = ScoresDB(path, attach=attach)
         self.path, self.con = self.db.path, self.db.con
         try:
@@ -112,14 +112,14 @@ class _Scores:
 def build_weight_arrays(scores: str | Path, spec: DatasetSpec, shards: list[ShardInfo], run_dir: Path,
                         column: str | None = "weight_norm", predicate: str | None = None, join: str = "auto",
                         on_missing: str = "error", batch_rows: int = 65536,
-                        attach: dict[str, str] | None = None) -> WeightJoin:
+                        attach: dict[str, list[str]] | None = None) -> WeightJoin:
     """Write one weight array per training shard under RUN_DIR/weights and return the join summary."""
     check_choice(join, JOINS, "join")
     check_choice(on_missing, ON_MISSING, "on_missing")
     src = _Scores(scores, column, predicate, attach)
     con = src.con
     out = Path(run_dir) / WEIGHTS_DIR
-    with src.db, staged_directory(out, overwrite=True) as tmp:
+    with src.db, atomic_directory(out, overwrite=True) as tmp:
         keys_file = tmp / "train-keys.parquet"
         _write_train_keys(spec, shards, keys_file)
         con.register("train_keys", pads.dataset(keys_file))

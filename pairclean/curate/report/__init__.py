@@ -16,9 +16,11 @@ from pathlib import Path
 from pairclean.curate.report.media import fetch_media, media_spec
 from pairclean.curate.report.page import render_page
 from pairclean.curate.report.stats import gather
-from pairclean.errors import ConfigError, UserError
-from pairclean.ops.atomic import atomic_path
-from pairclean.ops.guard import check_output
+from pairclean.config import at_least, declare, within
+from pairclean.data.manifest import Fields
+from pairclean.errors import UserError
+from pairclean.ops.guard import open_output
+from pairclean.scores.contract import from_embeddings
 from pairclean.scores.db import ScoresDB
 
 MAX_BINS = 1000  # a histogram bar per bin: more is unreadable and grows the page without bound
@@ -33,26 +35,29 @@ class ReportResult:
     media_note: str | None
 
 
+@declare(gallery=at_least(0), contrast=at_least(0), thumb=within(1, 4096), bins=within(2, MAX_BINS),
+         max_shard_rows=at_least(0))
 def build_report(scores: str | Path, out: str | Path, shards: list[str] | None = None,
                  truth: str | Path | None = None, gallery: int = 24, contrast: int = 8, thumb: int = 224,
-                 bins: int = 60, max_shard_rows: int = 40, title: str | None = None) -> ReportResult:
-    """Write the HTML report for a scores file; thumbnails come from `shards` (or the scored paths)."""
-    scores, out = Path(scores), Path(out)
-    check_output(out, [scores, truth, *(shards or [])])
-    if gallery < 0 or contrast < 0:
-        raise ConfigError("gallery and contrast must not be negative", "gallery", "contrast")
-    if not 2 <= bins <= MAX_BINS:
-        raise ConfigError(f"bins must be within [2, {MAX_BINS}], got {bins}", "bins")
+                 bins: int = 60, max_shard_rows: int = 40, title: str | None = None, fields: Fields | None = None,
+                 overwrite: bool = False, **dataset_options) -> ReportResult:
+    """Write the HTML report for a scores file; thumbnails come from `shards`, else the dataset the
+    scores recorded (`fields` and `dataset_options`: format, split, image_root, pair override how it is read)."""
+    scores = Path(scores)
+    target = open_output(out, [scores, truth, *(shards or [])], overwrite=overwrite)
+    out = target.path
     with ScoresDB(scores, truth=truth) as db:
         prov = db.provenance
         if prov is None:
             raise UserError(f"{scores} has no pairclean provenance (not written by pairclean score?)")
         stats = gather(db, prov, truth is not None, bins, gallery, contrast)
-    spec, media_note = media_spec(shards, prov)
-    media = fetch_media(spec, stats.lowest + stats.highest, thumb) if spec is not None else {}
+        spec, media_note = media_spec(prov, shards, fields, **dataset_options)
+        if spec is not None and from_embeddings(prov):
+            db.check_unique_keys()
+    media = fetch_media(spec, stats.lowest + stats.highest, thumb, from_embeddings(prov)) if spec is not None else {}
     page = render_page(scores, prov, stats, media, media_note, title or f"pairclean report · {scores.name}",
                        max_shard_rows)
-    with atomic_path(out) as tmp:
+    with target.write() as tmp:
         tmp.write_text(page, encoding="utf-8")
     return ReportResult(out=out, pairs=stats.summary["pairs"], gallery_pairs=len(stats.lowest) + len(stats.highest),
                         thumbnails=sum(1 for m in media.values() for src in m.images if src), media_note=media_note)

@@ -1,5 +1,11 @@
 """The gallery's media: thumbnails and texts of the pairs it shows, read from the shards themselves
-through the dataset reader (`data.reader.read_unit`), only the units that hold a gallery pair."""
+through the dataset reader (`data.reader.read_unit`), only the units that hold a gallery pair.
+
+The dataset is the one the scores file recorded (`scores.contract.scored_pairs`), opened again with
+its format and field mapping, or the shards a user gives (read with the recorded mapping where they
+are the recorded format). Rows are found by (shard, index); scores whose rows are not the
+dataset's (made from precomputed embeddings) find their pairs by key, which must then be unique.
+"""
 
 from __future__ import annotations
 
@@ -9,9 +15,10 @@ import os
 from dataclasses import dataclass, field, replace
 
 from pairclean.data.decode import DecodeError, decode_image
-from pairclean.data.manifest import DatasetSpec, open_dataset
+from pairclean.data.manifest import DatasetSpec, Fields, open_dataset, reopen_dataset
 from pairclean.data.reader import RawPair, count_pairs, list_units, read_unit
 from pairclean.errors import UserError
+from pairclean.scores.contract import from_embeddings, scored_pairs
 from pairclean.scores.db import match_shards
 
 
@@ -33,19 +40,28 @@ def thumbnail_uri(data: bytes, size: int) -> str:
     return "data:image/jpeg;base64," + base64.b64encode(buf.getvalue()).decode()
 
 
-def media_spec(shards: list[str] | None, provenance: dict) -> tuple[DatasetSpec | None, str | None]:
-    """The dataset to take thumbnails from: `shards`, else the shards named in the provenance."""
-    pair = provenance.get("pair")
+def media_spec(provenance: dict, shards: list[str] | None = None, fields: Fields | None = None,
+               **options) -> tuple[DatasetSpec | None, str | None]:
+    """The dataset to take thumbnails from: `shards` (read with the recorded mapping where they are
+    the recorded format), else the dataset the scores recorded; `fields` and `options` (format,
+    split, image_root, pair ...) override. (None, why) when there is none to open."""
+    record = scored_pairs(provenance)
+    options["pair"] = options.get("pair") or provenance.get("pair")
     if shards:
-        return open_dataset(shards, pair=pair), None
-    recorded = provenance.get("input_shards") or []
+        return reopen_dataset(record or {}, shards, fields, **options), None
+    if record is not None:
+        try:
+            return reopen_dataset(record, fields=fields, **options), None
+        except UserError as exc:
+            return None, f"pass `shards` to see the pairs: the scored dataset cannot be opened ({exc})"
+    if from_embeddings(provenance):
+        return None, ("pass `shards` to see the pairs: these scores were made from precomputed embeddings "
+                      "that do not say where their pairs are (they are found by key)")
+    recorded = provenance.get("input_shards") or []  # a scores file from before datasets were recorded
     present = [s for s in recorded if os.path.exists(s)]
     if not recorded or len(present) < len(recorded):
         return None, "pass `shards` to see the pairs: the scored shards are not where the scores say"
-    try:
-        return open_dataset(present, pair=pair), None
-    except UserError as exc:  # e.g. scored from precomputed embeddings: the inputs hold no pairs to show
-        return None, f"pass `shards` to see the pairs: the scored inputs are not a dataset of pairs ({exc})"
+    return open_dataset(present, pair=options["pair"]), None
 
 
 def _units_for(spec: DatasetSpec, path: str, indices: set[int]) -> dict[str, set[int]]:
@@ -72,7 +88,7 @@ def _read_pairs(spec: DatasetSpec, wanted: dict[str, set[int]]) -> dict[tuple[st
         for unit, needed in _units_for(spec, path, indices).items():
             left = set(needed)
             for item in read_unit(spec, unit):
-                if isinstance(item, RawPair) and item.index in left:
+                if isinstance(item, RawPair) and item.shard == path and item.index in left:
                     found[(path, item.index)] = item
                     left.discard(item.index)
                     if not left:
@@ -87,25 +103,46 @@ def _thumb(data, size: int) -> str | None:
         return None
 
 
-def fetch_media(spec: DatasetSpec, rows: list[dict], thumb: int) -> dict[tuple[str, int], Media]:
-    """Thumbnails and texts for gallery rows (keyed by the scored (shard, index))."""
-    mapping = {scored: given for given, scored in match_shards(spec.shards, sorted({r["shard"] for r in rows})).items()
-               if scored is not None}
+def locate_keys(spec: DatasetSpec, keys: set[str]) -> dict[str, tuple[str, int]]:
+    """Where each key is in the dataset: key -> (shard, index), from the format's key listing of
+    every shard. A wanted key found twice is refused: a pair matched by key must be one pair."""
+    found: dict[str, tuple[str, int]] = {}
+    fmt = spec.input_format
+    for shard in dict.fromkeys(spec.shards):
+        for index, key in enumerate(fmt.keys(shard)):
+            if key in keys:
+                if key in found:
+                    raise UserError(f"key {key!r} is {found[key][0]}#{found[key][1]} and {shard}#{index} in the dataset: "
+                                    "these scores find their pairs by key, and keys must then be unique")
+                found[key] = (shard, index)
+    return found
+
+
+def fetch_media(spec: DatasetSpec, rows: list[dict], thumb: int, by_key: bool = False) -> dict[tuple[str, int], Media]:
+    """Thumbnails and texts for gallery rows (keyed by the scored (shard, index)). `by_key`: the
+    scores' rows are not the dataset's (precomputed embeddings), so each is found by its key."""
+    if by_key or not any(match_shards(spec.shards, sorted({r["shard"] for r in rows})).values()):
+        located = locate_keys(spec, {r["key"] for r in rows})
+        place = {(r["shard"], int(r["index"])): located.get(r["key"]) for r in rows}
+    else:
+        mapping = {scored: given for given, scored in
+                   match_shards(spec.shards, sorted({r["shard"] for r in rows})).items() if scored is not None}
+        place = {(r["shard"], int(r["index"])): (mapping[r["shard"]], int(r["index"])) if r["shard"] in mapping
+                 else None for r in rows}
     wanted: dict[str, set[int]] = {}
-    for r in rows:
-        if r["shard"] in mapping:
-            wanted.setdefault(mapping[r["shard"]], set()).add(int(r["index"]))
+    for where in place.values():
+        if where is not None:
+            wanted.setdefault(where[0], set()).add(where[1])
     pairs = _read_pairs(spec, wanted)
     # Text-text pairs often come from image datasets: show the sample's image as context.
     context = {}
     if spec.pair == "text-text":
-        context = _read_pairs(DatasetSpec(format=spec.format, shards=spec.shards, pair="image-text",
-                                          fields=spec.fields), wanted)
+        context = _read_pairs(replace(spec, pair="image-text"), wanted)
     media = {}
     for r in rows:
         key = (r["shard"], int(r["index"]))
-        path = mapping.get(r["shard"])
-        pair = pairs.get((path, key[1])) if path else None
+        where = place[key]
+        pair = pairs.get(where) if where else None
         if pair is None:
             media[key] = Media(note="not found in the given shards")
             continue
@@ -115,7 +152,7 @@ def fetch_media(spec: DatasetSpec, rows: list[dict], thumb: int) -> dict[tuple[s
                 m.images.append(_thumb(side, thumb))
             elif isinstance(side, str):
                 m.texts.append(side)
-        ctx = context.get((path, key[1]))
+        ctx = context.get(where)
         if ctx is not None and isinstance(ctx.left, bytes):
             m.images.insert(0, _thumb(ctx.left, thumb))
         media[key] = m

@@ -20,8 +20,11 @@ from pairclean import __version__
 from pairclean.ops.atomic import atomic_path, write_json
 from pairclean.ops.progress import SILENT, Progress
 from pairclean.ops.cache import cache_dir as pairclean_cache_dir
+from pairclean.ops.guard import open_output
+from pairclean.config import COUNT, SEED, above, at_least, check_settings, declare, setting
 from pairclean.errors import ConfigError
 from pairclean.backends.open_clip import CONFIG_DIR
+from pairclean.lab.numerics import cpu_numerics, torch_threads
 from pairclean.lab.synth.world import WORLD_VERSION, build_world
 
 TOY_MODEL = "pairclean-toy"
@@ -33,25 +36,31 @@ RECORD = "estimator.json"
 class EstimatorRecipe:
     """Everything that decides the trained weights (the training split is rebuilt from it)."""
 
-    pairs: int = 8000  # clean training pairs
-    world_seed: int = 1  # the training split; the demo evaluates on the world of seed 0
-    epochs: int = 6
-    batch_size: int = 256
-    lr: float = 3e-3
-    weight_decay: float = 0.1
-    warmup_steps: int = 30
-    temperature: float | None = 0.02  # fixed, CLIP-like sharpness; None: learned from 0.07 (ends near 0.06)
-    seed: int = 0
+    pairs: int = setting(8000, COUNT)  # clean training pairs
+    world_seed: int = setting(1, SEED)  # the training split; the demo evaluates on the world of seed 0
+    epochs: int = setting(6, COUNT)
+    batch_size: int = setting(256, at_least(2))
+    lr: float = setting(3e-3, above(0))
+    weight_decay: float = setting(0.1, at_least(0))
+    warmup_steps: int = setting(30, at_least(0))
+    temperature: float | None = setting(0.02, above(0))  # fixed, CLIP-like sharpness; None: learned from 0.07 (ends near 0.06)
+    seed: int = setting(0, SEED)
+    threads: int = setting(2, at_least(1))  # torch's intra-op threads while training: their number changes the weights (lab/numerics.py)
+
+    def __post_init__(self):
+        check_settings(self)
 
     def check(self) -> None:
+        """What concerns several fields: the training split fills at least one batch."""
         if self.pairs < self.batch_size:
             raise ConfigError(f"pairs ({self.pairs}) must be at least batch_size ({self.batch_size})", "pairs", "batch_size")
 
     def cache_key(self) -> str:
-        """Recipe + model config + world version + pairclean version: a change to any retrains."""
+        """Recipe + model config + world version + pairclean version + this process's CPU arithmetic
+        (`numerics.cpu_numerics`): a change to any retrains."""
         config = (CONFIG_DIR / f"{TOY_MODEL}.json").read_text()
-        blob = json.dumps({"recipe": asdict(self), "config": config, "world": WORLD_VERSION, "pairclean": __version__},
-                          sort_keys=True)
+        blob = json.dumps({"recipe": asdict(self), "config": config, "world": WORLD_VERSION, "pairclean": __version__,
+                           "cpu": cpu_numerics()}, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
@@ -61,6 +70,7 @@ def cached_checkpoint(recipe: EstimatorRecipe, cache_dir: Path | None = None) ->
     return path if path.is_file() else None
 
 
+@declare(workers=at_least(0))
 def train_estimator(out: Path, recipe: EstimatorRecipe | None = None, world: Path | None = None, workers: int = 1,
                     device: str = "auto", overwrite: bool = False, progress: Progress = SILENT,
                     cache_dir: Path | None = None) -> Path:
@@ -71,10 +81,8 @@ def train_estimator(out: Path, recipe: EstimatorRecipe | None = None, world: Pat
 
     recipe = recipe or EstimatorRecipe()
     recipe.check()
-    out = Path(out)
-    if out.exists() and any(out.iterdir()) and not overwrite:
-        raise ConfigError(f"{out} exists and is not empty; pass `overwrite` to replace it", "overwrite")
-    out.mkdir(parents=True, exist_ok=True)
+    out = open_output(out, [world], "out", kind="directory", overwrite=overwrite).path  # filled piece by piece
+    out.mkdir(exist_ok=True)
     started = time.perf_counter()
     if world is None:
         world = out / "world"
@@ -88,12 +96,14 @@ def train_estimator(out: Path, recipe: EstimatorRecipe | None = None, world: Pat
                          workers=workers, diagnostics=False, overwrite=True, progress=progress)
     progress.note(f"training {TOY_MODEL} for {recipe.epochs} epochs (batch {recipe.batch_size}) -> {out / 'run'}")
     manifest = world / "manifest.yaml"
-    result = train(str(manifest) if manifest.is_file() else str(world), out / "run", config)
+    with torch_threads(recipe.threads):
+        result = train(str(manifest) if manifest.is_file() else str(world), out / "run", config)
     checkpoint = out / CHECKPOINT
     with atomic_path(checkpoint) as tmp:
         shutil.copyfile(result.last_model, tmp)
     record = {"model": TOY_MODEL, "checkpoint": str(checkpoint), "recipe": asdict(recipe),
-              "training_world": str(world), "cache_key": recipe.cache_key(), "world_seconds": world_seconds,
+              "training_world": str(world), "cache_key": recipe.cache_key(), "cpu": cpu_numerics(),
+              "world_seconds": world_seconds,
               "train_seconds": result.seconds, "epochs": [{k: e.get(k) for k in ("epoch", "train_loss", "seconds")}
                                                            for e in result.epochs],
               "score_with": f"pairclean score DATA --model {TOY_MODEL} --pretrained {checkpoint}"}

@@ -24,9 +24,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from PIL import Image, ImageDraw
 
+from pairclean.config import COUNT, SEED, at_least, declare
 from pairclean.errors import ConfigError
 from pairclean.data.manifest import DatasetSpec, Fields, write_manifest
-from pairclean.data.writer import staged_directory, write_shards
+from pairclean.data.writer import write_shards
+from pairclean.ops.guard import open_output
 
 WORLD_VERSION = 1  # bump when rendering or captions change: cached estimators are then retrained
 IMAGE_SIZE = 64
@@ -207,25 +209,23 @@ def write_other_captions(path: Path, seed: int, scenes: int, n: int, batch: int 
             writer.write_table(pa.table({"key": keys, "caption": captions}, schema=schema))
 
 
+@declare(pairs=COUNT, seed=SEED, shard_size=COUNT, captions_per_scene=COUNT, other_captions=at_least(0))
 def build_world(out: Path, pairs: int, seed: int = 0, shard_size: int = 1000, overwrite: bool = False,
                 captions_per_scene: int = 1, other_captions: int = 0) -> DatasetSpec:
     """Write `pairs` toy-world samples (pairs / captions_per_scene scenes) as WebDataset shards
     plus manifest.yaml into `out`; with `other_captions` N (one-caption worlds), also N other
     wordings of every caption in `out/captions/other-captions.parquet`."""
-    if pairs < 1:
-        raise ConfigError("pairs must be at least 1", "pairs")
-    if shard_size < 1:
-        raise ConfigError("shard_size must be at least 1", "shard_size")
-    if captions_per_scene < 1 or pairs % captions_per_scene:
+    if pairs % captions_per_scene:
         raise ConfigError(f"pairs ({pairs}) must be a multiple of captions_per_scene ({captions_per_scene})",
                           "pairs", "captions_per_scene")
-    if other_captions < 0 or (other_captions and captions_per_scene > 1):
-        raise ConfigError("other_captions (other wordings written beside a one-caption world) must be at least 0, "
-                          "and 0 when captions_per_scene is above 1", "other_captions", "captions_per_scene")
-    out = Path(out)
+    if other_captions and captions_per_scene > 1:
+        raise ConfigError("other_captions (other wordings written beside a one-caption world) must be 0 when "
+                          "captions_per_scene is above 1", "other_captions", "captions_per_scene")
+    target = open_output(out, (), "out", kind="directory", overwrite=overwrite)
+    out = target.path
     scenes = pairs // captions_per_scene
     name = f"toy-world-seed{seed}" + (f"-{captions_per_scene}-captions" if captions_per_scene > 1 else "")
-    with staged_directory(out, overwrite) as tmp:
+    with target.stage() as tmp:
         write_shards((s for i in range(scenes) for s in samples(seed, i, captions_per_scene)), tmp, prefix="toy",
                      maxcount=shard_size)
         spec = DatasetSpec(format="webdataset", shards=[str(out / p.name) for p in sorted(tmp.glob("toy-*.tar"))],

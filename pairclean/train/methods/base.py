@@ -13,6 +13,8 @@ its `scores` option and picks it when no method is named). The trainer calls:
     state_dict() / load_state_dict() what a resumed run must restore
     extra_networks()                 a second network that is part of the result (GSC's peer)
     input_files()                    files the method reads, which the run directory must not overwrite
+    epoch_pairs()                    pairs chosen for this epoch (the LR schedule is re-planned), or None
+    schedule(epochs)                 its warm-up and phases for a run of that length (help shows it)
 
 The default `loss` is the weighted symmetric InfoNCE with `batch_weights(batch, ctx)` (None =
 plain). Each method lives in its own module of this package (plain, osa_weights, filter,
@@ -22,15 +24,17 @@ osa_online, sdd, gsc, sps, diffncl); importing the package registers them all.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, ClassVar
 
 import torch
 
-from pairclean.config import check_choice
+from pairclean.config import check_choice, check_value, declarations, parse_value
 from pairclean.data.manifest import DatasetSpec
 from pairclean.errors import ConfigError, UserError
+from pairclean.ops.notices import notice
 from pairclean.train.data import BatchPlan, ShardInfo
 from pairclean.train.loss import weighted_infonce
 
@@ -117,6 +121,16 @@ class Method:
     def on_epoch_start(self, epoch: int, ctx: MethodContext) -> None:
         """Nothing to do between epochs for a fixed weighting."""
 
+    def epoch_pairs(self) -> int | None:
+        """After on_epoch_start: the pairs this epoch trains on when the method chose them for the epoch
+        (the LR schedule is re-planned so it still ends with the run); None: as planned at setup."""
+        return None
+
+    def schedule(self, epochs: int) -> dict:
+        """The method's epoch schedule (warm-up, phases) for a run of `epochs` epochs, as it will run;
+        empty for a method without one. Shown by `pairclean train --method-option help`."""
+        return {}
+
     def batch_weights(self, batch: dict, ctx: MethodContext) -> tuple[torch.Tensor | None, dict]:
         """(per-pair loss weights or None for unweighted, extra per-pair diagnostics columns)."""
         return None, {}
@@ -184,8 +198,9 @@ def _coerce(value: Any, annotation: str, name: str):
 
 
 def build_method(name: str, options: dict | None = None) -> Method:
-    """The registered method `name` with its options (strings are converted to the declared types;
-    each Options checks its values)."""
+    """The registered method `name` with its options: numbers are parsed and checked against their
+    declarations (`config.setting` on each Options field), other strings converted to the field's
+    type; each Options checks what concerns several fields at once."""
     check_choice(name, sorted(METHODS), "method")
     cls = METHODS[name]
     fields = {f.name: f for f in dataclasses.fields(cls.Options)}
@@ -194,9 +209,38 @@ def build_method(name: str, options: dict | None = None) -> Method:
     if unknown:
         known = ", ".join(fields) or "none"
         raise UserError(f"method {name} has no option(s) {', '.join(unknown)} (its options: {known})")
-    values = {k: _coerce(v, str(fields[k].type), k) for k, v in options.items()}
+    declared = declarations(cls.Options)  # numbers: their declared type and bounds, checked here for every method
+    values = {k: (parse_value(v, declared[k], k) if isinstance(v, str) else
+                  check_value(v, declared[k].kind, declared[k].bounds, k, declared[k].optional))
+              if k in declared else _coerce(v, str(fields[k].type), k) for k, v in options.items()}
     try:
         opts = cls.Options(**values)
     except TypeError as exc:
         raise UserError(f"method {name}: {exc}") from None
     return cls(opts)
+
+
+def every_parameter(emb: Embeddings) -> torch.Tensor:
+    """0, with every trained parameter in its graph (both towers, a learned logit scale): a step whose loss
+    leaves some out (too few rows of a kind, a loss at the method's own temperature) still gives each a
+    gradient, as DistributedDataParallel needs."""
+    scale = emb.logit_scale if isinstance(emb.logit_scale, torch.Tensor) else 0.0
+    return 0.0 * (emb.left.sum() + emb.right.sum() + scale)
+
+
+def scaled_epoch(epochs: int, paper_epoch: int, paper_epochs: int) -> int:
+    """An epoch count of a paper's schedule (`paper_epoch` of its `paper_epochs`) in a run of `epochs`,
+    in the same proportion, rounded: the papers train 30-60 epochs from scratch, a fine-tune a few."""
+    return int(math.floor(epochs * paper_epoch / paper_epochs + 0.5))
+
+
+def too_short(name: str, schedule: dict, epochs: int, phases: dict) -> None:
+    """A notice when a run of `epochs` ends before the method's training starts, or before some phase does."""
+    warmup = schedule["warmup_epochs"]
+    if warmup >= epochs:
+        notice(f"{name}: warmup_epochs={warmup} covers the whole {epochs}-epoch run, so it trains as plain; set "
+               f"warmup_epochs below epochs")
+        return
+    late = [f"{option}={schedule[option]} ({what})" for option, what in phases.items() if schedule[option] > epochs]
+    if late:
+        notice(f"{name}: the {epochs}-epoch run ends before {', '.join(late)} starts")

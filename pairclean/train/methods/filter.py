@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from pairclean.errors import ConfigError
-from pairclean.train.methods.base import Shortcut, register_method
-from pairclean.train.methods.scored import SCORES_SHORTCUTS, ScoredMethod, ScoresOptions, needs_scores
+from pairclean.train.methods.base import register_method
+from pairclean.train.methods.scored import FILTER_SHORTCUT, SCORES_SHORTCUTS, ScoredMethod, ScoresOptions, needs_scores
 
 
 @dataclass
@@ -25,6 +25,5 @@ class Filter(ScoredMethod):
 
     name = "filter"
     Options = FilterOptions
-    shortcuts = (Shortcut("--filter", "filter", "DuckDB predicate over the scores; pairs where it is not true are "
-                                                "dropped (method filter, or with --weights).", selects=1),
+    shortcuts = (replace(FILTER_SHORTCUT, selects=1),
                  *SCORES_SHORTCUTS)

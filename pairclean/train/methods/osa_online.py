@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from pairclean.backends import build_estimator, resolve_backend
-from pairclean.config import check_choice
+from pairclean.config import COUNT, FINITE, check_choice, setting
 from pairclean.core.beta import check_beta_mode, random_input_beta, resolve_beta
 from pairclean.core.scorer import WEIGHT_FUNCTIONS, cone_weight, debias, normalised_weight
 from pairclean.train.data import BatchPlan
@@ -26,8 +26,8 @@ class OsaOnlineOptions:
     weight_fn: str = "cubic"
     normalise: bool = True  # weight_norm, as the offline default column
     beta_mode: str = "random-inputs"  # or fixed
-    beta: float | None = None
-    beta_k: int = 1024
+    beta: float | None = setting(None, FINITE)
+    beta_k: int = setting(1024, COUNT)
     reduction: str = "mean"
 
     def __post_init__(self):

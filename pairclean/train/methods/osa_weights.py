@@ -9,7 +9,7 @@ import torch
 from pairclean.config import check_choice
 from pairclean.train.loss import REDUCTIONS
 from pairclean.train.methods.base import MethodContext, Shortcut, register_method
-from pairclean.train.methods.scored import SCORES_SHORTCUTS, ScoredMethod, ScoresOptions, needs_scores
+from pairclean.train.methods.scored import FILTER_SHORTCUT, SCORES_SHORTCUTS, ScoredMethod, ScoresOptions, needs_scores
 
 REDUCTION_SHORTCUT = Shortcut("--reduction", "reduction",
                               "Weighted loss: mean (sum w*l / B, the paper) or weight-sum (sum w*l / sum w).")
@@ -36,8 +36,7 @@ class OsaWeights(ScoredMethod):
                                                  "(method osa-weights).", selects=2),
                  Shortcut("--weight-column", "column", "Column of the scores used as weight (default weight_norm, "
                                                        "the OSA weight in [0, 1])."),
-                 Shortcut("--filter", "filter", "DuckDB predicate over the scores; pairs where it is not true are "
-                                                "dropped (method filter, or with --weights)."),
+                 FILTER_SHORTCUT,
                  *SCORES_SHORTCUTS, REDUCTION_SHORTCUT)
 
     @property

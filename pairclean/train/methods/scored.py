@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pairclean.config import check_choice
 from pairclean.errors import ConfigError
 from pairclean.ops import distributed
+from pairclean.scores.contract import columns_phrase
 from pairclean.scores.db import parse_attachments
 from pairclean.train.data import BatchPlan
 from pairclean.train.methods.base import Method, MethodContext, Shortcut
@@ -27,8 +28,8 @@ class ScoresOptions:
         check_choice(self.on_missing, ON_MISSING, "on_missing")
         self.attachments()  # a malformed NAME=FILE fails with the other settings
 
-    def attachments(self) -> dict[str, str]:
-        """{NAME: FILE} of `attach`."""
+    def attachments(self) -> dict[str, list[str]]:
+        """{NAME: files} of `attach` (NAME=FILE, a glob naming several Parquet files)."""
         return parse_attachments([self.attach] if self.attach else [])
 
 
@@ -37,6 +38,11 @@ def needs_scores(method: str, options: ScoresOptions) -> None:
         raise ConfigError(f"method {method} needs a scores file: set scores FILE (the Parquet `pairclean score` "
                           "wrote)", "scores")
 
+
+# Declared by filter (which it selects) and osa-weights; its help names the columns the predicate can use.
+FILTER_SHORTCUT = Shortcut("--filter", "filter", "DuckDB predicate over the scores columns (" + columns_phrase()
+                           + "; `pairclean query SCORES --columns` lists a file's); pairs where it is not true are "
+                             "dropped (method filter, or with --weights).")
 
 SCORES_SHORTCUTS = (
     Shortcut("--scores", "scores", "Scores Parquet the weights or the --filter predicate are read from."),
@@ -57,7 +63,7 @@ class ScoredMethod(Method):
         self.join = None
 
     def input_files(self) -> list[str]:
-        return [self.options.scores, *self.options.attachments().values()]
+        return [self.options.scores, *(f for files in self.options.attachments().values() for f in files)]
 
     def setup(self, ctx: MethodContext) -> BatchPlan:
         """The weight arrays, built once by rank 0 under torch.distributed (RUN_DIR is shared) and

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from pairclean.core.mixture import clean_posterior
+from pairclean.config import COUNT, above, setting, within
 from pairclean.errors import ConfigError
 from pairclean.ops import distributed
 from pairclean.train.data import DROPPED, BatchPlan
@@ -81,17 +82,15 @@ def bank_losses(target, scale, entries_image: tuple, entries_text: tuple, left_m
 
 @dataclass
 class SddOptions:
-    alpha: float = 20.0  # self-drop: pairs with 100 * cos <= alpha are left out of the epoch
-    beta: float = 30.0  # memory bank: clean pairs are those with 100 * cos > beta under the initial model
-    eps: float = 1e-8  # in the denominators of c
-    chunk: int = 1024  # queries per block of the nearest-neighbour search
+    alpha: float = setting(20.0, within(-100, 100))  # self-drop: pairs with 100 * cos <= alpha are left out of the epoch
+    beta: float = setting(30.0, within(-100, 100))  # memory bank: clean pairs have 100 * cos > beta under the initial model
+    eps: float = setting(1e-8, above(0))  # in the denominators of c
+    chunk: int = setting(1024, COUNT)  # queries per block of the nearest-neighbour search
 
     def __post_init__(self):
         if self.beta < self.alpha:
             raise ConfigError(f"sdd: beta ({self.beta}) must be at least alpha ({self.alpha}): the memory bank holds "
                               "clean pairs", "beta", "alpha")
-        if self.chunk < 1 or self.eps <= 0:
-            raise ConfigError("sdd: chunk must be >= 1 and eps > 0", "chunk", "eps")
 
 
 @register_method

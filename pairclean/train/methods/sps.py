@@ -1,17 +1,22 @@
 """SPS, seeking proxy points in a stable feature space (seeds/sps-proxy-point-stable-feature-space.txt;
-training-methods.md), on a dual encoder.
+training-methods.md; the authors' code, C-TeaRanger/SPS [C]), on a dual encoder.
 
 Two co-trained networks: the main one (trained by the trainer) and a peer with its own data order.
 After `warmup_epochs` of plain InfoNCE on everything, each epoch starts with a no-grad pass per
 network: per-pair InfoNCE loss, min-max normalised, 2-component GMM, p = posterior of the low-loss
 component, and the three-way partition reliable (p > eps1) / quasi-clean / noisy (p <= eps2). Each
 network trains on its PEER's partition and p, three optimiser steps per iteration [C]:
-1. reliable rows: InfoNCE + lambda_cro * L_cro + lambda_met * L_met (the stable-space constraints);
-2. quasi-clean rows (from epoch e_qc): y_qc * InfoNCE, y_qc = p + (1 - p) * y_hat;
-3. noisy rows (from epoch e_n): the caption is replaced by the proxy, the caption of the reliable
-   pair of the batch whose image is nearest; loss y_p * InfoNCE with the proxy label y_p.
-The sub-batches are rows of the network's own batch, with that rank's rows as negatives.
-Evaluation averages both networks' similarities.
+1. a batch of reliable pairs: InfoNCE + lambda_cro * L_cro + lambda_met * L_met (the stable-space
+   constraints);
+2. a batch of quasi-clean pairs (from epoch e_qc): y_qc * InfoNCE, y_qc = p + (1 - p) * y_hat;
+3. a batch of noisy pairs (from epoch e_n): each caption replaced by the proxy, the caption of the
+   pair of the reliable batch whose image is nearest; loss y_p * InfoNCE with the proxy label y_p.
+As the authors run it (`batches=loaders`), each kind comes from its own loader in full batches: the
+reliable pairs drive the epoch (for the main network, the trainer's own loader reads only them),
+the quasi-clean loader stops when its pass is over, the noisy one restarts [C]. `batches=rows`
+takes the three kinds from the rows of one batch of every pair instead. Evaluation averages both
+networks' similarities. Without given epochs, the warm-up and phases follow the authors' 45-epoch
+schedule (5 warm-up, quasi-clean from 16, noisy from 21) scaled to the run's length.
 """
 
 from __future__ import annotations
@@ -23,13 +28,16 @@ import torch
 import torch.nn.functional as F
 
 from pairclean.backends.oom import take_rows
-from pairclean.config import check_choice
+from pairclean.config import COUNT, FINITE, SHARE, above, at_least, check_choice, setting
 from pairclean.core.mixture import clean_posterior
 from pairclean.errors import ConfigError
 from pairclean.ops import distributed
 from pairclean.train.loss import infonce_terms
-from pairclean.train.methods.base import Embeddings, FollowUp, LossOutput, Method, MethodContext, register_method
-from pairclean.train.robust import PairIndex, Peer, gather_pairs, pair_pass, write_pair_table
+from pairclean.train.methods.base import (Embeddings, FollowUp, LossOutput, Method, MethodContext, register_method,
+                                          every_parameter, scaled_epoch, too_short)
+from pairclean.train.robust import (EpochWeights, NetworkBatches, PairIndex, Peer, gather_pairs, pair_pass,
+                                    write_pair_table)
+
 RELIABLE, QUASI_CLEAN, NOISY = 0, 1, 2
 PARTITION_NAMES = np.array(["reliable", "quasi_clean", "noisy"], dtype=object)
 PROXY_LABELS = ("threshold", "paper")
@@ -93,35 +101,58 @@ def _nullable(values: np.ndarray) -> np.ndarray:
     return out
 
 
+PAPER_EPOCHS, PAPER_WARMUP, PAPER_QC_AFTER, PAPER_N_AFTER = 45, 5, 15, 20  # [C]: 5 warm-up + 40; quasi-clean
+# pairs from co-training epoch 10 (after 15 epochs in all), noisy ones from co-training epoch 15 (after 20)
+BATCH_SOURCES = ("loaders", "rows")
+
+
 @dataclass
 class SpsOptions:
-    warmup_epochs: int = 5  # plain InfoNCE on everything for both networks (essential, per the paper)
-    e_qc: int = 10  # quasi-clean pairs are trained from this epoch
-    e_n: int = 15  # noisy pairs, with proxy captions, from this epoch
-    eps1: float = 0.99  # reliable: p > eps1 (the paper's value; the authors' code uses 0.6)
-    eps2: float = 0.5  # noisy: p <= eps2
-    lambda_cro: float = 25.0  # [C]
-    lambda_met: float = 25.0  # [C]
-    alpha: float = 0.0  # margin of both constraints [C]
+    warmup_epochs: int | None = setting(None, at_least(0))  # plain InfoNCE on everything for both networks; None: scaled from [C]'s 5 of 45
+    e_qc: int | None = setting(None, at_least(0))  # quasi-clean pairs are trained from this epoch; None: scaled from [C]'s 16 of 45
+    e_n: int | None = setting(None, at_least(0))  # noisy pairs, with proxy captions, from this epoch; None: scaled from [C]'s 21 of 45
+    eps1: float = setting(0.6, SHARE)  # reliable: p > eps1 ([C]; the paper's text says 0.99)
+    eps2: float = setting(0.5, SHARE)  # noisy: p <= eps2
+    lambda_cro: float = setting(25.0, at_least(0))  # [C]
+    lambda_met: float = setting(25.0, at_least(0))  # [C]
+    alpha: float = setting(0.0, FINITE)  # margin of both constraints [C]
     constraint_on: str = "cosine"  # cosine: S = U V^T (SGR's S is a score in [0, 1]); logit: S = U V^T / tau
     proxy_label: str = "threshold"  # threshold [C] or paper (Eq. 12)
-    proxy_threshold: float = 0.5
-    proxy_gamma: float = 1.0  # Eq. 12 (the paper gives no values)
-    proxy_beta: float = 5.0
-    gmm_max_iter: int = 100
-    gmm_tol: float = 1e-3
-    gmm_reg_covar: float = 5e-4
+    proxy_threshold: float = setting(0.5, SHARE)
+    proxy_gamma: float = setting(1.0, FINITE)  # Eq. 12 (the paper gives no values)
+    proxy_beta: float = setting(5.0, FINITE)
+    batches: str = "loaders"  # loaders [C]: each kind in full batches of its own; rows: the rows of one batch
+    gmm_max_iter: int = setting(10, COUNT)  # [C]
+    gmm_tol: float = setting(1e-2, above(0))  # [C]
+    gmm_reg_covar: float = setting(5e-4, above(0))  # [C]
 
     def __post_init__(self):
-        if self.warmup_epochs < 0 or not (self.warmup_epochs < self.e_qc <= self.e_n):
-            raise ConfigError(f"sps: need 0 <= warmup_epochs < e_qc <= e_n, got {self.warmup_epochs}, {self.e_qc}, "
-                              f"{self.e_n}", "warmup_epochs", "e_qc", "e_n")
-        if not 0 <= self.eps2 <= self.eps1 <= 1:
+        self.check_schedule(self.warmup_epochs, self.e_qc, self.e_n)
+        if not self.eps2 <= self.eps1:
             raise ConfigError(f"sps: need 0 <= eps2 <= eps1 <= 1, got eps1={self.eps1}, eps2={self.eps2}", "eps1", "eps2")
         check_choice(self.proxy_label, PROXY_LABELS, "proxy_label", "proxy label")
         check_choice(self.constraint_on, CONSTRAINT_ON, "constraint_on", "constraint matrix")
-        if self.lambda_cro < 0 or self.lambda_met < 0:
-            raise ConfigError("sps: lambda_cro and lambda_met must be non-negative", "lambda_cro", "lambda_met")
+        check_choice(self.batches, BATCH_SOURCES, "batches", "batch source")
+
+    @staticmethod
+    def check_schedule(warmup: int | None, e_qc: int | None, e_n: int | None) -> None:
+        """warmup_epochs < e_qc <= e_n among the values given (None: scaled to the run)."""
+        w, q, n = warmup, e_qc, e_n
+        if (w is not None and q is not None and w >= q) or (q is not None and n is not None and q > n) or \
+                (w is not None and n is not None and w >= n):
+            raise ConfigError(f"sps: need 0 <= warmup_epochs < e_qc <= e_n, got {w}, {q}, {n}", "warmup_epochs",
+                              "e_qc", "e_n")
+
+
+def sps_schedule(options: SpsOptions, epochs: int) -> dict:
+    """warmup_epochs, e_qc, e_n for a run of `epochs`: each given value as given, the others scaled from [C]."""
+    warmup = options.warmup_epochs if options.warmup_epochs is not None else \
+        scaled_epoch(epochs, PAPER_WARMUP, PAPER_EPOCHS)
+    e_qc = options.e_qc if options.e_qc is not None else \
+        max(warmup, scaled_epoch(epochs, PAPER_QC_AFTER, PAPER_EPOCHS)) + 1
+    e_n = options.e_n if options.e_n is not None else max(e_qc - 1, scaled_epoch(epochs, PAPER_N_AFTER, PAPER_EPOCHS)) + 1
+    options.check_schedule(warmup, e_qc, e_n)
+    return {"warmup_epochs": warmup, "e_qc": e_qc, "e_n": e_n}
 
 
 @dataclass
@@ -138,6 +169,16 @@ class _Batch:
         return np.flatnonzero(self.part == kind)
 
 
+class _Network:
+    """What one network trains with: its target, the loaders of the pairs it trains on (the peer's
+    partition), and the index of the partition it reads."""
+
+    def __init__(self, target, trains_on: int):
+        self.target, self.trains_on = target, trains_on
+        # batches=loaders: the pairs each loader reads (EpochWeights) and the loaders (NetworkBatches)
+        self.drive = self.quasi_pairs = self.noisy_pairs = self.quasi = self.noisy = None
+
+
 @register_method
 class Sps(Method):
     """Two co-trained networks; reliable / quasi-clean / noisy pairs from the peer's loss GMM, three steps."""
@@ -151,10 +192,29 @@ class Sps(Method):
         self.epoch, self.recording = 0, False
         self.p = self.partition = None
 
+    def schedule(self, epochs: int) -> dict:
+        return sps_schedule(self.options, epochs)
+
     def setup(self, ctx: MethodContext):
         self.index = PairIndex(ctx.shards)
-        self.peer = Peer(ctx)
-        return super().setup(ctx)
+        self.plan = self.schedule(ctx.config.epochs)
+        too_short(self.name, self.plan, ctx.config.epochs, {"e_qc": "quasi-clean pairs", "e_n": "noisy pairs"})
+        self.loaders = self.options.batches == "loaders"
+        if not self.loaders:
+            self.peer = Peer(ctx)
+            self.networks = [_Network(ctx.target, 1), _Network(self.peer.target, 0)]
+            return super().setup(ctx)
+        drives = [EpochWeights(ctx, self.index, f"reliable-{k}") for k in range(2)]
+        self.peer = Peer(ctx, subset=drives[1])
+        self.networks = [_Network(ctx.target, 1), _Network(self.peer.target, 0)]
+        for k, net in enumerate(self.networks):
+            net.drive = drives[k]
+            net.quasi_pairs = EpochWeights(ctx, self.index, f"quasi-clean-{k}")
+            net.noisy_pairs = EpochWeights(ctx, self.index, f"noisy-{k}")
+            preparer, seed = net.target.preparer, ctx.seed + 10 * (k + 1)
+            net.quasi = NetworkBatches(ctx, preparer, seed + 1, net.quasi_pairs, cycle=False)  # [C] no restart
+            net.noisy = NetworkBatches(ctx, preparer, seed + 2, net.noisy_pairs, cycle=True)  # [C] restarts
+        return drives[0].plan(self.index.size)
 
     # ------------------------------------------------------------------ per epoch
 
@@ -174,19 +234,41 @@ class Sps(Method):
         self.saved = None
         self.epoch = epoch
         self.records = {name: [] for name in ("ids", "y_qc", "y_proxy", "proxy_id")}
-        if epoch <= self.options.warmup_epochs:
+        if epoch <= self.plan["warmup_epochs"]:
             self.p = self.partition = None
+            if self.loaders:
+                for net in self.networks:
+                    net.drive.select(np.ones(self.index.size, dtype=bool))
             return
         o = self.options
         self.p, self.seen = zip(*(self._clean_posterior(ctx, net) for net in (ctx.target, self.peer.target)))
         self.partition = [three_way_partition(np.nan_to_num(p, nan=0.0), o.eps1, o.eps2) for p in self.p]
+        if self.loaders:
+            for net in self.networks:
+                part = self.partition[net.trains_on]
+                if not np.any(part == RELIABLE):
+                    raise ConfigError(f"sps: no pair is reliable at epoch {epoch} (p > eps1 = {o.eps1} for none): "
+                                      "lower eps1", "eps1")
+                net.drive.select(part == RELIABLE)
+                net.quasi_pairs.select(part == QUASI_CLEAN)
+                net.noisy_pairs.select(part == NOISY)
+                net.quasi.start(epoch)
+                net.noisy.start(epoch)
+
+    def epoch_pairs(self) -> int | None:
+        """batches=loaders: the main network's epoch is one pass over its reliable pairs [C]."""
+        if not self.loaders:
+            return None
+        if self.partition is None:
+            return self.index.size
+        return int(np.sum(self.partition[self.networks[0].trains_on] == RELIABLE))
 
     # ------------------------------------------------------------------ per step
 
     def _reliable_loss(self, b: _Batch) -> torch.Tensor:
         rows = torch.from_numpy(b.rows(RELIABLE)).to(b.emb.left.device)
         left, right = b.emb.left[rows], b.emb.right[rows]
-        keep_graph = 0.0 * (b.emb.left.sum() + b.emb.right.sum())  # every parameter gets a gradient (DDP)
+        keep_graph = every_parameter(b.emb)
         if len(rows) < 2:
             return keep_graph
         o = self.options
@@ -195,17 +277,19 @@ class Sps(Method):
         return keep_graph + infonce + o.lambda_cro * cross_constraint(left, right, o.alpha, scale) + \
             o.lambda_met * metric_constraint(left, right, o.alpha)
 
-    def _sub_batches(self, b: _Batch) -> list[tuple]:
-        """The quasi-clean and noisy steps due this epoch: (left batch, right batch, loss(emb), record(values))."""
+    def _sub_batches(self, b: _Batch, net: _Network, ctx: MethodContext) -> list[tuple]:
+        """The quasi-clean and noisy steps due this epoch: (left batch, right batch, loss(emb))."""
+        if self.loaders:
+            return self._loader_batches(b, net, ctx)
         o, device = self.options, b.emb.left.device
         steps = []
-        if self.epoch >= o.e_qc:
+        if self.epoch >= self.plan["e_qc"]:
             rows, real = self._rows_on_every_rank(b.rows(QUASI_CLEAN), len(b.ids))
             if rows is not None:
                 p = torch.from_numpy(b.p[rows]).to(device)
                 steps.append((take_rows(b.batch["left"], rows.tolist()), take_rows(b.batch["right"], rows.tolist()),
                               self._quasi_clean_loss(p, b.ids[rows], real)))
-        if self.epoch >= o.e_n:
+        if self.epoch >= self.plan["e_n"]:
             reliable = b.rows(RELIABLE)
             rows, real = self._rows_on_every_rank(b.rows(NOISY) if len(reliable) else reliable, len(b.ids))
             if rows is not None:
@@ -217,6 +301,29 @@ class Sps(Method):
                     proxies, cos = rows, torch.zeros(len(rows), device=device)
                 steps.append((take_rows(b.batch["left"], rows.tolist()), take_rows(b.batch["right"], proxies.tolist()),
                               self._noisy_loss(cos, b.ids[rows], b.ids[proxies], real)))
+        return steps
+
+    def _loader_batches(self, b: _Batch, net: _Network, ctx: MethodContext) -> list[tuple]:
+        """[C]: a full quasi-clean batch (until its pass is over) and a full noisy batch whose captions are
+        replaced by those of the reliable batch `b` (the proxies of its nearest images)."""
+        steps = []
+        p = self.p[net.trains_on]
+        if self.epoch >= self.plan["e_qc"]:
+            batch = net.quasi.next()
+            if batch is not None:
+                ids = self.index.ids(batch["shard"], batch["index"])
+                steps.append((batch["left"], batch["right"],
+                              self._quasi_clean_loss(torch.from_numpy(p[ids]).to(b.emb.left.device), ids, True)))
+        if self.epoch >= self.plan["e_n"]:
+            batch = net.noisy.next()
+            if batch is not None:
+                with torch.no_grad():
+                    noisy_left = net.target.encode(ctx.left, batch["left"])
+                position, cos = nearest_proxies(noisy_left, b.emb.left.detach())
+                proxies = position.cpu().numpy()
+                ids = self.index.ids(batch["shard"], batch["index"])
+                steps.append((batch["left"], take_rows(b.batch["right"], proxies.tolist()),
+                              self._noisy_loss(cos, ids, b.ids[proxies], True)))
         return steps
 
     @staticmethod
@@ -266,17 +373,20 @@ class Sps(Method):
         """The peer's iteration on its own batch: plain InfoNCE in warm-up, else SPS's three steps
         on the main network's partition."""
         batch = self.peer.next_batch()
+        if batch is None:  # its subset holds no batch on some rank: the peer skips this iteration
+            return {}
         twin = self.peer.target
         emb = self.peer.embed(ctx, batch)
         if self.partition is None:
             loss = infonce_terms(emb.left, emb.right, emb.logit_scale).per_sample.mean()
             self.peer.step(loss)
             return {"peer_loss": float(loss.detach())}
-        b = self._partitioned(batch, emb, trains_on=0)
+        net = self.networks[1]
+        b = self._partitioned(batch, emb, net.trains_on)
         loss = self._reliable_loss(b)
         self.peer.step(loss)
         self.recording = False
-        for left, right, step_loss in self._sub_batches(b):
+        for left, right, step_loss in self._sub_batches(b, net, ctx):
             sub = Embeddings(twin.encode(ctx.left, left), twin.encode(ctx.right, right), twin.logit_scale())
             self.peer.step(step_loss(sub))
         return {"peer_loss": float(loss.detach())}
@@ -291,10 +401,11 @@ class Sps(Method):
                                  emb.offset).per_sample
             metrics = self._peer_steps(ctx)
             return LossOutput(loss.mean(), {"loss": loss.detach()}, metrics)
-        b = self._partitioned(batch, emb, trains_on=1)
+        net = self.networks[0]
+        b = self._partitioned(batch, emb, net.trains_on)
         per_pair = infonce_terms(emb.left, emb.right, emb.logit_scale).per_sample.detach()
         follow_ups = []
-        for left, right, step_loss in self._sub_batches(b):
+        for left, right, step_loss in self._sub_batches(b, net, ctx):
             follow_ups.append(FollowUp(left, right, self._recorded(step_loss)))
         loss = self._reliable_loss(b)
         metrics = self._peer_steps(ctx)
@@ -315,6 +426,11 @@ class Sps(Method):
         return loss
 
     def on_epoch_end(self, epoch: int, ctx: MethodContext) -> dict:
+        self.peer.close()
+        for net in self.networks:
+            for loader in (net.quasi, net.noisy):
+                if loader is not None:
+                    loader.close()
         if self.partition is None:
             return {}
         ids = np.concatenate(self.records["ids"]) if self.records["ids"] else np.zeros(0, dtype=np.int64)

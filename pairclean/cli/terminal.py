@@ -1,0 +1,131 @@
+"""The one way text reaches the terminal: consoles that print every string literally, and tables
+that stay readable at any width.
+
+Captions, keys, paths, predicates and query results come from the user's data. `LiteralConsole`
+never parses a string as rich markup or emoji codes (`'[/bold]'` is printed, not a crash;
+`[link=...]` is printed, not a hidden link) and shows control and bidirectional-format
+characters as `<U+XXXX>` (`ops.text.visible`: an escape sequence or a right-to-left override in a
+key cannot rewrite the line). pairclean's own emphasis is a `style=` or a `rich.text.Text` built
+here, never markup inside a string.
+
+`print_table` is how every command shows a table:
+* to a terminal, the rich table when it fits the width with every number whole and every text
+  column wrapped only at spaces; when it cannot, one block per row (`column  value` lines), so a
+  narrow terminal never cuts numbers to "…" or folds cells into columns of a few characters;
+* to anything else (a pipe, a file, CI), plain text: a header and one line per row, columns
+  aligned, nothing wrapped or cut, at whatever width the cells need.
+"""
+
+from __future__ import annotations
+
+from rich.cells import cell_len
+from rich.console import Console, RenderableType
+from rich.table import Table
+from rich.text import Text
+
+from pairclean.ops.text import visible
+
+GAP = "  "  # between the columns of a plain table
+
+
+class LiteralConsole(Console):
+    """A console that prints strings as they are: no markup, no emoji codes, hidden characters shown,
+    and a line is never broken by pairclean (a terminal wraps it; a pipe gets it whole, so a path
+    printed at the end of a line can be copied)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(markup=False, emoji=False, highlight=False, soft_wrap=True, **kwargs)
+
+    def render_str(self, text: str, **kwargs) -> Text:
+        kwargs.update(markup=False, emoji=False)
+        return super().render_str(visible(text), **kwargs)
+
+
+def literal(text: str, style: str = "") -> Text:
+    """Data text as a rich Text (for the places that build Text themselves), hidden characters shown."""
+    return Text(visible(str(text)), style=style)
+
+
+def _plain(cell: RenderableType) -> str:
+    if isinstance(cell, Text):
+        return visible(cell.plain)
+    return visible(str(cell))
+
+
+def _columns(table: Table) -> list[tuple[str, str, list[str]]]:
+    """(header, justify, cell texts) per column."""
+    return [(_plain(c.header), c.justify, [_plain(cell) for cell in c._cells]) for c in table.columns]
+
+
+def _width(text: str) -> int:
+    return max((cell_len(line) for line in text.split("\n")), default=0)
+
+
+def _longest_word(text: str) -> int:
+    return max((cell_len(word) for word in text.split()), default=0)
+
+
+def plain_lines(table: Table) -> list[str]:
+    """The table as plain text: title, header, one line per row (a header cut in lines is joined)."""
+    columns = [(header.replace("\n", " "), justify, [cell.replace("\n", " ") for cell in cells])
+               for header, justify, cells in _columns(table)]
+    rows = ([[header for header, _, _ in columns]] if table.show_header else []) + \
+        [list(row) for row in zip(*(cells for _, _, cells in columns))]
+    widths = [max(cell_len(row[i]) for row in rows) if rows else 0 for i in range(len(columns))]
+
+    def line(row: list[str]) -> str:
+        cells = [(cell.rjust(w + len(cell) - cell_len(cell)) if columns[i][1] == "right"
+                  else cell.ljust(w + len(cell) - cell_len(cell))) for i, (cell, w) in enumerate(zip(row, widths))]
+        return GAP.join(cells).rstrip()
+
+    lines = [_plain(table.title)] if table.title else []
+    lines += [line(row) for row in rows]
+    if table.caption:
+        lines.append(_plain(table.caption))
+    return lines
+
+
+def _fits(table: Table, width: int) -> bool:
+    """Whether the rich table fits `width` with numbers (right-aligned columns) whole and text
+    columns wrapped at spaces only."""
+    need = 0
+    for header, justify, cells in _columns(table):
+        texts = [header, *cells]
+        need += max(_width(t) if justify == "right" else _longest_word(t) for t in texts) + 2  # + padding
+    return need + len(table.columns) + 1 <= width  # + the vertical rules
+
+
+def _records(table: Table) -> list[RenderableType]:
+    """One block per row: each column's name with its value (a table without a header: a row's
+    cells on one wrapped line)."""
+    columns = _columns(table)
+    blocks: list[RenderableType] = [Text(_plain(table.title), style="bold")] if table.title else []
+    for number, row in enumerate(zip(*(cells for _, _, cells in columns)), 1):
+        if not table.show_header:
+            blocks.append(Text(GAP.join(cell for cell in row if cell)))
+            continue
+        block = Table.grid(padding=(0, 2))
+        block.add_column(style="bold", no_wrap=True)
+        block.add_column(overflow="fold")
+        for (header, _, _), cell in zip(columns, row):
+            block.add_row(header.replace("\n", " "), cell)
+        blocks += [Text(f"-- row {number} --", style="dim"), block]
+    if table.caption:
+        blocks.append(Text(_plain(table.caption), style="dim"))
+    return blocks
+
+
+def print_table(console: Console, table: Table) -> None:
+    """Show `table` readably (see the module docstring)."""
+    if not console.is_terminal:
+        for line in plain_lines(table):
+            console.out(line, highlight=False)
+        return
+    if _fits(table, console.width):
+        for column in table.columns:
+            column.no_wrap = column.justify == "right"
+            column.overflow = "fold"
+        console.print(table, soft_wrap=False)
+        return
+    for block in _records(table):
+        console.print(block, soft_wrap=False)
