@@ -7,7 +7,7 @@ from typing import Optional
 
 import typer
 
-from pairclean.cli import options
+import pairclean.cli.options as options
 from pairclean.cli.app import announce, app, console
 from pairclean.cli.progress import RichProgress
 from pairclean.cli.terminal import print_table
