@@ -79,12 +79,13 @@ def test_the_demo_pins_the_cpu_arithmetic_before_torch_starts(first_run, tmp_pat
 
     import torch
 
-    from pairclean.lab.numerics import CPU_NUMERICS, pin_cpu_numerics
+    from pairclean.lab.numerics import CPU_NUMERICS, numerics_pinned, pin_cpu_numerics
 
     if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
         pytest.skip("not an x86-64 CPU with AVX2")
     before = dict(os.environ)
     assert pin_cpu_numerics() is False and dict(os.environ) == before  # torch is running here: too late
+    assert not numerics_pinned()  # so the demo says its table may differ
     child = ("from pairclean.lab.numerics import pin_cpu_numerics, cpu_numerics\n"
              "assert pin_cpu_numerics()\nimport torch\nprint(cpu_numerics())")
     env = {**os.environ, "ATEN_CPU_CAPABILITY": "default", "ONEDNN_MAX_CPU_ISA": "SSE41"}
@@ -95,3 +96,15 @@ def test_the_demo_pins_the_cpu_arithmetic_before_torch_starts(first_run, tmp_pat
     summary = json.loads(first_run[1].files["summary"].read_text())
     assert summary["cpu"]["capability"] == torch.backends.cpu.get_cpu_capability()
     assert EstimatorRecipe(threads=1).cache_key() != EstimatorRecipe().cache_key()
+
+
+def test_the_cli_starts_without_torch_so_the_demo_can_fix_its_arithmetic():
+    """Every command module is imported when the CLI starts: none may start torch (ATen, oneDNN and
+    MKL read the demo's pin when torch starts), and a slow import would tax every command."""
+    import subprocess
+    import sys
+
+    child = ("import sys\nfrom pairclean.cli import _register_commands\n_register_commands()\n"
+             "print(sorted(m for m in ('torch', 'open_clip', 'sklearn') if m in sys.modules))")
+    printed = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, check=True).stdout
+    assert printed.strip() == "[]"

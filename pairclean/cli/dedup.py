@@ -11,7 +11,7 @@ from rich.table import Table
 from pairclean.cli.app import announce, app, console
 from pairclean.cli.progress import RichProgress
 from pairclean.cli.terminal import print_table
-from pairclean.dedup.run import DEFAULT_THRESHOLD
+from pairclean.dedup import DEFAULT_THRESHOLD
 
 
 def summary_table(result) -> Table:

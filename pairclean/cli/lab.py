@@ -76,7 +76,7 @@ def demo_command(
     """Toy world -> tiny estimator (trained or cached) -> shuffle noise -> score -> detection table. Offline."""
     from pairclean.lab.numerics import pin_cpu_numerics
 
-    pin_cpu_numerics()  # before torch starts: the same table on any x86-64 CPU
+    pin_cpu_numerics()  # before torch starts: the same table on any x86-64 CPU (run_demo says when it could not)
     from pairclean.cli.evaluate import detection_tables
     from pairclean.cli.options import flag_for
     from pairclean.errors import ConfigError, UserError

@@ -1,6 +1,17 @@
 """Semantic deduplication of saved embeddings (SemDeDup), keeping from each group of duplicates the
-pair whose caption matches its image best: `dedup(source, out, scores, DedupConfig(...))`."""
+pair whose caption matches its image best: `dedup(source, out, scores, DedupConfig(...))`.
 
-from pairclean.dedup.run import DedupConfig, DedupResult, dedup
+The run module (torch, faiss) loads on first use, so the CLI can name the default threshold
+without starting torch (the demo fixes torch's CPU arithmetic before torch starts)."""
 
-__all__ = ["DedupConfig", "DedupResult", "dedup"]
+DEFAULT_THRESHOLD = 0.95  # cosine; SemDeDup's eps = 1 - threshold (docs/dedup.md: the sweep behind it)
+
+__all__ = ["DEFAULT_THRESHOLD", "DedupConfig", "DedupResult", "dedup"]
+
+
+def __getattr__(name: str):
+    if name in ("DedupConfig", "DedupResult", "dedup"):
+        from pairclean.dedup import run
+
+        return getattr(run, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

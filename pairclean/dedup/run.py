@@ -46,6 +46,7 @@ import pyarrow.parquet as pq
 import torch
 
 from pairclean import __version__
+from pairclean.dedup import DEFAULT_THRESHOLD
 from pairclean.config import COUNT, SEED, at_least, check_choice, check_settings, pinned_settings, setting, unpinned, within
 from pairclean.data.formats.embeddings import EmbeddingSpec, iter_batches, open_embeddings
 from pairclean.data.units import Unit, unit_fingerprint
@@ -66,7 +67,6 @@ from pairclean.scoring.parts import GroupClaims, PartStore, parts_dir_for
 from pairclean.scoring.run import check_unchanged, units_settings
 
 KEEP_ORDERS = ("cleanest", "semdedup", "random")
-DEFAULT_THRESHOLD = 0.95  # cosine; SemDeDup's eps = 1 - threshold (docs/dedup.md: the sweep behind it)
 DUCKDB_MEMORY = "256MB"  # the index and finalize queries spill above this (one DuckDB thread: measured
 # on 1M rows, finalize's join peaked 390 MiB above the process in 5.6 s; 512MB and two threads, 620 MiB in 8 s)
 SCORE_COLUMN = "sim_debiased"

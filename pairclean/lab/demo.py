@@ -24,7 +24,8 @@ from pairclean.ops.cache import cache_dir
 from pairclean.ops.guard import open_output
 from pairclean.ops.progress import SILENT, Progress
 from pairclean.lab.corrupt import corrupt
-from pairclean.lab.numerics import cpu_numerics, torch_threads
+from pairclean.lab.numerics import cpu_numerics, numerics_pinned, torch_threads
+from pairclean.ops.notices import notice
 from pairclean.errors import ConfigError
 from pairclean.scores.evaluation import evaluate_detection
 from pairclean.scoring.model import ScoreConfig, score
@@ -82,6 +83,9 @@ def run_demo(cfg: DemoConfig | None = None) -> DemoResult:
 def _run_demo(cfg: DemoConfig) -> DemoResult:
     say = cfg.progress.note
     out = _open_out(cfg)
+    if not numerics_pinned():
+        notice("the demo runs with this machine's own CPU arithmetic (torch started before it could be fixed, or "
+               "the CPU has no AVX2): its table may differ from README's in the last digits")
     seconds: dict[str, float] = {}
     clock = time.perf_counter()
 

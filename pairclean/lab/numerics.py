@@ -31,6 +31,15 @@ def pin_cpu_numerics() -> bool:
     return True
 
 
+def numerics_pinned() -> bool:
+    """Whether this process runs with the pinned arithmetic (False: torch started before the pin,
+    or the CPU has no AVX2)."""
+    import torch
+
+    return torch.backends.cpu.get_cpu_capability() == "AVX2" and \
+        all(os.environ.get(name) == value for name, value in CPU_NUMERICS.items())
+
+
 def cpu_numerics() -> dict:
     """What decides this process's CPU arithmetic: recorded beside a trained estimator, and part of its cache key."""
     import torch
