@@ -67,8 +67,9 @@ from pairclean.scoring.parts import GroupClaims, PartStore, parts_dir_for
 from pairclean.scoring.run import check_unchanged, units_settings
 
 KEEP_ORDERS = ("cleanest", "semdedup", "random")
-DUCKDB_MEMORY = "256MB"  # the index and finalize queries spill above this (one DuckDB thread: measured
-# on 1M rows, finalize's join peaked 390 MiB above the process in 5.6 s; 512MB and two threads, 620 MiB in 8 s)
+DUCKDB_MEMORY = "512MB"  # the index and finalize queries spill above this, with one DuckDB thread. At
+# 256MB the index's sort, joined with a 10M-row scores file, ran out of memory (DuckDB could not
+# spill the join's build side); at 512MB it took 611 MiB and 4.4 s (docs/dedup.md, "Scale").
 SCORE_COLUMN = "sim_debiased"
 CLUSTERS_UNIT = "clusters#"  # stage-4 parts are named clusters#N (N: the group)
 CROWDED = 0.5  # removing more than this share of the rows is worth a warning
