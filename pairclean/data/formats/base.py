@@ -13,7 +13,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, ClassVar, Iterator
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING, Callable, ClassVar, Iterator, Protocol
 
 import numpy as np
 
@@ -102,17 +103,15 @@ class Decisions:
         return self.flags[-1]
 
 
-class KeptRows:
-    """What filter hands a format: the decisions of a shard's rows (by the shard's name in the
-    dataset), and the last scored index of a shard."""
+class KeptRows(Protocol):
+    """What filter hands a format (`curate.filter.ScoresKept`): the decisions of a shard's rows (by
+    the shard's name in the dataset), and the last scored index of a shard."""
 
     rules: int
 
-    def decisions(self, shard: str, lo: int | None = None, hi: int | None = None) -> Decisions:
-        raise NotImplementedError
+    def decisions(self, shard: str, lo: int | None = None, hi: int | None = None) -> Decisions: ...
 
-    def last_index(self, shard: str) -> int | None:
-        raise NotImplementedError
+    def last_index(self, shard: str) -> int | None: ...
 
 
 @dataclass
@@ -140,7 +139,7 @@ def check_key(shard: str, dec: Decisions, i: int, key: str) -> None:
         raise changed(shard, f"sample {i} is {key!r} in the shard but {dec.keys[i]!r} in the scores")
 
 
-class InputFormat:
+class InputFormat(ABC):
     """One way pairs are stored. Subclasses set the class attributes and the methods their
     layout needs; an instance reads one dataset (`self.spec`)."""
 
@@ -174,13 +173,13 @@ class InputFormat:
 
     # -- reading -----------------------------------------------------------------------------
 
+    @abstractmethod
     def units(self) -> list[str]:
         """Every unit of the dataset, in a stable order (the order of the output rows)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def read(self, unit: str) -> Iterator["RawPair | UnitFailure"]:
         """The unit's pairs in order (index = position in its shard), then any UnitFailure."""
-        raise NotImplementedError
 
     def count(self, unit: str) -> int:
         """How many rows the unit holds, from headers or metadata."""

@@ -19,6 +19,7 @@ arithmetic on them (cosines, norms, beta) is `scoring.embeddings`.
 
 from __future__ import annotations
 
+from abc import abstractmethod
 import json
 import os
 import re
@@ -231,8 +232,11 @@ class EmbeddingFormat(InputFormat):
     def claim(cls, sources: list[str], forced: bool = False) -> bool:
         return False
 
+    read = None  # rows come block by block as vectors (`iter_batches`), never as decoded pairs
+
+    @abstractmethod
     def open(self) -> None:
-        raise NotImplementedError
+        """Fill the spec from the sources (every structural problem a UserError)."""
 
     def units(self, unit_rows: int) -> list[str]:
         return [str(Unit.rows(n.left, a, min(a + unit_rows, n.rows))) for n in self.spec.npy
