@@ -281,7 +281,7 @@ class Sps(Method):
         """The quasi-clean and noisy steps due this epoch: (left batch, right batch, loss(emb))."""
         if self.loaders:
             return self._loader_batches(b, net, ctx)
-        o, device = self.options, b.emb.left.device
+        device = b.emb.left.device
         steps = []
         if self.epoch >= self.plan["e_qc"]:
             rows, real = self._rows_on_every_rank(b.rows(QUASI_CLEAN), len(b.ids))
