@@ -108,6 +108,7 @@ class Method:
     Options: ClassVar[type] = None
     shortcuts: ClassVar[tuple[Shortcut, ...]] = ()
     reduction: ClassVar[str] = "mean"  # how the default loss reduces the weighted per-pair losses
+    pays: ClassVar[str] = ""  # when it beats plain training, as measured (docs/methods.md); `--method-option help`
 
     def __init__(self, options):
         self.options = options
