@@ -7,7 +7,7 @@ naming a command-line flag (docs/architecture.md, issues 14 and 23).
 
 Import loops are strongly connected components of the module graph, counting every import
 statement, including the deferred ones inside functions (a loop hidden in a function is still a loop).
-The layers and both checks are `pairclean.conventions` (of the work tree, applied to each revision).
+The layers and both checks are tests/conventions.py (of the work tree, applied to each revision).
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from pairclean.conventions import flag_messages, flag_strings, library, upward_imports  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from conventions import flag_messages, flag_strings, library, upward_imports  # noqa: E402
 
 # Where each module of the flat layout (before issue 14) lives now.
 FLAT_TO_PACKAGE = {

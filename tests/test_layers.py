@@ -1,4 +1,4 @@
-"""The layers hold: no import in pairclean runs up `pairclean.conventions.LAYERS`, counting every
+"""The layers hold: no import in pairclean runs up `conventions.LAYERS` (tests/conventions.py), counting every
 import statement (deferred ones inside functions and `TYPE_CHECKING` ones too), and the order the
 docs print is that list."""
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from pairclean.conventions import LAYERS, imports_of, layer_of, layers_line, runs_up, sources, upward_imports
+from conventions import LAYERS, imports_of, layer_of, layers_line, runs_up, sources, upward_imports
 
 ROOT = Path(__file__).parent.parent
 
@@ -22,7 +22,7 @@ def test_every_part_of_the_package_is_in_a_layer():
     parts = {path.stem if path.suffix == ".py" else path.name for path in (ROOT / "pairclean").iterdir()
              if (path.suffix == ".py" or (path / "__init__.py").is_file()) and path.name != "__init__.py"}
     declared = {name for layer in LAYERS for name in layer}
-    assert parts <= declared, f"declare {sorted(parts - declared)} in pairclean.conventions.LAYERS"
+    assert parts <= declared, f"declare {sorted(parts - declared)} in tests/conventions.py LAYERS"
 
 
 def test_docs_print_the_declared_order():

@@ -16,7 +16,7 @@ import pyarrow.parquet as pq
 import pytest
 from helpers import run_cli
 
-from pairclean.conventions import sources
+from conventions import sources
 
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
