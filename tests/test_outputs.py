@@ -103,7 +103,7 @@ class World:
         if not directory.exists():
             import numpy as np
 
-            from pairclean.data.formats.embeddings import write_embeddings
+            from pairclean.data.embeddings import write_embeddings
 
             x = np.random.default_rng(0).standard_normal((8, 4)).astype(np.float32)
             write_embeddings(directory, [(x, x, [f"k{i}" for i in range(8)])])

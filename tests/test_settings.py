@@ -24,7 +24,7 @@ import typer
 import pairclean
 from helpers import refused, run_cli
 from pairclean.config import Declared, declarations, parse_value
-from pairclean.data.formats.embeddings import write_embeddings
+from pairclean.data.embeddings import write_embeddings
 from pairclean.errors import ConfigError
 from test_outputs import annotation
 

@@ -76,7 +76,7 @@ def test_an_error_line_prints_markup_in_the_users_text_literally(coco_shards, co
 def _detection_inputs(directory) -> tuple:
     """Embeddings whose GMM abstains (one noisy pair: nothing to separate), scored, with a truth file."""
     from pairclean.cli import main
-    from pairclean.data.formats.embeddings import write_embeddings
+    from pairclean.data.embeddings import write_embeddings
 
     rng = np.random.default_rng(0)
     left = rng.standard_normal((600, 16))

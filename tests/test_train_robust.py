@@ -8,7 +8,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from pairclean.data.manifest import open_dataset
+from pairclean.data.dataset import open_dataset
 from pairclean.train import TrainConfig
 from pairclean.train.data import DROPPED, TrainBatches, index_shards
 from pairclean.train.methods import MethodContext
@@ -26,7 +26,7 @@ def ctx(tmp_path, coco_shards):
     torch.manual_seed(0)
     target = load_target("pairclean-tiny", "none")
     cfg = TrainConfig(model="pairclean-tiny", pretrained="none", batch_size=8, workers=0)
-    return MethodContext(spec=spec, shards=index_shards(spec), target=target, run_dir=tmp_path, seed=0,
+    return MethodContext(dataset=spec, spec=spec.spec, shards=index_shards(spec), target=target, run_dir=tmp_path, seed=0,
                          left="image", right="text", config=cfg)
 
 

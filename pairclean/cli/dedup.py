@@ -62,7 +62,7 @@ def dedup_command(
     resume: bool = typer.Option(False, help="Continue an unfinished run, failing if there is none (re-running resumes anyway)."),
 ) -> None:
     """Semantic deduplication (SemDeDup) of saved embeddings, keeping the copy whose caption matches best."""
-    from pairclean.data.formats.embeddings import open_embeddings
+    from pairclean.data.embeddings import open_embeddings
     from pairclean.dedup.run import DedupConfig, dedup
     from pairclean.ops.guard import open_output
 

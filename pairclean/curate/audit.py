@@ -21,8 +21,8 @@ import pyarrow.parquet as pq
 from pairclean.scores.contract import from_embeddings
 from pairclean.scores.db import ScoresDB
 from pairclean.curate.pages import Html, ScriptJson, join, render, template
-from pairclean.curate.report.media import fetch_media, media_spec
-from pairclean.data.manifest import Fields
+from pairclean.curate.report.media import fetch_media, media_dataset
+from pairclean.data.spec import Fields
 from pairclean.config import COUNT, INT64_MAX, SEED, declare, within
 from pairclean.errors import ConfigError, UserError
 from pairclean.ops.guard import open_output
@@ -70,16 +70,16 @@ def build_audit(scores: str | Path, shards: list[str] | None, out: str | Path, p
     longer side: the page draws them as large as the browser window allows."""
     with ScoresDB(scores) as db:
         prov = db.provenance or {}
-        spec, note = media_spec(prov, shards, fields, **dataset_options)
-        if spec is None:
+        dataset, note = media_dataset(prov, shards, fields, **dataset_options)
+        if dataset is None:
             raise ConfigError(note, "shards")
         if from_embeddings(prov):
             db.check_unique_keys()
         rows = stratified_sample(db, per_decile, seed)
     if not rows:
         raise UserError(f"{scores} holds no scored pair to audit")
-    target = open_output(out, [scores, *(shards or []), *spec.shards], overwrite=overwrite)
-    media = fetch_media(spec, rows, thumb, from_embeddings(prov))
+    target = open_output(out, [scores, *(shards or []), *dataset.spec.shards], overwrite=overwrite)
+    media = fetch_media(dataset, rows, thumb, from_embeddings(prov))
     items = [{"key": r["key"], "shard": r["shard"], "index": int(r["index"]), "sim": round(float(r["sim"]), 4),
               "decile": int(r["decile"])} for r in rows]
     page = render(template("pairclean.curate", "audit.html"), title=f"pairclean audit · {Path(scores).name}",

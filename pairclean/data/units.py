@@ -72,3 +72,16 @@ def unit_fingerprint(unit: str) -> dict | None:
     except OSError:
         return None
     return {"size": info.st_size, "mtime_ns": info.st_mtime_ns}
+
+
+def unique_shards(shards: list[str]) -> list[str]:
+    """Each shard once, in first-seen order: `x.tar`, `../shards/x.tar` and a symlink to it are one
+    local file (compared by real path), which would otherwise be scored and filtered twice."""
+    seen: set[str] = set()
+    out = []
+    for shard in shards:
+        identity = os.path.realpath(shard) if "://" not in shard and not shard.startswith("pipe:") else shard
+        if identity not in seen:
+            seen.add(identity)
+            out.append(shard)
+    return out

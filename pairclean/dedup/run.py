@@ -48,7 +48,7 @@ import torch
 from pairclean import __version__
 from pairclean.dedup import DEFAULT_THRESHOLD
 from pairclean.config import COUNT, SEED, at_least, check_choice, check_settings, pinned_settings, setting, unpinned, within
-from pairclean.data.formats.embeddings import EmbeddingSpec, iter_batches, open_embeddings
+from pairclean.data.embeddings import EmbeddingSource, open_embeddings
 from pairclean.data.units import Unit, unit_fingerprint
 from pairclean.dedup.kmeans import BACKENDS, nearest_centroid, resolve_backend, train_kmeans
 from pairclean.dedup.pairwise import cluster_duplicates
@@ -128,12 +128,12 @@ class DedupResult:
 # -- the run -------------------------------------------------------------------------------------
 
 
-def dedup(source: str | list[str] | EmbeddingSpec, out: str | Path | Output, scores: str | Path | None = None,
+def dedup(source: str | list[str] | EmbeddingSource, out: str | Path | Output, scores: str | Path | None = None,
           config: DedupConfig | None = None) -> DedupResult:
     """Deduplicate the embeddings `source` into `out` (Parquet, one row per input row); resumes an
     interrupted run. `scores`: the scores file whose sim_debiased decides the copy kept (`cleanest`)."""
     cfg = config or DedupConfig()
-    spec = source if isinstance(source, EmbeddingSpec) else open_embeddings(source)
+    spec = source if isinstance(source, EmbeddingSource) else open_embeddings(source)
     distributed.init_from_env(device_type="cpu")
     progress = cfg.progress if distributed.is_main() else SILENT
     scores = Path(scores) if scores is not None else None
@@ -288,7 +288,7 @@ def _assign(store: PartStore, units: list[str], vectors: Vectors, centroids: np.
 def _assign_unit(unit: str, vectors: Vectors, centroids: np.ndarray, backend: str, batch_rows: int) -> pa.Table:
     first = vectors.unit_start(Unit.parse(unit).path, 0)
     tables = []
-    for batch in iter_batches(vectors.spec, unit, batch_rows):
+    for batch in vectors.spec.batches(unit, batch_rows):
         keys, shards, index = batch.identity()
         sides, usable = vectors.batch(batch)
         labels, sims = nearest_centroid(joined(sides)[usable], centroids, backend)

@@ -120,7 +120,8 @@ def parse_attachments(values: list[str] | None, field: str = "attach") -> dict[s
 def resolve_truth(truth: str | Path) -> Path:
     """The truth Parquet a truth argument names: the file itself, the `truth:` entry of a dataset
     manifest, or that of the manifest in a directory (`pairclean corrupt` writes DIR/manifest.yaml)."""
-    from pairclean.data.manifest import MANIFEST_NAME, load_manifest
+    from pairclean.data.manifest import load_manifest
+    from pairclean.data.spec import MANIFEST_NAME
 
     truth = Path(truth)
     if truth.is_dir():

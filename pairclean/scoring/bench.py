@@ -35,8 +35,8 @@ from pairclean.backends.base import autocast_context, resolve_precision
 from pairclean.backends.oom import OomBackoff
 from pairclean.backends.open_clip import OpenClipEstimator
 from pairclean.backends.text_trim import text_buckets
-from pairclean.data.manifest import DatasetSpec, open_dataset
-from pairclean.data.reader import UnitFailure, list_units, modalities, read_unit
+from pairclean.data.dataset import Dataset, as_dataset
+from pairclean.data.spec import DatasetSpec, UnitFailure, modalities
 from pairclean.config import COUNT, at_least, declare
 from pairclean.errors import UserError
 from pairclean.ops.guard import Output, open_output
@@ -122,16 +122,16 @@ class BenchReport:
 
 # ---------------------------------------------------------------- (a) the ceiling
 
-def _batch_plan(spec: DatasetSpec, groups: list[list[str]], batch_size: int, max_pairs: int) -> list[dict[str, list]]:
+def _batch_plan(data: Dataset, groups: list[list[str]], batch_size: int, max_pairs: int) -> list[dict[str, list]]:
     """The valid rows of the data as the pipeline batches them (a group's units as one stream,
     `batch_size` rows counted with error rows), text values kept, image bytes dropped."""
-    left, right = modalities(spec.pair)
+    left, right = modalities(data.spec.pair)
     plan: list[dict[str, list]] = []
     seen = 0
     for group in groups:
         rows, count = {"left": [], "right": []}, 0
         for unit in group:
-            for item in read_unit(spec, unit):
+            for item in data.read(unit):
                 if isinstance(item, UnitFailure):
                     continue
                 if item.error is None:
@@ -150,12 +150,12 @@ def _batch_plan(spec: DatasetSpec, groups: list[list[str]], batch_size: int, max
     return plan
 
 
-def measure_ceiling(estimator, spec: DatasetSpec, batch_size: int, min_seconds: float,
+def measure_ceiling(estimator, data: Dataset, batch_size: int, min_seconds: float,
                     max_pairs: int = 8192, groups: list[list[str]] | None = None) -> Phase:
     """Encode in-memory batches shaped like the data's until `min_seconds` have passed (one pass
     at least); `groups`: the run's packing of the units (default: one unit each)."""
-    left, right = modalities(spec.pair)
-    plan = _batch_plan(spec, groups or [[u] for u in list_units(spec)], batch_size, max_pairs)
+    left, right = modalities(data.spec.pair)
+    plan = _batch_plan(data, groups or [[u] for u in data.units()], batch_size, max_pairs)
     if not plan:
         raise UserError("no valid pair in the given shards to benchmark on")
     generator = torch.Generator().manual_seed(0)
@@ -250,14 +250,14 @@ def _text_trim_gain(estimator, left: str, right: str, batches) -> dict:
 
 # ---------------------------------------------------------------- worker cost per pair
 
-def measure_prepare_cost(estimator, spec: DatasetSpec, max_items: int = 64) -> dict[str, float]:
+def measure_prepare_cost(estimator, data: Dataset, max_items: int = 64) -> dict[str, float]:
     """CPU milliseconds a DataLoader worker spends per pair on each side (decode + preprocess for
     images, tokenising for texts), on this thread's CPU clock with one torch thread as in a
     worker, so a busy machine does not inflate it. For open_clip, full decode ("exact") too."""
-    left, right = modalities(spec.pair)
+    left, right = modalities(data.spec.pair)
     items = []
-    for unit in list_units(spec):
-        for item in read_unit(spec, unit):
+    for unit in data.units():
+        for item in data.read(unit):
             if not isinstance(item, UnitFailure) and item.error is None:
                 items.append(item)
             if len(items) >= max_items:
@@ -291,14 +291,14 @@ def measure_prepare_cost(estimator, spec: DatasetSpec, max_items: int = 64) -> d
 
 # ---------------------------------------------------------------- (b) end to end
 
-def measure_end_to_end(estimator, spec: DatasetSpec, cfg: ScoreConfig, workdir: Path) -> Phase:
+def measure_end_to_end(estimator, data: Dataset, cfg: ScoreConfig, workdir: Path) -> Phase:
     out = workdir / "bench-scores.parquet"
     load0 = os.getloadavg()[0]
     gpu_peak_reset(estimator.device)
     cpu0 = cpu_seconds()
     with PeakMemory() as mem, GpuBusy(estimator.device) as busy:
         started = time.perf_counter()
-        result = score(spec, out, replace(cfg, overwrite=True, progress=SILENT), estimator=estimator)
+        result = score(data, out, replace(cfg, overwrite=True, progress=SILENT), estimator=estimator)
         whole = time.perf_counter() - started
     cpu = cpu_seconds() - cpu0  # the whole call: beta (none with shuffled/fixed/cached) and finalize included
     s = result.summary
@@ -313,10 +313,10 @@ def measure_end_to_end(estimator, spec: DatasetSpec, cfg: ScoreConfig, workdir: 
 
 # ---------------------------------------------------------------- (c) the naive loop
 
-def measure_naive(estimator, spec: DatasetSpec, batch_size: int, max_pairs: int) -> Phase | None:
+def measure_naive(estimator, data: Dataset, batch_size: int, max_pairs: int) -> Phase | None:
     """PIL full decode per sample + open_clip's own preprocess/tokenizer/encode, no workers.
     None where it does not apply (not open_clip, or the left side is not an image)."""
-    left, right = modalities(spec.pair)
+    left, right = modalities(data.spec.pair)
     if not isinstance(estimator, OpenClipEstimator) or (left, right) != ("image", "text") or max_pairs <= 0:
         return None
     model, preprocess, tokenizer = estimator.model, estimator.preparer.preprocess, estimator.tokenizer
@@ -343,13 +343,13 @@ def measure_naive(estimator, spec: DatasetSpec, batch_size: int, max_pairs: int)
     cpu0 = cpu_seconds()
     with PeakMemory() as mem:
         started = time.perf_counter()
-        for unit in list_units(spec):
-            for item in read_unit(spec, unit):
+        for unit in data.units():
+            for item in data.read(unit):
                 if isinstance(item, UnitFailure) or item.error is not None:
                     continue
                 try:
                     image = Image.open(io.BytesIO(item.left)).convert("RGB")
-                except Exception:
+                except Exception:  # noqa: BLE001 - PIL raises many types for data it cannot read
                     continue  # the naive loop skips what it cannot read
                 images.append(preprocess(image))
                 texts.append(item.right)
@@ -370,10 +370,11 @@ def measure_naive(estimator, spec: DatasetSpec, batch_size: int, max_pairs: int)
 # ---------------------------------------------------------------- all three
 
 @declare(naive_pairs=at_least(0), min_seconds=at_least(0), repeat=COUNT)
-def bench_score(source: str | list[str] | DatasetSpec, cfg: ScoreConfig, naive_pairs: int = 512,
+def bench_score(source: str | list[str] | DatasetSpec | Dataset, cfg: ScoreConfig, naive_pairs: int = 512,
                 min_seconds: float = 10.0, repeat: int = 1, estimator=None, progress: Progress = SILENT) -> BenchReport:
     """Measure (a), (b), (c) `repeat` times, interleaved, with one estimator."""
-    spec = source if isinstance(source, DatasetSpec) else open_dataset(source)
+    data = as_dataset(source)
+    spec = data.spec
     if cfg.precision == "auto":
         cfg = replace(cfg, precision=resolve_precision(cfg.device, "auto"))
     if estimator is None:
@@ -383,21 +384,21 @@ def bench_score(source: str | list[str] | DatasetSpec, cfg: ScoreConfig, naive_p
                                     precision=cfg.precision, decode=cfg.decode, compile=cfg.compile)
     say = progress.note
     say("worker cost per pair ...")
-    prepare_ms = measure_prepare_cost(estimator, spec)
+    prepare_ms = measure_prepare_cost(estimator, data)
     if cfg.beta_mode == "random-inputs" and cfg.beta_cache:
         say("beta (once; the measured runs read it from the beta cache) ...")
-        ModelProducer(spec, cfg, estimator).random_beta()
-    groups = ModelProducer(spec, cfg, estimator).groups(list_units(spec))  # as the scoring run packs them
+        ModelProducer(data, cfg, estimator).random_beta()
+    groups = ModelProducer(data, cfg, estimator).groups(data.units())  # as the scoring run packs them
     rounds = []
     with tempfile.TemporaryDirectory(prefix="pairclean-bench-") as tmp:
         for i in range(repeat):
             tag = f"[{i + 1}/{repeat}] " if repeat > 1 else ""
             say(f"{tag}(a) model-only ceiling ...")
-            ceiling = measure_ceiling(estimator, spec, cfg.batch_size, min_seconds, groups=groups)
+            ceiling = measure_ceiling(estimator, data, cfg.batch_size, min_seconds, groups=groups)
             say(f"{tag}(b) end-to-end pairclean score ...")
-            e2e = measure_end_to_end(estimator, spec, cfg, Path(tmp))
+            e2e = measure_end_to_end(estimator, data, cfg, Path(tmp))
             say(f"{tag}(c) naive reference loop ...")
-            naive = measure_naive(estimator, spec, cfg.batch_size, naive_pairs)
+            naive = measure_naive(estimator, data, cfg.batch_size, naive_pairs)
             rounds.append(BenchRound(ceiling, e2e, naive))
     config = {"model": cfg.model, "pretrained": cfg.pretrained, "backend": cfg.backend,
               "device": str(estimator.device), "precision": estimator.precision,

@@ -33,9 +33,9 @@ from pairclean.ops.worker_memory import steady_worker_memory
 from pairclean.config import COUNT, at_least, check_choice, check_pretrained, setting, unpinned
 from pairclean.core.beta import BetaEstimate, ShuffledAccumulator
 from pairclean.core.scorer import null_partners
-from pairclean.data.manifest import DatasetSpec, open_dataset
-from pairclean.data.reader import UnitFailure, count_pairs, list_units, modalities, read_unit
-from pairclean.data.formats.embeddings import SAVED_PROVENANCE, write_embedding_block
+from pairclean.data.dataset import Dataset, as_dataset
+from pairclean.data.embeddings import SAVED_PROVENANCE, write_embedding_block
+from pairclean.data.spec import DatasetSpec, UnitFailure, modalities
 from pairclean.errors import ConfigError
 from pairclean.ops.atomic import remove_stale_temps, write_json
 from pairclean.scoring.beta_cache import BetaCache, cached_random_input_beta, weights_fingerprint
@@ -90,9 +90,9 @@ class PreparedBatches(IterableDataset):
     units are read to fill those batches and decoded only when a batch also holds rows to score.
     A batch carries the units whose last row it (or an earlier batch) holds, to be committed."""
 
-    def __init__(self, spec: DatasetSpec, work: Work, preparer, batch_size: int):
-        self.spec, self.work, self.preparer, self.batch_size = spec, work, preparer, batch_size
-        self.left, self.right = modalities(spec.pair)
+    def __init__(self, dataset: Dataset, work: Work, preparer, batch_size: int):
+        self.dataset, self.work, self.preparer, self.batch_size = dataset, work, preparer, batch_size
+        self.left, self.right = modalities(dataset.spec.pair)
 
     def _empty(self) -> dict:
         return {"unit": [], "key": [], "shard": [], "index": [], "error": [], "left": [], "right": [], "done": []}
@@ -120,7 +120,7 @@ class PreparedBatches(IterableDataset):
             for unit in group:
                 count = 0
                 failure = None
-                for item in read_unit(self.spec, unit):
+                for item in self.dataset.read(unit):
                     if isinstance(item, UnitFailure):
                         failure = item.reason
                         continue
@@ -154,16 +154,16 @@ def small_shards_notice(pairs: int, units: int, batch_size: int, fill: float) ->
 class ModelProducer(Producer):
     """Similarities from a frozen estimator over a dataset's shards."""
 
-    def __init__(self, spec: DatasetSpec, cfg: ScoreConfig, estimator=None, embeddings: Output | None = None):
+    def __init__(self, dataset: Dataset, cfg: ScoreConfig, estimator=None, embeddings: Output | None = None):
         if estimator is None:
-            check_backend(cfg.backend, modalities(spec.pair))  # before any output exists
-        self.spec, self.cfg, self.estimator = spec, cfg, estimator
+            check_backend(cfg.backend, modalities(dataset.spec.pair))  # before any output exists
+        self.dataset, self.spec, self.cfg, self.estimator = dataset, dataset.spec, cfg, estimator
         self.embeddings = embeddings  # save_embeddings, opened through the output guard
         self.built_from_config = estimator is None
         self.device_type = "cuda" if cfg.device in ("auto", "cuda") and torch.cuda.is_available() else "cpu"
 
     def units(self) -> list[str]:
-        units = list_units(self.spec)
+        units = self.dataset.units()
         self.block_of = {unit: number for number, unit in enumerate(units)}  # save_embeddings: block N = unit N
         return units
 
@@ -207,7 +207,7 @@ class ModelProducer(Producer):
     def groups(self, units: list[str]) -> list[list[str]]:
         """Small units packed so that batches span them (sized from the leading units' pair counts)."""
         sample = units[:PACKING_SAMPLE]
-        pairs = sum(count_pairs(self.spec, unit) for unit in sample) / len(sample) if sample else 0.0
+        pairs = sum(self.dataset.count(unit) for unit in sample) / len(sample) if sample else 0.0
         return pack_units(units, pairs, self.cfg.batch_size)
 
     def random_beta(self) -> tuple[BetaEstimate, str]:
@@ -236,7 +236,7 @@ class ModelProducer(Producer):
     def score(self, work: Work, commit: Commit, task) -> dict[str, int]:
         spec, cfg, estimator = self.spec, self.cfg, self.estimator
         left_mod, right_mod = modalities(spec.pair)
-        dataset = PreparedBatches(spec, work, estimator.preparer, cfg.batch_size)
+        dataset = PreparedBatches(self.dataset, work, estimator.preparer, cfg.batch_size)
         workers = min(cfg.workers, len(work.groups))
         # Two ready batches per worker hide decoding (each worker builds whole batches) without
         # holding more than 2 x workers batches of pixels in (pinned) memory.
@@ -345,14 +345,15 @@ class ModelProducer(Producer):
         return {"embeddings_saved": rows, "embedding_bytes": written, "embeddings_dir": str(self.embeddings.path)}
 
 
-def score(source: str | list[str] | DatasetSpec, out: str | Path | Output, config: ScoreConfig | None = None,
+def score(source: str | list[str] | DatasetSpec | Dataset, out: str | Path | Output, config: ScoreConfig | None = None,
           estimator=None) -> ScoreResult:
     """Score every pair of `source` and write `out` (Parquet); resumes an interrupted run."""
     cfg = config or ScoreConfig()
-    spec = source if isinstance(source, DatasetSpec) else open_dataset(source)
+    dataset = as_dataset(source)
+    spec = dataset.spec
     # A directory the run owns (it resumes): the blocks of committed units stay; `started` clears the rest.
     embeddings = None if cfg.save_embeddings is None else open_output(
         cfg.save_embeddings, [*spec.sources, *spec.shards], "save_embeddings", kind="directory", overwrite=None)
     if cfg.precision == "auto":  # pinned in the settings as what it means on this machine
         cfg = replace(cfg, precision=resolve_precision(cfg.device, "auto"))
-    return run_scoring(ModelProducer(spec, cfg, estimator, embeddings), out, cfg)
+    return run_scoring(ModelProducer(dataset, cfg, estimator, embeddings), out, cfg)

@@ -1,5 +1,5 @@
 """The gallery's media: thumbnails and texts of the pairs it shows, read from the shards themselves
-through the dataset reader (`data.reader.read_unit`), only the units that hold a gallery pair.
+through the dataset's reader (`data.dataset.Dataset.read`), only the units that hold a gallery pair.
 
 The dataset is the one the scores file recorded (`scores.contract.scored_pairs`), opened again with
 its format and field mapping, or the shards a user gives (read with the recorded mapping where they
@@ -15,8 +15,8 @@ import os
 from dataclasses import dataclass, field, replace
 
 from pairclean.data.decode import DecodeError, decode_image
-from pairclean.data.manifest import DatasetSpec, Fields, open_dataset, reopen_dataset
-from pairclean.data.reader import RawPair, count_pairs, list_units, read_unit
+from pairclean.data.dataset import Dataset, open_dataset, reopen_dataset
+from pairclean.data.spec import Fields, RawPair
 from pairclean.errors import UserError
 from pairclean.scores.contract import from_embeddings, scored_pairs
 from pairclean.scores.db import match_shards
@@ -40,8 +40,8 @@ def thumbnail_uri(data: bytes, size: int) -> str:
     return "data:image/jpeg;base64," + base64.b64encode(buf.getvalue()).decode()
 
 
-def media_spec(provenance: dict, shards: list[str] | None = None, fields: Fields | None = None,
-               **options) -> tuple[DatasetSpec | None, str | None]:
+def media_dataset(provenance: dict, shards: list[str] | None = None, fields: Fields | None = None,
+                  **options) -> tuple[Dataset | None, str | None]:
     """The dataset to take thumbnails from: `shards` (read with the recorded mapping where they are
     the recorded format), else the dataset the scores recorded; `fields` and `options` (format,
     split, image_root, pair ...) override. (None, why) when there is none to open."""
@@ -64,16 +64,16 @@ def media_spec(provenance: dict, shards: list[str] | None = None, fields: Fields
     return open_dataset(present, pair=options["pair"]), None
 
 
-def _units_for(spec: DatasetSpec, path: str, indices: set[int]) -> dict[str, set[int]]:
+def _units_for(dataset: Dataset, path: str, indices: set[int]) -> dict[str, set[int]]:
     """The units of the file `path` holding these row indices: a file read as one unit holds them
     all; a file read in several (Parquet row groups) is walked by each unit's row count."""
-    units = list_units(replace(spec, shards=[path]))
+    units = Dataset(replace(dataset.spec, shards=[path])).units()
     if len(units) == 1:
         return {units[0]: indices}
     found: dict[str, set[int]] = {}
     start = 0
     for unit in units:
-        rows = count_pairs(spec, unit)
+        rows = dataset.count(unit)
         inside = {i for i in indices if start <= i < start + rows}
         if inside:
             found[unit] = inside
@@ -81,13 +81,13 @@ def _units_for(spec: DatasetSpec, path: str, indices: set[int]) -> dict[str, set
     return found
 
 
-def _read_pairs(spec: DatasetSpec, wanted: dict[str, set[int]]) -> dict[tuple[str, int], RawPair]:
+def _read_pairs(dataset: Dataset, wanted: dict[str, set[int]]) -> dict[tuple[str, int], RawPair]:
     """RawPairs at the wanted (shard path -> indices); stops reading a unit once all are found."""
     found: dict[tuple[str, int], RawPair] = {}
     for path, indices in wanted.items():
-        for unit, needed in _units_for(spec, path, indices).items():
+        for unit, needed in _units_for(dataset, path, indices).items():
             left = set(needed)
-            for item in read_unit(spec, unit):
+            for item in dataset.read(unit):
                 if isinstance(item, RawPair) and item.shard == path and item.index in left:
                     found[(path, item.index)] = item
                     left.discard(item.index)
@@ -103,13 +103,12 @@ def _thumb(data, size: int) -> str | None:
         return None
 
 
-def locate_keys(spec: DatasetSpec, keys: set[str]) -> dict[str, tuple[str, int]]:
+def locate_keys(dataset: Dataset, keys: set[str]) -> dict[str, tuple[str, int]]:
     """Where each key is in the dataset: key -> (shard, index), from the format's key listing of
     every shard. A wanted key found twice is refused: a pair matched by key must be one pair."""
     found: dict[str, tuple[str, int]] = {}
-    fmt = spec.input_format
-    for shard in dict.fromkeys(spec.shards):
-        for index, key in enumerate(fmt.keys(shard)):
+    for shard in dict.fromkeys(dataset.spec.shards):
+        for index, key in enumerate(dataset.keys(shard)):
             if key in keys:
                 if key in found:
                     raise UserError(f"key {key!r} is {found[key][0]}#{found[key][1]} and {shard}#{index} in the dataset: "
@@ -118,11 +117,12 @@ def locate_keys(spec: DatasetSpec, keys: set[str]) -> dict[str, tuple[str, int]]
     return found
 
 
-def fetch_media(spec: DatasetSpec, rows: list[dict], thumb: int, by_key: bool = False) -> dict[tuple[str, int], Media]:
+def fetch_media(dataset: Dataset, rows: list[dict], thumb: int, by_key: bool = False) -> dict[tuple[str, int], Media]:
     """Thumbnails and texts for gallery rows (keyed by the scored (shard, index)). `by_key`: the
     scores' rows are not the dataset's (precomputed embeddings), so each is found by its key."""
+    spec = dataset.spec
     if by_key or not any(match_shards(spec.shards, sorted({r["shard"] for r in rows})).values()):
-        located = locate_keys(spec, {r["key"] for r in rows})
+        located = locate_keys(dataset, {r["key"] for r in rows})
         place = {(r["shard"], int(r["index"])): located.get(r["key"]) for r in rows}
     else:
         mapping = {scored: given for given, scored in
@@ -133,11 +133,11 @@ def fetch_media(spec: DatasetSpec, rows: list[dict], thumb: int, by_key: bool = 
     for where in place.values():
         if where is not None:
             wanted.setdefault(where[0], set()).add(where[1])
-    pairs = _read_pairs(spec, wanted)
+    pairs = _read_pairs(dataset, wanted)
     # Text-text pairs often come from image datasets: show the sample's image as context.
     context = {}
     if spec.pair == "text-text":
-        context = _read_pairs(replace(spec, pair="image-text"), wanted)
+        context = _read_pairs(Dataset(replace(spec, pair="image-text")), wanted)
     media = {}
     for r in rows:
         key = (r["shard"], int(r["index"]))

@@ -1,33 +1,33 @@
-"""Precomputed embeddings: the layouts other tools write, read block by block without a model.
+"""Precomputed embeddings: the layouts other tools write, recognised, checked and read without a model.
 
-Layouts (each one format class, kind "embeddings"):
   clip-retrieval  DIR/img_emb/img_emb_N.npy + DIR/text_emb/text_emb_N.npy (+ DIR/metadata/metadata_N.parquet;
-                  `pairclean score --save-embeddings` writes this layout with `write_embedding_block`, its
-                  metadata naming each pair's dataset shard and index, and DIR/provenance.json)
+                  `pairclean score --save-embeddings` writes this layout (`saved.py`), its metadata naming
+                  each pair's dataset shard and index, and DIR/provenance.json)
   numpy           LEFT.npy RIGHT.npy, row i of one paired with row i of the other (+ a keys Parquet)
   parquet-embeddings  FILE.parquet ...: a key column and two list<float> embedding columns
   datacomp-npz    DataComp's metadata/HASH.npz (b32_img, b32_txt, l14_img, l14_txt; row i = row i
                   of metadata/HASH.parquet, keyed by its `uid`); a pool root with metadata/ and
                   shards/ also names the pairs the embeddings describe, so later commands find them
 
+Every layout is one stateless class with one contract (`EmbeddingLayout`): `claim(sources)` (are
+these files my layout?), `locate(request)` (which arrays or files hold the rows; every structural
+problem a UserError), `units(source, unit_rows)` and `batches(source, unit, batch_rows)`.
+`open_embeddings` runs detection and `locate` once and returns an immutable `EmbeddingSource`.
+
 A unit (the grain of resume) is a chunk of rows of one array pair (`left.npy#rows=A-B`, an .npz
 member pair likewise) or one Parquet row group (`file.parquet#rg=N`). Array rows are read (pread
-at the row's offset, after the header was parsed) block by block into reused per-thread buffers,
-so resident memory is a few blocks, not the file; Parquet rows come a record batch at a time. The
-arithmetic on them (cosines, norms, beta) is `scoring.embeddings`.
+at the row's offset, after the header was parsed) block by block into reused per-thread buffers
+(`batches.py`), so resident memory is a few blocks, not the file; Parquet rows come a record batch
+at a time. The arithmetic on them (cosines, norms, beta) is `scoring.embeddings`.
 """
 
 from __future__ import annotations
 
-from abc import abstractmethod
-import json
-import os
 import re
-import threading
-import zipfile
-from dataclasses import dataclass, field
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar, Iterable, Iterator
+from typing import ClassVar, Iterator
 
 import numpy as np
 import pyarrow as pa
@@ -35,218 +35,80 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from pairclean.config import check_choice
-from pairclean.data.formats.base import REGISTRY, InputFormat, by_priority, format_named, register_format
-from pairclean.data.manifest import PAIR_KINDS
+from pairclean.data.dataset import open_dataset
+from pairclean.data.embeddings.batches import ArrayRows, EmbeddingBatch, NpyRows, list_column, read_metadata
+from pairclean.data.embeddings.npy import NpyFiles, NpyPair, npy_file, npy_pair, npz_member
+from pairclean.data.embeddings.saved import CLIP_RETRIEVAL, read_saved_provenance
+from pairclean.data.embeddings.source import EmbeddingSource
+from pairclean.data.patterns import resolve_shards
+from pairclean.data.spec import PAIR_KINDS
 from pairclean.data.units import Unit
 from pairclean.errors import ConfigError, UserError
 
-BLOCK_ROWS = 2048  # rows read at a time into a per-thread buffer (see docs/pair-kinds.md for the measurement)
-NPY_DTYPES = (np.float16, np.float32, np.float64)
-_CLIP_RETRIEVAL = {"img_emb": "img_emb_", "text_emb": "text_emb_", "metadata": "metadata_"}
-SAVED_PROVENANCE = "provenance.json"  # beside img_emb/ when `score --save-embeddings` wrote the directory
-ORIGIN_COLUMNS = ("shard", "index")  # metadata columns naming each row's pair in its dataset (`score --save-embeddings`)
 
+@dataclass(frozen=True)
+class Request:
+    """What the user asked for: the paths named, and the fields (None: the layout's default)."""
 
-@dataclass
-class NpyPair:
-    """Two row-aligned arrays stored as .npy data (two .npy files, or two members of one
-    uncompressed .npz), + an optional Parquet file holding one key per row."""
-
-    left: str  # the file holding the left array (its path is the rows' `shard`)
-    right: str
-    rows: int
-    dim: int
-    dtype: str
-    left_offset: int  # where the array's data starts in the file, after the .npy header
-    right_offset: int
-    keys: str | None = None  # the metadata Parquet (clip-retrieval's metadata_N.parquet, DataComp's, a key file)
-    key_column: str | None = None
-    origin: bool = False  # the metadata also holds `shard` and `index`: where each row's pair lives in its dataset
-
-
-@dataclass
-class EmbeddingSpec:
-    layout: str  # a registered embeddings format: clip-retrieval, numpy, parquet-embeddings, datacomp-npz
-    pair: str
-    sources: list[str]  # what the user named (a directory, .npy / .npz files, Parquet files)
-    npy: list[NpyPair] = field(default_factory=list)
-    parquet: list[str] = field(default_factory=list)
-    left_field: str | None = None  # the format's default when None
-    right_field: str | None = None
+    sources: tuple[str, ...]
+    left_field: str
+    right_field: str
     key_field: str | None = None
-    dim: int | None = None
     keys_file: str | None = None  # the numpy layout's key Parquet
-    pairs: dict | None = None  # the dataset of pairs the embeddings describe, when the layout says (DataComp,
-    # or the record `score --save-embeddings` kept of the dataset it scored)
-    saved: dict | None = None  # DIR/provenance.json of a directory `score --save-embeddings` wrote
-
-    @property
-    def input_format(self) -> "EmbeddingFormat":
-        return format_named(self.layout, "layout", kind="embeddings")(self)
-
-    def inputs(self) -> list[str]:
-        return list(dict.fromkeys([p for n in self.npy for p in (n.left, n.right, n.keys) if p] + list(self.parquet)))
-
-    def units(self, unit_rows: int) -> list[str]:
-        """Every unit in output order: row chunks of each array pair, or each Parquet row group."""
-        return self.input_format.units(unit_rows)
-
-    def record(self) -> dict:
-        """What a scores file records about the embeddings it scored (and the pairs they describe)."""
-        return {"format": self.layout, "sources": [os.path.abspath(s) for s in self.sources], "pair": self.pair,
-                "fields": {"left": self.left_field, "right": self.right_field, "key": self.key_field},
-                "key": self.key_field, "pairs": self.pairs}
 
 
-# -- opening ---------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Located:
+    """What a layout found: the rows' arrays or files, and what the files recorded themselves."""
+
+    npy: tuple[NpyPair, ...] = ()
+    parquet: tuple[str, ...] = ()
+    pair: str | None = None  # the pair kind the files record (a directory `score --save-embeddings` wrote)
+    pairs: dict | None = None  # the dataset of pairs the embeddings describe
+    saved: dict | None = None  # DIR/provenance.json
 
 
-def _npy_header(path: str) -> tuple[tuple[int, ...], np.dtype, int]:
-    """(shape, dtype, data offset) of an .npy file whose rows can be read in place."""
-    try:
-        array = np.load(path, mmap_mode="r")
-    except (OSError, ValueError) as exc:
-        raise UserError(f"cannot read {path} as a .npy array: {str(exc).splitlines()[0][:200]}") from None
-    return (*_check_array(path, array.shape, array.dtype, array.flags.c_contiguous or array.ndim < 2), int(array.offset))
+LAYOUTS: dict[str, type["EmbeddingLayout"]] = {}
 
 
-def _check_array(path: str, shape, dtype: np.dtype, c_order: bool) -> tuple[tuple[int, ...], np.dtype]:
-    if not c_order:
-        raise UserError(f"{path} is stored column-major; save it with np.save(path, np.ascontiguousarray(x))")
-    if not dtype.isnative:
-        raise UserError(f"{path} is stored in non-native byte order ({dtype.str}); convert it with x.astype(x.dtype.newbyteorder('='))")
-    return tuple(shape), dtype
+def register_layout(cls: type["EmbeddingLayout"]) -> type["EmbeddingLayout"]:
+    LAYOUTS[cls.name] = cls
+    return cls
 
 
-def _npz_member(path: str, name: str) -> tuple[tuple[int, ...], np.dtype, int]:
-    """(shape, dtype, data offset in the .npz file) of one member array, read in place: the member
-    must be stored uncompressed (np.savez, as DataComp's files are)."""
-    what = f"{path}[{name}]"
-    try:
-        with zipfile.ZipFile(path) as archive, open(path, "rb") as fh:
-            info = archive.getinfo(f"{name}.npy")
-            if info.compress_type != zipfile.ZIP_STORED:
-                raise UserError(f"{what} is compressed (np.savez_compressed); rows are read in place only from an "
-                                "uncompressed .npz: save it with np.savez")
-            fh.seek(info.header_offset + 26)
-            name_len, extra_len = (int.from_bytes(fh.read(2), "little") for _ in range(2))
-            fh.seek(info.header_offset + 30 + name_len + extra_len)
-            version = np.lib.format.read_magic(fh)
-            shape, fortran, dtype = (np.lib.format.read_array_header_1_0(fh) if version == (1, 0)
-                                     else np.lib.format.read_array_header_2_0(fh))
-            offset = fh.tell()
-    except KeyError:
-        raise UserError(f"{path} has no array {name!r}") from None
-    except (OSError, ValueError, zipfile.BadZipFile) as exc:
-        raise UserError(f"cannot read {what}: {str(exc).splitlines()[0][:200]}") from None
-    return (*_check_array(what, shape, np.dtype(dtype), not fortran or len(shape) < 2), offset)
+class EmbeddingLayout(ABC):
+    """A layout of precomputed embeddings. Stateless: every method is a classmethod, handed the
+    request (`locate`) or the opened source (`units`, `batches`). The array layouts share `units`
+    and `batches` (row chunks of .npy data); a layout of another kind overrides both."""
 
-
-Array = tuple[str, str, tuple, np.dtype, int]  # (how messages name it, the file, shape, dtype, data offset)
-
-
-def _npy_pair(left: Array, right: Array, keys: str | None, key_field: str | None,
-              key_candidates: tuple[str, ...] = ("key", "image_path")) -> NpyPair:
-    (lpath, lfile, lshape, ldtype, loffset), (rpath, rfile, rshape, rdtype, roffset) = left, right
-    for path, shape, dtype in ((lpath, lshape, ldtype), (rpath, rshape, rdtype)):
-        if len(shape) != 2:
-            raise UserError(f"{path} holds an array of shape {shape}; embeddings must be 2-D (rows x dim)")
-        if dtype.type not in NPY_DTYPES:
-            raise UserError(f"{path} holds {dtype} values; embeddings must be float16, float32 or float64")
-    if lshape != rshape:
-        raise UserError(f"{lpath} and {rpath} do not pair up: shapes {lshape} and {rshape}")
-    if ldtype != rdtype:
-        raise UserError(f"{lpath} ({ldtype}) and {rpath} ({rdtype}) must have the same dtype")
-    column, origin = None, False
-    if keys is not None:
-        try:
-            pf = pq.ParquetFile(keys)
-        except Exception as exc:
-            raise UserError(f"cannot read keys file {keys}: {str(exc).splitlines()[0][:200]}") from None
-        names = pf.schema_arrow.names
-        candidates = [key_field] if key_field else list(key_candidates)
-        column = next((c for c in candidates if c in names), None)
-        if column is None:
-            raise ConfigError(f"{keys} has no key column ({' or '.join(candidates)}); it has {names}: pass `key_field`",
-                              "key_field")
-        if pf.metadata.num_rows != lshape[0]:
-            raise UserError(f"{keys} has {pf.metadata.num_rows:,} rows but {lpath} has {lshape[0]:,}")
-        origin = set(ORIGIN_COLUMNS) <= set(names)
-    return NpyPair(lfile, rfile, int(lshape[0]), int(lshape[1]), str(ldtype), loffset, roffset, keys, column, origin)
-
-
-def _npy_file(path: str) -> Array:
-    return (path, path, *_npy_header(path))
-
-
-def _numbered(directory: Path, prefix: str, suffix: str) -> dict[str, Path]:
-    pattern = re.compile(re.escape(prefix) + r"(\d+)" + re.escape(suffix) + "$")
-    found = {}
-    for path in directory.iterdir() if directory.is_dir() else []:
-        match = pattern.match(path.name)
-        if match:
-            found[match.group(1)] = path
-    return found
-
-
-def _check_parquet(path: str, left_field: str, right_field: str, key_field: str | None) -> None:
-    try:
-        names = pq.ParquetFile(path).schema_arrow
-    except Exception as exc:
-        raise UserError(f"cannot read Parquet {path}: {str(exc).splitlines()[0][:200]}") from None
-    for name in (left_field, right_field) + ((key_field,) if key_field else ()):
-        if name not in names.names:
-            raise ConfigError(f"{path} has no column {name!r} (it has {names.names}); "
-                              "name the columns with `left_field` / `right_field` / `key_field`",
-                              "left_field", "right_field", "key_field")
-    for name in (left_field, right_field):
-        kind = names.field(name).type
-        if not (pa.types.is_list(kind) or pa.types.is_large_list(kind) or pa.types.is_fixed_size_list(kind)) \
-                or not pa.types.is_floating(kind.value_type):
-            raise UserError(f"column {name!r} of {path} is {kind}; an embedding column must be a list of floats")
-
-
-def _parquet_dim(paths: list[str], column: str) -> int:
-    """The embedding dimension: the length of the first non-null vector of the left column."""
-    for path in paths:
-        for batch in pq.ParquetFile(path).iter_batches(batch_size=1024, columns=[column]):
-            lengths = pc.drop_null(pc.list_value_length(batch.column(0)))
-            if len(lengths):
-                return int(lengths[0].as_py())
-    raise UserError(f"column {column!r} holds no embedding in {', '.join(paths)}")
-
-
-# -- the layouts -----------------------------------------------------------------------------
-
-
-class EmbeddingFormat(InputFormat):
-    """A layout of precomputed embeddings: `claim` recognises the sources, `open` fills the spec
-    (every structural problem a UserError there), `units` and `batches` read it."""
-
-    kind = "embeddings"
+    name: ClassVar[str]
+    label: ClassVar[str]
+    priority: ClassVar[int] = 100  # detection asks lower numbers first
     default_fields: ClassVar[tuple[str | None, str | None]] = (None, None)  # (left, right) when not given
-    # rows are arrays at fixed offsets (`spec.npy`), readable by position with `NpyFiles` (what dedup needs)
+    # rows are arrays at fixed offsets (`source.npy`), readable by position with `NpyFiles` (what dedup needs)
     rows_in_place: ClassVar[bool] = True
 
     @classmethod
-    def claim(cls, sources: list[str], forced: bool = False) -> bool:
-        return False
-
-    read = None  # rows come block by block as vectors (`iter_batches`), never as decoded pairs
-
     @abstractmethod
-    def open(self) -> None:
-        """Fill the spec from the sources (every structural problem a UserError)."""
+    def claim(cls, sources: list[str]) -> bool:
+        """Whether these paths are this layout."""
 
-    def units(self, unit_rows: int) -> list[str]:
-        return [str(Unit.rows(n.left, a, min(a + unit_rows, n.rows))) for n in self.spec.npy
+    @classmethod
+    @abstractmethod
+    def locate(cls, request: Request) -> Located:
+        """The arrays or files that hold the rows (every structural problem a UserError)."""
+
+    @classmethod
+    def units(cls, source: EmbeddingSource, unit_rows: int) -> list[str]:
+        return [str(Unit.rows(n.left, a, min(a + unit_rows, n.rows))) for n in source.npy
                 for a in range(0, n.rows, unit_rows)]
 
-    def batches(self, unit: str, batch_rows: int) -> Iterator["EmbeddingBatch"]:
+    @classmethod
+    def batches(cls, source: EmbeddingSource, unit: str, batch_rows: int) -> Iterator[EmbeddingBatch]:
         parsed = Unit.parse(unit)
         left_path, start, stop = parsed.path, parsed.part.start, parsed.part.stop
-        pair = next(n for n in self.spec.npy if n.left == left_path)
-        meta = _read_metadata(pair, start, stop)
+        pair = next(n for n in source.npy if n.left == left_path)
+        meta = read_metadata(pair, start, stop)
         files = NpyFiles(pair)
         try:
             for a in range(start, stop, batch_rows):
@@ -260,70 +122,73 @@ class EmbeddingFormat(InputFormat):
         finally:
             files.close()
 
-    def describe(self) -> str:
-        spec = self.spec
-        rows = sum(n.rows for n in spec.npy) if spec.npy else sum(pq.ParquetFile(p).metadata.num_rows
-                                                                 for p in spec.parquet)
-        files = len(spec.npy) or len(spec.parquet)
-        key = spec.key_field or next((n.key_column for n in spec.npy if n.key_column), None) or "none (file/row)"
-        pairs = f"; the pairs they describe: {', '.join(spec.pairs['sources'])}" if spec.pairs else ""
-        return (f"reading {self.label}: left={spec.left_field}, right={spec.right_field} ({spec.dim}-d), key={key}; "
-                f"{files} file(s), {rows:,} rows{pairs}")
+
+def _numbered(directory: Path, prefix: str, suffix: str) -> dict[str, Path]:
+    pattern = re.compile(re.escape(prefix) + r"(\d+)" + re.escape(suffix) + "$")
+    found = {}
+    for path in directory.iterdir() if directory.is_dir() else []:
+        match = pattern.match(path.name)
+        if match:
+            found[match.group(1)] = path
+    return found
 
 
-@register_format
-class ClipRetrieval(EmbeddingFormat):
+@register_layout
+class ClipRetrieval(EmbeddingLayout):
     name = "clip-retrieval"
     label = "clip-retrieval embeddings"
     priority = 10
     default_fields = ("img_emb", "text_emb")
 
     @classmethod
-    def claim(cls, sources: list[str], forced: bool = False) -> bool:
+    def claim(cls, sources: list[str]) -> bool:
         return len(sources) == 1 and Path(sources[0]).is_dir() and (Path(sources[0]) / "img_emb").is_dir()
 
-    def open(self) -> None:
-        spec = self.spec
-        if len(spec.sources) != 1 or not Path(spec.sources[0]).is_dir():
+    @classmethod
+    def locate(cls, request: Request) -> Located:
+        if len(request.sources) != 1 or not Path(request.sources[0]).is_dir():
             raise UserError("the clip-retrieval layout is one directory holding img_emb/ and text_emb/")
-        root = Path(spec.sources[0])
-        images = _numbered(root / "img_emb", _CLIP_RETRIEVAL["img_emb"], ".npy")
-        texts = _numbered(root / "text_emb", _CLIP_RETRIEVAL["text_emb"], ".npy")
-        metadata = _numbered(root / "metadata", _CLIP_RETRIEVAL["metadata"], ".parquet")
+        root = Path(request.sources[0])
+        images = _numbered(root / "img_emb", CLIP_RETRIEVAL["img_emb"], ".npy")
+        texts = _numbered(root / "text_emb", CLIP_RETRIEVAL["text_emb"], ".npy")
+        metadata = _numbered(root / "metadata", CLIP_RETRIEVAL["metadata"], ".parquet")
         if not images:
             raise UserError(f"{root}/img_emb holds no img_emb_N.npy files")
         unmatched = sorted(set(images) ^ set(texts))
         if unmatched:
             raise UserError(f"{root}: img_emb and text_emb files do not pair up (unmatched number {unmatched[0]})")
-        spec.npy = [_npy_pair(_npy_file(str(images[n])), _npy_file(str(texts[n])),
-                              str(metadata[n]) if n in metadata else None, spec.key_field)
-                    for n in sorted(images, key=int)]
-        spec.saved = read_saved_provenance(root)
-        if spec.saved:  # the pair kind and dataset the saving run scored
-            spec.pair = spec.pair or spec.saved.get("pair")
-            spec.pairs = spec.saved.get("dataset") if isinstance(spec.saved.get("dataset"), dict) else None
+        npy = tuple(npy_pair(npy_file(str(images[n])), npy_file(str(texts[n])),
+                             str(metadata[n]) if n in metadata else None, request.key_field)
+                    for n in sorted(images, key=int))
+        saved = read_saved_provenance(root)
+        if not saved:
+            return Located(npy=npy)
+        # the pair kind and dataset the saving run scored
+        return Located(npy=npy, pair=saved.get("pair"), saved=saved,
+                       pairs=saved.get("dataset") if isinstance(saved.get("dataset"), dict) else None)
 
 
-@register_format
-class NumpyPair(EmbeddingFormat):
+@register_layout
+class NumpyPair(EmbeddingLayout):
     name = "numpy"
     label = "two .npy arrays"
     priority = 30
     default_fields = ("left", "right")
 
     @classmethod
-    def claim(cls, sources: list[str], forced: bool = False) -> bool:
+    def claim(cls, sources: list[str]) -> bool:
         return bool(sources) and all(s.endswith(".npy") for s in sources)
 
-    def open(self) -> None:
-        spec = self.spec
-        if len(spec.sources) != 2:
-            raise UserError(f"the numpy layout is two .npy files (left, right), got {len(spec.sources)} path(s)")
-        spec.npy = [_npy_pair(_npy_file(spec.sources[0]), _npy_file(spec.sources[1]), spec.keys_file, spec.key_field)]
+    @classmethod
+    def locate(cls, request: Request) -> Located:
+        if len(request.sources) != 2:
+            raise UserError(f"the numpy layout is two .npy files (left, right), got {len(request.sources)} path(s)")
+        return Located(npy=(npy_pair(npy_file(request.sources[0]), npy_file(request.sources[1]), request.keys_file,
+                                     request.key_field),))
 
 
-@register_format
-class DataCompNpz(EmbeddingFormat):
+@register_layout
+class DataCompNpz(EmbeddingLayout):
     """DataComp's pool metadata: `metadata/HASH.npz` beside `metadata/HASH.parquet`, row-aligned."""
 
     name = "datacomp-npz"
@@ -339,28 +204,27 @@ class DataCompNpz(EmbeddingFormat):
         return path if path.is_dir() and any(path.glob("*.npz")) else None
 
     @classmethod
-    def claim(cls, sources: list[str], forced: bool = False) -> bool:
+    def claim(cls, sources: list[str]) -> bool:
         return bool(sources) and all(s.endswith(".npz") or cls._metadata_dir(s) is not None for s in sources)
 
-    def open(self) -> None:
-        spec = self.spec
+    @classmethod
+    def locate(cls, request: Request) -> Located:
         files: list[Path] = []
-        for source in spec.sources:
-            folder = self._metadata_dir(source)
+        for source in request.sources:
+            folder = cls._metadata_dir(source)
             files.extend(sorted(folder.glob("*.npz")) if folder is not None else [Path(source)])
-        spec.npy = []
+        npy = []
+        left, right = request.left_field, request.right_field
         for npz in files:
             metadata = npz.with_suffix(".parquet")
-            spec.npy.append(_npy_pair((f"{npz}[{spec.left_field}]", str(npz), *_npz_member(str(npz), spec.left_field)),
-                                      (f"{npz}[{spec.right_field}]", str(npz), *_npz_member(str(npz), spec.right_field)),
-                                      str(metadata) if metadata.is_file() else None, spec.key_field, ("uid",)))
-        spec.pairs = self._pairs(files)
+            npy.append(npy_pair((f"{npz}[{left}]", str(npz), *npz_member(str(npz), left)),
+                                (f"{npz}[{right}]", str(npz), *npz_member(str(npz), right)),
+                                str(metadata) if metadata.is_file() else None, request.key_field, ("uid",)))
+        return Located(npy=tuple(npy), pairs=cls._pairs(files))
 
     @staticmethod
     def _pairs(files: list[Path]) -> dict | None:
         """The pool's shards: `shards/` beside `metadata/`, as download_upstream.py lays the pool out."""
-        from pairclean.data.manifest import open_dataset
-
         roots = {f.parent.parent for f in files if f.parent.name == "metadata"}
         if len(roots) != 1 or not (shards := next(iter(roots)) / "shards").is_dir():
             return None
@@ -370,8 +234,35 @@ class DataCompNpz(EmbeddingFormat):
             return None
 
 
-@register_format
-class ParquetEmbeddings(EmbeddingFormat):
+def _check_parquet(path: str, left_field: str, right_field: str, key_field: str | None) -> None:
+    try:
+        names = pq.ParquetFile(path).schema_arrow
+    except Exception as exc:  # pyarrow raises several types for a file that is not Parquet
+        raise UserError(f"cannot read Parquet {path}: {str(exc).splitlines()[0][:200]}") from None
+    for name in (left_field, right_field) + ((key_field,) if key_field else ()):
+        if name not in names.names:
+            raise ConfigError(f"{path} has no column {name!r} (it has {names.names}); "
+                              "name the columns with `left_field` / `right_field` / `key_field`",
+                              "left_field", "right_field", "key_field")
+    for name in (left_field, right_field):
+        kind = names.field(name).type
+        if not (pa.types.is_list(kind) or pa.types.is_large_list(kind) or pa.types.is_fixed_size_list(kind)) \
+                or not pa.types.is_floating(kind.value_type):
+            raise UserError(f"column {name!r} of {path} is {kind}; an embedding column must be a list of floats")
+
+
+def _parquet_dim(paths: tuple[str, ...], column: str) -> int:
+    """The embedding dimension: the length of the first non-null vector of the left column."""
+    for path in paths:
+        for batch in pq.ParquetFile(path).iter_batches(batch_size=1024, columns=[column]):
+            lengths = pc.drop_null(pc.list_value_length(batch.column(0)))
+            if len(lengths):
+                return int(lengths[0].as_py())
+    raise UserError(f"column {column!r} holds no embedding in {', '.join(paths)}")
+
+
+@register_layout
+class ParquetEmbeddings(EmbeddingLayout):
     name = "parquet-embeddings"
     label = "Parquet embeddings"
     priority = 40
@@ -379,57 +270,49 @@ class ParquetEmbeddings(EmbeddingFormat):
     rows_in_place = False  # list columns: a row is found by decoding its page, not at an offset
 
     @classmethod
-    def claim(cls, sources: list[str], forced: bool = False) -> bool:
+    def claim(cls, sources: list[str]) -> bool:
         return bool(sources) and all(s.endswith(".parquet") or (Path(s).is_dir() and any(Path(s).glob("*.parquet")))
                                      for s in sources)
 
-    def open(self) -> None:
-        from pairclean.data.manifest import resolve_shards
+    @classmethod
+    def locate(cls, request: Request) -> Located:
+        parquet = tuple(s for s in resolve_shards(list(request.sources)) if s.endswith(".parquet"))
+        if not parquet:
+            raise UserError(f"no .parquet files in {', '.join(request.sources)}")
+        for path in parquet:
+            _check_parquet(path, request.left_field, request.right_field, request.key_field)
+        return Located(parquet=parquet)
 
-        spec = self.spec
-        spec.parquet = [s for s in resolve_shards(spec.sources) if s.endswith(".parquet")]
-        if not spec.parquet:
-            raise UserError(f"no .parquet files in {', '.join(spec.sources)}")
-        for path in spec.parquet:
-            _check_parquet(path, spec.left_field, spec.right_field, spec.key_field)
-
-    def units(self, unit_rows: int) -> list[str]:
-        return [str(Unit.row_group(path, i)) for path in self.spec.parquet
+    @classmethod
+    def units(cls, source: EmbeddingSource, unit_rows: int) -> list[str]:
+        return [str(Unit.row_group(path, i)) for path in source.parquet
                 for i in range(max(pq.ParquetFile(path).num_row_groups, 1))]
 
-    def batches(self, unit: str, batch_rows: int) -> Iterator["EmbeddingBatch"]:
-        spec = self.spec
+    @classmethod
+    def batches(cls, source: EmbeddingSource, unit: str, batch_rows: int) -> Iterator[EmbeddingBatch]:
         parsed = Unit.parse(unit)
         path, rg = parsed.path, parsed.part
         pf = pq.ParquetFile(path)
         if pf.num_row_groups == 0:
             return
         offset = sum(pf.metadata.row_group(i).num_rows for i in range(rg))
-        columns = [spec.left_field, spec.right_field] + ([spec.key_field] if spec.key_field else [])
+        columns = [source.left_field, source.right_field] + ([source.key_field] if source.key_field else [])
         for batch in pf.iter_batches(batch_size=batch_rows, row_groups=[rg], columns=columns):
-            left, bad = _list_column(batch.column(spec.left_field), spec.dim, "left")
-            right, bad_right = _list_column(batch.column(spec.right_field), spec.dim, "right")
+            left, bad = list_column(batch.column(source.left_field), source.dim, "left")
+            right, bad_right = list_column(batch.column(source.right_field), source.dim, "right")
             for i, reason in bad_right.items():
                 bad.setdefault(i, reason)
-            keys = pc.cast(batch.column(spec.key_field), pa.string()) if spec.key_field else None
+            keys = pc.cast(batch.column(source.key_field), pa.string()) if source.key_field else None
             yield EmbeddingBatch(path, np.arange(offset, offset + batch.num_rows, dtype=np.int64), keys,
                                  ArrayRows(left, right), bad)
             offset += batch.num_rows
 
 
-def read_saved_provenance(directory: str | Path) -> dict | None:
-    """What `score --save-embeddings` recorded beside the embeddings (None: another tool wrote them)."""
-    path = Path(directory) / SAVED_PROVENANCE
-    if not path.is_file():
-        return None
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise UserError(f"cannot read {path}: {str(exc).splitlines()[0][:200]}") from None
+# -- opening -----------------------------------------------------------------------------------
 
 
 def detect_layout(sources: list[str]) -> str:
-    for cls in by_priority("embeddings"):
+    for cls in sorted(LAYOUTS.values(), key=lambda c: c.priority):
         if cls.claim(sources):
             return cls.name
     raise ConfigError("cannot tell the embeddings layout of " + ", ".join(sources) + ": give a clip-retrieval "
@@ -440,13 +323,13 @@ def detect_layout(sources: list[str]) -> str:
 
 def open_embeddings(sources: str | list[str], layout: str = "auto", pair: str | None = None,
                     left_field: str | None = None, right_field: str | None = None, key_field: str | None = None,
-                    keys: str | None = None) -> EmbeddingSpec:
-    """Resolve and check an embeddings input; every structural problem is a UserError here."""
+                    keys: str | None = None) -> EmbeddingSource:
+    """Resolve and check an embeddings input once; every structural problem is a UserError here."""
     sources = [sources] if isinstance(sources, str) else list(sources)
     for s in sources:
         if not Path(s).exists():
             raise UserError(f"path not found: {s}")
-    check_choice(layout, ("auto", *(n for n, c in REGISTRY.items() if c.kind == "embeddings")), "layout")
+    check_choice(layout, ("auto", *LAYOUTS), "layout")
     layout = detect_layout(sources) if layout == "auto" else layout
     if pair is not None:
         check_choice(pair, PAIR_KINDS, "pair")
@@ -454,229 +337,16 @@ def open_embeddings(sources: str | list[str], layout: str = "auto", pair: str | 
         raise ConfigError("`keys` names the key file of the numpy layout (LEFT.npy RIGHT.npy); "
                           "clip-retrieval and DataComp keys come from their metadata, Parquet keys from `key_field`",
                           "keys", "key_field")
-    cls = REGISTRY[layout]
-    spec = EmbeddingSpec(layout=layout, pair=pair, sources=sources,
-                         left_field=left_field or cls.default_fields[0], right_field=right_field or cls.default_fields[1],
-                         key_field=key_field, keys_file=keys)
-    spec.input_format.open()
-    spec.pair = spec.pair or "image-text"  # unless the layout recorded it (a directory `score --save-embeddings` wrote)
-    dims = {n.dim for n in spec.npy} if spec.npy else {_parquet_dim(spec.parquet, spec.left_field)}
+    cls = LAYOUTS[layout]
+    request = Request(tuple(sources), left_field or cls.default_fields[0], right_field or cls.default_fields[1],
+                      key_field, keys)
+    found = cls.locate(request)
+    dims = {n.dim for n in found.npy} if found.npy else {_parquet_dim(found.parquet, request.left_field)}
     if len(dims) > 1:
         raise UserError(f"the embedding files have different dimensions: {sorted(dims)}")
-    spec.dim = dims.pop() if dims else None
-    if spec.key_field is None:
-        spec.key_field = next((n.key_column for n in spec.npy if n.key_column), None)
-    return spec
-
-
-# -- reading batches ---------------------------------------------------------------------------
-
-_buffers = threading.local()  # per-thread, reused block buffers: no allocation, no page faults
-
-
-def block_buffer(slot: str, dtype: np.dtype, dim: int) -> np.ndarray:
-    """A per-thread buffer of BLOCK_ROWS rows, reused for every block read into (or converted in) this slot."""
-    cache = _buffers.__dict__.setdefault("arrays", {})
-    key = (slot, dtype.str, dim, BLOCK_ROWS)
-    if key not in cache:
-        cache[key] = np.empty((BLOCK_ROWS, dim), dtype=dtype)
-    return cache[key]
-
-
-class ArrayRows:
-    """Row pairs already in memory (a Parquet batch)."""
-
-    def __init__(self, left: np.ndarray, right: np.ndarray):
-        self.left, self.right = left, right
-
-    def __len__(self) -> int:
-        return len(self.left)
-
-    def block(self, a: int, b: int) -> tuple[np.ndarray, np.ndarray]:
-        return self.left[a:b], self.right[a:b]
-
-    def arrays(self) -> tuple[np.ndarray, np.ndarray]:
-        return self.left, self.right
-
-
-class NpyFiles:
-    """The two open files of an .npy pair, read with pread at row offsets (thread-safe, no seek).
-
-    Reading rather than mapping keeps resident memory to the blocks being scored and avoids one
-    page fault per 4 kB: a block lands in a reused buffer that stays in cache while it is scored.
-    """
-
-    def __init__(self, pair: NpyPair):
-        self.dtype, self.dim = np.dtype(pair.dtype), pair.dim
-        self.row_bytes = self.dim * self.dtype.itemsize
-        self.offsets = [pair.left_offset, pair.right_offset]
-        self.paths = [pair.left, pair.right]
-        self.fds: list[int] = []
-        try:
-            for path in self.paths:
-                self.fds.append(os.open(path, os.O_RDONLY))
-        except OSError:
-            self.close()
-            raise
-
-    def read(self, side: int, row: int, out: np.ndarray) -> None:
-        view = memoryview(out).cast("B")
-        offset = self.offsets[side] + row * self.row_bytes
-        while len(view):
-            if hasattr(os, "preadv"):
-                n = os.preadv(self.fds[side], [view], offset)
-            else:
-                data = os.pread(self.fds[side], len(view), offset)
-                n = len(data)
-                view[:n] = data
-            if n == 0:
-                raise OSError(f"{self.paths[side]} ended early: rows {row}..{row + len(out) - 1} are not all there")
-            view, offset = view[n:], offset + n
-
-    def close(self) -> None:
-        for fd in self.fds:
-            os.close(fd)
-
-
-class NpyRows:
-    """Rows [start, stop) of an .npy pair, read block by block into per-thread buffers."""
-
-    def __init__(self, files: NpyFiles, start: int, stop: int):
-        self.files, self.start, self.stop = files, start, stop
-
-    def __len__(self) -> int:
-        return self.stop - self.start
-
-    def block(self, a: int, b: int) -> tuple[np.ndarray, np.ndarray]:
-        out = []
-        for side, slot in ((0, "raw-left"), (1, "raw-right")):
-            buf = block_buffer(slot, self.files.dtype, self.files.dim)[:b - a]
-            self.files.read(side, self.start + a, buf)
-            out.append(buf)
-        return out[0], out[1]
-
-    def arrays(self) -> tuple[np.ndarray, np.ndarray]:
-        return self.array(0), self.array(1)
-
-    def array(self, side: int) -> np.ndarray:
-        """One side's rows (0: left, 1: right), read whole into a new array."""
-        array = np.empty((len(self), self.files.dim), dtype=self.files.dtype)
-        self.files.read(side, self.start, array)
-        return array
-
-
-@dataclass
-class EmbeddingBatch:
-    shard: str
-    index: np.ndarray  # row numbers within `shard`
-    keys: pa.Array | None
-    rows: ArrayRows | NpyRows
-    bad: dict[int, str] = field(default_factory=dict)  # row position -> reason it has no usable vector
-    origin: tuple[pa.Array, pa.Array] | None = None  # (shard, index) of each row's pair in its dataset, if recorded
-
-    def identity(self) -> tuple[pa.Array, pa.Array, np.ndarray]:
-        """(key, shard, index) of every row, as the scores file names the pair: where the metadata
-        records the pair's dataset shard and index (`score --save-embeddings`), those, so scores
-        computed again from the embeddings join the first run's and its truth; else the embedding
-        file and the row in it, and `<file stem>/<row>` for a missing key."""
-        keys = self.keys if self.keys is not None else _default_keys(self.shard, self.index)
-        if self.origin is not None:
-            return keys, self.origin[0], self.origin[1].to_numpy(zero_copy_only=False)
-        return keys, pa.repeat(self.shard, len(self.index)), self.index
-
-
-def _default_keys(shard: str, index: np.ndarray) -> pa.Array:
-    """`<file stem>/<row>` for rows without a key file."""
-    return pc.binary_join_element_wise(Path(shard).stem, pc.cast(pa.array(index), pa.string()), "/")
-
-
-def _read_metadata(pair: NpyPair, start: int, stop: int) -> pa.Table | None:
-    """The key (and origin) columns of rows [start, stop) from the pair's metadata file, reading
-    only the row groups they span."""
-    if pair.keys is None:
-        return None
-    pf = pq.ParquetFile(pair.keys)
-    groups, first, offset = [], None, 0
-    for i in range(pf.num_row_groups):
-        n = pf.metadata.row_group(i).num_rows
-        if offset + n > start and offset < stop:
-            groups.append(i)
-            first = offset if first is None else first
-        offset += n
-    columns = [pair.key_column, *(ORIGIN_COLUMNS if pair.origin else ())]
-    table = pf.read_row_groups(groups, columns=columns).slice(start - first, stop - start)
-    return pa.table([pc.cast(table.column(0), pa.string()),
-                     *([pc.cast(table.column(1), pa.string()), pc.cast(table.column(2), pa.int64())]
-                       if pair.origin else [])],
-                    names=["key", *(ORIGIN_COLUMNS if pair.origin else ())])
-
-
-def _list_column(column: pa.Array, dim: int, what: str) -> tuple[np.ndarray, dict[int, str]]:
-    """(rows x dim float array, bad rows) from a list<float> column; a null or wrongly sized list
-    becomes a bad row (zeros in the array)."""
-    if isinstance(column, pa.ChunkedArray):
-        column = column.combine_chunks()
-    lengths = pc.list_value_length(column).to_numpy(zero_copy_only=False)
-    nulls = column.is_null().to_numpy(zero_copy_only=False)
-    good = ~nulls & (np.nan_to_num(lengths, nan=-1) == dim)
-    out = np.zeros((len(column), dim), dtype=np.float32)
-    if good.all():
-        out[:] = column.flatten().to_numpy(zero_copy_only=False).reshape(len(column), dim)
-    elif good.any():
-        kept = column.filter(pa.array(good))
-        out[good] = kept.flatten().to_numpy(zero_copy_only=False).reshape(int(good.sum()), dim)
-    bad = {int(i): (f"missing {what} embedding" if nulls[i] else
-                    f"{what} embedding has {int(lengths[i])} values, expected {dim}") for i in np.flatnonzero(~good)}
-    return out, bad
-
-
-def iter_batches(spec: EmbeddingSpec, unit: str, batch_rows: int) -> Iterator[EmbeddingBatch]:
-    """The unit's rows in batches of at most `batch_rows`, as the layout reads them."""
-    return spec.input_format.batches(unit, batch_rows)
-
-
-def write_embedding_block(directory: str | Path, number: int, left: np.ndarray, right: np.ndarray,
-                          metadata: pa.Table | None = None, temp_dir: str | Path | None = None) -> int:
-    """Write block `number` of clip-retrieval's layout under `directory` (img_emb/img_emb_N.npy,
-    text_emb/text_emb_N.npy, metadata/metadata_N.parquet): row-aligned left / right vectors and
-    their metadata (key, and `shard`, `index` where the pairs' dataset is known). Each file is
-    written under a temp name and renamed into place, so a block is rewritten whole or not at all;
-    the bytes written. The one writer of the layout (`write_embeddings`, `score --save-embeddings`)."""
-    from pairclean.ops.atomic import atomic_path
-
-    directory = Path(directory)
-    if left.shape != right.shape or left.ndim != 2:
-        raise UserError(f"left {left.shape} and right {right.shape} must be the same 2-D shape")
-    if metadata is not None and metadata.num_rows != len(left):
-        raise UserError(f"metadata holds {metadata.num_rows} rows for {len(left)} embeddings")
-    written = 0
-    for sub, array in (("img_emb", left), ("text_emb", right)):
-        (directory / sub).mkdir(parents=True, exist_ok=True)
-        with atomic_path(directory / sub / f"{_CLIP_RETRIEVAL[sub]}{number}.npy", temp_dir=temp_dir) as path:
-            with open(path, "wb") as fh:
-                np.save(fh, array)
-            written += path.stat().st_size
-    if metadata is not None:
-        (directory / "metadata").mkdir(parents=True, exist_ok=True)
-        with atomic_path(directory / "metadata" / f"{_CLIP_RETRIEVAL['metadata']}{number}.parquet",
-                         temp_dir=temp_dir) as path:
-            pq.write_table(metadata, path)
-            written += path.stat().st_size
-    return written
-
-
-def write_embeddings(directory: str | Path, chunks: Iterable[tuple[np.ndarray, np.ndarray, list[str] | None]],
-                     overwrite: bool = False) -> Path:
-    """Write row-aligned (left, right, keys) chunks in clip-retrieval's layout, one numbered block
-    per chunk (benchmarks and tests use it; so can users handing their own arrays to
-    `pairclean score --from-embeddings`). Chunks are written as they come: memory is one chunk."""
-    from pairclean.ops.guard import open_output
-
-    target = open_output(directory, (), "out", kind="directory", overwrite=overwrite)
-    with target.stage() as tmp:
-        for sub in _CLIP_RETRIEVAL:
-            (tmp / sub).mkdir()
-        for number, (left, right, keys) in enumerate(chunks):
-            write_embedding_block(tmp, number, left, right,
-                                  pa.table({"key": pa.array(keys, pa.string())}) if keys is not None else None)
-    return target.path
+    return EmbeddingSource(
+        layout=layout, pair=pair or found.pair or "image-text",  # else the kind the files record
+        sources=request.sources, left_field=request.left_field, right_field=request.right_field,
+        key_field=key_field or next((n.key_column for n in found.npy if n.key_column), None),
+        dim=dims.pop() if dims else None, reader=cls, npy=found.npy, parquet=found.parquet, keys_file=keys,
+        pairs=found.pairs, saved=found.saved)

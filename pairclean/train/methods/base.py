@@ -32,7 +32,8 @@ from typing import Any, Callable, ClassVar
 import torch
 
 from pairclean.config import check_choice, check_value, declarations, parse_value
-from pairclean.data.manifest import DatasetSpec
+from pairclean.data.dataset import Dataset
+from pairclean.data.spec import DatasetSpec
 from pairclean.errors import ConfigError, UserError
 from pairclean.ops.notices import notice
 from pairclean.train.data import BatchPlan, ShardInfo
@@ -43,7 +44,8 @@ from pairclean.train.loss import weighted_infonce
 class MethodContext:
     """What a method may use: the data, the target, the run directory, the trainer's settings."""
 
-    spec: DatasetSpec
+    dataset: Dataset  # what reads the training data
+    spec: DatasetSpec  # the dataset's spec (plain data: pair kind, shards, fields)
     shards: list[ShardInfo]
     target: Any
     run_dir: Path

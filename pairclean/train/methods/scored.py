@@ -70,7 +70,7 @@ class ScoredMethod(Method):
         announced to every rank; in one process, built here."""
         o = self.options
         self.join = distributed.on_main(lambda: build_weight_arrays(
-            o.scores, ctx.spec, ctx.shards, ctx.run_dir, column=self.weight_column(), predicate=o.filter, join=o.join,
+            o.scores, ctx.dataset, ctx.shards, ctx.run_dir, column=self.weight_column(), predicate=o.filter, join=o.join,
             on_missing=o.on_missing, attach=o.attachments()))
         return BatchPlan(weights_dir=self.join.directory, shard_files=self.join.shard_files, pairs=self.join.kept)
 
