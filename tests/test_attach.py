@@ -10,7 +10,8 @@ import pytest
 from helpers import run_cli
 
 from pairclean.errors import ConfigError, UserError
-from pairclean.scores.db import ScoresDB, compile_predicate, parse_attachments
+from pairclean.config import parse_attachments
+from pairclean.scores.db import ScoresDB, check_attach_name, compile_predicate
 
 KEPT = '(shard, "index") IN (SELECT shard, "index" FROM dedup WHERE kept)'
 
@@ -48,7 +49,7 @@ def test_attach_opens_no_other_file(coco_scores, dedup_file, tmp_path):
 ])
 def test_bad_attach_specs_are_refused(specs, message):
     with pytest.raises(ConfigError, match=message) as caught:
-        parse_attachments(specs)
+        parse_attachments(specs, check_name=check_attach_name)
     assert caught.value.fields == ("attach",)
 
 

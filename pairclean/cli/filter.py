@@ -122,7 +122,8 @@ def filter_command(
         raise UserError("give --out DIR (or --keys-out FILE, or --dry-run)")
     from pairclean.curate.filter import attachments, filter_dataset
     from pairclean.scores.contract import read_metadata, scored_pairs
-    from pairclean.scores.db import ScoresDB, parse_attachments
+    from pairclean.config import parse_attachments
+    from pairclean.scores.db import ScoresDB, check_attach_name
 
     scores, shards = scores_and_shards(source, scores)
     if out is not None and not dry_run:  # the names given; filter_dataset checks the files it reads
@@ -136,7 +137,7 @@ def filter_command(
                         "their pairs): give the shards, pairclean filter SHARDS --scores SCORES")
     if data is not None:
         announce(data)
-    tables = parse_attachments(attach)
+    tables = parse_attachments(attach, check_name=check_attach_name)
     with ScoresDB(scores, attach=attachments(data, tables)) as db:
         with Progress(TextColumn("{task.description}", markup=False), BarColumn(), MofNCompleteColumn(), TextColumn("shards", markup=False),
                       TimeElapsedColumn(), console=console, transient=True) as bar:

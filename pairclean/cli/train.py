@@ -22,6 +22,7 @@ from pairclean.ops.guard import open_output
 from pairclean.cli.app import Command, announce, app, console
 from pairclean.cli.progress import RichProgress
 from pairclean.cli.terminal import print_table
+from pairclean.config import split_option
 from pairclean.errors import ConfigError, UserError
 
 SHORTCUTS_GIVEN = "pairclean_method_shortcuts"  # ctx.meta key: {option name: value} of the shortcut flags
@@ -97,10 +98,11 @@ def method_and_options(method: Optional[str], given: dict, extra: list[str]) -> 
             raise UserError(f"{set_by[option]} and {flag} both set {option}: give one")
         chosen[option], set_by[option] = value, flag
     for item in extra:
-        if "=" not in item:
+        option = split_option(item)
+        if option is None:
             raise UserError(f"--method-option takes key=value, not {item!r}")
-        key, value = item.split("=", 1)
-        chosen[key.strip().replace("-", "_")] = value
+        key, value = option
+        chosen[key.replace("-", "_")] = value
     return method, chosen
 
 
@@ -152,7 +154,7 @@ def list_method_options(ctx: typer.Context, value: Optional[List[str]]):
     from pairclean.train import METHODS, Method, build_method
 
     epochs, named = ctx.params.get("epochs", 5), ctx.params.get("method")
-    given = dict(item.split("=", 1) for item in value if "=" in item)
+    given = dict(option for item in value if (option := split_option(item)) is not None)
     table = Table(title="pairclean train --method NAME --method-option key=value")
     for column in ("method", "what it does", "options (default)", "shortcut flags", f"schedule at --epochs {epochs}"):
         table.add_column(column)
