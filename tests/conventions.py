@@ -2,7 +2,7 @@
 
 Layers, ground first (a module imports only from its own layer and those below):
 
-    errors, config < ops < data < backends < core < scores < scoring, curate < dedup < train < lab < cli
+    errors, config < ops < runs < data < backends < core < scores < scoring, curate < dedup < train < lab < cli
 
 Packages of one layer (`scoring`, `curate`) stand side by side and do not import each other.
 `tests/test_layers.py` holds every import statement of the package to `LAYERS` (deferred imports
@@ -27,12 +27,13 @@ from typing import Iterator
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("", "errors", "config"),
     ("ops",),
+    ("runs",),  # the resumable run's engine (part store, claims, the output guard once), for scoring, dedup, train
     ("data",),
     ("backends",),
     ("core",),
     ("scores",),
     ("scoring", "curate"),
-    ("dedup",),  # reads saved embeddings and a scores file, and keeps its parts in scoring's part store
+    ("dedup",),  # reads saved embeddings and a scores file
     ("train",),
     ("lab",),
     ("cli",),

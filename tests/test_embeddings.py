@@ -20,7 +20,7 @@ from pairclean.scoring.embeddings import EmbeddingScoreConfig, random_embeddings
 from pairclean.errors import UserError
 from pairclean.scores.contract import SCORES_SCHEMA, read_provenance
 from pairclean.core.scorer import cosine_similarity
-from pairclean.scoring.parts import parts_dir_for
+from pairclean.runs import parts_dir_for
 
 DIM = 16
 

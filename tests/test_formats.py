@@ -123,12 +123,10 @@ def test_a_compressed_npz_is_refused_with_the_fix(tmp_path):
 
 
 def test_an_error_reason_is_cut_before_it_is_stored(tmp_path):
-    from pairclean.scoring.parts import MAX_ERROR_CHARS, PartStore
+    from pairclean.scoring.parts import MAX_ERROR_CHARS, part_table
 
-    store = PartStore(tmp_path / "parts")
-    store.dir.mkdir()
-    store.commit("u", {"key": ["k"], "shard": ["s"], "index": [0], "sim": [None], "error": ["x" * 10_000]}, {})
-    (error,) = pq.read_table(store.part_path("u")).column("error").to_pylist()
+    part = part_table({"key": ["k"], "shard": ["s"], "index": [0], "sim": [None], "error": ["x" * 10_000]})
+    (error,) = part.table.column("error").to_pylist()
     assert len(error) == MAX_ERROR_CHARS
 
 

@@ -315,11 +315,11 @@ def test_a_process_refused_at_begin_leaves_the_winners_run_alone(tmp_path, monke
     import subprocess
     import sys
 
-    from pairclean.scoring.parts import PartStore, parts_dir_for
+    from pairclean.runs import PartStore, parts_dir_for
 
     out = tmp_path / "scores.parquet"
     winner = subprocess.Popen([sys.executable, "-c", (
-        "import sys, pathlib; from pairclean.scoring.parts import PartStore, parts_dir_for\n"
+        "import sys, pathlib; from pairclean.runs import PartStore, parts_dir_for\n"
         f"store = PartStore(parts_dir_for(pathlib.Path({str(out)!r})))\n"
         "store.begin(pathlib.Path(" + repr(str(out)) + "), {'a': 1}, ['u'])\n"
         "print('ready', flush=True); sys.stdin.read()")], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)

@@ -141,6 +141,8 @@ def _commands() -> list[str]:
         yield prefix.strip()
         for name, sub in getattr(command, "commands", {}).items():
             yield from walk(sub, f"{prefix} {name}")
+        for mode in command.modes() if hasattr(command, "modes") else ():
+            yield from walk(mode.command, f"{prefix} {mode.flag}")  # `score --from-embeddings`: a mode with its own help
     return sorted(walk(typer.main.get_command(app)))
 
 

@@ -10,7 +10,9 @@ of a Python type (`<list[str]>`); a flag has none. Every command and command gro
 """
 
 import typing
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import typer
 from typer.core import TyperCommand, TyperGroup
@@ -85,23 +87,32 @@ class Command(TyperCommand):
         return pieces
 
 
+@dataclass(frozen=True)
+class Mode:
+    """A mode of a command: the flag that selects it, the command it becomes, one line of help."""
+
+    flag: str
+    command: Any
+    line: str
+
+
 class ModalCommand(Command):
     """A command with modes: a flag that makes it another command with only its own options
     (`pairclean score SHARDS` runs a model; `pairclean score EMBEDDINGS --from-embeddings` scores
     precomputed vectors). The flag may stand anywhere before `--`; the mode's command parses the
     rest, runs, and has its own help (`pairclean score --from-embeddings --help`). A subclass
-    names its modes in `modes()`: flag -> (click command, one line for this command's help)."""
+    names its modes in `modes()`."""
 
-    def modes(self) -> dict[str, tuple]:
-        return {}
+    def modes(self) -> tuple[Mode, ...]:
+        return ()
 
     def make_context(self, info_name, args, parent=None, **extra):
         args = list(args)
         given = args[:args.index("--")] if "--" in args else args
-        for flag, (command, _) in self.modes().items():
-            if flag in given:
-                args.remove(flag)
-                return command.make_context(f"{info_name} {flag}", args, parent=parent, **extra)
+        for mode in self.modes():
+            if mode.flag in given:
+                args.remove(mode.flag)
+                return mode.command.make_context(f"{info_name} {mode.flag}", args, parent=parent, **extra)
         return super().make_context(info_name, args, parent=parent, **extra)
 
     def invoke(self, ctx):
@@ -110,8 +121,8 @@ class ModalCommand(Command):
     def format_options(self, ctx, formatter) -> None:
         super().format_options(ctx, formatter)
         with formatter.section("Modes"):
-            formatter.write_dl([(flag, f"{line} Its options: {ctx.command_path} {flag} --help.")
-                                for flag, (_, line) in self.modes().items()])
+            formatter.write_dl([(mode.flag, f"{mode.line} Its options: {ctx.command_path} {mode.flag} --help.")
+                                for mode in self.modes()])
 
 
 class Group(TyperGroup):

@@ -12,7 +12,7 @@ from rich.table import Table
 from typing_extensions import Annotated
 
 import pairclean.cli.options as options
-from pairclean.cli.app import App, ModalCommand, announce, app, console
+from pairclean.cli.app import App, ModalCommand, Mode, announce, app, console
 from pairclean.cli.progress import RichProgress
 from pairclean.cli.terminal import print_table
 from pairclean.scores.rules import DEFAULT_RULES, REGISTRY
@@ -125,10 +125,10 @@ def _embeddings_command():
 
 
 class _ScoreCommand(ModalCommand):
-    def modes(self) -> dict[str, tuple]:
-        return {FROM_EMBEDDINGS: (_embeddings_command(), "SHARDS hold precomputed embeddings (clip-retrieval output "
-                                  "directory, LEFT.npy RIGHT.npy, DataComp's metadata/ (.npz), or Parquet with two "
-                                  "embedding columns): no model is run.")}
+    def modes(self) -> tuple[Mode, ...]:
+        return (Mode(FROM_EMBEDDINGS, _embeddings_command(), "SHARDS hold precomputed embeddings (clip-retrieval "
+                     "output directory, LEFT.npy RIGHT.npy, DataComp's metadata/ (.npz), or Parquet with two embedding "
+                     "columns): no model is run."),)
 
 
 @app.command("score", cls=_ScoreCommand)
@@ -178,6 +178,6 @@ def score_command(
                       compile=compile, beta_cache=beta_cache, save_embeddings=save_embeddings,
                       embeddings_dtype=embeddings_dtype, progress=RichProgress(console))
     announce(data)
-    result = score(data, out, cfg)
+    result = score(data, out, cfg)  # the run guards `out` against every input, the names given included
     if result.summary:  # under torchrun only rank 0 finalizes and reports
         print_table(console, summary_table(result))

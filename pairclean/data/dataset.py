@@ -30,6 +30,7 @@ class Dataset:
     format's defaults here, and every read of the dataset goes through this one format object."""
 
     spec: DatasetSpec
+    named: tuple[str, ...] = ()  # what the user named, as named (a directory holding a manifest, not the manifest)
     input_format: InputFormat = field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
@@ -65,6 +66,11 @@ class Dataset:
         """(pairs in the shard that a writer can copy, why the listing stopped early)."""
         return self.input_format.rows(shard)
 
+    def inputs(self) -> list[str]:
+        """Everything the dataset reads, for the output guard: what the user named (directories
+        included) and the shard files."""
+        return [*(self.named or self.spec.sources or ()), *self.spec.shards]
+
     def describe(self) -> str:
         """The one line a run over the dataset starts with."""
         return self.input_format.describe()
@@ -89,6 +95,7 @@ def open_dataset(source: str | list[str], pair: str | None = None, fields: Field
     """The dataset a manifest path or shard patterns name, its format detected from the files
     (or `format`); explicit options (the fields given in `fields`) override the manifest and detection."""
     sources = [source] if isinstance(source, str) else list(source)
+    named = tuple(absolute_source(s) for s in sources)
     if len(sources) == 1 and (Path(sources[0]) / MANIFEST_NAME).is_file():
         sources = [str(Path(sources[0]) / MANIFEST_NAME)]  # a directory `corrupt` or `filter` wrote
     if len(sources) == 1 and sources[0].endswith((".yaml", ".yml")):
@@ -109,7 +116,7 @@ def open_dataset(source: str | list[str], pair: str | None = None, fields: Field
     spec = replace(spec, pair=pair or spec.pair, fields=fields.resolved(asdict(spec.fields)) if fields else spec.fields,
                    label_template=label_template or spec.label_template,
                    image_root=absolute_source(image_root) if image_root else spec.image_root)
-    return Dataset(validate(spec))
+    return Dataset(validate(spec), named)
 
 
 def reopen_dataset(record: dict, sources: list[str] | None = None, fields: Fields | None = None,

@@ -13,7 +13,6 @@ import re
 from dataclasses import dataclass
 from enum import Enum
 
-from pairclean.ops.urls import is_local
 
 _ROW_GROUP = re.compile(r"(?P<path>.*)#rg=(?P<n>\d+)", re.DOTALL)
 _ROWS = re.compile(r"(?P<path>.*)#rows=(?P<start>\d+)-(?P<stop>\d+)", re.DOTALL)
@@ -59,19 +58,6 @@ class Unit:
 def unit_shard(unit: str) -> str:
     """The shard (file) a unit belongs to: what the output's `shard` column holds."""
     return Unit.parse(unit).path
-
-
-def unit_fingerprint(unit: str) -> dict | None:
-    """Size and mtime of the unit's file, recorded when the unit is committed: a shard rewritten
-    after that is caught on resume instead of keeping stale rows. None for URLs and missing files."""
-    path = unit_shard(unit)
-    if not is_local(path):
-        return None
-    try:
-        info = os.stat(path)
-    except OSError:
-        return None
-    return {"size": info.st_size, "mtime_ns": info.st_mtime_ns}
 
 
 def unique_shards(shards: list[str]) -> list[str]:

@@ -1,18 +1,17 @@
-"""The score sink: one Parquet part per unit plus a JSON commit record, both written atomically.
+"""The part store: one Parquet part per unit plus a JSON commit record, both written atomically,
+in a parts directory beside the run's output.
 
 The commit record is the truth: a part without one is redone on resume, so a killed run loses
-and duplicates nothing. The parts directory also pins the run's settings, its unit list and its
-beta, so that a resumed run cannot silently mix scores computed under different settings, and
-holds a lock so that two processes never write the same run.
+and duplicates nothing. The parts directory also pins the run's settings and its unit list, so
+that a resumed run cannot silently mix results computed under different settings, and holds a
+lock so that two processes never write the same run. Its owner keeps its own records beside them
+(`read_record` / `write_record`: scoring's beta and packing, dedup's k-means and index).
 
     <out>.parts/settings.json   what a resumed run must share (written last when a run starts)
     <out>.parts/units.json      the run's units, in output order
-    <out>.parts/run.json        run id; whether the run replaces an existing output (--overwrite)
-    <out>.parts/beta.json       beta, computed once
-    <out>.parts/groups.json     the packing: units in groups whose pairs share batches (pinned at start)
-    <out>.parts/claims/N.json   who is scoring group N (created exclusively; cleared when a run starts)
+    <out>.parts/run.json        run id; whether the run replaces an existing output (overwrite)
+    <out>.parts/claims/N.json   who does item N (created exclusively; cleared when a run starts)
     <out>.parts/part-*.parquet + part-*.done.json   one part + commit record per unit
-                                (a part's `null_sim` column holds the run's null sample: see finalize)
     <out>.parts/lock            locked (lockf) by the live run
 """
 
@@ -21,37 +20,24 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import json
-import math
 import os
 import shutil
-import socket
 import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
-import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from pairclean.ops.atomic import atomic_path, remove_stale_temps, write_json
 from pairclean.errors import ConfigError, UserError
+from pairclean.ops.atomic import atomic_path, remove_stale_temps, write_json
 from pairclean.ops.faults import fault_point
-from pairclean.data.units import unit_shard
-from pairclean.scores.contract import read_provenance, read_summary
+from pairclean.ops.urls import is_local
+from pairclean.runs.claims import GroupClaims
 
-PART_SCHEMA = pa.schema([
-    ("key", pa.string()),
-    ("shard", pa.string()),
-    ("index", pa.int64()),
-    ("sim", pa.float32()),
-    ("null_sim", pa.float32()),  # the row's left with another row's right (core.scorer.null_partners); null where not drawn
-    ("error", pa.string()),
-])
 UNIT_KEYS = ("units_sha1", "n_units")  # settings that describe the unit list (compared separately)
-NON_FINITE = "no finite similarity"  # NaN/inf from the estimator, or a row it never scored
-MAX_ERROR_CHARS = 300  # an error row's reason is cut here: one line, never a dump of the row's data
 _HELD: dict[str, int] = {}  # parts directories whose run lock this process holds -> descriptor
 
 
@@ -64,49 +50,61 @@ def settings_digest(settings: dict) -> str:
     return hashlib.sha1(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()
 
 
+def units_settings(units: list[str]) -> dict:
+    """What pins a run's unit list: its digest and its length."""
+    return {"units_sha1": hashlib.sha1(json.dumps(units).encode()).hexdigest(), "n_units": len(units)}
+
+
 def _canonical(obj) -> dict:
     return json.loads(json.dumps(obj, default=str))
 
 
+def settings_changes(earlier: dict, current: dict, ignore: tuple[str, ...] = ()) -> list[tuple[str, object, object]]:
+    """(name, earlier value, current value) of every setting a resumed run would change, compared
+    as JSON stores them (a tuple is a list): what refuses a resume (scoring, dedup, training)."""
+    earlier, current = _canonical(earlier), _canonical(current)
+    return [(k, earlier.get(k), current.get(k)) for k in sorted(set(earlier) | set(current))
+            if k not in ignore and earlier.get(k) != current.get(k)]
+
+
+def file_fingerprint(path: str) -> dict | None:
+    """Size and mtime of a local file, recorded when a unit of it is committed: a file rewritten
+    after that is caught on resume instead of keeping stale rows. None for URLs and missing files."""
+    if not is_local(path):
+        return None
+    try:
+        info = os.stat(path)
+    except OSError:
+        return None
+    return {"size": info.st_size, "mtime_ns": info.st_mtime_ns}
+
+
 def _is_record(record) -> bool:
-    """A commit record as `PartStore.commit` writes it: its unit and its row counts."""
+    """A commit record as `PartStore.commit_table` writes it: its unit and its row counts."""
     counts = [record.get(k) for k in ("rows", "errors")] if isinstance(record, dict) else [None]
     return isinstance(record.get("unit") if isinstance(record, dict) else None, str) and all(
         isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in counts)
 
 
 @dataclass(frozen=True)
-class GroupClaims:
-    """Work claiming through the shared parts directory, no server: the process (rank or DataLoader
-    worker, on any node that sees the directory) that creates `claims/N.json` first scores group N.
-    The create is exclusive (O_EXCL, atomic on local filesystems and NFSv3+), so a group is
-    scored by one process however many race for it; a process that dies leaves its claim, and
-    the next run, which clears every claim once it holds the run lock, scores the group again."""
+class WrittenBy:
+    """The run a finished output records: its id and its settings' digest."""
 
-    dir: Path
-
-    def claim(self, group: int) -> bool:
-        try:
-            fd = os.open(self.dir / f"{group}.json", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        except FileExistsError:
-            return False
-        with os.fdopen(fd, "w") as fh:
-            json.dump({"rank": int(os.environ.get("RANK", "0")), "pid": os.getpid(), "host": socket.gethostname(),
-                       "time": time.time()}, fh)
-        return True
-
-    def holders(self) -> dict[int, dict]:
-        """The claims on disk, by group (unreadable ones, being written, as {})."""
-        found = {}
-        for path in self.dir.glob("*.json"):
-            try:
-                found[int(path.stem)] = json.loads(path.read_text())
-            except (OSError, ValueError):
-                found[int(path.stem)] = {}
-        return found
+    run_id: str | None
+    settings_sha1: str | None
 
 
-@dataclass
+@dataclass(frozen=True)
+class ReadBack:
+    """What the store reads back from an output, through its owner's format: which run wrote it
+    (None: not a pairclean output), its summary, and the run manifest written beside it."""
+
+    written_by: Callable[[Path], WrittenBy | None]
+    summary: Callable[[Path], dict]
+    manifest: Callable[[Path], Path]
+
+
+@dataclass(frozen=True)
 class RunStart:
     """What `PartStore.begin` decided: a fresh or a resumed run, and its units in output order."""
 
@@ -115,8 +113,9 @@ class RunStart:
 
 
 class PartStore:
-    def __init__(self, directory: Path):
+    def __init__(self, directory: Path, file_of: Callable[[str], str] = str):
         self.dir = Path(directory)
+        self.file_of = file_of  # a unit -> the file it is read from (a vanished one is only a failed unit)
         self._lock_fd: int | None = None
         self._lock_key = ""
 
@@ -146,25 +145,6 @@ class PartStore:
                 records[record["unit"]] = record
         return records
 
-    def commit(self, unit: str, columns: dict, record: dict) -> None:
-        """Write the unit's part, then its commit record. Row and error counts are taken from the
-        rows themselves; a row without a finite similarity and without an error reason becomes
-        an error row (it could be neither scored nor weighted). Columns: lists or arrays."""
-        values = pa.array(columns["sim"], type=pa.float32(), from_pandas=True).to_numpy(zero_copy_only=False)
-        bad = ~np.isfinite(values)  # NaN, inf, and None (null -> NaN)
-        error = pc.utf8_slice_codeunits(pa.array(columns["error"], type=pa.string()), 0, MAX_ERROR_CHARS)
-        unexplained = pa.array(bad & ~error.is_valid().to_numpy(zero_copy_only=False))
-        null = columns.get("null_sim")
-        null = (pa.array(null, type=pa.float32(), from_pandas=True) if null is not None
-                else pa.nulls(len(values), pa.float32()))
-        null = pc.if_else(pc.is_finite(null), null, pa.scalar(None, pa.float32()))
-        table = pa.table({"key": columns["key"], "shard": columns["shard"], "index": columns["index"],
-                          "sim": pa.array(values, type=pa.float32(), mask=bad), "null_sim": null,
-                          "error": pc.if_else(unexplained, pa.scalar(NON_FINITE), error)}, schema=PART_SCHEMA)
-        n_errors = table.num_rows - table.column("error").null_count
-        self.commit_table(unit, table, {**record, "errors": n_errors, "null_rows": table.num_rows - null.null_count},
-                          use_dictionary=["shard", "error"])  # keys are unique: no dictionary
-
     def commit_table(self, unit: str, table: pa.Table, record: dict, **write_options) -> None:
         """Write any part (a table of rows) and then its commit record (`rows` added, and `errors`
         0 unless the record counts error rows): the commit protocol of every run that keeps parts
@@ -175,20 +155,6 @@ class PartStore:
         write_json(self.record_path(unit), {"errors": 0, **record, "unit": unit, "rows": table.num_rows},
                    temp_dir=self.dir)
         fault_point("committed")
-
-    def error_counts(self, units: list[str], top: int = 5) -> list[dict]:
-        """The commonest error reasons of the committed parts, most frequent first."""
-        counts: dict[str, int] = {}
-        for unit in units:
-            column = pq.read_table(self.part_path(unit), columns=["error"]).column("error")
-            for item in pc.value_counts(pc.drop_null(column.combine_chunks())).to_pylist():
-                counts[item["values"]] = counts.get(item["values"], 0) + item["counts"]
-        ranked = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))[:top]
-        return [{"error": reason, "rows": n} for reason, n in ranked]
-
-    def common_errors(self, units: list[str]) -> str:
-        """The commonest error reasons as one line: `12 x 'missing image'; 4 x '...'`."""
-        return "; ".join(f"{c['rows']:,} x {c['error']!r}" for c in self.error_counts(units, top=2))
 
     # -- starting, resuming, finishing ------------------------------------------------------
 
@@ -231,8 +197,9 @@ class PartStore:
             else:
                 entry.unlink()
 
-    def _read(self, name: str, kind: type | None = None) -> dict | list | None:
-        """A run file as JSON (None when absent); `kind`: the type it must be."""
+    def read_record(self, name: str, kind: type | None = None) -> dict | list | None:
+        """A run file as JSON (None when absent); `kind`: the type it must be. A file that is not
+        JSON, or not of that kind, is refused (`invalid`), never repaired."""
         path = self.dir / name
         try:
             value = json.loads(path.read_text())
@@ -241,10 +208,10 @@ class PartStore:
         except (OSError, ValueError) as exc:
             raise ConfigError(f"{path} is unreadable ({exc}); pass `overwrite` to start the run over", "overwrite") from None
         if kind is not None and not isinstance(value, kind):
-            raise self._invalid(name, f"a JSON {type(value).__name__}, not a {kind.__name__}")
+            raise self.invalid(name, f"a JSON {type(value).__name__}, not a {kind.__name__}")
         return value
 
-    def _invalid(self, name: str, why: str) -> ConfigError:
+    def invalid(self, name: str, why: str) -> ConfigError:
         """The one error for resume state that does not describe a run: it is never trusted, never repaired."""
         return ConfigError(f"{self.dir / name} is not a valid record of the unfinished run ({why}); "
                            "pass `overwrite` to start the run over", "overwrite")
@@ -261,22 +228,20 @@ class PartStore:
     def _resume(self, settings: dict, units: list[str], earlier: dict) -> RunStart:
         """Continue the run in this directory: same settings, same units (shards that vanished
         since it started become failed units; new shards are refused)."""
-        current = _canonical(settings)
-        differ = sorted(k for k in set(earlier) | set(current)
-                        if k not in UNIT_KEYS and earlier.get(k) != current.get(k))
+        differ = settings_changes(earlier, settings, ignore=UNIT_KEYS)
         if differ:
-            shown = "; ".join(f"{k}: {earlier.get(k)!r} -> {current.get(k)!r}" for k in differ)
+            shown = "; ".join(f"{k}: {old!r} -> {new!r}" for k, old, new in differ)
             raise ConfigError(f"{self.dir} holds an unfinished run with different settings ({shown}); "
                             "re-run with the same settings to resume, or pass `overwrite` to start over", "overwrite")
-        pinned = self._read("units.json", list)
+        pinned = self.read_record("units.json", list)
         if pinned is not None and (not all(isinstance(u, str) for u in pinned) or len(set(pinned)) != len(pinned)):
-            raise self._invalid("units.json", "not a list of distinct units")
+            raise self.invalid("units.json", "not a list of distinct units")
         if pinned is None:
             raise ConfigError(f"{self.dir} has no units.json; pass `overwrite` to start the run over", "overwrite")
         if pinned != units:
             listed, known = set(units), set(pinned)
             added = [u for u in units if u not in known]
-            dropped = [u for u in pinned if u not in listed and os.path.exists(unit_shard(u))]
+            dropped = [u for u in pinned if u not in listed and os.path.exists(self.file_of(u))]
             if added or dropped:  # the user changed the inputs (a vanished shard is only a failed unit)
                 detail = "; ".join(([f"{len(added)} new (first: {added[0]})"] if added else []) +
                                    ([f"{len(dropped)} no longer listed (first: {dropped[0]})"] if dropped else []))
@@ -284,7 +249,8 @@ class PartStore:
                                 "re-run with the same inputs to resume, or pass `overwrite` to start over", "overwrite")
         return RunStart(resumed=True, units=pinned)
 
-    def finished(self, out: Path, settings: dict, overwrite: bool = False, resume: bool = False) -> dict | None:
+    def finished(self, out: Path, settings: dict, read_back: ReadBack, overwrite: bool = False,
+                 resume: bool = False) -> dict | None:
         """The summary of `out` if it is already the complete result of a run with these settings
         (nothing left to do), else None; call it before loading a model, so that what `begin`
         would refuse is refused at once. A parts directory that a kill between the output's
@@ -298,22 +264,19 @@ class PartStore:
             if resume and not unfinished:
                 raise UserError(f"nothing to resume: there is no unfinished run for {out} ({self.dir} not found)")
             return None
-        try:
-            provenance = read_provenance(out)
-        except (ValueError, OSError):
-            provenance = {}  # not a pairclean output
+        written_by = read_back.written_by(out)  # None: not a pairclean output
         if self.dir.is_dir():
             self._lock()
             run = self.run_info() if unfinished else {}
-            if run and provenance.get("run_id") != run.get("run_id"):
+            if run and (written_by.run_id if written_by else None) != run.get("run_id"):
                 self._unlock()
                 if run.get("replaces_output"):
                     return None  # a killed --overwrite run: begin() resumes it
                 raise ConfigError(f"{out} exists; pass `overwrite` to replace it", "overwrite")
             self.remove()  # the finished run's leftover (or a run killed before it got going)
-        if provenance and provenance.get("settings_sha1") == settings_digest(settings):
-            return read_summary(out)
-        detail = " (a finished run with other settings)" if provenance else ""
+        if written_by and written_by.settings_sha1 == settings_digest(settings):
+            return read_back.summary(out)
+        detail = " (a finished run with other settings)" if written_by else ""
         raise ConfigError(f"{out} exists{detail}; pass `overwrite` to replace it", "overwrite")
 
     def begin(self, out: Path, settings: dict, units: list[str], overwrite: bool = False,
@@ -334,7 +297,7 @@ class PartStore:
                 self.dir.mkdir(parents=True, exist_ok=True)
                 self._lock()
                 return self._start(settings, units, replaces_output=out.exists())
-            earlier = self._read("settings.json", dict) if existed else None
+            earlier = self.read_record("settings.json", dict) if existed else None
             run = self.run_info() if earlier is not None else {}
             if out.exists():
                 if earlier is not None and run.get("replaces_output"):
@@ -361,53 +324,25 @@ class PartStore:
 
     def run_info(self) -> dict:
         """run.json: the run id (stored in the output's provenance) and whether it replaces an output."""
-        return self._read("run.json", dict) or {}
+        return self.read_record("run.json", dict) or {}
 
     def settings_sha1(self) -> str | None:
-        settings = self._read("settings.json")
+        settings = self.read_record("settings.json")
         return settings_digest(settings) if settings is not None else None
 
-    def load_groups(self, units: list[str]) -> list[list[str]] | None:
-        """The pinned packing (None before it is saved), checked against the run's own units: every
-        unit in exactly one group, no other unit, every group a non-empty list of units."""
-        groups = self._read("groups.json", list)
-        if groups is None:
-            return None
-        if not all(isinstance(g, list) and g and all(isinstance(u, str) for u in g) for g in groups):
-            raise self._invalid("groups.json", "not a list of non-empty lists of units")
-        packed = [u for g in groups for u in g]
-        missing, foreign = set(units) - set(packed), set(packed) - set(units)
-        if missing or foreign or len(packed) != len(units):
-            why = "; ".join([f"{len(missing)} unit(s) in no group"] * bool(missing)
-                            + [f"{len(foreign)} unit(s) not of this run"] * bool(foreign)
-                            + ["a unit in two groups"] * (not missing and not foreign))
-            raise self._invalid("groups.json", why)
-        return groups
-
-    def save_groups(self, groups: list[list[str]]) -> None:
-        write_json(self.dir / "groups.json", groups, temp_dir=self.dir)
-
-    def fresh_claims(self) -> GroupClaims:
-        """The claims of this run, with those of earlier (dead) runs cleared: call with the run lock held."""
-        claims = self.dir / "claims"
+    def fresh_claims(self, name: str = "claims") -> GroupClaims:
+        """The claims `name` of this run, with those of earlier (dead) runs cleared: call with the
+        run lock held."""
+        claims = self.dir / name
         if claims.is_symlink() or (claims.exists() and not claims.is_dir()):
-            raise self._invalid("claims", "not a directory")
+            raise self.invalid(name, "not a directory")
         shutil.rmtree(claims, ignore_errors=True)
         claims.mkdir()
         return GroupClaims(claims)
 
-    def load_beta(self) -> dict | None:
-        """beta as saved when the run started (None before), checked: a finite number, known fields."""
-        beta = self._read("beta.json", dict)
-        known = {"mode", "beta", "std", "k", "seed", "source"}
-        if beta is not None and (set(beta) - known or not {"mode", "beta"} <= set(beta)
-                                 or isinstance(beta["beta"], bool) or not isinstance(beta["beta"], (int, float))
-                                 or not math.isfinite(beta["beta"])):
-            raise self._invalid("beta.json", "not a saved beta")
-        return beta
-
-    def save_beta(self, beta: dict) -> None:
-        write_json(self.dir / "beta.json", beta, temp_dir=self.dir)
+    def write_record(self, name: str, obj) -> None:
+        """A run file of the owner's (beta, packing, a stage's result), written atomically."""
+        write_json(self.dir / name, obj, temp_dir=self.dir)
 
     def remove(self) -> None:
         shutil.rmtree(self.dir, ignore_errors=True)

@@ -17,6 +17,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pairclean.ops.atomic import write_json
+from pairclean.runs import ReadBack, WrittenBy
 from pairclean.scores.rules import DEFAULT_RULES, REGISTRY, DecisionRule, RuleRecord, recorded_rules
 
 BASE_COLUMNS = [
@@ -202,7 +203,7 @@ def is_scores_file(path: str | Path) -> bool:
     """A Parquet file `pairclean score` wrote (it carries a provenance)."""
     try:
         return str(path).endswith(".parquet") and Path(path).is_file() and read_metadata(path)[0] is not None
-    except Exception:
+    except Exception:  # noqa: BLE001 - any file a user names: one that pyarrow cannot read is not a scores file
         return False
 
 
@@ -220,3 +221,16 @@ def read_summary(scores: str | Path) -> Summary:
     if summary is None:
         raise ValueError(f"{scores} has no pairclean summary (not written by pairclean score?)")
     return summary
+
+
+def written_by(path: Path) -> WrittenBy | None:
+    """The run a pairclean output (scores, dedup) records in its footer; None for any other file."""
+    try:
+        provenance = read_provenance(path)
+    except (ValueError, OSError):  # not Parquet, or no pairclean provenance
+        return None
+    return WrittenBy(provenance.get("run_id"), provenance.get("settings_sha1")) if provenance else None
+
+
+# How a resumable run (`runs.open_run`) reads back the outputs written with this footer.
+READ_BACK = ReadBack(written_by, read_summary, run_manifest_path)

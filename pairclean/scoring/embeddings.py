@@ -31,7 +31,7 @@ from pairclean.data.embeddings.batches import block_buffer
 from pairclean.errors import ConfigError, UserError
 from pairclean.ops.guard import Output
 from pairclean.ops.notices import notice
-from pairclean.scoring.run import Commit, Producer, RunConfig, ScoreResult, Work, run_scoring
+from pairclean.scoring.run import Commit, Finishing, Producer, RunConfig, ScoreResult, Work, run_scoring
 
 UNIT_TOLERANCE = 1e-2  # |norm - 1| above this is "not unit length" (float16 storage rounds to ~1e-3)
 NULL_PER_BATCH = 4096  # rows per batch (evenly spaced) that draw a null pair: bounds the extra dot products
@@ -278,7 +278,7 @@ class EmbeddingsProducer(Producer):
         return {}
 
     def finish(self, records: dict[str, dict], counters: dict[str, int], todo: int,
-               beta: BetaEstimate | None) -> tuple[dict, dict]:
+               beta: BetaEstimate | None) -> Finishing:
         units = list(records)
         not_unit = {side: sum(records[u].get(f"not_unit_{side}", 0) for u in units) for side in ("left", "right")}
         deviation = max((records[u].get("max_norm_deviation", 0.0) for u in units), default=0.0)
@@ -292,7 +292,7 @@ class EmbeddingsProducer(Producer):
             estimator["saved_by"] = {k: spec.saved.get(k) for k in ("estimator", "weights_sha1", "preprocessing")}
         provenance = {"estimator": estimator, "pair": spec.pair, "input_shards": spec.inputs(), "dataset": spec.record(),
                       "renormalised": {**not_unit, "max_norm_deviation": deviation}}
-        return provenance, {"not_unit_left": not_unit["left"], "not_unit_right": not_unit["right"]}
+        return Finishing(provenance, {"not_unit_left": not_unit["left"], "not_unit_right": not_unit["right"]})
 
 
 def score_embeddings(spec: EmbeddingSource, out: str | Path | Output, config: EmbeddingScoreConfig | None = None) -> ScoreResult:

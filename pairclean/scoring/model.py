@@ -39,7 +39,7 @@ from pairclean.data.spec import DatasetSpec, UnitFailure, modalities
 from pairclean.errors import ConfigError
 from pairclean.ops.atomic import remove_stale_temps, write_json
 from pairclean.scoring.beta_cache import BetaCache, cached_random_input_beta, weights_fingerprint
-from pairclean.scoring.run import Commit, Producer, RunConfig, ScoreResult, Work, run_scoring
+from pairclean.scoring.run import Commit, Finishing, Producer, RunConfig, ScoreResult, Work, run_scoring
 
 
 @dataclass
@@ -194,7 +194,9 @@ class ModelProducer(Producer):
                 "weights_sha256": weights}
 
     def input_files(self) -> list[str]:
-        return [self.cfg.pretrained] if self.cfg.pretrained and os.path.isfile(self.cfg.pretrained) else []
+        """What the user named (directories, a manifest) and a checkpoint file."""
+        pretrained = [self.cfg.pretrained] if self.cfg.pretrained and os.path.isfile(self.cfg.pretrained) else []
+        return [*self.dataset.inputs(), *pretrained]
 
     def prepare(self) -> None:
         if self.estimator is None:  # built (and so validated) before anything is written
@@ -313,7 +315,7 @@ class ModelProducer(Producer):
         return {"embeddings": len(left), "embedding_bytes": written}
 
     def finish(self, records: dict[str, dict], counters: dict[str, int], todo: int,
-               beta: BetaEstimate | None) -> tuple[dict, dict]:
+               beta: BetaEstimate | None) -> Finishing:
         batches = counters["batches"]
         fill = counters["batch_rows"] / (batches * self.cfg.batch_size) if batches else 0.0
         if notice := small_shards_notice(counters["pairs"], todo, self.cfg.batch_size, fill):
@@ -321,8 +323,8 @@ class ModelProducer(Producer):
         extra = {"batches": batches, "full_batches": counters["full_batches"], "mean_batch_fill": fill}
         if self.embeddings is not None and beta is not None:
             extra.update(self._saved_provenance(records, beta))
-        return ({"estimator": self.estimator.provenance(), "pair": self.spec.pair, "input_shards": self.spec.shards,
-                 "dataset": self.spec.record()}, extra)
+        return Finishing({"estimator": self.estimator.provenance(), "pair": self.spec.pair,
+                          "input_shards": self.spec.shards, "dataset": self.spec.record()}, extra)
 
     def _saved_provenance(self, records: dict[str, dict], beta: BetaEstimate) -> dict:
         """DIR/provenance.json, written when every unit is committed (its presence marks the
@@ -350,10 +352,9 @@ def score(source: str | list[str] | DatasetSpec | Dataset, out: str | Path | Out
     """Score every pair of `source` and write `out` (Parquet); resumes an interrupted run."""
     cfg = config or ScoreConfig()
     dataset = as_dataset(source)
-    spec = dataset.spec
     # A directory the run owns (it resumes): the blocks of committed units stay; `started` clears the rest.
     embeddings = None if cfg.save_embeddings is None else open_output(
-        cfg.save_embeddings, [*spec.sources, *spec.shards], "save_embeddings", kind="directory", overwrite=None)
+        cfg.save_embeddings, dataset.inputs(), "save_embeddings", kind="directory", overwrite=None)
     if cfg.precision == "auto":  # pinned in the settings as what it means on this machine
         cfg = replace(cfg, precision=resolve_precision(cfg.device, "auto"))
     return run_scoring(ModelProducer(dataset, cfg, estimator, embeddings), out, cfg)

@@ -22,6 +22,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from pairclean.ops.guard import Output, open_output
+from pairclean.runs import settings_changes
 from pairclean.config import (COUNT, SEED, SHARE, above, at_least, check_settings, pinned_settings, setting,
                               unpinned)
 from pairclean.ops import distributed
@@ -191,9 +192,9 @@ def train(source: str | list[str] | DatasetSpec | Dataset, out: str | Path | Out
     state = None
     if resuming:
         earlier = read_run(out).get("settings", {})
-        differ = sorted(k for k in set(earlier) | set(settings) if earlier.get(k) != settings.get(k))
+        differ = settings_changes(earlier, settings)  # the resumable run's one comparison (runs.store)
         if differ:
-            shown = "; ".join(f"{k}: {earlier.get(k)!r} -> {settings.get(k)!r}" for k in differ[:4])
+            shown = "; ".join(f"{k}: {old!r} -> {new!r}" for k, old, new in differ[:4])
             raise ConfigError(f"{out} was trained with different settings ({shown}); resume with the same settings "
                               "or set overwrite", "overwrite")
         state = load_state(out)

@@ -1,0 +1,106 @@
+"""A scoring run's own records in its part store (`runs.store.PartStore`): the part of a unit
+(key, shard, index, sim, null_sim, error), the beta computed once, and the packing of units
+into groups whose pairs share batches.
+
+    <out>.parts/beta.json       beta, computed once
+    <out>.parts/groups.json     the packing: units in groups whose pairs share batches (pinned at start)
+    <out>.parts/part-*.parquet  one part per unit (its `null_sim` column holds the run's null sample: see finalize)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from pairclean.runs.store import PartStore
+
+PART_SCHEMA = pa.schema([
+    ("key", pa.string()),
+    ("shard", pa.string()),
+    ("index", pa.int64()),
+    ("sim", pa.float32()),
+    ("null_sim", pa.float32()),  # the row's left with another row's right (core.scorer.null_partners); null where not drawn
+    ("error", pa.string()),
+])
+NON_FINITE = "no finite similarity"  # NaN/inf from the estimator, or a row it never scored
+MAX_ERROR_CHARS = 300  # an error row's reason is cut here: one line, never a dump of the row's data
+BETA_RECORD, GROUPS_RECORD = "beta.json", "groups.json"
+
+
+@dataclass(frozen=True)
+class ScoredPart:
+    """A unit's part, and the counts its commit record holds, taken from the rows themselves."""
+
+    table: pa.Table
+    errors: int  # rows without a similarity (an error reason, or no finite value)
+    null_rows: int  # rows that drew a null partner
+
+
+def part_table(columns: dict) -> ScoredPart:
+    """A unit's scored rows as its part: a row without a finite similarity and without an error
+    reason becomes an error row (it could be neither scored nor weighted). Columns: lists or arrays."""
+    values = pa.array(columns["sim"], type=pa.float32(), from_pandas=True).to_numpy(zero_copy_only=False)
+    bad = ~np.isfinite(values)  # NaN, inf, and None (null -> NaN)
+    error = pc.utf8_slice_codeunits(pa.array(columns["error"], type=pa.string()), 0, MAX_ERROR_CHARS)
+    unexplained = pa.array(bad & ~error.is_valid().to_numpy(zero_copy_only=False))
+    null = columns.get("null_sim")
+    null = (pa.array(null, type=pa.float32(), from_pandas=True) if null is not None
+            else pa.nulls(len(values), pa.float32()))
+    null = pc.if_else(pc.is_finite(null), null, pa.scalar(None, pa.float32()))
+    table = pa.table({"key": columns["key"], "shard": columns["shard"], "index": columns["index"],
+                      "sim": pa.array(values, type=pa.float32(), mask=bad), "null_sim": null,
+                      "error": pc.if_else(unexplained, pa.scalar(NON_FINITE), error)}, schema=PART_SCHEMA)
+    return ScoredPart(table, table.num_rows - table.column("error").null_count, table.num_rows - null.null_count)
+
+
+PART_WRITE_OPTIONS = {"use_dictionary": ["shard", "error"]}  # keys are unique: no dictionary
+
+
+def error_counts(store: PartStore, units: list[str], top: int = 5) -> list[dict]:
+    """The commonest error reasons of the committed parts, most frequent first."""
+    counts: dict[str, int] = {}
+    for unit in units:
+        column = pq.read_table(store.part_path(unit), columns=["error"]).column("error")
+        for item in pc.value_counts(pc.drop_null(column.combine_chunks())).to_pylist():
+            counts[item["values"]] = counts.get(item["values"], 0) + item["counts"]
+    ranked = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))[:top]
+    return [{"error": reason, "rows": n} for reason, n in ranked]
+
+
+def common_errors(store: PartStore, units: list[str]) -> str:
+    """The commonest error reasons as one line: `12 x 'missing image'; 4 x '...'`."""
+    return "; ".join(f"{c['rows']:,} x {c['error']!r}" for c in error_counts(store, units, top=2))
+
+
+def load_groups(store: PartStore, units: list[str]) -> list[list[str]] | None:
+    """The pinned packing (None before it is saved), checked against the run's own units: every
+    unit in exactly one group, no other unit, every group a non-empty list of units."""
+    groups = store.read_record(GROUPS_RECORD, list)
+    if groups is None:
+        return None
+    if not all(isinstance(g, list) and g and all(isinstance(u, str) for u in g) for g in groups):
+        raise store.invalid(GROUPS_RECORD, "not a list of non-empty lists of units")
+    packed = [u for g in groups for u in g]
+    missing, foreign = set(units) - set(packed), set(packed) - set(units)
+    if missing or foreign or len(packed) != len(units):
+        why = "; ".join([f"{len(missing)} unit(s) in no group"] * bool(missing)
+                        + [f"{len(foreign)} unit(s) not of this run"] * bool(foreign)
+                        + ["a unit in two groups"] * (not missing and not foreign))
+        raise store.invalid(GROUPS_RECORD, why)
+    return groups
+
+
+def load_beta(store: PartStore) -> dict | None:
+    """beta as saved when the run started (None before), checked: a finite number, known fields."""
+    beta = store.read_record(BETA_RECORD, dict)
+    known = {"mode", "beta", "std", "k", "seed", "source"}
+    if beta is not None and (set(beta) - known or not {"mode", "beta"} <= set(beta)
+                             or isinstance(beta["beta"], bool) or not isinstance(beta["beta"], (int, float))
+                             or not math.isfinite(beta["beta"])):
+        raise store.invalid(BETA_RECORD, "not a saved beta")
+    return beta
