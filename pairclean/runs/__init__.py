@@ -9,12 +9,22 @@
 
 A run's owner keeps only what is its own: scoring its beta, packing and finalize
 (`scoring.run`), dedup its stages (`dedup.run`).
+
+The engine (it reaches torch.distributed) loads on first use: the scores contract, which the CLI
+imports at start, names `ReadBack` without starting torch (the demo fixes torch's CPU arithmetic
+before torch starts).
 """
 
-from pairclean.runs.claims import GroupClaims
-from pairclean.runs.engine import Run, RunIdentity, Started, by_rank, open_run
-from pairclean.runs.store import (PartStore, ReadBack, RunStart, WrittenBy, parts_dir_for, settings_changes,
-                                  settings_digest)
+from importlib import import_module
 
-__all__ = ["GroupClaims", "PartStore", "ReadBack", "Run", "RunIdentity", "RunStart", "Started", "WrittenBy", "by_rank", "open_run",
-           "parts_dir_for", "settings_changes", "settings_digest"]
+_EXPORTS = {"GroupClaims": "pairclean.runs.claims", **dict.fromkeys(
+    ("Run", "RunIdentity", "Started", "by_rank", "open_run"), "pairclean.runs.engine"), **dict.fromkeys(
+    ("PartStore", "ReadBack", "RunStart", "WrittenBy", "parts_dir_for", "settings_changes", "settings_digest"),
+    "pairclean.runs.store")}
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -17,7 +17,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pairclean.ops.atomic import write_json
-from pairclean.runs import ReadBack, WrittenBy
+from pairclean.runs.store import ReadBack, WrittenBy
 from pairclean.scores.rules import DEFAULT_RULES, REGISTRY, DecisionRule, RuleRecord, recorded_rules
 
 BASE_COLUMNS = [
