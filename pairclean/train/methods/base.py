@@ -34,7 +34,7 @@ import torch
 from pairclean.config import check_choice, check_value, field_types, parse_value
 from pairclean.data.dataset import Dataset
 from pairclean.data.spec import DatasetSpec
-from pairclean.errors import ConfigError, UserError
+from pairclean.errors import UserError
 from pairclean.ops.notices import notice
 from pairclean.train.data import BatchPlan, ShardInfo
 from pairclean.train.loss import weighted_infonce
