@@ -1,10 +1,10 @@
 """The training data path: shard index, per-shard weight arrays, shuffled prepared batches.
 
 `index_shards` counts the pairs of every shard without reading pixel data (the dataset's input
-format: Parquet metadata, a tar shard's header listing, whose indexes are those `read_unit` gives).
+format: Parquet metadata, a tar shard's header listing, whose indexes are those `Dataset.read` gives).
 `TrainBatches` is an IterableDataset: units (tar shards / Parquet row groups) are shuffled per
 epoch, split by node (torch.distributed rank, a no-op in one process) then by DataLoader worker
-(webdataset's `split_by_node` / `split_by_worker`), read with the reader's `read_unit`, joined with
+(webdataset's `split_by_node` / `split_by_worker`), read with `Dataset.read`, joined with
 the shard's weight array when the shard is opened, shuffled in a bounded buffer, prepared and
 collated in the worker. The order depends only on (seed, epoch, rank, worker), so a resumed run
 sees the same batches.
