@@ -33,6 +33,7 @@ from pairclean.config import check_choice, check_pretrained
 from pairclean.errors import ConfigError, UserError
 from pairclean.backends import check_backend, load_target
 from pairclean.backends.base import PRECISIONS, autocast_context
+from pairclean.backends.feed import DeviceFeed
 from pairclean.data.manifest import DatasetSpec, open_dataset
 from pairclean.train.retrieval import JointTarget, evaluate_target
 from pairclean.data.reader import modalities
@@ -275,6 +276,9 @@ class _Towers(torch.nn.Module):
         return self.target.encode(self.left, left_batch), self.target.encode(self.right, right_batch)
 
 
+FED = ("left", "right")  # a batch's inputs end so: both sides, and an extra preparer's (`estimator_left`)
+
+
 class _Loop:
     """The optimisation state of a run and what one epoch does with it."""
 
@@ -290,6 +294,7 @@ class _Loop:
         self.done_epochs, self.step, self.best_rsum, self.best_epoch, self.history = 0, 0, None, None, []
         self.diag: DiagnosticsWriter | None = None
         self.towers = _Towers(target, ctx.left, ctx.right)
+        self.feed = DeviceFeed(target.device)  # batch i+1's copies to the device overlap step i
         if distributed.is_distributed():
             from torch.nn.parallel import DistributedDataParallel
 
@@ -379,7 +384,7 @@ class _Loop:
                 batch = next(it, None)
             if not distributed.all_reduce_min(batch is not None):
                 return
-            yield batch
+            yield {k: self.feed(v) if k.endswith(FED) else v for k, v in batch.items()}
 
     def run_epoch(self, epoch: int, loader, task) -> dict:
         """One pass over the training data; returns the epoch's metrics record so far."""
