@@ -356,13 +356,17 @@ def measure_prepare_cost(estimator, spec: DatasetSpec, max_items: int = 64, prep
 # ---------------------------------------------------------------- (b) end to end
 
 def measure_end_to_end(estimator, spec: DatasetSpec, cfg: ScoreConfig, workdir: Path) -> Phase:
+    """`score()` on the shards, its main process metered stage by stage (`extra["meter"]`: on a GPU,
+    where the host waited - for the workers in `receive`, for the device in `sink` - tells which
+    side bounds the run)."""
     out = workdir / "bench-scores.parquet"
+    meter = StageMeter()
     load0 = os.getloadavg()[0]
     gpu_peak_reset(estimator.device)
     cpu0 = cpu_seconds()
     with PeakMemory() as mem, GpuBusy(estimator.device) as busy:
         started = time.perf_counter()
-        result = score(spec, out, replace(cfg, overwrite=True, progress=SILENT), estimator=estimator)
+        result = score(spec, out, replace(cfg, overwrite=True, progress=SILENT), estimator=estimator, meter=meter)
         whole = time.perf_counter() - started
     cpu = cpu_seconds() - cpu0  # the whole call: beta (none with shuffled/fixed/cached) and finalize included
     s = result.summary
@@ -370,7 +374,8 @@ def measure_end_to_end(estimator, spec: DatasetSpec, cfg: ScoreConfig, workdir: 
              "beta_seconds": s.get("beta_seconds"), "beta_source": s.get("beta_source"),
              "errors": s.get("errors"), "workers": cfg.workers, "gpu_utilisation": busy.percent,
              "batches": s.get("batches"),
-             "full_batches": s.get("full_batches"), "mean_batch_fill": s.get("mean_batch_fill")}
+             "full_batches": s.get("full_batches"), "mean_batch_fill": s.get("mean_batch_fill"),
+             "meter": meter.summary()}
     return Phase("end-to-end scoring loop", result.pairs_scored_now, result.seconds, mem.peak_mib, mem.peak_rss_mib,
                  gpu_peak_mib(estimator.device), (load0, os.getloadavg()[0]), cpu, extra)
 
