@@ -56,6 +56,7 @@ class DeviceDecoder(ABC):
     NAME then selects it. Built once per estimator; called once per batch."""
 
     name: str
+    version: int = 1  # raised whenever its pixels change: a run's settings pin it, so a resumed run never mixes two
     package: str | None = None  # the PyPI package it needs beyond pairclean's own dependencies
 
     def __init__(self, transform: StandardTransform, device: torch.device, preprocess):
@@ -97,6 +98,7 @@ class DeviceJpegDecoder(DeviceDecoder):
     """
 
     name = "gpu"
+    version = 2  # 1 (a6e2769): torchvision's tensor resize per image, no 8-bit rounding between the passes
 
     def __init__(self, transform: StandardTransform, device: torch.device, preprocess):
         super().__init__(transform, device, preprocess)

@@ -288,7 +288,8 @@ class OpenClipEstimator:
         return {"backend": "open_clip", "model": self.model_name, "pretrained": self.pretrained,
                 "checkpoint_sha256": self.checkpoint_sha256, "precision": self.precision,
                 "device": str(self.device), "decode": self.decode, "image_size": self.image_size,
-                "image_mean": self.mean, "image_std": self.std}
+                "image_mean": self.mean, "image_std": self.std,
+                **({"device_decoder_version": self.device_decoder.version} if self.device_decoder else {})}
 
     def input_signature(self) -> tuple:
         """Image size and normalisation, tokenizer class and context length."""

@@ -494,8 +494,20 @@ def measure_pipeline_only(estimator, spec: DatasetSpec, cfg: ScoreConfig, workdi
     meter = StageMeter()
     pa.array([0.0])  # pyarrow imports pandas at its first conversion: 1.7 s of CPU once per process, not per pair
     load0 = os.getloadavg()[0]
+    children = _children_cpu()
     score(spec, workdir / "pipeline-only.parquet", run_cfg, estimator=zero, meter=meter)
-    return PipelineOnly(zero.decode, cfg.workers, worker_ms, meter.summary(), (load0, os.getloadavg()[0]))
+    summary = meter.summary()
+    # The workers' CPU in the run (reaped when it ends), start-up included: beside `worker_ms`, what
+    # reading, collating and handing batches over cost them on top of preparing the pairs.
+    summary["worker_cpu_ms_per_pair"] = 1000 * (_children_cpu() - children) / max(meter.pairs, 1)
+    return PipelineOnly(zero.decode, cfg.workers, worker_ms, summary, (load0, os.getloadavg()[0]))
+
+
+def _children_cpu() -> float:
+    import resource
+
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 # ---------------------------------------------------------------- all four

@@ -22,6 +22,7 @@ from torch.utils.data import DataLoader
 from pairclean import __version__
 from pairclean.backends import build_estimator, check_backend
 from pairclean.backends.base import file_sha256, resolve_precision
+from pairclean.backends.device_jpeg import DEVICE_DECODERS
 from pairclean.ops.faults import slow_point
 from pairclean.ops.guard import Output, open_output
 from pairclean.ops import distributed
@@ -132,9 +133,10 @@ class ModelProducer(Producer):
         # A checkpoint replaced at the same path between a kill and the re-run is another model:
         # its hash is pinned, so the resumed run is refused instead of mixing two models' scores.
         weights = file_sha256(pretrained) if pretrained and os.path.isfile(pretrained) else None
+        decoder = DEVICE_DECODERS.get(self.cfg.decode)  # its pixels' version: a resumed run decodes alike
         return {"pair": spec.pair, "format": spec.format, "fields": asdict(spec.fields),
                 "label_template": spec.label_template, "split": spec.split, "image_root": spec.image_root,
-                "weights_sha256": weights}
+                "weights_sha256": weights, **({"device_decoder": decoder.version} if decoder else {})}
 
     def input_files(self) -> list[str]:
         return [self.cfg.pretrained] if self.cfg.pretrained and os.path.isfile(self.cfg.pretrained) else []
