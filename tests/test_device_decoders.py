@@ -2,7 +2,7 @@
 preprocessing, on real COCO JPEGs with the rows a web batch brings (a greyscale JPEG, a truncated
 one, a PNG the workers decode), and the registry's fallback when a decoder's package is missing.
 
-nvImageCodec and DALI are the `gpu` extra (`pip install 'pairclean[gpu]'`, about 230 MB): their
+nvImageCodec and DALI are the `gpu` extra (`pip install 'pairclean[gpu]'`, about 260 MB of wheels): their
 tests skip without them."""
 
 from __future__ import annotations

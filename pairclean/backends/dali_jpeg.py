@@ -21,7 +21,6 @@ line per bad file on stderr (its level cannot go below errors).
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from pairclean.backends.device_jpeg import BatchedDeviceDecoder, host_threads, register_device_decoder
