@@ -71,12 +71,17 @@ class DeviceDecoder(ABC):
         return transform is not None and _filter_name(transform) is not None and transform.resize >= transform.crop
 
     @classmethod
+    def load(cls):
+        """Its library's module, imported."""
+        return importlib.import_module(cls.module)
+
+    @classmethod
     def unavailable(cls) -> str | None:
         """Why it cannot run in this environment (its package missing or failing to load), else None."""
         if cls.module is None:
             return None
         try:
-            importlib.import_module(cls.module)
+            cls.load()
         except (ImportError, OSError) as exc:  # OSError: a shared library it loads is missing
             first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
             return f"needs the {cls.package} package ({first}): pip install 'pairclean[gpu]'"

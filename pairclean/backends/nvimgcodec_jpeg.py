@@ -29,13 +29,6 @@ from pairclean.backends.device_jpeg import BatchedDeviceDecoder, host_threads, r
 from pairclean.ops.notices import notice_once
 
 
-def _nvimgcodec():
-    os.environ.setdefault("PYNVIMGCODEC_VERBOSITY", "0")  # read when the module loads
-    from nvidia import nvimgcodec
-
-    return nvimgcodec
-
-
 @register_device_decoder
 class NvImageCodecDecoder(BatchedDeviceDecoder):
     """`decode` nvimgcodec: nvImageCodec's batched decode (all its backends on CUDA, its CPU one
@@ -45,9 +38,15 @@ class NvImageCodecDecoder(BatchedDeviceDecoder):
     package = "nvidia-nvimgcodec-cu13"
     module = "nvidia.nvimgcodec"
 
+    @classmethod
+    def load(cls):
+        """nvImageCodec without its log line per bad file: it reads the variable when it loads."""
+        os.environ.setdefault("PYNVIMGCODEC_VERBOSITY", "0")
+        return super().load()
+
     def __init__(self, transform, device: torch.device, preprocess):
         super().__init__(transform, device, preprocess)
-        nvimgcodec = self.library = _nvimgcodec()
+        nvimgcodec = self.library = self.load()
         # EXIF-rotated JPEGs never get here (`device_decodable`); greyscale ones come out as RGB, as PIL converts them.
         self.params = nvimgcodec.DecodeParams(apply_exif_orientation=False, color_spec=nvimgcodec.ColorSpec.SRGB,
                                               sample_format=nvimgcodec.SampleFormat.P_RGB)
