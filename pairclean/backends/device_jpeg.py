@@ -1,7 +1,8 @@
 """JPEG decode on the device: workers leave JPEGs undecoded, the main process decodes a whole batch
-there. The registry of device decoders (`decode` gpu: torchvision's nvjpeg, the default; others
-register under their own name) and the torchvision one: one nvjpeg call per batch, then resize and
-crop with two batched matmuls (`resample`).
+there. The registry of device decoders (`decode` gpu: torchvision's nvjpeg, the default; nvimgcodec
+and dali, NVIDIA's libraries, in their own modules; others register under their own name), the
+failure handling they share (`BatchedDeviceDecoder`), and the torchvision one: one nvjpeg call per
+batch, then resize and crop with two batched matmuls (`resample`).
 
 Per batch, not per image: the decoded images are sorted by size and padded into a few tensors
 (bounded in size, so one huge image does not pad the batch to its size), each resized and
@@ -14,7 +15,9 @@ cost on the CPU).
 
 from __future__ import annotations
 
+import importlib
 import io
+import os
 import warnings
 from abc import ABC, abstractmethod
 
@@ -58,6 +61,7 @@ class DeviceDecoder(ABC):
     name: str
     version: int = 1  # raised whenever its pixels change: a run's settings pin it, so a resumed run never mixes two
     package: str | None = None  # the PyPI package it needs beyond pairclean's own dependencies
+    module: str | None = None  # the module `package` installs (imported to tell whether it can run)
 
     def __init__(self, transform: StandardTransform, device: torch.device, preprocess):
         self.transform, self.device, self.preprocess = transform, device, preprocess
@@ -68,8 +72,20 @@ class DeviceDecoder(ABC):
         return transform is not None and _filter_name(transform) is not None and transform.resize >= transform.crop
 
     @classmethod
+    def load(cls):
+        """Its library's module, imported."""
+        return importlib.import_module(cls.module)
+
+    @classmethod
     def unavailable(cls) -> str | None:
-        """Why it cannot run in this environment (a missing package), else None."""
+        """Why it cannot run in this environment (its package missing or failing to load), else None."""
+        if cls.module is None:
+            return None
+        try:
+            cls.load()
+        except (ImportError, OSError) as exc:  # OSError: a shared library it loads is missing
+            first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            return f"needs the {cls.package} package ({first}): pip install 'pairclean[gpu]'"
         return None
 
     @abstractmethod
@@ -86,8 +102,71 @@ def register_device_decoder(cls: type[DeviceDecoder]) -> type[DeviceDecoder]:
     return cls
 
 
+def host_threads() -> int:
+    """CPU threads a device decoder's library may use for its host work (JPEG headers, Huffman
+    decoding of small images, the images the device cannot take): half the cores this process
+    may run on, at most 8; the DataLoader workers have the rest."""
+    return max(1, min(8, len(os.sched_getaffinity(0)) // 2))
+
+
+class BatchedDeviceDecoder(DeviceDecoder):
+    """A device decoder made of one batched library call (`decode_crop`), with the failure
+    handling every such decoder needs: when the call fails as a whole (one bad file fails
+    torchvision's or DALI's batch), the batch is split in halves and each retried, down to single
+    files, so k bad files in n cost about 2 k log2(n) calls, not n; a file the library cannot
+    decode goes through PIL, as in the workers, and one PIL cannot decode either becomes a failed
+    row with PIL's reason."""
+
+    batch_errors: tuple[type[BaseException], ...] = (RuntimeError,)  # how the library says a call failed
+
+    def __init__(self, transform: StandardTransform, device: torch.device, preprocess):
+        super().__init__(transform, device, preprocess)
+        self.filter = _filter_name(transform)
+
+    @abstractmethod
+    def decode_crop(self, files: list[torch.Tensor]) -> tuple[torch.Tensor, list[int]]:
+        """(uint8 (k, 3, crop, crop) pixels on the device of the k files it decoded, resized and
+        cropped as the model's preprocessing; their positions in `files`). A file it cannot decode
+        is left out; a call that fails as a whole raises one of `batch_errors`."""
+
+    def _decode_split(self, files: list[torch.Tensor], positions: list[int]) -> tuple[list[torch.Tensor], list[int]]:
+        """`decode_crop` of these files, halving the batch where a call fails: (pixel tensors, the
+        positions they hold, in order)."""
+        try:
+            pixels, decoded = self.decode_crop([files[p] for p in positions])
+            return [pixels], [positions[i] for i in decoded]
+        except self.batch_errors:
+            if len(positions) == 1:
+                return [], []
+        middle = len(positions) // 2
+        first, first_at = self._decode_split(files, positions[:middle])
+        second, second_at = self._decode_split(files, positions[middle:])
+        return first + second, first_at + second_at
+
+    def __call__(self, batch: ImageBatch) -> tuple[torch.Tensor, dict[int, str]]:
+        """(uint8 pixels of every row on the device, zeros where decoding failed; {row: reason})."""
+        crop = self.transform.crop
+        out = torch.zeros((batch.rows, 3, crop, crop), dtype=torch.uint8, device=self.device)
+        files = batch.jpegs.files()
+        parts, decoded = self._decode_split(files, list(range(len(files))))
+        if decoded:
+            rows = torch.tensor([batch.jpeg_rows[p] for p in decoded], device=self.device)
+            out[rows] = torch.cat(parts) if len(parts) > 1 else parts[0]
+        failed: dict[int, str] = {}
+        for position in sorted(set(range(len(files))) - set(decoded)):  # the library refused it: PIL's reading, or its reason
+            row = batch.jpeg_rows[position]
+            try:
+                image = decode_image(batch.jpegs.file_bytes(position))
+                out[row] = self.transform.geometry_pixels(image).permute(2, 0, 1).to(self.device)
+            except DecodeError as exc:
+                failed[row] = str(exc)
+        if batch.pixels is not None:
+            out[torch.tensor(batch.pixel_rows, device=self.device)] = batch.pixels.to(self.device, non_blocking=True)
+        return out, failed
+
+
 @register_device_decoder
-class DeviceJpegDecoder(DeviceDecoder):
+class DeviceJpegDecoder(BatchedDeviceDecoder):
     """`decode` gpu: a batch of JPEGs decoded with torchvision.io.decode_jpeg on the device (nvjpeg
     on CUDA), then the model's shortest-side Resize and CenterCrop applied to all of them at once.
 
@@ -100,55 +179,14 @@ class DeviceJpegDecoder(DeviceDecoder):
     name = "gpu"
     version = 2  # 1 (a6e2769): torchvision's tensor resize per image, no 8-bit rounding between the passes
 
-    def __init__(self, transform: StandardTransform, device: torch.device, preprocess):
-        super().__init__(transform, device, preprocess)
-        self.filter = _filter_name(transform)
-
-    def _decode(self, files: list[torch.Tensor]) -> list[torch.Tensor]:
+    def decode_crop(self, files: list[torch.Tensor]) -> tuple[torch.Tensor, list[int]]:
         from torchvision.io import ImageReadMode, decode_jpeg
 
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # torchvision 0.29 deprecates its image decoders
             out = decode_jpeg(files, mode=ImageReadMode.RGB, device=self.device)
-        return out if isinstance(out, list) else [out]
-
-    def _decode_each(self, batch: ImageBatch) -> tuple[list[torch.Tensor | None], dict[int, str], dict[int, torch.Tensor]]:
-        """One file at a time, after a batched call failed: (decoded images or None; {position:
-        reason} for those PIL cannot decode either; {position: PIL's pixels} for the others)."""
-        images: list[torch.Tensor | None] = []
-        failed: dict[int, str] = {}
-        pil_pixels: dict[int, torch.Tensor] = {}
-        for position, data in enumerate(batch.jpegs.files()):
-            try:
-                images.append(self._decode([data])[0])
-                continue
-            except RuntimeError:  # nvjpeg refused this file: PIL's reading of it, or its reason
-                images.append(None)
-            try:
-                image = decode_image(batch.jpegs.file_bytes(position))
-                pil_pixels[position] = self.transform.geometry_pixels(image).permute(2, 0, 1)
-            except DecodeError as exc:
-                failed[position] = str(exc)
-        return images, failed, pil_pixels
-
-    def __call__(self, batch: ImageBatch) -> tuple[torch.Tensor, dict[int, str]]:
-        """(uint8 pixels of every row on the device, zeros where decoding failed; {row: reason})."""
-        crop = self.transform.crop
-        out = torch.zeros((batch.rows, 3, crop, crop), dtype=torch.uint8, device=self.device)
-        try:
-            images: list[torch.Tensor | None] = self._decode(batch.jpegs.files())
-            failed, pil_pixels = {}, {}
-        except RuntimeError:  # one bad file fails the whole batched call
-            images, failed, pil_pixels = self._decode_each(batch)
-        decoded = [i for i, image in enumerate(images) if image is not None]
-        if decoded:
-            rows = torch.tensor([batch.jpeg_rows[i] for i in decoded], device=self.device)
-            out[rows] = resize_many([images[i] for i in decoded], self.transform.resize, crop, self.filter)
-        for position, pixels in pil_pixels.items():
-            out[batch.jpeg_rows[position]] = pixels.to(self.device)
-        if batch.pixels is not None:
-            out[torch.tensor(batch.pixel_rows, device=self.device)] = batch.pixels.to(self.device, non_blocking=True)
-        return out, {batch.jpeg_rows[position]: reason for position, reason in failed.items()}
+        images = out if isinstance(out, list) else [out]
+        return resize_many(images, self.transform.resize, self.transform.crop, self.filter), list(range(len(files)))
 
 
 def resize_many(images: list[torch.Tensor], resize: int, crop: int, filter_name: str) -> torch.Tensor:

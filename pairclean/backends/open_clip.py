@@ -230,7 +230,7 @@ class OpenClipEstimator:
     def _device_decoder(self, cls, transform, preprocess, model: str):
         """The device decoder `decode` names, or None (said once) where it cannot run here: the
         workers then decode with PIL (fast)."""
-        why = ("needs a CUDA device" if self.device.type != "cuda" else cls.unavailable()
+        why = (cls.unavailable() or ("needs a CUDA device" if self.device.type != "cuda" else None)  # what to install first
                or (None if cls.supports(transform) else f"needs a bicubic or bilinear Resize + CenterCrop + Normalize "
                                                          f"preprocessing, which {model}'s is not"))
         if why is None:
