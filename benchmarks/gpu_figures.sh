@@ -6,12 +6,13 @@
 #      (fetched beforehand by benchmarks/fetch_gpu_wheels.sh: the machine cannot reach PyPI);
 #   3. web-like shards (`synth web-shards`, rendered by every core);
 #   4. `bench score` (model-only ceiling, end to end with its main process metered, pipeline only),
-#      alternating decode gpu|fast (and nvimgcodec where installed) x eager|--compile;
+#      alternating decode gpu|fast x eager|--compile, then each other installed device decoder
+#      (nvimgcodec, with --with-nvimgcodec's wheels) and benchmarks/device_decoders.py on one batch;
 #   5. a training epoch against the model's own step rate (benchmarks/train_throughput.py);
 #   6. benchmarks/cuda_paths.sh (every CUDA path).
 # One JSON per variant in OUT, a log per step, summary.json and a table at the end. A step that
 # would overrun the time budget is skipped and says so; every step runs under a timeout.
-#     bash benchmarks/fetch_gpu_wheels.sh                   # here, once (about 28 MB)
+#     bash benchmarks/fetch_gpu_wheels.sh [3.12 --with-nvimgcodec]   # here, once (28 MB; 57 MB with nvImageCodec)
 #     bash benchmarks/gpu_figures.sh [OUT]                  # there (the device call carries benchmarks/wheels)
 # Knobs (environment): BUDGET=480 (seconds) SHARDS=14 PAIRS_PER_SHARD=2500 MODEL=ViT-B-32
 #   PRECISION=bf16 BATCH=1024 TRAIN_BATCH=512 WORKERS=(cores - 2) DEVICE=cuda DECODES="gpu fast"
@@ -76,18 +77,12 @@ say "python: $PY ($(python -c 'import sys, torch; print(sys.version.split()[0], 
 
 # 2. what the image lacks, from the carried wheels (no index: the machine reaches none)
 python - "$ROOT/benchmarks/wheels" > "$OUT/install-list.txt" <<'EOF'
-import importlib.util, pathlib, sys
-modules = {"open_clip_torch": "open_clip", "webdataset": "webdataset", "braceexpand": "braceexpand", "ftfy": "ftfy",
-           "wcwidth": "wcwidth", "duckdb": "duckdb", "regex": "regex", "pyyaml": "yaml",
-           "nvidia_nvimgcodec_cu13": "nvidia"}
+import pathlib, sys
+from importlib.metadata import PackageNotFoundError, distribution
 for wheel in sorted(pathlib.Path(sys.argv[1]).glob("*.whl")):
-    package = wheel.name.split("-")[0].lower()
-    module = modules.get(package, package)
-    if package == "nvidia_nvimgcodec_cu13":
-        missing = importlib.util.find_spec("nvidia") is None or importlib.util.find_spec("nvidia.nvimgcodec") is None
-    else:
-        missing = importlib.util.find_spec(module) is None
-    if missing:
+    try:
+        distribution(wheel.name.split("-")[0])  # installed already: the image's own is kept
+    except PackageNotFoundError:
         print(wheel)
 EOF
 if [ -s "$OUT/install-list.txt" ]; then
@@ -125,6 +120,10 @@ if [ "$COMPILE" = 1 ]; then
   for decode in $DECODES; do score "$decode-compile" "$decode" --compile; done
 fi
 for decode in $extra_decodes; do score "$decode-eager" "$decode"; done
+if [ -n "$extra_decodes" ]; then
+  step decoders 40 python "$ROOT/benchmarks/device_decoders.py" "$W/web" --device "$DEVICE" --decoders gpu $extra_decodes \
+    --repeat 10 --json "$OUT/decoders.json"
+fi
 step train 60 python "$ROOT/benchmarks/train_throughput.py" "$W/web/manifest.yaml" --model "$MODEL" \
   --precision "$PRECISION" --batch-size "$TRAIN_BATCH" --workers "$WORKERS" --device "$DEVICE" \
   --min-seconds 8 --json "$OUT/train.json"
