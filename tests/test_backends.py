@@ -38,13 +38,14 @@ class BytePreparer:
 class ByteEstimator:
     """Mean of byte embeddings: a text encoder small enough to build in a test."""
 
-    device_decoder = None
-
     def __init__(self, model: str, device: str = "auto", precision: str = "fp32"):
         self.model_name, self.device, self.precision = model, pick_device(device), precision
         self.model = torch.nn.EmbeddingBag(257, 8, mode="mean", padding_idx=0).to(self.device)
         self.model.eval().requires_grad_(False)
         self.preparer = BytePreparer()
+
+    def finish_batch(self, modality: str, inputs: torch.Tensor) -> tuple[torch.Tensor, dict[int, str]]:
+        return inputs, {}  # nothing to decode on the device
 
     def encode(self, modality: str, batch: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.normalize(self.model(move_batch(batch, self.device)).float(), dim=-1)

@@ -43,7 +43,8 @@ Pretrained = Annotated[str, typer.Option(help="Pretrained tag, local checkpoint 
 Backend = Annotated[str, typer.Option(
     help="Encoder backend: open_clip (images and text) or sentence-transformers (text-text pairs).")]
 Decode = Annotated[str, typer.Option(
-    help="fast (JPEG draft decode at model size), exact, or gpu (JPEGs decoded on the CUDA device; CPU workers otherwise).")]
+    help="fast (JPEG draft decode at model size), exact, or a decoder on the CUDA device (CPU workers otherwise): "
+         "gpu (torchvision nvJPEG), nvimgcodec or dali (NVIDIA's libraries: pip install 'pairclean[gpu]').")]
 Compile = Annotated[bool, typer.Option("--compile", help="torch.compile the model (first batches slower; eager if compiling fails).")]
 BetaMode = Annotated[str, typer.Option(help="random-inputs, shuffled, or fixed.")]
 BetaK = Annotated[int, typer.Option(help="K random inputs per side for --beta-mode random-inputs.")]
