@@ -10,11 +10,12 @@ key, a value of the wrong type, a non-finite number (JSON `NaN` / `Infinity`), a
 left out, as files from before a field existed lack it).
 
 The types come from the dataclass annotations: `str`, `int` (never a bool), `float` (an int
-is taken; finite), `bool`, `None`, unions (`X | None`), `Literal[...]`, `list[T]`,
-`tuple[T, ...]`, `dict[str, T]`, any dataclass (recursively: a record's fields, or a plain
-dataclass such as `core.mixture.FittedMixture`) and `Json` (any JSON value with finite numbers:
+is taken; finite), `bool`, `None`, unions (`X | None`), `list[T]`, `dict[str, T]`, any
+dataclass (recursively: a record's fields, or a plain dataclass such as
+`core.mixture.FittedMixture`), and `Json` or a bare `dict` (any JSON value with finite numbers:
 the open maps a registry fills, e.g. an encoder backend's own provenance). A record may also
-check values against each other (`check`) and read an older shape of itself (`upgraded`).
+check values against their range or each other (`problems`) and read an older shape of itself
+(`upgraded`).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import types
 import typing
 from functools import cache
 from pathlib import Path
-from typing import Any, ClassVar, Literal, Union
+from typing import Any, ClassVar, Union
 
 from pairclean.errors import UserError
 
@@ -97,29 +98,13 @@ def convert(value, hint, path: str = ""):
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if hint is Json:
         return _finite_json(value, path)
-    if origin in (Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
-        alternatives = [a for a in args if a is not type(None)]
-        problems = []
-        for alternative in alternatives:
-            try:
-                return convert(value, alternative, path)
-            except Problem as problem:
-                problems.append(problem)
-        if len(problems) == 1 or value is None:
-            raise problems[0] if len(problems) == 1 else _wrong(path, "a value", value)
-        deepest = max(problems, key=lambda p: len(p.field))
-        raise deepest if deepest.field != path else _wrong(path, " or ".join(_name(a) for a in alternatives), value)
-    if origin is Literal:
-        if value not in args or isinstance(value, bool) != any(isinstance(a, bool) for a in args):
-            raise Problem(path, f"must be one of {', '.join(map(str, args))}, got {_shown(value)}")
-        return value
-    if origin in (list, tuple):
+    if origin in (Union, types.UnionType):  # `X | None`, the one union records use
+        (inner,) = [a for a in args if a is not type(None)]
+        return None if value is None else convert(value, inner, path)
+    if origin is list:
         if not isinstance(value, list):
             raise _wrong(path, "a list", value)
-        items = [convert(item, args[0], _join(path, i)) for i, item in enumerate(value)]
-        return items if origin is list else tuple(items)
+        return [convert(item, args[0], _join(path, i)) for i, item in enumerate(value)]
     if origin is dict:
         if not isinstance(value, dict):
             raise _wrong(path, "an object", value)
@@ -148,20 +133,7 @@ def convert(value, hint, path: str = ""):
         if not isinstance(value, dict):
             raise _wrong(path, "an object", value)
         return _finite_json(value, path)
-    if hint is list:
-        if not isinstance(value, list):
-            raise _wrong(path, "a list", value)
-        return _finite_json(value, path)
     raise TypeError(f"cannot read a field of type {hint!r} from JSON")
-
-
-def _name(hint) -> str:
-    origin = typing.get_origin(hint)
-    if dataclasses.is_dataclass(hint) or hint in (dict,) or origin is dict:
-        return "an object"
-    if origin in (list, tuple) or hint is list:
-        return "a list"
-    return {str: "a string", int: "an integer", float: "a number", bool: "true or false"}.get(hint, str(hint))
 
 
 def _from_fields(cls: type, value, path: str):
@@ -190,20 +162,20 @@ def _from_fields(cls: type, value, path: str):
 def _written(value) -> dict:
     """A dataclass's fields as JSON, less those that are None by default and None now (absent
     reads back as None; a field without a default is always written)."""
-    return {f.name: to_json(getattr(value, f.name)) for f in dataclasses.fields(value)
+    return {f.name: _as_json(getattr(value, f.name)) for f in dataclasses.fields(value)
             if getattr(value, f.name) is not None or f.default is dataclasses.MISSING}
 
 
-def to_json(value):
+def _as_json(value):
     """A record, dataclass or container as JSON values."""
     if isinstance(value, Record):
         return value.to_json()
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return _written(value)
     if isinstance(value, (list, tuple)):
-        return [to_json(item) for item in value]
+        return [_as_json(item) for item in value]
     if isinstance(value, dict):
-        return {key: to_json(item) for key, item in value.items()}
+        return {key: _as_json(item) for key, item in value.items()}
     return value
 
 

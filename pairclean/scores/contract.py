@@ -24,7 +24,7 @@ from pairclean.data.manifest import PAIR_KINDS
 from pairclean.data.record import DatasetRecord
 from pairclean.errors import UserError
 from pairclean.ops.atomic import write_json
-from pairclean.ops.records import Json, Record, to_json
+from pairclean.ops.records import Json, Record
 from pairclean.scores.rules import DEFAULT_RULES, REGISTRY, DecisionRule, RuleRecord, recorded_rules
 
 BASE_COLUMNS = [
@@ -263,19 +263,20 @@ def run_manifest_path(out: Path) -> Path:
     return out.with_name(out.stem + ".run.json")
 
 
-def provenance_metadata(provenance: Provenance | dict) -> dict[bytes, bytes]:
-    return {METADATA_KEY: json.dumps(to_json(provenance), allow_nan=False).encode()}
+def provenance_metadata(provenance: Record) -> dict[bytes, bytes]:
+    """The schema metadata holding a provenance (a scores file's, or another output's: dedup's)."""
+    return {METADATA_KEY: provenance.dumps().encode()}
 
 
-def summary_metadata(summary: Summary | dict) -> dict[bytes, bytes]:
-    return {SUMMARY_KEY: json.dumps(to_json(summary), allow_nan=False).encode()}
+def summary_metadata(summary: Record) -> dict[bytes, bytes]:
+    return {SUMMARY_KEY: summary.dumps().encode()}
 
 
-def write_run_manifest(out: Path, summary: Summary | dict, provenance: Provenance | dict, temp_dir: Path | None = None,
+def write_run_manifest(out: Path, summary: Record, provenance: Record, temp_dir: Path | None = None,
                        written: bool = True) -> None:
     """OUT.run.json: the summary and provenance beside the output (`written` False: the run gave none)."""
-    write_json(run_manifest_path(out), {"output": str(out) if written else None, "summary": to_json(summary),
-                                        "provenance": to_json(provenance)}, temp_dir=temp_dir)
+    write_json(run_manifest_path(out), {"output": str(out) if written else None, "summary": summary.to_json(),
+                                        "provenance": provenance.to_json()}, temp_dir=temp_dir)
 
 
 def _metadata(scores: str | Path) -> tuple[dict, dict]:
