@@ -136,3 +136,13 @@ def test_saved_embeddings_provenance_written_now_reads_back(tmp_path, coco_shard
     assert SavedEmbeddings.from_json(json.loads((emb / "provenance.json").read_text()), "again") == saved
     assert saved.dataset.files and sum(b.rows for b in saved.blocks.values()) == saved.rows == 16
     assert not (emb / "unfinished.json").exists()
+
+
+def test_a_saved_directory_without_its_provenance_is_read_with_a_warning(tmp_path, capsys):
+    """A --save-embeddings run of an older pairclean, killed: no unfinished.json to refuse it by,
+    but its metadata says pairclean wrote it, so the warning names the directory."""
+    saved = Path(shutil.copytree(OLD / "saved-embeddings", tmp_path / "emb"))
+    (saved / "provenance.json").unlink()
+    code, _, err = run_cli(["score", saved, "--from-embeddings", "--beta-mode", "fixed", "--beta", "0", "--out",
+                            tmp_path / "s.parquet"], capsys)
+    assert code == 0 and f"warning: {saved} has no provenance.json" in err and "did not finish" in err, err
