@@ -130,7 +130,8 @@ def filter_command(
     if not scores.is_file():
         raise UserError(f"scores file not found: {scores}")
     provenance = read_metadata(scores)[0]
-    spec = dataset.reopen(scored_pairs(provenance), shards, pair=dataset.pair or (provenance.pair if provenance else None))
+    recorded_pair = provenance.pair if provenance else None
+    spec = dataset.reopen(scored_pairs(provenance), shards, pair=dataset.pair or recorded_pair)
     if spec is None and out is not None and not dry_run:
         raise UserError(f"{scores} does not say which shards it describes (scored from embeddings without a link to "
                         "their pairs): give the shards, pairclean filter SHARDS --scores SCORES")

@@ -136,18 +136,17 @@ def _conflict(recorded: Iterable[FileFingerprint], current: Iterable[FileFingerp
 
 
 def check_same_dataset(recorded: DatasetRecord | None, current: DatasetRecord | Iterable[str] | None, recorder: str,
-                       allow_other_dataset: bool) -> None:
+                       allow_other_dataset: bool, other: str = "the files given") -> None:
     """Refuse to join `recorder` (what recorded `recorded`: "the scores file s.parquet") with a
-    dataset whose files differ from the ones it recorded: `current` is another recorded dataset,
-    or the paths about to be read (fingerprinted now). `allow_other_dataset` waives it."""
+    dataset whose files differ from the ones it recorded: `current` is another recorded dataset
+    (`other` names what recorded it), or the paths about to be read (fingerprinted now).
+    `allow_other_dataset` waives it."""
     if allow_other_dataset or recorded is None or recorded.files is None or current is None:
         return
     if isinstance(current, DatasetRecord):
         why = recorded.conflict(current)
-        other = "the other input"
     else:
         why = _conflict(recorded.files, fingerprints(current))
-        other = "the files given"
     if why:
         raise ConfigError(f"{recorder} records another dataset than {other} ({why}): the file changed since it "
                           "was scored, or it is another download or copy of the dataset; score the data you mean, "

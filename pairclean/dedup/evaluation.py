@@ -93,7 +93,8 @@ class _Session:
         self.tmp.cleanup()
 
 
-def _measure(con, side: str, provenance: "DedupProvenance", dedup_file: Path, truth: Path, noise_truth: Path | None) -> dict:
+def _measure(con, side: str, provenance: "DedupProvenance", dedup_file: Path, truth: Path,
+             noise_truth: Path | None) -> dict:
     con.execute(f"CREATE VIEW d AS SELECT * FROM read_parquet({sql_string(dedup_file)})")
     con.execute(f"CREATE VIEW truth AS SELECT * FROM read_parquet({sql_string(truth)})")
     missing = [c for c in ("group_id", "kept") if c not in con.sql("SELECT * FROM d").columns]

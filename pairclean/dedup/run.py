@@ -110,7 +110,7 @@ class DedupConfig:
     threads: int = setting(0, at_least(0), pinned=False)  # torch intra-op threads during the run (0: leave torch's setting)
     overwrite: bool = unpinned(False)
     resume: bool = unpinned(False)
-    allow_other_dataset: bool = unpinned(False)  # scores that record another dataset than the embeddings' are used anyway
+    allow_other_dataset: bool = unpinned(False)  # use scores recording another dataset than the embeddings' anyway
     progress: Progress = unpinned(SILENT)
 
     def __post_init__(self):
@@ -225,7 +225,7 @@ def dedup(source: str | list[str] | EmbeddingSpec, out: str | Path | Output, sco
     _check_scores(scores, cfg.keep)
     if scores is not None:  # the scores must describe the pairs these embeddings describe
         check_same_dataset(scored_pairs(read_metadata(scores)[0]), spec.pairs, f"the scores file {scores}",
-                           cfg.allow_other_dataset)
+                           cfg.allow_other_dataset, other="the embeddings")
     vectors = Vectors(spec, cfg.side)
     # The run also keeps its parts directory and run manifest beside the output: neither may touch an input.
     target = open_output(out, (), "out", overwrite=None)

@@ -281,6 +281,7 @@ def run_scoring(producer: Producer, out: str | Path | Output, cfg: RunConfig) ->
     summary = finalize(store, units, target, beta, cfg.weight_fn, cfg.seed, cfg.gmm_sample, provenance, records,
                        cfg.rules)
     summary = replace(summary, **extra, pairs_per_second=scored_now / elapsed if elapsed > 0 else 0.0,
-                      scoring_seconds=elapsed, scoring_cpu_seconds=cpu, beta_seconds=beta_seconds, beta_source=beta_source)
+                      scoring_seconds=elapsed, scoring_cpu_seconds=cpu, beta_seconds=beta_seconds,
+                      beta_source=beta_source)
     store.remove()
     return ScoreResult(out, summary, elapsed, scored_now, resumed, read_provenance(out))

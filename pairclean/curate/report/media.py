@@ -130,7 +130,8 @@ def locate_keys(spec: DatasetSpec, keys: set[str]) -> dict[str, tuple[str, int]]
 
 
 def fetch_media(spec: DatasetSpec, rows: list[dict], thumb: int, by_key: bool = False,
-                recorded: DatasetRecord | None = None, allow_other_dataset: bool = False) -> dict[tuple[str, int], Media]:
+                recorded: DatasetRecord | None = None,
+                allow_other_dataset: bool = False) -> dict[tuple[str, int], Media]:
     """Thumbnails and texts for gallery rows (keyed by the scored (shard, index)). `by_key`: the
     scores' rows are not the dataset's (precomputed embeddings), so each is found by its key.
     `recorded`: the dataset the scores recorded; the files read must be its files."""
@@ -153,7 +154,8 @@ def fetch_media(spec: DatasetSpec, rows: list[dict], thumb: int, by_key: bool = 
     # Text-text pairs often come from image datasets: show the sample's image as context.
     context = {}
     if spec.pair == "text-text":
-        context = _read_pairs(replace(spec, pair="image-text"), {path: dict.fromkeys(keys) for path, keys in wanted.items()})
+        anywhere = {path: dict.fromkeys(keys) for path, keys in wanted.items()}  # keys were checked above
+        context = _read_pairs(replace(spec, pair="image-text"), anywhere)
     media = {}
     for r in rows:
         key = (r["shard"], int(r["index"]))

@@ -137,7 +137,8 @@ def _provenance_html(prov: Provenance, scores: Path) -> Html:
          else f"{len(prov.input_shards or []):,} shards"),
         ("β", f"{_num(prov.beta, 4)} ± {_num(prov.beta_std, 4)} ({prov.beta_mode}, K = {prov.beta_k})"),
         ("weight function", str(prov.weight_fn)),
-        ("GMM", ", ".join(f"μ={m:.3f} σ²={v:.4f} π={w:.2f}" for m, v, w in zip(gmm.means, gmm.variances, gmm.weights))
+        ("GMM", ", ".join(f"μ={m:.3f} σ²={v:.4f} π={w:.2f}"
+                          for m, v, w in zip(gmm.means, gmm.variances, gmm.weights))
          + f" (fitted on {gmm.n_fit:,} pairs)" if gmm else "not fitted"),
         ("scored with", f"pairclean {prov.pairclean_version or '?'}, finished {prov.finished_at or '?'}"),
     ]

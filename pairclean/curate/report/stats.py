@@ -34,7 +34,8 @@ class ReportStats:
     sweep: Sweep | None
 
 
-def gather(db: ScoresDB, provenance: Provenance, has_truth: bool, bins: int, gallery: int, contrast: int) -> ReportStats:
+def gather(db: ScoresDB, provenance: Provenance, has_truth: bool, bins: int, gallery: int,
+           contrast: int) -> ReportStats:
     """Every section's numbers; `labeled` (scores joined with the truth) is read when there is a truth."""
     view = "labeled" if has_truth else "scores"
     rules = recorded_rules(provenance, db.columns(view))

@@ -502,7 +502,8 @@ class SavedEmbeddings(Record):
             if number not in listed:
                 raise UserError(f"{root} holds block {number}, which {where} does not list: blocks of another run?")
             if held[number] != listed[number]:
-                raise UserError(f"block {number} of {root} holds {held[number]:,} rows, {where} says {listed[number]:,}")
+                raise UserError(f"block {number} of {root} holds {held[number]:,} rows, {where} says "
+                                f"{listed[number]:,}")
         if sum(listed.values()) != self.rows:
             raise UserError(f"{where} says rows {self.rows:,} but its blocks hold {sum(listed.values()):,}")
 
