@@ -144,7 +144,7 @@ def test_a_registered_backend_scores_trains_and_reloads_end_to_end(byte_backend,
     torch.manual_seed(0)
     result = score(str(text_pairs_manifest), tmp_path / "scores.parquet",
                    ScoreConfig(backend="bytes", model="bytes-8", beta_k=16, batch_size=8, workers=0, device="cpu"))
-    assert result.pairs_scored_now == 16 and read_provenance(tmp_path / "scores.parquet")["estimator"]["backend"] == "bytes"
+    assert result.pairs_scored_now == 16 and read_provenance(tmp_path / "scores.parquet").estimator["backend"] == "bytes"
     assert pq.read_table(tmp_path / "scores.parquet").num_rows == 16
     trained = train(str(text_pairs_manifest), tmp_path / "run", TrainConfig(model="bytes-8", epochs=1, batch_size=8, workers=0,
                                                                   device="cpu", lr=1e-3, warmup_steps=1))

@@ -96,13 +96,13 @@ def test_coco_caption_pairs_score_end_to_end(captions_json, minilm, tmp_path, ca
     score(str(tmp_path / "pq" / "manifest.yaml"), pq_out,
           ScoreConfig(backend="sentence-transformers", beta_k=8, batch_size=8, workers=0), estimator=minilm)
     prov = read_provenance(pq_out)
-    assert prov["pair"] == "text-text" and prov["estimator"]["model"] == "all-MiniLM-L6-v2" and prov["beta_k"] == 8
+    assert prov.pair == "text-text" and prov.estimator["model"] == "all-MiniLM-L6-v2" and prov.beta_k == 8
     main(["score", str(tmp_path / "wds" / "manifest.yaml"), "--out", str(wds_out), "--backend", "sentence-transformers",
-          "--beta-mode", "fixed", "--beta", str(prov["beta"]), "--batch-size", "8", "--workers", "0", "--device", "cpu"])
+          "--beta-mode", "fixed", "--beta", str(prov.beta), "--batch-size", "8", "--workers", "0", "--device", "cpu"])
     assert "flagged by beta rule" in capsys.readouterr().out
-    assert read_provenance(wds_out)["estimator"]["backend"] == "sentence-transformers"
+    assert read_provenance(wds_out).estimator["backend"] == "sentence-transformers"
     wds_rows, pq_rows = pq.read_table(wds_out).to_pydict(), pq.read_table(pq_out).to_pydict()
     assert wds_rows["key"] == pq_rows["key"] == [p["key"] for p in pairs]
     np.testing.assert_allclose(wds_rows["sim"], pq_rows["sim"], atol=1e-5)
     # Two captions of one image are well above beta (they are clean pairs).
-    assert np.mean(wds_rows["sim"]) > prov["beta"] + 0.2
+    assert np.mean(wds_rows["sim"]) > prov.beta + 0.2

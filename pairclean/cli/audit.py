@@ -22,13 +22,14 @@ def audit_command(
     per_decile: int = typer.Option(10, help="Pairs drawn from each similarity decile."),
     seed: int = typer.Option(0, help="Which pairs are drawn."),
     overwrite: bool = typer.Option(False, help="Replace an existing output file."),
+    allow_other_dataset: options.AllowOtherDataset = False,
 ) -> None:
     """A self-contained HTML page where a person marks keep / drop (k / d, arrows) and exports the marks."""
     dataset = options.dataset_given(ctx)
     from pairclean.curate.audit import build_audit
 
     n = build_audit(scores, shards, out, per_decile=per_decile, seed=seed, fields=dataset.given_fields(),
-                    overwrite=overwrite, **dataset.options())
+                    overwrite=overwrite, allow_other_dataset=allow_other_dataset, **dataset.options())
     console.print(f"{n:,} pairs ({per_decile} per similarity decile) -> {out}; mark them with k / d, export, then "
                   "`pairclean audit-import marks.json --out truth.parquet`", soft_wrap=True)
 

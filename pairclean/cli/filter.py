@@ -115,6 +115,7 @@ def filter_command(
     prefix: str = typer.Option("shard", help="Output file names: PREFIX-000000.tar / .parquet; '' names them like "
                                              "the input (00000.tar, Parquet files keep their names)."),
     overwrite: bool = typer.Option(False, help="Replace a non-empty --out directory."),
+    allow_other_dataset: options.AllowOtherDataset = False,
 ) -> None:
     """Write the pairs the rules keep as new shards in the input's shape (members byte-identical), or preview with --dry-run."""
     dataset = options.dataset_given(ctx)
@@ -130,8 +131,9 @@ def filter_command(
         out = open_output(out, [*source, scores], "out", kind="directory", overwrite=overwrite)
     if not scores.is_file():
         raise UserError(f"scores file not found: {scores}")
-    provenance = read_metadata(scores)[0] or {}
-    data = dataset.reopen(scored_pairs(provenance), shards, pair=dataset.pair or provenance.get("pair"))
+    provenance = read_metadata(scores)[0]
+    recorded_pair = provenance.pair if provenance else None
+    data = dataset.reopen(scored_pairs(provenance), shards, pair=dataset.pair or recorded_pair)
     if data is None and out is not None and not dry_run:
         raise UserError(f"{scores} does not say which shards it describes (scored from embeddings without a link to "
                         "their pairs): give the shards, pairclean filter SHARDS --scores SCORES")
@@ -146,7 +148,7 @@ def filter_command(
                                     dry_run=dry_run, shard_size=shard_size, shard_bytes=shard_bytes, prefix=prefix,
                                     overwrite=overwrite, progress=lambda _shard: bar.advance(task),
                                     keep_keys=str(keep_keys) if keep_keys else None, keys_out=keys_out,
-                                    attach=tables)
+                                    attach=tables, allow_other_dataset=allow_other_dataset)
     print_table(console, result_table(result))
     if result.join == "key":
         console.print(f"matched by key: {result.unmatched:,} scored row(s) have no pair in the given shards")

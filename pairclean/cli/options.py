@@ -36,6 +36,10 @@ Source = Annotated[List[str], typer.Argument(
                             "img2dataset, Hugging Face datasets and DataComp layouts are recognised.")]
 Pair = Annotated[Optional[str], typer.Option(help="Pair kind: image-text, text-text, image-label, image-image.")]
 AllowPipe = Annotated[bool, typer.Option(help="Allow `pipe:` shard URLs, which run shell commands.")]
+AllowOtherDataset = Annotated[bool, typer.Option(
+    "--allow-other-dataset", help="Use the scores (or embeddings) with data whose files differ from the ones they "
+                                  "recorded: another download or copy, or files changed since scoring (each row must "
+                                  "still be the pair its key names).")]
 Device = Annotated[str, typer.Option(help="auto, cpu, cuda, cuda:1 ...")]
 Precision = Annotated[str, typer.Option(
     help="fp32, bf16 (autocast), fp16 (CUDA only), or auto (bf16/fp16 on CUDA, bf16 on CPUs with native bf16, else fp32).")]
@@ -105,14 +109,14 @@ class DatasetOptions:
                             label_template=self.label_template, format=self.format, split=self.split,
                             image_root=self.image_root)
 
-    def reopen(self, record: dict | None, source: list[str] | None = None, pair: str | None = None):
-        """The dataset a scores file recorded (or `source`, read with the recorded mapping), these
-        options applied; None when there is neither."""
+    def reopen(self, record, source: list[str] | None = None, pair: str | None = None):
+        """The dataset a scores file recorded (`data.record.DatasetRecord`, or `source`, read with the
+        recorded mapping), these options applied; None when there is neither."""
         from pairclean.data.dataset import reopen_dataset
 
         if not source and not record:
             return None
-        return reopen_dataset(record or {}, source or None, self.given_fields(), **self.options(pair))
+        return reopen_dataset(record, source or None, self.given_fields(), **self.options(pair))
 
 
 # -- options a command stacks on with a decorator -------------------------------------------------

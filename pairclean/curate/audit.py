@@ -18,7 +18,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from pairclean.scores.contract import from_embeddings
+from pairclean.scores.contract import Provenance, from_embeddings, scored_pairs
 from pairclean.scores.db import ScoresDB
 from pairclean.curate.pages import Html, ScriptJson, join, render, template
 from pairclean.curate.report.media import fetch_media, media_dataset
@@ -63,13 +63,14 @@ def _card(row: dict, media) -> Html:
 
 @declare(per_decile=COUNT, seed=SEED, thumb=within(1, 4096))
 def build_audit(scores: str | Path, shards: list[str] | None, out: str | Path, per_decile: int = 10, seed: int = 0,
-                thumb: int = 1024, fields: Fields | None = None, overwrite: bool = False, **dataset_options) -> int:
+                thumb: int = 1024, fields: Fields | None = None, overwrite: bool = False,
+                allow_other_dataset: bool = False, **dataset_options) -> int:
     """Write the audit page; returns the number of pairs on it. The pairs come from `shards`, else
     the dataset the scores recorded (`fields`, `dataset_options` override how it is read; the pair
     kind defaults to the one the scores compared). Images are kept up to `thumb` pixels on their
     longer side: the page draws them as large as the browser window allows."""
     with ScoresDB(scores) as db:
-        prov = db.provenance or {}
+        prov = db.provenance or Provenance()
         dataset, note = media_dataset(prov, shards, fields, **dataset_options)
         if dataset is None:
             raise ConfigError(note, "shards")
@@ -78,8 +79,8 @@ def build_audit(scores: str | Path, shards: list[str] | None, out: str | Path, p
         rows = stratified_sample(db, per_decile, seed)
     if not rows:
         raise UserError(f"{scores} holds no scored pair to audit")
-    target = open_output(out, [scores, *(shards or []), *dataset.spec.shards], overwrite=overwrite)
-    media = fetch_media(dataset, rows, thumb, from_embeddings(prov))
+    target = open_output(out, [scores, *(shards or []), *dataset.input_paths()], overwrite=overwrite)
+    media = fetch_media(dataset, rows, thumb, from_embeddings(prov), scored_pairs(prov), allow_other_dataset)
     items = [{"key": r["key"], "shard": r["shard"], "index": int(r["index"]), "sim": round(float(r["sim"]), 4),
               "decile": int(r["decile"])} for r in rows]
     page = render(template("pairclean.curate", "audit.html"), title=f"pairclean audit · {Path(scores).name}",

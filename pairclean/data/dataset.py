@@ -18,6 +18,7 @@ from typing import Iterator
 from pairclean.data.formats import InputFormat, detect, format_named
 from pairclean.data.manifest import load_manifest
 from pairclean.data.patterns import absolute_source, resolve_shards
+from pairclean.data.record import DatasetRecord, fingerprints
 from pairclean.data.reading.inputs import check_protocols
 from pairclean.data.spec import MANIFEST_NAME, DatasetSpec, Fields, RawPair, UnitFailure, validate
 from pairclean.data.units import unique_shards
@@ -66,17 +67,30 @@ class Dataset:
         """(pairs in the shard that a writer can copy, why the listing stopped early)."""
         return self.input_format.rows(shard)
 
-    def inputs(self) -> list[str]:
-        """Everything the dataset reads, for the output guard: what the user named (directories
-        included) and the shard files."""
-        return [*(self.named or self.spec.sources or ()), *self.spec.shards]
+    def files(self) -> list[str]:
+        """Every file the dataset is read from: the shards and their metadata sidecars."""
+        return list(dict.fromkeys([*self.spec.shards, *self.input_format.metadata_files()]))
+
+    def input_paths(self) -> list[str]:
+        """What an output must stay apart from (`ops.guard`): what the user named (a directory
+        named is the dataset's, a directory holding a manifest included: an output inside it would
+        be read back as part of the data) and every file read, sidecars included."""
+        return list(dict.fromkeys([*(self.named or self.spec.sources or ()), *self.files()]))
 
     def describe(self) -> str:
         """The one line a run over the dataset starts with."""
         return self.input_format.describe()
 
-    def record(self) -> dict:
-        return self.spec.record()
+    def record(self, fingerprint: bool = False) -> DatasetRecord:
+        """What a scores file records about the dataset it scored: enough to open it again with the
+        same reading (format, the sources as given, the field mapping, the key field), and with
+        `fingerprint` the fingerprints of the files read (`data.record`)."""
+        spec = self.spec
+        return DatasetRecord(
+            format=spec.format, sources=list(spec.sources or spec.shards), pair=spec.pair, fields=spec.fields.given(),
+            key=spec.fields.key, label_template=spec.label_template if spec.pair == "image-label" else None,
+            split=spec.split, image_root=spec.image_root, name=spec.name, truth=spec.truth,
+            files=fingerprints(self.files()) if fingerprint else None)
 
 
 def as_dataset(source: str | list[str] | DatasetSpec | Dataset, **options) -> Dataset:
@@ -112,31 +126,34 @@ def open_dataset(source: str | list[str], pair: str | None = None, fields: Field
                 raise UserError(f"path not found: {s}")
         found = detect(resolve_shards(sources, allow_pipe=allow_pipe), format, split)
         spec = DatasetSpec(format=found.format, shards=found.shards, fields=Fields().resolved(found.fields),
-                           allow_pipe=allow_pipe, sources=[absolute_source(s) for s in sources], split=split)
+                           allow_pipe=allow_pipe, sources=[absolute_source(s) for s in sources], split=split,
+                           detected=found.why)
     spec = replace(spec, pair=pair or spec.pair, fields=fields.resolved(asdict(spec.fields)) if fields else spec.fields,
                    label_template=label_template or spec.label_template,
                    image_root=absolute_source(image_root) if image_root else spec.image_root)
     return Dataset(validate(spec), named)
 
 
-def reopen_dataset(record: dict, sources: list[str] | None = None, fields: Fields | None = None,
+def reopen_dataset(record: DatasetRecord | None, sources: list[str] | None = None, fields: Fields | None = None,
                    **options) -> Dataset:
-    """The dataset a scores file recorded (`DatasetSpec.record`), opened again with the same
-    format and field mapping; `sources` given instead read those files, with the recorded mapping
-    where they are the recorded format. Options (the CLI's flags) override what was recorded."""
-    recorded = Fields(**(record.get("fields") or {}))
+    """The dataset a scores file recorded (`Dataset.record`), opened again with the same format and
+    field mapping; `sources` given instead read those files, with the recorded mapping where they
+    are the recorded format. Options (the CLI's flags) override what was recorded."""
+    recorded = Fields(**{k: v for k, v in record.fields.items() if k in Fields.__dataclass_fields__}) if record \
+        else Fields()
     if not sources:
-        spec = open_dataset(record["sources"], format=options.get("format") or record.get("format"),
-                            split=options.get("split") or record.get("split"),
-                            pair=options.get("pair") or record.get("pair"), allow_pipe=options.get("allow_pipe", False),
-                            label_template=options.get("label_template") or record.get("label_template"),
-                            image_root=options.get("image_root") or record.get("image_root"),
+        spec = open_dataset(record.sources, format=options.get("format") or record.format,
+                            split=options.get("split") or record.split,
+                            pair=options.get("pair") or record.pair, allow_pipe=options.get("allow_pipe", False),
+                            label_template=options.get("label_template") or record.label_template,
+                            image_root=options.get("image_root") or record.image_root,
                             fields=(fields or Fields()).resolved(asdict(recorded))).spec
-        return Dataset(replace(spec, name=spec.name or record.get("name"), truth=spec.truth or record.get("truth")))
-    spec = open_dataset(sources, pair=options.get("pair") or record.get("pair"), fields=fields,
+        return Dataset(replace(spec, name=spec.name or record.name, truth=spec.truth or record.truth,
+                               detected=spec.detected if options.get("format") else "the format the scores recorded"))
+    spec = open_dataset(sources, pair=options.get("pair") or (record.pair if record else None), fields=fields,
                         allow_pipe=options.get("allow_pipe", False), label_template=options.get("label_template"),
                         format=options.get("format"), split=options.get("split"),
                         image_root=options.get("image_root")).spec
-    if spec.format == record.get("format"):
+    if record is not None and spec.format == record.format:
         spec = replace(spec, fields=(fields or Fields()).resolved(asdict(recorded)).resolved(asdict(spec.fields)))
     return Dataset(spec)

@@ -61,6 +61,7 @@ def load_manifest(path: Path, allow_pipe: bool = False) -> DatasetSpec:
         sources=[str(path.resolve())],
         split=raw.get("split"),
         image_root=image_root,
+        detected=f"{path.name} names it" if raw.get("format") else found.why,
     )
     return validate(spec)
 

@@ -13,6 +13,7 @@ from pathlib import Path
 from pairclean.data.formats import directory_files
 from pairclean.data.units import unique_shards
 from pairclean.errors import ConfigError, UserError
+from pairclean.ops.urls import not_regular
 
 MAX_PATTERN_NAMES = 1_000_000  # a brace pattern naming more shards than this is refused, not expanded
 
@@ -138,9 +139,14 @@ def resolve_shards(patterns: list[str] | str, base: Path | None = None, allow_pi
         else:
             out.extend(_expand_one(pattern, base, allow_pipe))
     if check_exist:
-        missing = [s for s in out if "://" not in s and not s.startswith("pipe:") and not os.path.exists(s)]
+        local = [s for s in out if "://" not in s and not s.startswith("pipe:")]
+        missing = [s for s in local if not os.path.exists(s)]
         if missing:
             raise UserError(f"shard not found: {missing[0]}" + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+        special = [(s, kind) for s in local if (kind := not_regular(s))]  # a named pipe blocks its first read
+        if special:
+            raise UserError(f"{special[0][0]} is not a regular file ({special[0][1]}): shards are read from regular "
+                            "files only")
     if not out:
         raise UserError(f"no shards found in {', '.join(patterns)}")
     return unique_shards(out)

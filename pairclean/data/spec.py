@@ -4,6 +4,7 @@ its reading yields. Nothing here opens a file or knows a format's class: the for
 
     DatasetSpec   where the shards are, their format's name, the pair kind, which member or
                   column holds each side (`Fields`), the label template, what the user named
+                  (what a run records of it is `data.record.DatasetRecord`, made by `Dataset.record`)
     RawPair       one row as read: (shard, index, key) and the two sides' raw values, or an error
     UnitFailure   why a unit stopped early, handed to the caller's error policy
 """
@@ -72,18 +73,11 @@ class DatasetSpec:
     sources: list[str] | None = None  # what the user named (patterns, directories, a manifest), absolute
     split: str | None = None  # Hugging Face layouts: the split read (None: all)
     image_root: str | None = None  # where relative image paths start (None: the format's rule)
+    detected: str | None = None  # why the files were taken for this format (the run's announcement says it)
 
     def __post_init__(self):
         if self.sources is None:
             object.__setattr__(self, "sources", list(self.shards))
-
-    def record(self) -> dict:
-        """What a scores file records about the dataset it scored: enough to open it again with the
-        same reading (format, the sources as given, the field mapping, the key field)."""
-        return {"format": self.format, "sources": list(self.sources or self.shards), "pair": self.pair,
-                "fields": self.fields.given(), "key": self.fields.key,
-                "label_template": self.label_template if self.pair == "image-label" else None,
-                "split": self.split, "image_root": self.image_root, "name": self.name, "truth": self.truth}
 
 
 def validate(spec: DatasetSpec) -> DatasetSpec:

@@ -35,8 +35,9 @@ import os
 import shutil
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+from typing import ClassVar
 
 import duckdb
 import numpy as np
@@ -60,9 +61,12 @@ from pairclean.ops.guard import Output
 from pairclean.ops.notices import notice
 from pairclean.ops.progress import SILENT, Progress
 from pairclean.ops.worker_memory import give_back_freed_memory
-from pairclean.runs import GroupClaims, PartStore, Run, by_rank, open_run
-from pairclean.scores.contract import READ_BACK, provenance_metadata, summary_metadata, write_run_manifest
+from pairclean.data.record import DatasetRecord, check_same_dataset
+from pairclean.ops.records import Record
+from pairclean.scores.contract import (READ_BACK, provenance_metadata, read_metadata, scored_pairs, summary_metadata,
+                                       write_run_manifest)
 from pairclean.scores.sql import duckdb_message, sandboxed_connection, sql_string
+from pairclean.runs import GroupClaims, PartStore, Run, by_rank, open_run
 
 KEEP_ORDERS = ("cleanest", "semdedup", "random")
 DUCKDB_MEMORY = "512MB"  # the index and finalize queries spill above this, with one DuckDB thread. At
@@ -105,6 +109,7 @@ class DedupConfig:
     threads: int = setting(0, at_least(0), pinned=False)  # torch intra-op threads during the run (0: leave torch's setting)
     overwrite: bool = unpinned(False)
     resume: bool = unpinned(False)
+    allow_other_dataset: bool = unpinned(False)  # use scores recording another dataset than the embeddings' anyway
     progress: Progress = unpinned(SILENT)
 
     def __post_init__(self):
@@ -115,9 +120,10 @@ class DedupConfig:
 
 
 @dataclass(frozen=True)
-class KMeansRecord:
-    """Stage 1's result (`kmeans.json`, and the provenance's `kmeans`)."""
+class KMeansRecord(Record):
+    """Stage 1's record (`kmeans.json`, and the output's provenance): how the centroids were trained."""
 
+    what = "k-means record"
     clusters: int
     sample: int
     iterations: int
@@ -126,31 +132,78 @@ class KMeansRecord:
 
 
 @dataclass(frozen=True)
-class ClusterIndex:
-    """Stage 3's result (`index.json`): the groups of whole clusters (first, last cluster, rows),
-    how the rows met the scores, how many had a score, how many clusters hold a row."""
+class ClusterGroup(Record):
+    what = "group of clusters"
+    first: int
+    last: int
+    rows: int
 
-    groups: list[dict]
+
+@dataclass(frozen=True)
+class IndexRecord(Record):
+    """Stage 3's record (`index.json`): the groups of whole clusters and how the scores were joined."""
+
+    what = "dedup index record"
+    groups: list[ClusterGroup]
     scores_join: str | None
     scored_rows: int
     clusters_used: int
 
 
-def _stage_record(store: PartStore, name: str, kind: type):
-    """A finished stage's record (None before the stage finished), as `kind`."""
-    found = store.read_record(name, dict)
-    if found is None:
-        return None
-    try:
-        return kind(**found)
-    except TypeError:
-        raise store.invalid(name, f"not a {kind.__name__} record") from None
+@dataclass(frozen=True)
+class DedupProvenance(Record):
+    """How a dedup output was made (its schema metadata; `kind` tells it from a scores file's)."""
+
+    what = "dedup provenance"
+    kind_written: ClassVar[str] = "dedup"
+    kind: str
+    pairclean_version: str | None = None
+    input: list[str] | None = None
+    layout: str | None = None
+    embeddings: DatasetRecord | None = None
+    embedding_dim: int | None = None
+    side: str | None = None
+    threshold: float | None = None
+    eps: float | None = None
+    keep: str | None = None
+    scores: str | None = None
+    seed: int | None = None
+    backend: str | None = None
+    kmeans: KMeansRecord | None = None
+    scores_join: str | None = None
+    world_size: int | None = None
+    work_by_rank: dict[str, dict[str, int]] | None = None
+    run_id: str | None = None
+    settings_sha1: str | None = None
+    finished_at: str | None = None
+
+
+@dataclass(frozen=True)
+class DedupSummary(Record):
+    what = "dedup summary"
+    rows: int
+    usable: int
+    in_groups: int
+    removed: int
+    duplicate_groups: int
+    kept: int
+    share_removed: float
+    clusters: int
+    scores_join: str | None = None
+    scored_rows: int | None = None
+    groups_of_clusters: int | None = None
+    seconds: dict[str, float] = field(default_factory=dict)
+
+
+def read_dedup_metadata(path: str | Path) -> tuple[DedupProvenance | None, DedupSummary | None]:
+    """The provenance and summary of a dedup output (None, None: not one)."""
+    return read_metadata(path, DedupProvenance, DedupSummary)
 
 
 @dataclass
 class DedupResult:
     out: Path
-    summary: dict
+    summary: DedupSummary | None  # None on the ranks other than 0
     seconds: float
     resumed: bool
     already_complete: bool = False
@@ -169,6 +222,9 @@ def dedup(source: str | list[str] | EmbeddingSource, out: str | Path | Output, s
     progress = cfg.progress if distributed.is_main() else SILENT
     scores = Path(scores) if scores is not None else None
     _check_scores(scores, cfg.keep)
+    if scores is not None:  # the scores must describe the pairs these embeddings describe
+        check_same_dataset(scored_pairs(read_metadata(scores)[0]), spec.pairs, f"the scores file {scores}",
+                           cfg.allow_other_dataset, other="the embeddings")
     vectors = Vectors(spec, cfg.side)
     units = spec.units(cfg.unit_rows)
     backend = resolve_backend(cfg.backend)
@@ -179,8 +235,8 @@ def dedup(source: str | list[str] | EmbeddingSource, out: str | Path | Output, s
                    overwrite=cfg.overwrite, resume=cfg.resume)
     out, store = run.out, run.store
     finished = distributed.on_main(run.finished)
-    if finished is not None:
-        return DedupResult(out, finished, 0.0, True, already_complete=True)
+    if finished:
+        return DedupResult(out, read_dedup_metadata(out)[1], 0.0, True, already_complete=True)
     started = time.perf_counter()
     resumed = distributed.on_main(lambda: _begin(run))
     seconds = {}
@@ -206,19 +262,18 @@ def dedup(source: str | list[str] | EmbeddingSource, out: str | Path | Output, s
         vectors.close()
         torch.set_num_threads(intra_op)
     if not distributed.is_main():
-        return DedupResult(out, {}, time.perf_counter() - started, resumed)
-    provenance = {"kind": "dedup", "pairclean_version": __version__, "input": spec.sources, "layout": spec.layout,
-                  "embeddings": spec.record(),
-                  "embedding_dim": spec.dim, "side": cfg.side, "threshold": cfg.threshold, "eps": 1 - cfg.threshold,
-                  "keep": cfg.keep, "scores": str(scores) if scores else None, "seed": cfg.seed, "backend": backend,
-                  "kmeans": asdict(kmeans), "scores_join": index.scores_join, "world_size": distributed.world_size()}
+        return DedupResult(out, None, time.perf_counter() - started, resumed)
     records = run.committed().values()
-    provenance["work_by_rank"] = {stage: by_rank(r for r in records if r.get("stage") == stage)
-                                  for stage in ("assign", "clusters")}
+    provenance = DedupProvenance(
+        kind=DedupProvenance.kind_written, pairclean_version=__version__, input=spec.sources, layout=spec.layout,
+        embeddings=spec.record(), embedding_dim=spec.dim, side=cfg.side, threshold=cfg.threshold,
+        eps=1 - cfg.threshold, keep=cfg.keep, scores=str(scores) if scores else None, seed=cfg.seed, backend=backend,
+        kmeans=kmeans, scores_join=index.scores_join, world_size=distributed.world_size(),
+        work_by_rank={stage: by_rank(r for r in records if r.get("stage") == stage) for stage in ("assign", "clusters")})
     summary = _finalize(run, units, index, provenance, seconds, progress)
     run.close()
-    if summary["share_removed"] > CROWDED:
-        notice(f"{summary['share_removed']:.0%} of the rows were removed at threshold {cfg.threshold}: in this "
+    if summary.share_removed > CROWDED:
+        notice(f"{summary.share_removed:.0%} of the rows were removed at threshold {cfg.threshold}: in this "
                "embedding space most rows have a neighbour that close; look at the distribution of nearest_sim "
                "and raise `threshold` (docs/dedup.md)", "threshold")
     return DedupResult(out, summary, time.perf_counter() - started, resumed)
@@ -263,9 +318,9 @@ def _begin(run: Run) -> bool:
 
 def _centroids(store: PartStore, vectors: Vectors, cfg: DedupConfig, backend: str,
                progress: Progress) -> KMeansRecord:
-    done = _stage_record(store, "kmeans.json", KMeansRecord)
-    if done is not None and (store.dir / "centroids.npy").is_file():
-        return done
+    record = store.dir / "kmeans.json"
+    if record.is_file() and (store.dir / "centroids.npy").is_file():
+        return KMeansRecord.read(record)
     began = time.perf_counter()
     n = vectors.rows
     k = cfg.clusters or max(1, math.ceil(math.sqrt(n)))
@@ -282,8 +337,9 @@ def _centroids(store: PartStore, vectors: Vectors, cfg: DedupConfig, backend: st
     with atomic_path(store.dir / "centroids.npy", temp_dir=store.dir) as tmp:
         with open(tmp, "wb") as fh:
             np.save(fh, centroids)
-    info = KMeansRecord(k, int(len(sample)), cfg.iterations, backend, round(time.perf_counter() - began, 3))
-    store.write_record("kmeans.json", asdict(info))
+    info = KMeansRecord(clusters=k, sample=int(len(sample)), iterations=cfg.iterations, backend=backend,
+                        seconds=round(time.perf_counter() - began, 3))
+    store.write_record(record.name, info.to_json())
     return info
 
 
@@ -355,10 +411,10 @@ def _scores_join(con, scores: Path | None) -> tuple[str | None, str]:
 
 
 def _index(store: PartStore, units: list[str], scores: Path | None, cfg: DedupConfig,
-           progress: Progress) -> ClusterIndex:
-    done = _stage_record(store, "index.json", ClusterIndex)
-    if done is not None:
-        return done
+           progress: Progress) -> IndexRecord:
+    record = store.dir / "index.json"
+    if record.is_file():
+        return IndexRecord.read(record)
     progress.note("sorting the rows by cluster and keep order")
     parts = [str(store.part_path(u)) for u in units]
     spill = Path(tempfile.mkdtemp(prefix="pairclean-dedup-", dir=store.dir))
@@ -386,19 +442,19 @@ def _index(store: PartStore, units: list[str], scores: Path | None, cfg: DedupCo
     finally:
         con.close()
         shutil.rmtree(spill, ignore_errors=True)
-    index = ClusterIndex(groups, join, int(scored), len(counts))
-    store.write_record("index.json", asdict(index))  # last: the stage is done
+    index = IndexRecord(groups=groups, scores_join=join, scored_rows=int(scored), clusters_used=len(counts))
+    store.write_record(record.name, index.to_json())  # last: the stage is done
     return index
 
 
-def _pack_clusters(counts: list[tuple[int, int]], group_rows: int) -> list[dict]:
+def _pack_clusters(counts: list[tuple[int, int]], group_rows: int) -> list[ClusterGroup]:
     """Consecutive clusters in groups of at least `group_rows` rows (the last may hold fewer)."""
     groups, current = [], None
     for cluster, n in counts:
         if current is None:
-            current = {"first": int(cluster), "last": int(cluster), "rows": 0}
-        current["last"], current["rows"] = int(cluster), current["rows"] + int(n)
-        if current["rows"] >= group_rows:
+            current = ClusterGroup(first=int(cluster), last=int(cluster), rows=0)
+        current = replace(current, last=int(cluster), rows=current.rows + int(n))
+        if current.rows >= group_rows:
             groups.append(current)
             current = None
     if current is not None:
@@ -410,7 +466,7 @@ def _group_path(store: PartStore, number: int) -> Path:
     return store.dir / "clusters" / f"group-{number:06d}.parquet"
 
 
-def _write_groups(store: PartStore, groups: list[dict], reader: pa.RecordBatchReader) -> None:
+def _write_groups(store: PartStore, groups: list[ClusterGroup], reader: pa.RecordBatchReader) -> None:
     """The sorted (cluster, row) stream split into one file per group, written as it comes."""
     schema = pa.schema([("cluster", pa.int32()), ("row", pa.int64())])
     pending: list[pa.RecordBatch] = []
@@ -419,9 +475,9 @@ def _write_groups(store: PartStore, groups: list[dict], reader: pa.RecordBatchRe
         with atomic_path(_group_path(store, number), temp_dir=store.dir) as tmp:
             with pq.ParquetWriter(tmp, schema) as writer:
                 written = 0
-                while written < group["rows"]:
+                while written < group.rows:
                     batch = pending.pop() if pending else next(batches)
-                    take = min(batch.num_rows, group["rows"] - written)
+                    take = min(batch.num_rows, group.rows - written)
                     writer.write_batch(pa.RecordBatch.from_arrays(
                         [batch.column(0).cast(pa.int32()).slice(0, take), batch.column(1).slice(0, take)],
                         schema=schema))
@@ -433,7 +489,7 @@ def _write_groups(store: PartStore, groups: list[dict], reader: pa.RecordBatchRe
 # -- stage 4: duplicates inside each cluster --------------------------------------------------
 
 
-def _clusters(run: Run, index: ClusterIndex, vectors: Vectors, cfg: DedupConfig, progress: Progress) -> None:
+def _clusters(run: Run, index: IndexRecord, vectors: Vectors, cfg: DedupConfig, progress: Progress) -> None:
     done = set(run.committed())
     claims = GroupClaims(run.store.dir / "claims-clusters")
     groups = index.groups
@@ -484,8 +540,8 @@ def _cluster_group(group: pa.Table, vectors: Vectors, cfg: DedupConfig) -> pa.Ta
 # -- stage 5: one file in input order ---------------------------------------------------------
 
 
-def _finalize(run: Run, units: list[str], index: ClusterIndex, provenance: dict, seconds: dict[str, float],
-              progress: Progress) -> dict:
+def _finalize(run: Run, units: list[str], index: IndexRecord, provenance: DedupProvenance,
+              seconds: dict[str, float], progress: Progress) -> DedupSummary:
     """Write OUT (and OUT.run.json) from the parts; its summary counts the rows as they are written.
     `seconds`: the stages' times in this process (a resumed run's earlier work is not in them)."""
     out, store = run.out, run.store
@@ -494,7 +550,7 @@ def _finalize(run: Run, units: list[str], index: ClusterIndex, provenance: dict,
     clustered = ", ".join(sql_string(store.part_path(f"{CLUSTERS_UNIT}{g}")) for g in range(len(index.groups)))
     spill = Path(tempfile.mkdtemp(prefix="pairclean-dedup-", dir=store.dir))
     con = sandboxed_connection(spill, directories=[store.dir], memory_limit=DUCKDB_MEMORY, threads=1)
-    provenance = {**provenance, **asdict(run.identity())}
+    provenance = replace(provenance, **asdict(run.identity()))
     schema = DEDUP_SCHEMA.with_metadata(provenance_metadata(provenance))
     counts = {"rows": 0, "usable": 0, "in_groups": 0, "removed": 0}
     try:
@@ -519,11 +575,12 @@ def _finalize(run: Run, units: list[str], index: ClusterIndex, provenance: dict,
                     counts["in_groups"] += table.num_rows - table.column("group_id").null_count
                     counts["removed"] += table.num_rows - _count_true(table.column("kept"))
                     fault_point("finalize-batch")
-                summary = {**counts, "duplicate_groups": int(groups), "kept": counts["rows"] - counts["removed"],
-                           "share_removed": counts["removed"] / counts["rows"] if counts["rows"] else 0.0,
-                           "clusters": provenance["kmeans"]["clusters"], "scores_join": index.scores_join,
-                           "scored_rows": index.scored_rows, "groups_of_clusters": len(index.groups),
-                           "seconds": {k: round(v, 3) for k, v in seconds.items()}}
+                summary = DedupSummary(
+                    **counts, duplicate_groups=int(groups), kept=counts["rows"] - counts["removed"],
+                    share_removed=counts["removed"] / counts["rows"] if counts["rows"] else 0.0,
+                    clusters=provenance.kmeans.clusters, scores_join=index.scores_join,
+                    scored_rows=index.scored_rows, groups_of_clusters=len(index.groups),
+                    seconds={k: round(v, 3) for k, v in seconds.items()})
                 writer.add_key_value_metadata(summary_metadata(summary))
             write_run_manifest(out, summary, provenance, temp_dir=store.dir)
     finally:
@@ -531,3 +588,5 @@ def _finalize(run: Run, units: list[str], index: ClusterIndex, provenance: dict,
         shutil.rmtree(spill, ignore_errors=True)
     fault_point("finalize-renamed")
     return summary
+
+

@@ -62,10 +62,10 @@ class Run:
         self.units, self.read_back, self.file_of = units, read_back, file_of
         self.overwrite, self.resume = overwrite, resume
 
-    def finished(self) -> dict | None:
-        """The output's summary when it is already this run's complete result (nothing to do),
-        else None; call it on rank 0 before building anything, so what `begin` would refuse is
-        refused at once."""
+    def finished(self) -> bool:
+        """Whether the output is already this run's complete result (nothing to do: the caller
+        reads its summary); call it on rank 0 before building anything, so what `begin` would
+        refuse is refused at once."""
         return self.store.finished(self.out, self.settings, self.read_back, overwrite=self.overwrite,
                                    resume=self.resume)
 
@@ -102,7 +102,8 @@ class Run:
 
     def identity(self) -> RunIdentity:
         """The run's part of the output's provenance (`dataclasses.asdict` it into the provenance)."""
-        return RunIdentity(self.store.run_info().get("run_id"), self.store.settings_sha1(),
+        run = self.store.run_info()
+        return RunIdentity(run.run_id if run else None, self.store.settings_sha1(),
                            time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
 
     @contextmanager
@@ -110,8 +111,8 @@ class Run:
         """A temp path for the output, in the parts directory (a kill leaves nothing beside the
         output), renamed into place when complete; an existing output is replaced only by a run
         started with `overwrite`."""
-        with self.target.write(temp_dir=self.store.dir, no_clobber=not self.store.run_info().get("replaces_output")) \
-                as tmp:
+        run = self.store.run_info()
+        with self.target.write(temp_dir=self.store.dir, no_clobber=not (run and run.replaces_output)) as tmp:
             yield tmp
 
     def close(self) -> None:

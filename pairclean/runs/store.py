@@ -34,6 +34,7 @@ import pyarrow.parquet as pq
 from pairclean.errors import ConfigError, UserError
 from pairclean.ops.atomic import atomic_path, remove_stale_temps, write_json
 from pairclean.ops.faults import fault_point
+from pairclean.ops.records import Record, RecordError
 from pairclean.ops.urls import is_local
 from pairclean.runs.claims import GroupClaims
 
@@ -97,11 +98,20 @@ class WrittenBy:
 @dataclass(frozen=True)
 class ReadBack:
     """What the store reads back from an output, through its owner's format: which run wrote it
-    (None: not a pairclean output), its summary, and the run manifest written beside it."""
+    (None: not a pairclean output), and the run manifest written beside it."""
 
     written_by: Callable[[Path], WrittenBy | None]
-    summary: Callable[[Path], dict]
     manifest: Callable[[Path], Path]
+
+
+@dataclass(frozen=True)
+class RunInfo(Record):
+    """run.json: the run's id (stored in its output's provenance) and whether it replaces an output."""
+
+    what = "run record"
+    run_id: str
+    replaces_output: bool
+    started_at: str | None = None
 
 
 @dataclass(frozen=True)
@@ -211,6 +221,17 @@ class PartStore:
             raise self.invalid(name, f"a JSON {type(value).__name__}, not a {kind.__name__}")
         return value
 
+    def read_as(self, name: str, read):
+        """A run file read as a record (`read(json)`), or None when absent; a file that is not the
+        record is `invalid`, named with the field."""
+        value = self.read_record(name, dict)
+        if value is None:
+            return None
+        try:
+            return read(value)
+        except RecordError as exc:
+            raise self.invalid(name, f"{exc.field}: {exc.problem}" if exc.field else exc.problem) from None
+
     def invalid(self, name: str, why: str) -> ConfigError:
         """The one error for resume state that does not describe a run: it is never trusted, never repaired."""
         return ConfigError(f"{self.dir / name} is not a valid record of the unfinished run ({why}); "
@@ -219,8 +240,8 @@ class PartStore:
     def _start(self, settings: dict, units: list[str], replaces_output: bool) -> RunStart:
         self._clear()
         write_json(self.dir / "units.json", units, temp_dir=self.dir)
-        write_json(self.dir / "run.json", {"run_id": uuid.uuid4().hex, "replaces_output": replaces_output,
-                                           "started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())},
+        write_json(self.dir / "run.json", RunInfo(uuid.uuid4().hex, replaces_output,
+                                                  time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())).to_json(),
                    temp_dir=self.dir)
         write_json(self.dir / "settings.json", settings, temp_dir=self.dir)  # last: marks a usable run
         return RunStart(resumed=False, units=units)
@@ -250,33 +271,34 @@ class PartStore:
         return RunStart(resumed=True, units=pinned)
 
     def finished(self, out: Path, settings: dict, read_back: ReadBack, overwrite: bool = False,
-                 resume: bool = False) -> dict | None:
-        """The summary of `out` if it is already the complete result of a run with these settings
-        (nothing left to do), else None; call it before loading a model, so that what `begin`
+                 resume: bool = False) -> bool:
+        """Whether `out` is already the complete result of a run with these settings (nothing left
+        to do; the caller reads its summary); call it before loading a model, so that what `begin`
         would refuse is refused at once. A parts directory that a kill between the output's
         rename and the cleanup left behind is removed here."""
         if overwrite and resume:
             raise ConfigError("resume and overwrite contradict each other: overwrite discards the unfinished run", "resume", "overwrite")
         if overwrite:
-            return None
+            return False
         unfinished = (self.dir / "settings.json").is_file()
         if not out.exists():
             if resume and not unfinished:
                 raise UserError(f"nothing to resume: there is no unfinished run for {out} ({self.dir} not found)")
-            return None
+            return False
         written_by = read_back.written_by(out)  # None: not a pairclean output
+        run_id, digest = (written_by.run_id, written_by.settings_sha1) if written_by else (None, None)
         if self.dir.is_dir():
             self._lock()
-            run = self.run_info() if unfinished else {}
-            if run and (written_by.run_id if written_by else None) != run.get("run_id"):
+            run = self.run_info() if unfinished else None
+            if run is not None and run_id != run.run_id:
                 self._unlock()
-                if run.get("replaces_output"):
-                    return None  # a killed --overwrite run: begin() resumes it
+                if run.replaces_output:
+                    return False  # a killed --overwrite run: begin() resumes it
                 raise ConfigError(f"{out} exists; pass `overwrite` to replace it", "overwrite")
             self.remove()  # the finished run's leftover (or a run killed before it got going)
-        if written_by and written_by.settings_sha1 == settings_digest(settings):
-            return read_back.summary(out)
-        detail = " (a finished run with other settings)" if written_by else ""
+        if digest is not None and digest == settings_digest(settings):
+            return True
+        detail = " (a finished run with other settings)" if digest is not None else ""
         raise ConfigError(f"{out} exists{detail}; pass `overwrite` to replace it", "overwrite")
 
     def begin(self, out: Path, settings: dict, units: list[str], overwrite: bool = False,
@@ -298,9 +320,9 @@ class PartStore:
                 self._lock()
                 return self._start(settings, units, replaces_output=out.exists())
             earlier = self.read_record("settings.json", dict) if existed else None
-            run = self.run_info() if earlier is not None else {}
+            run = self.run_info() if earlier is not None else None
             if out.exists():
-                if earlier is not None and run.get("replaces_output"):
+                if run is not None and run.replaces_output:
                     return self._resume(settings, units, earlier)  # an --overwrite run, killed: carry on
                 raise ConfigError(f"{out} exists; pass `overwrite` to replace it", "overwrite")
             if earlier is not None:
@@ -322,9 +344,9 @@ class PartStore:
             if self._lock_fd is not None:
                 remove_stale_temps(self.dir)
 
-    def run_info(self) -> dict:
+    def run_info(self) -> RunInfo | None:
         """run.json: the run id (stored in the output's provenance) and whether it replaces an output."""
-        return self.read_record("run.json", dict) or {}
+        return self.read_as("run.json", lambda value: RunInfo.from_json(value, self.dir / "run.json"))
 
     def settings_sha1(self) -> str | None:
         settings = self.read_record("settings.json")

@@ -371,10 +371,10 @@ def measure_end_to_end(estimator, data: Dataset, cfg: ScoreConfig, workdir: Path
     cpu = cpu_seconds() - cpu0  # the whole call: beta (none with shuffled/fixed/cached) and finalize included
     s = result.summary
     extra = {"whole_call_seconds": whole, "whole_call_pairs_per_second": result.pairs_scored_now / whole,
-             "beta_seconds": s.get("beta_seconds"), "beta_source": s.get("beta_source"),
-             "errors": s.get("errors"), "workers": cfg.workers, "gpu_utilisation": busy.percent,
-             "batches": s.get("batches"),
-             "full_batches": s.get("full_batches"), "mean_batch_fill": s.get("mean_batch_fill"),
+             "beta_seconds": s.beta_seconds, "beta_source": s.beta_source,
+             "errors": s.errors, "workers": cfg.workers, "gpu_utilisation": busy.percent,
+             "batches": s.batches,
+             "full_batches": s.full_batches, "mean_batch_fill": s.mean_batch_fill,
              "meter": meter.summary()}
     return Phase("end-to-end scoring loop", result.pairs_scored_now, result.seconds, mem.peak_mib, mem.peak_rss_mib,
                  gpu_peak_mib(estimator.device), (load0, os.getloadavg()[0]), cpu, extra)

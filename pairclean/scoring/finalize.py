@@ -25,8 +25,8 @@ from pairclean.core.beta import BetaEstimate
 from pairclean.core.null import NullCalibration
 from pairclean.core.scorer import cone_weight, debias, normalised_weight
 from pairclean.ops.faults import fault_point
-from pairclean.scores.contract import (Provenance, Summary, flagged_summary, provenance_metadata, scores_schema,
-                                       summary_metadata, write_run_manifest)
+from pairclean.scores.contract import (FailedUnit, Provenance, Summary, flagged_summary, provenance_metadata,
+                                       scores_schema, summary_metadata, write_run_manifest)
 from pairclean.scores.rules import DEFAULT_RULES, FitContext, build_rules
 from pairclean.runs import PartStore, Run
 
@@ -109,6 +109,12 @@ def weight_columns(sim: np.ndarray, beta: float, weight_fn: str, official_scale:
     return {"sim_debiased": sd, "weight": w, "weight_norm": wn}
 
 
+def failed_units(units: list[str], records: dict[str, dict]) -> list[FailedUnit]:
+    """The units that broke, with their reasons and the rows they gave before (from the commit records)."""
+    return [FailedUnit(unit=u, reason=records[u]["failure"], rows=records[u]["rows"])
+            for u in units if records[u].get("failure")]
+
+
 def finalize(run: Run, units: list[str], beta: BetaEstimate, weight_fn: str, seed: int, gmm_sample: int,
              provenance: dict, records: dict[str, dict], rules: Sequence[str] = DEFAULT_RULES) -> Summary:
     """Write the run's scores Parquet + run manifest; returns the run summary.
@@ -133,14 +139,13 @@ def finalize(run: Run, units: list[str], beta: BetaEstimate, weight_fn: str, see
     rule_records = [rule.record() for rule in deciders]
     official_scale = max(max_sim - beta.beta, 0.0) if weight_fn == "official" and n_valid else None
 
-    unit_failures = [{"unit": u, "reason": records[u]["failure"], "rows": records[u]["rows"]}
-                     for u in units if records[u].get("failure")]
-    provenance: Provenance = {
+    unit_failures = failed_units(units, records)
+    provenance = Provenance(**{
         **provenance, "pairclean_version": __version__, "beta": beta.beta, "beta_std": beta.std,
         "beta_k": beta.k, "beta_mode": beta.mode, "weight_fn": weight_fn, "official_scale": official_scale,
         **{key: value for rule in deciders for key, value in rule.provenance().items()},
         "gmm_sample": int(len(sample)), "null_sample": int(len(null_sample)),
-        "null_quantiles": null_quantiles(null_sample), "rules": [asdict(r) for r in rule_records], **asdict(run.identity())}
+        "null_quantiles": null_quantiles(null_sample), "rules": rule_records, **asdict(run.identity())})
     schema = scores_schema(deciders).with_metadata(provenance_metadata(provenance))
 
     flagged = {rule.name: 0 for rule in deciders}
@@ -173,11 +178,11 @@ def finalize(run: Run, units: list[str], beta: BetaEstimate, weight_fn: str, see
             if (written, scored, errored) != (n_rows, n_valid, n_errors):
                 raise RuntimeError(f"parts do not reconcile with their commit records: rows {written} vs {n_rows}, "
                                    f"scored {scored} vs {n_valid}, errors {errored} vs {n_errors}")
-            summary: Summary = {
-                "pairs": n_rows, "scored": n_valid, "errors": n_errors, "unit_failures": unit_failures,
-                "failed_units": len(unit_failures), "units": len(units),
-                "beta": beta.beta, "beta_std": beta.std, "beta_k": beta.k, "beta_mode": beta.mode,
-                **random_pairing_share(sample, null_sample), **flagged_summary(rule_records, flagged, n_valid)}
+            summary = Summary(
+                pairs=n_rows, scored=n_valid, errors=n_errors, unit_failures=unit_failures,
+                failed_units=len(unit_failures), units=len(units),
+                beta=beta.beta, beta_std=beta.std, beta_k=beta.k, beta_mode=beta.mode,
+                **random_pairing_share(sample, null_sample), **flagged_summary(rule_records, flagged, n_valid))
             writer.add_key_value_metadata(summary_metadata(summary))
         # The run manifest lands before the Parquet is renamed into place: an output file
         # that exists is always complete and always has its manifest.

@@ -32,13 +32,14 @@ from pairclean.ops.worker_memory import steady_worker_memory
 from pairclean.config import COUNT, at_least, check_choice, check_pretrained, setting, unpinned
 from pairclean.core.beta import BetaEstimate
 from pairclean.data.dataset import Dataset, as_dataset
-from pairclean.data.embeddings import SAVED_PROVENANCE, write_embedding_block
+from pairclean.data.embeddings import (SAVED_PROVENANCE, UNFINISHED, SavedBeta, SavedBlock, SavedEmbeddings,
+                                      write_embedding_block)
 from pairclean.data.spec import DatasetSpec, modalities
 from pairclean.errors import ConfigError
 from pairclean.ops.atomic import remove_stale_temps, write_json
 from pairclean.scoring.beta_cache import BetaCache, cached_random_input_beta, weights_fingerprint
 from pairclean.scoring.batches import PreparedBatches
-from pairclean.scoring.pipeline import PartSink, SavedBlock, run_pipeline
+from pairclean.scoring.pipeline import PartSink, UnitEmbeddings, run_pipeline
 from pairclean.scoring.run import Commit, Finishing, Producer, RunConfig, ScoreResult, Work, run_scoring
 
 
@@ -62,12 +63,13 @@ class ScoreConfig(RunConfig):
         super().__post_init__()
         check_pretrained(self.pretrained)
         check_choice(self.embeddings_dtype, EMBEDDING_DTYPES, "embeddings_dtype")
-        if self.save_embeddings is not None:
-            self.save_embeddings = str(self.save_embeddings)
+        if self.save_embeddings is not None:  # pinned as the directory it names: a resume from elsewhere is refused
+            self.save_embeddings = os.path.abspath(str(self.save_embeddings))
 
 
 EMBEDDING_DTYPES = ("float16", "float32")
-LAYOUT_ENTRIES = ("img_emb", "text_emb", "metadata", SAVED_PROVENANCE)  # what a fresh run clears in save_embeddings
+# what a fresh run clears in save_embeddings
+LAYOUT_ENTRIES = ("img_emb", "text_emb", "metadata", SAVED_PROVENANCE, UNFINISHED)
 GROUP_BATCHES = 16  # a group of units holds at least this many batches' worth of pairs
 PACKING_SAMPLE = 4  # leading units whose pairs are counted (headers only) to size the groups
 
@@ -103,6 +105,7 @@ class ModelProducer(Producer):
         self.dataset, self.spec, self.cfg, self.estimator = dataset, dataset.spec, cfg, estimator
         self.meter = meter  # where the main process's time goes (`pairclean bench score`)
         self.embeddings = embeddings  # save_embeddings, opened through the output guard
+        self._dataset = None  # the dataset's record, its files fingerprinted once (`dataset_record`)
         self.built_from_config = estimator is None
         self.device_type = "cuda" if cfg.device in ("auto", "cuda") and torch.cuda.is_available() else "cpu"
 
@@ -113,7 +116,8 @@ class ModelProducer(Producer):
 
     def started(self, resumed: bool) -> None:
         """save_embeddings: a fresh run starts from an empty directory (a resumed one keeps the
-        blocks of its committed units; any other block is rewritten when its unit is scored)."""
+        blocks of its committed units; any other block is rewritten when its unit is scored),
+        marked unfinished until `provenance.json` is written (readers refuse it until then)."""
         if self.embeddings is None:
             return
         directory = self.embeddings.path
@@ -127,6 +131,8 @@ class ModelProducer(Producer):
         directory.mkdir(exist_ok=True)
         for folder in (directory, *(directory / name for name in LAYOUT_ENTRIES)):
             remove_stale_temps(folder)  # a killed run's half-written block files (this run holds the lock)
+        (directory / SAVED_PROVENANCE).unlink(missing_ok=True)  # a resumed run's directory is complete only at its end
+        write_json(directory / UNFINISHED, {"written_by": "pairclean score"})
 
     def settings(self) -> dict:
         spec, pretrained = self.spec, self.cfg.pretrained
@@ -139,9 +145,10 @@ class ModelProducer(Producer):
                 "weights_sha256": weights, **({"device_decoder": decoder.version} if decoder else {})}
 
     def input_files(self) -> list[str]:
-        """What the user named (directories, a manifest) and a checkpoint file."""
-        pretrained = [self.cfg.pretrained] if self.cfg.pretrained and os.path.isfile(self.cfg.pretrained) else []
-        return [*self.dataset.inputs(), *pretrained]
+        """The checkpoint, the dataset's sources and files (sidecars included), and the saved
+        embeddings' directory: another output of the run, which the scores may not touch either."""
+        checkpoint = [self.cfg.pretrained] if self.cfg.pretrained and os.path.isfile(self.cfg.pretrained) else []
+        return [*checkpoint, *self.dataset.input_paths(), *([self.embeddings] if self.embeddings else [])]
 
     def prepare(self) -> None:
         if self.estimator is None:  # built (and so validated) before anything is written
@@ -195,7 +202,7 @@ class ModelProducer(Producer):
                         save_dtype=getattr(torch, cfg.embeddings_dtype))
         return run_pipeline(loader, estimator, left, right, sink, cfg.batch_size, self.meter, after_batch=slow_point)
 
-    def _save_block(self, unit: str, block: SavedBlock | None) -> dict:
+    def _save_block(self, unit: str, block: UnitEmbeddings | None) -> dict:
         """Write the unit's embeddings as block N (N: the unit's place in the run) and return what
         its commit record says of them. A unit without a usable pair writes no block."""
         if not block or not block.left:
@@ -216,7 +223,13 @@ class ModelProducer(Producer):
         if self.embeddings is not None and beta is not None:
             extra.update(self._saved_provenance(records, beta))
         return Finishing({"estimator": self.estimator.provenance(), "pair": self.spec.pair,
-                          "input_shards": self.spec.shards, "dataset": self.spec.record()}, extra)
+                          "input_shards": self.spec.shards, "dataset": self.dataset_record()}, extra)
+
+    def dataset_record(self):
+        """The dataset scored, its files fingerprinted once (the scores and the saved embeddings record it)."""
+        if self._dataset is None:
+            self._dataset = self.dataset.record(fingerprint=True)
+        return self._dataset
 
     def _saved_provenance(self, records: dict[str, dict], beta: BetaEstimate) -> dict:
         """DIR/provenance.json, written when every unit is committed (its presence marks the
@@ -226,16 +239,17 @@ class ModelProducer(Producer):
         written = sum(r.get("embedding_bytes", 0) for r in records.values())
         model = getattr(estimator, "model", None)
         left, right = modalities(self.spec.pair)
-        provenance = {
-            "written_by": "pairclean score", "pairclean_version": __version__, "estimator": estimator.provenance(),
-            "weights_sha1": weights_fingerprint(model) if isinstance(model, torch.nn.Module) else None,
-            "preprocessing": repr(estimator.input_signature()) if hasattr(estimator, "input_signature") else None,
-            "pair": self.spec.pair, "img_emb": left, "text_emb": right, "dtype": cfg.embeddings_dtype,
-            "normalised": True, "rows": rows, "bytes": written, "dataset": self.spec.record(),
-            "input_shards": self.spec.shards, "beta": beta.as_dict(),
-            "blocks": {str(self.block_of[u]): {"unit": u, "rows": r.get("embeddings", 0)}
-                       for u, r in records.items() if r.get("embeddings")}}
-        write_json(self.embeddings.path / SAVED_PROVENANCE, provenance)
+        provenance = SavedEmbeddings(
+            written_by="pairclean score", pairclean_version=__version__, estimator=estimator.provenance(),
+            weights_sha1=weights_fingerprint(model) if isinstance(model, torch.nn.Module) else None,
+            preprocessing=repr(estimator.input_signature()) if hasattr(estimator, "input_signature") else None,
+            pair=self.spec.pair, img_emb=left, text_emb=right, dtype=cfg.embeddings_dtype,
+            normalised=True, rows=rows, bytes=written, dataset=self.dataset_record(),
+            input_shards=self.spec.shards, beta=SavedBeta(**beta.as_dict()),
+            blocks={str(self.block_of[u]): SavedBlock(unit=u, rows=r.get("embeddings", 0))
+                    for u, r in records.items() if r.get("embeddings")})
+        write_json(self.embeddings.path / SAVED_PROVENANCE, provenance.to_json())
+        (self.embeddings.path / UNFINISHED).unlink(missing_ok=True)  # the directory is complete
         return {"embeddings_saved": rows, "embedding_bytes": written, "embeddings_dir": str(self.embeddings.path)}
 
 
@@ -245,8 +259,9 @@ def score(source: str | list[str] | DatasetSpec | Dataset, out: str | Path | Out
     cfg = config or ScoreConfig()
     dataset = as_dataset(source)
     # A directory the run owns (it resumes): the blocks of committed units stay; `started` clears the rest.
+    # It is another output of the run: the run's guard keeps the scores, their parts and their run manifest apart from it.
     embeddings = None if cfg.save_embeddings is None else open_output(
-        cfg.save_embeddings, dataset.inputs(), "save_embeddings", kind="directory", overwrite=None)
+        cfg.save_embeddings, dataset.input_paths(), "save_embeddings", kind="directory", overwrite=None)
     if cfg.precision == "auto":  # pinned in the settings as what it means on this machine
         cfg = replace(cfg, precision=resolve_precision(cfg.device, "auto"))
     return run_scoring(ModelProducer(dataset, cfg, estimator, embeddings, meter), out, cfg)

@@ -9,7 +9,6 @@ into groups whose pairs share batches.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -17,6 +16,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from pairclean.core.beta import BetaEstimate
+from pairclean.ops.records import Problem, RecordError, convert
 from pairclean.runs.store import PartStore
 
 PART_SCHEMA = pa.schema([
@@ -102,12 +103,22 @@ def load_groups(store: PartStore, units: list[str]) -> list[list[str]] | None:
     return groups
 
 
-def load_beta(store: PartStore) -> dict | None:
-    """beta as saved when the run started (None before), checked: a finite number, known fields."""
-    beta = store.read_record(BETA_RECORD, dict)
-    known = {"mode", "beta", "std", "k", "seed", "source"}
-    if beta is not None and (set(beta) - known or not {"mode", "beta"} <= set(beta)
-                             or isinstance(beta["beta"], bool) or not isinstance(beta["beta"], (int, float))
-                             or not math.isfinite(beta["beta"])):
-        raise store.invalid(BETA_RECORD, "not a saved beta")
-    return beta
+def load_beta(store: PartStore) -> tuple[BetaEstimate, str] | None:
+    """beta as saved when the run started, and where it came from (None before), read as strictly
+    as a flag (`core.beta.BetaEstimate`'s fields and `source`)."""
+    where = store.dir / BETA_RECORD
+
+    def read(value: dict) -> tuple[BetaEstimate, str]:
+        source = value.get("source", "resumed")
+        if not isinstance(source, str):
+            raise RecordError(where, "saved beta", "source", "must be a string")
+        try:
+            return convert({k: v for k, v in value.items() if k != "source"}, BetaEstimate), source
+        except Problem as problem:
+            raise RecordError(where, "saved beta", problem.field, problem.problem) from None
+
+    return store.read_as(BETA_RECORD, read)
+
+
+def save_beta(store: PartStore, beta: BetaEstimate, source: str) -> None:
+    store.write_record(BETA_RECORD, {**beta.as_dict(), "source": source})

@@ -125,7 +125,7 @@ class _UnitRows:
 
 
 @dataclass
-class SavedBlock:
+class UnitEmbeddings:
     """A unit's embeddings for `save_embeddings`, in its row order."""
 
     left: list[torch.Tensor] = field(default_factory=list)
@@ -137,7 +137,7 @@ class SavedBlock:
 
 # commit(unit, columns, record); save_block(unit, block or None) -> what the commit record says of it
 Commit = Callable[[str, dict, dict], None]
-SaveBlock = Callable[[str, SavedBlock | None], dict]
+SaveBlock = Callable[[str, UnitEmbeddings | None], dict]
 
 
 class PartSink:
@@ -152,7 +152,7 @@ class PartSink:
         self.save_block, self.save_dtype = save_block, save_dtype
         self.rows: dict[str, _UnitRows] = defaultdict(_UnitRows)
         self.sums: dict[str, ShuffledAccumulator] = defaultdict(ShuffledAccumulator)
-        self.blocks: dict[str, SavedBlock] = defaultdict(SavedBlock)
+        self.blocks: dict[str, UnitEmbeddings] = defaultdict(UnitEmbeddings)
         self.pending: ScoredBatch | None = None
 
     def put(self, scored: ScoredBatch) -> None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, ClassVar, Iterator
 
@@ -26,15 +26,15 @@ from pairclean.core.scorer import WEIGHT_FUNCTIONS
 from pairclean.data.units import unit_shard
 from pairclean.errors import ConfigError, UserError
 from pairclean.ops import distributed
-from pairclean.ops.atomic import write_json
 from pairclean.ops.guard import Output
 from pairclean.ops.progress import SILENT, Progress
 from pairclean.runs import GroupClaims, PartStore, Run, by_rank, open_run
-from pairclean.scores.contract import READ_BACK, read_provenance, run_manifest_path
+from pairclean.scores.contract import (READ_BACK, ErrorCount, Provenance, Summary, read_provenance, read_summary,
+                                       run_manifest_path, write_run_manifest)
 from pairclean.scores.rules import DEFAULT_RULES, build_rules
-from pairclean.scoring.finalize import finalize
-from pairclean.scoring.parts import (BETA_RECORD, GROUPS_RECORD, PART_WRITE_OPTIONS, common_errors, error_counts,
-                                     load_beta, load_groups, part_table)
+from pairclean.scoring.finalize import failed_units, finalize
+from pairclean.scoring.parts import (GROUPS_RECORD, PART_WRITE_OPTIONS, common_errors, error_counts, load_beta,
+                                     load_groups, part_table, save_beta)
 
 # commit(unit, columns, record): the producer hands each finished unit's rows to the run.
 Commit = Callable[[str, dict, dict], None]
@@ -149,11 +149,11 @@ class Producer(ABC):
 @dataclass
 class ScoreResult:
     out: Path
-    summary: dict
+    summary: Summary | None  # None on the ranks other than 0 (under torchrun only rank 0 finalizes)
     seconds: float
     pairs_scored_now: int
     resumed: bool
-    provenance: dict = field(default_factory=dict)
+    provenance: Provenance | None = None
     already_complete: bool = False  # the output was already this run's finished result
 
     @property
@@ -185,12 +185,11 @@ def unusable_run(units: list[str], records: dict[str, dict], store: PartStore,
 def fail_run(reason: str, units: list[str], records: dict[str, dict], run: Run, provenance: dict) -> None:
     """End a run that gives no scores file: its reasons in the run manifest, the parts removed (so
     the corrected command starts afresh), nothing else written; then the one-line error."""
-    failures = [{"unit": u, "reason": records[u]["failure"], "rows": records[u]["rows"]}
-                for u in units if records[u].get("failure")]
-    summary = {"pairs": sum(records[u]["rows"] for u in units), "errors": sum(records[u]["errors"] for u in units),
-               "unit_failures": failures, "failed_units": len(failures), "units": len(units),
-               "error_reasons": error_counts(run.store, units), "failed": reason}
-    write_json(run_manifest_path(run.out), {"output": None, "summary": summary, "provenance": provenance})
+    failures = failed_units(units, records)
+    summary = Summary(pairs=sum(records[u]["rows"] for u in units), errors=sum(records[u]["errors"] for u in units),
+                      unit_failures=failures, failed_units=len(failures), units=len(units),
+                      error_reasons=[ErrorCount(**count) for count in error_counts(run.store, units)], failed=reason)
+    write_run_manifest(run.out, summary, Provenance(**provenance), written=False)
     run.close()
     message = f"{reason}; no scores file was written (all reasons in {run_manifest_path(run.out)})"
     raise ConfigError(message, "max_error_share") if "`max_error_share`" in reason else UserError(message)
@@ -216,12 +215,11 @@ def _begin(run: Run, producer: Producer, cfg: RunConfig) -> Begun:
     began = time.perf_counter()
     saved = load_beta(run.store)
     if saved is not None:
-        source = saved.pop("source", "resumed")
-        beta = BetaEstimate(**saved)
+        beta, source = saved
     else:
         beta, source = resolve_beta(cfg.beta_mode, cfg.beta, producer.random_beta)
         if beta is not None:
-            run.store.write_record(BETA_RECORD, {**beta.as_dict(), "source": source})
+            save_beta(run.store, beta, source)
     groups = load_groups(run.store, started.units)
     if groups is None:  # packed once, when the run starts: a resumed run batches alike
         groups = producer.groups(started.units)
@@ -246,8 +244,8 @@ def run_scoring(producer: Producer, out: str | Path | Output, cfg: RunConfig) ->
     out = run.out
     # Under torchrun, rank 0 alone decides (finished? fresh or resumed? beta) and tells the others.
     finished = distributed.on_main(run.finished)
-    if finished is not None:  # the same command, re-run after it finished: nothing to do
-        return ScoreResult(out, finished, 0.0, 0, True, read_provenance(out), already_complete=True)
+    if finished:  # the same command, re-run after it finished: nothing to do
+        return ScoreResult(out, read_summary(out), 0.0, 0, True, read_provenance(out), already_complete=True)
     producer.prepare()
     begun = distributed.on_main(lambda: _begin(run, producer, cfg))
     units, work, beta = begun.units, begun.work, begun.beta
@@ -272,7 +270,7 @@ def run_scoring(producer: Producer, out: str | Path | Output, cfg: RunConfig) ->
     scored_now = counters["pairs"]
     elapsed = distributed.all_reduce_sum(elapsed) / distributed.world_size()
     if not distributed.is_main():
-        return ScoreResult(out, {}, elapsed, scored_now, begun.resumed, {})
+        return ScoreResult(out, None, elapsed, scored_now, begun.resumed)
 
     records = run.committed()
     missing = [u for u in units if u not in records]
@@ -288,7 +286,8 @@ def run_scoring(producer: Producer, out: str | Path | Output, cfg: RunConfig) ->
     if reason:
         fail_run(reason, units, records, run, provenance)
     summary = finalize(run, units, beta, cfg.weight_fn, cfg.seed, cfg.gmm_sample, provenance, records, cfg.rules)
-    summary.update(produced.summary, pairs_per_second=scored_now / elapsed if elapsed > 0 else 0.0, scoring_seconds=elapsed,
-                   scoring_cpu_seconds=cpu, beta_seconds=begun.beta_seconds, beta_source=begun.beta_source)
+    summary = replace(summary, **produced.summary, pairs_per_second=scored_now / elapsed if elapsed > 0 else 0.0,
+                      scoring_seconds=elapsed, scoring_cpu_seconds=cpu, beta_seconds=begun.beta_seconds,
+                      beta_source=begun.beta_source)
     run.close()
-    return ScoreResult(out, summary, elapsed, scored_now, begun.resumed, provenance)
+    return ScoreResult(out, summary, elapsed, scored_now, begun.resumed, read_provenance(out))

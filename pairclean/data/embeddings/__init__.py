@@ -12,10 +12,11 @@
 from pairclean.data.embeddings.batches import BLOCK_ROWS, ArrayRows, EmbeddingBatch, NpyRows
 from pairclean.data.embeddings.layouts import LAYOUTS, EmbeddingLayout, open_embeddings
 from pairclean.data.embeddings.npy import NpyFiles, NpyPair
-from pairclean.data.embeddings.saved import (SAVED_PROVENANCE, read_saved_provenance, write_embedding_block,
-                                             write_embeddings)
+from pairclean.data.embeddings.saved import (SAVED_PROVENANCE, UNFINISHED, SavedBeta, SavedBlock, SavedEmbeddings,
+                                             read_saved_provenance, write_embedding_block, write_embeddings)
 from pairclean.data.embeddings.source import EmbeddingSource
 
-__all__ = ["BLOCK_ROWS", "LAYOUTS", "SAVED_PROVENANCE", "ArrayRows", "EmbeddingBatch", "EmbeddingLayout",
+__all__ = ["BLOCK_ROWS", "LAYOUTS", "SAVED_PROVENANCE", "UNFINISHED", "SavedBeta", "SavedBlock", "SavedEmbeddings",
+           "ArrayRows", "EmbeddingBatch", "EmbeddingLayout",
            "EmbeddingSource", "NpyFiles", "NpyPair", "NpyRows", "open_embeddings", "read_saved_provenance",
            "write_embedding_block", "write_embeddings"]

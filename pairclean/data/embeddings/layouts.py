@@ -38,12 +38,15 @@ from pairclean.config import check_choice
 from pairclean.data.dataset import open_dataset
 from pairclean.data.embeddings.batches import ArrayRows, EmbeddingBatch, NpyRows, list_column, read_metadata
 from pairclean.data.embeddings.npy import NpyFiles, NpyPair, npy_file, npy_pair, npz_member
-from pairclean.data.embeddings.saved import CLIP_RETRIEVAL, read_saved_provenance
+from pairclean.data.embeddings.saved import (CLIP_RETRIEVAL, SAVED_PROVENANCE, UNFINISHED, SavedEmbeddings,
+                                             read_saved_provenance)
 from pairclean.data.embeddings.source import EmbeddingSource
 from pairclean.data.patterns import resolve_shards
+from pairclean.data.record import DatasetRecord
 from pairclean.data.spec import PAIR_KINDS
 from pairclean.data.units import Unit
 from pairclean.errors import ConfigError, UserError
+from pairclean.ops.notices import notice
 
 
 @dataclass(frozen=True)
@@ -64,8 +67,8 @@ class Located:
     npy: tuple[NpyPair, ...] = ()
     parquet: tuple[str, ...] = ()
     pair: str | None = None  # the pair kind the files record (a directory `score --save-embeddings` wrote)
-    pairs: dict | None = None  # the dataset of pairs the embeddings describe
-    saved: dict | None = None  # DIR/provenance.json
+    pairs: DatasetRecord | None = None  # the dataset of pairs the embeddings describe
+    saved: SavedEmbeddings | None = None  # DIR/provenance.json
 
 
 LAYOUTS: dict[str, type["EmbeddingLayout"]] = {}
@@ -151,21 +154,27 @@ class ClipRetrieval(EmbeddingLayout):
         root = Path(request.sources[0])
         images = _numbered(root / "img_emb", CLIP_RETRIEVAL["img_emb"], ".npy")
         texts = _numbered(root / "text_emb", CLIP_RETRIEVAL["text_emb"], ".npy")
+        if (root / UNFINISHED).is_file():
+            raise UserError(f"{root} holds the embeddings of an unfinished `pairclean score` run ({len(images)} "
+                            "block(s) so far): re-run the command that writes it to finish them before reading them")
         metadata = _numbered(root / "metadata", CLIP_RETRIEVAL["metadata"], ".parquet")
         if not images:
             raise UserError(f"{root}/img_emb holds no img_emb_N.npy files")
         unmatched = sorted(set(images) ^ set(texts))
         if unmatched:
             raise UserError(f"{root}: img_emb and text_emb files do not pair up (unmatched number {unmatched[0]})")
+        saved = read_saved_provenance(root)
         npy = tuple(npy_pair(npy_file(str(images[n])), npy_file(str(texts[n])),
                              str(metadata[n]) if n in metadata else None, request.key_field)
                     for n in sorted(images, key=int))
-        saved = read_saved_provenance(root)
-        if not saved:
-            return Located(npy=npy)
-        # the pair kind and dataset the saving run scored
-        return Located(npy=npy, pair=saved.get("pair"), saved=saved,
-                       pairs=saved.get("dataset") if isinstance(saved.get("dataset"), dict) else None)
+        if saved is not None:  # the pair kind and dataset the saving run scored
+            saved.check_blocks(root, {int(n): pair.rows for n, pair in zip(sorted(images, key=int), npy)})
+            return Located(npy=npy, pair=saved.pair, saved=saved, pairs=saved.dataset)
+        if any(pair.origin for pair in npy):
+            notice(f"{root} has no {SAVED_PROVENANCE} but its metadata names each row's shard and index, as "
+                   "`pairclean score` writes them: if a run of it wrote this directory, that run did not finish and "
+                   "the directory may hold part of the dataset only")
+        return Located(npy=npy)
 
 
 @register_layout
@@ -223,7 +232,7 @@ class DataCompNpz(EmbeddingLayout):
         return Located(npy=tuple(npy), pairs=cls._pairs(files))
 
     @staticmethod
-    def _pairs(files: list[Path]) -> dict | None:
+    def _pairs(files: list[Path]) -> DatasetRecord | None:
         """The pool's shards: `shards/` beside `metadata/`, as download_upstream.py lays the pool out."""
         roots = {f.parent.parent for f in files if f.parent.name == "metadata"}
         if len(roots) != 1 or not (shards := next(iter(roots)) / "shards").is_dir():
@@ -256,6 +265,9 @@ def _parquet_dim(paths: tuple[str, ...], column: str) -> int:
     for path in paths:
         for batch in pq.ParquetFile(path).iter_batches(batch_size=1024, columns=[column]):
             lengths = pc.drop_null(pc.list_value_length(batch.column(0)))
+            if len(lengths) and lengths[0].as_py() == 0:
+                raise UserError(f"column {column!r} of {path} holds an embedding of 0 values: an embedding has at "
+                                "least one value")
             if len(lengths):
                 return int(lengths[0].as_py())
     raise UserError(f"column {column!r} holds no embedding in {', '.join(paths)}")

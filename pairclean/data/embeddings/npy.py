@@ -63,10 +63,16 @@ def npz_member(path: str, name: str) -> tuple[tuple[int, ...], np.dtype, int]:
             fh.seek(info.header_offset + 26)
             name_len, extra_len = (int.from_bytes(fh.read(2), "little") for _ in range(2))
             fh.seek(info.header_offset + 30 + name_len + extra_len)
+            data_start = fh.tell()
             version = np.lib.format.read_magic(fh)
             shape, fortran, dtype = (np.lib.format.read_array_header_1_0(fh) if version == (1, 0)
                                      else np.lib.format.read_array_header_2_0(fh))
             offset = fh.tell()
+            declared = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+            stored = info.file_size - (offset - data_start)
+            if declared != stored:  # rows past the stored ones would be read from the next member
+                raise UserError(f"{what}'s header declares an array of shape {tuple(shape)} ({declared:,} bytes) but "
+                                f"the member stores {stored:,} bytes of data: the file is damaged")
     except KeyError:
         raise UserError(f"{path} has no array {name!r}") from None
     except (OSError, ValueError, zipfile.BadZipFile) as exc:
@@ -87,6 +93,8 @@ def npy_pair(left: Array, right: Array, keys: str | None, key_field: str | None,
             raise UserError(f"{path} holds {dtype} values; embeddings must be float16, float32 or float64")
     if lshape != rshape:
         raise UserError(f"{lpath} and {rpath} do not pair up: shapes {lshape} and {rshape}")
+    if lshape[1] == 0:
+        raise UserError(f"{lpath} holds {lshape[0]:,} rows of 0 values: an embedding has at least one value")
     if ldtype != rdtype:
         raise UserError(f"{lpath} ({ldtype}) and {rpath} ({rdtype}) must have the same dtype")
     column, origin = None, False

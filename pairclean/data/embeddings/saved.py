@@ -4,7 +4,7 @@ the pairs' `shard` and `index` in the metadata and DIR/provenance.json at the en
 
 from __future__ import annotations
 
-import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
 
@@ -12,22 +12,90 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from pairclean.data.record import DatasetRecord
+from pairclean.data.spec import PAIR_KINDS
 from pairclean.errors import UserError
 from pairclean.ops.atomic import atomic_path
+from pairclean.ops.records import Json, Record
 
 CLIP_RETRIEVAL = {"img_emb": "img_emb_", "text_emb": "text_emb_", "metadata": "metadata_"}  # folder -> file prefix
 SAVED_PROVENANCE = "provenance.json"  # beside img_emb/ when `score --save-embeddings` wrote the directory
+UNFINISHED = "unfinished.json"  # beside img_emb/ while a `score --save-embeddings` run is writing the directory
 
 
-def read_saved_provenance(directory: str | Path) -> dict | None:
+@dataclass(frozen=True)
+class SavedBeta(Record):
+    """The beta of the run that saved the embeddings (`core.beta.BetaEstimate`'s fields)."""
+
+    what = "saved beta"
+    mode: str
+    beta: float
+    std: float | None = None
+    k: int | None = None
+    seed: int | None = None
+
+
+@dataclass(frozen=True)
+class SavedBlock(Record):
+    what = "saved block"
+    unit: str  # the unit whose rows block N holds
+    rows: int
+
+
+@dataclass(frozen=True)
+class SavedEmbeddings(Record):
+    """DIR/provenance.json: what `score --save-embeddings` recorded beside the embeddings, written
+    when every unit is committed (its presence marks the directory complete, `blocks` what it holds)."""
+
+    what = "saved-embeddings provenance"
+    written_by: str
+    pair: str
+    rows: int
+    blocks: dict[str, SavedBlock]
+    beta: SavedBeta
+    estimator: dict[str, Json] | None = None  # the backend's own provenance
+    pairclean_version: str | None = None
+    weights_sha1: str | None = None
+    preprocessing: str | None = None
+    img_emb: str | None = None  # the modality of each side
+    text_emb: str | None = None
+    dtype: str | None = None
+    normalised: bool | None = None
+    bytes: int | None = None
+    dataset: DatasetRecord | None = None  # the dataset scored, with its files' fingerprints
+    input_shards: list[str] | None = None
+
+    def problems(self):
+        if self.pair not in PAIR_KINDS:
+            yield "pair", f"must be one of {', '.join(PAIR_KINDS)}, got {self.pair!r}"
+        for name in ("rows", "bytes"):
+            if (getattr(self, name) or 0) < 0:
+                yield name, f"must be 0 or more, got {getattr(self, name)}"
+        for number, block in self.blocks.items():
+            if not number.isdigit() or block.rows < 0:
+                yield f"blocks.{number}", "must be a block number holding 0 rows or more"
+
+    def check_blocks(self, root: Path, held: dict[int, int]) -> None:
+        """The directory holds the blocks this record lists, each with its rows, and no other."""
+        listed = {int(n): block.rows for n, block in self.blocks.items()}
+        where = root / SAVED_PROVENANCE
+        for number in sorted(listed.keys() | held.keys()):
+            if number not in held:
+                raise UserError(f"{where} lists block {number} ({listed[number]:,} rows) but {root} does not hold it: "
+                                "the directory is not whole; save the embeddings again")
+            if number not in listed:
+                raise UserError(f"{root} holds block {number}, which {where} does not list: blocks of another run?")
+            if held[number] != listed[number]:
+                raise UserError(f"block {number} of {root} holds {held[number]:,} rows, {where} says "
+                                f"{listed[number]:,}")
+        if sum(listed.values()) != self.rows:
+            raise UserError(f"{where} says rows {self.rows:,} but its blocks hold {sum(listed.values()):,}")
+
+
+def read_saved_provenance(directory: str | Path) -> SavedEmbeddings | None:
     """What `score --save-embeddings` recorded beside the embeddings (None: another tool wrote them)."""
     path = Path(directory) / SAVED_PROVENANCE
-    if not path.is_file():
-        return None
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise UserError(f"cannot read {path}: {str(exc).splitlines()[0][:200]}") from None
+    return SavedEmbeddings.read(path) if path.is_file() else None
 
 
 def write_embedding_block(directory: str | Path, number: int, left: np.ndarray, right: np.ndarray,

@@ -15,6 +15,8 @@ import pyarrow.parquet as pq
 
 from pairclean.data.embeddings.batches import EmbeddingBatch
 from pairclean.data.embeddings.npy import NpyPair
+from pairclean.data.embeddings.saved import SavedEmbeddings
+from pairclean.data.record import DatasetRecord
 
 
 class Reads(Protocol):
@@ -44,9 +46,9 @@ class EmbeddingSource:
     npy: tuple[NpyPair, ...] = ()  # array pairs read in place (clip-retrieval, numpy, DataComp .npz)
     parquet: tuple[str, ...] = ()  # Parquet files with two list<float> columns
     keys_file: str | None = None  # the numpy layout's key Parquet
-    pairs: dict | None = None  # the dataset of pairs the embeddings describe, when the layout says (DataComp,
-    # or the record `score --save-embeddings` kept of the dataset it scored)
-    saved: dict | None = None  # DIR/provenance.json of a directory `score --save-embeddings` wrote
+    pairs: DatasetRecord | None = None  # the dataset of pairs the embeddings describe, when the layout says
+    # (DataComp, or the record `score --save-embeddings` kept of the dataset it scored)
+    saved: SavedEmbeddings | None = None  # DIR/provenance.json of a directory `score --save-embeddings` wrote
 
     @property
     def rows_in_place(self) -> bool:
@@ -72,12 +74,12 @@ class EmbeddingSource:
     def describe(self) -> str:
         """The one line a run over these embeddings starts with."""
         key = self.key_field or next((n.key_column for n in self.npy if n.key_column), None) or "none (file/row)"
-        pairs = f"; the pairs they describe: {', '.join(self.pairs['sources'])}" if self.pairs else ""
+        pairs = f"; the pairs they describe: {', '.join(self.pairs.sources)}" if self.pairs else ""
         return (f"reading {self.reader.label}: left={self.left_field}, right={self.right_field} ({self.dim}-d), "
                 f"key={key}; {len(self.npy) or len(self.parquet)} file(s), {self.rows():,} rows{pairs}")
 
-    def record(self) -> dict:
+    def record(self) -> DatasetRecord:
         """What a scores file records about the embeddings it scored (and the pairs they describe)."""
-        return {"format": self.layout, "sources": [os.path.abspath(s) for s in self.sources], "pair": self.pair,
-                "fields": {"left": self.left_field, "right": self.right_field, "key": self.key_field},
-                "key": self.key_field, "pairs": self.pairs}
+        return DatasetRecord(format=self.layout, sources=[os.path.abspath(s) for s in self.sources], pair=self.pair,
+                             fields={"left": self.left_field, "right": self.right_field, "key": self.key_field},
+                             key=self.key_field, pairs=self.pairs)

@@ -38,11 +38,13 @@ def format_named(name: str, field: str = "input_format") -> type["InputFormat"]:
 
 @dataclass
 class Claim:
-    """What detection found: the format, the files it reads as shards, the fields it read off them."""
+    """What detection found: the format, the files it reads as shards, the fields it read off them,
+    and why the files are that layout (the run's announcement says it)."""
 
     format: str
     shards: list[str]
     fields: dict[str, str | None] = field(default_factory=dict)
+    why: str = ""
 
 
 def by_priority() -> list[type["InputFormat"]]:
@@ -64,7 +66,8 @@ def detect(files: list[str], format: str | None = None, split: str | None = None
     shards it reads (of `split` only, when given), and the fields it found."""
     if format is not None:
         cls = format_named(format, "input_format")
-        claim = cls.claim(files, forced=True)
+        claim = cls.claim(files, forced=True) or Claim(cls.name, [])  # none of the files is of its kind
+        claim.why = f"{format} was named as the input format"
     else:
         claim = next((c for c in (cls.claim(files) for cls in by_priority()) if c is not None), None)
         if claim is None:
@@ -151,8 +154,11 @@ class InputFormat(ABC):
         parts.append(f"key={f.key or 'none (file/row)'}")
         files = len(dict.fromkeys(self.spec.shards))
         extra = self.describe_extra()
+        detected = f"; detected: {self.spec.detected}" if self.spec.detected else ""
         return (f"reading {self.label}: {', '.join(parts)}; {files} {self.suffix.lstrip('.') or 'data'} file(s)"
-                + (f", {extra}" if extra else ""))
+                + (f", {extra}" if extra else "") + detected)
 
     def describe_extra(self) -> str:
+        """More of the announcement (what the files hold); it reads only what it guards, since a
+        broken file is a failed unit when it is read, never a crash of the announcement."""
         return ""

@@ -8,7 +8,7 @@ import pyarrow.parquet as pq
 import webdataset as wds
 
 from pairclean.errors import UserError
-from pairclean.ops.urls import is_local
+from pairclean.ops.urls import is_local, not_regular
 
 
 def open_input(url: str):
@@ -36,4 +36,6 @@ def check_protocols(urls: list[str]) -> None:
 
 
 def parquet_file(path: str) -> pq.ParquetFile:
+    if is_local(path) and (kind := not_regular(path)):
+        raise UserError(f"{path} is not a regular file ({kind})")
     return pq.ParquetFile(path if is_local(path) else open_input(path))

@@ -32,7 +32,7 @@ from pairclean.data.reading.inputs import open_input
 from pairclean.data.reading import values
 from pairclean.data.reading.values import Oversized, decode_text, fill
 from pairclean.data.spec import DatasetSpec, OnFailure, RawPair, UnitFailure
-from pairclean.ops.urls import is_local
+from pairclean.ops.urls import is_local, not_regular
 
 _SKIP_META = re.compile(r"__[^/]*__($|/)")  # webdataset's tar_file_iterator skip_meta
 
@@ -95,6 +95,8 @@ def _refusal(url: str, allow_pipe: bool) -> UnitFailure | None:
         return UnitFailure(url, "refusing a shell `pipe:` URL without `allow_pipe`", ("allow_pipe",))
     if is_local(url) and not os.path.exists(url):
         return UnitFailure(url, "shard not found (it disappeared after the run started?)")
+    if is_local(url) and (kind := not_regular(url)):
+        return UnitFailure(url, f"not a regular file ({kind}): it is not read")
     return None
 
 

@@ -12,6 +12,7 @@ import stat
 from pathlib import Path
 
 from pairclean.data.spec import RawPair
+from pairclean.ops.urls import file_kind
 
 # Text encoders keep the first 77 (CLIP) or 256 (MiniLM) tokens, far fewer than 4096 characters;
 # a longer caption only costs tokeniser time (CLIP's BPE is quadratic in the length of a word).
@@ -73,7 +74,7 @@ def safe_join(root: Path, relative: str) -> Path | None:
 
 def read_image_path(root: Path, value) -> tuple[bytes | None, str | None]:
     """The bytes of the image file a column names, under `root`, or why there are none."""
-    if value is None:
+    if value is None or value == "":
         return None, "missing image path"
     if not isinstance(value, str):
         return None, f"image path is {shown(value)}, not text"
@@ -81,15 +82,17 @@ def read_image_path(root: Path, value) -> tuple[bytes | None, str | None]:
     if path is None:
         return None, f"image path escapes the dataset root: {shown(value)}"
     try:
-        # Non-blocking open, then fstat: a FIFO or device is refused instead of hanging the
-        # reader, and a file is held to the same size limit as a tar member before it is read.
+        # Non-blocking open, then fstat before anything is read: a folder, FIFO or device is
+        # refused instead of failing or hanging the reader, and a file is held to the same size
+        # limit as a tar member.
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
     except OSError as exc:
         return None, f"cannot read image file {shown(value)}: {exc.strerror or exc}"
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode):
+        os.close(fd)
+        return None, f"image path {shown(value)} is not a regular file ({file_kind(info.st_mode)})"
     with os.fdopen(fd, "rb") as fh:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            return None, f"image path {shown(value)} is not a regular file"
         if info.st_size > MAX_MEMBER_BYTES:
             return None, Oversized(str(value), info.st_size, "image file").reason
         try:

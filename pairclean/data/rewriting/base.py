@@ -62,7 +62,9 @@ Progress = Callable[[str], None] | None
 
 
 def changed(shard: str, detail: str) -> UserError:
-    return UserError(f"{shard} changed since it was scored ({detail}); score it again before filtering")
+    """A shard whose rows are not the ones the scores name at their positions (it changed since it
+    was scored, or it is another download named alike): never waived, rows would be misattributed."""
+    return UserError(f"{shard} changed since it was scored ({detail}); score it again before using these scores")
 
 
 def check_key(shard: str, dec: Decisions, i: int, key: str) -> None:

@@ -10,7 +10,8 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from pairclean.data.formats.img2dataset import SUCCESS, Img2DatasetParquet, Img2DatasetWebDataset, columns_of
+from pairclean.data.formats.img2dataset import (SUCCESS, Img2DatasetParquet, Img2DatasetWebDataset, columns_of,
+                                                read_table)
 from pairclean.data.reading.inputs import parquet_file
 from pairclean.data.reading.tar import Sample, sample_key
 from pairclean.data.rewriting.base import KeptRows, NextCaption, Progress, Written, rewrites
@@ -55,7 +56,7 @@ class Img2DatasetTarRewriter(TarRewriter):
     def on_kept(self, shard: str, sample: Sample) -> None:
         if self._index[0] != shard:
             sidecar = self.format.sidecar(shard)
-            table = parquet_file(sidecar).read() if sidecar is not None else None
+            table = read_table(sidecar) if sidecar is not None else None
             column = self.format.sidecar_key()
             rows = {str(k): i for i, k in enumerate(table.column(column).to_pylist())} \
                 if table is not None and column in table.column_names else {}
@@ -88,7 +89,7 @@ class Img2DatasetTarRewriter(TarRewriter):
         target = tmp / self.output_name(shard)
         if sidecar is None:
             return
-        table = parquet_file(sidecar).read()
+        table = read_table(sidecar)
         column = self.format.sidecar_key()
         if changed and "caption" in table.column_names and column in table.column_names:
             keys = [str(k) for k in table.column(column).to_pylist()]
