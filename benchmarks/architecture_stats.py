@@ -80,7 +80,21 @@ def partial_typed_dicts(files: dict[str, str]) -> list[str]:
                                         for k in node.keywords)]
 
 
+def batch_lookups(files: dict[str, str]) -> list[str]:
+    """Batch records read by a string key in backends/ and scoring/ (`batch["jpeg_rows"]`): a dict whose shape
+    a lower layer must know; a typed batch (scoring.batches.PairBatch) has attributes instead."""
+    def batch_named(node: ast.expr) -> bool:
+        return "batch" in getattr(node, "id", getattr(node, "attr", "")).lower()
+
+    return [f"{path}:{node.lineno}" for path, source in sorted(files.items())
+            if path.startswith(("pairclean/backends/", "pairclean/scoring/")) for node in ast.walk(ast.parse(source))
+            if isinstance(node, ast.Subscript) and batch_named(node.value)
+            and isinstance(getattr(node.slice, "value", None), str)]
+
+
 def main() -> None:
+    if {"-h", "--help"} & set(sys.argv):
+        sys.exit(__doc__)
     listing = "--list" in sys.argv
     revisions = [None] + [arg for arg in sys.argv[1:] if arg != "--list"]
     counts = {rev: lines_per_package(files_at(rev)) for rev in revisions}
@@ -104,7 +118,8 @@ def main() -> None:
                   "functions annotated to return a bare dict (or a tuple holding one)": dict_returns(files),
                   "`except Exception:` that neither names the exception nor says why": silent_broad_handlers(files),
                   "imports of scoring inside dedup": across(files, "dedup", "scoring"),
-                  "TypedDict(total=False) records": partial_typed_dicts(files)}
+                  "TypedDict(total=False) records": partial_typed_dicts(files),
+                  "string-keyed batch lookups in backends/ and scoring/": batch_lookups(files)}
         for label, found in checks.items():
             print(f"{label} ({name}): {len(found)}")
             if listing:
