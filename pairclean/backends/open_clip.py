@@ -6,10 +6,12 @@ pretrained tag, a local checkpoint file, or `none` (random init).
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
 import os
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -19,9 +21,9 @@ from pairclean.backends.base import (Backend, autocast_context, file_sha256, fro
                                      random_vocabulary_texts, register_backend, resolve_precision)
 from pairclean.backends.compiled import CompiledOrEager
 from pairclean.backends.device_jpeg import DEVICE_DECODERS, device_decodable
-from pairclean.backends.inputs import ImageBatch, JpegBlob, PixelNormalizer, StandardTransform, stack_pixels
+from pairclean.backends.inputs import ImageBatch, JpegBlob, PixelNormalizer, StandardTransform, TokenBatch, stack_pixels
 from pairclean.backends.hub import check_fetchable
-from pairclean.backends.text_trim import bucketed_encode_text, supports_text_trim
+from pairclean.backends.text_trim import bucketed_encode_text, supports_text_trim, token_ends, trimmed_encode_text
 from pairclean.data.decode import decode_image
 from pairclean.config import check_choice
 from pairclean.errors import ConfigError, UserError
@@ -90,13 +92,16 @@ class OpenClipPreparer:
 
     Where the model's preprocessing is the standard chain, a worker applies only its geometry
     (resize, crop) and sends uint8 pixels; the device normalises them (`PixelNormalizer`).
-    With `device_jpeg`, JPEGs the device can decode are passed on undecoded."""
+    With `device_jpeg`, JPEGs the device can decode are passed on undecoded; with `token_ends`,
+    token ids come with each caption's end (`TokenBatch`), for a text tower that trims."""
 
-    def __init__(self, preprocess, tokenizer, draft_size: int | None, device_jpeg: bool = False):
+    def __init__(self, preprocess, tokenizer, draft_size: int | None, device_jpeg: bool = False,
+                 token_ends: bool = False):
         self.preprocess = preprocess
         self.tokenizer = tokenizer
         self.draft_size = draft_size
         self.device_jpeg = device_jpeg
+        self.token_ends = token_ends
         self.transform = StandardTransform.parse(preprocess)  # None: workers run the whole preprocessing
 
     def prepare(self, modality: str, value: Any) -> Any:
@@ -109,7 +114,8 @@ class OpenClipPreparer:
 
     def collate(self, modality: str, items: list) -> Any:
         if modality != "image":
-            return self.tokenizer(items)
+            tokens = self.tokenizer(items)
+            return TokenBatch(tokens, token_ends(tokens)) if self.token_ends else tokens
         jpeg_rows = tuple(i for i, x in enumerate(items) if isinstance(x, bytes))
         if not jpeg_rows:
             return stack_pixels(items)
@@ -152,6 +158,11 @@ def _plain_encode_image(model: torch.nn.Module, pixels: torch.Tensor) -> torch.T
 
 def _plain_encode_text(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
     return model.encode_text(tokens)
+
+
+def _text_inputs(batch: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Token ids and, where the batch brought them, each caption's end in host memory."""
+    return (batch.tokens, batch.ends) if isinstance(batch, TokenBatch) else (batch, None)
 
 
 class OpenClipEstimator:
@@ -214,18 +225,21 @@ class OpenClipEstimator:
             decode = decode if self.device_decoder is not None else "fast"
         self.decode = decode
         draft = self.image_size if decode != "exact" else None  # device decoders: non-JPEGs still decode on CPU
-        self.preparer = OpenClipPreparer(preprocess, self.tokenizer, draft, device_jpeg=self.device_decoder is not None)
-        # The text tower runs only up to each batch's longest caption when that is exact (see text_trim).
-        # The towers take the model as an argument: a copy of this estimator with another
-        # `.model` (training's frozen online estimator) encodes with its own weights.
+        # The text tower runs only up to each batch's longest caption when that is exact (see text_trim),
+        # cut where the workers' `TokenBatch.ends` say. The towers take the model as an argument: a copy
+        # of this estimator with another `.model` (training's frozen online estimator) uses its own weights.
         self.text_trim = supports_text_trim(net)
-        encode_text = bucketed_encode_text if self.text_trim else _plain_encode_text
+        self.preparer = OpenClipPreparer(preprocess, self.tokenizer, draft, device_jpeg=self.device_decoder is not None,
+                                         token_ends=self.text_trim)
         self.compile = compile
         if compile:
             self._encode_image = CompiledOrEager(_plain_encode_image, "image")
-            self._encode_text = CompiledOrEager(encode_text, "text", dynamic=True if self.text_trim else None)
+            text = CompiledOrEager(trimmed_encode_text if self.text_trim else _plain_encode_text, "text",
+                                   dynamic=True if self.text_trim else None)
         else:
-            self._encode_image, self._encode_text = _plain_encode_image, encode_text
+            self._encode_image = _plain_encode_image
+            text = trimmed_encode_text if self.text_trim else _plain_encode_text
+        self._encode_text = partial(bucketed_encode_text, encode=text) if self.text_trim else text
 
     def _device_decoder(self, cls, transform, preprocess, model: str):
         """The device decoder `decode` names, or None (said once) where it cannot run here: the
@@ -246,13 +260,17 @@ class OpenClipEstimator:
         return inputs, {}
 
     @torch.no_grad()
-    def encode(self, modality: str, batch: torch.Tensor) -> torch.Tensor:
-        batch = batch.to(self.device, non_blocking=True)
+    def encode(self, modality: str, batch: torch.Tensor | TokenBatch) -> torch.Tensor:
         with autocast_context(self.device, self.precision):
             if modality == "image":
-                out = self._encode_image(self.model, self.image_input(batch))
+                out = self._encode_image(self.model, self.image_input(batch.to(self.device, non_blocking=True)))
+            elif self.text_trim:
+                tokens, ends = _text_inputs(batch)
+                if ends is None:  # ids from the host (beta's random texts) cost nothing to read; from the device, a sync
+                    ends = token_ends(tokens).cpu()
+                out = self._encode_text(self.model, tokens.to(self.device, non_blocking=True), ends)
             else:
-                out = self._encode_text(self.model, batch)
+                out = self._encode_text(self.model, _text_inputs(batch)[0].to(self.device, non_blocking=True))
         return torch.nn.functional.normalize(out.float(), dim=-1)
 
     def image_input(self, pixels: torch.Tensor) -> torch.Tensor:
@@ -307,7 +325,8 @@ class OpenClipTarget:
         self.module = self.estimator.model
         self.module.requires_grad_(True).train()
         self.device = self.estimator.device
-        self.preparer = self.estimator.preparer
+        self.preparer = copy.copy(self.estimator.preparer)
+        self.preparer.token_ends = False  # training's methods index and concatenate plain token ids
         self.temperature = temperature
         if temperature is not None:  # a fixed temperature replaces the learned one
             self.module.logit_scale.requires_grad_(False)
@@ -319,7 +338,7 @@ class OpenClipTarget:
         if modality == "image":
             out = self.module.encode_image(self.estimator.image_input(batch))
         else:
-            out = self.module.encode_text(batch)
+            out = self.module.encode_text(_text_inputs(batch)[0])
         return torch.nn.functional.normalize(out.float(), dim=-1)
 
     def logit_scale(self) -> torch.Tensor:
