@@ -374,6 +374,7 @@ def bench_score(source: str | list[str] | DatasetSpec, cfg: ScoreConfig, naive_p
                 min_seconds: float = 10.0, repeat: int = 1, estimator=None, progress: Progress = SILENT) -> BenchReport:
     """Measure (a), (b), (c) `repeat` times, interleaved, with one estimator."""
     spec = source if isinstance(source, DatasetSpec) else open_dataset(source)
+    cfg = cfg.resolved(spec.pair)
     if cfg.precision == "auto":
         cfg = replace(cfg, precision=resolve_precision(cfg.device, "auto"))
     if estimator is None:

@@ -21,7 +21,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from pairclean import __version__
-from pairclean.backends import build_estimator, check_backend
+from pairclean.backends import build_estimator, default_model, resolve_backend
 from pairclean.backends.base import file_sha256, resolve_precision
 from pairclean.backends.device_jpeg import finish_batch
 from pairclean.backends.oom import OomBackoff
@@ -44,9 +44,9 @@ from pairclean.scoring.run import Commit, Producer, RunConfig, ScoreResult, Work
 
 @dataclass
 class ScoreConfig(RunConfig):
-    model: str = "ViT-B-32"
-    pretrained: str = "openai"
-    backend: str = "open_clip"
+    model: str | None = None  # None: the backend's default model (ViT-B-32 for open_clip)
+    pretrained: str | None = None  # None: the model's own weights (openai for an open_clip architecture name)
+    backend: str = "auto"  # auto: from the model name and the pair kind (`resolved`)
     device: str = unpinned("auto")
     precision: str = "fp32"  # fp32 | bf16 | fp16 | auto (resolved before anything is pinned)
     decode: str = "fast"  # fast (JPEG draft decode) | exact | gpu (JPEGs decoded on the CUDA device)
@@ -64,6 +64,13 @@ class ScoreConfig(RunConfig):
         check_choice(self.embeddings_dtype, EMBEDDING_DTYPES, "embeddings_dtype")
         if self.save_embeddings is not None:
             self.save_embeddings = str(self.save_embeddings)
+
+    def resolved(self, pair: str) -> ScoreConfig:
+        """This config with the backend named (`auto`: the one that recognises the model; a name none
+        recognises is a sentence-transformers model for text-only pairs, else open_clip's) and an
+        unset model made the backend's default: what a run pins and records."""
+        backend = resolve_backend(self.backend, self.model, modalities(pair))
+        return replace(self, backend=backend, model=self.model or default_model(backend))
 
 
 EMBEDDING_DTYPES = ("float16", "float32")
@@ -155,8 +162,7 @@ class ModelProducer(Producer):
     """Similarities from a frozen estimator over a dataset's shards."""
 
     def __init__(self, spec: DatasetSpec, cfg: ScoreConfig, estimator=None, embeddings: Output | None = None):
-        if estimator is None:
-            check_backend(cfg.backend, modalities(spec.pair))  # before any output exists
+        cfg = cfg.resolved(spec.pair)  # before any output exists: a backend that cannot encode the pairs is refused
         self.spec, self.cfg, self.estimator = spec, cfg, estimator
         self.embeddings = embeddings  # save_embeddings, opened through the output guard
         self.built_from_config = estimator is None
@@ -355,4 +361,5 @@ def score(source: str | list[str] | DatasetSpec, out: str | Path | Output, confi
         cfg.save_embeddings, [*spec.sources, *spec.shards], "save_embeddings", kind="directory", overwrite=None)
     if cfg.precision == "auto":  # pinned in the settings as what it means on this machine
         cfg = replace(cfg, precision=resolve_precision(cfg.device, "auto"))
-    return run_scoring(ModelProducer(spec, cfg, estimator, embeddings), out, cfg)
+    producer = ModelProducer(spec, cfg, estimator, embeddings)
+    return run_scoring(producer, out, producer.cfg)
