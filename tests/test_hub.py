@@ -98,7 +98,13 @@ def test_an_hf_hub_name_is_a_model_and_offline_it_fails_as_a_fetch(no_hub, coco_
     assert code == 2 and len(lines) == 1, err
     assert lines[0].startswith("error: cannot fetch the config of hf-hub:laion/CLIP-ViT-B-32-laion2B-s34B-b79K: "
                                "127.0.0.1 cannot be reached")
-    assert "Give --pretrained none for random weights" in lines[0] and not (tmp_path / "s.parquet").exists()
+    assert "Give an architecture name with a local checkpoint file (e.g. ViT-B-32 with --pretrained PATH)" in lines[0]
+    assert not (tmp_path / "s.parquet").exists()
+    _cache_repo(no_hub, "laion/CLIP-ViT-B-32-laion2B-s34B-b79K", {"open_clip_config.json": b"{}"})  # weights absent
+    code, out, err = run_cli(["score", coco_shards, "--out", tmp_path / "s.parquet",
+                              "--model", "hf-hub:laion/CLIP-ViT-B-32-laion2B-s34B-b79K"], capsys)
+    assert code == 2 and "cannot fetch the weights of hf-hub:laion/CLIP-ViT-B-32-laion2B-s34B-b79K" in err
+    assert "Give --pretrained none for random weights of its architecture" in err
 
 
 def test_an_hf_hub_model_loads_from_the_cache_with_its_own_weights(no_hub, monkeypatch, tmp_path):

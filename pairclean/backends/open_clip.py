@@ -149,7 +149,7 @@ def _schema_weights(model: str, pretrained: str) -> bool:
     if pretrained not in (model, "none"):
         raise ConfigError(f"{model} brings its own weights: leave `pretrained` unset, or give none for random weights "
                           f"(a checkpoint file goes with an architecture name, e.g. `model` ViT-B-32 `pretrained` "
-                          f"{pretrained})", "pretrained")
+                          f"{pretrained})", "pretrained", "model")
     load = pretrained != "none"
     schema, _, name = model.partition(":")
     if not name:
@@ -159,11 +159,11 @@ def _schema_weights(model: str, pretrained: str) -> bool:
             raise ConfigError(f"`model` {model}: {Path(name) / HF_CONFIG_NAME} not found (a local-dir: model is a "
                               "directory holding open_clip_config.json and its weights)", "model")
         return load
-    ways = (f"Give `pretrained` none for random weights of {model}'s architecture, or an architecture name with a "
-            "local checkpoint (`model` ViT-B-32 `pretrained` PATH)")
-    check_fetchable(f"the config of {model}", name, [HF_CONFIG_NAME], ways)
+    checkpoint = "an architecture name with a local checkpoint file (e.g. ViT-B-32 with `pretrained` PATH)"
+    check_fetchable(f"the config of {model}", name, [HF_CONFIG_NAME], f"Give {checkpoint}")
     if load:
-        check_fetchable(f"the weights of {model}", name, [HF_SAFE_WEIGHTS_NAME, HF_WEIGHTS_NAME], ways)
+        check_fetchable(f"the weights of {model}", name, [HF_SAFE_WEIGHTS_NAME, HF_WEIGHTS_NAME],
+                        f"Give `pretrained` none for random weights of its architecture, or {checkpoint}")
     return load
 
 
