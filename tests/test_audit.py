@@ -318,6 +318,7 @@ def test_the_ratio_estimator_by_hand():
     assert precision.value == pytest.approx((25 * 2 + 50 * 1) / (25 * 2 + 50 * 2)) and precision.sampled == 4
     none_flagged = ratio_estimate([0] * 10, [0] * 10, strata, population)
     assert none_flagged.value is None and none_flagged.sampled == 0
+    assert wilson(1.0, 7)[1] == 1.0 and wilson(0.0, 7)[0] == 0.0  # a true share of 1 is covered, to the bit
     pure = ratio_estimate([1, 1, 1, 1], [1, 1, 1, 1], [1, 1, 2, 2], population)  # no variance seen: n_eff = n
     assert pure.value == 1 and pure.effective_n == 4 and (pure.low, pure.high) == pytest.approx(wilson(1.0, 4))
 

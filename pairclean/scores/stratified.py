@@ -68,7 +68,9 @@ def wilson(share: float, n: float, confidence: float = CONFIDENCE) -> tuple[floa
     denominator = 1 + z * z / n
     centre = (share + z * z / (2 * n)) / denominator
     half = z * math.sqrt(share * (1 - share) / n + z * z / (4 * n * n)) / denominator
-    return max(0.0, centre - half), min(1.0, centre + half)
+    low, high = max(0.0, centre - half), min(1.0, centre + half)
+    # exactly 0 and 1 at the ends (the formula's, which float rounding misses by an ulp)
+    return (0.0 if share == 0 else low), (1.0 if share == 1 else high)
 
 
 def ratio_estimate(y, x, strata, population: dict[int, int], confidence: float = CONFIDENCE) -> Estimate:
