@@ -231,7 +231,7 @@ class OpenClipEstimator:
         except Exception as exc:
             first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
             if weights is not None and os.path.isfile(weights) and (why := _wrong_architecture(model, weights, first)):
-                raise ConfigError(f"cannot load {model} with `pretrained` {weights}: {why}", "model") from None
+                raise ConfigError(f"cannot load {model} with `pretrained` {weights}: {why}", "model", "pretrained") from None
             if weights is not None and not os.path.isfile(weights):
                 raise ConfigError(f"cannot fetch the weights {weights!r} for {model} (offline?): {first}. "
                                   "Pass a local checkpoint with `pretrained` PATH, or `pretrained` none", "pretrained") from None

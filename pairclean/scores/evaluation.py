@@ -183,9 +183,11 @@ def audit_estimates(db: ScoresDB, design: dict, rules) -> dict:
         raise UserError(f"{db.truth_path} carries an audit design but no stratum column")
     flags = [f"coalesce({sql_identifier(rule.decision)}, false)" for rule in rules]
     marked = db.con.execute(f"SELECT audit_stratum, sim, noisy{''.join(', ' + f for f in flags)} FROM labeled "
-                            "WHERE noisy IS NOT NULL AND sim IS NOT NULL").fetchall()
+                            "WHERE noisy IS NOT NULL AND sim IS NOT NULL AND NOT isnan(sim)").fetchall()
     strata = {s["stratum"]: s for s in design["strata"]}
     for h, sim, *_ in marked:
+        if h not in strata:
+            raise UserError(f"{db.truth_path} marks a pair of stratum {h}, which its audit design does not have")
         low, high = strata[h]["sim_above"], strata[h]["sim_at_most"]
         if (low is not None and not sim > low) or (high is not None and not sim <= high):
             raise UserError(f"a marked pair's sim {sim:.4f} lies outside its audit stratum {h} ({low} < sim <= {high}): "
