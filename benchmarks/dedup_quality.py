@@ -89,7 +89,7 @@ def sweep(emb: Path, scores: Path, truth: Path, out: Path, thresholds, sides=SID
             target = out / f"dedup-{side}-{threshold}.parquet"
             run = dedup(str(emb), target, scores, DedupConfig(side=side, threshold=threshold, threads=1, overwrite=True))
             metrics = evaluate_dedup(target, truth, side=side)
-            metrics["seconds"] = run.summary["seconds"]
+            metrics["seconds"] = run.summary.seconds
             results[f"{side}:{threshold}"] = metrics
             print(f"  {side:<5} > {threshold:<6} precision {fmt(metrics['precision'])}  recall {fmt(metrics['recall'])}  "
                   + "  ".join(f"{k} {fmt(m['recall'])}" for k, m in metrics["kinds"].items()), flush=True)

@@ -83,7 +83,7 @@ def child(directory: str, out: str, gmm_sample: int) -> None:
     cfg = EmbeddingScoreConfig(beta_mode="fixed", beta=0.0, gmm_sample=gmm_sample, overwrite=True)
     result = score_embeddings(open_embeddings(directory), out, cfg)
     peak_rss_mib = high_water_rss_mib()  # not ru_maxrss: Linux carries the parent's across fork + exec
-    print(json.dumps({**result.summary, "peak_rss_mib": peak_rss_mib}, default=str))
+    print(json.dumps({**result.summary.to_json(), "peak_rss_mib": peak_rss_mib}))
 
 
 def run_score(directory: Path, out: Path, gmm_sample: int) -> dict:

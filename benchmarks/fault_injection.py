@@ -88,7 +88,7 @@ def compare_embeddings(reference: Path, got: Path) -> dict:
     return {"embeddings_lost": len(set(want) - set(seen)), "embeddings_duplicated": repeated,
             "embeddings_extra": len(set(seen) - set(want)),
             "embeddings_mismatch": sum(1 for k, v in seen.items() if k in want and v != want[k]),
-            "embeddings_complete": (got / "provenance.json").is_file()}
+            "embeddings_complete": (got / "provenance.json").is_file() and not (got / "unfinished.json").exists()}
 
 
 class ForkedCli:

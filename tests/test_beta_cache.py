@@ -45,11 +45,11 @@ def test_beta_cache_reuses_beta_for_the_same_weights_only(coco_shards, fast_conf
     second = score(str(coco_shards), tmp_path / "2.parquet", replace(fast_config, compile=True))
     other_seed = score(str(coco_shards), tmp_path / "3.parquet", replace(fast_config, seed=1))
     assert compiled_kwargs == [{"dynamic": None}, {"dynamic": True}]  # image tower; text with trimmed lengths
-    assert first.summary["beta_source"] == "computed" and second.summary["beta_source"] == "cache"
-    assert second.summary["beta"] == first.summary["beta"] and second.summary["beta_std"] == first.summary["beta_std"]
+    assert first.summary.beta_source == "computed" and second.summary.beta_source == "cache"
+    assert second.summary.beta == first.summary.beta and second.summary.beta_std == first.summary.beta_std
     assert [r["sim"] for r in pq.read_table(tmp_path / "2.parquet").to_pylist()] == \
         [r["sim"] for r in pq.read_table(tmp_path / "1.parquet").to_pylist()]
-    assert other_seed.summary["beta_source"] == "computed" and other_seed.summary["beta"] != first.summary["beta"]
+    assert other_seed.summary.beta_source == "computed" and other_seed.summary.beta != first.summary.beta
     assert len(list((tmp_path / "cache" / "beta").glob("*.json"))) == 2
     # An estimator handed in is named by a hash of its weights, never by its provenance alone.
     torch.manual_seed(0)
@@ -57,7 +57,7 @@ def test_beta_cache_reuses_beta_for_the_same_weights_only(coco_shards, fast_conf
     with torch.no_grad():
         changed.model.visual.proj.mul_(-1.0)
     handed_in = score(str(coco_shards), tmp_path / "4.parquet", fast_config, estimator=changed)
-    assert handed_in.summary["beta_source"] == "computed" and handed_in.summary["beta"] != first.summary["beta"]
+    assert handed_in.summary.beta_source == "computed" and handed_in.summary.beta != first.summary.beta
 
 
 def test_beta_without_cache_is_computed_every_time(tiny_estimator, tmp_path):

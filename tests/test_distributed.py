@@ -191,7 +191,7 @@ def test_a_slowed_rank_claims_fewer_groups_and_the_rows_stay_the_same(twelve_gro
     _torchrun(["score", str(twelve_groups), "--out", str(out), *TINY, "--no-beta-cache"],
               env_extra={"PAIRCLEAN_SLOW": "1:0.3"})
     _assert_same(_rows(out), twelve_reference)
-    by_rank = read_provenance(out)["units_by_rank"]
+    by_rank = read_provenance(out).units_by_rank
     assert sum(by_rank.values()) == 12 and by_rank.get("1", 0) < by_rank["0"], by_rank
 
 

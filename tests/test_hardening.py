@@ -360,7 +360,7 @@ def test_one_shard_under_three_spellings_is_one_unit(tmp_path, shards, fast_conf
     spec = open_dataset(spelled)
     assert list_units(spec) == [str(first)]
     result = score(spec, tmp_path / "scores.parquet", fast_config)
-    assert result.summary["pairs"] == 6
+    assert result.summary.pairs == 6
 
 
 def test_a_shard_changed_after_its_unit_was_committed_is_refused_on_resume(tmp_path, shards, fast_config):

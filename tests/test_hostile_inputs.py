@@ -441,13 +441,13 @@ def test_hostile_summary_reconciles(hostile_run):
     result, rows, expect = hostile_run
     s = result.summary
     errors = sum(r["error"] is not None for r in rows)
-    assert s["pairs"] == len(rows) == s["scored"] + s["errors"]
-    assert s["errors"] == errors == sum(v is not None for v in expect.values())
-    failures = {Path(f["unit"]).name: f for f in s["unit_failures"]}
+    assert s.pairs == len(rows) == s.scored + s.errors
+    assert s.errors == errors == sum(v is not None for v in expect.values())
+    failures = {Path(f.unit).name: f for f in s.unit_failures}
     assert set(failures) == {"s4-truncated.tar", "s5-vanishing.tar"}
-    assert "truncated tar" in failures["s4-truncated.tar"]["reason"] and failures["s4-truncated.tar"]["rows"] == 2
-    assert "not found" in failures["s5-vanishing.tar"]["reason"] and failures["s5-vanishing.tar"]["rows"] == 0
-    assert json.loads(run_manifest_path(result.out).read_text())["summary"]["pairs"] == s["pairs"]
+    assert "truncated tar" in failures["s4-truncated.tar"].reason and failures["s4-truncated.tar"].rows == 2
+    assert "not found" in failures["s5-vanishing.tar"].reason and failures["s5-vanishing.tar"].rows == 0
+    assert json.loads(run_manifest_path(result.out).read_text())["summary"]["pairs"] == s.pairs
 
 
 def test_duplicate_keys_within_and_across_shards_are_distinct_rows(hostile_run):
@@ -478,9 +478,9 @@ def test_parquet_unreadable_file_and_escaping_paths(tmp_path, coco_src, fast_con
     assert all("escapes the dataset root" in e for e in errors[1:4])
     assert "cannot read image file" in errors[4] and errors[5] == "missing image path"
     s = result.summary
-    assert s["pairs"] == 6 == s["scored"] + s["errors"] and s["errors"] == 5
-    assert [Path(f["unit"]).name for f in s["unit_failures"]] == ["broken.parquet#rg=0"]
-    assert "cannot read Parquet" in s["unit_failures"][0]["reason"]
+    assert s.pairs == 6 == s.scored + s.errors and s.errors == 5
+    assert [Path(f.unit).name for f in s.unit_failures] == ["broken.parquet#rg=0"]
+    assert "cannot read Parquet" in s.unit_failures[0].reason
 
 
 # -- CLI hygiene ----------------------------------------------------------------------------

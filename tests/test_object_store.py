@@ -97,7 +97,7 @@ def test_a_vanished_and_a_truncated_object_are_failed_units_with_nothing_lost(s3
     out = tmp_path / "broken.parquet"
     result = score(spec, out, ScoreConfig(model="pairclean-tiny", pretrained="none", beta_k=64, workers=0,
                                           batch_size=4, seed=0))
-    failures = {f["unit"].rsplit("/", 1)[-1]: f["reason"] for f in result.summary["unit_failures"]}
+    failures = {f.unit.rsplit("/", 1)[-1]: f.reason for f in result.summary.unit_failures}
     assert set(failures) == {"coco-mini-000001.tar", "coco-mini-000002.tar"}
     assert "not exist" in failures["coco-mini-000001.tar"] or "NoSuchKey" in failures["coco-mini-000001.tar"], failures
     assert "truncated" in failures["coco-mini-000002.tar"], failures

@@ -91,7 +91,7 @@ def test_label_templates_are_checked_before_reading(mixed):
 def test_image_image_pairs_go_through_one_tower_end_to_end(mixed, fast_config, tmp_path):
     outs = {"wds": tmp_path / "wds.parquet", "parquet": tmp_path / "parquet.parquet"}
     score(open_dataset(mixed["wds"], pair="image-image"), outs["wds"], replace(fast_config, beta_k=16))
-    beta = read_provenance(outs["wds"])["beta"]
+    beta = read_provenance(outs["wds"]).beta
     score(open_dataset(mixed["parquet"], pair="image-image"), outs["parquet"],
           replace(fast_config, beta_mode="fixed", beta=beta))
     a, b = (pq.read_table(outs[f]).to_pydict() for f in ("wds", "parquet"))
@@ -101,7 +101,7 @@ def test_image_image_pairs_go_through_one_tower_end_to_end(mixed, fast_config, t
     np.testing.assert_allclose(sims[0::2], 1.0, atol=1e-5)  # an image against itself, through the same tower
     assert (sims[1::2] < 1 - 1e-4).all()
     prov = read_provenance(outs["wds"])
-    assert prov["pair"] == "image-image" and prov["beta_k"] == 16
+    assert prov.pair == "image-image" and prov.beta_k == 16
 
 
 def test_image_label_pairs_from_the_cli_with_a_template(mixed, fast_config, tmp_path, capsys):

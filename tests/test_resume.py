@@ -101,10 +101,10 @@ def test_finished_run_rerun_is_a_no_op_and_other_settings_are_refused(coco_shard
     first = score(str(coco_shards), out, fast_config)
     stamp = out.stat().st_mtime_ns
     manifest = json.loads(run_manifest_path(out).read_text())
-    assert manifest["summary"]["pairs"] == first.summary["pairs"] == len(rows(out))
+    assert manifest["summary"]["pairs"] == first.summary.pairs == len(rows(out))
     assert manifest["provenance"]["run_id"] and manifest["provenance"]["settings_sha1"]
     again = score(str(coco_shards), out, replace(fast_config, resume=True))
-    assert again.already_complete and again.pairs_scored_now == 0 and again.summary["pairs"] == first.summary["pairs"]
+    assert again.already_complete and again.pairs_scored_now == 0 and again.summary.pairs == first.summary.pairs
     assert out.stat().st_mtime_ns == stamp
     with pytest.raises(UserError, match="other settings.*pass `overwrite`"):
         score(str(coco_shards), out, replace(fast_config, weight_fn="linear"))
@@ -118,7 +118,7 @@ def test_killed_overwrite_run_resumes_and_replaces_the_output(coco_shards, fast_
     assert code == -signal.SIGKILL and out.read_bytes() == b"an older output"
     # The consent to replace was given when the run started: re-running without --overwrite goes on.
     result = score(str(coco_shards), out, fast_config)
-    assert result.resumed and result.summary["pairs"] == 16 and len(rows(out)) == 16
+    assert result.resumed and result.summary.pairs == 16 and len(rows(out)) == 16
 
 
 def test_resume_flag_settings_and_lock(tmp_path):

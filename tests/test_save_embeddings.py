@@ -59,8 +59,8 @@ def test_the_layout_holds_every_scored_pair_once_with_provenance(saved):
     provenance = json.loads((emb / "provenance.json").read_text())
     assert provenance["estimator"]["model"] == "pairclean-tiny" and provenance["weights_sha1"]
     assert provenance["preprocessing"] and provenance["rows"] == 16 and provenance["dtype"] == "float16"
-    assert provenance["beta"]["beta"] == pytest.approx(read_provenance(out)["beta"])
-    assert result.summary["embeddings_saved"] == 16 and result.summary["embedding_bytes"] == provenance["bytes"] > 0
+    assert provenance["beta"]["beta"] == pytest.approx(read_provenance(out).beta)
+    assert result.summary.embeddings_saved == 16 and result.summary.embedding_bytes == provenance["bytes"] > 0
 
 
 def test_from_embeddings_scores_them_again_without_a_model(saved, tmp_path, capsys):
@@ -79,16 +79,16 @@ def test_from_embeddings_scores_them_again_without_a_model(saved, tmp_path, caps
     for ident, row in first.items():
         assert second[ident]["key"] == row["key"] and second[ident]["sim"] == pytest.approx(row["sim"], abs=2e-3)
     provenance = read_provenance(again)
-    assert provenance["beta"] == pytest.approx(read_provenance(out)["beta"])  # the recorded random-inputs beta
-    assert "recorded with the embeddings" in provenance["beta_source"]
-    assert provenance["estimator"]["saved_by"]["estimator"]["model"] == "pairclean-tiny"
+    assert provenance.beta == pytest.approx(read_provenance(out).beta)  # the recorded random-inputs beta
+    assert "recorded with the embeddings" in provenance.beta_source
+    assert provenance.estimator["saved_by"]["estimator"]["model"] == "pairclean-tiny"
     # the dataset the saving run scored, recorded with the embeddings: filter finds the pairs from the scores alone
-    assert provenance["dataset"]["pairs"] == read_provenance(out)["dataset"]
+    assert provenance.dataset.pairs == read_provenance(out).dataset
     code, printed, err = run_cli(["filter", again, "--where", "sim > -2", "--out", tmp_path / "kept"], capsys)
     assert code == 0, err
     assert len(list((tmp_path / "kept").glob("*.tar"))) >= 1
     spec = open_embeddings(str(emb))
-    assert spec.pair == "image-text" and spec.saved["rows"] == 16
+    assert spec.pair == "image-text" and spec.saved.rows == 16
 
 
 @pytest.mark.parametrize("fault", ["part-written:2", "committed:3", "before-rename:6"])

@@ -96,19 +96,19 @@ def test_coco_caption_pairs_score_end_to_end(captions_json, minilm, tmp_path, ca
     score(str(tmp_path / "pq" / "manifest.yaml"), pq_out,
           ScoreConfig(backend="sentence-transformers", beta_k=8, batch_size=8, workers=0), estimator=minilm)
     prov = read_provenance(pq_out)
-    assert prov["pair"] == "text-text" and prov["estimator"]["model"] == "all-MiniLM-L6-v2" and prov["beta_k"] == 8
+    assert prov.pair == "text-text" and prov.estimator["model"] == "all-MiniLM-L6-v2" and prov.beta_k == 8
     # No --backend: auto recognises the bundled sentence model (before: "unknown model ... open_clip").
     main(["score", str(tmp_path / "wds" / "manifest.yaml"), "--out", str(wds_out), "--model", "all-MiniLM-L6-v2",
-          "--beta-mode", "fixed", "--beta", str(prov["beta"]), "--batch-size", "8", "--workers", "0", "--device", "cpu"])
+          "--beta-mode", "fixed", "--beta", str(prov.beta), "--batch-size", "8", "--workers", "0", "--device", "cpu"])
     out, err = capsys.readouterr()
     assert "flagged by beta rule" in out
     assert "Loading weights" not in err  # transformers' own bar, drawn into pairclean's display before
-    assert read_provenance(wds_out)["estimator"]["backend"] == "sentence-transformers"
+    assert read_provenance(wds_out).estimator["backend"] == "sentence-transformers"
     wds_rows, pq_rows = pq.read_table(wds_out).to_pydict(), pq.read_table(pq_out).to_pydict()
     assert wds_rows["key"] == pq_rows["key"] == [p["key"] for p in pairs]
     np.testing.assert_allclose(wds_rows["sim"], pq_rows["sim"], atol=1e-5)
     # Two captions of one image are well above beta (they are clean pairs).
-    assert np.mean(wds_rows["sim"]) > prov["beta"] + 0.2
+    assert np.mean(wds_rows["sim"]) > prov.beta + 0.2
 
 
 def test_backend_auto_reads_a_name_open_clip_does_not_know_by_the_pair_kind(coco_src, coco_shards, tmp_path, capsys):

@@ -44,9 +44,15 @@ class Estimator(Protocol):
     preparer: Preparer
     model: torch.nn.Module  # the weights: the beta cache fingerprints them, training copies them
     random_init: bool  # the weights were drawn at random (`pretrained` none), not learned
-    device_decoder: Any  # a DeviceJpegDecoder when JPEGs are decoded on the device (--decode gpu), else None
 
-    def encode(self, modality: str, batch: Any) -> torch.Tensor: ...
+    def finish_batch(self, modality: str, inputs: Any) -> tuple[Any, dict[int, str]]:
+        """Device preprocessing of one side of a collated batch on the device (JPEGs left for the
+        device decoded, resized, cropped); {row: reason} for rows that could not be."""
+        ...
+
+    def encode(self, modality: str, batch: Any) -> torch.Tensor:
+        """Unit vectors of a batch (uint8 pixels are normalised on the device first)."""
+        ...
     def random_batch(self, modality: str, n: int, generator: torch.Generator) -> Any: ...
     def provenance(self) -> dict: ...
 
@@ -260,10 +266,11 @@ def random_vocabulary_texts(words: list[str], n: int, generator: torch.Generator
 
 
 def move_batch(batch: Any, device: torch.device) -> Any:
-    """A collated batch (a tensor, or a dict of tensors) on `device`."""
+    """A collated batch (a tensor, a dict of tensors, or a record with `to`, such as an
+    ImageBatch) on `device`, copied asynchronously from page-locked memory."""
     if isinstance(batch, dict):
         return {k: move_batch(v, device) for k, v in batch.items()}
-    return batch.to(device, non_blocking=True) if isinstance(batch, torch.Tensor) else batch
+    return batch.to(device, non_blocking=True) if hasattr(batch, "to") else batch
 
 
 def frozen_copy(estimator: Estimator, module: torch.nn.Module) -> Estimator:

@@ -21,8 +21,9 @@ import torch
 from pairclean.backends.base import (Backend, autocast_context, file_sha256, frozen_copy, move_batch, pick_device,
                                      random_vocabulary_texts, register_backend, resolve_precision)
 from pairclean.backends.compiled import CompiledOrEager
-from pairclean.backends.device_jpeg import DeviceJpegDecoder, RawJpeg, collate_images, device_decodable
 from pairclean.backends.checkpoint_model import checkpoint_models
+from pairclean.backends.device_jpeg import DEVICE_DECODERS, device_decodable
+from pairclean.backends.inputs import ImageBatch, JpegBlob, PixelNormalizer, StandardTransform, stack_pixels
 from pairclean.backends.hub import check_fetchable
 from pairclean.backends.text_trim import bucketed_encode_text, supports_text_trim
 from pairclean.data.decode import decode_image
@@ -32,7 +33,7 @@ from pairclean.ops.atomic import atomic_path
 from pairclean.ops.notices import notice_once
 
 CONFIG_DIR = Path(__file__).parent / "model_configs"
-DECODES = ("fast", "exact", "gpu")
+WORKER_DECODES = ("fast", "exact")  # PIL in the workers; every other `decode` is a registered device decoder
 SCHEMAS = ("hf-hub:", "local-dir:")  # open_clip's model names that carry their own config and weights
 DEFAULT_TAG = "openai"  # the weights of an architecture name when `pretrained` is not given
 
@@ -91,25 +92,36 @@ def _open_clip_logging_contained():
 
 
 class OpenClipPreparer:
-    """Decode + preprocess images and tokenise texts with the model's own transforms."""
+    """Decode images and tokenise texts in DataLoader workers, with the model's own transforms.
+
+    Where the model's preprocessing is the standard chain, a worker applies only its geometry
+    (resize, crop) and sends uint8 pixels; the device normalises them (`PixelNormalizer`).
+    With `device_jpeg`, JPEGs the device can decode are passed on undecoded."""
 
     def __init__(self, preprocess, tokenizer, draft_size: int | None, device_jpeg: bool = False):
         self.preprocess = preprocess
         self.tokenizer = tokenizer
         self.draft_size = draft_size
-        self.device_jpeg = device_jpeg  # leave JPEGs undecoded for the device (--decode gpu)
+        self.device_jpeg = device_jpeg
+        self.transform = StandardTransform.parse(preprocess)  # None: workers run the whole preprocessing
 
     def prepare(self, modality: str, value: Any) -> Any:
         if modality == "image":
             if self.device_jpeg and device_decodable(value):
-                return RawJpeg(torch.frombuffer(bytearray(value), dtype=torch.uint8))
-            return self.preprocess(decode_image(value, draft_size=self.draft_size))
+                return bytes(value)  # decoded with the rest of its batch on the device
+            image = decode_image(value, draft_size=self.draft_size)
+            return self.transform.geometry_pixels(image) if self.transform else self.preprocess(image)
         return value
 
     def collate(self, modality: str, items: list) -> Any:
-        if modality == "image":
-            return collate_images(items)
-        return self.tokenizer(items)
+        if modality != "image":
+            return self.tokenizer(items)
+        jpeg_rows = tuple(i for i, x in enumerate(items) if isinstance(x, bytes))
+        if not jpeg_rows:
+            return stack_pixels(items)
+        pixel_rows = tuple(i for i, x in enumerate(items) if not isinstance(x, bytes))
+        return ImageBatch(len(items), JpegBlob.pack([items[i] for i in jpeg_rows]), jpeg_rows,
+                          stack_pixels([items[i] for i in pixel_rows]) if pixel_rows else None, pixel_rows)
 
 
 def _normalize_params(preprocess) -> tuple[list[float], list[float], int]:
@@ -198,7 +210,7 @@ class OpenClipEstimator:
         register_model_configs()
         self.device = pick_device(device)
         self.precision = resolve_precision(self.device, precision)
-        check_choice(decode, DECODES, "decode")
+        check_choice(decode, (*WORKER_DECODES, *DEVICE_DECODERS), "decode")
         schema_name = model.startswith(SCHEMAS)
         if not schema_name and model not in open_clip.list_models():
             raise ConfigError(f"unknown model {model!r}: open_clip has no such model (see `python -c 'import "
@@ -251,20 +263,14 @@ class OpenClipEstimator:
         self.model = net
         self.tokenizer = open_clip.get_tokenizer(model)
         self.mean, self.std, self.image_size = _normalize_params(preprocess)
+        self.normalize = PixelNormalizer(self.mean, self.std)
         self.device_decoder = None
-        if decode == "gpu":
-            if self.device.type != "cuda":
-                notice_once("decode-gpu", "`decode` gpu needs a CUDA device: decoding JPEGs in the CPU workers (fast)",
-                            "decode")
-                decode = "fast"
-            elif not DeviceJpegDecoder.supports(preprocess):
-                notice_once("decode-gpu", f"`decode` gpu: {model}'s preprocessing is not Resize + CenterCrop + "
-                                          "Normalize; decoding JPEGs in the CPU workers (fast)", "decode")
-                decode = "fast"
-            else:
-                self.device_decoder = DeviceJpegDecoder(preprocess, self.device)
+        transform = StandardTransform.parse(preprocess)
+        if decode in DEVICE_DECODERS:
+            self.device_decoder = self._device_decoder(DEVICE_DECODERS[decode], transform, preprocess, model)
+            decode = decode if self.device_decoder is not None else "fast"
         self.decode = decode
-        draft = self.image_size if decode in ("fast", "gpu") else None  # gpu: non-JPEGs still decode on CPU
+        draft = self.image_size if decode != "exact" else None  # device decoders: non-JPEGs still decode on CPU
         self.preparer = OpenClipPreparer(preprocess, self.tokenizer, draft, device_jpeg=self.device_decoder is not None)
         # The text tower runs only up to each batch's longest caption when that is exact (see text_trim).
         # The towers take the model as an argument: a copy of this estimator with another
@@ -278,17 +284,39 @@ class OpenClipEstimator:
         else:
             self._encode_image, self._encode_text = _plain_encode_image, encode_text
 
+    def _device_decoder(self, cls, transform, preprocess, model: str):
+        """The device decoder `decode` names, or None (said once) where it cannot run here: the
+        workers then decode with PIL (fast)."""
+        why = (cls.unavailable() or ("needs a CUDA device" if self.device.type != "cuda" else None)  # what to install first
+               or (None if cls.supports(transform) else f"needs a bicubic or bilinear Resize + CenterCrop + Normalize "
+                                                         f"preprocessing, which {model}'s is not"))
+        if why is None:
+            return cls(transform, self.device, preprocess)
+        notice_once("decode-device", f"`decode` {cls.name} {why}: decoding JPEGs in the CPU workers (fast)", "decode")
+        return None
+
+    def finish_batch(self, modality: str, inputs: Any) -> tuple[Any, dict[int, str]]:
+        """Device preprocessing of one side of a batch already moved to the device: JPEGs left
+        undecoded (`decode` gpu) decoded, resized and cropped; {row: reason} for those that fail."""
+        if isinstance(inputs, ImageBatch):
+            return self.device_decoder(inputs)
+        return inputs, {}
+
     @torch.no_grad()
     def encode(self, modality: str, batch: torch.Tensor) -> torch.Tensor:
         batch = batch.to(self.device, non_blocking=True)
         with autocast_context(self.device, self.precision):
             if modality == "image":
-                if self.channels_last:
-                    batch = batch.contiguous(memory_format=torch.channels_last)
-                out = self._encode_image(self.model, batch)
+                out = self._encode_image(self.model, self.image_input(batch))
             else:
                 out = self._encode_text(self.model, batch)
         return torch.nn.functional.normalize(out.float(), dim=-1)
+
+    def image_input(self, pixels: torch.Tensor) -> torch.Tensor:
+        """The image tower's input: uint8 pixels normalised here, on the device, in the memory
+        layout the tower runs fastest in (channels last on CUDA, contiguous on CPU)."""
+        layout = torch.channels_last if self.channels_last else torch.contiguous_format
+        return self.normalize(pixels, layout)
 
     def random_batch(self, modality: str, n: int, generator: torch.Generator) -> torch.Tensor:
         """Random inputs as the official OSA code draws them: noise images, random-token texts."""
@@ -317,7 +345,8 @@ class OpenClipEstimator:
         return {"backend": "open_clip", "model": self.model_name, "pretrained": self.pretrained,
                 "checkpoint_sha256": self.checkpoint_sha256, "precision": self.precision,
                 "device": str(self.device), "decode": self.decode, "image_size": self.image_size,
-                "image_mean": self.mean, "image_std": self.std}
+                "image_mean": self.mean, "image_std": self.std,
+                **({"device_decoder_version": self.device_decoder.version} if self.device_decoder else {})}
 
     def input_signature(self) -> tuple:
         """Image size and normalisation, tokenizer class and context length."""
@@ -344,7 +373,10 @@ class OpenClipTarget:
 
     def encode(self, modality: str, batch: torch.Tensor) -> torch.Tensor:
         batch = move_batch(batch, self.device)
-        out = self.module.encode_image(batch) if modality == "image" else self.module.encode_text(batch)
+        if modality == "image":
+            out = self.module.encode_image(self.estimator.image_input(batch))
+        else:
+            out = self.module.encode_text(batch)
         return torch.nn.functional.normalize(out.float(), dim=-1)
 
     def logit_scale(self) -> torch.Tensor:

@@ -75,7 +75,6 @@ class SentenceTransformerPreparer:
 class SentenceTransformerEstimator:
     """A frozen sentence encoder: both sides of a text-text pair go through the same tower."""
 
-    device_decoder = None  # texts only: nothing to decode on the device
     random_init = False  # a sentence encoder loads its own trained weights
 
     def __init__(self, model: str = "all-MiniLM-L6-v2", device: str = "auto", precision: str = "fp32"):
@@ -114,6 +113,10 @@ class SentenceTransformerEstimator:
         special = set(tokenizer.all_special_tokens)
         self.vocabulary = [w for w in sorted(vocab, key=vocab.get) if w not in special]  # id order: reproducible
         self.preparer = SentenceTransformerPreparer(tokenizer, self.max_length)
+
+    def finish_batch(self, modality: str, inputs: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[int, str]]:
+        """Texts only: nothing to finish on the device."""
+        return inputs, {}
 
     @torch.no_grad()
     def encode(self, modality: str, batch: dict[str, torch.Tensor]) -> torch.Tensor:

@@ -32,12 +32,14 @@ def audit_command(
     seed: int = typer.Option(0, help="Which pairs are drawn (and, with --blind, their order)."),
     dataset: options.DatasetOptions = options.GIVEN,
     overwrite: bool = typer.Option(False, help="Replace an existing output file."),
+    allow_other_dataset: options.AllowOtherDataset = False,
 ) -> None:
     """A self-contained HTML page where a person marks keep / drop (k / d, arrows) and exports the marks."""
     from pairclean.curate.audit import build_audit
 
     n = build_audit(scores, shards, out, per_decile=per_decile, seed=seed, fields=dataset.given_fields(),
-                    overwrite=overwrite, blind=blind, pairs=pairs, strata=strata, **dataset.options())
+                    overwrite=overwrite, allow_other_dataset=allow_other_dataset, blind=blind,
+                    pairs=pairs, strata=strata, **dataset.options())
     drawn = f"drawn at random within {strata} sim strata, in random order, no scores shown" if blind else \
         f"{per_decile} per similarity decile"
     console.print(f"{n:,} pairs ({drawn}) -> {out}; mark them with k / d, export, then `pairclean audit-import "

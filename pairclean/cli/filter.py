@@ -118,6 +118,7 @@ def filter_command(
                                              "the input (00000.tar, Parquet files keep their names)."),
     dataset: options.DatasetOptions = options.GIVEN,
     overwrite: bool = typer.Option(False, help="Replace a non-empty --out directory."),
+    allow_other_dataset: options.AllowOtherDataset = False,
 ) -> None:
     """Write the pairs the rules keep as new shards in the input's shape (members byte-identical), or preview with --dry-run."""
     if out is None and not dry_run and keys_out is None:
@@ -131,8 +132,9 @@ def filter_command(
         out = open_output(out, [*source, scores], "out", kind="directory", overwrite=overwrite)
     if not scores.is_file():
         raise UserError(f"scores file not found: {scores}")
-    provenance = read_metadata(scores)[0] or {}
-    spec = dataset.reopen(scored_pairs(provenance), shards, pair=dataset.pair or provenance.get("pair"))
+    provenance = read_metadata(scores)[0]
+    recorded_pair = provenance.pair if provenance else None
+    spec = dataset.reopen(scored_pairs(provenance), shards, pair=dataset.pair or recorded_pair)
     if spec is None and out is not None and not dry_run:
         raise UserError(f"{scores} does not say which shards it describes (scored from embeddings without a link to "
                         "their pairs): give the shards, pairclean filter SHARDS --scores SCORES")
@@ -147,7 +149,7 @@ def filter_command(
                                     dry_run=dry_run, shard_size=shard_size, shard_bytes=shard_bytes, prefix=prefix,
                                     overwrite=overwrite, progress=lambda _shard: bar.advance(task),
                                     keep_keys=str(keep_keys) if keep_keys else None, keys_out=keys_out,
-                                    attach=tables)
+                                    attach=tables, allow_other_dataset=allow_other_dataset)
     print_table(console, result_table(result))
     if result.join == "key":
         console.print(f"matched by key: {result.unmatched:,} scored row(s) have no pair in the given shards")

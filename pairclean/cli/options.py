@@ -35,6 +35,10 @@ Source = Annotated[List[str], typer.Argument(
                             "img2dataset, Hugging Face datasets and DataComp layouts are recognised.")]
 Pair = Annotated[Optional[str], typer.Option(help="Pair kind: image-text, text-text, image-label, image-image.")]
 AllowPipe = Annotated[bool, typer.Option(help="Allow `pipe:` shard URLs, which run shell commands.")]
+AllowOtherDataset = Annotated[bool, typer.Option(
+    "--allow-other-dataset", help="Use the scores (or embeddings) with data whose files differ from the ones they "
+                                  "recorded: another download or copy, or files changed since scoring (each row must "
+                                  "still be the pair its key names).")]
 Device = Annotated[str, typer.Option(help="auto, cpu, cuda, cuda:1 ...")]
 Precision = Annotated[str, typer.Option(
     help="fp32, bf16 (autocast), fp16 (CUDA only), or auto (bf16/fp16 on CUDA, bf16 on CPUs with native bf16, else fp32).")]
@@ -45,7 +49,8 @@ Backend = Annotated[str, typer.Option(
     help="Encoder backend: open_clip (images and text), sentence-transformers (text-text pairs), or auto "
          "(from the model name; a name open_clip does not know is a sentence-transformers model on text pairs).")]
 Decode = Annotated[str, typer.Option(
-    help="fast (JPEG draft decode at model size), exact, or gpu (JPEGs decoded on the CUDA device; CPU workers otherwise).")]
+    help="fast (JPEG draft decode at model size), exact, or a decoder on the CUDA device (CPU workers otherwise): "
+         "gpu (torchvision nvJPEG), nvimgcodec or dali (NVIDIA's libraries: pip install 'pairclean[gpu]').")]
 Compile = Annotated[bool, typer.Option("--compile", help="torch.compile the model (first batches slower; eager if compiling fails).")]
 BetaMode = Annotated[str, typer.Option(help="random-inputs, shuffled, or fixed.")]
 BetaK = Annotated[int, typer.Option(help="K random inputs per side for --beta-mode random-inputs.")]
@@ -117,14 +122,14 @@ class DatasetOptions:
                             label_template=self.label_template, format=self.format, split=self.split,
                             image_root=self.image_root)
 
-    def reopen(self, record: dict | None, source: list[str] | None = None, pair: str | None = None):
-        """The dataset a scores file recorded (or `source`, read with the recorded mapping), these
-        options applied; None when there is neither."""
+    def reopen(self, record, source: list[str] | None = None, pair: str | None = None):
+        """The dataset a scores file recorded (`data.record.DatasetRecord`, or `source`, read with the
+        recorded mapping), these options applied; None when there is neither."""
         from pairclean.data.manifest import reopen_dataset
 
         if not source and not record:
             return None
-        return reopen_dataset(record or {}, source or None, self.given_fields(), **self.options(pair))
+        return reopen_dataset(record, source or None, self.given_fields(), **self.options(pair))
 
 
 Attach = Annotated[Optional[List[str]], typer.Option(

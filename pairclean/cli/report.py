@@ -27,13 +27,14 @@ def report_command(
     bins: int = typer.Option(60, help="Histogram bins."),
     title: Optional[str] = typer.Option(None, help="Page title (default: the scores file name)."),
     overwrite: bool = typer.Option(False, help="Replace an existing output file."),
+    allow_other_dataset: options.AllowOtherDataset = False,
 ) -> None:
     """One self-contained HTML report: histogram with beta and GMM boundaries, per-shard statistics, gallery."""
     from pairclean.curate.report import build_report
 
     result = build_report(scores, out, shards=shards, truth=truth, gallery=gallery, contrast=contrast,
                           thumb=thumb, bins=bins, title=title, fields=dataset.given_fields(), overwrite=overwrite,
-                          **dataset.options())
+                          allow_other_dataset=allow_other_dataset, **dataset.options())
     size = out.stat().st_size
     console.print(f"wrote {result.out} ({size / 1e6:.1f} MB): {result.pairs:,} pairs, "
                   f"{result.gallery_pairs} in the galleries, {result.thumbnails} thumbnails", highlight=False)

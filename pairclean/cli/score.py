@@ -24,7 +24,7 @@ SHORT_SOURCE = 12  # "computed", "cache", "resumed": longer sources go under the
 
 def beta_source_line(result) -> str | None:
     """Where beta came from, as a line under the summary table when it is too long for a cell."""
-    source = result.summary.get("beta_source") or ""
+    source = (result.summary.beta_source if result.summary else None) or ""
     return None if result.already_complete or len(source) <= SHORT_SOURCE else f"beta: {source}"
 
 
@@ -39,32 +39,32 @@ def summary_table(result) -> Table:
     table = Table(title=f"pairclean score -> {result.out}", show_header=False)
     table.add_column(style="bold")
     table.add_column(justify="right")
-    table.add_row("pairs (= scored + errors)", f"{s['pairs']:,}")
-    table.add_row("scored", f"{s['scored']:,}")
-    table.add_row("errors", f"{s['errors']:,}")
-    if s["unit_failures"]:
-        table.add_row("failed shards", f"{len(s['unit_failures'])} (their rows read before the failure are counted; "
+    table.add_row("pairs (= scored + errors)", f"{s.pairs:,}")
+    table.add_row("scored", f"{s.scored:,}")
+    table.add_row("errors", f"{s.errors:,}")
+    if s.unit_failures:
+        table.add_row("failed shards", f"{len(s.unit_failures)} (their rows read before the failure are counted; "
                                        f"reasons in {result.out.stem}.run.json)")
-    std = f" ± {s['beta_std']:.4f}" if s.get("beta_std") is not None else ""
-    table.add_row(f"beta ({s['beta_mode']}, K={s['beta_k']})", f"{s['beta']:.4f}{std}")
-    if s.get("random_pairing_share") is not None:  # not all noise: a caption of a similar item is not counted
+    std = f" ± {s.beta_std:.4f}" if s.beta_std is not None else ""
+    table.add_row(f"beta ({s.beta_mode}, K={s.beta_k})", f"{s.beta:.4f}{std}")
+    if s.random_pairing_share is not None:  # not all noise: a caption of a similar item is not counted
         table.add_row("pairs like random pairings (est., 95%)",
-                      f"{s['random_pairing_share']:.1%} [{s['random_pairing_share_low']:.1%}, "
-                      f"{s['random_pairing_share_high']:.1%}]")
-    for rule in s["rules"]:
-        table.add_row(f"flagged by {rule['label']} rule ({rule['noisy_if']})", f"{rule['share_flagged']:.1%}")
+                      f"{s.random_pairing_share:.1%} [{s.random_pairing_share_low:.1%}, "
+                      f"{s.random_pairing_share_high:.1%}]")
+    for rule in s.rules:
+        table.add_row(f"flagged by {rule.label} rule ({rule.noisy_if})", f"{rule.share_flagged:.1%}")
     if result.already_complete:
         table.add_row("status", "already complete: nothing was scored")
     else:
         table.add_row("throughput", f"{result.pairs_per_second:,.1f} pairs/s" + (" (resumed run)" if result.resumed else ""))
-        source = s["beta_source"] if len(s["beta_source"]) <= SHORT_SOURCE else "see below"
-        table.add_row("time: beta / scoring", f"{s['beta_seconds']:.1f} s ({source}) / {s['scoring_seconds']:.1f} s")
-        if s.get("embeddings_dir"):
-            table.add_row("embeddings saved", f"{s['embeddings_saved']:,} pairs, {s['embedding_bytes'] / 1e6:,.1f} MB "
-                                              f"-> {s['embeddings_dir']}")
-        if s.get("batches"):
-            table.add_row("batches", f"{s['batches']:,} ({s['full_batches']:,} full, mean fill {s['mean_batch_fill']:.0%})")
-        if len(by_rank := result.provenance.get("units_by_rank", {})) > 1:
+        source = s.beta_source if len(s.beta_source or "") <= SHORT_SOURCE else "see below"
+        table.add_row("time: beta / scoring", f"{s.beta_seconds:.1f} s ({source}) / {s.scoring_seconds:.1f} s")
+        if s.embeddings_dir:
+            table.add_row("embeddings saved", f"{s.embeddings_saved:,} pairs, {s.embedding_bytes / 1e6:,.1f} MB "
+                                              f"-> {s.embeddings_dir}")
+        if s.batches:
+            table.add_row("batches", f"{s.batches:,} ({s.full_batches:,} full, mean fill {s.mean_batch_fill:.0%})")
+        if len(by_rank := result.provenance.units_by_rank or {}) > 1:
             table.add_row("units scored by rank", ", ".join(f"{r}: {n}" for r, n in by_rank.items()))
     return table
 

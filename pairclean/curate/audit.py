@@ -27,7 +27,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from pairclean.scores.contract import from_embeddings
+from pairclean.scores.contract import Provenance, from_embeddings, scored_pairs
 from pairclean.scores.db import ScoresDB
 from pairclean.scores.stratified import DESIGN_KEY, DESIGN_VERSION, read_design, whole_number
 from pairclean.scores.sql import sql_string
@@ -117,8 +117,9 @@ DECILE_HELP = "lowest similarity decile first"
 
 @declare(per_decile=COUNT, seed=SEED, thumb=within(1, 4096), pairs=COUNT, strata=within(1, 1000))
 def build_audit(scores: str | Path, shards: list[str] | None, out: str | Path, per_decile: int = 10, seed: int = 0,
-                thumb: int = 1024, fields: Fields | None = None, overwrite: bool = False, blind: bool = False,
-                pairs: int = 200, strata: int = 10, **dataset_options) -> int:
+                thumb: int = 1024, fields: Fields | None = None, overwrite: bool = False,
+                allow_other_dataset: bool = False, blind: bool = False, pairs: int = 200, strata: int = 10,
+                **dataset_options) -> int:
     """Write the audit page; returns the number of pairs on it. The decile page holds `per_decile`
     pairs of each similarity decile; the blind page (`blind`) `pairs` pairs drawn within `strata`
     sim ranges, in random order, without scores. The pairs come from `shards`, else the dataset the
@@ -126,7 +127,7 @@ def build_audit(scores: str | Path, shards: list[str] | None, out: str | Path, p
     the one the scores compared). Images are kept up to `thumb` pixels on their longer side: the
     page draws them as large as the browser window allows."""
     with ScoresDB(scores) as db:
-        prov = db.provenance or {}
+        prov = db.provenance or Provenance()
         spec, note = media_spec(prov, shards, fields, **dataset_options)
         if spec is None:
             raise ConfigError(note, "shards")
@@ -135,8 +136,8 @@ def build_audit(scores: str | Path, shards: list[str] | None, out: str | Path, p
         design, rows = blind_sample(db, pairs, strata, seed) if blind else (None, stratified_sample(db, per_decile, seed))
     if not rows:
         raise UserError(f"{scores} holds no scored pair to audit")
-    target = open_output(out, [scores, *(shards or []), *spec.shards], overwrite=overwrite)
-    media = fetch_media(spec, rows, thumb, from_embeddings(prov))
+    target = open_output(out, [scores, *(shards or []), *spec.input_paths()], overwrite=overwrite)
+    media = fetch_media(spec, rows, thumb, from_embeddings(prov), scored_pairs(prov), allow_other_dataset)
     shown = ("key", "shard", "index", "stratum") if blind else ("key", "shard", "index", "sim", "decile")
     items = [{name: (round(float(r[name]), 4) if name == "sim" else int(r[name]) if name in ("index", "decile",
                                                                                             "stratum") else r[name])

@@ -33,10 +33,11 @@ from pairclean.curate.sweep import Sweep, threshold_sweep
 from pairclean.data.formats import Decisions, KeptRows
 from pairclean.data.keys import read_keys, write_keys
 from pairclean.data.manifest import DatasetSpec, write_manifest
+from pairclean.data.record import check_same_dataset
 from pairclean.errors import ConfigError, UserError
 from pairclean.ops.atomic import write_json
 from pairclean.ops.guard import Output, check_file_prefix, open_output
-from pairclean.scores.contract import from_embeddings
+from pairclean.scores.contract import from_embeddings, scored_pairs
 from pairclean.scores.db import NUMERIC_TYPES, ScoresDB, compile_predicate, match_shards
 from pairclean.scores.rules import TopFractionRule
 from pairclean.scores.sql import duckdb_message
@@ -199,10 +200,10 @@ def attachments(spec: DatasetSpec | None, attach: dict[str, list[str]] | None) -
     return attach
 
 
-def _export_keys(db: ScoresDB, rules: list[Predicate], path: Path) -> int:
-    """The kept pairs' keys, sorted, in the format `keys_out`'s suffix names."""
-    keys = db.con.sql(f"SELECT key FROM ({_decision_sql(rules)}) WHERE keep ORDER BY key").fetchnumpy()["key"]
-    return write_keys(path, (str(k) for k in keys))
+def _kept_keys(db: ScoresDB, rules: list[Predicate]) -> list[str]:
+    """The kept pairs' keys, sorted."""
+    return [str(k) for k in db.con.sql(f"SELECT key FROM ({_decision_sql(rules)}) WHERE keep ORDER BY key")
+            .fetchnumpy()["key"]]
 
 
 @declare(top_fraction=TopFractionRule.OPTIONS["keep"].bounds, shard_size=COUNT, shard_bytes=at_least(1))
@@ -211,20 +212,24 @@ def filter_dataset(spec: DatasetSpec | None, scores: str | Path | ScoresDB, out:
                    dry_run: bool = False, shard_size: int = 10_000, shard_bytes: float = 1e9, prefix: str = "shard",
                    overwrite: bool = False, progress: Callable[[str], None] | None = None,
                    keep_keys: str | None = None, keys_out: str | Path | None = None,
-                   attach: dict[str, list[str]] | None = None) -> FilterResult:
-    """Keep the pairs every rule keeps; write them under `out` (nothing at all on a dry run).
+                   attach: dict[str, list[str]] | None = None, allow_other_dataset: bool = False) -> FilterResult:
+    """Keep the pairs every rule keeps; write them under `out` (nothing at all on a dry run, nor
+    when the rules keep no pair).
 
     `spec`: the dataset to write from (None: work on the scores alone, for a dry run's counts or
     `keys_out`). `scores`: the scores file, or a `ScoresDB` the caller opened (and closes) on it.
     WebDataset in -> shards of at most `shard_size` samples / `shard_bytes` bytes; Parquet in ->
     one file per input file that keeps rows. `prefix` '' names outputs like the input
     (img2dataset's `00000.tar`). `out` also gets `manifest.yaml` (the new dataset) and
-    `filter.json` (rules, counts, provenance). `keys_out`: also write the kept keys there.
+    `filter.json` (rules, counts, provenance). `keys_out`: also write the kept keys there. The
+    dataset's files must be the ones the scores recorded (`data.record`; `allow_other_dataset`
+    waives it), and every kept sample is the pair the scores name at its position.
     """
     if prefix:
         check_file_prefix(prefix)
     scores_path = scores.path if isinstance(scores, ScoresDB) else Path(scores)
-    inputs = [*(spec.shards if spec else []), scores_path, keep_keys, *(f for fs in (attach or {}).values() for f in fs)]
+    inputs = [*(spec.input_paths() if spec else []), scores_path, keep_keys,
+              *(f for fs in (attach or {}).values() for f in fs)]
     writing = not dry_run and out is not None
     target = None
     if writing:
@@ -238,14 +243,18 @@ def filter_dataset(spec: DatasetSpec | None, scores: str | Path | ScoresDB, out:
                           "dry_run")
     elif out is not None:
         out = out.path if isinstance(out, Output) else Path(out)
-    if keys_out is not None and not dry_run:
-        keys_out = open_output(keys_out, inputs, "keys_out", overwrite=overwrite).path
+    keys_target = None
+    if keys_out is not None and not dry_run:  # the kept directory is another output of this run
+        keys_target = open_output(keys_out, [*inputs, *([target] if target else [])], "keys_out", overwrite=overwrite)
     opened = contextlib.nullcontext(scores) if isinstance(scores, ScoresDB) \
         else ScoresDB(scores, attach=attachments(spec, attach))
     with opened as db:
         result = FilterResult(out=out, dry_run=dry_run, format=spec.format if spec else None, total_pairs=0,
                               total_bytes=None, counts=[], kept_pairs=0, kept_bytes=None,
                               bytes_estimated=bool(spec and spec.input_format.bytes_estimated()))
+        if spec is not None:
+            check_same_dataset(scored_pairs(db.provenance), spec.files(), f"the scores file {db.path}",
+                               allow_other_dataset)
         mapping = match_dataset(db, spec, result) if spec is not None else {}
         rules = keep_predicates(db, where or [], top_fraction, by, keep_keys)
         total, per_rule, kept = count_rules(db, rules)
@@ -253,19 +262,22 @@ def filter_dataset(spec: DatasetSpec | None, scores: str | Path | ScoresDB, out:
         pair_counts = per_rule + ([kept] if len(rules) > 1 else [])
         result.total_pairs, result.kept_pairs = total, kept
         result.counts = [RuleCount(n, c) for n, c in zip(names, pair_counts)]
-        if keys_out is not None and not dry_run:
-            result.keys_written = _export_keys(db, rules, Path(keys_out))
         if dry_run:
             if spec is not None:
                 _dry_run_bytes(ScoresKept(db, rules, mapping), spec, result, progress)
             # over the whole file, as the run's null was drawn
-            result.sweep = threshold_sweep(db, (db.provenance or {}).get("null_quantiles"), view="scores_file")
+            result.sweep = threshold_sweep(db, db.provenance.null_quantiles if db.provenance else None,
+                                           view="scores_file")
             return result
-        if not writing:
-            return result
-        if kept == 0:
+        if kept == 0:  # a failed run writes nothing: no directory, no key list
             raise UserError(f"the rules keep none of the {total:,} pairs; nothing written")
-        _write(db, rules, spec, mapping, result, shard_size, shard_bytes, prefix, target, progress)
+        # Each output is written under a temp name; the key list (in the format its suffix names)
+        # is renamed into place after the directory, so a failure while writing either leaves neither.
+        with keys_target.write() if keys_target is not None else contextlib.nullcontext() as keys_tmp:
+            if keys_tmp is not None:
+                result.keys_written = write_keys(keys_tmp, _kept_keys(db, rules), suffix=keys_target.path.suffix)
+            if writing:
+                _write(db, rules, spec, mapping, result, shard_size, shard_bytes, prefix, target, progress)
     return result
 
 
@@ -308,4 +320,5 @@ def _write(db: ScoresDB, rules, spec: DatasetSpec, mapping, result: FilterResult
             "counts": [asdict(c) for c in result.counts], "kept_pairs": result.kept_pairs,
             "kept_bytes": result.kept_bytes, "bytes_estimated": result.bytes_estimated,
             "output": [Path(f).name for f in result.output_files],
-            "read_failures": result.read_failures, "scores_provenance": db.provenance})
+            "read_failures": result.read_failures,
+            "scores_provenance": db.provenance.to_json() if db.provenance is not None else None})

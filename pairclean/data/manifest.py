@@ -23,11 +23,16 @@ import os
 import string
 from dataclasses import asdict, dataclass, field, fields as dc_fields
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import yaml
 
 from pairclean.config import check_choice
 from pairclean.errors import ConfigError, UserError
+from pairclean.ops.urls import not_regular
+
+if TYPE_CHECKING:
+    from pairclean.data.record import DatasetRecord
 
 PAIR_KINDS = ("image-text", "text-text", "image-label", "image-image")
 MANIFEST_NAME = "manifest.yaml"  # what a directory written by pairclean describes itself with
@@ -72,6 +77,7 @@ class DatasetSpec:
     sources: list[str] | None = None  # what the user named (patterns, directories, a manifest), absolute
     split: str | None = None  # Hugging Face layouts: the split read (None: all)
     image_root: str | None = None  # where relative image paths start (None: the format's rule)
+    detected: str | None = None  # why the files were taken for this format (the run's announcement says it)
 
     def __post_init__(self):
         self.fields = self.fields.resolved(self.input_format.field_defaults)
@@ -88,13 +94,28 @@ class DatasetSpec:
     def as_dict(self) -> dict:
         return asdict(self)
 
-    def record(self) -> dict:
+    def record(self, fingerprint: bool = False) -> "DatasetRecord":
         """What a scores file records about the dataset it scored: enough to open it again with the
-        same reading (format, the sources as given, the field mapping, the key field)."""
-        return {"format": self.format, "sources": list(self.sources or self.shards), "pair": self.pair,
-                "fields": {k: v for k, v in asdict(self.fields).items() if v is not None}, "key": self.fields.key,
-                "label_template": self.label_template if self.pair == "image-label" else None,
-                "split": self.split, "image_root": self.image_root, "name": self.name, "truth": self.truth}
+        same reading (format, the sources as given, the field mapping, the key field), and with
+        `fingerprint` the fingerprints of the files read (`data.record`)."""
+        from pairclean.data.record import DatasetRecord, fingerprints
+
+        return DatasetRecord(
+            format=self.format, sources=list(self.sources or self.shards), pair=self.pair,
+            fields={k: v for k, v in asdict(self.fields).items() if v is not None}, key=self.fields.key,
+            label_template=self.label_template if self.pair == "image-label" else None, split=self.split,
+            image_root=self.image_root, name=self.name, truth=self.truth,
+            files=fingerprints(self.files()) if fingerprint else None)
+
+    def files(self) -> list[str]:
+        """Every file the dataset is read from: the shards and their metadata sidecars."""
+        return list(dict.fromkeys([*self.shards, *self.input_format.metadata_files()]))
+
+    def input_paths(self) -> list[str]:
+        """What an output must stay apart from (`ops.guard`): the sources named (a directory named
+        is the dataset's: an output inside it would be read back as part of the data) and every
+        file read, sidecars included."""
+        return list(dict.fromkeys([*(self.sources or []), *self.files()]))
 
 
 def _count_names(pattern: str) -> int:
@@ -220,9 +241,14 @@ def resolve_shards(patterns: list[str] | str, base: Path | None = None, allow_pi
         else:
             out.extend(_expand_one(pattern, base, allow_pipe))
     if check_exist:
-        missing = [s for s in out if "://" not in s and not s.startswith("pipe:") and not os.path.exists(s)]
+        local = [s for s in out if "://" not in s and not s.startswith("pipe:")]
+        missing = [s for s in local if not os.path.exists(s)]
         if missing:
             raise UserError(f"shard not found: {missing[0]}" + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+        special = [(s, kind) for s in local if (kind := not_regular(s))]  # a named pipe blocks its first read
+        if special:
+            raise UserError(f"{special[0][0]} is not a regular file ({special[0][1]}): shards are read from regular "
+                            "files only")
     if not out:
         raise UserError(f"no shards found in {', '.join(patterns)}")
     return unique_shards(out)
@@ -275,6 +301,7 @@ def load_manifest(path: Path, allow_pipe: bool = False) -> DatasetSpec:
         sources=[str(path.resolve())],
         split=raw.get("split"),
         image_root=image_root,
+        detected=f"{path.name} names it" if raw.get("format") else found.why,
     )
     return validate(spec)
 
@@ -328,7 +355,8 @@ def open_dataset(source: str | list[str], pair: str | None = None, fields: Field
                 raise UserError(f"path not found: {s}")
         found = detect(resolve_shards(sources, allow_pipe=allow_pipe), format, split)
         spec = DatasetSpec(format=found.format, shards=found.shards, fields=Fields().resolved(found.fields),
-                           allow_pipe=allow_pipe, sources=[_absolute(s) for s in sources], split=split)
+                           allow_pipe=allow_pipe, sources=[_absolute(s) for s in sources], split=split,
+                           detected=found.why)
     if pair:
         spec.pair = pair
     if fields:
@@ -340,26 +368,29 @@ def open_dataset(source: str | list[str], pair: str | None = None, fields: Field
     return validate(spec)
 
 
-def reopen_dataset(record: dict, sources: list[str] | None = None, fields: Fields | None = None,
+def reopen_dataset(record: "DatasetRecord | None", sources: list[str] | None = None, fields: Fields | None = None,
                    **options) -> DatasetSpec:
     """The dataset a scores file recorded (`DatasetSpec.record`), opened again with the same
     format and field mapping; `sources` given instead read those files, with the recorded mapping
     where they are the recorded format. Options (the CLI's flags) override what was recorded."""
-    recorded = Fields(**(record.get("fields") or {}))
+    recorded = Fields(**{k: v for k, v in record.fields.items() if k in Fields.__dataclass_fields__}) if record \
+        else Fields()
     if not sources:
-        spec = open_dataset(record["sources"], format=options.get("format") or record.get("format"),
-                            split=options.get("split") or record.get("split"),
-                            pair=options.get("pair") or record.get("pair"), allow_pipe=options.get("allow_pipe", False),
-                            label_template=options.get("label_template") or record.get("label_template"),
-                            image_root=options.get("image_root") or record.get("image_root"),
+        spec = open_dataset(record.sources, format=options.get("format") or record.format,
+                            split=options.get("split") or record.split,
+                            pair=options.get("pair") or record.pair, allow_pipe=options.get("allow_pipe", False),
+                            label_template=options.get("label_template") or record.label_template,
+                            image_root=options.get("image_root") or record.image_root,
                             fields=(fields or Fields()).resolved(asdict(recorded)))
-        spec.name = spec.name or record.get("name")
-        spec.truth = spec.truth or record.get("truth")
+        spec.name = spec.name or record.name
+        spec.truth = spec.truth or record.truth
+        if not options.get("format"):
+            spec.detected = "the format the scores recorded"
         return spec
-    spec = open_dataset(sources, pair=options.get("pair") or record.get("pair"), fields=fields,
+    spec = open_dataset(sources, pair=options.get("pair") or (record.pair if record else None), fields=fields,
                         allow_pipe=options.get("allow_pipe", False), label_template=options.get("label_template"),
                         format=options.get("format"), split=options.get("split"), image_root=options.get("image_root"))
-    if spec.format == record.get("format"):
+    if record is not None and spec.format == record.format:
         spec.fields = (fields or Fields()).resolved(asdict(recorded)).resolved(asdict(spec.fields))
     return spec
 

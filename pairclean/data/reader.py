@@ -39,7 +39,7 @@ from webdataset.tariterators import base_plus_ext, meta_prefix, meta_suffix
 from pairclean.errors import ConfigError, UserError
 from pairclean.data.manifest import PAIR_KINDS, DatasetSpec, unique_shards
 from pairclean.data.units import Unit
-from pairclean.ops.urls import is_local
+from pairclean.ops.urls import file_kind, is_local, not_regular
 
 # Text encoders keep the first 77 (CLIP) or 256 (MiniLM) tokens, far fewer than 4096 characters;
 # a longer caption only costs tokeniser time (CLIP's BPE is quadratic in the length of a word).
@@ -110,6 +110,8 @@ def check_protocols(urls: list[str]) -> None:
 
 
 def parquet_file(path: str) -> pq.ParquetFile:
+    if is_local(path) and (kind := not_regular(path)):
+        raise UserError(f"{path} is not a regular file ({kind})")
     return pq.ParquetFile(path if is_local(path) else open_input(path))
 
 
@@ -299,6 +301,8 @@ def _refusal(url: str, allow_pipe: bool) -> UnitFailure | None:
         return UnitFailure(url, "refusing a shell `pipe:` URL without `allow_pipe`", ("allow_pipe",))
     if is_local(url) and not os.path.exists(url):
         return UnitFailure(url, "shard not found (it disappeared after the run started?)")
+    if is_local(url) and (kind := not_regular(url)):
+        return UnitFailure(url, f"not a regular file ({kind}): it is not read")
     return None
 
 
@@ -448,7 +452,7 @@ def safe_join(root: Path, relative: str) -> Path | None:
 
 
 def _read_image_path(root: Path, value) -> tuple[bytes | None, str | None]:
-    if value is None:
+    if value is None or value == "":
         return None, "missing image path"
     if not isinstance(value, str):
         return None, f"image path is {shown(value)}, not text"
@@ -456,15 +460,17 @@ def _read_image_path(root: Path, value) -> tuple[bytes | None, str | None]:
     if path is None:
         return None, f"image path escapes the dataset root: {shown(value)}"
     try:
-        # Non-blocking open, then fstat: a FIFO or device is refused instead of hanging the
-        # reader, and a file is held to the same size limit as a tar member before it is read.
+        # Non-blocking open, then fstat before anything is read: a folder, FIFO or device is
+        # refused instead of failing or hanging the reader, and a file is held to the same size
+        # limit as a tar member.
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
     except OSError as exc:
         return None, f"cannot read image file {shown(value)}: {exc.strerror or exc}"
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode):
+        os.close(fd)
+        return None, f"image path {shown(value)} is not a regular file ({file_kind(info.st_mode)})"
     with os.fdopen(fd, "rb") as fh:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            return None, f"image path {shown(value)} is not a regular file"
         if info.st_size > MAX_MEMBER_BYTES:
             return None, _Oversized(str(value), info.st_size, "image file").reason
         try:

@@ -69,7 +69,7 @@ def _warn_if_abstaining(db: "ScoresDB", predicate: str, expression: str, field: 
     from pairclean.ops.notices import notice
     from pairclean.scores.rules import recorded_rules
 
-    rules = recorded_rules(db.provenance or {}, db.columns(view))
+    rules = recorded_rules(db.provenance, db.columns(view))
     deciding = ", ".join(r.decision for r in rules if not r.abstains) or "none"
     for rule in rules:
         for column in rule.value_columns if rule.abstains else ():

@@ -126,7 +126,7 @@ def evaluate_detection(scores: str | Path, truth: str | Path | None = None, trut
     `noisy_if` and `threshold`."""
     truth = truth if truth is not None else recorded_truth(scores)
     with ScoresDB(scores, truth, truth_key=truth_key) as db:
-        provenance = db.provenance or {}
+        provenance = db.provenance
         rules = recorded_rules(provenance, db.columns("labeled"))
         decisions = [rule.decision for rule in rules]
         missing = [c for c in ("sim", "weight", *decisions) if c not in db.columns("labeled")]
@@ -162,8 +162,9 @@ def evaluate_detection(scores: str | Path, truth: str | Path | None = None, trut
                                                         if oracle["threshold"] is not None else "n/a"))
     result.update({"scores": str(scores), "truth": str(truth), "join": join, "scores_rows": int(counts[0]),
                    "error_rows": int(counts[1]), "unlabelled_rows": int(counts[2]), "truth_rows": int(truth_rows),
-                   "estimator": provenance.get("estimator"), "beta_mode": provenance.get("beta_mode"),
-                   "weight_fn": provenance.get("weight_fn")})
+                   "estimator": provenance.estimator if provenance else None,
+                   "beta_mode": provenance.beta_mode if provenance else None,
+                   "weight_fn": provenance.weight_fn if provenance else None})
     if audit is not None:
         result["audit"] = audit
     return result
@@ -220,10 +221,10 @@ def recorded_truth(scores: str | Path, required: bool = True) -> Path | None:
 
     if not Path(scores).is_file():
         raise UserError(f"scores file not found: {scores}")
-    dataset = scored_pairs(read_metadata(scores)[0]) or {}
-    if not dataset.get("truth"):
+    dataset = scored_pairs(read_metadata(scores)[0])
+    if dataset is None or not dataset.truth:
         if not required:
             return None
         raise ConfigError(f"the dataset {scores} was scored from names no truth file: give `truth`", "truth")
-    return Path(dataset["truth"])
+    return Path(dataset.truth)
 

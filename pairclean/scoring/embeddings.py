@@ -15,7 +15,7 @@ or the shuffled-pairs diagnostic.
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Iterator
 
@@ -31,6 +31,7 @@ from pairclean.data.formats.embeddings import (BLOCK_ROWS, SAVED_PROVENANCE, Arr
 from pairclean.errors import ConfigError, UserError
 from pairclean.ops.guard import Output
 from pairclean.ops.notices import notice
+from pairclean.scores.contract import Renormalised
 from pairclean.scoring.run import Commit, Producer, RunConfig, ScoreResult, Work, run_scoring
 
 UNIT_TOLERANCE = 1e-2  # |norm - 1| above this is "not unit length" (float16 storage rounds to ~1e-3)
@@ -218,8 +219,8 @@ class EmbeddingsProducer(Producer):
         self.spec, self.cfg = spec, cfg
         # random-inputs needs embeddings of random inputs from the same model (there is no model to draw
         # them), or the random-inputs beta that the run which saved these embeddings computed with it
-        saved = (spec.saved or {}).get("beta") or {}
-        self.saved_beta = BetaEstimate(**saved) if saved.get("mode") == "random-inputs" else None
+        saved = spec.saved.beta if spec.saved is not None else None
+        self.saved_beta = BetaEstimate(**asdict(saved)) if saved is not None and saved.mode == "random-inputs" else None
         self.beta_modes = BETA_MODES if cfg.random_embeddings is not None or self.saved_beta else ("fixed", "shuffled")
 
     def missing_beta(self) -> ConfigError:
@@ -289,9 +290,10 @@ class EmbeddingsProducer(Producer):
         estimator = {"backend": "precomputed-embeddings", "layout": spec.layout, "embedding_dim": spec.dim,
                      "dtype": sorted({n.dtype for n in spec.npy}) or None}
         if spec.saved:  # the model that computed them, as the saving run recorded it
-            estimator["saved_by"] = {k: spec.saved.get(k) for k in ("estimator", "weights_sha1", "preprocessing")}
+            estimator["saved_by"] = {"estimator": spec.saved.estimator, "weights_sha1": spec.saved.weights_sha1,
+                                     "preprocessing": spec.saved.preprocessing}
         provenance = {"estimator": estimator, "pair": spec.pair, "input_shards": spec.inputs(), "dataset": spec.record(),
-                      "renormalised": {**not_unit, "max_norm_deviation": deviation}}
+                      "renormalised": Renormalised(**not_unit, max_norm_deviation=deviation)}
         return provenance, {"not_unit_left": not_unit["left"], "not_unit_right": not_unit["right"]}
 
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import json
-import math
 import os
 import shutil
 import socket
@@ -35,11 +34,13 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from pairclean.core.beta import BetaEstimate
 from pairclean.ops.atomic import atomic_path, remove_stale_temps, write_json
+from pairclean.ops.records import Problem, Record, RecordError, convert
 from pairclean.errors import ConfigError, UserError
 from pairclean.ops.faults import fault_point
 from pairclean.data.units import unit_shard
-from pairclean.scores.contract import read_provenance, read_summary
+from pairclean.scores.contract import run_identity
 
 PART_SCHEMA = pa.schema([
     ("key", pa.string()),
@@ -106,12 +107,30 @@ class GroupClaims:
         return found
 
 
+@dataclass(frozen=True)
+class RunInfo(Record):
+    """run.json: the run's id (stored in its output's provenance) and whether it replaces an output."""
+
+    what = "run record"
+    run_id: str
+    replaces_output: bool
+    started_at: str | None = None
+
+
 @dataclass
 class RunStart:
     """What `PartStore.begin` decided: a fresh or a resumed run, and its units in output order."""
 
     resumed: bool
     units: list[str]
+
+
+def float32_values(column) -> np.ndarray:
+    """A column of floats (an array, or a list holding None) as float32, None as NaN. Not through
+    pyarrow's `from_pandas`, which imports pandas: 1.7 s of the first commit's CPU, measured."""
+    if isinstance(column, np.ndarray):
+        return column.astype(np.float32, copy=False)
+    return np.array([np.nan if v is None else v for v in column], dtype=np.float32)
 
 
 class PartStore:
@@ -150,14 +169,13 @@ class PartStore:
         """Write the unit's part, then its commit record. Row and error counts are taken from the
         rows themselves; a row without a finite similarity and without an error reason becomes
         an error row (it could be neither scored nor weighted). Columns: lists or arrays."""
-        values = pa.array(columns["sim"], type=pa.float32(), from_pandas=True).to_numpy(zero_copy_only=False)
-        bad = ~np.isfinite(values)  # NaN, inf, and None (null -> NaN)
+        values = float32_values(columns["sim"])
+        bad = ~np.isfinite(values)  # NaN, inf, and None
         error = pc.utf8_slice_codeunits(pa.array(columns["error"], type=pa.string()), 0, MAX_ERROR_CHARS)
         unexplained = pa.array(bad & ~error.is_valid().to_numpy(zero_copy_only=False))
         null = columns.get("null_sim")
-        null = (pa.array(null, type=pa.float32(), from_pandas=True) if null is not None
-                else pa.nulls(len(values), pa.float32()))
-        null = pc.if_else(pc.is_finite(null), null, pa.scalar(None, pa.float32()))
+        null = float32_values(null) if null is not None else np.full(len(values), np.nan, dtype=np.float32)
+        null = pa.array(null, type=pa.float32(), mask=~np.isfinite(null))
         table = pa.table({"key": columns["key"], "shard": columns["shard"], "index": columns["index"],
                           "sim": pa.array(values, type=pa.float32(), mask=bad), "null_sim": null,
                           "error": pc.if_else(unexplained, pa.scalar(NON_FINITE), error)}, schema=PART_SCHEMA)
@@ -244,6 +262,17 @@ class PartStore:
             raise self._invalid(name, f"a JSON {type(value).__name__}, not a {kind.__name__}")
         return value
 
+    def _record(self, name: str, read):
+        """A run file read as a record (`read(json)`), or None when absent; a file that is not the
+        record is `_invalid`, named with the field."""
+        value = self._read(name, dict)
+        if value is None:
+            return None
+        try:
+            return read(value)
+        except RecordError as exc:
+            raise self._invalid(name, f"{exc.field}: {exc.problem}" if exc.field else exc.problem) from None
+
     def _invalid(self, name: str, why: str) -> ConfigError:
         """The one error for resume state that does not describe a run: it is never trusted, never repaired."""
         return ConfigError(f"{self.dir / name} is not a valid record of the unfinished run ({why}); "
@@ -252,8 +281,8 @@ class PartStore:
     def _start(self, settings: dict, units: list[str], replaces_output: bool) -> RunStart:
         self._clear()
         write_json(self.dir / "units.json", units, temp_dir=self.dir)
-        write_json(self.dir / "run.json", {"run_id": uuid.uuid4().hex, "replaces_output": replaces_output,
-                                           "started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())},
+        write_json(self.dir / "run.json", RunInfo(uuid.uuid4().hex, replaces_output,
+                                                  time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())).to_json(),
                    temp_dir=self.dir)
         write_json(self.dir / "settings.json", settings, temp_dir=self.dir)  # last: marks a usable run
         return RunStart(resumed=False, units=units)
@@ -284,36 +313,33 @@ class PartStore:
                                 "re-run with the same inputs to resume, or pass `overwrite` to start over", "overwrite")
         return RunStart(resumed=True, units=pinned)
 
-    def finished(self, out: Path, settings: dict, overwrite: bool = False, resume: bool = False) -> dict | None:
-        """The summary of `out` if it is already the complete result of a run with these settings
-        (nothing left to do), else None; call it before loading a model, so that what `begin`
+    def finished(self, out: Path, settings: dict, overwrite: bool = False, resume: bool = False) -> bool:
+        """Whether `out` is already the complete result of a run with these settings (nothing left
+        to do; the caller reads its summary); call it before loading a model, so that what `begin`
         would refuse is refused at once. A parts directory that a kill between the output's
         rename and the cleanup left behind is removed here."""
         if overwrite and resume:
             raise ConfigError("resume and overwrite contradict each other: overwrite discards the unfinished run", "resume", "overwrite")
         if overwrite:
-            return None
+            return False
         unfinished = (self.dir / "settings.json").is_file()
         if not out.exists():
             if resume and not unfinished:
                 raise UserError(f"nothing to resume: there is no unfinished run for {out} ({self.dir} not found)")
-            return None
-        try:
-            provenance = read_provenance(out)
-        except (ValueError, OSError):
-            provenance = {}  # not a pairclean output
+            return False
+        run_id, digest = run_identity(out)  # (None, None): not a pairclean output
         if self.dir.is_dir():
             self._lock()
-            run = self.run_info() if unfinished else {}
-            if run and provenance.get("run_id") != run.get("run_id"):
+            run = self.run_info() if unfinished else None
+            if run is not None and run_id != run.run_id:
                 self._unlock()
-                if run.get("replaces_output"):
-                    return None  # a killed --overwrite run: begin() resumes it
+                if run.replaces_output:
+                    return False  # a killed --overwrite run: begin() resumes it
                 raise ConfigError(f"{out} exists; pass `overwrite` to replace it", "overwrite")
             self.remove()  # the finished run's leftover (or a run killed before it got going)
-        if provenance and provenance.get("settings_sha1") == settings_digest(settings):
-            return read_summary(out)
-        detail = " (a finished run with other settings)" if provenance else ""
+        if digest is not None and digest == settings_digest(settings):
+            return True
+        detail = " (a finished run with other settings)" if digest is not None else ""
         raise ConfigError(f"{out} exists{detail}; pass `overwrite` to replace it", "overwrite")
 
     def begin(self, out: Path, settings: dict, units: list[str], overwrite: bool = False,
@@ -335,9 +361,9 @@ class PartStore:
                 self._lock()
                 return self._start(settings, units, replaces_output=out.exists())
             earlier = self._read("settings.json", dict) if existed else None
-            run = self.run_info() if earlier is not None else {}
+            run = self.run_info() if earlier is not None else None
             if out.exists():
-                if earlier is not None and run.get("replaces_output"):
+                if run is not None and run.replaces_output:
                     return self._resume(settings, units, earlier)  # an --overwrite run, killed: carry on
                 raise ConfigError(f"{out} exists; pass `overwrite` to replace it", "overwrite")
             if earlier is not None:
@@ -359,9 +385,9 @@ class PartStore:
             if self._lock_fd is not None:
                 remove_stale_temps(self.dir)
 
-    def run_info(self) -> dict:
+    def run_info(self) -> RunInfo | None:
         """run.json: the run id (stored in the output's provenance) and whether it replaces an output."""
-        return self._read("run.json", dict) or {}
+        return self._record("run.json", lambda value: RunInfo.from_json(value, self.dir / "run.json"))
 
     def settings_sha1(self) -> str | None:
         settings = self._read("settings.json")
@@ -396,18 +422,22 @@ class PartStore:
         claims.mkdir()
         return GroupClaims(claims)
 
-    def load_beta(self) -> dict | None:
-        """beta as saved when the run started (None before), checked: a finite number, known fields."""
-        beta = self._read("beta.json", dict)
-        known = {"mode", "beta", "std", "k", "seed", "source"}
-        if beta is not None and (set(beta) - known or not {"mode", "beta"} <= set(beta)
-                                 or isinstance(beta["beta"], bool) or not isinstance(beta["beta"], (int, float))
-                                 or not math.isfinite(beta["beta"])):
-            raise self._invalid("beta.json", "not a saved beta")
-        return beta
+    def load_beta(self) -> tuple[BetaEstimate, str] | None:
+        """beta as saved when the run started, and where it came from (None before), read as strictly
+        as a flag (`core.beta.BetaEstimate`'s fields and `source`)."""
+        def read(value: dict) -> tuple[BetaEstimate, str]:
+            source = value.get("source", "resumed")
+            if not isinstance(source, str):
+                raise RecordError(self.dir / "beta.json", "saved beta", "source", "must be a string")
+            try:
+                return convert({k: v for k, v in value.items() if k != "source"}, BetaEstimate), source
+            except Problem as problem:
+                raise RecordError(self.dir / "beta.json", "saved beta", problem.field, problem.problem) from None
 
-    def save_beta(self, beta: dict) -> None:
-        write_json(self.dir / "beta.json", beta, temp_dir=self.dir)
+        return self._record("beta.json", read)
+
+    def save_beta(self, beta: BetaEstimate, source: str) -> None:
+        write_json(self.dir / "beta.json", {**beta.as_dict(), "source": source}, temp_dir=self.dir)
 
     def remove(self) -> None:
         shutil.rmtree(self.dir, ignore_errors=True)

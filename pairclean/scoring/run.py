@@ -17,7 +17,7 @@ import hashlib
 import json
 import time
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, ClassVar, Iterator
 
@@ -27,12 +27,12 @@ from pairclean.core.scorer import WEIGHT_FUNCTIONS
 from pairclean.errors import ConfigError, UserError
 from pairclean.ops import distributed
 from pairclean.data.units import unit_fingerprint, unit_shard
-from pairclean.ops.atomic import write_json
 from pairclean.ops.guard import Output, open_output
 from pairclean.ops.progress import SILENT, Progress
-from pairclean.scores.contract import read_provenance, run_manifest_path
+from pairclean.scores.contract import (ErrorCount, Provenance, Summary, read_provenance, read_summary,
+                                       run_manifest_path, write_run_manifest)
 from pairclean.scores.rules import DEFAULT_RULES, build_rules
-from pairclean.scoring.finalize import finalize
+from pairclean.scoring.finalize import failed_units, finalize
 from pairclean.scoring.parts import GroupClaims, PartStore, parts_dir_for
 
 # commit(unit, columns, record): the producer hands each finished unit's rows to the run.
@@ -139,11 +139,11 @@ class Producer(ABC):
 @dataclass
 class ScoreResult:
     out: Path
-    summary: dict
+    summary: Summary | None  # None on the ranks other than 0 (under torchrun only rank 0 finalizes)
     seconds: float
     pairs_scored_now: int
     resumed: bool
-    provenance: dict = field(default_factory=dict)
+    provenance: Provenance | None = None
     already_complete: bool = False  # the output was already this run's finished result
 
     @property
@@ -190,12 +190,11 @@ def fail_run(reason: str, units: list[str], records: dict[str, dict], store: Par
              provenance: dict) -> None:
     """End a run that gives no scores file: its reasons in the run manifest, the parts removed (so
     the corrected command starts afresh), nothing else written; then the one-line error."""
-    failures = [{"unit": u, "reason": records[u]["failure"], "rows": records[u]["rows"]}
-                for u in units if records[u].get("failure")]
-    summary = {"pairs": sum(records[u]["rows"] for u in units), "errors": sum(records[u]["errors"] for u in units),
-               "unit_failures": failures, "failed_units": len(failures), "units": len(units),
-               "error_reasons": store.error_counts(units), "failed": reason}
-    write_json(run_manifest_path(out), {"output": None, "summary": summary, "provenance": provenance})
+    failures = failed_units(units, records)
+    summary = Summary(pairs=sum(records[u]["rows"] for u in units), errors=sum(records[u]["errors"] for u in units),
+                      unit_failures=failures, failed_units=len(failures), units=len(units),
+                      error_reasons=[ErrorCount(**count) for count in store.error_counts(units)], failed=reason)
+    write_run_manifest(out, summary, Provenance(**provenance), written=False)
     store.remove()
     message = f"{reason}; no scores file was written (all reasons in {run_manifest_path(out)})"
     raise ConfigError(message, "max_error_share") if "`max_error_share`" in reason else UserError(message)
@@ -216,8 +215,8 @@ def run_scoring(producer: Producer, out: str | Path | Output, cfg: RunConfig) ->
     settings = {**pinned_settings(cfg), **producer.settings(), **units_settings(units)}
     # Under torchrun, rank 0 alone decides (finished? fresh or resumed? beta) and tells the others.
     finished = distributed.on_main(lambda: store.finished(out, settings, overwrite=cfg.overwrite, resume=cfg.resume))
-    if finished is not None:  # the same command, re-run after it finished: nothing to do
-        return ScoreResult(out, finished, 0.0, 0, True, read_provenance(out), already_complete=True)
+    if finished:  # the same command, re-run after it finished: nothing to do
+        return ScoreResult(out, read_summary(out), 0.0, 0, True, read_provenance(out), already_complete=True)
     producer.prepare()
 
     def start_run():
@@ -226,12 +225,11 @@ def run_scoring(producer: Producer, out: str | Path | Output, cfg: RunConfig) ->
         began = time.perf_counter()
         saved = store.load_beta()
         if saved is not None:
-            source = saved.pop("source", "resumed")
-            beta = BetaEstimate(**saved)
+            beta, source = saved
         else:
             beta, source = resolve_beta(cfg.beta_mode, cfg.beta, producer.random_beta)
             if beta is not None:
-                store.save_beta({**beta.as_dict(), "source": source})
+                store.save_beta(beta, source)
         groups = store.load_groups(start.units)
         if groups is None:  # packed once, when the run starts: a resumed run batches alike
             groups = producer.groups(start.units)
@@ -264,7 +262,7 @@ def run_scoring(producer: Producer, out: str | Path | Output, cfg: RunConfig) ->
     scored_now = counters["pairs"]
     elapsed = distributed.all_reduce_sum(elapsed) / distributed.world_size()
     if not distributed.is_main():
-        return ScoreResult(out, {}, elapsed, scored_now, resumed, {})
+        return ScoreResult(out, None, elapsed, scored_now, resumed)
 
     records = store.committed()
     missing = [u for u in units if u not in records]
@@ -282,7 +280,8 @@ def run_scoring(producer: Producer, out: str | Path | Output, cfg: RunConfig) ->
         fail_run(reason, units, records, store, out, provenance)
     summary = finalize(store, units, target, beta, cfg.weight_fn, cfg.seed, cfg.gmm_sample, provenance, records,
                        cfg.rules)
-    summary.update(extra, pairs_per_second=scored_now / elapsed if elapsed > 0 else 0.0, scoring_seconds=elapsed,
-                   scoring_cpu_seconds=cpu, beta_seconds=beta_seconds, beta_source=beta_source)
+    summary = replace(summary, **extra, pairs_per_second=scored_now / elapsed if elapsed > 0 else 0.0,
+                      scoring_seconds=elapsed, scoring_cpu_seconds=cpu, beta_seconds=beta_seconds,
+                      beta_source=beta_source)
     store.remove()
-    return ScoreResult(out, summary, elapsed, scored_now, resumed, provenance)
+    return ScoreResult(out, summary, elapsed, scored_now, resumed, read_provenance(out))

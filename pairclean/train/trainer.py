@@ -33,6 +33,7 @@ from pairclean.config import check_choice, check_pretrained
 from pairclean.errors import ConfigError, UserError
 from pairclean.backends import check_backend, load_target
 from pairclean.backends.base import PRECISIONS, autocast_context
+from pairclean.backends.feed import DeviceFeed
 from pairclean.data.manifest import DatasetSpec, open_dataset
 from pairclean.train.retrieval import JointTarget, evaluate_target
 from pairclean.data.reader import modalities
@@ -273,6 +274,20 @@ class _Towers(torch.nn.Module):
         return self.target.encode(self.left, left_batch), self.target.encode(self.right, right_batch)
 
 
+FED = ("left", "right")  # a batch's inputs end so: both sides, and an extra preparer's (`estimator_left`)
+
+
+@dataclass
+class _Settled:
+    """What a step leaves to be read once the next one is queued (`_Loop._settle`)."""
+
+    out: object  # the method's StepOutput
+    batch: dict
+    lr: float
+    step: int
+    logit_scale: torch.Tensor
+
+
 class _Loop:
     """The optimisation state of a run and what one epoch does with it."""
 
@@ -288,6 +303,7 @@ class _Loop:
         self.done_epochs, self.step, self.best_rsum, self.best_epoch, self.history = 0, 0, None, None, []
         self.diag: DiagnosticsWriter | None = None
         self.towers = _Towers(target, ctx.left, ctx.right)
+        self.feed = DeviceFeed(target.device)  # batch i+1's copies to the device overlap step i
         if distributed.is_distributed():
             from torch.nn.parallel import DistributedDataParallel
 
@@ -377,7 +393,27 @@ class _Loop:
                 batch = next(it, None)
             if not distributed.all_reduce_min(batch is not None):
                 return
-            yield batch
+            yield {k: self.feed(v) if k.endswith(FED) else v for k, v in batch.items()}
+
+    def _settle(self, done: "_Settled", epoch: int, totals: dict, task, epoch_start: float) -> None:
+        """A step's loss, diagnostics, log line and progress, read one step late: reading a loss
+        waits for the device, and by then the next step is queued, so the device never idles on it."""
+        loss, n = distributed.all_reduce_mean(float(done.out.loss.detach())), len(done.batch["key"])
+        if not math.isfinite(loss):  # every rank sees the same mean: all stop, none saves a checkpoint
+            raise ConfigError(f"the training loss became {loss} at step {done.step}: stopped before saving a "
+                              "checkpoint (check the loss weights, or lower lr)", "lr")
+        totals["loss_sum"] += loss * n
+        totals["pairs"] += n
+        totals["steps"] += 1
+        batch = done.batch
+        if self.diag is not None:
+            self.diag.add({"key": batch["key"], "shard": batch["shard"], "index": batch["index"].numpy(),
+                           "epoch": [epoch] * n, **{k: v.float().cpu().numpy() for k, v in done.out.per_pair.items()}})
+        if done.step % self.cfg.log_every == 0 and distributed.is_main():
+            self.metrics.write({"event": "step", "epoch": epoch, "step": done.step, "loss": loss, "lr": done.lr,
+                                "logit_scale": float(done.logit_scale), **done.out.metrics})
+        elapsed = time.perf_counter() - epoch_start
+        task.update(advance=1, loss=loss, lr=done.lr, rate=totals["pairs"] / elapsed if elapsed else 0.0)
 
     def run_epoch(self, epoch: int, loader, task) -> dict:
         """One pass over the training data; returns the epoch's metrics record so far."""
@@ -388,28 +424,19 @@ class _Loop:
         totals = {"loss_sum": 0.0, "pairs": 0, "steps": 0, "errors": 0, "dropped": 0, "compute_s": 0.0, "data_s": 0.0}
         failures: list[str] = []
         epoch_start = ready = time.perf_counter()
+        pending = None
         for batch in self._batches(loader, totals, failures):
             began = time.perf_counter()
             totals["data_s"] += began - ready
             lr = self.optimizer.param_groups[0]["lr"]  # this step's (the schedule moves on after it)
             out = self._step(batch)
-            loss, n = distributed.all_reduce_mean(float(out.loss.detach())), len(batch["key"])
-            if not math.isfinite(loss):  # every rank sees the same mean: all stop, none saves a checkpoint
-                raise ConfigError(f"the training loss became {loss} at step {self.step}: stopped before saving a "
-                                  "checkpoint (check the loss weights, or lower lr)", "lr")
+            if pending is not None:  # the step before's figures: the device is on this step already
+                self._settle(pending, epoch, totals, task, epoch_start)
+            pending = _Settled(out, batch, lr, self.step, self.target.logit_scale().detach())
             ready = time.perf_counter()
             totals["compute_s"] += ready - began
-            totals["loss_sum"] += loss * n
-            totals["pairs"] += n
-            totals["steps"] += 1
-            if self.diag is not None:
-                self.diag.add({"key": batch["key"], "shard": batch["shard"], "index": batch["index"].numpy(),
-                               "epoch": [epoch] * n, **{k: v.float().cpu().numpy() for k, v in out.per_pair.items()}})
-            if self.step % cfg.log_every == 0 and distributed.is_main():
-                self.metrics.write({"event": "step", "epoch": epoch, "step": self.step, "loss": loss, "lr": lr,
-                                    "logit_scale": float(self.target.logit_scale().detach()), **out.metrics})
-            elapsed = ready - epoch_start
-            task.update(advance=1, loss=loss, lr=lr, rate=totals["pairs"] / elapsed if elapsed else 0.0)
+        if pending is not None:
+            self._settle(pending, epoch, totals, task, epoch_start)
         if totals["steps"] == 0:
             if self.diag is not None:
                 self.diag.abort()

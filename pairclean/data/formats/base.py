@@ -47,11 +47,13 @@ def format_names(kind: str) -> list[str]:
 
 @dataclass
 class Claim:
-    """What detection found: the format, the files it reads as shards, the fields it read off them."""
+    """What detection found: the format, the files it reads as shards, the fields it read off them,
+    and why the files are that layout (the run's announcement says it)."""
 
     format: str
     shards: list[str]
     fields: dict[str, str | None] = field(default_factory=dict)
+    why: str = ""
 
 
 def by_priority(kind: str) -> list[type["InputFormat"]]:
@@ -73,7 +75,8 @@ def detect(files: list[str], format: str | None = None, split: str | None = None
     shards it reads (of `split` only, when given), and the fields it found."""
     if format is not None:
         cls = format_named(format, "input_format", kind="pairs")
-        claim = cls.claim(files, forced=True)
+        claim = cls.claim(files, forced=True) or Claim(cls.name, [])  # none of the files is of its kind
+        claim.why = f"{format} was named as the input format"
     else:
         claim = next((c for c in (cls.claim(files) for cls in by_priority("pairs")) if c is not None), None)
         if claim is None:
@@ -128,7 +131,9 @@ NextCaption = Callable[[str, int, "str | None"], "str | None"]  # (shard, index,
 
 
 def changed(shard: str, detail: str) -> UserError:
-    return UserError(f"{shard} changed since it was scored ({detail}); score it again before filtering")
+    """A shard whose rows are not the ones the scores name at their positions (it changed since it
+    was scored, or it is another download named alike): never waived, rows would be misattributed."""
+    return UserError(f"{shard} changed since it was scored ({detail}); score it again before using these scores")
 
 
 def check_key(shard: str, dec: Decisions, i: int, key: str) -> None:
@@ -211,14 +216,17 @@ class InputFormat(ABC):
         parts.append(f"key={self.describe_key()}")
         files = len(dict.fromkeys(self.spec.shards))
         extra = self.describe_extra()
+        detected = f"; detected: {self.spec.detected}" if self.spec.detected else ""
         return (f"reading {self.label}: {', '.join(parts)}; {files} {self.suffix.lstrip('.') or 'data'} file(s)"
-                + (f", {extra}" if extra else ""))
+                + (f", {extra}" if extra else "") + detected)
 
     def describe_key(self) -> str:
         """Where the keys come from, as the start-up line says it."""
         return self.spec.fields.key or "none (file/row)"
 
     def describe_extra(self) -> str:
+        """More of the announcement (what the files hold); it reads only what it guards, since a
+        broken file is a failed unit when it is read, never a crash of the announcement."""
         return ""
 
     # -- writing -----------------------------------------------------------------------------

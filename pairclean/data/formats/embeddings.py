@@ -20,7 +20,6 @@ arithmetic on them (cosines, norms, beta) is `scoring.embeddings`.
 from __future__ import annotations
 
 from abc import abstractmethod
-import json
 import os
 import re
 import threading
@@ -37,13 +36,17 @@ import pyarrow.parquet as pq
 from pairclean.config import check_choice
 from pairclean.data.formats.base import REGISTRY, InputFormat, by_priority, format_named, register_format
 from pairclean.data.manifest import PAIR_KINDS
+from pairclean.data.record import DatasetRecord
 from pairclean.data.units import Unit
 from pairclean.errors import ConfigError, UserError
+from pairclean.ops.notices import notice
+from pairclean.ops.records import Json, Record
 
 BLOCK_ROWS = 2048  # rows read at a time into a per-thread buffer (see docs/pair-kinds.md for the measurement)
 NPY_DTYPES = (np.float16, np.float32, np.float64)
 _CLIP_RETRIEVAL = {"img_emb": "img_emb_", "text_emb": "text_emb_", "metadata": "metadata_"}
 SAVED_PROVENANCE = "provenance.json"  # beside img_emb/ when `score --save-embeddings` wrote the directory
+UNFINISHED = "unfinished.json"  # beside img_emb/ while a `score --save-embeddings` run is writing the directory
 ORIGIN_COLUMNS = ("shard", "index")  # metadata columns naming each row's pair in its dataset (`score --save-embeddings`)
 
 
@@ -76,9 +79,9 @@ class EmbeddingSpec:
     key_field: str | None = None
     dim: int | None = None
     keys_file: str | None = None  # the numpy layout's key Parquet
-    pairs: dict | None = None  # the dataset of pairs the embeddings describe, when the layout says (DataComp,
-    # or the record `score --save-embeddings` kept of the dataset it scored)
-    saved: dict | None = None  # DIR/provenance.json of a directory `score --save-embeddings` wrote
+    pairs: DatasetRecord | None = None  # the dataset of pairs the embeddings describe, when the layout says
+    # (DataComp, or the record `score --save-embeddings` kept of the dataset it scored)
+    saved: "SavedEmbeddings | None" = None  # DIR/provenance.json of a directory `score --save-embeddings` wrote
 
     @property
     def input_format(self) -> "EmbeddingFormat":
@@ -91,11 +94,11 @@ class EmbeddingSpec:
         """Every unit in output order: row chunks of each array pair, or each Parquet row group."""
         return self.input_format.units(unit_rows)
 
-    def record(self) -> dict:
+    def record(self) -> DatasetRecord:
         """What a scores file records about the embeddings it scored (and the pairs they describe)."""
-        return {"format": self.layout, "sources": [os.path.abspath(s) for s in self.sources], "pair": self.pair,
-                "fields": {"left": self.left_field, "right": self.right_field, "key": self.key_field},
-                "key": self.key_field, "pairs": self.pairs}
+        return DatasetRecord(format=self.layout, sources=[os.path.abspath(s) for s in self.sources], pair=self.pair,
+                             fields={"left": self.left_field, "right": self.right_field, "key": self.key_field},
+                             key=self.key_field, pairs=self.pairs)
 
 
 # -- opening ---------------------------------------------------------------------------------
@@ -131,10 +134,16 @@ def _npz_member(path: str, name: str) -> tuple[tuple[int, ...], np.dtype, int]:
             fh.seek(info.header_offset + 26)
             name_len, extra_len = (int.from_bytes(fh.read(2), "little") for _ in range(2))
             fh.seek(info.header_offset + 30 + name_len + extra_len)
+            data_start = fh.tell()
             version = np.lib.format.read_magic(fh)
             shape, fortran, dtype = (np.lib.format.read_array_header_1_0(fh) if version == (1, 0)
                                      else np.lib.format.read_array_header_2_0(fh))
             offset = fh.tell()
+            declared = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+            stored = info.file_size - (offset - data_start)
+            if declared != stored:  # rows past the stored ones would be read from the next member
+                raise UserError(f"{what}'s header declares an array of shape {tuple(shape)} ({declared:,} bytes) but "
+                                f"the member stores {stored:,} bytes of data: the file is damaged")
     except KeyError:
         raise UserError(f"{path} has no array {name!r}") from None
     except (OSError, ValueError, zipfile.BadZipFile) as exc:
@@ -155,6 +164,8 @@ def _npy_pair(left: Array, right: Array, keys: str | None, key_field: str | None
             raise UserError(f"{path} holds {dtype} values; embeddings must be float16, float32 or float64")
     if lshape != rshape:
         raise UserError(f"{lpath} and {rpath} do not pair up: shapes {lshape} and {rshape}")
+    if lshape[1] == 0:
+        raise UserError(f"{lpath} holds {lshape[0]:,} rows of 0 values: an embedding has at least one value")
     if ldtype != rdtype:
         raise UserError(f"{lpath} ({ldtype}) and {rpath} ({rdtype}) must have the same dtype")
     column, origin = None, False
@@ -211,6 +222,9 @@ def _parquet_dim(paths: list[str], column: str) -> int:
     for path in paths:
         for batch in pq.ParquetFile(path).iter_batches(batch_size=1024, columns=[column]):
             lengths = pc.drop_null(pc.list_value_length(batch.column(0)))
+            if len(lengths) and lengths[0].as_py() == 0:
+                raise UserError(f"column {column!r} of {path} holds an embedding of 0 values: an embedding has at "
+                                "least one value")
             if len(lengths):
                 return int(lengths[0].as_py())
     raise UserError(f"column {column!r} holds no embedding in {', '.join(paths)}")
@@ -266,7 +280,7 @@ class EmbeddingFormat(InputFormat):
                                                                  for p in spec.parquet)
         files = len(spec.npy) or len(spec.parquet)
         key = spec.key_field or next((n.key_column for n in spec.npy if n.key_column), None) or "none (file/row)"
-        pairs = f"; the pairs they describe: {', '.join(spec.pairs['sources'])}" if spec.pairs else ""
+        pairs = f"; the pairs they describe: {', '.join(spec.pairs.sources)}" if spec.pairs else ""
         return (f"reading {self.label}: left={spec.left_field}, right={spec.right_field} ({spec.dim}-d), key={key}; "
                 f"{files} file(s), {rows:,} rows{pairs}")
 
@@ -289,19 +303,27 @@ class ClipRetrieval(EmbeddingFormat):
         root = Path(spec.sources[0])
         images = _numbered(root / "img_emb", _CLIP_RETRIEVAL["img_emb"], ".npy")
         texts = _numbered(root / "text_emb", _CLIP_RETRIEVAL["text_emb"], ".npy")
+        if (root / UNFINISHED).is_file():
+            raise UserError(f"{root} holds the embeddings of an unfinished `pairclean score` run ({len(images)} "
+                            "block(s) so far): re-run the command that writes it to finish them before reading them")
         metadata = _numbered(root / "metadata", _CLIP_RETRIEVAL["metadata"], ".parquet")
         if not images:
             raise UserError(f"{root}/img_emb holds no img_emb_N.npy files")
         unmatched = sorted(set(images) ^ set(texts))
         if unmatched:
             raise UserError(f"{root}: img_emb and text_emb files do not pair up (unmatched number {unmatched[0]})")
+        spec.saved = read_saved_provenance(root)
         spec.npy = [_npy_pair(_npy_file(str(images[n])), _npy_file(str(texts[n])),
                               str(metadata[n]) if n in metadata else None, spec.key_field)
                     for n in sorted(images, key=int)]
-        spec.saved = read_saved_provenance(root)
-        if spec.saved:  # the pair kind and dataset the saving run scored
-            spec.pair = spec.pair or spec.saved.get("pair")
-            spec.pairs = spec.saved.get("dataset") if isinstance(spec.saved.get("dataset"), dict) else None
+        if spec.saved is not None:  # the pair kind and dataset the saving run scored
+            spec.saved.check_blocks(root, {int(n): pair.rows for n, pair in zip(sorted(images, key=int), spec.npy)})
+            spec.pair = spec.pair or spec.saved.pair
+            spec.pairs = spec.saved.dataset
+        elif any(pair.origin for pair in spec.npy):
+            notice(f"{root} has no {SAVED_PROVENANCE} but its metadata names each row's shard and index, as "
+                   "`pairclean score` writes them: if a run of it wrote this directory, that run did not finish and "
+                   "the directory may hold part of the dataset only")
 
 
 @register_format
@@ -357,7 +379,7 @@ class DataCompNpz(EmbeddingFormat):
         spec.pairs = self._pairs(files)
 
     @staticmethod
-    def _pairs(files: list[Path]) -> dict | None:
+    def _pairs(files: list[Path]) -> DatasetRecord | None:
         """The pool's shards: `shards/` beside `metadata/`, as download_upstream.py lays the pool out."""
         from pairclean.data.manifest import open_dataset
 
@@ -417,15 +439,79 @@ class ParquetEmbeddings(EmbeddingFormat):
             offset += batch.num_rows
 
 
-def read_saved_provenance(directory: str | Path) -> dict | None:
+@dataclass(frozen=True)
+class SavedBeta(Record):
+    """The beta of the run that saved the embeddings (`core.beta.BetaEstimate`'s fields)."""
+
+    what = "saved beta"
+    mode: str
+    beta: float
+    std: float | None = None
+    k: int | None = None
+    seed: int | None = None
+
+
+@dataclass(frozen=True)
+class SavedBlock(Record):
+    what = "saved block"
+    unit: str  # the unit whose rows block N holds
+    rows: int
+
+
+@dataclass(frozen=True)
+class SavedEmbeddings(Record):
+    """DIR/provenance.json: what `score --save-embeddings` recorded beside the embeddings, written
+    when every unit is committed (its presence marks the directory complete, `blocks` what it holds)."""
+
+    what = "saved-embeddings provenance"
+    written_by: str
+    pair: str
+    rows: int
+    blocks: dict[str, SavedBlock]
+    beta: SavedBeta
+    estimator: dict[str, Json] | None = None  # the backend's own provenance
+    pairclean_version: str | None = None
+    weights_sha1: str | None = None
+    preprocessing: str | None = None
+    img_emb: str | None = None  # the modality of each side
+    text_emb: str | None = None
+    dtype: str | None = None
+    normalised: bool | None = None
+    bytes: int | None = None
+    dataset: DatasetRecord | None = None  # the dataset scored, with its files' fingerprints
+    input_shards: list[str] | None = None
+
+    def problems(self):
+        if self.pair not in PAIR_KINDS:
+            yield "pair", f"must be one of {', '.join(PAIR_KINDS)}, got {self.pair!r}"
+        for name in ("rows", "bytes"):
+            if (getattr(self, name) or 0) < 0:
+                yield name, f"must be 0 or more, got {getattr(self, name)}"
+        for number, block in self.blocks.items():
+            if not number.isdigit() or block.rows < 0:
+                yield f"blocks.{number}", "must be a block number holding 0 rows or more"
+
+    def check_blocks(self, root: Path, held: dict[int, int]) -> None:
+        """The directory holds the blocks this record lists, each with its rows, and no other."""
+        listed = {int(n): block.rows for n, block in self.blocks.items()}
+        where = root / SAVED_PROVENANCE
+        for number in sorted(listed.keys() | held.keys()):
+            if number not in held:
+                raise UserError(f"{where} lists block {number} ({listed[number]:,} rows) but {root} does not hold it: "
+                                "the directory is not whole; save the embeddings again")
+            if number not in listed:
+                raise UserError(f"{root} holds block {number}, which {where} does not list: blocks of another run?")
+            if held[number] != listed[number]:
+                raise UserError(f"block {number} of {root} holds {held[number]:,} rows, {where} says "
+                                f"{listed[number]:,}")
+        if sum(listed.values()) != self.rows:
+            raise UserError(f"{where} says rows {self.rows:,} but its blocks hold {sum(listed.values()):,}")
+
+
+def read_saved_provenance(directory: str | Path) -> SavedEmbeddings | None:
     """What `score --save-embeddings` recorded beside the embeddings (None: another tool wrote them)."""
     path = Path(directory) / SAVED_PROVENANCE
-    if not path.is_file():
-        return None
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise UserError(f"cannot read {path}: {str(exc).splitlines()[0][:200]}") from None
+    return SavedEmbeddings.read(path) if path.is_file() else None
 
 
 def detect_layout(sources: list[str]) -> str:

@@ -15,7 +15,7 @@ import json
 import re
 from pathlib import Path
 
-from pairclean.data.formats.base import Claim, register_format
+from pairclean.data.formats.base import SHARD_SUFFIXES, Claim, register_format
 from pairclean.data.formats.parquet import ParquetFormat
 from pairclean.data.reader import parquet_file
 from pairclean.errors import UserError
@@ -67,14 +67,17 @@ class HfParquet(ParquetFormat):
             if texts:
                 fields["text"] = texts[0]
             fields["key"] = keys[0] if keys else "id"
-        return Claim(cls.name, found.shards, fields)
+        return Claim(cls.name, found.shards, fields, why="the Parquet schema metadata holds Hugging Face datasets' "
+                                                         "features")
 
     @classmethod
     def directory_files(cls, directory: Path) -> list[str] | None:
-        """The hub's layout: the dataset root holds README.md and data/, the files are in data/."""
+        """The hub's layout: the dataset root holds README.md and data/, the files are in data/.
+        Every shard file there is listed, so that img2dataset output kept in ROOT/data/ (its tars
+        beside their sidecars) is detected as img2dataset's, not its sidecars as the hub's Parquet."""
         data = directory / HUB_DATA_DIR
         if data.is_dir() and not any(p.suffix in (".parquet", ".tar") for p in directory.iterdir() if p.is_file()):
-            files = sorted(str(p) for p in data.iterdir() if p.suffix == ".parquet" and p.is_file())
+            files = sorted(str(p) for p in data.iterdir() if p.name.endswith(SHARD_SUFFIXES) and p.is_file())
             return files or None
         return None
 

@@ -30,6 +30,7 @@ from pairclean.data.formats.parquet import ParquetFormat
 from pairclean.data.formats.webdataset import WebDatasetFormat, is_tar
 from pairclean.data.reader import RawPair, Sample, UnitFailure, parquet_file, read_parquet_pairs, sample_key, shown
 from pairclean.data.units import Unit
+from pairclean.errors import UserError
 from pairclean.ops.atomic import write_json
 from pairclean.ops.urls import is_local
 
@@ -66,11 +67,22 @@ def _sidecar_name(tar: str) -> str:
     return tar[: -len(".tar")] + ".parquet" if tar.endswith(".tar") else tar + ".parquet"
 
 
+SIDECARS_TRIED = 8  # detection reads the columns of the first readable of this many sidecars
+
+
 def _columns(path: str) -> set[str]:
     try:
         return set(parquet_file(path).schema_arrow.names)
     except Exception:
         return set()
+
+
+def _table(path: str, columns: list[str] | None = None) -> pa.Table:
+    """A sidecar (or img2dataset Parquet file) read whole, or a UserError naming it."""
+    try:
+        return parquet_file(path).read(columns=columns)
+    except Exception as exc:
+        raise UserError(f"cannot read {path}: {str(exc).splitlines()[0][:300]}") from None
 
 
 @register_format
@@ -91,9 +103,15 @@ class Img2DatasetWebDataset(WebDatasetFormat):
         # The sidecars named with the tars (a directory), else those beside them on disk (a glob of the tars).
         sidecars = parquets or [s for t in tars if is_local(t) and os.path.isfile(s := _sidecar_name(t))]
         local = [p for p in sidecars if is_local(p)]
-        if not sidecars or (local and not set(cls.needs) <= _columns(local[0])):
+        if not sidecars:
             return None
-        return Claim(cls.name, tars)
+        why = f"each tar has img2dataset's sidecar beside it (NNNNN.parquet with {', '.join(cls.needs)})"
+        columns = next((found for found in map(_columns, local[:SIDECARS_TRIED]) if found), None)
+        if local and columns is None:  # no sidecar readable: their names alone say img2dataset's
+            return Claim(cls.name, tars, why=why + "; no sidecar could be read") if "uid" not in cls.needs else None
+        if local and not set(cls.needs) <= columns:
+            return None
+        return Claim(cls.name, tars, why=why)
 
     def sidecar(self, shard: str) -> str | None:
         path = _sidecar_name(shard)
@@ -112,8 +130,7 @@ class Img2DatasetWebDataset(WebDatasetFormat):
         sidecar = self.sidecar(shard)
         if sidecar is None:
             return None, []
-        table = parquet_file(sidecar).read(columns=[c for c in (self.sidecar_key(), *STATUS_COLUMNS)
-                                                    if c in _columns(sidecar)])
+        table = _table(sidecar, [c for c in (self.sidecar_key(), *STATUS_COLUMNS) if c in _columns(sidecar)])
         keys = table.column(self.sidecar_key()).to_pylist() if self.sidecar_key() in table.column_names \
             else [None] * table.num_rows
         status = table.column("status").to_pylist() if "status" in table.column_names else [SUCCESS] * table.num_rows
@@ -126,8 +143,8 @@ class Img2DatasetWebDataset(WebDatasetFormat):
         yield from super().read(unit)
         try:
             sidecar, failed = self._failed(unit)
-        except Exception as exc:
-            yield UnitFailure(unit, f"cannot read the sidecar of {unit}: {str(exc).splitlines()[0][:300]}")
+        except Exception as exc:  # any way a sidecar breaks: the tar's rows are kept, the unit is a failed unit
+            yield UnitFailure(unit, f"img2dataset sidecar: {str(exc).splitlines()[0][:300]}")
             return
         for row, key, reason in failed:
             yield RawPair(key=key, shard=sidecar, index=row, error=reason)
@@ -141,9 +158,15 @@ class Img2DatasetWebDataset(WebDatasetFormat):
 
     def describe_extra(self) -> str:
         sidecars = self.metadata_files()
-        failed = sum(len(self._failed(t)[1]) for t in dict.fromkeys(self.spec.shards)) if sidecars else 0
+        failed = unreadable = 0
+        for tar in dict.fromkeys(self.spec.shards) if sidecars else ():
+            try:
+                failed += len(self._failed(tar)[1])
+            except UserError:
+                unreadable += 1
+        broken = f"; {unreadable} cannot be read: their shards are failed units" if unreadable else ""
         return (f"{len(sidecars)} metadata sidecar(s) ({failed} failed download(s) become error rows "
-                "with img2dataset's reason)")
+                f"with img2dataset's reason{broken})")
 
     # -- filter: per-shard sidecars and stats beside each tar written ------------------------
 
@@ -158,7 +181,7 @@ class Img2DatasetWebDataset(WebDatasetFormat):
     def on_kept(self, shard: str, sample: Sample) -> None:
         if self._index[0] != shard:
             sidecar = self.sidecar(shard)
-            table = parquet_file(sidecar).read() if sidecar is not None else None
+            table = _table(sidecar) if sidecar is not None else None
             column = self.sidecar_key()
             rows = {str(k): i for i, k in enumerate(table.column(column).to_pylist())} \
                 if table is not None and column in table.column_names else {}
@@ -191,7 +214,7 @@ class Img2DatasetWebDataset(WebDatasetFormat):
         target = tmp / self.output_name(shard)
         if sidecar is None:
             return
-        table = parquet_file(sidecar).read()
+        table = _table(sidecar)
         column = self.sidecar_key()
         if changed and "caption" in table.column_names and column in table.column_names:
             keys = [str(k) for k in table.column(column).to_pylist()]
@@ -229,19 +252,24 @@ class Img2DatasetParquet(ParquetFormat):
             local = [p for p in found.shards if is_local(p)]
             if not local or not {"jpg", "caption", "key", *STATUS_COLUMNS} <= _columns(local[0]):
                 return None
-        return Claim(cls.name, found.shards)
+        return Claim(cls.name, found.shards, why="the Parquet files have img2dataset's columns (jpg, caption, key, "
+                                                 "status, error_message)")
 
     def read(self, unit: str):
         return read_parquet_pairs(self.spec, unit, self.image_root(Unit.parse(unit).path), extra=STATUS_COLUMNS,
                                   row_error=lambda row: failure_reason(row.get("status"), row.get("error_message")))
 
     def describe_extra(self) -> str:
-        failed = 0
+        failed = unreadable = 0
         for shard in dict.fromkeys(self.spec.shards):
-            if is_local(shard) and "status" in _columns(shard):
-                status = parquet_file(shard).read(columns=["status"]).column("status")
-                failed += len(status) - pc.sum(pc.equal(status, SUCCESS)).as_py() if len(status) else 0
-        return f"{failed} failed download(s) become error rows with img2dataset's reason"
+            try:
+                if is_local(shard) and "status" in _columns(shard):
+                    status = _table(shard, ["status"]).column("status")
+                    failed += len(status) - pc.sum(pc.equal(status, SUCCESS)).as_py() if len(status) else 0
+            except UserError:
+                unreadable += 1
+        broken = f"; {unreadable} file(s) cannot be read: their units fail" if unreadable else ""
+        return f"{failed} failed download(s) become error rows with img2dataset's reason{broken}"
 
     def on_written(self, target: Path, rows: int) -> None:
         write_stats(target, parquet_file(str(target)).read(columns=["status"])

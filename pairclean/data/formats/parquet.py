@@ -59,7 +59,8 @@ class ParquetFormat(InputFormat):
     def claim(cls, files: list[str], forced: bool = False) -> Claim | None:
         parquets = [f for f in files if f.endswith(".parquet")]
         if forced or (parquets and len(parquets) == len(files)):
-            return Claim(cls.name, parquets)
+            return Claim(cls.name, parquets, why="every file is Parquet, without img2dataset's columns or "
+                                                 "Hugging Face datasets' metadata")
         return None
 
     # -- reading -----------------------------------------------------------------------------

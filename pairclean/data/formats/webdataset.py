@@ -57,7 +57,7 @@ class WebDatasetFormat(InputFormat):
     def claim(cls, files: list[str], forced: bool = False) -> Claim | None:
         tars = [f for f in files if is_tar(f)]
         if forced or (tars and len(tars) == len(files)):
-            return Claim(cls.name, tars)
+            return Claim(cls.name, tars, why="every file is a tar shard")
         return None
 
     # -- reading -----------------------------------------------------------------------------
