@@ -101,7 +101,7 @@ def test_beta_does_not_move_with_the_batch_size(tiny_estimator, coco_shards, tmp
         code, _, _ = run_cli(["score", coco_shards, "--out", out, "--model", "pairclean-tiny", "--pretrained", "none",
                               "--workers", "0", "--beta-k", "96", "--batch-size", batch, "--no-beta-cache"], capsys)
         assert code == 0
-        found[batch] = read_provenance(out)["beta"]
+        found[batch] = read_provenance(out).beta
     assert found["256"] == pytest.approx(found["24"], abs=1e-6)
 
 
