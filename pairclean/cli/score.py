@@ -19,6 +19,21 @@ RULE_HELP = "; ".join(f"{name}" + (f" ({', '.join(cls.OPTIONS)})" if cls.OPTIONS
                       for name, cls in REGISTRY.items() if name not in DEFAULT_RULES)
 
 
+SHORT_SOURCE = 12  # "computed", "cache", "resumed": longer sources go under the table, which they would widen
+
+
+def beta_source_line(result) -> str | None:
+    """Where beta came from, as a line under the summary table when it is too long for a cell."""
+    source = (result.summary.beta_source if result.summary else None) or ""
+    return None if result.already_complete or len(source) <= SHORT_SOURCE else f"beta: {source}"
+
+
+def print_summary(result) -> None:
+    print_table(console, summary_table(result))
+    if line := beta_source_line(result):
+        console.print(line, soft_wrap=True)
+
+
 def summary_table(result) -> Table:
     s = result.summary
     table = Table(title=f"pairclean score -> {result.out}", show_header=False)
@@ -42,7 +57,8 @@ def summary_table(result) -> Table:
         table.add_row("status", "already complete: nothing was scored")
     else:
         table.add_row("throughput", f"{result.pairs_per_second:,.1f} pairs/s" + (" (resumed run)" if result.resumed else ""))
-        table.add_row("time: beta / scoring", f"{s.beta_seconds:.1f} s ({s.beta_source}) / {s.scoring_seconds:.1f} s")
+        source = s.beta_source if len(s.beta_source or "") <= SHORT_SOURCE else "see below"
+        table.add_row("time: beta / scoring", f"{s.beta_seconds:.1f} s ({source}) / {s.scoring_seconds:.1f} s")
         if s.embeddings_dir:
             table.add_row("embeddings saved", f"{s.embeddings_saved:,} pairs, {s.embedding_bytes / 1e6:,.1f} MB "
                                               f"-> {s.embeddings_dir}")
@@ -58,10 +74,11 @@ def summary_table(result) -> Table:
 def score_command(
     source: options.Source,
     out: Path = typer.Option(..., "--out", "-o", help="Scores Parquet to write."),
-    model: Optional[str] = typer.Option(None, help="open_clip model name or pairclean tiny config (default ViT-B-32); "
-                                                   "sentence-transformers: name or local directory (default all-MiniLM-L6-v2)."),
-    backend: options.Backend = "open_clip",
-    pretrained: options.Pretrained = "openai",
+    model: Optional[str] = typer.Option(None, help="open_clip model name, hf-hub:ORG/REPO, or pairclean tiny config "
+                                                   "(default ViT-B-32); sentence-transformers: name or local directory "
+                                                   "(default all-MiniLM-L6-v2)."),
+    backend: options.Backend = "auto",
+    pretrained: options.Pretrained = None,
     dataset: options.DatasetOptions = options.GIVEN,
     device: options.Device = "auto",
     precision: options.Precision = "fp32",
@@ -99,7 +116,6 @@ def score_command(
     resume: bool = typer.Option(False, help="Continue an unfinished run, failing if there is none (re-running the same command resumes anyway)."),
 ) -> None:
     """Score every pair: cosine, cone bias beta, OSA weight, GMM p_clean -> Parquet."""
-    from pairclean.backends import check_backend, default_model
     from pairclean.ops.guard import open_output
     from pairclean.scoring.model import ScoreConfig, score
 
@@ -120,14 +136,13 @@ def score_command(
             beta_mode=beta_mode, beta=beta, random_embeddings=rand, weight_fn=weight_fn, seed=seed,
             gmm_sample=gmm_sample, rules=rules, max_error_share=max_error_share, overwrite=overwrite, resume=resume,
             progress=RichProgress(console)))
-        print_table(console, summary_table(result))
+        print_summary(result)
         return
     spec = dataset.spec(source)
     target = open_output(out, [*source, *spec.shards], "out", overwrite=None)  # the run adds the files it reads
     if save_embeddings is not None:  # against the names given too (score() checks it against the files it reads)
         open_output(save_embeddings, [*source, *spec.shards], "save_embeddings", kind="directory", overwrite=None)
-    backend = check_backend(backend)
-    cfg = ScoreConfig(model=model or default_model(backend), backend=backend, pretrained=pretrained,
+    cfg = ScoreConfig(model=model, backend=backend, pretrained=pretrained,
                       device=device, precision=precision, decode=decode,
                       batch_size=batch_size, workers=workers, beta_mode=beta_mode, beta=beta, beta_k=beta_k,
                       weight_fn=weight_fn, seed=seed, gmm_sample=gmm_sample, rules=rules,
@@ -137,4 +152,4 @@ def score_command(
     announce(spec)
     result = score(spec, target, cfg)
     if result.summary:  # under torchrun only rank 0 finalizes and reports
-        print_table(console, summary_table(result))
+        print_summary(result)

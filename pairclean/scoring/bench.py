@@ -520,6 +520,7 @@ def bench_score(source: str | list[str] | DatasetSpec, cfg: ScoreConfig, naive_p
     """Measure (a), (b), (c), (d) `repeat` times, interleaved, with one estimator; `pipeline_only`:
     (d) alone (no model arithmetic: quick on any machine)."""
     spec = source if isinstance(source, DatasetSpec) else open_dataset(source)
+    cfg = cfg.resolved(spec.pair)
     if cfg.precision == "auto":
         cfg = replace(cfg, precision=resolve_precision(cfg.device, "auto"))
     if estimator is None:

@@ -48,7 +48,7 @@ from pairclean.train.logs import DiagnosticsWriter, MetricsLog
 @dataclass
 class TrainConfig:
     model: str = "ViT-B-32"  # open_clip name (or pairclean tiny config), or a sentence-transformers dir/name
-    pretrained: str = "openai"  # open_clip: tag, checkpoint path, or "none" (random init)
+    pretrained: str | None = None  # open_clip: tag, checkpoint path, or "none" (random init); None: the model's own
     backend: str = "auto"  # auto | open_clip | sentence-transformers
     device: str = unpinned("auto")
     precision: str = "fp32"  # fp32 | bf16 (autocast) | fp16 (CUDA, with a grad scaler)
@@ -162,9 +162,7 @@ def _prepare_run_dir(out: Path, cfg: TrainConfig) -> bool:
             raise ConfigError(f"{out} holds a run: set resume to continue it or overwrite to start over", "resume",
                               "overwrite")
         shutil.rmtree(out)  # overwrite, or resume of a run that never finished an epoch
-    if not out.parent.exists():
-        raise UserError(f"directory {out.parent} does not exist")
-    out.mkdir(exist_ok=True)
+    out.mkdir(parents=True, exist_ok=True)
     return False
 
 
@@ -188,7 +186,7 @@ def train(source: str | list[str] | DatasetSpec, out: str | Path | Output, confi
     method = build_method(cfg.method, cfg.method_options)
     pretrained = [cfg.pretrained] if cfg.pretrained and os.path.isfile(cfg.pretrained) else []
     out = open_output(out, [*spec.shards, *(val_spec.shards if val_spec else []), *method.input_files(), *pretrained],
-                      "out", kind="directory", overwrite=None).path
+                      "out", kind="directory", overwrite=None, parents=True).path
     resuming = distributed.on_main(lambda: _prepare_run_dir(out, cfg))  # rank 0 owns the run directory
     settings = _settings(cfg, spec, val_spec)
     state = None
@@ -205,7 +203,7 @@ def train(source: str | list[str] | DatasetSpec, out: str | Path | Output, confi
     torch.manual_seed(cfg.seed)
     np.random.seed(cfg.seed)
     random.seed(cfg.seed)
-    target = load_target(cfg.model, cfg.pretrained, backend=cfg.backend,
+    target = load_target(cfg.model, cfg.pretrained, backend=cfg.backend, needed=modalities(spec.pair),
                          device=distributed.default_device_for_rank(cfg.device), temperature=cfg.temperature)
     check_backend(target.backend, modalities(spec.pair))
     autocast_context(target.device, cfg.precision)  # refuses fp16 without CUDA before any work

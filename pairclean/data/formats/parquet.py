@@ -17,7 +17,7 @@ import pyarrow.parquet as pq
 
 from pairclean.data.formats.base import (Claim, InputFormat, KeptRows, NextCaption, Written, changed, check_key,
                                          register_format)
-from pairclean.data.reader import parquet_file, parquet_keys, parquet_row_groups, read_parquet_pairs
+from pairclean.data.reader import parquet_file, parquet_keys, parquet_row_groups, positional_key, read_parquet_pairs
 from pairclean.data.units import Unit
 from pairclean.errors import UserError
 
@@ -74,6 +74,17 @@ class ParquetFormat(InputFormat):
 
     def units(self) -> list[str]:
         return parquet_row_groups(self.spec.shards)
+
+    def describe_key(self) -> str:
+        """The key column, or, when the first file has none, the file/row keys the rows then get."""
+        key, shards = self.spec.fields.key, self.spec.shards
+        try:
+            present = not shards or not key or key in parquet_file(shards[0]).schema_arrow.names
+        except Exception:  # unreadable: the run says why when it reaches the file
+            present = True
+        if present:
+            return super().describe_key()
+        return f"file/row ({positional_key(shards[0], 0)}, {positional_key(shards[0], 1)}, ...: no {key!r} column)"
 
     def count(self, unit: str) -> int:
         parsed = Unit.parse(unit)
