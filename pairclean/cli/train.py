@@ -161,7 +161,8 @@ def list_method_options(ctx: typer.Context, param: typer.CallbackParam, value):
     epochs, named = seen["epochs"], seen["method"]
     given = dict(item.split("=", 1) for item in requested if "=" in item)
     table = Table(title="pairclean train --method NAME --method-option key=value")
-    for column in ("method", "what it does", "options (default)", "shortcut flags", f"schedule at --epochs {epochs}"):
+    for column in ("method", "what it does", "when it pays (measured)", "options (default)", "shortcut flags",
+                   f"schedule at --epochs {epochs}"):
         table.add_column(column)
     for name, cls in sorted(METHODS.items()):
         if named is not None and name != named:
@@ -173,7 +174,7 @@ def list_method_options(ctx: typer.Context, param: typer.CallbackParam, value):
             with train_wording(name):
                 schedule = build_method(name, given if name == named else {}).schedule(epochs)
         shown = ", ".join(f"{k}={v}" for k, v in schedule.items()) or "-"
-        table.add_row(name, (cls.__doc__ or "").strip().splitlines()[0], options, flags, shown)
+        table.add_row(name, (cls.__doc__ or "").strip().splitlines()[0], cls.pays or "-", options, flags, shown)
     print_table(console, table)
     raise typer.Exit()
 

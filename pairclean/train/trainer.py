@@ -9,6 +9,7 @@ order depends only on seed and epoch) and the same RNG streams, so it ends with 
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import random
@@ -243,13 +244,18 @@ def train(source: str | list[str] | DatasetSpec, out: str | Path | Output, confi
     for epoch in range(loop.done_epochs + 1, cfg.epochs + 1):
         dataset.set_epoch(epoch)
         method.on_epoch_start(epoch, ctx)  # may rewrite the weight arrays this epoch reads (its bar counts them)
-        loader = DataLoader(dataset, batch_size=None, num_workers=workers,
-                            pin_memory=target.device.type == "cuda", worker_init_fn=steady_worker_memory,
-                            generator=torch.Generator().manual_seed(cfg.seed * 1000 + epoch))
+
+        def loader(repeat: int = 0, epoch: int = epoch) -> DataLoader:
+            """The epoch's pass over its pairs; repeat > 0: a further pass, in an order of its own."""
+            dataset.set_epoch(epoch, repeat)
+            return DataLoader(dataset, batch_size=None, num_workers=workers,
+                              pin_memory=target.device.type == "cuda", worker_init_fn=steady_worker_memory,
+                              generator=torch.Generator().manual_seed(cfg.seed * 1000 + epoch))
         chosen = method.epoch_pairs()  # a method that picks this epoch's pairs re-plans the schedule to them
-        steps = loop.replan(epoch, chosen) if chosen is not None else steps_in(epoch, dataset.kept_pairs(spans))
+        span = method.epoch_span() if chosen is not None else None  # ... and may ask them to fill a longer epoch
+        steps = loop.replan(epoch, span or chosen) if chosen is not None else steps_in(epoch, dataset.kept_pairs(spans))
         with progress.task(f"epoch {epoch}", total=steps, loss=0.0, lr=0.0, rate=0.0) as task:
-            record = loop.run_epoch(epoch, loader, task)
+            record = loop.run_epoch(epoch, _Passes(loader, steps if span else None), task)
         if val_spec is not None and distributed.is_main():
             val_metrics = evaluate_target(JointTarget([target, *method.extra_networks().values()]), val_spec,
                                           cfg.val_batch_size, workers, autocast_context(target.device, cfg.precision))
@@ -260,6 +266,26 @@ def train(source: str | list[str] | DatasetSpec, out: str | Path | Output, confi
     return TrainResult(out, loop.history, loop.best_epoch, loop.best_rsum, best_model,
                        model_path(out, epoch_model_name(cfg.epochs), target.backend), resumed_from,
                        time.perf_counter() - started)
+
+
+class _Passes:
+    """An epoch's batches: one pass of the loader, or, with `steps`, as many passes (each in an order of its
+    own) as the loop needs to take `steps` steps: a method's chosen pairs re-read to fill an epoch as long as a
+    pass over more pairs (`Method.epoch_span`). Stops when a pass has no batch of two pairs."""
+
+    def __init__(self, loader, steps: int | None = None):
+        self.loader, self.steps = loader, steps
+
+    def __iter__(self):
+        repeat = 0
+        while True:
+            usable = False
+            for batch in self.loader(repeat):
+                usable = usable or len(batch["key"]) >= 2
+                yield batch
+            if self.steps is None or not usable:
+                return
+            repeat += 1
 
 
 class _Towers(torch.nn.Module):
@@ -372,13 +398,13 @@ class _Loop:
         self.step += 1
         return out
 
-    def _batches(self, loader, totals: dict, failures: list):
-        """The epoch's usable batches. Under torch.distributed every rank takes a step only while
-        every rank has a full local batch (DDP needs the same steps everywhere); a rank's partial
-        batches are left out and counted as dropped."""
+    def _batches(self, loader: _Passes, totals: dict, failures: list):
+        """The epoch's usable batches (at most `loader.steps`). Under torch.distributed every rank takes a
+        step only while every rank has a full local batch (DDP needs the same steps everywhere); a rank's
+        partial batches are left out and counted as dropped."""
         full = self.cfg.batch_size // distributed.world_size()
         it = iter(loader)
-        while True:
+        for _ in (range(loader.steps) if loader.steps is not None else itertools.count()):
             batch = next(it, None)
             while batch is not None:
                 stats = batch["stats"]
@@ -415,7 +441,7 @@ class _Loop:
         elapsed = time.perf_counter() - epoch_start
         task.update(advance=1, loss=loss, lr=done.lr, rate=totals["pairs"] / elapsed if elapsed else 0.0)
 
-    def run_epoch(self, epoch: int, loader, task) -> dict:
+    def run_epoch(self, epoch: int, loader: _Passes, task) -> dict:
         """One pass over the training data; returns the epoch's metrics record so far."""
         cfg = self.cfg
         if cfg.diagnostics:
