@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import sys
 import time
@@ -45,6 +46,7 @@ from pairclean.train.retrieval import evaluate_retrieval
 from pairclean.lab.synth.estimator import TOY_MODEL, EstimatorRecipe
 from pairclean.lab.synth.world import build_world
 from pairclean.train import TrainConfig, train
+from pairclean.train.checkpoint import BEST, STATE_FILE, epoch_model_name
 
 console = Console(width=150)
 
@@ -64,13 +66,44 @@ def show(title: str, columns: list[str], rows: list[list], out: Path, name: str,
     write_json(out / f"{name}.json", {"title": title, "columns": columns, "rows": rows, **extra})
 
 
-def run_row(name: str, data: Path, out: Path, cfg: TrainConfig, val: Path) -> dict:
-    """One table row: train (or pick up a finished run: resume=True returns its record) and summarise."""
-    result = train(str(data), out, cfg, val=str(val))
-    last = result.epochs[-1]
-    row = {"run": name, "rsum": last["val_rsum"], "best_rsum": result.best_rsum, "i2t_r1": last["val_i2t_r1"],
-           "t2i_r1": last["val_t2i_r1"], "epochs": len(result.epochs),
-           "minutes": sum(r["seconds"] for r in result.epochs) / 60}
+ROW_FILE = "row.json"  # a finished row's record, written beside the run once its checkpoints are pruned
+VALIDATE = ("epochs", "last")
+
+
+def prune_checkpoints(run_dir: Path, epochs: int) -> None:
+    """Keep only the last epoch's model(s) of a finished run: state.pt (the model, its optimiser and a peer's:
+    ~0.3-1 GB for MiniLM), model-best and the earlier epochs' exports go (a table of 50 runs filled the disk)."""
+    last = epoch_model_name(epochs)
+    for path in run_dir.iterdir():
+        stale = path.name == STATE_FILE or path.name.startswith(BEST) or (
+            path.name.startswith("model-epoch-") and not path.name.startswith(last))
+        if stale:
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
+
+
+def run_row(name: str, data: Path, out: Path, cfg: TrainConfig, val: Path, validate: str = "epochs") -> dict:
+    """One table row: train, evaluate, record (OUT/row.json), keep only the last checkpoint; a row already
+    recorded is read back, a run killed before its end resumes. `validate`: after every epoch (the trainer's
+    validation; per-epoch rSum, best epoch) or once on the last model (saves an evaluation per epoch; the
+    trainer's DataLoaders then draw the global RNG in another order, so a run is not bit-identical to the
+    same run validated every epoch)."""
+    record = out / ROW_FILE
+    if record.is_file():
+        row = json.loads(record.read_text())
+    else:
+        result = train(str(data), out, cfg, val=str(val) if validate == "epochs" else None)
+        last = dict(result.epochs[-1])
+        if validate == "last":
+            last.update({f"val_{k}": v for k, v in evaluate_retrieval(out, str(val), batch_size=cfg.val_batch_size,
+                                                                      workers=cfg.workers).items()})
+        row = {"run": name, "rsum": last["val_rsum"], "best_rsum": result.best_rsum or last["val_rsum"],
+               "i2t_r1": last["val_i2t_r1"], "t2i_r1": last["val_t2i_r1"], "epochs": len(result.epochs),
+               "minutes": sum(r["seconds"] for r in result.epochs) / 60, "validate": validate,
+               "train_loss": [r["train_loss"] for r in result.epochs], "steps": [r["steps"] for r in result.epochs],
+               "val_rsum_per_epoch": [r.get("val_rsum") for r in result.epochs]}
+        write_json(record, row)
+        prune_checkpoints(out, cfg.epochs)
+    row["run"] = name
     console.print(f"{name}: rSum {row['rsum']:.1f} (best {row['best_rsum']:.1f}), {row['minutes']:.1f} min")
     return row
 
@@ -301,16 +334,18 @@ def partition_summary(run: Path, truth: Path, kind: str) -> dict:
 
 
 def run_methods(out: Path, rows: list[MethodRow], chosen: list[int], seeds: list[int], make_cfg, clean: Path,
-                noisy: Path, val: Path, truth: Path) -> dict[str, list[dict]]:
-    """Train (or pick up) every chosen row at every seed into out/seed-S/run-I; the partition summaries."""
+                noisy: Path, val: Path, truth: Path, validate: str = "epochs", place=None) -> dict[str, list[dict]]:
+    """Train (or pick up) every chosen row at every seed into out/seed-S/run-I, or where `place(i, row, seed)`
+    puts it (a run another table shares: the clean-data row of every noise kind, an ablation's defaults row);
+    the partition summaries."""
     results: dict[str, list[dict]] = {}
     for seed in seeds:
         for i in chosen:
             row = rows[i]
-            run_dir = out / f"seed-{seed}" / f"run-{i}"
+            run_dir = (place and place(i, row, seed)) or out / f"seed-{seed}" / f"run-{i}"
             run_dir.parent.mkdir(parents=True, exist_ok=True)
             record = run_row(f"{row.label} (seed {seed})", clean if row.on_clean else noisy, run_dir,
-                             make_cfg(seed, row.settings), val)
+                             make_cfg(seed, row.settings), val, validate)
             if row.partition:
                 record["partition"] = partition_summary(run_dir, truth, row.partition)
                 shown = {k: v for k, v in record["partition"].items() if k != "counts"}
@@ -364,7 +399,12 @@ def detection_reference(det: dict) -> list:
 
 
 def noise_copy(args) -> tuple[str, str, object]:
-    """The noisy copy's directory name, its label and the function that writes it (shuffle, or mixed)."""
+    """The noisy copy's directory name, its label and the function that writes it: shuffle (--noise), weak
+    (--weak-noise with --noise 0: `pairclean corrupt --mode weak`, about 30% of a caption's words replaced by
+    random words of the captions' vocabulary), or mixed (both)."""
+    if args.weak_noise and not args.noise:
+        return (f"noisy-weak-{args.weak_noise:g}", f"{args.weak_noise:.0%} weak",
+                lambda clean, noisy: corrupt(str(clean), noisy, args.weak_noise, seed=0, mode="weak"))
     if args.weak_noise:
         label = f"{args.weak_noise:.0%} weak + {args.noise:.0%} shuffle"
         return (f"noisy-{args.noise:g}-weak-{args.weak_noise:g}", label,
@@ -455,6 +495,26 @@ ABLATIONS = {
 }
 
 
+# Issue 35 (COCO captions: a strong pre-trained encoder, a 2-epoch fine-tune): why a method gains little there, one
+# change a row: the update count, the batch source, the partition's thresholds and what trains on each part, the
+# temperature. `coco-text --ablation M` and `ablation --method M --variants one-change` (the toy world).
+ONE_CHANGE = {
+    "sps": [("defaults", {}),
+            ("as many iterations as plain training (the reliable pairs re-read)", {"epoch": "all"}),
+            ("the rows of one batch of every pair", {"batches": "rows"}),
+            ("more reliable pairs: every p > 0.5 (eps1 = eps2)", {"eps1": "0.5"}),
+            ("fewer reliable pairs: p > 0.9", {"eps1": "0.9"}),
+            ("no stable-space constraints", {"lambda_cro": "0", "lambda_met": "0"}),
+            ("reliable pairs only (no quasi-clean or proxy steps)", {"e_qc": "99", "e_n": "99"})],
+    "diffncl": [("defaults", {}),
+                ("as many steps as plain training (the clean pairs re-read)", {"epoch": "all"}),
+                ("the rows of one batch of every pair", {"loops": "rows"}),
+                ("one pass over the weak pairs per epoch (Algorithm 1)", {"weak_loop": "once"}),
+                ("weak pairs not trained (the consensus's clean pairs only)", {"weak_loop": "none"}),
+                ("temperature = the run's", {"temperature": "none"})],
+}
+
+
 def ablation_table(args) -> None:
     """One method's variants (ABLATIONS) on the methods table's toy world, over --seeds: what each change does
     alone and together. Runs live in OUT/ablation-METHOD; the data is the methods table's (same --out)."""
@@ -462,28 +522,51 @@ def ablation_table(args) -> None:
     name, noise, make = noise_copy(args)
     world = toy_data(args, out, name, make)
     init = str(world.estimator) if args.init == "estimator" else "none"
-    variants = ABLATIONS[args.method]
-    rows = [MethodRow(f"{args.method}-{i}", label, False, {"method": args.method, "method_options": options},
-                      args.method) for i, (label, options) in enumerate(variants)]
+    variants = (ABLATIONS if args.variants == "repairs" else ONE_CHANGE)[args.method]
+    rows = ablation_rows(args.method, variants)
     chosen, seeds = chosen_rows(args.rows, rows), [int(x) for x in args.seeds.split(",")]
 
     def make_cfg(seed: int, settings: dict) -> TrainConfig:
         args.seed = seed
         return toy_cfg(args, init, **settings)
 
-    results = run_methods(out / f"ablation-{args.method}", rows, chosen, seeds, make_cfg, world.clean, world.noisy,
-                          world.val, world.truth)
+    where = out / (f"ablation-{args.method}" + ("" if args.variants == "repairs" else f"-{args.variants}"))
+    results = run_methods(where, rows, chosen, seeds, make_cfg, world.clean, world.noisy, world.val, world.truth)
+    show_ablation(f"{args.method} ablation ({args.variants}), toy world {args.pairs} pairs, {noise} noise, seeds "
+                  f"{args.seeds}", args, variants, rows, chosen, results, where)
+
+
+def ablation_rows(method: str, variants: list[tuple[str, dict]]) -> list[MethodRow]:
+    """One row per variant: the method with the variant's options (strings, as --method-option passes them);
+    a `method` key in the options names another method (a row of reference, e.g. the oracle filter)."""
+    rows = []
+    for i, (label, options) in enumerate(variants):
+        options = dict(options)
+        name = options.pop("method", method)
+        rows.append(MethodRow(f"{method}-{i}", label, False, {"method": name, "method_options": options},
+                              name if name in FLAGGED else None))
+    return rows
+
+
+def show_ablation(title: str, args, variants: list, rows: list[MethodRow], chosen: list[int], results: dict,
+                  out: Path) -> None:
+    """The ablation table: per variant its options, rSum (mean ± half-range and per seed), the partition's
+    accuracy and what it trains on (the last epoch's steps)."""
     table = []
     for i in chosen:
         runs = results[rows[i].key]
-        parts = [r["partition"] for r in runs]
-        second = f" ({spread([p['second_reading']['accuracy'] for p in parts])})" if "second_reading" in parts[0] else ""
+        parts = [r.get("partition") or {} for r in runs]
+        accuracy = "-"
+        if all("accuracy" in p for p in parts):
+            second = f" ({spread([p['second_reading']['accuracy'] for p in parts])})" if "second_reading" in parts[0] \
+                else ""
+            accuracy = spread([p["accuracy"] for p in parts]) + second
+        steps = " / ".join(str(r["steps"][-1]) for r in runs) if all("steps" in r for r in runs) else "-"
         table.append([rows[i].label, " ".join(f"{k}={v}" for k, v in variants[i][1].items()) or "-",
-                      spread([r["rsum"] for r in runs]), " / ".join(f"{r['rsum']:.1f}" for r in runs),
-                      spread([p["accuracy"] for p in parts]) + second])
-    show(f"{args.method} ablation, toy world {args.pairs} pairs, {noise} noise, seeds {args.seeds}",
-         ["variant", "options", "rSum", "rSum per seed", "partition accuracy %"], table, out / f"ablation-{args.method}",
-         f"table-ablation-{args.method}" + (f"-rows-{'-'.join(map(str, chosen))}" if args.rows else ""),
+                      spread([r["rsum"] for r in runs]), " / ".join(f"{r['rsum']:.1f}" for r in runs), accuracy, steps])
+    method = rows[0].key.rsplit("-", 1)[0]
+    show(title, ["variant", "options", "rSum", "rSum per seed", "partition accuracy %", "steps (last epoch)"], table,
+         out, f"table-ablation-{method}" + (f"-rows-{'-'.join(map(str, chosen))}" if args.rows else ""),
          {"runs": results, "variants": variants, "args": vars(args)})
 
 
@@ -540,11 +623,28 @@ def coco_text(args) -> None:
 
     title = (f"COCO captions text-text: {args.model}, {args.pairs} train pairs, {args.val_images} held-out images x 4 "
              f"captions, {noise} noise, {args.epochs} epoch(s)")
+    seeds = [int(x) for x in args.seeds.split(",")]
+    table_rows = method_rows(scores, oracle_scores(scores, truth, out / f"scores-with-truth-{name}.parquet"),
+                             *method_options(args))
+    if args.ablation:
+        variants = ONE_CHANGE[args.ablation]
+        rows = ablation_rows(args.ablation, variants)
+        chosen = chosen_rows(args.rows, rows)
+        in_table = [r.key for r in table_rows].index(args.ablation)
+
+        def place(i: int, row: MethodRow, seed: int) -> Path | None:  # the defaults row is the methods table's run
+            return out / name / f"seed-{seed}" / f"run-{in_table}" if not variants[i][1] else None
+
+        results = run_methods(out / name / f"ablation-{args.ablation}", rows, chosen, seeds, make_cfg, clean,
+                              noisy / "manifest.yaml", val, truth, args.validate, place)
+        show_ablation(f"{args.ablation} ablation, {title}, seeds {args.seeds}", args, variants, rows, chosen, results,
+                      out / name / f"ablation-{args.ablation}")
+        return
     if args.methods:
-        rows = method_rows(scores, oracle_scores(scores, truth, out / f"scores-with-truth-{name}.parquet"),
-                           *method_options(args))
-        chosen, seeds = chosen_rows(args.rows, rows), [int(x) for x in args.seeds.split(",")]
-        results = run_methods(out / name, rows, chosen, seeds, make_cfg, clean, noisy / "manifest.yaml", val, truth)
+        rows, chosen = table_rows, chosen_rows(args.rows, table_rows)
+        results = run_methods(out / name, rows, chosen, seeds, make_cfg, clean, noisy / "manifest.yaml", val, truth,
+                              args.validate, lambda i, row, seed: out / "clean" / f"seed-{seed}" / f"run-{i}"
+                              if row.on_clean else None)
         table = [["zero-shot (no training)", f"{zero_shot['rsum']:.1f}", "-", "-", "-", "-", "-", "0"]]
         table += methods_rows(rows, chosen, results) + [detection_reference(detection)]
         show(f"{title}; mean ± half-range over seeds {args.seeds}", METHOD_COLUMNS, table, out / name,
@@ -710,6 +810,9 @@ def main(argv: list[str] | None = None) -> None:
                   warmup_steps=20, temperature=0.02, init="estimator")
     method_arguments(ab, seeds="0")
     ab.add_argument("--method", required=True, choices=sorted(ABLATIONS))
+    ab.add_argument("--variants", choices=("repairs", "one-change"), default="repairs",
+                    help="repairs: issue 26's changes, each alone and each left out; one-change: issue 35's rows "
+                         "(update count, batch source, partition thresholds, weak loop, temperature; sps, diffncl)")
     ct = sub.add_parser("coco-text", help="COCO captions text-text table (all-MiniLM-L6-v2)")
     ct.add_argument("--out", required=True)
     ct.add_argument("--captions", default=str(Path(__file__).resolve().parents[2] / "shared" / "data" / "coco-captions"
@@ -724,7 +827,12 @@ def main(argv: list[str] | None = None) -> None:
     ct.add_argument("--workers", type=int, default=1)
     ct.add_argument("--model", default="all-MiniLM-L6-v2")
     ct.add_argument("--methods", action="store_true", help="the methods table: every row (or --rows) over --seeds")
-    ct.add_argument("--rows", help="with --methods: only these rows (indices or keys, comma-separated)")
+    ct.add_argument("--rows", help="with --methods or --ablation: only these rows (indices or keys, comma-separated)")
+    ct.add_argument("--ablation", choices=sorted(ONE_CHANGE),
+                    help="one method's variants on this data, one change a row (runs in OUT/NOISE/ablation-METHOD)")
+    ct.add_argument("--validate", choices=VALIDATE, default="last",
+                    help="evaluate retrieval after every epoch, or once on the last model (default: saves an "
+                         "evaluation of 5,000 captions per epoch)")
     method_arguments(ct, seeds="0")
     args = parser.parse_args(argv)
     for name in ("temperature", "estimator_temperature"):

@@ -148,3 +148,16 @@ def test_estimated_shares_stay_within_0_and_100_percent(tmp_path):
     assert max(r.clean_kept for r in sweep.rows) == 1.0  # (0.85 - 0.3 x 0.01) / 0.7 = 1.21 before
     for row in sweep.rows:
         assert all(0.0 <= v <= 1.0 for v in (row.null_above, row.kept, row.precision, row.clean_kept, row.noise_caught))
+
+
+def test_evaluate_detection_replaces_its_metrics_only_with_overwrite(abstaining, capsys):
+    """README: an existing output is replaced only with --overwrite. Before: SCORES.detection.json
+    was replaced by every run."""
+    scores, truth, _ = abstaining
+    metrics = scores.with_name("s.detection.json")
+    assert run_cli(["evaluate", "detection", scores, "--truth", truth], capsys)[0] == 0
+    metrics.write_text("{}")  # an earlier result, kept by a run without --overwrite
+    code, _, err = run_cli(["evaluate", "detection", scores, "--truth", truth], capsys)
+    assert code == 2 and "exists; pass --overwrite to replace it" in err and metrics.read_text() == "{}"
+    code, _, err = run_cli(["evaluate", "detection", scores, "--truth", truth, "--overwrite"], capsys)
+    assert code == 0 and json.loads(metrics.read_text())["rules"]

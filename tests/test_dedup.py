@@ -303,3 +303,12 @@ def test_datacomp_npz_gives_the_rows_of_the_same_vectors_and_parquet_is_refused(
                            capsys)
     assert code == 2 and "parquet-embeddings" in err and "by position" in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "p.parquet").exists()
+
+
+def test_a_scores_file_given_for_the_embeddings_points_at_save_embeddings(coco_scores, tmp_path, capsys):
+    """Before: "has no column 'left_emb' (...); name the columns with --left-emb-field ..."."""
+    code, _, err = run_cli(["dedup", coco_scores, "--out", tmp_path / "d.parquet"], capsys)
+    assert code == 2 and err.strip() == (
+        f"error: {coco_scores} is a scores file: dedup reads the embeddings a scoring run saved. Score with "
+        f"`pairclean score ... --save-embeddings emb/`, then `pairclean dedup emb/ --scores {coco_scores} "
+        "--out dedup.parquet`")

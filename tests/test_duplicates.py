@@ -140,5 +140,6 @@ def test_metrics_on_a_case_counted_by_hand(tmp_path, capsys):
     assert content["precision"] == 100.0 and content["correct_pairs"] == 2
     code, out, err = run_cli(["evaluate", "dedup", dedup, "--truth", truth, "--side", "both"], capsys)
     assert code == 0 and "resize" in out and (tmp_path / "dedup.evaluation.json").is_file()
-    code, _, err = run_cli(["evaluate", "dedup", dedup, "--truth", noise], capsys)
+    # --overwrite: the run above wrote dedup.evaluation.json, which is replaced only when asked
+    code, _, err = run_cli(["evaluate", "dedup", dedup, "--truth", noise, "--overwrite"], capsys)
     assert code == 2 and "not a duplicates truth" in err

@@ -206,3 +206,13 @@ def test_parquet_in_parquet_out_rows_equal_the_query(tmp_path, parquet_scored):
     dry = filter_dataset(open_dataset(str(path)), scores, out, where=["sim >= (SELECT median(sim) FROM scores)"],
                          dry_run=True)
     assert dry.bytes_estimated and 0 < dry.kept_bytes < dry.total_bytes
+
+
+def test_a_scores_file_that_is_not_there_is_not_found(tmp_path, capsys):
+    """Before: "give the scores file alone (...), or the shards with --scores scores.parquet"."""
+    code, _, err = run_cli(["filter", tmp_path / "nothere.parquet", "--where", "NOT gmm_noisy", "--out",
+                            tmp_path / "kept"], capsys)
+    assert code == 2 and err.strip() == f"error: scores file not found: {tmp_path / 'nothere.parquet'}"
+    code, _, err = run_cli(["filter", tmp_path / "nothere", "--scores", tmp_path / "nothere.parquet", "--out",
+                            tmp_path / "kept"], capsys)
+    assert code == 2 and "not found" in err and not (tmp_path / "kept").exists()

@@ -69,6 +69,10 @@ def test_from_embeddings_scores_them_again_without_a_model(saved, tmp_path, caps
     code, printed, err = run_cli(["score", emb, "--from-embeddings", "--out", again, "--rule", "top-fraction:keep=0.5"],
                                  capsys)
     assert code == 0, err
+    # The long beta source goes under the summary table instead of padding it (before: ~200 columns).
+    summary = printed[printed.index("pairclean score ->"):].splitlines()
+    assert max(len(line) for line in summary[:-1]) < 120 and summary[-1].startswith("beta: recorded with the embeddings")
+    assert any(line.startswith("time: beta / scoring") and "(see below)" in line for line in summary)
     first = {(r["shard"], r["index"]): r for r in pq.read_table(out).to_pylist() if r["error"] is None}
     second = {(r["shard"], r["index"]): r for r in pq.read_table(again).to_pylist()}
     assert first.keys() == second.keys()  # the dataset's identity, so truth and the first scores join

@@ -177,3 +177,17 @@ def test_shards_smaller_than_half_a_batch_are_pointed_out(coco_src, fast_config,
     err = capsys.readouterr().err
     assert "warning: the shards hold 3 pairs on average" in err and "of --batch-size 32" in err
     assert "WARNING:pairclean" not in err and logging.getLogger("pairclean").propagate  # the CLI's, and only while it runs
+
+
+def test_the_start_up_line_names_the_keys_a_parquet_without_a_key_column_gets(coco_src, tmp_path, capsys):
+    """Before: `key=key` announced, while the rows became data/0, data/1, ..."""
+    from helpers import run_cli
+
+    records = [json.loads(line) for line in (coco_src / "pairs.jsonl").read_text().splitlines()][:4]
+    pq.write_table(pa.table({"image": [(coco_src / r["image"]).read_bytes() for r in records],
+                             "caption": [r["captions"][0] for r in records]}), tmp_path / "data.parquet")
+    code, out, err = run_cli(["score", tmp_path / "data.parquet", "--out", tmp_path / "s.parquet", "--model",
+                              "pairclean-tiny", "--pretrained", "none", "--beta-k", "16", "--workers", "0"], capsys)
+    assert code == 0, err
+    assert "key=file/row (data/0, data/1, ...: no 'key' column)" in out.splitlines()[0]
+    assert pq.read_table(tmp_path / "s.parquet").column("key").to_pylist() == ["data/0", "data/1", "data/2", "data/3"]

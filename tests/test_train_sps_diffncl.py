@@ -204,6 +204,8 @@ def test_three_way_partition_and_the_percentile_rule():
     ("diffncl", {"steps": "0"}, "steps must be at least 1"),  # declared once (config.setting), issue 25
     ("diffncl", {"zeta": "-1"}, "zeta must be above 0"),
     ("diffncl", {"cross_weight": "-0.5"}, "cross_weight must be at least 0"),
+    ("diffncl", {"weak_loop": "twice"}, "weak_loop"),
+    ("sps", {"epoch": "clean"}, "epoch"),
 ])
 def test_bad_options_are_user_errors(name, options, message):
     with pytest.raises(UserError, match=message):
@@ -310,6 +312,46 @@ def test_an_epoch_after_the_warm_up_is_one_pass_over_the_pairs_that_drive_it(met
     assert result.epochs[1]["pairs"] == result.epochs[1][count] < 16
     steps = pq.read_table(tmp_path / "run" / "diagnostics" / "epoch-002.parquet").to_pylist()
     assert {r["partition_code"] for r in steps} == {0.0}  # RELIABLE / CLEAN
+
+
+@pytest.mark.parametrize("method, count", [("sps", "sps_reliable"), ("diffncl", "diffncl_clean")])
+def test_epoch_all_re_reads_the_chosen_pairs_for_as_many_steps_as_plain_training(method, count, tmp_path,
+                                                                                   mixed_noise):
+    """epoch=all: the pairs that drive an epoch are read again, in a new order, until the epoch has as many
+    steps as a pass over every pair (16 pairs, batch 8: 2 steps), and only they are read."""
+    options = {**SHORT[method], "epoch": "all"}
+    result = train(str(mixed_noise.manifest), tmp_path / "run", _config(method, epochs=2, method_options=options))
+    assert result.epochs[1][count] < 8 and result.epochs[1]["steps"] == result.epochs[0]["steps"] == 2
+    steps = pq.read_table(tmp_path / "run" / "diagnostics" / "epoch-002.parquet").to_pylist()
+    assert len(steps) > result.epochs[1][count] and {r["partition_code"] for r in steps} == {0.0}
+    run = json.loads((tmp_path / "run" / "run.json").read_text())
+    assert run["method"]["epoch"] == "all"
+
+
+@pytest.mark.parametrize("weak_loop", ["cycle", "once", "none"])
+def test_diffncl_weak_loop_cycles_passes_once_or_not_at_all(weak_loop, tmp_path, mixed_noise, monkeypatch):
+    """The weak pairs' steps per network: one after every clean batch (cycle), one pass over them (once,
+    Algorithm 1), or none. The consensus keeps two pairs weak (one batch), the others it called weak are
+    noisy; epoch=all gives the epoch 2 clean steps."""
+    from pairclean.train.methods import diffncl as diffncl_module
+
+    real_consensus, real_loss, calls = diffncl_module.consensus, diffncl_module.Diffncl._weak_loss, []
+
+    def two_weak(labels_a, labels_b):
+        out = real_consensus(labels_a, labels_b)
+        out[np.flatnonzero(out == WEAK)[2:]] = diffncl_module.NOISY
+        return out
+
+    def counted(self, left, right, net, denoiser):
+        calls.append(len(left))
+        return real_loss(self, left, right, net, denoiser)
+
+    monkeypatch.setattr(diffncl_module, "consensus", two_weak)
+    monkeypatch.setattr(diffncl_module.Diffncl, "_weak_loss", counted)
+    options = {**SHORT["diffncl"], "weak_loop": weak_loop, "epoch": "all"}
+    result = train(str(mixed_noise.manifest), tmp_path / "run", _config("diffncl", epochs=2, method_options=options))
+    assert result.epochs[1]["diffncl_weak"] == 2 and result.epochs[1]["steps"] == 2
+    assert calls == {"cycle": [2] * 4, "once": [2, 2], "none": []}[weak_loop]  # both networks
 
 
 def test_the_schedule_is_replanned_to_end_with_the_run(tmp_path, mixed_noise):

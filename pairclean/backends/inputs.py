@@ -148,6 +148,35 @@ class ImageBatch:
         return self.jpegs.data.nbytes + (self.pixels.nbytes if self.pixels is not None else 0)
 
 
+@dataclass(frozen=True)
+class TokenBatch:
+    """A batch's token ids with each caption's end (`text_trim.token_ends`) kept in host memory:
+    the text tower cuts the padding and groups captions by length from `ends` without reading
+    anything back from the device (workers compute them; the copy to the device moves the ids only)."""
+
+    tokens: torch.Tensor
+    ends: torch.Tensor
+
+    def __len__(self) -> int:
+        return self.tokens.shape[0]
+
+    def take(self, rows: slice | list[int]) -> "TokenBatch":
+        """The batch of `rows` only (a slice, or a list of positions)."""
+        if isinstance(rows, slice):
+            return TokenBatch(self.tokens[rows], self.ends[rows])
+        index = torch.as_tensor(rows, dtype=torch.long)
+        return TokenBatch(self.tokens[index.to(self.tokens.device, non_blocking=True)], self.ends[index])
+
+    def pin_memory(self) -> "TokenBatch":
+        return TokenBatch(self.tokens.pin_memory(), self.ends)
+
+    def to(self, device: torch.device, non_blocking: bool = False) -> "TokenBatch":
+        return TokenBatch(self.tokens.to(device, non_blocking=non_blocking), self.ends)
+
+    def nbytes(self) -> int:
+        return self.tokens.nbytes + self.ends.nbytes
+
+
 class PixelNormalizer:
     """uint8 pixels -> the model's input floats, on the device: the first step of an image tower.
 

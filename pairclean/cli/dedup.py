@@ -13,6 +13,7 @@ from pairclean.cli.app import announce, app, console
 from pairclean.cli.progress import RichProgress
 from pairclean.cli.terminal import print_table
 from pairclean.dedup.defaults import DEFAULT_THRESHOLD
+from pairclean.errors import UserError
 
 
 def summary_table(result) -> Table:
@@ -66,6 +67,12 @@ def dedup_command(
     """Semantic deduplication (SemDeDup) of saved embeddings, keeping the copy whose caption matches best."""
     from pairclean.data.embeddings import open_embeddings
     from pairclean.dedup.run import DedupConfig, dedup
+    from pairclean.scores.contract import is_scores_file
+
+    if given := next((s for s in source if is_scores_file(s)), None):
+        raise UserError(f"{given} is a scores file: dedup reads the embeddings a scoring run saved. Score with "
+                        f"`pairclean score ... --save-embeddings emb/`, then `pairclean dedup emb/ --scores {given} "
+                        "--out dedup.parquet`")
 
     cfg = DedupConfig(side=side, threshold=threshold, keep=keep, clusters=clusters, sample_per_cluster=sample_per_cluster,
                       iterations=iterations, seed=seed, backend=backend, threads=threads, group_rows=group_rows, overwrite=overwrite,

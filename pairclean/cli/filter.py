@@ -88,6 +88,9 @@ def scores_and_shards(source: list[str], scores: Path | None) -> tuple[Path, lis
         return scores, source or None
     if len(source) == 1 and is_scores_file(source[0]):
         return Path(source[0]), None
+    if len(source) == 1 and not any(c in source[0] for c in "*?[{:") and not Path(source[0]).exists():
+        raise UserError(f"{'scores file' if source[0].endswith('.parquet') else 'file or directory'} not found: "
+                        f"{source[0]}")
     raise UserError("give the scores file alone (pairclean filter scores.parquet --out kept/), or the shards "
                     "with --scores scores.parquet")
 

@@ -43,9 +43,12 @@ AllowOtherDataset = Annotated[bool, typer.Option(
 Device = Annotated[str, typer.Option(help="auto, cpu, cuda, cuda:1 ...")]
 Precision = Annotated[str, typer.Option(
     help="fp32, bf16 (autocast), fp16 (CUDA only), or auto (bf16/fp16 on CUDA, bf16 on CPUs with native bf16, else fp32).")]
-Pretrained = Annotated[str, typer.Option(help="Pretrained tag, local checkpoint path, or 'none' (random init).")]
+Pretrained = Annotated[Optional[str], typer.Option(
+    help="Pretrained tag, local checkpoint path, or 'none' (random init). Default: the model's own weights "
+         "(openai for an open_clip architecture, the repository's for hf-hub:ORG/REPO).", show_default=False)]
 Backend = Annotated[str, typer.Option(
-    help="Encoder backend: open_clip (images and text) or sentence-transformers (text-text pairs).")]
+    help="Encoder backend: open_clip (images and text), sentence-transformers (text-text pairs), or auto "
+         "(from the model name; a name open_clip does not know is a sentence-transformers model on text pairs).")]
 Decode = Annotated[str, typer.Option(
     help="fast (JPEG draft decode at model size), exact, or a decoder on the CUDA device (CPU workers otherwise): "
          "gpu (torchvision nvJPEG), nvimgcodec or dali (NVIDIA's libraries: pip install 'pairclean[gpu]').")]

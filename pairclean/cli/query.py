@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 from typing import Iterable, Optional
 
@@ -78,7 +79,9 @@ def query_command(
     sql: Optional[str] = typer.Argument(None, help="One SQL statement over the views `scores` (and `truth`, `labeled`, "
                                                    "the --attach tables)."),
     file: Optional[Path] = typer.Option(None, "--file", "-f", help="Read the SQL from this file instead."),
-    truth: Optional[Path] = typer.Option(None, help="Ground-truth Parquet (key, shard, index, noisy): adds views `truth` and `labeled`."),
+    truth: Optional[Path] = typer.Option(None, help="Ground-truth Parquet (key, shard, index, noisy): adds views `truth` "
+                                                    "and `labeled` (default: the truth file of the dataset the scores "
+                                                    "recorded, e.g. one `pairclean corrupt` wrote, when it is there)."),
     fmt: str = typer.Option("table", "--format", help="table, csv, json (JSON Lines) or parquet."),
     out: Optional[Path] = typer.Option(None, "--out", "-o", help="Write csv/json/parquet here (atomically) instead of stdout."),
     limit: int = typer.Option(50, help="Rows shown by --format table (the rest are counted)."),
@@ -88,6 +91,10 @@ def query_command(
     overwrite: bool = typer.Option(False, help="Replace an existing output file."),
 ) -> None:
     """Run SQL through DuckDB over the scores: `pairclean query scores.parquet "SELECT ..."`."""
+    from pairclean.scores.evaluation import recorded_truth
+
+    if truth is None and (recorded := recorded_truth(scores, required=False)) is not None and recorded.is_file():
+        truth = recorded  # a recorded truth file that is gone leaves the query without the truth views
     if columns:
         if sql is not None or file is not None:
             raise UserError("--columns lists the columns: give no SQL with it")
@@ -113,7 +120,14 @@ def query_command(
     if fmt == "table" and out is not None:
         raise UserError("--out needs --format csv, json or parquet")
     with ScoresDB(scores, truth=truth, attach=tables) as db:
-        schema, batches = db.stream(db.run(sql))
+        try:
+            result = db.run(sql)
+        except UserError as exc:
+            if truth is None and re.search(r"Table with name (labeled|truth) does not exist", str(exc)):
+                raise UserError(f"{exc}: the views truth and labeled need --truth FILE ({scores} records no "
+                                "truth file)") from None
+            raise
+        schema, batches = db.stream(result)
         if fmt == "table":
             table, note = rich_result(batches, schema, limit)
             print_table(console, table)

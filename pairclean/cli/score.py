@@ -21,6 +21,21 @@ RULE_HELP = "; ".join(f"{name}" + (f" ({', '.join(cls.OPTIONS)})" if cls.OPTIONS
                       for name, cls in REGISTRY.items() if name not in DEFAULT_RULES)
 
 
+SHORT_SOURCE = 12  # "computed", "cache", "resumed": longer sources go under the table, which they would widen
+
+
+def beta_source_line(result) -> str | None:
+    """Where beta came from, as a line under the summary table when it is too long for a cell."""
+    source = (result.summary.beta_source if result.summary else None) or ""
+    return None if result.already_complete or len(source) <= SHORT_SOURCE else f"beta: {source}"
+
+
+def print_summary(result) -> None:
+    print_table(console, summary_table(result))
+    if line := beta_source_line(result):
+        console.print(line, soft_wrap=True)
+
+
 def summary_table(result) -> Table:
     s = result.summary
     table = Table(title=f"pairclean score -> {result.out}", show_header=False)
@@ -44,7 +59,8 @@ def summary_table(result) -> Table:
         table.add_row("status", "already complete: nothing was scored")
     else:
         table.add_row("throughput", f"{result.pairs_per_second:,.1f} pairs/s" + (" (resumed run)" if result.resumed else ""))
-        table.add_row("time: beta / scoring", f"{s.beta_seconds:.1f} s ({s.beta_source}) / {s.scoring_seconds:.1f} s")
+        source = s.beta_source if len(s.beta_source or "") <= SHORT_SOURCE else "see below"
+        table.add_row("time: beta / scoring", f"{s.beta_seconds:.1f} s ({source}) / {s.scoring_seconds:.1f} s")
         if s.embeddings_dir:
             table.add_row("embeddings saved", f"{s.embeddings_saved:,} pairs, {s.embedding_bytes / 1e6:,.1f} MB "
                                               f"-> {s.embeddings_dir}")
@@ -116,7 +132,7 @@ def score_embeddings_command(
         beta_mode=beta_mode, beta=beta, random_embeddings=rand, weight_fn=weight_fn, seed=seed,
         gmm_sample=gmm_sample, rules=(*DEFAULT_RULES, *(rule or ())), max_error_share=max_error_share,
         overwrite=overwrite, resume=resume, progress=RichProgress(console)))
-    print_table(console, summary_table(result))
+    print_summary(result)
 
 
 @lru_cache(maxsize=1)
@@ -137,10 +153,11 @@ def score_command(
     ctx: typer.Context,
     source: options.Source,
     out: ScoresOut = ...,
-    model: Optional[str] = typer.Option(None, help="open_clip model name or pairclean tiny config (default ViT-B-32); "
-                                                   "sentence-transformers: name or local directory (default all-MiniLM-L6-v2)."),
-    backend: options.Backend = "open_clip",
-    pretrained: options.Pretrained = "openai",
+    model: Optional[str] = typer.Option(None, help="open_clip model name, hf-hub:ORG/REPO, or pairclean tiny config "
+                                                   "(default ViT-B-32); sentence-transformers: name or local directory "
+                                                   "(default all-MiniLM-L6-v2)."),
+    backend: options.Backend = "auto",
+    pretrained: options.Pretrained = None,
     device: options.Device = "auto",
     precision: options.Precision = "fp32",
     decode: options.Decode = "fast",
@@ -165,12 +182,10 @@ def score_command(
 ) -> None:
     """Score every pair: cosine, cone bias beta, OSA weight, GMM p_clean -> Parquet."""
     dataset = options.dataset_given(ctx)
-    from pairclean.backends import check_backend, default_model
     from pairclean.scoring.model import ScoreConfig, score
 
     data = dataset.open(source)
-    backend = check_backend(backend)
-    cfg = ScoreConfig(model=model or default_model(backend), backend=backend, pretrained=pretrained,
+    cfg = ScoreConfig(model=model, backend=backend, pretrained=pretrained,
                       device=device, precision=precision, decode=decode,
                       batch_size=batch_size, workers=workers, beta_mode=beta_mode, beta=beta, beta_k=beta_k,
                       weight_fn=weight_fn, seed=seed, gmm_sample=gmm_sample, rules=(*DEFAULT_RULES, *(rule or ())),
@@ -180,4 +195,4 @@ def score_command(
     announce(data)
     result = score(data, out, cfg)  # the run guards `out` against every input, the names given included
     if result.summary:  # under torchrun only rank 0 finalizes and reports
-        print_table(console, summary_table(result))
+        print_summary(result)

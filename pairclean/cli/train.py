@@ -143,20 +143,28 @@ def epochs_table(result) -> Table:
     return table
 
 
-def list_method_options(ctx: typer.Context, value: Optional[List[str]]):
+HELP_READS = ("method", "method_option", "epochs")  # eager: read before the other options, in the order given
+
+
+def list_method_options(ctx: typer.Context, param: typer.CallbackParam, value):
     """`--method-option help`: every method (or the one --method names) with its options and defaults, and
-    the warm-up and phases it would run at --epochs (given options included), then exit. --method and
-    --epochs are eager, so they are read by now wherever they stand on the line."""
-    if not value or "help" not in value:
+    the warm-up and phases it would run at --epochs (given options included), then exit. --method,
+    --method-option and --epochs are eager, and click reads eager options in the order they stand on
+    the line: this callback is theirs, and answers once it has seen all three."""
+    seen = ctx.meta.setdefault("train-method-help", {})
+    seen[param.name] = value
+    requested = seen.get("method_option") or ()
+    if len(seen) < len(HELP_READS) or "help" not in requested:
         return value
     import dataclasses
 
     from pairclean.train import METHODS, Method, build_method
 
-    epochs, named = ctx.params.get("epochs", 5), ctx.params.get("method")
-    given = dict(option for item in value if (option := split_option(item)) is not None)
+    epochs, named = seen["epochs"], seen["method"]
+    given = dict(option for item in requested if (option := split_option(item)) is not None)
     table = Table(title="pairclean train --method NAME --method-option key=value")
-    for column in ("method", "what it does", "options (default)", "shortcut flags", f"schedule at --epochs {epochs}"):
+    for column in ("method", "what it does", "when it pays (measured)", "options (default)", "shortcut flags",
+                   f"schedule at --epochs {epochs}"):
         table.add_column(column)
     for name, cls in sorted(METHODS.items()):
         if named is not None and name != named:
@@ -168,7 +176,7 @@ def list_method_options(ctx: typer.Context, value: Optional[List[str]]):
             with train_wording(name):
                 schedule = build_method(name, given if name == named else {}).schedule(epochs)
         shown = ", ".join(f"{k}={v}" for k, v in schedule.items()) or "-"
-        table.add_row(name, (cls.__doc__ or "").strip().splitlines()[0], options, flags, shown)
+        table.add_row(name, (cls.__doc__ or "").strip().splitlines()[0], cls.pays or "-", options, flags, shown)
     print_table(console, table)
     raise typer.Exit()
 
@@ -180,14 +188,14 @@ def train_command(
     source: options.Source,
     out: Path = typer.Option(..., "--out", "-o", help="Run directory (checkpoints, metrics.jsonl, run.json)."),
     val: Optional[List[str]] = typer.Option(None, "--val", help="Validation pairs: R@K and rSum each epoch, best checkpoint by rSum."),
-    model: str = typer.Option("ViT-B-32", help="open_clip model name (or a pairclean tiny config), or a sentence-transformers directory / all-MiniLM-L6-v2."),
-    pretrained: options.Pretrained = "openai",
+    model: str = typer.Option("ViT-B-32", help="open_clip model name, hf-hub:ORG/REPO or a pairclean tiny config, or a sentence-transformers directory / all-MiniLM-L6-v2."),
+    pretrained: options.Pretrained = None,
     backend: str = typer.Option("auto", help="auto, open_clip, or sentence-transformers."),
-    method: Optional[str] = typer.Option(None, is_eager=True, help="Training method by name (plain, osa-weights, filter, osa-online, sdd, gsc, ...)."),
+    method: Optional[str] = typer.Option(None, is_eager=True, callback=list_method_options, help="Training method by name (plain, osa-weights, filter, osa-online, sdd, gsc, ...)."),
     method_option: Optional[List[str]] = typer.Option(None, metavar="KEY=VALUE", callback=list_method_options, is_eager=True,
                                                       help="Method option key=value (repeatable); 'help' lists every "
                                                            "method's options, defaults and schedule at --epochs."),
-    epochs: int = typer.Option(5, is_eager=True, help="Passes over the training data."),
+    epochs: int = typer.Option(5, is_eager=True, callback=list_method_options, help="Passes over the training data."),
     batch_size: int = typer.Option(256, help="Pairs per step (in-batch negatives)."),
     lr: float = typer.Option(5e-6, help="Peak AdamW learning rate."),
     weight_decay: float = typer.Option(0.2, help="AdamW weight decay (not on gains, biases, logit scale)."),
@@ -208,7 +216,8 @@ def train_command(
 ) -> None:
     """Train a dual encoder on (reweighted or filtered) pairs: weighted symmetric InfoNCE."""
     dataset = options.dataset_given(ctx)
-    target = open_output(out, [*source, *(val or [])], "out", kind="directory", overwrite=None)  # train() adds the files
+    target = open_output(out, [*source, *(val or [])], "out", kind="directory", overwrite=None,
+                         parents=True)  # train() adds the files it reads, and creates the directory with its parents
     name, method_options = method_and_options(method, shortcuts_given(ctx), method_option or [])
     from pairclean.train import TrainConfig, train
 

@@ -136,12 +136,14 @@ def _guard(output: Output, inputs: Iterable) -> tuple[str, ...]:
 
 
 def open_output(out: str | os.PathLike | Output, inputs: Iterable = (), field: str = "out", *, kind: str = "file",
-                overwrite: bool | None = False, companions: Iterable[str | os.PathLike] = ()) -> Output:
+                overwrite: bool | None = False, companions: Iterable[str | os.PathLike] = (),
+                parents: bool = False) -> Output:
     """Check the output `out` against every input (files read and directories named; None and
     remote URLs are skipped; an `Output` is another output of the same run, which this one may not
     equal, contain or lie inside, nor the reverse) and return the handle to write it through.
     `field`: the setting that holds `out`, named in errors. `kind`: a file or a directory. `overwrite`: see `Output` (an
-    existing output is replaced only when the caller's config says so). An `Output` opened earlier
+    existing output is replaced only when the caller's config says so). `parents`: a missing parent
+    directory is no error (the owner of a run directory creates it with its parents). An `Output` opened earlier
     (by a front end that knows the directories the user named) is checked against these inputs
     too, and its companions with them."""
     if isinstance(out, Output):
@@ -163,8 +165,10 @@ def open_output(out: str | os.PathLike | Output, inputs: Iterable = (), field: s
         raise ConfigError(f"{path} exists; pass `overwrite` to replace it", "overwrite")
     if overwrite is False and path.is_dir() and any(path.iterdir()):
         raise ConfigError(f"{path} exists and is not empty; pass `overwrite` to replace it", "overwrite")
-    if not path.parent.exists():
+    if not parents and not path.parent.exists():
         raise UserError(f"directory {path.parent} does not exist (to write {path} in)")
+    if parents and not (ancestor := next(p for p in path.parents if p.exists())).is_dir():
+        raise UserError(f"{ancestor} is a file: {path} cannot be created in it")
     return output
 
 

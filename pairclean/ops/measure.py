@@ -7,12 +7,17 @@ see PeakMemory for the sampling.
 
 from __future__ import annotations
 
+import collections
 import os
 import statistics
 import threading
 import time
+import traceback
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+from torch.utils.weak import WeakTensorKeyDictionary
 
 
 def _proc_kib(pid: int, filename: str, *names: str) -> dict[str, int]:
@@ -248,3 +253,40 @@ class StageMeter:
                 "stage_wall_ms_per_pair": self.per_pair_ms(self.wall),
                 "worker_bytes_per_pair": self.worker_bytes / pairs,
                 "startup_seconds": self.startup[0], "startup_cpu_seconds": self.startup[1]}
+
+
+class DeviceReads(TorchDispatchMode):
+    """Counts, on any machine, the reads back to the host that a CUDA run would pay for: tensors
+    given to `mark` (what would live on the device: a batch's inputs once copied, a model's
+    weights) and every tensor computed from them are marked, and a scalar read, `nonzero`,
+    `equal` or `masked_select` of a marked tensor is counted by the pairclean line that issued it.
+    On CUDA each such read waits for all the GPU work queued before it, so the host cannot queue
+    the next batch meanwhile."""
+
+    READS = frozenset({"_local_scalar_dense", "nonzero", "equal", "is_nonzero", "masked_select", "_unique2"})
+
+    def __init__(self, *on_device: torch.Tensor):
+        super().__init__()
+        self.marked = WeakTensorKeyDictionary()
+        self.sites: collections.Counter[str] = collections.Counter()
+        self.mark(*on_device)
+
+    @property
+    def reads(self) -> int:
+        return sum(self.sites.values())
+
+    def mark(self, *tensors: torch.Tensor) -> None:
+        for tensor in tensors:
+            self.marked[tensor] = True
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        inputs = [a for a in tree_flatten((args, kwargs or {}))[0] if isinstance(a, torch.Tensor)]
+        derived = any(a in self.marked or isinstance(a, torch.nn.Parameter) for a in inputs)
+        if derived and func.overloadpacket.__name__ in self.READS:
+            ours = [f for f in traceback.extract_stack() if f"{os.sep}pairclean{os.sep}" in f.filename and f.filename != __file__]
+            site = f"{ours[-1].filename.rsplit(os.sep + 'pairclean' + os.sep, 1)[1]}:{ours[-1].lineno}" if ours else "?"
+            self.sites[site] += 1
+        out = func(*args, **(kwargs or {}))
+        if derived:
+            self.mark(*(o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor)))
+        return out

@@ -151,6 +151,7 @@ class ScoresDB:
         self.con.execute("CREATE VIEW scores AS SELECT * FROM scores_file")
         self._metadata: tuple[Provenance | None, Summary | None] | None = None
         self.truth_join: str | None = None
+        self.truth_path: Path | None = Path(truth) if truth is not None else None  # the truth Parquet resolved
         try:
             for name, files in attach.items():
                 self._attach(name, files, name in tables)
@@ -282,7 +283,8 @@ class ScoresDB:
             matched = self.scalar(f"SELECT count(*) FROM scores s JOIN truth t ON {condition}")
             if matched:
                 self.truth_join = label
-                self.con.execute(f"CREATE VIEW labeled AS SELECT s.*, t.noisy::BOOLEAN AS noisy "
+                stratum = ", t.stratum AS audit_stratum" if "stratum" in cols else ""  # a blind audit's marks
+                self.con.execute(f"CREATE VIEW labeled AS SELECT s.*, t.noisy::BOOLEAN AS noisy{stratum} "
                                  f"FROM scores s LEFT JOIN truth t ON {condition}")
                 return
         raise UserError(f"truth file {truth} matches no scored pair (joined on {candidates[-1][0]})")

@@ -40,7 +40,7 @@ from PIL import Image
 from pairclean.backends import build_estimator, check_backend
 from pairclean.backends.base import autocast_context, resolve_precision
 from pairclean.backends.device_jpeg import DEVICE_DECODERS
-from pairclean.backends.inputs import ImageBatch, StandardTransform
+from pairclean.backends.inputs import ImageBatch, StandardTransform, TokenBatch
 from pairclean.backends.oom import OomBackoff, batch_rows
 from pairclean.backends.open_clip import OpenClipEstimator
 from pairclean.backends.text_trim import text_buckets
@@ -229,7 +229,7 @@ def measure_ceiling(estimator, data: Dataset, batch_size: int, min_seconds: floa
             else:
                 prep = estimator.preparer
                 inputs[side] = prep.collate(modality, [prep.prepare(modality, t) for t in rows[side]])
-            if estimator.device.type == "cuda" and isinstance(inputs[side], torch.Tensor):
+            if estimator.device.type == "cuda" and hasattr(inputs[side], "pin_memory"):
                 inputs[side] = inputs[side].pin_memory()  # as the pipeline's DataLoader hands them over
         batches.append((n, inputs))
     backoff = {left: OomBackoff(), right: OomBackoff()}
@@ -274,8 +274,8 @@ def measure_ceiling(estimator, data: Dataset, batch_size: int, min_seconds: floa
 def _shape_key(inputs: dict) -> tuple:
     key = []
     for value in inputs.values():
-        if isinstance(value, torch.Tensor) and value.dtype in (torch.int32, torch.int64) and value.dim() == 2:
-            key.append(tuple((len(rows), int(value[rows].argmax(dim=-1).max())) for rows in text_buckets(value)))
+        if isinstance(value, TokenBatch):
+            key.append(tuple((len(rows), int(value.ends[rows].max())) for rows in text_buckets(value.ends)))
         else:
             key.append(tuple(getattr(value, "shape", ())) or type(value).__name__)
     return tuple(key)
@@ -287,7 +287,8 @@ def _text_trim_gain(estimator, left: str, right: str, batches) -> dict:
     if not getattr(estimator, "text_trim", False) or "text" not in (left, right):
         return {}
     side = "right" if right == "text" else "left"
-    tokens = batches[0][1][side].to(estimator.device)
+    batch = batches[0][1][side]
+    tokens, ends = batch.tokens.to(estimator.device), batch.ends
     n = tokens.shape[0]
 
     def timed(fn) -> float:
@@ -299,10 +300,9 @@ def _text_trim_gain(estimator, left: str, right: str, batches) -> dict:
             best = min(best, time.perf_counter() - started)
         return best / n
 
-    trimmed = timed(lambda t: estimator.encode("text", t))
+    trimmed = timed(lambda t: estimator.encode("text", TokenBatch(t, ends)))
     full = timed(estimator.model.encode_text)
-    lengths = tokens.argmax(dim=-1) + 1
-    positions = sum(int(lengths[rows].max()) * len(rows) for rows in text_buckets(tokens)) / n
+    positions = sum(int(ends[rows].max()) * len(rows) for rows in text_buckets(ends)) / n
     return {"text_tokens_trimmed": positions, "text_tokens_full": int(tokens.shape[1]),
             "text_seconds_per_caption_trimmed": trimmed, "text_seconds_per_caption_full": full}
 
@@ -455,7 +455,8 @@ class ZeroCostEstimator:
             transform, cls = StandardTransform.parse(estimator.preparer.preprocess), DEVICE_DECODERS[device_decode]
             if cls.supports(transform) and cls.unavailable() is None:
                 p = estimator.preparer
-                self.preparer = type(p)(p.preprocess, p.tokenizer, p.draft_size, device_jpeg=True)
+                self.preparer = type(p)(p.preprocess, p.tokenizer, p.draft_size, device_jpeg=True,
+                                        token_ends=p.token_ends)
                 self.decoder = cls(transform, self.device, p.preprocess)
         self.decode = self.decoder.name if self.decoder is not None else getattr(estimator, "decode", "-")
         generator = torch.Generator().manual_seed(0)
@@ -520,6 +521,7 @@ def bench_score(source: str | list[str] | DatasetSpec | Dataset, cfg: ScoreConfi
     (d) alone (no model arithmetic: quick on any machine)."""
     data = as_dataset(source)
     spec = data.spec
+    cfg = cfg.resolved(spec.pair)
     if cfg.precision == "auto":
         cfg = replace(cfg, precision=resolve_precision(cfg.device, "auto"))
     if estimator is None:

@@ -20,7 +20,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from pairclean import __version__
-from pairclean.backends import build_estimator, check_backend
+from pairclean.backends import build_estimator, default_model, resolve_backend
 from pairclean.backends.base import file_sha256, resolve_precision
 from pairclean.backends.device_jpeg import DEVICE_DECODERS
 from pairclean.ops.faults import slow_point
@@ -45,9 +45,9 @@ from pairclean.scoring.run import Commit, Finishing, Producer, RunConfig, ScoreR
 
 @dataclass
 class ScoreConfig(RunConfig):
-    model: str = "ViT-B-32"
-    pretrained: str = "openai"
-    backend: str = "open_clip"
+    model: str | None = None  # None: the backend's default model (ViT-B-32 for open_clip)
+    pretrained: str | None = None  # None: the model's own weights (openai for an open_clip architecture name)
+    backend: str = "auto"  # auto: from the model name and the pair kind (`resolved`)
     device: str = unpinned("auto")
     precision: str = "fp32"  # fp32 | bf16 | fp16 | auto (resolved before anything is pinned)
     decode: str = "fast"  # fast (JPEG draft decode) | exact | gpu (JPEGs decoded on the CUDA device)
@@ -65,6 +65,13 @@ class ScoreConfig(RunConfig):
         check_choice(self.embeddings_dtype, EMBEDDING_DTYPES, "embeddings_dtype")
         if self.save_embeddings is not None:  # pinned as the directory it names: a resume from elsewhere is refused
             self.save_embeddings = os.path.abspath(str(self.save_embeddings))
+
+    def resolved(self, pair: str) -> ScoreConfig:
+        """This config with the backend named (`auto`: the one that recognises the model; a name none
+        recognises is a sentence-transformers model for text-only pairs, else open_clip's) and an
+        unset model made the backend's default: what a run pins and records."""
+        backend = resolve_backend(self.backend, self.model, modalities(pair))
+        return replace(self, backend=backend, model=self.model or default_model(backend))
 
 
 EMBEDDING_DTYPES = ("float16", "float32")
@@ -100,8 +107,7 @@ class ModelProducer(Producer):
 
     def __init__(self, dataset: Dataset, cfg: ScoreConfig, estimator=None, embeddings: Output | None = None,
                  meter: StageMeter | None = None):
-        if estimator is None:
-            check_backend(cfg.backend, modalities(dataset.spec.pair))  # before any output exists
+        cfg = cfg.resolved(dataset.spec.pair)  # before any output exists: a backend that cannot encode the pairs is refused
         self.dataset, self.spec, self.cfg, self.estimator = dataset, dataset.spec, cfg, estimator
         self.meter = meter  # where the main process's time goes (`pairclean bench score`)
         self.embeddings = embeddings  # save_embeddings, opened through the output guard
@@ -264,4 +270,5 @@ def score(source: str | list[str] | DatasetSpec | Dataset, out: str | Path | Out
         cfg.save_embeddings, dataset.input_paths(), "save_embeddings", kind="directory", overwrite=None)
     if cfg.precision == "auto":  # pinned in the settings as what it means on this machine
         cfg = replace(cfg, precision=resolve_precision(cfg.device, "auto"))
-    return run_scoring(ModelProducer(dataset, cfg, estimator, embeddings, meter), out, cfg)
+    producer = ModelProducer(dataset, cfg, estimator, embeddings, meter)
+    return run_scoring(producer, out, producer.cfg)

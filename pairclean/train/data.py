@@ -104,15 +104,20 @@ class TrainBatches(IterableDataset):
         self.plan = plan or BatchPlan()
         self.units = dataset.units()
         self.left, self.right = modalities(self.spec.pair)
-        self.epoch = 0
+        self.epoch, self.repeat = 0, 0
 
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
+    def set_epoch(self, epoch: int, repeat: int = 0) -> None:
+        """The epoch the next pass reads; `repeat` > 0: a further pass over the same pairs within the epoch,
+        in an order of its own (a method that re-reads the pairs it chose, `Method.epoch_span`)."""
+        self.epoch, self.repeat = epoch, repeat
 
-    def _unit_order(self, epoch: int) -> list[str]:
+    def _order_key(self, epoch: int, repeat: int = 0) -> str:
+        return f"{self.seed}-{epoch}" + (f"-{repeat}" if repeat else "")
+
+    def _unit_order(self, epoch: int, repeat: int = 0) -> list[str]:
         units = list(self.units)
         if self.shuffle:
-            random.Random(f"units-{self.seed}-{epoch}").shuffle(units)
+            random.Random(f"units-{self._order_key(epoch, repeat)}").shuffle(units)
         return units
 
     def kept_pairs(self, spans: dict[str, UnitSpan]) -> dict[str, float]:
@@ -191,11 +196,11 @@ class TrainBatches(IterableDataset):
 
     def __iter__(self):
         rank, _, worker, _ = wds.utils.pytorch_worker_info()
-        units = wds.split_by_worker(wds.split_by_node(self._unit_order(self.epoch)))
+        units = wds.split_by_worker(wds.split_by_node(self._unit_order(self.epoch, self.repeat)))
         stats = self._new_stats()
         pairs = self._pairs(iter(units), stats)
         if self.shuffle and self.shuffle_buffer > 1:
-            rng = random.Random(f"pairs-{self.seed}-{self.epoch}-{rank}-{worker}")
+            rng = random.Random(f"pairs-{self._order_key(self.epoch, self.repeat)}-{rank}-{worker}")
             pairs = wds.filters.shuffle(bufsize=self.shuffle_buffer, initial=self.shuffle_buffer, rng=rng)(pairs)
         rows: list[tuple] = []
         for item, weight in pairs:

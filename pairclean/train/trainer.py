@@ -9,6 +9,7 @@ order depends only on seed and epoch) and the same RNG streams, so it ends with 
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import random
@@ -49,7 +50,7 @@ from pairclean.train.logs import DiagnosticsWriter, MetricsLog
 @dataclass
 class TrainConfig:
     model: str = "ViT-B-32"  # open_clip name (or pairclean tiny config), or a sentence-transformers dir/name
-    pretrained: str = "openai"  # open_clip: tag, checkpoint path, or "none" (random init)
+    pretrained: str | None = None  # open_clip: tag, checkpoint path, or "none" (random init); None: the model's own
     backend: str = "auto"  # auto | open_clip | sentence-transformers
     device: str = unpinned("auto")
     precision: str = "fp32"  # fp32 | bf16 (autocast) | fp16 (CUDA, with a grad scaler)
@@ -159,9 +160,7 @@ def _prepare_run_dir(out: Path, cfg: TrainConfig) -> bool:
             raise ConfigError(f"{out} holds a run: set resume to continue it or overwrite to start over", "resume",
                               "overwrite")
         shutil.rmtree(out)  # overwrite, or resume of a run that never finished an epoch
-    if not out.parent.exists():
-        raise UserError(f"directory {out.parent} does not exist")
-    out.mkdir(exist_ok=True)
+    out.mkdir(parents=True, exist_ok=True)
     return False
 
 
@@ -187,7 +186,7 @@ def train(source: str | list[str] | DatasetSpec | Dataset, out: str | Path | Out
     method = build_method(cfg.method, cfg.method_options)
     pretrained = [cfg.pretrained] if cfg.pretrained and os.path.isfile(cfg.pretrained) else []
     out = open_output(out, [*spec.shards, *(val_spec.shards if val_spec else []), *method.input_files(), *pretrained],
-                      "out", kind="directory", overwrite=None).path
+                      "out", kind="directory", overwrite=None, parents=True).path
     resuming = distributed.on_main(lambda: _prepare_run_dir(out, cfg))  # rank 0 owns the run directory
     settings = _settings(cfg, spec, val_spec)
     state = None
@@ -204,7 +203,7 @@ def train(source: str | list[str] | DatasetSpec | Dataset, out: str | Path | Out
     torch.manual_seed(cfg.seed)
     np.random.seed(cfg.seed)
     random.seed(cfg.seed)
-    target = load_target(cfg.model, cfg.pretrained, backend=cfg.backend,
+    target = load_target(cfg.model, cfg.pretrained, backend=cfg.backend, needed=modalities(spec.pair),
                          device=distributed.default_device_for_rank(cfg.device), temperature=cfg.temperature)
     check_backend(target.backend, modalities(spec.pair))
     autocast_context(target.device, cfg.precision)  # refuses fp16 without CUDA before any work
@@ -244,13 +243,18 @@ def train(source: str | list[str] | DatasetSpec | Dataset, out: str | Path | Out
     for epoch in range(loop.done_epochs + 1, cfg.epochs + 1):
         dataset.set_epoch(epoch)
         method.on_epoch_start(epoch, ctx)  # may rewrite the weight arrays this epoch reads (its bar counts them)
-        loader = DataLoader(dataset, batch_size=None, num_workers=workers,
-                            pin_memory=target.device.type == "cuda", worker_init_fn=steady_worker_memory,
-                            generator=torch.Generator().manual_seed(cfg.seed * 1000 + epoch))
+
+        def loader(repeat: int = 0, epoch: int = epoch) -> DataLoader:
+            """The epoch's pass over its pairs; repeat > 0: a further pass, in an order of its own."""
+            dataset.set_epoch(epoch, repeat)
+            return DataLoader(dataset, batch_size=None, num_workers=workers,
+                              pin_memory=target.device.type == "cuda", worker_init_fn=steady_worker_memory,
+                              generator=torch.Generator().manual_seed(cfg.seed * 1000 + epoch))
         chosen = method.epoch_pairs()  # a method that picks this epoch's pairs re-plans the schedule to them
-        steps = loop.replan(epoch, chosen) if chosen is not None else steps_in(epoch, dataset.kept_pairs(spans))
+        span = method.epoch_span() if chosen is not None else None  # ... and may ask them to fill a longer epoch
+        steps = loop.replan(epoch, span or chosen) if chosen is not None else steps_in(epoch, dataset.kept_pairs(spans))
         with progress.task(f"epoch {epoch}", total=steps, loss=0.0, lr=0.0, rate=0.0) as task:
-            record = loop.run_epoch(epoch, loader, task)
+            record = loop.run_epoch(epoch, _Passes(loader, steps if span else None), task)
         if val_data is not None and distributed.is_main():
             val_metrics = evaluate_target(JointTarget([target, *method.extra_networks().values()]), val_data,
                                           cfg.val_batch_size, workers, autocast_context(target.device, cfg.precision))
@@ -261,6 +265,26 @@ def train(source: str | list[str] | DatasetSpec | Dataset, out: str | Path | Out
     return TrainResult(out, loop.history, loop.best_epoch, loop.best_rsum, best_model,
                        model_path(out, epoch_model_name(cfg.epochs), target.backend), resumed_from,
                        time.perf_counter() - started)
+
+
+class _Passes:
+    """An epoch's batches: one pass of the loader, or, with `steps`, as many passes (each in an order of its
+    own) as the loop needs to take `steps` steps: a method's chosen pairs re-read to fill an epoch as long as a
+    pass over more pairs (`Method.epoch_span`). Stops when a pass has no batch of two pairs."""
+
+    def __init__(self, loader, steps: int | None = None):
+        self.loader, self.steps = loader, steps
+
+    def __iter__(self):
+        repeat = 0
+        while True:
+            usable = False
+            for batch in self.loader(repeat):
+                usable = usable or len(batch["key"]) >= 2
+                yield batch
+            if self.steps is None or not usable:
+                return
+            repeat += 1
 
 
 class _Towers(torch.nn.Module):
@@ -373,13 +397,13 @@ class _Loop:
         self.step += 1
         return out
 
-    def _batches(self, loader, totals: dict, failures: list):
-        """The epoch's usable batches. Under torch.distributed every rank takes a step only while
-        every rank has a full local batch (DDP needs the same steps everywhere); a rank's partial
-        batches are left out and counted as dropped."""
+    def _batches(self, loader: _Passes, totals: dict, failures: list):
+        """The epoch's usable batches (at most `loader.steps`). Under torch.distributed every rank takes a
+        step only while every rank has a full local batch (DDP needs the same steps everywhere); a rank's
+        partial batches are left out and counted as dropped."""
         full = self.cfg.batch_size // distributed.world_size()
         it = iter(loader)
-        while True:
+        for _ in (range(loader.steps) if loader.steps is not None else itertools.count()):
             batch = next(it, None)
             while batch is not None:
                 stats = batch["stats"]
@@ -416,7 +440,7 @@ class _Loop:
         elapsed = time.perf_counter() - epoch_start
         task.update(advance=1, loss=loss, lr=done.lr, rate=totals["pairs"] / elapsed if elapsed else 0.0)
 
-    def run_epoch(self, epoch: int, loader, task) -> dict:
+    def run_epoch(self, epoch: int, loader: _Passes, task) -> dict:
         """One pass over the training data; returns the epoch's metrics record so far."""
         cfg = self.cfg
         if cfg.diagnostics:

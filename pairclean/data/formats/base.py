@@ -151,12 +151,16 @@ class InputFormat(ABC):
             parts.append(f"{role}={by_path} (paths)" if by_path else f"{role}={getattr(f, role)}")
         if self.spec.pair == "image-text" and f.json_text_key and self.suffix == ".tar":
             parts[-1] += f" (else json {f.json_text_key})"
-        parts.append(f"key={f.key or 'none (file/row)'}")
+        parts.append(f"key={self.describe_key()}")
         files = len(dict.fromkeys(self.spec.shards))
         extra = self.describe_extra()
         detected = f"; detected: {self.spec.detected}" if self.spec.detected else ""
         return (f"reading {self.label}: {', '.join(parts)}; {files} {self.suffix.lstrip('.') or 'data'} file(s)"
                 + (f", {extra}" if extra else "") + detected)
+
+    def describe_key(self) -> str:
+        """Where the keys come from, as the start-up line says it."""
+        return self.spec.fields.key or "none (file/row)"
 
     def describe_extra(self) -> str:
         """More of the announcement (what the files hold); it reads only what it guards, since a

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from pairclean.data.formats.base import Claim, InputFormat, register_format
 from pairclean.data.reading.inputs import parquet_file
-from pairclean.data.reading.parquet import parquet_keys, parquet_pairs, row_group_rows, row_groups
+from pairclean.data.reading.parquet import parquet_keys, parquet_pairs, positional_key, row_group_rows, row_groups
 from pairclean.data.units import Unit
 from pairclean.errors import UserError
 
@@ -41,6 +41,17 @@ class ParquetFormat(InputFormat):
 
     def units(self) -> list[str]:
         return row_groups(self.spec.shards)
+
+    def describe_key(self) -> str:
+        """The key column, or, when the first file has none, the file/row keys the rows then get."""
+        key, shards = self.spec.fields.key, self.spec.shards
+        try:
+            present = not shards or not key or key in parquet_file(shards[0]).schema_arrow.names
+        except Exception:  # unreadable: the run says why when it reaches the file
+            present = True
+        if present:
+            return super().describe_key()
+        return f"file/row ({positional_key(shards[0], 0)}, {positional_key(shards[0], 1)}, ...: no {key!r} column)"
 
     def count(self, unit: str) -> int:
         return row_group_rows(unit)

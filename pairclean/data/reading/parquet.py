@@ -59,7 +59,7 @@ def columns(spec: DatasetSpec) -> dict[str, str | None]:
     return cols
 
 
-def _positional_key(path: str, index: int) -> str:
+def positional_key(path: str, index: int) -> str:
     """The key of a Parquet row when the file has no key column."""
     return f"{Path(path).stem}/{index}"
 
@@ -69,7 +69,7 @@ def parquet_keys(spec: DatasetSpec, path: str) -> list[str]:
     pf = parquet_file(path)
     if spec.fields.key in pf.schema_arrow.names:
         return [str(k) for k in pf.read(columns=[spec.fields.key]).column(0).to_pylist()]
-    return [_positional_key(path, i) for i in range(pf.metadata.num_rows)]
+    return [positional_key(path, i) for i in range(pf.metadata.num_rows)]
 
 
 def _pairs_fitting(spec: DatasetSpec, available: set[str], defaults: dict) -> list[str]:
@@ -116,7 +116,7 @@ def parquet_pairs(spec: DatasetSpec, unit: str, root: Path, defaults: dict, extr
     data = {role: (table.column(col).to_pylist() if col in table.column_names else None) for role, col in cols.items()}
     for i in range(table.num_rows):
         keys = data["key"]
-        pair = RawPair(key=str(keys[i]) if keys is not None else _positional_key(path, offset + i), shard=path,
+        pair = RawPair(key=str(keys[i]) if keys is not None else positional_key(path, offset + i), shard=path,
                        index=offset + i)
         if row_error is not None and (reason := row_error({c: v[i] for c, v in extras.items()})):
             pair.error = reason

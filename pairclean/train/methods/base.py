@@ -14,6 +14,7 @@ its `scores` option and picks it when no method is named). The trainer calls:
     extra_networks()                 a second network that is part of the result (GSC's peer)
     input_files()                    files the method reads, which the run directory must not overwrite
     epoch_pairs()                    pairs chosen for this epoch (the LR schedule is re-planned), or None
+    epoch_span()                     the pairs an epoch of chosen pairs spans (re-read to fill it), or None
     schedule(epochs)                 its warm-up and phases for a run of that length (help shows it)
 
 The default `loss` is the weighted symmetric InfoNCE with `batch_weights(batch, ctx)` (None =
@@ -109,6 +110,7 @@ class Method:
     Options: ClassVar[type] = None
     shortcuts: ClassVar[tuple[Shortcut, ...]] = ()
     reduction: ClassVar[str] = "mean"  # how the default loss reduces the weighted per-pair losses
+    pays: ClassVar[str] = ""  # when it beats plain training, as measured (docs/methods.md); `--method-option help`
 
     def __init__(self, options):
         self.options = options
@@ -126,6 +128,12 @@ class Method:
     def epoch_pairs(self) -> int | None:
         """After on_epoch_start: the pairs this epoch trains on when the method chose them for the epoch
         (the LR schedule is re-planned so it still ends with the run); None: as planned at setup."""
+        return None
+
+    def epoch_span(self) -> int | None:
+        """With epoch_pairs: the pairs this epoch's steps should span when that is more than the pairs chosen
+        (the trainer re-reads the chosen ones, each pass in a new order, until it has taken as many steps as
+        one pass over `span` pairs); None: one pass over the chosen pairs."""
         return None
 
     def schedule(self, epochs: int) -> dict:

@@ -185,6 +185,8 @@ def weak_pair_losses(f: torch.Tensor, g: torch.Tensor, denoiser: Denoiser, steps
 
 PAPER_EPOCHS, PAPER_WARMUP = 45, 5  # Flickr30K: 5 warm-up epochs, then 40
 LOOPS = ("batches", "rows")
+WEAK_LOOPS = ("cycle", "once", "none")
+EPOCH_LENGTHS = ("subset", "all")
 ZETA_ON = ("normalised", "raw")
 
 
@@ -201,6 +203,10 @@ class DiffnclOptions:
     cross: str = "prose"  # L_cross's denominator: the positive and the other pairs' originals; as-written: Eq. 15
     denoise_from: int | None = setting(None, COUNT)  # the reverse diffusion starts from this step; None: T (the paper)
     loops: str = "batches"  # batches: clean and weak pairs in full batches of their own (Algorithm 1); rows
+    weak_loop: str = "cycle"  # loops=batches: the weak loader restarts when it runs out (a weak batch after every
+    # clean one); once: one pass over the weak pairs per epoch (Algorithm 1, lines 17-21); none: weak pairs not trained
+    epoch: str = "subset"  # loops=batches: an epoch is one pass over the clean pairs (Algorithm 1); all: as many
+    # steps as a pass over every pair (plain training's), the clean pairs re-read to fill them
     hidden_ratio: float = setting(0.5, within(0, 1, low_open=True))  # the denoiser's bottleneck width h = d * hidden_ratio (paper: 512 of 1024)
     noisy_as_weak: bool = False  # route noisy pairs through the denoiser with the weak ones instead of dropping them
     intra_weight: float = setting(1.0, at_least(0))  # weights of the weak pairs' three losses (the paper: all 1)
@@ -218,6 +224,8 @@ class DiffnclOptions:
         check_choice(self.order_by, ORDER_BY, "order_by", "component order")
         check_choice(self.cross, CROSS_FORMS, "cross", "L_cross form")
         check_choice(self.loops, LOOPS, "loops", "loop form")
+        check_choice(self.weak_loop, WEAK_LOOPS, "weak_loop", "weak loop")
+        check_choice(self.epoch, EPOCH_LENGTHS, "epoch", "epoch length")
 
 
 @register_method
@@ -250,7 +258,8 @@ class Diffncl(Method):
         self.peer = Peer(ctx, subset=self.clean_pairs)
         if self.loops:
             self.weak_pairs = EpochWeights(ctx, self.index, "weak")
-            self.weak_batches = [NetworkBatches(ctx, net.preparer, ctx.seed + 20 + k, self.weak_pairs)
+            self.weak_batches = [NetworkBatches(ctx, net.preparer, ctx.seed + 20 + k, self.weak_pairs,
+                                                cycle=self.options.weak_loop == "cycle")
                                  for k, net in enumerate((ctx.target, self.peer.target))]
         dim = embedding_dim(ctx.target)
         hidden = max(1, round(dim * self.options.hidden_ratio))
@@ -288,6 +297,10 @@ class Diffncl(Method):
         if not self.loops:
             return None
         return self.index.size if self.partition is None else int(np.sum(self.partition == CLEAN))
+
+    def epoch_span(self) -> int | None:
+        """epoch=all: the clean pairs fill as many steps as a pass over every pair."""
+        return self.index.size if self.loops and self.options.epoch == "all" else None
 
     def _weak(self, part: np.ndarray) -> np.ndarray:
         weak = part == WEAK
@@ -349,6 +362,8 @@ class Diffncl(Method):
 
     def _weak_step(self, k: int, net) -> tuple | None:
         """loops=batches: network k's next full batch of weak pairs and its loss (None when there is none)."""
+        if self.options.weak_loop == "none":
+            return None
         batch = self.weak_batches[k].next()
         if batch is None:
             return None

@@ -104,6 +104,7 @@ def _nullable(values: np.ndarray) -> np.ndarray:
 PAPER_EPOCHS, PAPER_WARMUP, PAPER_QC_AFTER, PAPER_N_AFTER = 45, 5, 15, 20  # [C]: 5 warm-up + 40; quasi-clean
 # pairs from co-training epoch 10 (after 15 epochs in all), noisy ones from co-training epoch 15 (after 20)
 BATCH_SOURCES = ("loaders", "rows")
+EPOCH_LENGTHS = ("subset", "all")
 
 
 @dataclass
@@ -122,6 +123,8 @@ class SpsOptions:
     proxy_gamma: float = setting(1.0, FINITE)  # Eq. 12 (the paper gives no values)
     proxy_beta: float = setting(5.0, FINITE)
     batches: str = "loaders"  # loaders [C]: each kind in full batches of its own; rows: the rows of one batch
+    epoch: str = "subset"  # batches=loaders: an epoch is one pass over the reliable pairs [C]; all: as many
+    # iterations as a pass over every pair (plain training's steps), the reliable pairs re-read to fill them
     gmm_max_iter: int = setting(10, COUNT)  # [C]
     gmm_tol: float = setting(1e-2, above(0))  # [C]
     gmm_reg_covar: float = setting(5e-4, above(0))  # [C]
@@ -133,6 +136,7 @@ class SpsOptions:
         check_choice(self.proxy_label, PROXY_LABELS, "proxy_label", "proxy label")
         check_choice(self.constraint_on, CONSTRAINT_ON, "constraint_on", "constraint matrix")
         check_choice(self.batches, BATCH_SOURCES, "batches", "batch source")
+        check_choice(self.epoch, EPOCH_LENGTHS, "epoch", "epoch length")
 
     @staticmethod
     def check_schedule(warmup: int | None, e_qc: int | None, e_n: int | None) -> None:
@@ -262,6 +266,10 @@ class Sps(Method):
         if self.partition is None:
             return self.index.size
         return int(np.sum(self.partition[self.networks[0].trains_on] == RELIABLE))
+
+    def epoch_span(self) -> int | None:
+        """epoch=all: the reliable pairs fill as many iterations as a pass over every pair."""
+        return self.index.size if self.loaders and self.options.epoch == "all" else None
 
     # ------------------------------------------------------------------ per step
 
