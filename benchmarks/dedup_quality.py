@@ -34,8 +34,9 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from pairclean.data.manifest import open_dataset
-from pairclean.data.reader import raise_failure, read_samples
+from pairclean.data.dataset import open_dataset
+from pairclean.data.reading.tar import read_samples
+from pairclean.data.spec import raise_failure
 from pairclean.dedup import DedupConfig, dedup
 from pairclean.dedup.evaluation import evaluate_dedup
 from pairclean.dedup.run import DEFAULT_THRESHOLD

@@ -24,8 +24,8 @@ import torch
 
 from pairclean.backends import load_target
 from pairclean.backends.base import autocast_context
-from pairclean.data.manifest import open_dataset
-from pairclean.data.reader import modalities
+from pairclean.data.dataset import open_dataset
+from pairclean.data.spec import modalities
 from pairclean.train.data import TrainBatches
 from pairclean.train.loss import weighted_infonce
 from pairclean.train.trainer import TrainConfig, train
@@ -36,12 +36,12 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def model_only(args, spec) -> dict:
+def model_only(args, dataset) -> dict:
     """Steps per second of plain InfoNCE training on one batch held on the device."""
     torch.manual_seed(0)
     target = load_target(args.model, args.pretrained, device=args.device)
-    left, right = modalities(spec.pair)
-    batch = next(iter(TrainBatches(spec, target.preparer, args.batch_size, seed=0)))
+    left, right = modalities(dataset.spec.pair)
+    batch = next(iter(TrainBatches(dataset, target.preparer, args.batch_size, seed=0)))
     inputs = [batch["left"], batch["right"]]
     optimizer = torch.optim.AdamW([p for p in target.module.parameters() if p.requires_grad], lr=1e-5)
 
@@ -69,12 +69,12 @@ def model_only(args, spec) -> dict:
             "device": str(target.device)}
 
 
-def end_to_end(args, spec, out: Path) -> dict:
+def end_to_end(args, dataset, out: Path) -> dict:
     cfg = TrainConfig(model=args.model, pretrained=args.pretrained, device=args.device, precision=args.precision,
                       batch_size=args.batch_size, workers=args.workers, epochs=1, lr=1e-5, warmup_steps=1,
                       overwrite=True, seed=0)
     called = time.perf_counter()
-    result = train(spec, out, cfg)
+    result = train(dataset, out, cfg)
     record = result.epochs[0]
     return {"pairs": record["pairs"], "steps": record["steps"], "epoch_seconds": record["seconds"],
             "pairs_per_second": record["pairs_per_second"], "data_seconds_per_step": record["data_seconds_per_step"],
@@ -96,11 +96,11 @@ def main() -> None:
     parser.add_argument("--min-seconds", type=float, default=10.0)
     parser.add_argument("--json", help="write the figures here")
     args = parser.parse_args()
-    spec = open_dataset(args.shards)
+    dataset = open_dataset(args.shards)
     load = os.getloadavg()[0]
-    ceiling = model_only(args, spec)
+    ceiling = model_only(args, dataset)
     with tempfile.TemporaryDirectory(prefix="pairclean-train-bench-") as tmp:
-        e2e = end_to_end(args, spec, Path(tmp) / "run")
+        e2e = end_to_end(args, dataset, Path(tmp) / "run")
     report = {"model_only": ceiling, "end_to_end": e2e,
               "end_to_end_over_model_only": e2e["pairs_per_second"] / ceiling["pairs_per_second"],
               "config": {k: v for k, v in vars(args).items() if k != "json"}, "torch": torch.__version__,

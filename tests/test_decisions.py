@@ -15,11 +15,11 @@ import pytest
 from pairclean.cli import main
 from pairclean.core.null import NullCalibration
 from pairclean.core.scorer import null_partners
-from pairclean.data.manifest import open_dataset
+from pairclean.data.dataset import open_dataset
 from pairclean.scores.contract import read_provenance, read_summary
 from pairclean.scores.evaluation import expected_calibration_error
 from pairclean.scores.rules import FitContext, parse_rule
-from pairclean.data.formats.embeddings import write_embeddings
+from pairclean.data.embeddings import write_embeddings
 from pairclean.scoring.model import score
 
 DIM, PAIRS = 16, 600

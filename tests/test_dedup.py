@@ -15,7 +15,7 @@ import pyarrow.parquet as pq
 import pytest
 from helpers import run_cli
 
-from pairclean.data.formats.embeddings import write_embeddings
+from pairclean.data.embeddings import write_embeddings
 from pairclean.dedup import DedupConfig, dedup
 from pairclean.dedup.kmeans import nearest_centroid, train_kmeans
 from pairclean.dedup.pairwise import cluster_duplicates
@@ -277,7 +277,7 @@ def test_faiss_backend_without_faiss_is_refused(world, tmp_path):
 def test_datacomp_npz_gives_the_rows_of_the_same_vectors_and_parquet_is_refused(world, tmp_path, capsys):
     """eco's readers: DataComp's metadata/ (.npz members read by row in place) dedups like the same
     vectors in clip-retrieval's layout; Parquet embedding columns cannot be read by row and are refused."""
-    from pairclean.data.formats.embeddings import open_embeddings
+    from pairclean.data.embeddings import open_embeddings
 
     _, emb, _, _ = world
     spec = open_embeddings(str(emb))

@@ -13,8 +13,9 @@ import pytest
 from helpers import run_cli
 from PIL import Image
 
-from pairclean.data.manifest import open_dataset
-from pairclean.data.reader import raise_failure, read_samples
+from pairclean.data.dataset import open_dataset
+from pairclean.data.reading.tar import read_samples
+from pairclean.data.spec import raise_failure
 from pairclean.dedup.evaluation import evaluate_dedup
 from pairclean.errors import ConfigError, UserError
 from pairclean.lab.duplicates import plant_duplicates
@@ -28,8 +29,8 @@ def world(tmp_path_factory):
     return root / "world"
 
 
-def samples(spec) -> dict[str, dict]:
-    return {s.key: s.members for shard in spec.shards for s in read_samples(shard, raise_failure)}
+def samples(dataset) -> dict[str, dict]:
+    return {s.key: s.members for shard in dataset.spec.shards for s in read_samples(shard, raise_failure)}
 
 
 def test_every_kind_is_planted_with_its_truth(world, tmp_path):

@@ -15,12 +15,12 @@ import pytest
 
 from pairclean.scoring import embeddings
 from pairclean.cli import main
-from pairclean.data.formats.embeddings import iter_batches, open_embeddings, write_embeddings
+from pairclean.data.embeddings import open_embeddings, write_embeddings
 from pairclean.scoring.embeddings import EmbeddingScoreConfig, random_embeddings_beta, score_embeddings
 from pairclean.errors import UserError
 from pairclean.scores.contract import SCORES_SCHEMA, read_provenance
 from pairclean.core.scorer import cosine_similarity
-from pairclean.scoring.parts import parts_dir_for
+from pairclean.runs import parts_dir_for
 
 DIM = 16
 
@@ -211,7 +211,7 @@ def test_batches_are_bounded_and_unit_chunks_cover_every_row_once(tmp_path):
     assert [u.rsplit("#rows=", 1)[1] for u in units] == ["0-40", "40-80", "80-103"]
     seen = []
     for unit in units:
-        for batch in iter_batches(spec, unit, 16):
+        for batch in spec.batches(unit, 16):
             left, right = batch.rows.arrays()
             assert len(batch.index) <= 16 and left.shape == right.shape == (len(batch.index), DIM)
             np.testing.assert_array_equal(left, spec_left[batch.index])

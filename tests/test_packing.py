@@ -16,7 +16,7 @@ import webdataset as wds
 from PIL import Image
 
 from pairclean.scoring.model import GROUP_BATCHES, ScoreConfig, pack_units, score
-from pairclean.scoring.parts import parts_dir_for
+from pairclean.runs import parts_dir_for
 
 
 def _small_jpegs(coco_src: Path) -> list[bytes]:

@@ -186,7 +186,7 @@ def test_render_fills_each_field_once_by_the_values_type():
 def test_every_page_template_is_filled_by_render_alone():
     """The templates use `{{field}}` only, and nothing but curate/pages.py escapes HTML or fills a
     template: a new page goes through `curate.pages.render`."""
-    from pairclean.conventions import sources
+    from conventions import sources
 
     root = Path(__file__).parent.parent
     for template in (root / "pairclean").rglob("*.html"):

@@ -14,10 +14,10 @@ from pairclean.cli import main
 from pairclean.lab.coco import read_pairs
 from pairclean.errors import UserError
 from pairclean.scores.contract import read_provenance
-from pairclean.data.manifest import DatasetSpec, open_dataset
+from pairclean.data.dataset import Dataset, as_dataset, open_dataset
 from pairclean.data.writer import write_shards
 from pairclean.scoring.model import score
-from pairclean.data.reader import RawPair, list_units, read_unit
+from pairclean.data.spec import DatasetSpec, RawPair
 from pairclean.lab.synth.world import png_bytes, render, sample_scene
 from pairclean.lab.toy_pairs import build_toy_pairs, second_view
 
@@ -56,8 +56,9 @@ def mixed(tmp_path_factory, coco_src) -> dict:
     return {"rows": rows, "wds": str(root / "wds"), "parquet": str(root / "kinds.parquet")}
 
 
-def _read_all(spec: DatasetSpec) -> list[RawPair]:
-    return [item for unit in list_units(spec) for item in read_unit(spec, unit) if isinstance(item, RawPair)]
+def _read_all(source: Dataset | DatasetSpec) -> list[RawPair]:
+    dataset = as_dataset(source)
+    return [item for unit in dataset.units() for item in dataset.read(unit) if isinstance(item, RawPair)]
 
 
 @pytest.mark.parametrize("fmt", ["wds", "parquet"])
@@ -129,9 +130,9 @@ def test_toy_pairs_carry_their_mismatches_in_a_truth_file(kind, tmp_path):
     main(["synth", "toy-pairs", kind, "--out", str(tmp_path / kind), "--pairs", "24", "--seed", "3", "--noise", "0.5",
           "--shard-size", "10"])
     read = open_dataset(str(tmp_path / kind / "manifest.yaml"))
-    assert read.pair == kind and len(read.shards) == 3
+    assert read.spec.pair == kind and len(read.spec.shards) == 3
     pairs = _read_all(read)
-    truth = pq.read_table(read.truth).to_pydict()
+    truth = pq.read_table(read.spec.truth).to_pydict()
     assert [p.key for p in pairs] == truth["key"] and all(p.error is None for p in pairs)
     assert [p.shard for p in pairs] == truth["shard"] and [p.index for p in pairs] == truth["index"]
     own = [sample_scene(3, i) for i in range(24)]

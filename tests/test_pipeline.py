@@ -90,7 +90,7 @@ def test_a_device_decoder_of_another_version_does_not_resume_the_run_it_did_not_
 
 def test_training_batches_carry_uint8_pixels_that_the_target_normalises(coco_shards):
     from pairclean.backends import load_target
-    from pairclean.data.manifest import open_dataset
+    from pairclean.data.dataset import open_dataset
     from pairclean.train.data import TrainBatches
 
     torch.manual_seed(0)

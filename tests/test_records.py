@@ -15,7 +15,7 @@ import pyarrow.parquet as pq
 import pytest
 from helpers import exit_code, run_cli
 
-from pairclean.data.formats.embeddings import SavedEmbeddings, read_saved_provenance
+from pairclean.data.embeddings import SavedEmbeddings, read_saved_provenance
 from pairclean.data.record import DatasetRecord, FileFingerprint
 from pairclean.ops.records import RecordError
 from pairclean.scores.contract import METADATA_KEY, SUMMARY_KEY, Provenance, Summary, read_metadata

@@ -18,7 +18,7 @@ from pairclean.cli import main
 from pairclean.errors import UserError
 from pairclean.scores.contract import SCORES_SCHEMA, Provenance, read_provenance, read_summary
 from pairclean.scores.rules import DEFAULT_RULES, REGISTRY, FitContext, build_rules, parse_rule, recorded_rules
-from pairclean.data.formats.embeddings import write_embeddings
+from pairclean.data.embeddings import write_embeddings
 from pairclean.scoring.embeddings import EmbeddingScoreConfig
 from pairclean.scoring.model import ScoreConfig
 

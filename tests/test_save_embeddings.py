@@ -15,7 +15,7 @@ import pyarrow.parquet as pq
 import pytest
 from helpers import forked, run_cli
 
-from pairclean.data.formats.embeddings import open_embeddings
+from pairclean.data.embeddings import open_embeddings
 from pairclean.scoring.model import ScoreConfig, score
 from pairclean.scores.contract import read_provenance
 

@@ -16,7 +16,7 @@ from pairclean.cli import main
 from pairclean.lab.coco import read_pairs
 from pairclean.scores.contract import read_provenance, run_manifest_path
 from pairclean.scoring.model import score
-from pairclean.scoring.parts import parts_dir_for
+from pairclean.runs import parts_dir_for
 
 
 def _rows(path):

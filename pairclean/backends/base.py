@@ -130,8 +130,7 @@ def check_backend(backend: str, needed: tuple[str, ...] = ()) -> str:
     encodes = BACKENDS[name].modalities
     missing = [m for m in dict.fromkeys(needed) if m not in encodes]
     if missing:
-        from pairclean.data.manifest import PAIR_KINDS
-        from pairclean.data.reader import modalities
+        from pairclean.data.spec import PAIR_KINDS, modalities
 
         kinds = [k for k in PAIR_KINDS if set(modalities(k)) <= set(encodes)]
         raise ConfigError(f"the {name} backend cannot encode {', '.join(missing)}: it encodes {', '.join(encodes)} "

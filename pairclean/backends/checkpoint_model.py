@@ -67,7 +67,7 @@ def checkpoint_models(path: str | Path) -> tuple[list[str], str | None]:
 
     try:
         state = load_state_dict(str(path), weights_only=True)
-    except Exception:
+    except Exception:  # a file torch cannot load as a state dict: nothing to suggest, the caller's error stands
         return [], None
     signature = state_signature(state)
     if signature is None:

@@ -15,8 +15,9 @@ from pairclean.cli.app import app, console
 
 
 @app.command("audit")
-@options.with_dataset
+@options.dataset_options
 def audit_command(
+    ctx: typer.Context,
     scores: Path = typer.Argument(..., help="Scores Parquet written by `pairclean score`."),
     shards: Optional[List[str]] = typer.Option(None, "--shards", help="The scored shards (thumbnails and texts come from "
                                                "them; default: the dataset the scores recorded)."),
@@ -30,11 +31,11 @@ def audit_command(
     per_decile: int = typer.Option(10, help="Without --blind: pairs drawn from each similarity decile (shown lowest "
                                             "first, with their similarity)."),
     seed: int = typer.Option(0, help="Which pairs are drawn (and, with --blind, their order)."),
-    dataset: options.DatasetOptions = options.GIVEN,
     overwrite: bool = typer.Option(False, help="Replace an existing output file."),
     allow_other_dataset: options.AllowOtherDataset = False,
 ) -> None:
     """A self-contained HTML page where a person marks keep / drop (k / d, arrows) and exports the marks."""
+    dataset = options.dataset_given(ctx)
     from pairclean.curate.audit import build_audit
 
     n = build_audit(scores, shards, out, per_decile=per_decile, seed=seed, fields=dataset.given_fields(),

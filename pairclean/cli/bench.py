@@ -123,13 +123,13 @@ def _files(*given: str) -> list[str]:
 
 
 @bench_app.command("score")
-@options.with_dataset
+@options.dataset_options
 def bench_score_command(
+    ctx: typer.Context,
     source: options.Source,
     model: str = typer.Option("ViT-B-32", help="open_clip model name (or a pairclean tiny config)."),
     pretrained: options.Pretrained = "openai",
     backend: options.Backend = "open_clip",
-    dataset: options.DatasetOptions = options.GIVEN,
     device: options.Device = "auto",
     precision: options.Precision = "fp32",
     decode: options.Decode = "fast",
@@ -149,16 +149,17 @@ def bench_score_command(
 ) -> None:
     """Model-only ceiling vs end-to-end `pairclean score` vs a naive loop vs the pipeline alone: pairs/s,
     ratios, peak memory, the main process's CPU per pair by stage."""
+    dataset = options.dataset_given(ctx)
     from pairclean.scoring.bench import bench_score, write_report
     from pairclean.ops.guard import open_output
     from pairclean.scoring.model import ScoreConfig
 
-    spec = dataset.spec(source)
-    target = open_output(json_out, [*source, *spec.shards, *_files(pretrained)], "json", overwrite=overwrite) if json_out is not None else None
+    data = dataset.open(source)
+    target = open_output(json_out, [*source, *data.spec.shards, *_files(pretrained)], "json", overwrite=overwrite) if json_out is not None else None
     cfg = ScoreConfig(model=model, pretrained=pretrained, backend=backend, device=device, precision=precision,
                       decode=decode, compile=compile, batch_size=batch_size, workers=workers, beta_mode=beta_mode,
                       beta_k=beta_k, beta_cache=beta_cache)
-    report = bench_score(spec, cfg, naive_pairs=naive_pairs, min_seconds=min_seconds, repeat=repeat,
+    report = bench_score(data, cfg, naive_pairs=naive_pairs, min_seconds=min_seconds, repeat=repeat,
                          progress=RichProgress(err_console), pipeline_only=pipeline_only)
     for table in report_tables(report):
         print_table(console, table)

@@ -12,7 +12,7 @@ import pairclean.cli.options as options
 from pairclean.cli.app import announce, app, console
 from pairclean.cli.progress import RichProgress
 from pairclean.cli.terminal import print_table
-from pairclean.dedup import DEFAULT_THRESHOLD
+from pairclean.dedup.defaults import DEFAULT_THRESHOLD
 from pairclean.errors import UserError
 
 
@@ -65,9 +65,8 @@ def dedup_command(
     allow_other_dataset: options.AllowOtherDataset = False,
 ) -> None:
     """Semantic deduplication (SemDeDup) of saved embeddings, keeping the copy whose caption matches best."""
-    from pairclean.data.formats.embeddings import open_embeddings
+    from pairclean.data.embeddings import open_embeddings
     from pairclean.dedup.run import DedupConfig, dedup
-    from pairclean.ops.guard import open_output
     from pairclean.scores.contract import is_scores_file
 
     if given := next((s for s in source if is_scores_file(s)), None):
@@ -78,10 +77,9 @@ def dedup_command(
     cfg = DedupConfig(side=side, threshold=threshold, keep=keep, clusters=clusters, sample_per_cluster=sample_per_cluster,
                       iterations=iterations, seed=seed, backend=backend, threads=threads, group_rows=group_rows, overwrite=overwrite,
                       resume=resume, allow_other_dataset=allow_other_dataset, progress=RichProgress(console))
-    target = open_output(out, source, "out", overwrite=None)  # the names given; the run adds the files it reads
     spec = open_embeddings(source, layout, left_field=left_emb_field, right_field=right_emb_field, key_field=key_field,
                            keys=keys)
     announce(spec)
-    result = dedup(spec, target, scores, cfg)
+    result = dedup(spec, out, scores, cfg)  # the run guards `out` against every input, the names given included
     if result.summary:  # under torchrun only rank 0 writes and reports
         print_table(console, summary_table(result))

@@ -20,7 +20,8 @@ from pairclean.config import at_least, check_value
 from pairclean.errors import UserError
 from pairclean.ops.guard import open_output
 from pairclean.scores.contract import column_meanings
-from pairclean.scores.db import ScoresDB, parse_attachments
+from pairclean.config import parse_attachments
+from pairclean.scores.db import ScoresDB, check_attach_name
 
 MAX_SQL_BYTES = 2**20  # a statement read with --file (/dev/zero would never end)
 
@@ -102,7 +103,7 @@ def query_command(
         return
     if (sql is None) == (file is None):
         raise UserError("give the SQL as an argument or with --file, not both")
-    tables = parse_attachments(attach)
+    tables = parse_attachments(attach, check_name=check_attach_name)
     target = open_output(out, [scores, truth, file, *(f for files in tables.values() for f in files)],
                          overwrite=overwrite) if out is not None else None  # before anything is read
     if file is not None:

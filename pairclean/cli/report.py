@@ -14,12 +14,12 @@ from pairclean.errors import word_fields
 
 
 @app.command("report")
-@options.with_dataset
+@options.dataset_options
 def report_command(
+    ctx: typer.Context,
     scores: Path = typer.Argument(..., help="Scores Parquet written by `pairclean score`."),
     out: Path = typer.Option(..., "--out", "-o", help="HTML file to write (self-contained)."),
     shards: Optional[List[str]] = typer.Option(None, "--shards", help="The scored shards or their manifest, for thumbnails (default: the dataset the scores recorded)."),
-    dataset: options.DatasetOptions = options.GIVEN,
     truth: Optional[Path] = typer.Option(None, help="Ground-truth Parquet (key, shard, index, noisy): splits the histogram into clean / noisy."),
     gallery: int = typer.Option(24, help="Lowest-scoring pairs shown."),
     contrast: int = typer.Option(8, help="Highest-scoring pairs shown, for contrast."),
@@ -30,6 +30,7 @@ def report_command(
     allow_other_dataset: options.AllowOtherDataset = False,
 ) -> None:
     """One self-contained HTML report: histogram with beta and GMM boundaries, per-shard statistics, gallery."""
+    dataset = options.dataset_given(ctx)
     from pairclean.curate.report import build_report
 
     result = build_report(scores, out, shards=shards, truth=truth, gallery=gallery, contrast=contrast,

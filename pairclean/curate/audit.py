@@ -32,8 +32,8 @@ from pairclean.scores.db import ScoresDB
 from pairclean.scores.stratified import DESIGN_KEY, DESIGN_VERSION, read_design, whole_number
 from pairclean.scores.sql import sql_string
 from pairclean.curate.pages import Html, ScriptJson, join, render, template
-from pairclean.curate.report.media import fetch_media, media_spec
-from pairclean.data.manifest import Fields
+from pairclean.curate.report.media import fetch_media, media_dataset
+from pairclean.data.spec import Fields
 from pairclean.config import COUNT, INT64_MAX, SEED, declare, within
 from pairclean.errors import ConfigError, UserError
 from pairclean.ops.guard import open_output
@@ -128,16 +128,16 @@ def build_audit(scores: str | Path, shards: list[str] | None, out: str | Path, p
     page draws them as large as the browser window allows."""
     with ScoresDB(scores) as db:
         prov = db.provenance or Provenance()
-        spec, note = media_spec(prov, shards, fields, **dataset_options)
-        if spec is None:
+        dataset, note = media_dataset(prov, shards, fields, **dataset_options)
+        if dataset is None:
             raise ConfigError(note, "shards")
         if from_embeddings(prov):
             db.check_unique_keys()
         design, rows = blind_sample(db, pairs, strata, seed) if blind else (None, stratified_sample(db, per_decile, seed))
     if not rows:
         raise UserError(f"{scores} holds no scored pair to audit")
-    target = open_output(out, [scores, *(shards or []), *spec.input_paths()], overwrite=overwrite)
-    media = fetch_media(spec, rows, thumb, from_embeddings(prov), scored_pairs(prov), allow_other_dataset)
+    target = open_output(out, [scores, *(shards or []), *dataset.input_paths()], overwrite=overwrite)
+    media = fetch_media(dataset, rows, thumb, from_embeddings(prov), scored_pairs(prov), allow_other_dataset)
     shown = ("key", "shard", "index", "stratum") if blind else ("key", "shard", "index", "sim", "decile")
     items = [{name: (round(float(r[name]), 4) if name == "sim" else int(r[name]) if name in ("index", "decile",
                                                                                             "stratum") else r[name])

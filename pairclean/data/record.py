@@ -1,7 +1,7 @@
 """The dataset a run recorded, and how later commands tell it is still the same dataset.
 
 A scores file (and a saved-embeddings directory) records the dataset it was made from: how to
-open it again (format, sources, field mapping: `DatasetSpec.record`, `reopen_dataset`) and a
+open it again (format, sources, field mapping: `Dataset.record`, `reopen_dataset`) and a
 fingerprint of each file read (size and the SHA-1 of its first 64 KiB, taken when the run
 finished). Two files that record datasets are joined only when the datasets agree, and a
 command that reads the recorded dataset again checks the files it reads: img2dataset names
@@ -20,6 +20,7 @@ import stat
 from dataclasses import dataclass, field
 from typing import Iterable, Iterator
 
+from pairclean.data.spec import PAIR_KINDS, Fields
 from pairclean.errors import ConfigError
 from pairclean.ops.records import Record
 from pairclean.ops.urls import is_local
@@ -99,8 +100,6 @@ class DatasetRecord(Record):
     files: list[FileFingerprint] | None = None  # the files read (shards, sidecars), when the run finished
 
     def problems(self) -> Iterator[tuple[str, str]]:
-        from pairclean.data.manifest import PAIR_KINDS, Fields
-
         if self.pair is not None and self.pair not in PAIR_KINDS:
             yield "pair", f"must be one of {', '.join(PAIR_KINDS)}, got {self.pair!r}"
         known = {*Fields.__dataclass_fields__, "left", "right"}

@@ -10,9 +10,9 @@ copy survives. Here the order is by default the scores file's `sim_debiased`, hi
 copy that carries a wrong caption is the one removed. `keep semdedup` is SemDeDup's own order,
 `keep random` a seeded arbitrary one.
 
-The run, in stages, each committed in the run's parts directory (`OUT.parts/`: the scoring run's
-part store, with its pinned settings, lock, parts and commit records), so a killed run resumes
-where it stopped and ends with the rows an uninterrupted run writes:
+The run, in stages, each committed in the run's parts directory (`OUT.parts/`: the resumable run
+of `runs.open_run`, with its pinned settings, lock, parts and commit records), so a killed run
+resumes where it stopped and ends with the rows an uninterrupted run writes:
 
 1. k-means (rank 0): a uniform sample of `clusters` x `sample_per_cluster` rows -> centroids.npy;
 2. assignment: each unit of rows streamed through the embeddings reader, every vector given its
@@ -35,7 +35,7 @@ import os
 import shutil
 import tempfile
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import ClassVar
 
@@ -46,28 +46,27 @@ import pyarrow.parquet as pq
 import torch
 
 from pairclean import __version__
-from pairclean.dedup import DEFAULT_THRESHOLD
+from pairclean.dedup.defaults import DEFAULT_THRESHOLD
 from pairclean.config import COUNT, SEED, at_least, check_choice, check_settings, pinned_settings, setting, unpinned, within
-from pairclean.data.formats.embeddings import EmbeddingSpec, iter_batches, open_embeddings
-from pairclean.data.units import Unit, unit_fingerprint
+from pairclean.data.embeddings import EmbeddingSource, open_embeddings
+from pairclean.data.units import Unit, unit_shard
 from pairclean.dedup.kmeans import BACKENDS, nearest_centroid, resolve_backend, train_kmeans
 from pairclean.dedup.pairwise import cluster_duplicates
 from pairclean.dedup.vectors import SIDES, Vectors, joined
 from pairclean.errors import ConfigError, UserError
 from pairclean.ops import distributed
-from pairclean.ops.atomic import atomic_path, write_json
+from pairclean.ops.atomic import atomic_path
 from pairclean.ops.faults import fault_point
-from pairclean.ops.guard import Output, open_output
+from pairclean.ops.guard import Output
 from pairclean.ops.notices import notice
 from pairclean.ops.progress import SILENT, Progress
 from pairclean.ops.worker_memory import give_back_freed_memory
 from pairclean.data.record import DatasetRecord, check_same_dataset
 from pairclean.ops.records import Record
-from pairclean.scores.contract import (provenance_metadata, read_metadata, run_manifest_path, scored_pairs,
-                                       summary_metadata, write_run_manifest)
+from pairclean.scores.contract import (READ_BACK, provenance_metadata, read_metadata, scored_pairs, summary_metadata,
+                                       write_run_manifest)
 from pairclean.scores.sql import duckdb_message, sandboxed_connection, sql_string
-from pairclean.scoring.parts import GroupClaims, PartStore, parts_dir_for
-from pairclean.scoring.run import check_unchanged, units_settings
+from pairclean.runs import GroupClaims, PartStore, Run, by_rank, open_run
 
 KEEP_ORDERS = ("cleanest", "semdedup", "random")
 DUCKDB_MEMORY = "512MB"  # the index and finalize queries spill above this, with one DuckDB thread. At
@@ -213,12 +212,12 @@ class DedupResult:
 # -- the run -------------------------------------------------------------------------------------
 
 
-def dedup(source: str | list[str] | EmbeddingSpec, out: str | Path | Output, scores: str | Path | None = None,
+def dedup(source: str | list[str] | EmbeddingSource, out: str | Path | Output, scores: str | Path | None = None,
           config: DedupConfig | None = None) -> DedupResult:
     """Deduplicate the embeddings `source` into `out` (Parquet, one row per input row); resumes an
     interrupted run. `scores`: the scores file whose sim_debiased decides the copy kept (`cleanest`)."""
     cfg = config or DedupConfig()
-    spec = source if isinstance(source, EmbeddingSpec) else open_embeddings(source)
+    spec = source if isinstance(source, EmbeddingSource) else open_embeddings(source)
     distributed.init_from_env(device_type="cpu")
     progress = cfg.progress if distributed.is_main() else SILENT
     scores = Path(scores) if scores is not None else None
@@ -227,21 +226,19 @@ def dedup(source: str | list[str] | EmbeddingSpec, out: str | Path | Output, sco
         check_same_dataset(scored_pairs(read_metadata(scores)[0]), spec.pairs, f"the scores file {scores}",
                            cfg.allow_other_dataset, other="the embeddings")
     vectors = Vectors(spec, cfg.side)
-    # The run also keeps its parts directory and run manifest beside the output: neither may touch an input.
-    target = open_output(out, (), "out", overwrite=None)
-    target = open_output(target, [*spec.sources, *spec.inputs(), scores],
-                         companions=[parts_dir_for(target.path), run_manifest_path(target.path)])
-    out = target.path
     units = spec.units(cfg.unit_rows)
     backend = resolve_backend(cfg.backend)
-    store = PartStore(parts_dir_for(out))
     settings = {**pinned_settings(cfg), "backend": backend, "layout": spec.layout, "rows": vectors.rows,
-                "dim": vectors.dim, "scores": _identity(scores), **units_settings(units)}
-    finished = distributed.on_main(lambda: store.finished(out, settings, overwrite=cfg.overwrite, resume=cfg.resume))
+                "dim": vectors.dim, "scores": _identity(scores)}
+    # The output (with its parts directory and run manifest beside it) may touch no input.
+    run = open_run(out, [*spec.sources, *spec.inputs(), scores], settings, units, READ_BACK, unit_shard,
+                   overwrite=cfg.overwrite, resume=cfg.resume)
+    out, store = run.out, run.store
+    finished = distributed.on_main(run.finished)
     if finished:
         return DedupResult(out, read_dedup_metadata(out)[1], 0.0, True, already_complete=True)
     started = time.perf_counter()
-    resumed = distributed.on_main(lambda: _begin(store, out, settings, units, cfg))
+    resumed = distributed.on_main(lambda: _begin(run))
     seconds = {}
     intra_op = torch.get_num_threads()
     torch.set_num_threads(cfg.threads or intra_op)
@@ -251,14 +248,14 @@ def dedup(source: str | list[str] | EmbeddingSpec, out: str | Path | Output, sco
         centroids = np.load(store.dir / "centroids.npy")
         seconds["kmeans"] = time.perf_counter() - tick
         tick = time.perf_counter()
-        _assign(store, units, vectors, centroids, backend, cfg, progress)
+        _assign(run, units, vectors, centroids, backend, cfg, progress)
         distributed.barrier()
         seconds["assign"] = time.perf_counter() - tick
         tick = time.perf_counter()
         index = distributed.on_main(lambda: _index(store, units, scores, cfg, progress))
         seconds["index"] = time.perf_counter() - tick
         tick = time.perf_counter()
-        _clusters(store, index, vectors, cfg, progress)
+        _clusters(run, index, vectors, cfg, progress)
         distributed.barrier()
         seconds["clusters"] = time.perf_counter() - tick
     finally:
@@ -266,26 +263,20 @@ def dedup(source: str | list[str] | EmbeddingSpec, out: str | Path | Output, sco
         torch.set_num_threads(intra_op)
     if not distributed.is_main():
         return DedupResult(out, None, time.perf_counter() - started, resumed)
-    records = store.committed()
+    records = run.committed().values()
     provenance = DedupProvenance(
         kind=DedupProvenance.kind_written, pairclean_version=__version__, input=spec.sources, layout=spec.layout,
         embeddings=spec.record(), embedding_dim=spec.dim, side=cfg.side, threshold=cfg.threshold,
         eps=1 - cfg.threshold, keep=cfg.keep, scores=str(scores) if scores else None, seed=cfg.seed, backend=backend,
         kmeans=kmeans, scores_join=index.scores_join, world_size=distributed.world_size(),
-        work_by_rank={stage: _by_rank(records, stage) for stage in ("assign", "clusters")})
-    summary = _finalize(store, units, index, target, provenance, seconds, progress)
-    store.remove()
+        work_by_rank={stage: by_rank(r for r in records if r.get("stage") == stage) for stage in ("assign", "clusters")})
+    summary = _finalize(run, units, index, provenance, seconds, progress)
+    run.close()
     if summary.share_removed > CROWDED:
         notice(f"{summary.share_removed:.0%} of the rows were removed at threshold {cfg.threshold}: in this "
                "embedding space most rows have a neighbour that close; look at the distribution of nearest_sim "
                "and raise `threshold` (docs/dedup.md)", "threshold")
     return DedupResult(out, summary, time.perf_counter() - started, resumed)
-
-
-def _by_rank(records: dict[str, dict], stage: str) -> dict[str, int]:
-    """Parts of a stage, by the torchrun rank that committed them (a resumed job's earlier runs included)."""
-    ranks = [r["rank"] for r in records.values() if r.get("stage") == stage and "rank" in r]
-    return {str(r): ranks.count(r) for r in sorted(set(ranks))}
 
 
 def _check_scores(scores: Path | None, keep: str) -> None:
@@ -314,19 +305,19 @@ def _identity(path: Path | None) -> dict | None:
     return {"path": os.path.realpath(path), "size": info.st_size, "mtime_ns": info.st_mtime_ns}
 
 
-def _begin(store: PartStore, out: Path, settings: dict, units: list[str], cfg: DedupConfig) -> bool:
-    start = store.begin(out, settings, units, overwrite=cfg.overwrite, resume=cfg.resume)
-    check_unchanged({u: r for u, r in store.committed().items() if u in set(units)})
-    for stage in ("assign", "clusters"):  # claims of a dead run: cleared while the run lock is held
-        shutil.rmtree(store.dir / f"claims-{stage}", ignore_errors=True)
-        (store.dir / f"claims-{stage}").mkdir()
-    return start.resumed
+def _begin(run: Run) -> bool:
+    """Rank 0: start or resume the run; the claims of a dead run are cleared while the lock is held."""
+    started = run.begin()
+    for stage in ("assign", "clusters"):
+        run.claims(f"claims-{stage}")
+    return started.resumed
 
 
 # -- stage 1: k-means on a sample -------------------------------------------------------------
 
 
-def _centroids(store: PartStore, vectors: Vectors, cfg: DedupConfig, backend: str, progress: Progress) -> dict:
+def _centroids(store: PartStore, vectors: Vectors, cfg: DedupConfig, backend: str,
+               progress: Progress) -> KMeansRecord:
     record = store.dir / "kmeans.json"
     if record.is_file() and (store.dir / "centroids.npy").is_file():
         return KMeansRecord.read(record)
@@ -348,26 +339,24 @@ def _centroids(store: PartStore, vectors: Vectors, cfg: DedupConfig, backend: st
             np.save(fh, centroids)
     info = KMeansRecord(clusters=k, sample=int(len(sample)), iterations=cfg.iterations, backend=backend,
                         seconds=round(time.perf_counter() - began, 3))
-    write_json(record, info.to_json(), temp_dir=store.dir)
+    store.write_record(record.name, info.to_json())
     return info
 
 
 # -- stage 2: every vector's nearest centroid -------------------------------------------------
 
 
-def _assign(store: PartStore, units: list[str], vectors: Vectors, centroids: np.ndarray, backend: str,
+def _assign(run: Run, units: list[str], vectors: Vectors, centroids: np.ndarray, backend: str,
             cfg: DedupConfig, progress: Progress) -> None:
-    done = set(store.committed())
-    claims = GroupClaims(store.dir / "claims-assign")
+    done = set(run.committed())
+    claims = GroupClaims(run.store.dir / "claims-assign")
     began, rows = time.perf_counter(), 0
     with progress.task("assigning", total=len(units), completed=sum(u in done for u in units), pairs=0) as task:
         for number, unit in enumerate(units):
             if unit in done or not claims.claim(number):
                 continue
             table = _assign_unit(unit, vectors, centroids, backend, cfg.batch_rows)
-            store.commit_table(unit, table, {"stage": "assign", "rank": distributed.rank(),
-                                             "fingerprint": unit_fingerprint(unit),
-                                             "usable": table.num_rows - table.column("cluster").null_count})
+            run.commit(unit, table, {"stage": "assign", "usable": table.num_rows - table.column("cluster").null_count})
             rows += table.num_rows
             elapsed = time.perf_counter() - began
             task.update(advance=1, pairs=rows, rate=rows / elapsed if elapsed else 0.0)
@@ -376,7 +365,7 @@ def _assign(store: PartStore, units: list[str], vectors: Vectors, centroids: np.
 def _assign_unit(unit: str, vectors: Vectors, centroids: np.ndarray, backend: str, batch_rows: int) -> pa.Table:
     first = vectors.unit_start(Unit.parse(unit).path, 0)
     tables = []
-    for batch in iter_batches(vectors.spec, unit, batch_rows):
+    for batch in vectors.spec.batches(unit, batch_rows):
         keys, shards, index = batch.identity()
         sides, usable = vectors.batch(batch)
         labels, sims = nearest_centroid(joined(sides)[usable], centroids, backend)
@@ -421,7 +410,8 @@ def _scores_join(con, scores: Path | None) -> tuple[str | None, str]:
                     "index and key, or a unique key): give the scores of these embeddings")
 
 
-def _index(store: PartStore, units: list[str], scores: Path | None, cfg: DedupConfig, progress: Progress) -> dict:
+def _index(store: PartStore, units: list[str], scores: Path | None, cfg: DedupConfig,
+           progress: Progress) -> IndexRecord:
     record = store.dir / "index.json"
     if record.is_file():
         return IndexRecord.read(record)
@@ -453,7 +443,7 @@ def _index(store: PartStore, units: list[str], scores: Path | None, cfg: DedupCo
         con.close()
         shutil.rmtree(spill, ignore_errors=True)
     index = IndexRecord(groups=groups, scores_join=join, scored_rows=int(scored), clusters_used=len(counts))
-    write_json(record, index.to_json(), temp_dir=store.dir)  # last: the stage is done
+    store.write_record(record.name, index.to_json())  # last: the stage is done
     return index
 
 
@@ -499,9 +489,9 @@ def _write_groups(store: PartStore, groups: list[ClusterGroup], reader: pa.Recor
 # -- stage 4: duplicates inside each cluster --------------------------------------------------
 
 
-def _clusters(store: PartStore, index: IndexRecord, vectors: Vectors, cfg: DedupConfig, progress: Progress) -> None:
-    done = set(store.committed())
-    claims = GroupClaims(store.dir / "claims-clusters")
+def _clusters(run: Run, index: IndexRecord, vectors: Vectors, cfg: DedupConfig, progress: Progress) -> None:
+    done = set(run.committed())
+    claims = GroupClaims(run.store.dir / "claims-clusters")
     groups = index.groups
     names = [f"{CLUSTERS_UNIT}{g}" for g in range(len(groups))]
     began, rows = time.perf_counter(), 0
@@ -509,10 +499,10 @@ def _clusters(store: PartStore, index: IndexRecord, vectors: Vectors, cfg: Dedup
         for number, name in enumerate(names):
             if name in done or not claims.claim(number):
                 continue
-            table = _cluster_group(pq.read_table(_group_path(store, number)), vectors, cfg)
+            table = _cluster_group(pq.read_table(_group_path(run.store, number)), vectors, cfg)
             give_back_freed_memory()
-            store.commit_table(name, table, {"stage": "clusters", "rank": distributed.rank(),
-                                             "removed": table.num_rows - _count_true(table.column("kept"))})
+            run.commit(name, table, {"stage": "clusters", "removed": table.num_rows - _count_true(table.column("kept"))},
+                       fingerprint=False)
             rows += table.num_rows
             elapsed = time.perf_counter() - began
             task.update(advance=1, pairs=rows, rate=rows / elapsed if elapsed else 0.0)
@@ -550,19 +540,17 @@ def _cluster_group(group: pa.Table, vectors: Vectors, cfg: DedupConfig) -> pa.Ta
 # -- stage 5: one file in input order ---------------------------------------------------------
 
 
-def _finalize(store: PartStore, units: list[str], index: IndexRecord, target: Output, provenance: DedupProvenance,
+def _finalize(run: Run, units: list[str], index: IndexRecord, provenance: DedupProvenance,
               seconds: dict[str, float], progress: Progress) -> DedupSummary:
     """Write OUT (and OUT.run.json) from the parts; its summary counts the rows as they are written.
     `seconds`: the stages' times in this process (a resumed run's earlier work is not in them)."""
-    out = target.path
+    out, store = run.out, run.store
     progress.note(f"writing {out}")
     assigned = ", ".join(sql_string(store.part_path(u)) for u in units)
     clustered = ", ".join(sql_string(store.part_path(f"{CLUSTERS_UNIT}{g}")) for g in range(len(index.groups)))
     spill = Path(tempfile.mkdtemp(prefix="pairclean-dedup-", dir=store.dir))
     con = sandboxed_connection(spill, directories=[store.dir], memory_limit=DUCKDB_MEMORY, threads=1)
-    run = store.run_info()
-    provenance = replace(provenance, run_id=run.run_id, settings_sha1=store.settings_sha1(),
-                         finished_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+    provenance = replace(provenance, **asdict(run.identity()))
     schema = DEDUP_SCHEMA.with_metadata(provenance_metadata(provenance))
     counts = {"rows": 0, "usable": 0, "in_groups": 0, "removed": 0}
     try:
@@ -577,7 +565,7 @@ def _finalize(store: PartStore, units: list[str], index: IndexRecord, target: Ou
                    n."index" AS nearest_index, c.nearest_sim
             FROM a LEFT JOIN c ON a.row = c.row LEFT JOIN a AS n ON n.row = c.nearest_row
             ORDER BY a.row""").to_arrow_reader(65536)
-        with target.write(temp_dir=store.dir, no_clobber=not run.replaces_output) as tmp:
+        with run.write_output() as tmp:
             with pq.ParquetWriter(tmp, schema, compression="zstd") as writer:
                 for batch in reader:
                     table = pa.Table.from_batches([batch]).cast(schema)

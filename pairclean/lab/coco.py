@@ -16,7 +16,8 @@ import pyarrow.parquet as pq
 
 from pairclean.config import COUNT, SEED, declare
 from pairclean.errors import ConfigError
-from pairclean.data.manifest import DatasetSpec, write_manifest
+from pairclean.data.manifest import write_manifest
+from pairclean.data.spec import DatasetSpec
 from pairclean.data.writer import write_shards
 from pairclean.ops.guard import open_output
 

@@ -20,11 +20,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pairclean.core.mixture import FittedMixture
-from pairclean.data.manifest import PAIR_KINDS
+from pairclean.data.spec import PAIR_KINDS
 from pairclean.data.record import DatasetRecord
 from pairclean.errors import UserError
 from pairclean.ops.atomic import write_json
 from pairclean.ops.records import Json, Record
+from pairclean.runs.store import ReadBack, WrittenBy
 from pairclean.scores.rules import DEFAULT_RULES, REGISTRY, DecisionRule, RuleRecord, recorded_rules
 
 BASE_COLUMNS = [
@@ -307,7 +308,7 @@ def read_metadata(scores: str | Path, provenance_type: type[Record] = Provenance
 
 def run_identity(out: str | Path) -> tuple[str | None, str | None]:
     """(run id, settings digest) of an output a pairclean run wrote (scores or dedup), or (None,
-    None): what tells a finished run's output from another (`scoring.parts.PartStore.finished`)."""
+    None): what tells a finished run's output from another (`runs.store.PartStore.finished`)."""
     try:
         raw = json.loads(_metadata(out)[0].get(METADATA_KEY, b"null"))
     except Exception:  # not Parquet, or not written by pairclean
@@ -318,6 +319,16 @@ def run_identity(out: str | Path) -> tuple[str | None, str | None]:
     return (run_id if isinstance(run_id, str) else None), (digest if isinstance(digest, str) else None)
 
 
+
+def written_by(out: Path) -> WrittenBy | None:
+    """The run a pairclean output (scores, dedup) records in its footer; None for any other file."""
+    run_id, digest = run_identity(out)
+    return None if run_id is None and digest is None else WrittenBy(run_id, digest)
+
+
+# How a resumable run (`runs.open_run`) reads back the outputs written with this footer.
+READ_BACK = ReadBack(written_by, run_manifest_path)
+
 def is_scores_file(path: str | Path) -> bool:
     """A Parquet file `pairclean score` wrote (it carries a provenance; whether that is valid is
     checked when it is read)."""
@@ -326,7 +337,7 @@ def is_scores_file(path: str | Path) -> bool:
             return False
         raw = _metadata(path)[0].get(METADATA_KEY)
         return raw is not None and _kind(json.loads(raw)) is None
-    except Exception:
+    except Exception:  # noqa: BLE001 - any file a user names: one that pyarrow or JSON cannot read is not one
         return False
 
 

@@ -97,30 +97,11 @@ def check_attach_name(name: str, field: str = "attach") -> str:
     return name
 
 
-def parse_attachments(values: list[str] | None, field: str = "attach") -> dict[str, list[str]]:
-    """`NAME=FILE` values -> {NAME: files} (a glob names several Parquet files); a malformed value,
-    a reserved name or a name given twice is refused naming `field`."""
-    import glob
-
-    tables: dict[str, list[str]] = {}
-    for value in values or []:
-        name, sep, pattern = value.partition("=")
-        if not sep or not name or not pattern:
-            raise ConfigError(f"`{field}` {value!r}: give NAME=FILE (e.g. meta=out/00000.parquet)", field)
-        check_attach_name(name, field)
-        if name.lower() in {n.lower() for n in tables}:
-            raise ConfigError(f"`{field}` {value!r}: the table {name} is attached twice", field)
-        files = sorted(glob.glob(pattern)) if any(c in pattern for c in "*?[") else [pattern]
-        if not files:
-            raise UserError(f"`{field}` {value!r}: no file matches {pattern}")
-        tables[name] = files
-    return tables
-
-
 def resolve_truth(truth: str | Path) -> Path:
     """The truth Parquet a truth argument names: the file itself, the `truth:` entry of a dataset
     manifest, or that of the manifest in a directory (`pairclean corrupt` writes DIR/manifest.yaml)."""
-    from pairclean.data.manifest import MANIFEST_NAME, load_manifest
+    from pairclean.data.manifest import load_manifest
+    from pairclean.data.spec import MANIFEST_NAME
 
     truth = Path(truth)
     if truth.is_dir():

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, ClassVar
 import numpy as np
 import pyarrow as pa
 
-from pairclean.config import Declared, check_choice, check_value, parse_value, within
+from pairclean.config import Declared, check_choice, check_value, parse_value, split_option, within
 from pairclean.errors import ConfigError, UserError
 from pairclean.ops.records import Record
 from pairclean.scores.sql import sql_identifier
@@ -340,8 +340,8 @@ def parse_rule(spec: str) -> DecisionRule:
     cls = REGISTRY[name]
     options = {}
     for item in filter(None, (part.strip() for part in rest.split(","))):
-        key, eq, value = (part.strip() for part in item.partition("="))
-        if not eq or key not in cls.OPTIONS:
+        key, value = split_option(item) or (None, None)
+        if key not in cls.OPTIONS:
             allowed = ", ".join(cls.OPTIONS) or "none"
             raise ConfigError(f"`rules` {spec!r}: bad option {item!r} (options of {name}: {allowed}; "
                               "write NAME:key=value)", "rules")

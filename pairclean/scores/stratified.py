@@ -140,7 +140,7 @@ def audit_design(truth: str | Path) -> dict | None:
     """The blind audit design a truth Parquet carries (None: not a blind audit's marks)."""
     try:
         metadata = pq.read_schema(truth).metadata or {}
-    except Exception:
+    except Exception:  # not Parquet or unreadable: not an audit's marks (reading the truth names the failure)
         return None
     if DESIGN_KEY not in metadata:
         return None

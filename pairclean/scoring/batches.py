@@ -15,8 +15,8 @@ import torch
 from torch.utils.data import IterableDataset
 
 from pairclean.backends.base import Preparer
-from pairclean.data.manifest import DatasetSpec
-from pairclean.data.reader import UnitFailure, modalities, read_unit
+from pairclean.data.dataset import Dataset
+from pairclean.data.spec import UnitFailure, modalities
 
 
 @dataclass(frozen=True)
@@ -123,9 +123,9 @@ class PreparedBatches(IterableDataset):
     units are read to fill those batches and decoded only when a batch also holds rows to score.
     A batch carries the units whose last row it (or an earlier batch) holds, to be committed."""
 
-    def __init__(self, spec: DatasetSpec, work, preparer: Preparer, batch_size: int):
-        self.spec, self.work, self.preparer, self.batch_size = spec, work, preparer, batch_size
-        self.left, self.right = modalities(spec.pair)
+    def __init__(self, dataset: Dataset, work, preparer: Preparer, batch_size: int):
+        self.dataset, self.work, self.preparer, self.batch_size = dataset, work, preparer, batch_size
+        self.left, self.right = modalities(dataset.spec.pair)
 
     def _prepared(self, rows: _Rows) -> PairBatch | None:
         """The batch with its pairs decoded and collated; None when it holds nothing to score or commit."""
@@ -151,7 +151,7 @@ class PreparedBatches(IterableDataset):
             for unit in group:
                 count = 0
                 failure = None
-                for item in read_unit(self.spec, unit):
+                for item in self.dataset.read(unit):
                     if isinstance(item, UnitFailure):
                         failure = item.reason
                         continue

@@ -44,8 +44,8 @@ from pairclean.backends.inputs import ImageBatch, StandardTransform, TokenBatch
 from pairclean.backends.oom import OomBackoff, batch_rows
 from pairclean.backends.open_clip import OpenClipEstimator
 from pairclean.backends.text_trim import text_buckets
-from pairclean.data.manifest import DatasetSpec, open_dataset
-from pairclean.data.reader import UnitFailure, list_units, modalities, read_unit
+from pairclean.data.dataset import Dataset, as_dataset
+from pairclean.data.spec import DatasetSpec, UnitFailure, modalities
 from pairclean.config import COUNT, at_least, declare
 from pairclean.errors import UserError
 from pairclean.ops.guard import Output, open_output
@@ -170,16 +170,16 @@ class BenchReport:
 
 # ---------------------------------------------------------------- (a) the ceiling
 
-def _batch_plan(spec: DatasetSpec, groups: list[list[str]], batch_size: int, max_pairs: int) -> list[dict[str, list]]:
+def _batch_plan(data: Dataset, groups: list[list[str]], batch_size: int, max_pairs: int) -> list[dict[str, list]]:
     """The valid rows of the data as the pipeline batches them (a group's units as one stream,
     `batch_size` rows counted with error rows), text values kept, image bytes dropped."""
-    left, right = modalities(spec.pair)
+    left, right = modalities(data.spec.pair)
     plan: list[dict[str, list]] = []
     seen = 0
     for group in groups:
         rows, count = {"left": [], "right": []}, 0
         for unit in group:
-            for item in read_unit(spec, unit):
+            for item in data.read(unit):
                 if isinstance(item, UnitFailure):
                     continue
                 if item.error is None:
@@ -209,12 +209,12 @@ def ceiling_pixels(estimator, n: int, generator: torch.Generator) -> torch.Tenso
     return torch.randint(0, 256, (n, size, size, 3), dtype=torch.uint8, generator=generator).permute(0, 3, 1, 2)
 
 
-def measure_ceiling(estimator, spec: DatasetSpec, batch_size: int, min_seconds: float,
+def measure_ceiling(estimator, data: Dataset, batch_size: int, min_seconds: float,
                     max_pairs: int = 8192, groups: list[list[str]] | None = None) -> Phase:
     """Encode in-memory batches shaped like the data's until `min_seconds` have passed (one pass
     at least); `groups`: the run's packing of the units (default: one unit each)."""
-    left, right = modalities(spec.pair)
-    plan = _batch_plan(spec, groups or [[u] for u in list_units(spec)], batch_size, max_pairs)
+    left, right = modalities(data.spec.pair)
+    plan = _batch_plan(data, groups or [[u] for u in data.units()], batch_size, max_pairs)
     if not plan:
         raise UserError("no valid pair in the given shards to benchmark on")
     generator = torch.Generator().manual_seed(0)
@@ -309,10 +309,10 @@ def _text_trim_gain(estimator, left: str, right: str, batches) -> dict:
 
 # ---------------------------------------------------------------- worker cost per pair
 
-def _sample_items(spec: DatasetSpec, max_items: int) -> list:
+def _sample_items(data: Dataset, max_items: int) -> list:
     items = []
-    for unit in list_units(spec):
-        for item in read_unit(spec, unit):
+    for unit in data.units():
+        for item in data.read(unit):
             if not isinstance(item, UnitFailure) and item.error is None:
                 items.append(item)
             if len(items) >= max_items:
@@ -320,13 +320,13 @@ def _sample_items(spec: DatasetSpec, max_items: int) -> list:
     return items
 
 
-def measure_prepare_cost(estimator, spec: DatasetSpec, max_items: int = 64, preparers: dict | None = None) -> dict[str, float]:
+def measure_prepare_cost(estimator, data: Dataset, max_items: int = 64, preparers: dict | None = None) -> dict[str, float]:
     """CPU milliseconds a DataLoader worker spends per pair on each side (decode + preprocess for
     images, tokenising for texts, collation), on this thread's CPU clock with one torch thread as
     in a worker, so a busy machine does not inflate it. For open_clip, full decode ("exact") too;
     `preparers`: label -> preparer to measure instead."""
-    left, right = modalities(spec.pair)
-    items = _sample_items(spec, max_items)
+    left, right = modalities(data.spec.pair)
+    items = _sample_items(data, max_items)
     if not items:
         return {}
     if preparers is None:
@@ -355,7 +355,7 @@ def measure_prepare_cost(estimator, spec: DatasetSpec, max_items: int = 64, prep
 
 # ---------------------------------------------------------------- (b) end to end
 
-def measure_end_to_end(estimator, spec: DatasetSpec, cfg: ScoreConfig, workdir: Path) -> Phase:
+def measure_end_to_end(estimator, data: Dataset, cfg: ScoreConfig, workdir: Path) -> Phase:
     """`score()` on the shards, its main process metered stage by stage (`extra["meter"]`: on a GPU,
     where the host waited - for the workers in `receive`, for the device in `sink` - tells which
     side bounds the run)."""
@@ -366,7 +366,7 @@ def measure_end_to_end(estimator, spec: DatasetSpec, cfg: ScoreConfig, workdir: 
     cpu0 = cpu_seconds()
     with PeakMemory() as mem, GpuBusy(estimator.device) as busy:
         started = time.perf_counter()
-        result = score(spec, out, replace(cfg, overwrite=True, progress=SILENT), estimator=estimator, meter=meter)
+        result = score(data, out, replace(cfg, overwrite=True, progress=SILENT), estimator=estimator, meter=meter)
         whole = time.perf_counter() - started
     cpu = cpu_seconds() - cpu0  # the whole call: beta (none with shuffled/fixed/cached) and finalize included
     s = result.summary
@@ -382,10 +382,10 @@ def measure_end_to_end(estimator, spec: DatasetSpec, cfg: ScoreConfig, workdir: 
 
 # ---------------------------------------------------------------- (c) the naive loop
 
-def measure_naive(estimator, spec: DatasetSpec, batch_size: int, max_pairs: int) -> Phase | None:
+def measure_naive(estimator, data: Dataset, batch_size: int, max_pairs: int) -> Phase | None:
     """PIL full decode per sample + open_clip's own preprocess/tokenizer/encode, no workers.
     None where it does not apply (not open_clip, or the left side is not an image)."""
-    left, right = modalities(spec.pair)
+    left, right = modalities(data.spec.pair)
     if not isinstance(estimator, OpenClipEstimator) or (left, right) != ("image", "text") or max_pairs <= 0:
         return None
     model, preprocess, tokenizer = estimator.model, estimator.preparer.preprocess, estimator.tokenizer
@@ -412,13 +412,13 @@ def measure_naive(estimator, spec: DatasetSpec, batch_size: int, max_pairs: int)
     cpu0 = cpu_seconds()
     with PeakMemory() as mem:
         started = time.perf_counter()
-        for unit in list_units(spec):
-            for item in read_unit(spec, unit):
+        for unit in data.units():
+            for item in data.read(unit):
                 if isinstance(item, UnitFailure) or item.error is not None:
                     continue
                 try:
                     image = Image.open(io.BytesIO(item.left)).convert("RGB")
-                except Exception:
+                except Exception:  # noqa: BLE001 - PIL raises many types for data it cannot read
                     continue  # the naive loop skips what it cannot read
                 images.append(preprocess(image))
                 texts.append(item.right)
@@ -483,20 +483,20 @@ class ZeroCostEstimator:
         return {**self.inner.provenance(), "model": "zero-cost stand-in (pipeline-only benchmark)"}
 
 
-def measure_pipeline_only(estimator, spec: DatasetSpec, cfg: ScoreConfig, workdir: Path) -> PipelineOnly:
+def measure_pipeline_only(estimator, data: Dataset, cfg: ScoreConfig, workdir: Path) -> PipelineOnly:
     """(b)'s scoring loop around `ZeroCostEstimator(estimator)`, metered stage by stage. beta is
     fixed (0): a beta from a stand-in model must never reach the beta cache; the beta rule alone
     (finalize is not measured, and a GMM over stand-in similarities would only warn)."""
-    left, right = modalities(spec.pair)
+    left, right = modalities(data.spec.pair)
     zero = ZeroCostEstimator(estimator, right, device_decode=cfg.decode if cfg.decode in DEVICE_DECODERS else None)
-    cost = measure_prepare_cost(zero, spec, preparers={"": zero.preparer})
+    cost = measure_prepare_cost(zero, data, preparers={"": zero.preparer})
     worker_ms = sum(cost.get(f"{side} {m}", 0.0) for side, m in (("left", left), ("right", right)))
     run_cfg = replace(cfg, overwrite=True, progress=SILENT, beta_mode="fixed", beta=0.0, beta_cache=False, rules=("beta",))
     meter = StageMeter()
     pa.array([0.0])  # pyarrow imports pandas at its first conversion: 1.7 s of CPU once per process, not per pair
     load0 = os.getloadavg()[0]
     children = _children_cpu()
-    score(spec, workdir / "pipeline-only.parquet", run_cfg, estimator=zero, meter=meter)
+    score(data, workdir / "pipeline-only.parquet", run_cfg, estimator=zero, meter=meter)
     summary = meter.summary()
     # The workers' CPU in the run (reaped when it ends), start-up included: beside `worker_ms`, what
     # reading, collating and handing batches over cost them on top of preparing the pairs.
@@ -514,12 +514,13 @@ def _children_cpu() -> float:
 # ---------------------------------------------------------------- all four
 
 @declare(naive_pairs=at_least(0), min_seconds=at_least(0), repeat=COUNT)
-def bench_score(source: str | list[str] | DatasetSpec, cfg: ScoreConfig, naive_pairs: int = 512,
+def bench_score(source: str | list[str] | DatasetSpec | Dataset, cfg: ScoreConfig, naive_pairs: int = 512,
                 min_seconds: float = 10.0, repeat: int = 1, estimator=None, progress: Progress = SILENT,
                 pipeline_only: bool = False) -> BenchReport:
     """Measure (a), (b), (c), (d) `repeat` times, interleaved, with one estimator; `pipeline_only`:
     (d) alone (no model arithmetic: quick on any machine)."""
-    spec = source if isinstance(source, DatasetSpec) else open_dataset(source)
+    data = as_dataset(source)
+    spec = data.spec
     cfg = cfg.resolved(spec.pair)
     if cfg.precision == "auto":
         cfg = replace(cfg, precision=resolve_precision(cfg.device, "auto"))
@@ -530,11 +531,11 @@ def bench_score(source: str | list[str] | DatasetSpec, cfg: ScoreConfig, naive_p
                                     precision=cfg.precision, decode=cfg.decode, compile=cfg.compile)
     say = progress.note
     say("worker cost per pair ...")
-    prepare_ms = measure_prepare_cost(estimator, spec)
+    prepare_ms = measure_prepare_cost(estimator, data)
     if cfg.beta_mode == "random-inputs" and cfg.beta_cache and not pipeline_only:
         say("beta (once; the measured runs read it from the beta cache) ...")
-        ModelProducer(spec, cfg, estimator).random_beta()
-    groups = ModelProducer(spec, cfg, estimator).groups(list_units(spec))  # as the scoring run packs them
+        ModelProducer(data, cfg, estimator).random_beta()
+    groups = ModelProducer(data, cfg, estimator).groups(data.units())  # as the scoring run packs them
     rounds = []
     with tempfile.TemporaryDirectory(prefix="pairclean-bench-") as tmp:
         for i in range(repeat):
@@ -542,13 +543,13 @@ def bench_score(source: str | list[str] | DatasetSpec, cfg: ScoreConfig, naive_p
             ceiling = e2e = naive = None
             if not pipeline_only:
                 say(f"{tag}(a) model-only ceiling ...")
-                ceiling = measure_ceiling(estimator, spec, cfg.batch_size, min_seconds, groups=groups)
+                ceiling = measure_ceiling(estimator, data, cfg.batch_size, min_seconds, groups=groups)
                 say(f"{tag}(b) end-to-end pairclean score ...")
-                e2e = measure_end_to_end(estimator, spec, cfg, Path(tmp))
+                e2e = measure_end_to_end(estimator, data, cfg, Path(tmp))
                 say(f"{tag}(c) naive reference loop ...")
-                naive = measure_naive(estimator, spec, cfg.batch_size, naive_pairs)
+                naive = measure_naive(estimator, data, cfg.batch_size, naive_pairs)
             say(f"{tag}(d) pipeline only (zero-cost model) ...")
-            pipeline = measure_pipeline_only(estimator, spec, cfg, Path(tmp))
+            pipeline = measure_pipeline_only(estimator, data, cfg, Path(tmp))
             rounds.append(BenchRound(ceiling, e2e, naive, pipeline))
     config = {"model": cfg.model, "pretrained": cfg.pretrained, "backend": cfg.backend,
               "device": str(estimator.device), "precision": estimator.precision,

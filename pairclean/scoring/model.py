@@ -31,18 +31,16 @@ from pairclean.ops.measure import StageMeter
 from pairclean.ops.worker_memory import steady_worker_memory
 from pairclean.config import COUNT, at_least, check_choice, check_pretrained, setting, unpinned
 from pairclean.core.beta import BetaEstimate
-from pairclean.data.manifest import DatasetSpec, open_dataset
-from pairclean.data.reader import count_pairs, list_units, modalities
-from pairclean.data.formats.embeddings import (SAVED_PROVENANCE, UNFINISHED, SavedBeta, SavedBlock, SavedEmbeddings,
-                                               write_embedding_block)
+from pairclean.data.dataset import Dataset, as_dataset
+from pairclean.data.embeddings import (SAVED_PROVENANCE, UNFINISHED, SavedBeta, SavedBlock, SavedEmbeddings,
+                                      write_embedding_block)
+from pairclean.data.spec import DatasetSpec, modalities
 from pairclean.errors import ConfigError
 from pairclean.ops.atomic import remove_stale_temps, write_json
 from pairclean.scoring.beta_cache import BetaCache, cached_random_input_beta, weights_fingerprint
-from pairclean.scores.contract import run_manifest_path
 from pairclean.scoring.batches import PreparedBatches
-from pairclean.scoring.parts import parts_dir_for
 from pairclean.scoring.pipeline import PartSink, UnitEmbeddings, run_pipeline
-from pairclean.scoring.run import Commit, Producer, RunConfig, ScoreResult, Work, run_scoring
+from pairclean.scoring.run import Commit, Finishing, Producer, RunConfig, ScoreResult, Work, run_scoring
 
 
 @dataclass
@@ -107,10 +105,10 @@ def small_shards_notice(pairs: int, units: int, batch_size: int, fill: float) ->
 class ModelProducer(Producer):
     """Similarities from a frozen estimator over a dataset's shards."""
 
-    def __init__(self, spec: DatasetSpec, cfg: ScoreConfig, estimator=None, embeddings: Output | None = None,
+    def __init__(self, dataset: Dataset, cfg: ScoreConfig, estimator=None, embeddings: Output | None = None,
                  meter: StageMeter | None = None):
-        cfg = cfg.resolved(spec.pair)  # before any output exists: a backend that cannot encode the pairs is refused
-        self.spec, self.cfg, self.estimator = spec, cfg, estimator
+        cfg = cfg.resolved(dataset.spec.pair)  # before any output exists: a backend that cannot encode the pairs is refused
+        self.dataset, self.spec, self.cfg, self.estimator = dataset, dataset.spec, cfg, estimator
         self.meter = meter  # where the main process's time goes (`pairclean bench score`)
         self.embeddings = embeddings  # save_embeddings, opened through the output guard
         self._dataset = None  # the dataset's record, its files fingerprinted once (`dataset_record`)
@@ -118,7 +116,7 @@ class ModelProducer(Producer):
         self.device_type = "cuda" if cfg.device in ("auto", "cuda") and torch.cuda.is_available() else "cpu"
 
     def units(self) -> list[str]:
-        units = list_units(self.spec)
+        units = self.dataset.units()
         self.block_of = {unit: number for number, unit in enumerate(units)}  # save_embeddings: block N = unit N
         return units
 
@@ -153,9 +151,10 @@ class ModelProducer(Producer):
                 "weights_sha256": weights, **({"device_decoder": decoder.version} if decoder else {})}
 
     def input_files(self) -> list[str]:
-        """The checkpoint, and the dataset's sources and files (sidecars included)."""
+        """The checkpoint, the dataset's sources and files (sidecars included), and the saved
+        embeddings' directory: another output of the run, which the scores may not touch either."""
         checkpoint = [self.cfg.pretrained] if self.cfg.pretrained and os.path.isfile(self.cfg.pretrained) else []
-        return [*checkpoint, *self.spec.input_paths()]
+        return [*checkpoint, *self.dataset.input_paths(), *([self.embeddings] if self.embeddings else [])]
 
     def prepare(self) -> None:
         if self.estimator is None:  # built (and so validated) before anything is written
@@ -168,7 +167,7 @@ class ModelProducer(Producer):
     def groups(self, units: list[str]) -> list[list[str]]:
         """Small units packed so that batches span them (sized from the leading units' pair counts)."""
         sample = units[:PACKING_SAMPLE]
-        pairs = sum(count_pairs(self.spec, unit) for unit in sample) / len(sample) if sample else 0.0
+        pairs = sum(self.dataset.count(unit) for unit in sample) / len(sample) if sample else 0.0
         return pack_units(units, pairs, self.cfg.batch_size)
 
     def random_beta(self) -> tuple[BetaEstimate, str]:
@@ -200,7 +199,7 @@ class ModelProducer(Producer):
         workers = min(cfg.workers, len(work.groups))
         # Two ready batches per worker hide decoding (each worker builds whole batches) without
         # holding more than 2 x workers batches of pixels in (pinned) memory.
-        loader = DataLoader(PreparedBatches(spec, work, estimator.preparer, cfg.batch_size), batch_size=None,
+        loader = DataLoader(PreparedBatches(self.dataset, work, estimator.preparer, cfg.batch_size), batch_size=None,
                             num_workers=workers, pin_memory=estimator.device.type == "cuda",
                             prefetch_factor=2 if workers else None, persistent_workers=False,
                             worker_init_fn=steady_worker_memory)
@@ -221,7 +220,7 @@ class ModelProducer(Producer):
         return {"embeddings": len(left), "embedding_bytes": written}
 
     def finish(self, records: dict[str, dict], counters: dict[str, int], todo: int,
-               beta: BetaEstimate | None) -> tuple[dict, dict]:
+               beta: BetaEstimate | None) -> Finishing:
         batches = counters["batches"]
         fill = counters["batch_rows"] / (batches * self.cfg.batch_size) if batches else 0.0
         if notice := small_shards_notice(counters["pairs"], todo, self.cfg.batch_size, fill):
@@ -229,13 +228,13 @@ class ModelProducer(Producer):
         extra = {"batches": batches, "full_batches": counters["full_batches"], "mean_batch_fill": fill}
         if self.embeddings is not None and beta is not None:
             extra.update(self._saved_provenance(records, beta))
-        return ({"estimator": self.estimator.provenance(), "pair": self.spec.pair, "input_shards": self.spec.shards,
-                 "dataset": self.dataset_record()}, extra)
+        return Finishing({"estimator": self.estimator.provenance(), "pair": self.spec.pair,
+                          "input_shards": self.spec.shards, "dataset": self.dataset_record()}, extra)
 
     def dataset_record(self):
         """The dataset scored, its files fingerprinted once (the scores and the saved embeddings record it)."""
         if self._dataset is None:
-            self._dataset = self.spec.record(fingerprint=True)
+            self._dataset = self.dataset.record(fingerprint=True)
         return self._dataset
 
     def _saved_provenance(self, records: dict[str, dict], beta: BetaEstimate) -> dict:
@@ -260,18 +259,16 @@ class ModelProducer(Producer):
         return {"embeddings_saved": rows, "embedding_bytes": written, "embeddings_dir": str(self.embeddings.path)}
 
 
-def score(source: str | list[str] | DatasetSpec, out: str | Path | Output, config: ScoreConfig | None = None,
+def score(source: str | list[str] | DatasetSpec | Dataset, out: str | Path | Output, config: ScoreConfig | None = None,
           estimator=None, meter: StageMeter | None = None) -> ScoreResult:
     """Score every pair of `source` and write `out` (Parquet); resumes an interrupted run."""
     cfg = config or ScoreConfig()
-    spec = source if isinstance(source, DatasetSpec) else open_dataset(source)
-    target = open_output(out, (), "out", overwrite=None)
-    target = open_output(target, companions=[parts_dir_for(target.path), run_manifest_path(target.path)])
+    dataset = as_dataset(source)
     # A directory the run owns (it resumes): the blocks of committed units stay; `started` clears the rest.
-    # It is another output of the run: apart from the scores, their parts and their run manifest.
+    # It is another output of the run: the run's guard keeps the scores, their parts and their run manifest apart from it.
     embeddings = None if cfg.save_embeddings is None else open_output(
-        cfg.save_embeddings, [*spec.input_paths(), target], "save_embeddings", kind="directory", overwrite=None)
+        cfg.save_embeddings, dataset.input_paths(), "save_embeddings", kind="directory", overwrite=None)
     if cfg.precision == "auto":  # pinned in the settings as what it means on this machine
         cfg = replace(cfg, precision=resolve_precision(cfg.device, "auto"))
-    producer = ModelProducer(spec, cfg, estimator, embeddings, meter)
-    return run_scoring(producer, target, producer.cfg)
+    producer = ModelProducer(dataset, cfg, estimator, embeddings, meter)
+    return run_scoring(producer, out, producer.cfg)

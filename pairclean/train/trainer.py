@@ -23,6 +23,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from pairclean.ops.guard import Output, open_output
+from pairclean.runs import settings_changes
 from pairclean.config import (COUNT, SEED, SHARE, above, at_least, check_settings, pinned_settings, setting,
                               unpinned)
 from pairclean.ops import distributed
@@ -35,9 +36,9 @@ from pairclean.errors import ConfigError, UserError
 from pairclean.backends import check_backend, load_target
 from pairclean.backends.base import PRECISIONS, autocast_context
 from pairclean.backends.feed import DeviceFeed
-from pairclean.data.manifest import DatasetSpec, open_dataset
+from pairclean.data.dataset import Dataset, as_dataset
+from pairclean.data.spec import DatasetSpec, modalities
 from pairclean.train.retrieval import JointTarget, evaluate_target
-from pairclean.data.reader import modalities
 from pairclean.train.checkpoint import (BEST, RUN_FILE, STATE_FILE, epoch_model_name, is_training_run, load_state,
                                         model_path, read_run, save_state, set_rng_state)
 from pairclean.train.data import TrainBatches, index_shards, unit_spans
@@ -146,10 +147,6 @@ def param_groups(module: torch.nn.Module, weight_decay: float) -> list[dict]:
     return [{"params": no_decay, "weight_decay": 0.0}, {"params": decay, "weight_decay": weight_decay}]
 
 
-def _spec(data, pair: str | None) -> DatasetSpec:
-    return data if isinstance(data, DatasetSpec) else open_dataset(data, pair=pair)
-
-
 def _prepare_run_dir(out: Path, cfg: TrainConfig) -> bool:
     """Create or check RUN_DIR; True when a saved state will be resumed. Only a training run's
     directory is ever removed (`overwrite`): a directory holding any other run.json (a scoring
@@ -172,8 +169,8 @@ def _settings(cfg: TrainConfig, spec: DatasetSpec, val: DatasetSpec | None) -> d
             "val_shards": val.shards if val else None}
 
 
-def train(source: str | list[str] | DatasetSpec, out: str | Path | Output, config: TrainConfig | None = None,
-          val: str | list[str] | DatasetSpec | None = None, pair: str | None = None) -> TrainResult:
+def train(source: str | list[str] | DatasetSpec | Dataset, out: str | Path | Output, config: TrainConfig | None = None,
+          val: str | list[str] | DatasetSpec | Dataset | None = None, pair: str | None = None) -> TrainResult:
     """Train `config.model` on `source` into the run directory `out`; see the package docstring."""
     cfg = config or TrainConfig()
     cfg.check()
@@ -182,8 +179,10 @@ def train(source: str | list[str] | DatasetSpec, out: str | Path | Output, confi
     if cfg.batch_size % world:
         raise ConfigError(f"batch_size {cfg.batch_size} (the global batch) must be a multiple of the {world} ranks",
                           "batch_size")
-    spec = _spec(source, pair)
-    val_spec = _spec(val, pair or spec.pair) if val is not None else None
+    data = as_dataset(source, pair=pair)
+    spec = data.spec
+    val_data = as_dataset(val, pair=pair or spec.pair) if val is not None else None
+    val_spec = val_data.spec if val_data is not None else None
     method = build_method(cfg.method, cfg.method_options)
     pretrained = [cfg.pretrained] if cfg.pretrained and os.path.isfile(cfg.pretrained) else []
     out = open_output(out, [*spec.shards, *(val_spec.shards if val_spec else []), *method.input_files(), *pretrained],
@@ -193,9 +192,9 @@ def train(source: str | list[str] | DatasetSpec, out: str | Path | Output, confi
     state = None
     if resuming:
         earlier = read_run(out).get("settings", {})
-        differ = sorted(k for k in set(earlier) | set(settings) if earlier.get(k) != settings.get(k))
+        differ = settings_changes(earlier, settings)  # the resumable run's one comparison (runs.store)
         if differ:
-            shown = "; ".join(f"{k}: {earlier.get(k)!r} -> {settings.get(k)!r}" for k in differ[:4])
+            shown = "; ".join(f"{k}: {old!r} -> {new!r}" for k, old, new in differ[:4])
             raise ConfigError(f"{out} was trained with different settings ({shown}); resume with the same settings "
                               "or set overwrite", "overwrite")
         state = load_state(out)
@@ -209,15 +208,15 @@ def train(source: str | list[str] | DatasetSpec, out: str | Path | Output, confi
     check_backend(target.backend, modalities(spec.pair))
     autocast_context(target.device, cfg.precision)  # refuses fp16 without CUDA before any work
     left_mod, right_mod = modalities(spec.pair)
-    shards = index_shards(spec)
-    ctx = MethodContext(spec=spec, shards=shards, target=target, run_dir=out, seed=cfg.seed, left=left_mod,
+    shards = index_shards(data)
+    ctx = MethodContext(dataset=data, spec=spec, shards=shards, target=target, run_dir=out, seed=cfg.seed, left=left_mod,
                         right=right_mod, config=cfg)
     plan = method.setup(ctx)  # before the saved weights are loaded: a frozen estimator copies the initial model
     pairs = plan.pairs if plan.pairs is not None else sum(s.rows for s in shards)
     # Each rank reads its own shards (split_by_node) in batches of batch_size / world.
-    dataset = TrainBatches(spec, target.preparer, cfg.batch_size // world, cfg.seed, cfg.shuffle_buffer, plan)
+    dataset = TrainBatches(data, target.preparer, cfg.batch_size // world, cfg.seed, cfg.shuffle_buffer, plan)
     workers = min(cfg.workers, len(dataset.units))
-    spans = unit_spans(spec, dataset.units, shards)
+    spans = unit_spans(data, dataset.units, shards)
 
     def steps_in(epoch: int, kept: dict) -> int:
         return epoch_steps(dataset.reader_pairs(epoch, kept, workers, world), cfg.batch_size // world,
@@ -256,8 +255,8 @@ def train(source: str | list[str] | DatasetSpec, out: str | Path | Output, confi
         steps = loop.replan(epoch, span or chosen) if chosen is not None else steps_in(epoch, dataset.kept_pairs(spans))
         with progress.task(f"epoch {epoch}", total=steps, loss=0.0, lr=0.0, rate=0.0) as task:
             record = loop.run_epoch(epoch, _Passes(loader, steps if span else None), task)
-        if val_spec is not None and distributed.is_main():
-            val_metrics = evaluate_target(JointTarget([target, *method.extra_networks().values()]), val_spec,
+        if val_data is not None and distributed.is_main():
+            val_metrics = evaluate_target(JointTarget([target, *method.extra_networks().values()]), val_data,
                                           cfg.val_batch_size, workers, autocast_context(target.device, cfg.precision))
             record.update({f"val_{k}": v for k, v in val_metrics.items()})
         loop.finish_epoch(epoch, record)

@@ -1,5 +1,5 @@
 """The gallery's media: thumbnails and texts of the pairs it shows, read from the shards themselves
-through the dataset reader (`data.reader.read_unit`), only the units that hold a gallery pair.
+through the dataset's reader (`data.dataset.Dataset.read`), only the units that hold a gallery pair.
 
 The dataset is the one the scores file recorded (`scores.contract.scored_pairs`), opened again with
 its format and field mapping, or the shards a user gives (read with the recorded mapping where they
@@ -19,10 +19,10 @@ import os
 from dataclasses import dataclass, field, replace
 
 from pairclean.data.decode import DecodeError, decode_image
-from pairclean.data.formats.base import changed
-from pairclean.data.manifest import DatasetSpec, Fields, open_dataset, reopen_dataset
-from pairclean.data.reader import RawPair, count_pairs, list_units, read_unit
+from pairclean.data.dataset import Dataset, open_dataset, reopen_dataset
 from pairclean.data.record import DatasetRecord, check_same_dataset
+from pairclean.data.rewriting.base import changed
+from pairclean.data.spec import Fields, RawPair
 from pairclean.errors import UserError
 from pairclean.scores.contract import Provenance, from_embeddings, scored_pairs
 from pairclean.scores.db import match_shards
@@ -46,8 +46,8 @@ def thumbnail_uri(data: bytes, size: int) -> str:
     return "data:image/jpeg;base64," + base64.b64encode(buf.getvalue()).decode()
 
 
-def media_spec(provenance: Provenance, shards: list[str] | None = None, fields: Fields | None = None,
-               **options) -> tuple[DatasetSpec | None, str | None]:
+def media_dataset(provenance: Provenance, shards: list[str] | None = None, fields: Fields | None = None,
+                  **options) -> tuple[Dataset | None, str | None]:
     """The dataset to take thumbnails from: `shards` (read with the recorded mapping where they are
     the recorded format), else the dataset the scores recorded; `fields` and `options` (format,
     split, image_root, pair ...) override. (None, why) when there is none to open."""
@@ -70,16 +70,16 @@ def media_spec(provenance: Provenance, shards: list[str] | None = None, fields: 
     return open_dataset(present, pair=options["pair"]), None
 
 
-def _units_for(spec: DatasetSpec, path: str, indices: set[int]) -> dict[str, set[int]]:
+def _units_for(dataset: Dataset, path: str, indices: set[int]) -> dict[str, set[int]]:
     """The units of the file `path` holding these row indices: a file read as one unit holds them
     all; a file read in several (Parquet row groups) is walked by each unit's row count."""
-    units = list_units(replace(spec, shards=[path]))
+    units = Dataset(replace(dataset.spec, shards=[path])).units()
     if len(units) == 1:
         return {units[0]: indices}
     found: dict[str, set[int]] = {}
     start = 0
     for unit in units:
-        rows = count_pairs(spec, unit)
+        rows = dataset.count(unit)
         inside = {i for i in indices if start <= i < start + rows}
         if inside:
             found[unit] = inside
@@ -87,15 +87,15 @@ def _units_for(spec: DatasetSpec, path: str, indices: set[int]) -> dict[str, set
     return found
 
 
-def _read_pairs(spec: DatasetSpec, wanted: dict[str, dict[int, str | None]]) -> dict[tuple[str, int], RawPair]:
+def _read_pairs(dataset: Dataset, wanted: dict[str, dict[int, str | None]]) -> dict[tuple[str, int], RawPair]:
     """RawPairs at the wanted (shard path -> index -> the key the scores have there, None: any);
     stops reading a unit once all are found. A pair whose key is not the scored one means the
     shard is not what was scored: a UserError."""
     found: dict[tuple[str, int], RawPair] = {}
     for path, keys in wanted.items():
-        for unit, needed in _units_for(spec, path, set(keys)).items():
+        for unit, needed in _units_for(dataset, path, set(keys)).items():
             left = set(needed)
-            for item in read_unit(spec, unit):
+            for item in dataset.read(unit):
                 if isinstance(item, RawPair) and item.shard == path and item.index in left:
                     if keys[item.index] is not None and item.key != keys[item.index]:
                         raise changed(path, f"pair {item.index} is {item.key!r} in the shard but "
@@ -114,13 +114,12 @@ def _thumb(data, size: int) -> str | None:
         return None
 
 
-def locate_keys(spec: DatasetSpec, keys: set[str]) -> dict[str, tuple[str, int]]:
+def locate_keys(dataset: Dataset, keys: set[str]) -> dict[str, tuple[str, int]]:
     """Where each key is in the dataset: key -> (shard, index), from the format's key listing of
     every shard. A wanted key found twice is refused: a pair matched by key must be one pair."""
     found: dict[str, tuple[str, int]] = {}
-    fmt = spec.input_format
-    for shard in dict.fromkeys(spec.shards):
-        for index, key in enumerate(fmt.keys(shard)):
+    for shard in dict.fromkeys(dataset.spec.shards):
+        for index, key in enumerate(dataset.keys(shard)):
             if key in keys:
                 if key in found:
                     raise UserError(f"key {key!r} is {found[key][0]}#{found[key][1]} and {shard}#{index} in the dataset: "
@@ -129,14 +128,15 @@ def locate_keys(spec: DatasetSpec, keys: set[str]) -> dict[str, tuple[str, int]]
     return found
 
 
-def fetch_media(spec: DatasetSpec, rows: list[dict], thumb: int, by_key: bool = False,
+def fetch_media(dataset: Dataset, rows: list[dict], thumb: int, by_key: bool = False,
                 recorded: DatasetRecord | None = None,
                 allow_other_dataset: bool = False) -> dict[tuple[str, int], Media]:
     """Thumbnails and texts for gallery rows (keyed by the scored (shard, index)). `by_key`: the
     scores' rows are not the dataset's (precomputed embeddings), so each is found by its key.
     `recorded`: the dataset the scores recorded; the files read must be its files."""
+    spec = dataset.spec
     if by_key or not any(match_shards(spec.shards, sorted({r["shard"] for r in rows})).values()):
-        located = locate_keys(spec, {r["key"] for r in rows})
+        located = locate_keys(dataset, {r["key"] for r in rows})
         place = {(r["shard"], int(r["index"])): located.get(r["key"]) for r in rows}
         scored_key = {}  # found by their keys: nothing more to compare
     else:
@@ -150,12 +150,12 @@ def fetch_media(spec: DatasetSpec, rows: list[dict], thumb: int, by_key: bool = 
         if where is not None:
             wanted.setdefault(where[0], {})[where[1]] = scored_key.get(where)
     check_same_dataset(recorded, list(wanted), "the scores file", allow_other_dataset)
-    pairs = _read_pairs(spec, wanted)
+    pairs = _read_pairs(dataset, wanted)
     # Text-text pairs often come from image datasets: show the sample's image as context.
     context = {}
     if spec.pair == "text-text":
         anywhere = {path: dict.fromkeys(keys) for path, keys in wanted.items()}  # keys were checked above
-        context = _read_pairs(replace(spec, pair="image-text"), anywhere)
+        context = _read_pairs(Dataset(replace(spec, pair="image-text")), anywhere)
     media = {}
     for r in rows:
         key = (r["shard"], int(r["index"]))

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from pairclean.data.formats.base import SHARD_SUFFIXES, Claim, register_format
 from pairclean.data.formats.parquet import ParquetFormat
-from pairclean.data.reader import parquet_file
+from pairclean.data.reading.inputs import parquet_file
 from pairclean.errors import UserError
 from pairclean.ops.urls import is_local
 
@@ -32,7 +32,7 @@ def features(path: str) -> dict | None:
     try:
         raw = (parquet_file(path).schema_arrow.metadata or {}).get(b"huggingface")
         return json.loads(raw)["info"]["features"] if raw else None
-    except Exception:
+    except Exception:  # an unreadable file or foreign metadata (pyarrow, the OS, JSON, its shape): not datasets'
         return None
 
 
@@ -96,10 +96,6 @@ class HfParquet(ParquetFormat):
             return Path(self.spec.image_root)
         folder = Path(path).parent
         return folder.parent if folder.name == HUB_DATA_DIR else folder
-
-    def copy_root(self) -> str | None:
-        """A copy elsewhere reads path-only images from this dataset's root (recorded in its manifest)."""
-        return str(self.image_root(self.spec.shards[0]).resolve())
 
     def describe_extra(self) -> str:
         counts: dict[str, int] = {}
