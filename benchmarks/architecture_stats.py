@@ -5,9 +5,10 @@ naming a command-line flag (docs/architecture.md, issues 14 and 23).
     python benchmarks/architecture_stats.py b830b06      # + a revision, its flat modules counted where they live now
     python benchmarks/architecture_stats.py --list 6179287   # + every upward import and flag mention, listed
 
-Import loops are strongly connected components of the module graph, counting every import
-statement, including the deferred ones inside functions (a loop hidden in a function is still a loop).
-The layers and both checks are `pairclean.conventions` (of the work tree, applied to each revision).
+Import cycles are strongly connected components of the module graph, counting every import
+statement, including the deferred ones inside functions (a cycle hidden in a function is still a
+cycle; `conventions.import_cycles`, which tests/test_layers.py holds to none).
+The layers and both checks are tests/conventions.py (of the work tree, applied to each revision).
 """
 
 from __future__ import annotations
@@ -18,8 +19,9 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from pairclean.conventions import flag_messages, flag_strings, library, upward_imports  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from conventions import (dict_returns, flag_messages, flag_strings, import_cycles, imports_of, library,  # noqa: E402
+                         part_of, silent_broad_handlers, upward_imports)
 
 # Where each module of the flat layout (before issue 14) lives now.
 FLAT_TO_PACKAGE = {
@@ -61,53 +63,38 @@ def lines_per_package(files: dict[str, str]) -> Counter:
     return counts
 
 
-def import_loops(files: dict[str, str]) -> list[list[str]]:
-    modules = {}
-    for name in files:
-        dotted = ".".join(Path(name).with_suffix("").parts)
-        modules[dotted.removesuffix(".__init__")] = name
-    graph: dict[str, set[str]] = {m: set() for m in modules}
-    for module, name in modules.items():
-        for node in ast.walk(ast.parse(files[name])):
-            if isinstance(node, ast.Import):
-                targets = [a.name for a in node.names]
-            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
-                targets = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
-            else:
-                continue
-            graph[module].update(t for t in targets if t in graph and t != module)
-    index: dict[str, int] = {}
-    low: dict[str, int] = {}
-    stack: list[str] = []
-    loops: list[list[str]] = []
+def across(files: dict[str, str], importer: str, imported: str) -> list:
+    """Import statements of the package `importer` that import from the package `imported`."""
+    return [imp for path, source in sorted(files.items()) if path.startswith(f"pairclean/{importer}/")
+            for imp in imports_of(path, source) if part_of(imp.target) == imported]
 
-    def visit(v: str) -> None:  # Tarjan's strongly connected components
-        index[v] = low[v] = len(index)
-        stack.append(v)
-        for w in graph[v]:
-            if w not in index:
-                visit(w)
-                low[v] = min(low[v], low[w])
-            elif w in stack:
-                low[v] = min(low[v], index[w])
-        if low[v] == index[v]:
-            component = []
-            while True:
-                w = stack.pop()
-                component.append(w)
-                if w == v:
-                    break
-            if len(component) > 1:
-                loops.append(sorted(component))
 
-    sys.setrecursionlimit(10_000)
-    for v in graph:
-        if v not in index:
-            visit(v)
-    return loops
+def partial_typed_dicts(files: dict[str, str]) -> list[str]:
+    """Records declared `TypedDict(..., total=False)`: any key may be missing, readers guess."""
+    def typed_dict(node) -> bool:
+        names = node.bases if isinstance(node, ast.ClassDef) else [node.func] if isinstance(node, ast.Call) else []
+        return any(getattr(n, "id", getattr(n, "attr", None)) == "TypedDict" for n in names)
+
+    return [f"{path}:{node.lineno}" for path, source in sorted(files.items()) for node in ast.walk(ast.parse(source))
+            if typed_dict(node) and any(k.arg == "total" and getattr(k.value, "value", None) is False
+                                        for k in node.keywords)]
+
+
+def batch_lookups(files: dict[str, str]) -> list[str]:
+    """Batch records read by a string key in backends/ and scoring/ (`batch["jpeg_rows"]`): a dict whose shape
+    a lower layer must know; a typed batch (scoring.batches.PairBatch) has attributes instead."""
+    def batch_named(node: ast.expr) -> bool:
+        return "batch" in getattr(node, "id", getattr(node, "attr", "")).lower()
+
+    return [f"{path}:{node.lineno}" for path, source in sorted(files.items())
+            if path.startswith(("pairclean/backends/", "pairclean/scoring/")) for node in ast.walk(ast.parse(source))
+            if isinstance(node, ast.Subscript) and batch_named(node.value)
+            and isinstance(getattr(node.slice, "value", None), str)]
 
 
 def main() -> None:
+    if {"-h", "--help"} & set(sys.argv):
+        sys.exit(__doc__)
     listing = "--list" in sys.argv
     revisions = [None] + [arg for arg in sys.argv[1:] if arg != "--list"]
     counts = {rev: lines_per_package(files_at(rev)) for rev in revisions}
@@ -120,11 +107,19 @@ def main() -> None:
     for rev in revisions:
         files = files_at(rev)
         name = rev or "work tree"
-        print(f"import loops ({name}): {import_loops(files) or 'none'}")
+        print(f"import cycles, deferred imports counted ({name}): {len(import_cycles(files))}")
+        if listing:
+            print("".join(f"    {' <-> '.join(cycle)}\n" for cycle in import_cycles(files)), end="")
+        print(f"conventions.py in pairclean/ ({name}): {'pairclean/conventions.py' in files}")
         checks = {"imports that run up the layers": upward_imports(files),
                   "raised errors and warnings naming a flag (outside cli/)": flag_messages(library(files)),
                   "strings naming a flag (outside cli/, docstrings aside)": flag_strings(library(files)),
-                  "  of which outside train/": flag_strings(library(files, ("pairclean/train/",)))}
+                  "  of which outside train/": flag_strings(library(files, ("pairclean/train/",))),
+                  "functions annotated to return a bare dict (or a tuple holding one)": dict_returns(files),
+                  "`except Exception:` that neither names the exception nor says why": silent_broad_handlers(files),
+                  "imports of scoring inside dedup": across(files, "dedup", "scoring"),
+                  "TypedDict(total=False) records": partial_typed_dicts(files),
+                  "string-keyed batch lookups in backends/ and scoring/": batch_lookups(files)}
         for label, found in checks.items():
             print(f"{label} ({name}): {len(found)}")
             if listing:

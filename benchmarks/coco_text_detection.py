@@ -129,7 +129,7 @@ def main() -> None:
         ratio = float(ratio)
         m, scores, truth = run(mode, ratio, args.seed)
         run_summary = read_summary(scores)
-        summary = {r["name"]: r for r in run_summary["rules"]}
+        summary = {r.name: r.notes for r in run_summary.rules}
         rules = m["rules"]
         row = {"mode": mode, "ratio": ratio, "pairs": m["pairs"], "noisy": m["noisy"], "noise_share": m["noise_share"],
                "roc_auc": m["roc_auc"], "average_precision": m["average_precision"],
@@ -138,9 +138,9 @@ def main() -> None:
                "ece_p_clean": rules["gmm"].get("ece"), "gmm_separates": summary["gmm"].get("separates"),
                "gmm_ashman_d": summary["gmm"].get("ashman_d"),
                # the pairs that look like random pairings: an estimate of that kind of noise only
-               "random_pairing_share": 100 * run_summary["random_pairing_share"],
-               "random_pairing_share_interval": [100 * run_summary["random_pairing_share_low"],
-                                                 100 * run_summary["random_pairing_share_high"]],
+               "random_pairing_share": 100 * run_summary.random_pairing_share,
+               "random_pairing_share_interval": [100 * run_summary.random_pairing_share_low,
+                                                 100 * run_summary.random_pairing_share_high],
                "fdr_kept": {args.seed: kept_noise_share(scores, truth, args.alphas)},
                "score_seconds": m["score_seconds"]}
         if setting in args.fdr_settings:

@@ -34,8 +34,9 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from pairclean.data.manifest import open_dataset
-from pairclean.data.reader import raise_failure, read_samples
+from pairclean.data.dataset import open_dataset
+from pairclean.data.reading.tar import read_samples
+from pairclean.data.spec import raise_failure
 from pairclean.dedup import DedupConfig, dedup
 from pairclean.dedup.evaluation import evaluate_dedup
 from pairclean.dedup.run import DEFAULT_THRESHOLD
@@ -89,7 +90,7 @@ def sweep(emb: Path, scores: Path, truth: Path, out: Path, thresholds, sides=SID
             target = out / f"dedup-{side}-{threshold}.parquet"
             run = dedup(str(emb), target, scores, DedupConfig(side=side, threshold=threshold, threads=1, overwrite=True))
             metrics = evaluate_dedup(target, truth, side=side)
-            metrics["seconds"] = run.summary["seconds"]
+            metrics["seconds"] = run.summary.seconds
             results[f"{side}:{threshold}"] = metrics
             print(f"  {side:<5} > {threshold:<6} precision {fmt(metrics['precision'])}  recall {fmt(metrics['recall'])}  "
                   + "  ".join(f"{k} {fmt(m['recall'])}" for k, m in metrics["kinds"].items()), flush=True)

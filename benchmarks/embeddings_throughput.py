@@ -38,7 +38,7 @@ from pathlib import Path
 import numpy as np
 
 from pairclean.ops.measure import high_water_rss_mib
-from pairclean.data.formats.embeddings import write_embeddings
+from pairclean.data.embeddings import write_embeddings
 
 GENERATE_ROWS = 1 << 16  # rows generated at a time
 
@@ -77,13 +77,13 @@ def write_one_file(directory: Path, rows: int, dim: int, dtype: str, seed: int) 
 def child(directory: str, out: str, gmm_sample: int) -> None:
     """The measured process: score via the API (as `pairclean score --from-embeddings --beta-mode
     fixed --beta 0 --gmm-sample N` does) and print the result's summary as JSON."""
-    from pairclean.data.formats.embeddings import open_embeddings
+    from pairclean.data.embeddings import open_embeddings
     from pairclean.scoring.embeddings import EmbeddingScoreConfig, score_embeddings
 
     cfg = EmbeddingScoreConfig(beta_mode="fixed", beta=0.0, gmm_sample=gmm_sample, overwrite=True)
     result = score_embeddings(open_embeddings(directory), out, cfg)
     peak_rss_mib = high_water_rss_mib()  # not ru_maxrss: Linux carries the parent's across fork + exec
-    print(json.dumps({**result.summary, "peak_rss_mib": peak_rss_mib}, default=str))
+    print(json.dumps({**result.summary.to_json(), "peak_rss_mib": peak_rss_mib}))
 
 
 def run_score(directory: Path, out: Path, gmm_sample: int) -> dict:

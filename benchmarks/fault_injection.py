@@ -50,7 +50,7 @@ import pyarrow.parquet as pq
 from pairclean.ops.atomic import is_temp_name
 from pairclean.cli import main as main_cli
 from pairclean.scores.contract import run_manifest_path
-from pairclean.scoring.parts import parts_dir_for
+from pairclean.runs import parts_dir_for
 from pairclean.lab.synth.world import build_world
 
 MODES = ("timer", "part-written", "committed", "before-rename", "finalize-batch", "finalize-renamed")
@@ -88,7 +88,7 @@ def compare_embeddings(reference: Path, got: Path) -> dict:
     return {"embeddings_lost": len(set(want) - set(seen)), "embeddings_duplicated": repeated,
             "embeddings_extra": len(set(seen) - set(want)),
             "embeddings_mismatch": sum(1 for k, v in seen.items() if k in want and v != want[k]),
-            "embeddings_complete": (got / "provenance.json").is_file()}
+            "embeddings_complete": (got / "provenance.json").is_file() and not (got / "unfinished.json").exists()}
 
 
 class ForkedCli:

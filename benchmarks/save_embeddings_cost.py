@@ -36,9 +36,9 @@ def one_run(world: Path, work: Path, cfg: ScoreConfig, save: bool) -> dict:
     result = score(str(world), out, ScoreConfig(**{**cfg.__dict__, "save_embeddings": str(emb) if save else None}))
     wall = time.perf_counter() - started
     s = result.summary
-    return {"scoring_seconds": s["scoring_seconds"], "scoring_cpu_seconds": s["scoring_cpu_seconds"],
-            "wall_seconds": wall, "pairs": s["pairs"],
-            "embedding_bytes": s.get("embedding_bytes"), "embeddings_saved": s.get("embeddings_saved")}
+    return {"scoring_seconds": s.scoring_seconds, "scoring_cpu_seconds": s.scoring_cpu_seconds,
+            "wall_seconds": wall, "pairs": s.pairs, "embedding_bytes": s.embedding_bytes,
+            "embeddings_saved": s.embeddings_saved}
 
 
 def measure(name: str, world: Path, work: Path, cfg: ScoreConfig, repeat: int) -> dict:

@@ -36,7 +36,8 @@ from sklearn.metrics import roc_auc_score
 
 from pairclean.ops.atomic import atomic_path, write_json
 from pairclean.lab.corrupt import corrupt
-from pairclean.data.manifest import DatasetSpec, write_manifest
+from pairclean.data.manifest import write_manifest
+from pairclean.data.spec import DatasetSpec
 from pairclean.scores.evaluation import evaluate_detection
 from pairclean.data.writer import write_shards
 from pairclean.scoring.model import ScoreConfig, score

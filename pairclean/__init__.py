@@ -17,7 +17,7 @@ _EXPORTS = {
     "cosine_similarity": "pairclean.core.scorer", "WEIGHT_FUNCTIONS": "pairclean.core.scorer",
     "ScoreConfig": "pairclean.scoring.model", "score": "pairclean.scoring.model",
     "TrainConfig": "pairclean.train", "train": "pairclean.train",
-    "open_dataset": "pairclean.data.manifest", "read_provenance": "pairclean.scores.contract",
+    "open_dataset": "pairclean.data.dataset", "read_provenance": "pairclean.scores.contract",
 }
 __all__ = [*_EXPORTS, "__version__"]
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import glob
 import inspect
 import math
 import numbers
@@ -27,9 +28,9 @@ import sys
 import types
 import typing
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
-from pairclean.errors import ConfigError
+from pairclean.errors import ConfigError, UserError
 
 _PINNED = "pinned"
 _BOUNDS = "bounds"
@@ -147,18 +148,59 @@ def check_value(value: Any, kind: type, bounds: Bounds, field: str, optional: bo
     return value
 
 
+def split_option(text: str) -> tuple[str, str] | None:
+    """`key=value` -> (key, value), both stripped; None when there is no `=` or no key. The one
+    reading of option strings (`--rule NAME:key=value,...`, `--method-option key=value`,
+    `--attach NAME=FILE`); each caller words its own refusal."""
+    key, eq, value = text.partition("=")
+    key, value = key.strip(), value.strip()
+    return (key, value) if eq and key else None
+
+
+TRUE, FALSE = ("true", "1", "yes"), ("false", "0", "no")
+
+
 def parse_value(text: str, declared: Declared, field: str) -> Any:
     """A setting given as text (`--rule fdr:alpha=0.05`, `--method-option networks=2`) as its declared
-    type: an integer must be written as one ("1.9" and "1e3" are refused), then `check_value`."""
+    type: an integer must be written as one ("1.9" and "1e3" are refused), then `check_value`; a
+    bool is true/false (1/0, yes/no); `none` is None where the setting allows it; text stays text."""
     text = text.strip()
     if declared.optional and text.lower() in ("none", "null"):
         return None
+    if declared.kind is bool:
+        if text.lower() not in TRUE + FALSE:
+            raise ConfigError(f"{field} must be true or false, got {text!r}", field)
+        return text.lower() in TRUE
+    if declared.kind not in (int, float):
+        return text
     try:
         value = int(text) if declared.kind is int else float(text)
     except ValueError:
         noun = "an integer" if declared.kind is int else "a number"
         raise ConfigError(f"{field} must be {noun}, got {text!r}", field) from None
     return check_value(value, declared.kind, declared.bounds, field, declared.optional)
+
+
+def parse_attachments(values: list[str] | None, field: str = "attach",
+                      check_name: Callable[[str, str], Any] | None = None) -> dict[str, list[str]]:
+    """`NAME=FILE` values -> {NAME: files} (a glob names several Parquet files); a malformed value or
+    a name given twice is refused naming `field`, and each name is checked by `check_name(name,
+    field)` (the names a table may have are the scores database's: `scores.db.check_attach_name`)."""
+    tables: dict[str, list[str]] = {}
+    for value in values or []:
+        item = split_option(value)
+        if item is None or not item[1]:
+            raise ConfigError(f"`{field}` {value!r}: give NAME=FILE (e.g. meta=out/00000.parquet)", field)
+        name, pattern = item
+        if check_name is not None:
+            check_name(name, field)
+        if name.lower() in {n.lower() for n in tables}:
+            raise ConfigError(f"`{field}` {value!r}: the table {name} is attached twice", field)
+        files = sorted(glob.glob(pattern)) if any(c in pattern for c in "*?[") else [pattern]
+        if not files:
+            raise UserError(f"`{field}` {value!r}: no file matches {pattern}")
+        tables[name] = files
+    return tables
 
 
 def _resolved(annotation, owner) -> Any:
@@ -176,6 +218,17 @@ def declarations(cls) -> dict[str, Declared]:
             kind, optional = _unwrap(_resolved(f.type, cls))
             found[f.name] = Declared(kind, f.metadata[_BOUNDS], optional)
     return found
+
+
+def field_types(cls) -> dict[str, Declared]:
+    """Every field of a config dataclass as `parse_value` reads it from text: the declared settings
+    with their bounds, any other field by its annotation (bool, text, optional)."""
+    found = declarations(cls)
+    for f in dataclasses.fields(cls):
+        if f.name not in found:
+            kind, optional = _unwrap(_resolved(f.type, cls))
+            found[f.name] = Declared(kind, FINITE, optional)
+    return {f.name: found[f.name] for f in dataclasses.fields(cls)}
 
 
 def check_settings(cfg) -> None:

@@ -39,7 +39,8 @@ def tiny_train_config(**overrides):
 
 def text_pairs(coco_src: Path, out: Path) -> Path:
     """The 16 COCO pairs as text-text pairs (two captions of one image) in WebDataset shards of 8."""
-    from pairclean.data.manifest import DatasetSpec, write_manifest
+    from pairclean.data.manifest import write_manifest
+    from pairclean.data.spec import DatasetSpec
     from pairclean.data.writer import write_shards
 
     out.mkdir()
@@ -53,7 +54,7 @@ def text_pairs(coco_src: Path, out: Path) -> Path:
 
 def tiny_scores(source: Path, out: Path) -> Path:
     """Score `source` with the tiny random open_clip model (seconds): real scores files for tests."""
-    from pairclean.data.manifest import open_dataset
+    from pairclean.data.dataset import open_dataset
     from pairclean.scoring.model import score
 
     score(open_dataset(str(source)), out, ScoreConfig(model="pairclean-tiny", pretrained="none", beta_k=64,

@@ -19,7 +19,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from helpers import run_cli
-from pairclean.scores.contract import read_summary
+from pairclean.scores.contract import Provenance, read_summary
 from pairclean.scores.rules import recorded_rules
 from test_decisions import PAIRS, _embeddings
 
@@ -42,8 +42,8 @@ def test_an_abstaining_gmm_writes_no_posterior(abstaining):
     table = pq.read_table(scores)
     assert table.column("p_clean").null_count == table.num_rows  # NULL, not a number that looks usable
     assert not any(table.column("gmm_noisy").to_pylist())  # it flags nothing
-    gmm = next(r for r in read_summary(scores)["rules"] if r["name"] == "gmm")
-    assert gmm["abstains"] and gmm["noisy_if"] == f"abstains: {gmm['abstains']}"
+    gmm = next(r for r in read_summary(scores).rules if r.name == "gmm")
+    assert gmm.abstains and gmm.noisy_if == f"abstains: {gmm.abstains}"
 
 
 @pytest.fixture
@@ -93,7 +93,7 @@ def test_train_filter_over_an_abstaining_rule_is_warned_about(abstaining, tmp_pa
 def test_files_scored_before_say_the_rule_abstained_in_noisy_if_only():
     entry = {"name": "gmm", "label": "GMM", "decision": "gmm_noisy", "columns": ["p_clean", "gmm_noisy"],
              "noisy_if": "abstains: the two components overlap (Ashman's D 1.51 < 2)", "threshold": None, "options": {}}
-    (record,) = recorded_rules({"rules": [entry]}, ["p_clean", "gmm_noisy"])
+    (record,) = recorded_rules(Provenance.from_json({"rules": [entry]}, "an older file"), ["p_clean", "gmm_noisy"])
     assert record.abstains == "the two components overlap (Ashman's D 1.51 < 2)"
     assert record.value_columns == ["p_clean"]
 
@@ -124,10 +124,10 @@ def test_evaluate_reports_no_calibration_for_an_abstaining_rule(abstaining, caps
 def test_score_prints_the_random_pairing_share_by_its_name(abstaining):
     scores, _, out = abstaining
     summary = read_summary(scores)
-    low, high = summary["random_pairing_share_low"], summary["random_pairing_share_high"]
-    assert 0 <= low <= summary["random_pairing_share"] <= high <= 1
-    assert "pairs like random pairings" in out and f"{summary['random_pairing_share']:.1%}" in out
-    assert not any("noise_share" in r for r in summary["rules"])
+    low, high = summary.random_pairing_share_low, summary.random_pairing_share_high
+    assert 0 <= low <= summary.random_pairing_share <= high <= 1
+    assert "pairs like random pairings" in out and f"{summary.random_pairing_share:.1%}" in out
+    assert not any("noise_share" in r.notes for r in summary.rules)
 
 
 def test_estimated_shares_stay_within_0_and_100_percent(tmp_path):
@@ -148,3 +148,16 @@ def test_estimated_shares_stay_within_0_and_100_percent(tmp_path):
     assert max(r.clean_kept for r in sweep.rows) == 1.0  # (0.85 - 0.3 x 0.01) / 0.7 = 1.21 before
     for row in sweep.rows:
         assert all(0.0 <= v <= 1.0 for v in (row.null_above, row.kept, row.precision, row.clean_kept, row.noise_caught))
+
+
+def test_evaluate_detection_replaces_its_metrics_only_with_overwrite(abstaining, capsys):
+    """README: an existing output is replaced only with --overwrite. Before: SCORES.detection.json
+    was replaced by every run."""
+    scores, truth, _ = abstaining
+    metrics = scores.with_name("s.detection.json")
+    assert run_cli(["evaluate", "detection", scores, "--truth", truth], capsys)[0] == 0
+    metrics.write_text("{}")  # an earlier result, kept by a run without --overwrite
+    code, _, err = run_cli(["evaluate", "detection", scores, "--truth", truth], capsys)
+    assert code == 2 and "exists; pass --overwrite to replace it" in err and metrics.read_text() == "{}"
+    code, _, err = run_cli(["evaluate", "detection", scores, "--truth", truth, "--overwrite"], capsys)
+    assert code == 0 and json.loads(metrics.read_text())["rules"]

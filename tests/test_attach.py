@@ -10,7 +10,8 @@ import pytest
 from helpers import run_cli
 
 from pairclean.errors import ConfigError, UserError
-from pairclean.scores.db import ScoresDB, compile_predicate, parse_attachments
+from pairclean.config import parse_attachments
+from pairclean.scores.db import ScoresDB, check_attach_name, compile_predicate
 
 KEPT = '(shard, "index") IN (SELECT shard, "index" FROM dedup WHERE kept)'
 
@@ -48,7 +49,7 @@ def test_attach_opens_no_other_file(coco_scores, dedup_file, tmp_path):
 ])
 def test_bad_attach_specs_are_refused(specs, message):
     with pytest.raises(ConfigError, match=message) as caught:
-        parse_attachments(specs)
+        parse_attachments(specs, check_name=check_attach_name)
     assert caught.value.fields == ("attach",)
 
 
@@ -75,7 +76,7 @@ def test_filter_and_query_take_attach(coco_scores, coco_shards, dedup_file, caps
 
 
 def test_train_filter_reads_the_attached_table(tmp_path, coco_scores, coco_shards, dedup_file):
-    from pairclean.data.manifest import open_dataset
+    from pairclean.data.dataset import open_dataset
     from pairclean.train.data import index_shards
     from pairclean.train.methods.filter import FilterOptions
     from pairclean.train.weights import build_weight_arrays

@@ -38,13 +38,14 @@ class BytePreparer:
 class ByteEstimator:
     """Mean of byte embeddings: a text encoder small enough to build in a test."""
 
-    device_decoder = None
-
     def __init__(self, model: str, device: str = "auto", precision: str = "fp32"):
         self.model_name, self.device, self.precision = model, pick_device(device), precision
         self.model = torch.nn.EmbeddingBag(257, 8, mode="mean", padding_idx=0).to(self.device)
         self.model.eval().requires_grad_(False)
         self.preparer = BytePreparer()
+
+    def finish_batch(self, modality: str, inputs: torch.Tensor) -> tuple[torch.Tensor, dict[int, str]]:
+        return inputs, {}  # nothing to decode on the device
 
     def encode(self, modality: str, batch: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.normalize(self.model(move_batch(batch, self.device)).float(), dim=-1)
@@ -143,7 +144,7 @@ def test_a_registered_backend_scores_trains_and_reloads_end_to_end(byte_backend,
     torch.manual_seed(0)
     result = score(str(text_pairs_manifest), tmp_path / "scores.parquet",
                    ScoreConfig(backend="bytes", model="bytes-8", beta_k=16, batch_size=8, workers=0, device="cpu"))
-    assert result.pairs_scored_now == 16 and read_provenance(tmp_path / "scores.parquet")["estimator"]["backend"] == "bytes"
+    assert result.pairs_scored_now == 16 and read_provenance(tmp_path / "scores.parquet").estimator["backend"] == "bytes"
     assert pq.read_table(tmp_path / "scores.parquet").num_rows == 16
     trained = train(str(text_pairs_manifest), tmp_path / "run", TrainConfig(model="bytes-8", epochs=1, batch_size=8, workers=0,
                                                                   device="cpu", lr=1e-3, warmup_steps=1))

@@ -1,5 +1,6 @@
-"""The random-inputs beta cache (`scoring/beta_cache.py`): keyed by the weights (a checkpoint by its
-hash), K, the seed and the batching; reused by later runs, ignored when unreadable."""
+"""The random-inputs beta (`core/beta.py`) and its cache (`scoring/beta_cache.py`): the inputs depend
+on the seed and K, never on the batch size; the cache is keyed by the weights (a checkpoint by its
+hash), K, the seed, the draw and the encoding chunk; reused by later runs, ignored when unreadable."""
 
 from __future__ import annotations
 
@@ -9,6 +10,11 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
+from helpers import run_cli
+
+from pairclean.core import beta as beta_module
+from pairclean.core.beta import random_input_beta
+from pairclean.scores.contract import read_provenance
 from pairclean.scoring.beta_cache import BetaCache, cached_random_input_beta, weights_fingerprint
 from pairclean.backends.open_clip import OpenClipEstimator
 from pairclean.scoring.model import score
@@ -39,11 +45,11 @@ def test_beta_cache_reuses_beta_for_the_same_weights_only(coco_shards, fast_conf
     second = score(str(coco_shards), tmp_path / "2.parquet", replace(fast_config, compile=True))
     other_seed = score(str(coco_shards), tmp_path / "3.parquet", replace(fast_config, seed=1))
     assert compiled_kwargs == [{"dynamic": None}, {"dynamic": True}]  # image tower; text with trimmed lengths
-    assert first.summary["beta_source"] == "computed" and second.summary["beta_source"] == "cache"
-    assert second.summary["beta"] == first.summary["beta"] and second.summary["beta_std"] == first.summary["beta_std"]
+    assert first.summary.beta_source == "computed" and second.summary.beta_source == "cache"
+    assert second.summary.beta == first.summary.beta and second.summary.beta_std == first.summary.beta_std
     assert [r["sim"] for r in pq.read_table(tmp_path / "2.parquet").to_pylist()] == \
         [r["sim"] for r in pq.read_table(tmp_path / "1.parquet").to_pylist()]
-    assert other_seed.summary["beta_source"] == "computed" and other_seed.summary["beta"] != first.summary["beta"]
+    assert other_seed.summary.beta_source == "computed" and other_seed.summary.beta != first.summary.beta
     assert len(list((tmp_path / "cache" / "beta").glob("*.json"))) == 2
     # An estimator handed in is named by a hash of its weights, never by its provenance alone.
     torch.manual_seed(0)
@@ -51,7 +57,7 @@ def test_beta_cache_reuses_beta_for_the_same_weights_only(coco_shards, fast_conf
     with torch.no_grad():
         changed.model.visual.proj.mul_(-1.0)
     handed_in = score(str(coco_shards), tmp_path / "4.parquet", fast_config, estimator=changed)
-    assert handed_in.summary["beta_source"] == "computed" and handed_in.summary["beta"] != first.summary["beta"]
+    assert handed_in.summary.beta_source == "computed" and handed_in.summary.beta != first.summary.beta
 
 
 def test_beta_without_cache_is_computed_every_time(tiny_estimator, tmp_path):
@@ -78,3 +84,33 @@ def test_beta_cache_names_a_checkpoint_by_its_hash_not_its_path(tiny_estimator, 
     keys = [cache.key(OpenClipEstimator("pairclean-tiny", pretrained=path, device="cpu"), "image", "text", 16, 0, 8)
             for path in ("tiny.pt", str(ckpt))]
     assert keys[0] == keys[1]
+
+
+def test_beta_does_not_move_with_the_batch_size(tiny_estimator, coco_shards, tmp_path, capsys):
+    """The same seed and K draw the same inputs at any batch size: beta is equal to the bit from the
+    draw block's size up, and to float rounding below it. Before: -0.0650 at batch 256 and -0.0666 at
+    32 (K 1024), -0.0756 at 8 and -0.0691 at 24 (K 256), with the tiny model on a toy world."""
+    betas = {b: random_input_beta(tiny_estimator, "image", "text", k=200, seed=0, batch_size=b).beta
+             for b in (256, 64, 32, 24, 8)}
+    assert betas[256] == betas[64]
+    assert all(abs(b - betas[256]) < 1e-6 for b in betas.values()), betas
+    assert random_input_beta(tiny_estimator, "image", "text", k=200, seed=1).beta != betas[256]
+    found = {}
+    for batch in ("256", "24"):
+        out = tmp_path / f"b{batch}.parquet"
+        code, _, _ = run_cli(["score", coco_shards, "--out", out, "--model", "pairclean-tiny", "--pretrained", "none",
+                              "--workers", "0", "--beta-k", "96", "--batch-size", batch, "--no-beta-cache"], capsys)
+        assert code == 0
+        found[batch] = read_provenance(out).beta
+    assert found["256"] == pytest.approx(found["24"], abs=1e-6)
+
+
+def test_a_beta_drawn_another_way_is_never_served(tiny_estimator, tmp_path, monkeypatch):
+    cache = BetaCache(tmp_path)
+    key = cache.key(tiny_estimator, "image", "text", 16, 0, 8)
+    assert cache.key(tiny_estimator, "image", "text", 16, 0, 8) == key
+    assert cache.key(tiny_estimator, "image", "text", 16, 0, 64) != key  # another encoding chunk
+    assert cache.key(tiny_estimator, "image", "text", 16, 0, 256) == cache.key(tiny_estimator, "image", "text", 16, 0,
+                                                                                 64)  # the same chunks
+    monkeypatch.setattr("pairclean.scoring.beta_cache.RANDOM_INPUTS_VERSION", beta_module.RANDOM_INPUTS_VERSION - 1)
+    assert cache.key(tiny_estimator, "image", "text", 16, 0, 8) != key

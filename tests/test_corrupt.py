@@ -15,10 +15,12 @@ from helpers import run_cli
 from pairclean.cli import main
 from pairclean.lab.corrupt import corrupt, weaken
 from pairclean.errors import UserError
-from pairclean.data.manifest import DatasetSpec, load_manifest, open_dataset
+from pairclean.data.dataset import as_dataset, open_dataset
+from pairclean.data.manifest import load_manifest
+from pairclean.data.spec import Fields
 from pairclean.data.writer import write_shards
 from pairclean.ops.atomic import atomic_directory
-from pairclean.data.reader import list_units, read_samples, read_unit
+from pairclean.data.reading.tar import read_samples
 from pairclean.lab.synth.world import build_world
 
 
@@ -38,8 +40,8 @@ def raw_samples(shard: str) -> list[dict]:
 
 
 def pairs_of(source) -> list:
-    spec = source if isinstance(source, DatasetSpec) else open_dataset(source)
-    return [p for unit in list_units(spec) for p in read_unit(spec, unit)]
+    dataset = as_dataset(source)
+    return [p for unit in dataset.units() for p in dataset.read(unit)]
 
 
 def truth_rows(path) -> list[dict]:
@@ -102,9 +104,8 @@ def test_a_pair_whose_caption_did_not_change_stays_clean(tmp_path):
     with atomic_directory(src) as tmp:  # 8 pairs, only two distinct captions
         write_shards(({"__key__": f"k{i}", "txt": "same words" if i % 4 else "other words", "cls": str(i)}
                       for i in range(8)), tmp)
-    spec = open_dataset(str(src), pair="text-text")
-    spec.fields.text, spec.fields.text2 = "cls", "txt"
-    result = corrupt(spec, tmp_path / "out", ratio=1.0, seed=2)
+    dataset = open_dataset(str(src), pair="text-text", fields=Fields(text="cls", text2="txt"))
+    result = corrupt(dataset, tmp_path / "out", ratio=1.0, seed=2)
     truth = truth_rows(result.truth)
     assert result.selected == 8
     assert [t["noisy"] for t in truth] == [t["caption"] != t["original_caption"] for t in truth]

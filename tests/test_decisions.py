@@ -15,11 +15,11 @@ import pytest
 from pairclean.cli import main
 from pairclean.core.null import NullCalibration
 from pairclean.core.scorer import null_partners
-from pairclean.data.manifest import open_dataset
+from pairclean.data.dataset import open_dataset
 from pairclean.scores.contract import read_provenance, read_summary
 from pairclean.scores.evaluation import expected_calibration_error
 from pairclean.scores.rules import FitContext, parse_rule
-from pairclean.data.formats.embeddings import write_embeddings
+from pairclean.data.embeddings import write_embeddings
 from pairclean.scoring.model import score
 
 DIM, PAIRS = 16, 600
@@ -83,17 +83,17 @@ def test_embeddings_run_draws_the_null_and_the_fdr_rule_keeps_a_bounded_share_of
     main(["score", str(tmp_path / "emb"), "--from-embeddings", "--out", str(scores), "--beta-mode", "fixed",
           "--beta", "0.1", "--rule", "fdr:alpha=0.05"])
     provenance, summary = read_provenance(scores), read_summary(scores)
-    assert provenance["null_sample"] == PAIRS  # every row drew one null pair (one batch, below the per-batch cap)
+    assert provenance.null_sample == PAIRS  # every row drew one null pair (one batch, below the per-batch cap)
     table = pq.read_table(scores).to_pydict()
     q, flagged, sim = (np.array(table[c], dtype=float) for c in ("q_null", "fdr_noisy", "sim"))
     flagged = flagged.astype(bool)
     assert (flagged == (q > 0.05)).all()
     kept = ~flagged
     assert kept.sum() > 0.6 * PAIRS and noisy[kept].mean() <= 0.05  # the share of noise among the kept
-    fdr = next(r for r in summary["rules"] if r["name"] == "fdr")
-    assert summary["random_pairing_share_low"] <= noisy.mean() <= summary["random_pairing_share_high"]
-    cut = provenance["rules"][2]["threshold"]
-    assert fdr["noisy_if"] == f"q > 0.05 (sim <= {cut:.4f})" and (flagged == (sim <= np.float32(cut))).all()
+    fdr = next(r for r in summary.rules if r.name == "fdr")
+    assert summary.random_pairing_share_low <= noisy.mean() <= summary.random_pairing_share_high
+    cut = provenance.rules[2].threshold
+    assert fdr.noisy_if == f"q > 0.05 (sim <= {cut:.4f})" and (flagged == (sim <= np.float32(cut))).all()
 
 
 def test_model_run_draws_the_null_from_its_batches_and_a_resume_draws_the_same(coco_shards, fast_config, tmp_path):
@@ -102,7 +102,7 @@ def test_model_run_draws_the_null_from_its_batches_and_a_resume_draws_the_same(c
     cfg = replace(fast_config, rules=("beta", "gmm", "fdr"))
     first = score(open_dataset(str(coco_shards)), tmp_path / "a.parquet", cfg)
     again = score(open_dataset(str(coco_shards)), tmp_path / "b.parquet", cfg)
-    assert read_provenance(first.out)["null_sample"] == 16  # batches of 8 within shards of 6, 6, 4: all draw
+    assert read_provenance(first.out).null_sample == 16  # batches of 8 within shards of 6, 6, 4: all draw
     a, b = pq.read_table(first.out), pq.read_table(again.out)
     assert a.column("p_null").equals(b.column("p_null")) and a.column("q_null").equals(b.column("q_null"))
     p = np.array(a.column("p_null").to_pylist())
@@ -147,8 +147,8 @@ def test_an_abstaining_gmm_reaches_the_summary_and_flags_nothing(tmp_path, capsy
     main(["score", str(tmp_path / "emb"), "--from-embeddings", "--out", str(scores), "--beta-mode", "fixed",
           "--beta", "0.1", "--rule", "fdr"])
     captured = capsys.readouterr()
-    gmm = next(r for r in read_summary(scores)["rules"] if r["name"] == "gmm")
-    assert gmm["flagged"] == 0 and gmm["noisy_if"].startswith("abstains: ") and gmm["separates"] is False
+    gmm = next(r for r in read_summary(scores).rules if r.name == "gmm")
+    assert gmm.flagged == 0 and gmm.noisy_if.startswith("abstains: ") and gmm.notes["separates"] is False
     assert "GMM rule abstains" in captured.out + captured.err
 
 
@@ -185,7 +185,7 @@ def test_threshold_sweep_estimates_and_the_report(tmp_path, capsys):
     main(["score", str(tmp_path / "emb"), "--from-embeddings", "--out", str(scores), "--beta-mode", "fixed",
           "--beta", "0.1"])
     with ScoresDB(scores) as db:
-        sweep = threshold_sweep(db, read_provenance(scores)["null_quantiles"])
+        sweep = threshold_sweep(db, read_provenance(scores).null_quantiles)
     sim = np.array(pq.read_table(scores).column("sim").to_pylist())
     assert sweep.random_pairing_share == pytest.approx(noisy.mean(), abs=0.06)
     for row in sweep.rows:  # the estimates against the truth, on random-pairing noise
@@ -204,7 +204,7 @@ def test_filter_dry_run_shows_the_threshold_sweep(coco_shards, coco_scores, caps
     from pairclean.curate.sweep import threshold_sweep
 
     with ScoresDB(coco_scores) as db:
-        sweep = threshold_sweep(db, read_provenance(coco_scores)["null_quantiles"])
+        sweep = threshold_sweep(db, read_provenance(coco_scores).null_quantiles)
     capsys.readouterr()
     main(["filter", str(coco_shards), "--scores", str(coco_scores), "--where", "sim > 0", "--dry-run"])
     out = capsys.readouterr().out

@@ -15,12 +15,12 @@ import pyarrow.parquet as pq
 import pytest
 from helpers import run_cli
 
-from pairclean.data.formats.embeddings import write_embeddings
+from pairclean.data.embeddings import write_embeddings
 from pairclean.dedup import DedupConfig, dedup
 from pairclean.dedup.kmeans import nearest_centroid, train_kmeans
 from pairclean.dedup.pairwise import cluster_duplicates
 from pairclean.errors import ConfigError, UserError
-from pairclean.scores.contract import read_provenance, read_summary
+from pairclean.dedup.run import read_dedup_metadata
 
 DIM = 16
 
@@ -135,7 +135,7 @@ def test_dedup_finds_the_copies_and_keeps_the_cleanest(world, tmp_path):
     out = tmp_path / "dedup.parquet"
     result = dedup(str(emb), out, scores, DedupConfig(threads=1))
     got = rows(out)
-    assert len(got) == 600 and result.summary["rows"] == 600 and result.summary["scores_join"] == "shard, index"
+    assert len(got) == 600 and result.summary.rows == 600 and result.summary.scores_join == "shard, index"
     for copy, original in truth.items():
         assert got[copy]["group_id"] == got[original]["group_id"] is not None
         assert got[copy]["group_size"] == 2 and got[copy]["nearest_key"] == original
@@ -148,7 +148,7 @@ def test_dedup_finds_the_copies_and_keeps_the_cleanest(world, tmp_path):
     assert all(not got[k]["kept"] for k in noisy)  # a copy with a shuffled caption is never the one kept
     grouped = {k for k, r in got.items() if r["group_id"] is not None}
     assert grouped == set(truth) | set(truth.values())
-    assert result.summary["removed"] == 40 and sum(not r["kept"] for r in got.values()) == 40
+    assert result.summary.removed == 40 and sum(not r["kept"] for r in got.values()) == 40
 
 
 def test_semdedup_and_random_orders_keep_one_per_group(world, tmp_path):
@@ -244,12 +244,12 @@ def test_two_torchrun_ranks_share_the_work_and_write_the_same_rows(world, tmp_pa
                          timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     assert pq.read_table(two).to_pylist() == pq.read_table(one).to_pylist()
-    provenance = read_provenance(two)
-    assert provenance["world_size"] == 2
+    provenance, summary = read_dedup_metadata(two)
+    assert provenance.world_size == 2
     for stage in ("assign", "clusters"):  # every part committed once, by one of the two ranks
-        by_rank = provenance["work_by_rank"][stage]
+        by_rank = provenance.work_by_rank[stage]
         assert set(by_rank) <= {"0", "1"} and sum(by_rank.values()) == (2 if stage == "assign" else
-                                                                         read_summary(two)["groups_of_clusters"])
+                                                                         summary.groups_of_clusters)
 
 
 def test_faiss_backend_finds_the_same_copies(world, tmp_path):
@@ -257,7 +257,7 @@ def test_faiss_backend_finds_the_same_copies(world, tmp_path):
     _, emb, truth, scores = world
     dedup(str(emb), tmp_path / "faiss.parquet", scores, DedupConfig(backend="faiss", threads=1))
     got = rows(tmp_path / "faiss.parquet")
-    assert read_provenance(tmp_path / "faiss.parquet")["backend"] == "faiss"
+    assert read_dedup_metadata(tmp_path / "faiss.parquet")[0].backend == "faiss"
     for copy, original in truth.items():
         assert got[copy]["group_id"] == got[original]["group_id"] is not None
 
@@ -277,7 +277,7 @@ def test_faiss_backend_without_faiss_is_refused(world, tmp_path):
 def test_datacomp_npz_gives_the_rows_of_the_same_vectors_and_parquet_is_refused(world, tmp_path, capsys):
     """eco's readers: DataComp's metadata/ (.npz members read by row in place) dedups like the same
     vectors in clip-retrieval's layout; Parquet embedding columns cannot be read by row and are refused."""
-    from pairclean.data.formats.embeddings import open_embeddings
+    from pairclean.data.embeddings import open_embeddings
 
     _, emb, _, _ = world
     spec = open_embeddings(str(emb))
@@ -290,12 +290,12 @@ def test_datacomp_npz_gives_the_rows_of_the_same_vectors_and_parquet_is_refused(
     cfg = dict(keep="semdedup", threads=1, unit_rows=1 << 10)
     reference = dedup(str(emb), tmp_path / "ref.parquet", config=DedupConfig(**cfg))
     npz = dedup(str(tmp_path / "pool"), tmp_path / "npz.parquet", config=DedupConfig(**cfg))
-    assert reference.summary["removed"] > 0
+    assert reference.summary.removed > 0
     def by_key(path):
         return {r["key"]: (r["kept"], r["group_size"]) for r in pq.read_table(path).to_pylist()}
 
     assert by_key(npz.out) == by_key(reference.out)
-    assert read_provenance(npz.out)["embeddings"]["format"] == "datacomp-npz"
+    assert read_dedup_metadata(npz.out)[0].embeddings.format == "datacomp-npz"
 
     pq.write_table(pa.table({"key": keys, "left_emb": list(images.astype(np.float32)),
                              "right_emb": list(texts.astype(np.float32))}), tmp_path / "emb.parquet")
@@ -303,3 +303,12 @@ def test_datacomp_npz_gives_the_rows_of_the_same_vectors_and_parquet_is_refused(
                            capsys)
     assert code == 2 and "parquet-embeddings" in err and "by position" in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "p.parquet").exists()
+
+
+def test_a_scores_file_given_for_the_embeddings_points_at_save_embeddings(coco_scores, tmp_path, capsys):
+    """Before: "has no column 'left_emb' (...); name the columns with --left-emb-field ..."."""
+    code, _, err = run_cli(["dedup", coco_scores, "--out", tmp_path / "d.parquet"], capsys)
+    assert code == 2 and err.strip() == (
+        f"error: {coco_scores} is a scores file: dedup reads the embeddings a scoring run saved. Score with "
+        f"`pairclean score ... --save-embeddings emb/`, then `pairclean dedup emb/ --scores {coco_scores} "
+        "--out dedup.parquet`")

@@ -63,6 +63,7 @@ def test_cli_demo_reuses_the_cached_estimator_and_repeats_the_figures(first_run,
     out = capsys.readouterr().out
     assert "oracle" in out and "ROC-AUC" in out and "93.88 / 97.49" in out
     assert "from the cache" in out and "scores.parquet" in out
+    assert "README's band is for the default demo (2,000 pairs, 50% noise, seed 0, K 1024): not compared" in out
     assert not (tmp_path / "out" / "estimator").exists()  # nothing trained
     again = json.loads((tmp_path / "out" / "detection.json").read_text())
     assert again["roc_auc"] == first.metrics["roc_auc"]  # same world, noise, weights: same figures
@@ -108,3 +109,38 @@ def test_the_cli_starts_without_torch_so_the_demo_can_fix_its_arithmetic():
              "print(sorted(m for m in ('torch', 'open_clip', 'sklearn') if m in sys.modules))")
     printed = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, check=True).stdout
     assert printed.strip() == "[]"
+
+
+def test_readme_states_the_band_the_demo_checks_its_figures_against():
+    """README's band and the demo's (lab/demo.py BAND) are one set of numbers."""
+    import re
+    from pathlib import Path
+
+    from pairclean.lab.demo import BAND
+
+    text = " ".join((Path(__file__).parents[1] / "README.md").read_text().split())
+    found = re.search(r"README's band: beta ([0-9.]+) to ([0-9.]+), beta's noise caught ([0-9.]+) to ([0-9.]+)%, GMM "
+                      r"balanced accuracy ([0-9.]+) to ([0-9.]+)%, oracle balanced accuracy ([0-9.]+) to ([0-9.]+)%, "
+                      r"ROC-AUC ([0-9.]+) to ([0-9.]+)", text)
+    assert found, "README states no band"
+    stated = [float(x) for x in found.groups()]
+    assert stated == [bound for name in ("beta", "beta_caught", "gmm_balanced", "oracle_balanced", "roc_auc")
+                      for bound in BAND[name]]
+    assert all(low < high for low, high in BAND.values())
+
+
+def test_the_demo_says_whether_its_figures_are_inside_the_band():
+    from pairclean.cli.lab import band_line
+    from pairclean.lab.demo import BAND, DemoConfig, band_check
+
+    inside = {"rules": {"beta": {"threshold": sum(BAND["beta"]) / 2, "noise_caught": sum(BAND["beta_caught"]) / 2},
+                        "gmm": {"balanced_accuracy": sum(BAND["gmm_balanced"]) / 2},
+                        "oracle": {"balanced_accuracy": sum(BAND["oracle_balanced"]) / 2}},
+              "roc_auc": sum(BAND["roc_auc"]) / 2}
+    assert band_line(band_check(inside)).startswith("every figure is inside README's band")
+    outside = {**inside, "roc_auc": BAND["roc_auc"][0] - 0.001}
+    line = band_line(band_check(outside))
+    assert line.startswith("outside README's band (measured across machines, docs/lab.md): ROC-AUC ")
+    assert f"(band {BAND['roc_auc'][0]:g} to {BAND['roc_auc'][1]:g})" in line and "beta" not in line
+    assert DemoConfig().default_table() and not DemoConfig(pairs=40).default_table()
+    assert not DemoConfig(ratio=0.2).default_table() and DemoConfig(workers=0).default_table()

@@ -88,7 +88,9 @@ def test_two_rank_training_follows_one_process_with_the_same_global_batch(coco_s
     from pairclean.cli import main
 
     main([*args, "--out", str(tmp_path / "one")])
-    _torchrun([*args, "--out", str(tmp_path / "two")])
+    proc = _torchrun([*args, "--out", str(tmp_path / "two")])
+    # torch.distributed.nn's all_gather (deprecated) printed a FutureWarning per gather, 8 in this run
+    assert "Warning" not in proc.stderr, proc.stderr[-3000:]
 
     def losses(run):
         lines = [json.loads(x) for x in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
@@ -189,7 +191,7 @@ def test_a_slowed_rank_claims_fewer_groups_and_the_rows_stay_the_same(twelve_gro
     _torchrun(["score", str(twelve_groups), "--out", str(out), *TINY, "--no-beta-cache"],
               env_extra={"PAIRCLEAN_SLOW": "1:0.3"})
     _assert_same(_rows(out), twelve_reference)
-    by_rank = read_provenance(out)["units_by_rank"]
+    by_rank = read_provenance(out).units_by_rank
     assert sum(by_rank.values()) == 12 and by_rank.get("1", 0) < by_rank["0"], by_rank
 
 

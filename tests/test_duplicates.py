@@ -13,8 +13,9 @@ import pytest
 from helpers import run_cli
 from PIL import Image
 
-from pairclean.data.manifest import open_dataset
-from pairclean.data.reader import raise_failure, read_samples
+from pairclean.data.dataset import open_dataset
+from pairclean.data.reading.tar import read_samples
+from pairclean.data.spec import raise_failure
 from pairclean.dedup.evaluation import evaluate_dedup
 from pairclean.errors import ConfigError, UserError
 from pairclean.lab.duplicates import plant_duplicates
@@ -28,8 +29,8 @@ def world(tmp_path_factory):
     return root / "world"
 
 
-def samples(spec) -> dict[str, dict]:
-    return {s.key: s.members for shard in spec.shards for s in read_samples(shard, raise_failure)}
+def samples(dataset) -> dict[str, dict]:
+    return {s.key: s.members for shard in dataset.spec.shards for s in read_samples(shard, raise_failure)}
 
 
 def test_every_kind_is_planted_with_its_truth(world, tmp_path):
@@ -139,5 +140,6 @@ def test_metrics_on_a_case_counted_by_hand(tmp_path, capsys):
     assert content["precision"] == 100.0 and content["correct_pairs"] == 2
     code, out, err = run_cli(["evaluate", "dedup", dedup, "--truth", truth, "--side", "both"], capsys)
     assert code == 0 and "resize" in out and (tmp_path / "dedup.evaluation.json").is_file()
-    code, _, err = run_cli(["evaluate", "dedup", dedup, "--truth", noise], capsys)
+    # --overwrite: the run above wrote dedup.evaluation.json, which is replaced only when asked
+    code, _, err = run_cli(["evaluate", "dedup", dedup, "--truth", noise, "--overwrite"], capsys)
     assert code == 2 and "not a duplicates truth" in err

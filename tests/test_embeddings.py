@@ -15,12 +15,12 @@ import pytest
 
 from pairclean.scoring import embeddings
 from pairclean.cli import main
-from pairclean.data.formats.embeddings import iter_batches, open_embeddings, write_embeddings
+from pairclean.data.embeddings import open_embeddings, write_embeddings
 from pairclean.scoring.embeddings import EmbeddingScoreConfig, random_embeddings_beta, score_embeddings
 from pairclean.errors import UserError
 from pairclean.scores.contract import SCORES_SCHEMA, read_provenance
 from pairclean.core.scorer import cosine_similarity
-from pairclean.scoring.parts import parts_dir_for
+from pairclean.runs import parts_dir_for
 
 DIM = 16
 
@@ -66,10 +66,10 @@ def test_clip_retrieval_layout_scores_the_cosine_of_each_row_pair(tmp_path):
     expected = cosine_similarity(left.astype(np.float16), right.astype(np.float16))
     np.testing.assert_allclose(rows["sim"], expected, atol=1e-5)
     np.testing.assert_allclose(rows["sim_debiased"], np.asarray(rows["sim"]) - 0.1, atol=1e-6)
-    assert res.summary["pairs"] == res.summary["scored"] == 300 and res.summary["not_unit_left"] == 0
+    assert res.summary.pairs == res.summary.scored == 300 and res.summary.not_unit_left == 0
     prov = read_provenance(tmp_path / "s.parquet")
-    assert prov["estimator"]["backend"] == "precomputed-embeddings" and prov["estimator"]["dtype"] == ["float16"]
-    assert prov["beta_source"] == "given by the user (beta)" and prov["beta"] == 0.1
+    assert prov.estimator["backend"] == "precomputed-embeddings" and prov.estimator["dtype"] == ["float16"]
+    assert prov.beta_source == "given by the user (beta)" and prov.beta == 0.1
     assert not parts_dir_for(tmp_path / "s.parquet").exists()
 
 
@@ -121,8 +121,8 @@ def test_vectors_that_are_not_unit_length_are_renormalised_with_a_warning(tmp_pa
                                   tmp_path / "x.parquet", FIXED)
     assert "40 left and 39 right vectors were not unit length" in caplog.text
     np.testing.assert_allclose(_read(tmp_path / "u.parquet")["sim"], _read(tmp_path / "x.parquet")["sim"], atol=1e-6)
-    assert unit.summary["not_unit_left"] == 0 and scaled.summary["not_unit_left"] == 40
-    assert read_provenance(tmp_path / "x.parquet")["renormalised"]["max_norm_deviation"] == pytest.approx(2.0, abs=1e-5)
+    assert unit.summary.not_unit_left == 0 and scaled.summary.not_unit_left == 40
+    assert read_provenance(tmp_path / "x.parquet").renormalised.max_norm_deviation == pytest.approx(2.0, abs=1e-5)
 
 
 def test_random_input_beta_is_the_mean_and_std_of_all_cross_cosines(tmp_path):
@@ -141,9 +141,9 @@ def test_random_input_beta_is_the_mean_and_std_of_all_cross_cosines(tmp_path):
     cfg = EmbeddingScoreConfig(random_embeddings=open_embeddings(str(tmp_path / "rand")))
     res = score_embeddings(open_embeddings(str(tmp_path / "emb")), tmp_path / "s.parquet", cfg)
     prov = read_provenance(tmp_path / "s.parquet")
-    assert prov["beta_mode"] == "random-inputs" and prov["beta"] == pytest.approx(beta.beta)
-    assert prov["beta_source"].startswith("computed from random-input embeddings supplied by the user")
-    assert res.summary["beta_source"] == prov["beta_source"]
+    assert prov.beta_mode == "random-inputs" and prov.beta == pytest.approx(beta.beta)
+    assert prov.beta_source.startswith("computed from random-input embeddings supplied by the user")
+    assert res.summary.beta_source == prov.beta_source
 
 
 def test_shuffled_beta_from_embeddings_is_the_mean_off_diagonal_cosine(tmp_path):
@@ -153,7 +153,7 @@ def test_shuffled_beta_from_embeddings_is_the_mean_off_diagonal_cosine(tmp_path)
                      EmbeddingScoreConfig(beta_mode="shuffled"))
     full = cosine_similarity(left[:, None, :], right[None, :, :])
     expected = (full.sum() - np.trace(full)) / (45 * 44)
-    assert read_provenance(tmp_path / "s.parquet")["beta"] == pytest.approx(float(expected), abs=1e-6)
+    assert read_provenance(tmp_path / "s.parquet").beta == pytest.approx(float(expected), abs=1e-6)
 
 
 def test_a_beta_that_cannot_be_had_is_refused_before_anything_is_written(tmp_path):
@@ -196,9 +196,9 @@ def test_a_file_cut_short_during_the_run_is_a_failed_unit_that_keeps_its_rows(tm
     size = (tmp_path / "r.npy").stat().st_size
     os.truncate(tmp_path / "r.npy", size - 10 * DIM * 4)  # the last 10 rows are gone
     res = score_embeddings(spec, tmp_path / "s.parquet", replace(FIXED, unit_rows=32, batch_rows=8))
-    failures = res.summary["unit_failures"]
-    assert len(failures) == 1 and failures[0]["unit"].endswith("#rows=32-64") and "ended early" in failures[0]["reason"]
-    assert res.summary["pairs"] == failures[0]["rows"] + 32 == 48  # whole batches before the break are kept
+    failures = res.summary.unit_failures
+    assert len(failures) == 1 and failures[0].unit.endswith("#rows=32-64") and "ended early" in failures[0].reason
+    assert res.summary.pairs == failures[0].rows + 32 == 48  # whole batches before the break are kept
 
 
 def test_batches_are_bounded_and_unit_chunks_cover_every_row_once(tmp_path):
@@ -211,7 +211,7 @@ def test_batches_are_bounded_and_unit_chunks_cover_every_row_once(tmp_path):
     assert [u.rsplit("#rows=", 1)[1] for u in units] == ["0-40", "40-80", "80-103"]
     seen = []
     for unit in units:
-        for batch in iter_batches(spec, unit, 16):
+        for batch in spec.batches(unit, 16):
             left, right = batch.rows.arrays()
             assert len(batch.index) <= 16 and left.shape == right.shape == (len(batch.index), DIM)
             np.testing.assert_array_equal(left, spec_left[batch.index])

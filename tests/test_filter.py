@@ -19,7 +19,8 @@ from helpers import run_cli, tiny_scores
 from pairclean.cli import main
 from pairclean.errors import UserError
 from pairclean.curate.filter import filter_dataset
-from pairclean.data.manifest import load_manifest, open_dataset
+from pairclean.data.dataset import open_dataset
+from pairclean.data.manifest import load_manifest
 
 ISSUE_PREDICATE = "p_clean >= 0.5 AND weight > 0"
 
@@ -64,7 +65,7 @@ def test_filter_keeps_exactly_the_duckdb_result_byte_identical(tmp_path, coco_sh
     assert [s["__key__"] for s in read_back] == [k for _, _, k in expected]
 
     # Every member of every kept sample, byte for byte, under its original name.
-    source = source_samples(open_dataset(str(coco_shards)).shards)
+    source = source_samples(open_dataset(str(coco_shards)).spec.shards)
     written = [m for shard in manifest.shards for m in tar_members(Path(shard))]
     assert written == [m for shard, index, _ in expected for m in source[(shard, index)]]
     assert {name.split(".", 1)[1] for name, _ in written} == {"jpg", "txt"}
@@ -100,7 +101,7 @@ def test_dry_run_counts_each_rule_and_writes_nothing(tmp_path, coco_shards, coco
     assert real.kept_pairs == dry.counts[-1].pairs
     member_bytes = sum(len(data) for shard in real.output_files for _, data in tar_members(Path(shard)))
     assert dry.kept_bytes == dry.counts[-1].bytes == real.kept_bytes == member_bytes
-    all_bytes = sum(len(d) for shard in open_dataset(str(coco_shards)).shards for _, d in tar_members(Path(shard)))
+    all_bytes = sum(len(d) for shard in open_dataset(str(coco_shards)).spec.shards for _, d in tar_members(Path(shard)))
     assert dry.total_bytes == all_bytes
 
 
@@ -205,3 +206,13 @@ def test_parquet_in_parquet_out_rows_equal_the_query(tmp_path, parquet_scored):
     dry = filter_dataset(open_dataset(str(path)), scores, out, where=["sim >= (SELECT median(sim) FROM scores)"],
                          dry_run=True)
     assert dry.bytes_estimated and 0 < dry.kept_bytes < dry.total_bytes
+
+
+def test_a_scores_file_that_is_not_there_is_not_found(tmp_path, capsys):
+    """Before: "give the scores file alone (...), or the shards with --scores scores.parquet"."""
+    code, _, err = run_cli(["filter", tmp_path / "nothere.parquet", "--where", "NOT gmm_noisy", "--out",
+                            tmp_path / "kept"], capsys)
+    assert code == 2 and err.strip() == f"error: scores file not found: {tmp_path / 'nothere.parquet'}"
+    code, _, err = run_cli(["filter", tmp_path / "nothere", "--scores", tmp_path / "nothere.parquet", "--out",
+                            tmp_path / "kept"], capsys)
+    assert code == 2 and "not found" in err and not (tmp_path / "kept").exists()

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from pairclean.conventions import flag_messages, flag_strings, library, sources
+from conventions import flag_messages, flag_strings, library, sources
 from pairclean.errors import ConfigError, word_fields
 
 ROOT = Path(__file__).parent.parent

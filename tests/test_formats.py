@@ -13,10 +13,12 @@ import pyarrow.parquet as pq
 import pytest
 from helpers import run_cli
 
-from pairclean.data.formats import REGISTRY, detect, format_names
-from pairclean.data.formats.embeddings import open_embeddings
+from pairclean.data.embeddings import LAYOUTS
+from pairclean.data.formats import REGISTRY, detect
+from pairclean.data.embeddings import open_embeddings
 from pairclean.data.keys import read_keys, uid_pairs, write_keys
-from pairclean.data.manifest import MAX_PATTERN_NAMES, _count_names, open_dataset
+from pairclean.data.dataset import open_dataset
+from pairclean.data.patterns import MAX_PATTERN_NAMES, _count_names
 from pairclean.errors import ConfigError, UserError
 
 ROOT = Path(__file__).parent.parent
@@ -33,7 +35,7 @@ ECO = Path(__file__).parent / "data" / "ecosystem"
     (ECO / "datacomp" / "resharded", "webdataset", 2, "__key__"),
 ])
 def test_each_layout_is_detected_from_its_files(source, name, shards, key):
-    spec = open_dataset(str(source))
+    spec = open_dataset(str(source)).spec
     assert (spec.format, len(spec.shards), spec.fields.key) == (name, shards, key)
     assert spec.shards == sorted(spec.shards) and all(s.endswith((".tar", ".parquet")) for s in spec.shards)
 
@@ -48,7 +50,7 @@ def test_each_embeddings_layout_is_detected(source, layout):
 
 
 def test_a_format_is_forced_by_name_and_an_unknown_one_is_named(tmp_path, capsys):
-    spec = open_dataset(str(ECO / "img2dataset" / "webdataset"), format="webdataset")
+    spec = open_dataset(str(ECO / "img2dataset" / "webdataset"), format="webdataset").spec
     assert spec.format == "webdataset" and [Path(s).suffix for s in spec.shards] == [".tar", ".tar"]
     with pytest.raises(ConfigError, match="unknown input format 'nope'"):
         open_dataset(str(ECO / "img2dataset" / "webdataset"), format="nope")
@@ -64,11 +66,11 @@ def test_tars_and_parquet_that_are_not_img2dataset_output_are_named_not_mixed(tm
         open_dataset(str(tmp_path))
 
 
-def test_every_registered_format_has_a_label_and_a_kind():
-    assert set(format_names("pairs")) == {"webdataset", "parquet", "img2dataset-webdataset", "datacomp-shards",
-                                          "img2dataset-parquet", "hf-parquet"}
-    assert set(format_names("embeddings")) == {"clip-retrieval", "numpy", "parquet-embeddings", "datacomp-npz"}
-    assert all(cls.label and cls.kind in ("pairs", "embeddings") for cls in REGISTRY.values())
+def test_every_registered_format_and_layout_has_a_label():
+    assert set(REGISTRY) == {"webdataset", "parquet", "img2dataset-webdataset", "datacomp-shards",
+                             "img2dataset-parquet", "hf-parquet"}
+    assert set(LAYOUTS) == {"clip-retrieval", "numpy", "parquet-embeddings", "datacomp-npz"}
+    assert all(cls.label for cls in [*REGISTRY.values(), *LAYOUTS.values()])
 
 
 def test_no_module_outside_data_branches_on_a_format_name():
@@ -121,12 +123,10 @@ def test_a_compressed_npz_is_refused_with_the_fix(tmp_path):
 
 
 def test_an_error_reason_is_cut_before_it_is_stored(tmp_path):
-    from pairclean.scoring.parts import MAX_ERROR_CHARS, PartStore
+    from pairclean.scoring.parts import MAX_ERROR_CHARS, part_table
 
-    store = PartStore(tmp_path / "parts")
-    store.dir.mkdir()
-    store.commit("u", {"key": ["k"], "shard": ["s"], "index": [0], "sim": [None], "error": ["x" * 10_000]}, {})
-    (error,) = pq.read_table(store.part_path("u")).column("error").to_pylist()
+    part = part_table({"key": ["k"], "shard": ["s"], "index": [0], "sim": [None], "error": ["x" * 10_000]})
+    (error,) = part.table.column("error").to_pylist()
     assert len(error) == MAX_ERROR_CHARS
 
 

@@ -13,7 +13,7 @@ import pytest
 
 from helpers import killed_after_first_unit, refused, run_cli, tiny_scores
 from pairclean.scores.db import ScoresDB
-from pairclean.data.manifest import open_dataset
+from pairclean.data.dataset import open_dataset
 from pairclean.errors import UserError
 from pairclean.train.data import index_shards
 from pairclean.train.weights import build_weight_arrays
@@ -244,10 +244,8 @@ def jpeg(size=(32, 16), orientation: int | None = None) -> bytes:
 
 @pytest.mark.parametrize("captions", [[1, 2], [[1], [2]], [{"a": 1}, {"a": 2}]])
 def test_non_text_caption_columns_become_error_rows(tmp_path, captions):
-    from pairclean.data.reader import list_units, read_unit
-
-    spec = open_dataset(str(parquet_pairs(tmp_path / "p.parquet", captions, jpeg())))
-    rows = [p for u in list_units(spec) for p in read_unit(spec, u)]
+    dataset = open_dataset(str(parquet_pairs(tmp_path / "p.parquet", captions, jpeg())))
+    rows = [p for u in dataset.units() for p in dataset.read(u)]
     assert len(rows) == 2 and all(r.error and "not text" in r.error for r in rows)
 
 
@@ -255,12 +253,10 @@ def test_zero_row_group_parquet_is_zero_pairs(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from pairclean.data.reader import list_units
-
     path = tmp_path / "empty.parquet"
     pq.ParquetWriter(path, pa.schema([("key", pa.string()), ("caption", pa.string()), ("image", pa.binary())])).close()
     assert pq.ParquetFile(path).metadata.num_row_groups == 0
-    assert list_units(open_dataset(str(path))) == []
+    assert open_dataset(str(path)).units() == []
 
 
 def test_image_paths_to_fifos_and_huge_files_are_refused_without_reading(tmp_path, monkeypatch):
@@ -269,18 +265,19 @@ def test_image_paths_to_fifos_and_huge_files_are_refused_without_reading(tmp_pat
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from pairclean.data import reader
-    from pairclean.data.manifest import DatasetSpec, Fields
+    from pairclean.data.dataset import Dataset
+    from pairclean.data.reading import values
+    from pairclean.data.spec import DatasetSpec, Fields
 
     os.mkfifo(tmp_path / "pipe.jpg")
     (tmp_path / "big.jpg").write_bytes(b"\xff" * 2048)
     (tmp_path / "ok.jpg").write_bytes(jpeg())
-    monkeypatch.setattr(reader, "MAX_MEMBER_BYTES", 1024)
+    monkeypatch.setattr(values, "MAX_MEMBER_BYTES", 1024)
     pq.write_table(pa.table({"key": ["a", "b", "c"], "caption": ["x", "y", "z"],
                              "path": ["pipe.jpg", "big.jpg", "ok.jpg"]}), tmp_path / "p.parquet")
-    spec = DatasetSpec(format="parquet", shards=[str(tmp_path / "p.parquet")],
-                       fields=Fields(image_path="path", text="caption", key="key"))
-    rows = [p for u in reader.list_units(spec) for p in reader.read_unit(spec, u)]  # a FIFO would hang here
+    dataset = Dataset(DatasetSpec(format="parquet", shards=[str(tmp_path / "p.parquet")],
+                                  fields=Fields(image_path="path", text="caption", key="key")))
+    rows = [p for u in dataset.units() for p in dataset.read(u)]  # a FIFO would hang here
     assert "not a regular file" in rows[0].error
     assert "over the 1,024-byte limit" in rows[1].error
     assert rows[2].error is None
@@ -318,11 +315,11 @@ def test_a_process_refused_at_begin_leaves_the_winners_run_alone(tmp_path, monke
     import subprocess
     import sys
 
-    from pairclean.scoring.parts import PartStore, parts_dir_for
+    from pairclean.runs import PartStore, parts_dir_for
 
     out = tmp_path / "scores.parquet"
     winner = subprocess.Popen([sys.executable, "-c", (
-        "import sys, pathlib; from pairclean.scoring.parts import PartStore, parts_dir_for\n"
+        "import sys, pathlib; from pairclean.runs import PartStore, parts_dir_for\n"
         f"store = PartStore(parts_dir_for(pathlib.Path({str(out)!r})))\n"
         "store.begin(pathlib.Path(" + repr(str(out)) + "), {'a': 1}, ['u'])\n"
         "print('ready', flush=True); sys.stdin.read()")], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
@@ -350,7 +347,6 @@ def test_a_process_refused_at_begin_leaves_the_winners_run_alone(tmp_path, monke
 # -- 3. Resume trusts contents, not names --------------------------------------------------------
 
 def test_one_shard_under_three_spellings_is_one_unit(tmp_path, shards, fast_config):
-    from pairclean.data.reader import list_units
     from pairclean.scoring.model import score
 
     first = sorted(shards.glob("*.tar"))[0]
@@ -358,9 +354,9 @@ def test_one_shard_under_three_spellings_is_one_unit(tmp_path, shards, fast_conf
     link.symlink_to(first)
     spelled = [str(first), str(shards / ".." / "shards" / first.name), str(link)]
     spec = open_dataset(spelled)
-    assert list_units(spec) == [str(first)]
+    assert spec.units() == [str(first)]
     result = score(spec, tmp_path / "scores.parquet", fast_config)
-    assert result.summary["pairs"] == 6
+    assert result.summary.pairs == 6
 
 
 def test_a_shard_changed_after_its_unit_was_committed_is_refused_on_resume(tmp_path, shards, fast_config):
@@ -423,7 +419,7 @@ def test_a_directory_holding_a_manifest_is_read_as_that_manifest(tmp_path, shard
     manifest["shards"] = manifest["shards"][:1]
     manifest["pair"] = "image-label"
     (shards / "manifest.yaml").write_text(yaml.safe_dump(manifest))
-    spec = open_dataset(str(shards))
+    spec = open_dataset(str(shards)).spec
     assert len(spec.shards) == 1 and spec.pair == "image-label"
 
 

@@ -28,9 +28,10 @@ from helpers import exit_code as _cli
 from pairclean.data.decode import DecodeError, decode_image
 from pairclean.errors import UserError
 from pairclean.scores.contract import run_manifest_path
-from pairclean.data.manifest import DatasetSpec, Fields, open_dataset
+from pairclean.data.dataset import Dataset, open_dataset
+from pairclean.data.spec import DatasetSpec, Fields, UnitFailure
 from pairclean.scoring.model import score
-from pairclean.data.reader import MAX_TEXT_CHARS, UnitFailure, list_units, read_unit
+from pairclean.data.reading.values import MAX_TEXT_CHARS
 
 BOMB_SIDE = 50_000
 
@@ -184,8 +185,7 @@ print(json.dumps({{"reason": reason, "grew_kb": after - before}}))
 # -- tar reading ----------------------------------------------------------------------------
 
 def _read(path: Path) -> tuple[list, list[UnitFailure]]:
-    spec = DatasetSpec("webdataset", [str(path)])
-    items = list(read_unit(spec, str(path)))
+    items = list(Dataset(DatasetSpec("webdataset", [str(path)])).read(str(path)))
     return [i for i in items if not isinstance(i, UnitFailure)], [i for i in items if isinstance(i, UnitFailure)]
 
 
@@ -258,9 +258,9 @@ def test_repeated_keys_are_separate_pairs(tmp_path, jpeg):
 
 
 def test_oversized_member_is_refused_unread(tmp_path, jpeg, monkeypatch):
-    import pairclean.data.reader as sources
+    from pairclean.data.reading import values
 
-    monkeypatch.setattr(sources, "MAX_MEMBER_BYTES", 1000)
+    monkeypatch.setattr(values, "MAX_MEMBER_BYTES", 1000)
     pairs, failures = _read(write_tar(tmp_path / "o.tar", [("x.jpg", jpeg), ("x.txt", b"fine")]))
     assert not failures and "over the 1,000-byte limit" in pairs[0].error
 
@@ -288,15 +288,15 @@ def test_pipe_urls_need_an_explicit_flag(tmp_path, jpeg):
     with pytest.raises(UserError, match="`allow_pipe`"):
         open_dataset(url)
     with pytest.raises(UserError, match="`allow_pipe`"):
-        list_units(DatasetSpec("webdataset", [url]))  # a spec built in Python is checked too
-    spec = open_dataset(url, allow_pipe=True)
-    pairs = [p for p in read_unit(spec, list_units(spec)[0]) if not isinstance(p, UnitFailure)]
+        Dataset(DatasetSpec("webdataset", [url])).units()  # a spec built in Python is checked too
+    dataset = open_dataset(url, allow_pipe=True)
+    pairs = [p for p in dataset.read(dataset.units()[0]) if not isinstance(p, UnitFailure)]
     assert [(p.key, p.right) for p in pairs] == [("k", "cap")]
 
 
 def test_failing_pipe_command_is_a_failed_unit(tmp_path):
-    spec = open_dataset(f"pipe:cat {tmp_path / 'nothing-here.tar'}", allow_pipe=True)
-    items = list(read_unit(spec, spec.shards[0]))
+    dataset = open_dataset(f"pipe:cat {tmp_path / 'nothing-here.tar'}", allow_pipe=True)
+    items = list(dataset.read(dataset.spec.shards[0]))
     assert len(items) == 1 and isinstance(items[0], UnitFailure)
 
 
@@ -441,13 +441,13 @@ def test_hostile_summary_reconciles(hostile_run):
     result, rows, expect = hostile_run
     s = result.summary
     errors = sum(r["error"] is not None for r in rows)
-    assert s["pairs"] == len(rows) == s["scored"] + s["errors"]
-    assert s["errors"] == errors == sum(v is not None for v in expect.values())
-    failures = {Path(f["unit"]).name: f for f in s["unit_failures"]}
+    assert s.pairs == len(rows) == s.scored + s.errors
+    assert s.errors == errors == sum(v is not None for v in expect.values())
+    failures = {Path(f.unit).name: f for f in s.unit_failures}
     assert set(failures) == {"s4-truncated.tar", "s5-vanishing.tar"}
-    assert "truncated tar" in failures["s4-truncated.tar"]["reason"] and failures["s4-truncated.tar"]["rows"] == 2
-    assert "not found" in failures["s5-vanishing.tar"]["reason"] and failures["s5-vanishing.tar"]["rows"] == 0
-    assert json.loads(run_manifest_path(result.out).read_text())["summary"]["pairs"] == s["pairs"]
+    assert "truncated tar" in failures["s4-truncated.tar"].reason and failures["s4-truncated.tar"].rows == 2
+    assert "not found" in failures["s5-vanishing.tar"].reason and failures["s5-vanishing.tar"].rows == 0
+    assert json.loads(run_manifest_path(result.out).read_text())["summary"]["pairs"] == s.pairs
 
 
 def test_duplicate_keys_within_and_across_shards_are_distinct_rows(hostile_run):
@@ -478,9 +478,9 @@ def test_parquet_unreadable_file_and_escaping_paths(tmp_path, coco_src, fast_con
     assert all("escapes the dataset root" in e for e in errors[1:4])
     assert "cannot read image file" in errors[4] and errors[5] == "missing image path"
     s = result.summary
-    assert s["pairs"] == 6 == s["scored"] + s["errors"] and s["errors"] == 5
-    assert [Path(f["unit"]).name for f in s["unit_failures"]] == ["broken.parquet#rg=0"]
-    assert "cannot read Parquet" in s["unit_failures"][0]["reason"]
+    assert s.pairs == 6 == s.scored + s.errors and s.errors == 5
+    assert [Path(f.unit).name for f in s.unit_failures] == ["broken.parquet#rg=0"]
+    assert "cannot read Parquet" in s.unit_failures[0].reason
 
 
 # -- CLI hygiene ----------------------------------------------------------------------------

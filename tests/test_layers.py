@@ -1,6 +1,6 @@
-"""The layers hold: no import in pairclean runs up `pairclean.conventions.LAYERS`, counting every
-import statement (deferred ones inside functions and `TYPE_CHECKING` ones too), and the order the
-docs print is that list."""
+"""The layers hold: no import in pairclean runs up `conventions.LAYERS` (tests/conventions.py), counting every
+import statement (deferred ones inside functions and `TYPE_CHECKING` ones too), no module is part of
+an import cycle (counted the same way), and the order the docs print is that list."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from pairclean.conventions import LAYERS, imports_of, layer_of, layers_line, runs_up, sources, upward_imports
+from conventions import LAYERS, import_cycles, imports_of, layer_of, layers_line, runs_up, sources, upward_imports
 
 ROOT = Path(__file__).parent.parent
 
@@ -18,11 +18,34 @@ def test_no_import_runs_up_the_layers():
     assert not found, "imports that run up the layers:\n" + "\n".join(map(str, found))
 
 
+def test_no_import_cycle_even_through_deferred_imports():
+    found = import_cycles(sources(ROOT))
+    assert not found, "import cycles:\n" + "\n".join(" <-> ".join(cycle) for cycle in found)
+
+
+@pytest.mark.parametrize("files, cycle", [
+    ({"pairclean/data/a.py": "from pairclean.data import b\n", "pairclean/data/b.py": "def f():\n    from . import a\n"},
+     ["pairclean.data.a", "pairclean.data.b"]),
+    ({"pairclean/x/__init__.py": "def f():\n    from pairclean.x import run\n",
+      "pairclean/x/run.py": "from pairclean.x import LIMIT\n"}, ["pairclean.x", "pairclean.x.run"]),
+    ({"pairclean/a.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import pairclean.b\n",
+      "pairclean/b.py": "import pairclean.a\n"}, ["pairclean.a", "pairclean.b"]),
+])
+def test_a_cycle_is_found_however_its_imports_are_written(files, cycle):
+    assert import_cycles(files) == [cycle]
+
+
+def test_a_package_importing_its_modules_is_no_cycle():
+    files = {"pairclean/p/__init__.py": "from pairclean.p import a\n", "pairclean/p/a.py": "from pairclean.p.b import X\n",
+             "pairclean/p/b.py": "X = 1\n"}
+    assert import_cycles(files) == []
+
+
 def test_every_part_of_the_package_is_in_a_layer():
     parts = {path.stem if path.suffix == ".py" else path.name for path in (ROOT / "pairclean").iterdir()
              if (path.suffix == ".py" or (path / "__init__.py").is_file()) and path.name != "__init__.py"}
     declared = {name for layer in LAYERS for name in layer}
-    assert parts <= declared, f"declare {sorted(parts - declared)} in pairclean.conventions.LAYERS"
+    assert parts <= declared, f"declare {sorted(parts - declared)} in tests/conventions.py LAYERS"
 
 
 def test_docs_print_the_declared_order():

@@ -3,7 +3,8 @@
 import pytest
 
 from pairclean.errors import UserError
-from pairclean.data.manifest import open_dataset, resolve_shards
+from pairclean.data.dataset import open_dataset
+from pairclean.data.patterns import resolve_shards
 
 
 def test_directory_glob_brace_and_list_file_agree(coco_shards, tmp_path):
@@ -17,13 +18,13 @@ def test_directory_glob_brace_and_list_file_agree(coco_shards, tmp_path):
 
 
 def test_manifest_resolves_relative_shards(coco_shards):
-    spec = open_dataset(str(coco_shards / "manifest.yaml"))
+    spec = open_dataset(str(coco_shards / "manifest.yaml")).spec
     assert spec.format == "webdataset" and spec.pair == "image-text" and len(spec.shards) == 3
     assert spec.fields.text == "txt" and spec.fields.key == "__key__"
 
 
 def test_parquet_defaults_and_pipe_refusal(coco_parquet):
-    spec = open_dataset(str(coco_parquet))
+    spec = open_dataset(str(coco_parquet)).spec
     assert spec.format == "parquet" and spec.fields.image == "image" and spec.fields.text == "caption"
     with pytest.raises(UserError, match="`allow_pipe`"):
         resolve_shards("pipe:curl -s http://example.invalid/a.tar")

@@ -116,6 +116,6 @@ def test_evaluate_detection_cli_writes_json_and_rejects_unmatched_truth(tmp_path
     other = tmp_path / "other.parquet"
     pq.write_table(pa.table({"key": ["zz"], "noisy": [True]}), other)
     with pytest.raises(SystemExit) as exit_info:
-        main(["evaluate", "detection", str(scores), "--truth", str(other)])
+        main(["evaluate", "detection", str(scores), "--truth", str(other), "--overwrite"])  # s.detection.json exists
     assert exit_info.value.code == 2
     assert "matches no scored pair" in capsys.readouterr().err

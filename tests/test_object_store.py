@@ -13,7 +13,7 @@ import pytest
 import webdataset as wds
 
 from pairclean.cli import main
-from pairclean.data.manifest import open_dataset
+from pairclean.data.dataset import open_dataset
 from pairclean.errors import UserError
 from pairclean.scoring.model import ScoreConfig, score
 
@@ -52,9 +52,9 @@ def _rows(path: Path) -> list[dict]:
 
 def test_patterns_and_listings_expand_in_the_store(s3, coco_shards):
     names = [f"s3://{BUCKET}/coco/{p.name}" for p in sorted(coco_shards.glob("*.tar"))]
-    assert open_dataset(f"s3://{BUCKET}/coco/*.tar").shards == names
-    assert open_dataset(f"s3://{BUCKET}/coco/").shards == names
-    assert open_dataset(f"s3://{BUCKET}/coco/coco-mini-{{000000..000002}}.tar").shards == names
+    assert open_dataset(f"s3://{BUCKET}/coco/*.tar").spec.shards == names
+    assert open_dataset(f"s3://{BUCKET}/coco/").spec.shards == names
+    assert open_dataset(f"s3://{BUCKET}/coco/coco-mini-{{000000..000002}}.tar").spec.shards == names
     with pytest.raises(UserError, match="cannot read nosuchfs:// shards"):
         score("nosuchfs://x/a.tar", "/tmp/never.parquet", ScoreConfig(model="pairclean-tiny", pretrained="none"))
 
@@ -97,7 +97,7 @@ def test_a_vanished_and_a_truncated_object_are_failed_units_with_nothing_lost(s3
     out = tmp_path / "broken.parquet"
     result = score(spec, out, ScoreConfig(model="pairclean-tiny", pretrained="none", beta_k=64, workers=0,
                                           batch_size=4, seed=0))
-    failures = {f["unit"].rsplit("/", 1)[-1]: f["reason"] for f in result.summary["unit_failures"]}
+    failures = {f.unit.rsplit("/", 1)[-1]: f.reason for f in result.summary.unit_failures}
     assert set(failures) == {"coco-mini-000001.tar", "coco-mini-000002.tar"}
     assert "not exist" in failures["coco-mini-000001.tar"] or "NoSuchKey" in failures["coco-mini-000001.tar"], failures
     assert "truncated" in failures["coco-mini-000002.tar"], failures

@@ -57,6 +57,8 @@ def output_options() -> set[tuple[str, str]]:
             for name, sub in command.commands.items():
                 walk(sub, [*path, name])
             return
+        for mode in command.modes() if hasattr(command, "modes") else ():
+            walk(mode.command, [*path, mode.flag])  # `score --from-embeddings`: a mode with its own options
         for param in command.get_params(command.context_class(command)):
             if param.param_type_name != "option":
                 continue
@@ -103,7 +105,7 @@ class World:
         if not directory.exists():
             import numpy as np
 
-            from pairclean.data.formats.embeddings import write_embeddings
+            from pairclean.data.embeddings import write_embeddings
 
             x = np.random.default_rng(0).standard_normal((8, 4)).astype(np.float32)
             write_embeddings(directory, [(x, x, [f"k{i}" for i in range(8)])])
@@ -141,6 +143,12 @@ CASES = {
          "is an input"),
         (["score", w.shards, *TINY, "--out", w.root.parent / "s.parquet", "--save-embeddings", w.shards / "emb"],
          "inside the input directory"),
+    ],
+    ("score --from-embeddings", "--out"): lambda w: [
+        (["score", "--from-embeddings", w.embeddings, "--beta-mode", "fixed", "--beta", "0.2", "--out",
+          w.embeddings / "img_emb" / "img_emb_0.npy", "--overwrite"], "is an input"),
+        (["score", "--from-embeddings", w.embeddings, "--beta-mode", "fixed", "--beta", "0.2", "--out",
+          w.embeddings / "s.parquet"], "inside the input directory"),
     ],
     ("dedup", "--out"): lambda w: [
         (["dedup", w.embeddings / "img_emb" / "img_emb_0.npy", w.embeddings / "text_emb" / "text_emb_0.npy",

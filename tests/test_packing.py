@@ -16,7 +16,7 @@ import webdataset as wds
 from PIL import Image
 
 from pairclean.scoring.model import GROUP_BATCHES, ScoreConfig, pack_units, score
-from pairclean.scoring.parts import parts_dir_for
+from pairclean.runs import parts_dir_for
 
 
 def _small_jpegs(coco_src: Path) -> list[bytes]:
@@ -72,8 +72,8 @@ def test_many_small_shards_fill_every_batch_and_match_few_large_shards(layouts, 
     a = score(str(small), tmp_path / "small.parquet", CFG)
     score(str(large), tmp_path / "large.parquet", CFG)
     # 2,400 pairs at batch 256: nine full batches and the run's last (96 rows), not 60 batches of 40.
-    assert (a.summary["batches"], a.summary["full_batches"]) == (10, 9)
-    assert a.summary["mean_batch_fill"] == pytest.approx(2400 / 2560)
+    assert (a.summary.batches, a.summary.full_batches) == (10, 9)
+    assert a.summary.mean_batch_fill == pytest.approx(2400 / 2560)
     rows_a, rows_b = _by_key(tmp_path / "small.parquet"), _by_key(tmp_path / "large.parquet")
     assert len(rows_a) == 2400 and rows_a.keys() == rows_b.keys()
     for key, row in rows_a.items():

@@ -66,11 +66,11 @@ def pages(tmp_path_factory, coco_src):
         if name not in built:
             if name == "keys":
                 data, used = root / "keyed" / "data.parquet", keyed
-            else:
+            else:  # another copy of the data, one caption changed: the scores are used with it on purpose
                 data, used = _dataset(coco_src, root / name, {}, EXAMPLES[name]), scores
             built[name] = {kind: root / f"{name}-{kind}.html" for kind in ("audit", "report")}
             for kind, page in built[name].items():
-                main([kind, str(used), "--shards", str(data), "--out", str(page)])
+                main([kind, str(used), "--shards", str(data), "--out", str(page), "--allow-other-dataset"])
         return built[name]
     return build
 
@@ -186,7 +186,7 @@ def test_render_fills_each_field_once_by_the_values_type():
 def test_every_page_template_is_filled_by_render_alone():
     """The templates use `{{field}}` only, and nothing but curate/pages.py escapes HTML or fills a
     template: a new page goes through `curate.pages.render`."""
-    from pairclean.conventions import sources
+    from conventions import sources
 
     root = Path(__file__).parent.parent
     for template in (root / "pairclean").rglob("*.html"):

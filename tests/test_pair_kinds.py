@@ -14,10 +14,10 @@ from pairclean.cli import main
 from pairclean.lab.coco import read_pairs
 from pairclean.errors import UserError
 from pairclean.scores.contract import read_provenance
-from pairclean.data.manifest import DatasetSpec, open_dataset
+from pairclean.data.dataset import Dataset, as_dataset, open_dataset
 from pairclean.data.writer import write_shards
 from pairclean.scoring.model import score
-from pairclean.data.reader import RawPair, list_units, read_unit
+from pairclean.data.spec import DatasetSpec, RawPair
 from pairclean.lab.synth.world import png_bytes, render, sample_scene
 from pairclean.lab.toy_pairs import build_toy_pairs, second_view
 
@@ -56,8 +56,9 @@ def mixed(tmp_path_factory, coco_src) -> dict:
     return {"rows": rows, "wds": str(root / "wds"), "parquet": str(root / "kinds.parquet")}
 
 
-def _read_all(spec: DatasetSpec) -> list[RawPair]:
-    return [item for unit in list_units(spec) for item in read_unit(spec, unit) if isinstance(item, RawPair)]
+def _read_all(source: Dataset | DatasetSpec) -> list[RawPair]:
+    dataset = as_dataset(source)
+    return [item for unit in dataset.units() for item in dataset.read(unit) if isinstance(item, RawPair)]
 
 
 @pytest.mark.parametrize("fmt", ["wds", "parquet"])
@@ -91,7 +92,7 @@ def test_label_templates_are_checked_before_reading(mixed):
 def test_image_image_pairs_go_through_one_tower_end_to_end(mixed, fast_config, tmp_path):
     outs = {"wds": tmp_path / "wds.parquet", "parquet": tmp_path / "parquet.parquet"}
     score(open_dataset(mixed["wds"], pair="image-image"), outs["wds"], replace(fast_config, beta_k=16))
-    beta = read_provenance(outs["wds"])["beta"]
+    beta = read_provenance(outs["wds"]).beta
     score(open_dataset(mixed["parquet"], pair="image-image"), outs["parquet"],
           replace(fast_config, beta_mode="fixed", beta=beta))
     a, b = (pq.read_table(outs[f]).to_pydict() for f in ("wds", "parquet"))
@@ -101,7 +102,7 @@ def test_image_image_pairs_go_through_one_tower_end_to_end(mixed, fast_config, t
     np.testing.assert_allclose(sims[0::2], 1.0, atol=1e-5)  # an image against itself, through the same tower
     assert (sims[1::2] < 1 - 1e-4).all()
     prov = read_provenance(outs["wds"])
-    assert prov["pair"] == "image-image" and prov["beta_k"] == 16
+    assert prov.pair == "image-image" and prov.beta_k == 16
 
 
 def test_image_label_pairs_from_the_cli_with_a_template(mixed, fast_config, tmp_path, capsys):
@@ -129,9 +130,9 @@ def test_toy_pairs_carry_their_mismatches_in_a_truth_file(kind, tmp_path):
     main(["synth", "toy-pairs", kind, "--out", str(tmp_path / kind), "--pairs", "24", "--seed", "3", "--noise", "0.5",
           "--shard-size", "10"])
     read = open_dataset(str(tmp_path / kind / "manifest.yaml"))
-    assert read.pair == kind and len(read.shards) == 3
+    assert read.spec.pair == kind and len(read.spec.shards) == 3
     pairs = _read_all(read)
-    truth = pq.read_table(read.truth).to_pydict()
+    truth = pq.read_table(read.spec.truth).to_pydict()
     assert [p.key for p in pairs] == truth["key"] and all(p.error is None for p in pairs)
     assert [p.shard for p in pairs] == truth["shard"] and [p.index for p in pairs] == truth["index"]
     own = [sample_scene(3, i) for i in range(24)]

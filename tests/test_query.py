@@ -113,6 +113,33 @@ def test_errors_are_one_line_exit_2(coco_scores, capsys, argv, message):
     assert code == 2 and len(err.strip().splitlines()) == 1 and message in err, err
 
 
+@pytest.fixture(scope="module")
+def scores_with_recorded_truth(tmp_path_factory, coco_shards):
+    """A copy `corrupt` wrote (its manifest names its truth), scored: the scores record the truth file."""
+    from helpers import tiny_scores
+
+    from pairclean.lab.corrupt import corrupt
+
+    root = tmp_path_factory.mktemp("recorded")
+    noisy = corrupt(str(coco_shards), root / "noisy", 0.3, seed=0, mode="shuffle")
+    return tiny_scores(root / "noisy", root / "s.parquet"), noisy.truth
+
+
+def test_the_truth_a_scores_file_recorded_is_attached(scores_with_recorded_truth, coco_scores, capsys):
+    """As evaluate detection finds it. Before: "Table with name labeled does not exist!"."""
+    scores, truth = scores_with_recorded_truth
+    query = str(QUERIES / "truth-confusion.sql")
+    code, recorded, err = run_cli(["query", scores, "-f", query, "--format", "csv"], capsys)
+    assert code == 0, err
+    code, given, err = run_cli(["query", scores, "-f", query, "--format", "csv", "--truth", truth], capsys)
+    assert code == 0 and recorded == given and "GMM (p_clean < 0.5)" in recorded
+    code, out, err = run_cli(["query", scores, "--columns"], capsys)
+    assert code == 0 and "labeled" in out
+    code, _, err = run_cli(["query", coco_scores, "-f", query], capsys)  # recorded no truth: say how to give one
+    assert code == 2 and err.strip().endswith(f"the views truth and labeled need --truth FILE ({coco_scores} records "
+                                              "no truth file)"), err
+
+
 def test_not_a_scores_file(coco_parquet, tmp_path, capsys):
     code, _, err = run_cli(["query", str(coco_parquet), "SELECT 1"], capsys)
     assert code == 2 and "is not a pairclean scores file" in err

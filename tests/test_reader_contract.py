@@ -16,11 +16,13 @@ import duckdb
 import pytest
 from test_hostile_inputs import _four_pairs, write_tar
 
-import pairclean.data.reader as reader
 from pairclean.cli import main
 from pairclean.curate.filter import filter_dataset
-from pairclean.data.manifest import DatasetSpec, load_manifest, open_dataset
-from pairclean.data.reader import UnitFailure, list_samples, parquet_keys, raise_failure, read_samples, read_unit
+from pairclean.data.dataset import Dataset, open_dataset
+from pairclean.data.manifest import load_manifest
+from pairclean.data.reading import values
+from pairclean.data.reading.tar import list_samples, read_samples
+from pairclean.data.spec import DatasetSpec, UnitFailure, raise_failure
 from pairclean.data.units import Unit, UnitKind, unit_shard
 from pairclean.errors import UserError
 
@@ -99,8 +101,7 @@ def hostile_shards(root: Path, jpeg: bytes) -> dict[str, Path]:
 
 def rows_by_mode(shard: str) -> dict[str, tuple[list[tuple[str, int, str]], bool]]:
     """(shard, index, key) of every row, and whether the shard broke, as each mode reads it."""
-    spec = DatasetSpec("webdataset", [shard])
-    items = list(read_unit(spec, shard))
+    items = list(Dataset(DatasetSpec("webdataset", [shard])).read(shard))
     out = {"pairs": ([(p.shard, p.index, p.key) for p in items if not isinstance(p, UnitFailure)],
                      any(isinstance(p, UnitFailure) for p in items))}
     for mode, read in (("raw samples", read_samples), ("header listing", list_samples)):
@@ -111,7 +112,7 @@ def rows_by_mode(shard: str) -> dict[str, tuple[list[tuple[str, int, str]], bool
 
 
 def test_every_mode_yields_the_same_rows_on_every_hostile_shard(tmp_path, jpeg, monkeypatch):
-    monkeypatch.setattr(reader, "MAX_MEMBER_BYTES", 1000)  # every jpg is "oversized" for the pairs mode
+    monkeypatch.setattr(values, "MAX_MEMBER_BYTES", 1000)  # every jpg is "oversized" for the pairs mode
     shards = hostile_shards(tmp_path, jpeg)
     broken = {"cut-in-member-data", "cut-in-a-header", "cut-at-a-member-boundary", "cut-in-the-third-jpg",
               "cut-in-padding", "corrupt-header", "empty-file", "not-a-tar", "vanished", "gzip-cut"}
@@ -150,16 +151,16 @@ def test_error_policy_records_or_raises_after_the_rows_before_the_break(tmp_path
     assert seen == ["k0", "k1"]
 
 
-def test_parquet_keys_are_the_keys_read_unit_gives(tmp_path, coco_parquet):
+def test_parquet_keys_are_the_keys_the_reader_gives(tmp_path, coco_parquet):
     import pyarrow.parquet as pq
 
     no_keys = tmp_path / "nokey.parquet"
     pq.write_table(pq.read_table(coco_parquet).drop_columns(["key"]), no_keys, row_group_size=5)
     for path in (str(coco_parquet), str(no_keys)):
-        spec = DatasetSpec("parquet", [path])
-        read = [p.key for unit in reader.list_units(spec) for p in read_unit(spec, unit)]
-        assert parquet_keys(spec, path) == read and len(read) == 16
-    assert parquet_keys(DatasetSpec("parquet", [str(no_keys)]), str(no_keys))[:2] == ["nokey/0", "nokey/1"]
+        dataset = Dataset(DatasetSpec("parquet", [path]))
+        read = [p.key for unit in dataset.units() for p in dataset.read(unit)]
+        assert dataset.keys(path) == read and len(read) == 16
+    assert Dataset(DatasetSpec("parquet", [str(no_keys)])).keys(str(no_keys))[:2] == ["nokey/0", "nokey/1"]
 
 
 @pytest.mark.parametrize("text, unit", [

@@ -10,6 +10,7 @@ import json
 import re
 import shutil
 import subprocess
+from dataclasses import replace
 from html.parser import HTMLParser
 from pathlib import Path
 from xml.etree import ElementTree
@@ -24,7 +25,6 @@ from PIL import Image
 
 from pairclean.cli import main
 from pairclean.scores.contract import METADATA_KEY, SCORES_SCHEMA, read_provenance
-from pairclean.core.mixture import FittedMixture
 from pairclean.scores.db import ScoresDB
 from pairclean.curate.report import build_report
 from pairclean.curate.report.figures import gmm_boundaries
@@ -93,13 +93,13 @@ def test_report_is_self_contained_with_the_querys_pairs(report, coco_scores, coc
     assert shown[:GALLERY] == [captions[k].replace("'", "&#x27;").replace('"', "&quot;") for k, _, _ in lowest]
 
     prov = read_provenance(coco_scores)
-    assert "pairclean-tiny" in text and f"{prov['beta']:.4f}" in text
+    assert "pairclean-tiny" in text and f"{prov.beta:.4f}" in text
     assert "Against the truth labels" in text and "truth: noisy" in text
 
 
 def test_histogram_and_gmm_boundary_agree_with_the_rows(coco_scores, truth):
     prov = read_provenance(coco_scores)
-    mixture = FittedMixture(**prov["gmm"])
+    mixture = prov.gmm
     with ScoresDB(coco_scores, truth=truth) as db:
         rows = db.con.execute("SELECT sim, gmm_noisy, noisy FROM labeled").fetchall()
         sims = np.array([r[0] for r in rows])
@@ -152,10 +152,10 @@ def test_text_pairs_show_the_samples_image_as_context(tmp_path, coco_src):
 def test_missing_shards_are_noted_not_fatal(tmp_path, coco_scores, capsys):
     table = pq.read_table(coco_scores)
     prov = read_provenance(coco_scores)
-    prov["input_shards"] = ["/nonexistent/coco-mini-000000.tar"]
-    prov["dataset"]["sources"] = ["/nonexistent/coco-mini-000000.tar"]  # the recorded dataset moved away
+    prov = replace(prov, input_shards=["/nonexistent/coco-mini-000000.tar"],  # the recorded dataset moved away
+                   dataset=replace(prov.dataset, sources=["/nonexistent/coco-mini-000000.tar"]))
     moved = tmp_path / "scores.parquet"
-    pq.write_table(table.replace_schema_metadata({METADATA_KEY: json.dumps(prov).encode()}), moved)
+    pq.write_table(table.replace_schema_metadata({METADATA_KEY: prov.dumps().encode()}), moved)
     main(["report", str(moved), "--out", str(tmp_path / "r.html"), "--gallery", "3", "--contrast", "0"])
     out = capsys.readouterr().out
     assert "pass --shards to see the pairs" in out and "0 thumbnails" in out

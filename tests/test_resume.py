@@ -25,7 +25,9 @@ from pairclean.ops.atomic import atomic_path, is_temp_name, temp_name
 from pairclean.errors import UserError
 from pairclean.scores.contract import run_manifest_path
 from pairclean.scoring.model import score
-from pairclean.scoring.parts import NON_FINITE, PartStore, parts_dir_for
+from pairclean.runs import PartStore, parts_dir_for
+from pairclean.scores.contract import READ_BACK
+from pairclean.scoring.parts import NON_FINITE, part_table
 
 SETTINGS = {"model": "m", "beta_mode": "random-inputs", "weight_fn": "cubic", "units_sha1": "x", "n_units": 2}
 
@@ -101,10 +103,10 @@ def test_finished_run_rerun_is_a_no_op_and_other_settings_are_refused(coco_shard
     first = score(str(coco_shards), out, fast_config)
     stamp = out.stat().st_mtime_ns
     manifest = json.loads(run_manifest_path(out).read_text())
-    assert manifest["summary"]["pairs"] == first.summary["pairs"] == len(rows(out))
+    assert manifest["summary"]["pairs"] == first.summary.pairs == len(rows(out))
     assert manifest["provenance"]["run_id"] and manifest["provenance"]["settings_sha1"]
     again = score(str(coco_shards), out, replace(fast_config, resume=True))
-    assert again.already_complete and again.pairs_scored_now == 0 and again.summary["pairs"] == first.summary["pairs"]
+    assert again.already_complete and again.pairs_scored_now == 0 and again.summary.pairs == first.summary.pairs
     assert out.stat().st_mtime_ns == stamp
     with pytest.raises(UserError, match="other settings.*pass `overwrite`"):
         score(str(coco_shards), out, replace(fast_config, weight_fn="linear"))
@@ -118,16 +120,16 @@ def test_killed_overwrite_run_resumes_and_replaces_the_output(coco_shards, fast_
     assert code == -signal.SIGKILL and out.read_bytes() == b"an older output"
     # The consent to replace was given when the run started: re-running without --overwrite goes on.
     result = score(str(coco_shards), out, fast_config)
-    assert result.resumed and result.summary["pairs"] == 16 and len(rows(out)) == 16
+    assert result.resumed and result.summary.pairs == 16 and len(rows(out)) == 16
 
 
 def test_resume_flag_settings_and_lock(tmp_path):
     out = tmp_path / "s.parquet"
     store = PartStore(parts_dir_for(out))
     with pytest.raises(UserError, match="nothing to resume"):
-        store.finished(out, SETTINGS, resume=True)  # refused before any model is loaded
+        store.finished(out, SETTINGS, READ_BACK, resume=True)  # refused before any model is loaded
     with pytest.raises(UserError, match="contradict"):
-        store.finished(out, SETTINGS, overwrite=True, resume=True)
+        store.finished(out, SETTINGS, READ_BACK, overwrite=True, resume=True)
     with pytest.raises(UserError, match="nothing to resume"):
         store.begin(out, SETTINGS, ["a.tar", "b.tar"], resume=True)
     with pytest.raises(UserError, match="contradict"):
@@ -174,9 +176,9 @@ def test_commit_counts_rows_and_turns_non_finite_similarities_into_errors(tmp_pa
     out = tmp_path / "s.parquet"
     store = PartStore(parts_dir_for(out))
     store.begin(out, SETTINGS, ["u"])
-    store.commit("u", {"key": ["a", "b", "c", "d"], "shard": ["u"] * 4, "index": [0, 1, 2, 3],
-                       "sim": [0.5, float("nan"), None, float("inf")], "error": [None, None, "bad image", None]},
-                 {"errors": 1, "failure": None})
+    part = part_table({"key": ["a", "b", "c", "d"], "shard": ["u"] * 4, "index": [0, 1, 2, 3],
+                       "sim": [0.5, float("nan"), None, float("inf")], "error": [None, None, "bad image", None]})
+    store.commit_table("u", part.table, {"failure": None, "errors": part.errors, "null_rows": part.null_rows})
     record = store.committed()["u"]
     assert record["rows"] == 4 and record["errors"] == 3
     part = pq.read_table(store.part_path("u")).to_pylist()

@@ -18,7 +18,7 @@ import pytest
 
 from helpers import killed_after_first_unit, refused, run_cli, snapshot
 from pairclean.cli import main
-from pairclean.scoring.parts import parts_dir_for
+from pairclean.runs import parts_dir_for
 
 TINY = ["--model", "pairclean-tiny", "--pretrained", "none", "--beta-k", "64", "--workers", "0", "--batch-size", "8"]
 

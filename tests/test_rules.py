@@ -16,9 +16,9 @@ import pytest
 import pairclean
 from pairclean.cli import main
 from pairclean.errors import UserError
-from pairclean.scores.contract import SCORES_SCHEMA, read_provenance, read_summary
+from pairclean.scores.contract import SCORES_SCHEMA, Provenance, read_provenance, read_summary
 from pairclean.scores.rules import DEFAULT_RULES, REGISTRY, FitContext, build_rules, parse_rule, recorded_rules
-from pairclean.data.formats.embeddings import write_embeddings
+from pairclean.data.embeddings import write_embeddings
 from pairclean.scoring.embeddings import EmbeddingScoreConfig
 from pairclean.scoring.model import ScoreConfig
 
@@ -86,10 +86,10 @@ def test_unknown_rule_on_the_command_line_is_one_line(tmp_path, capsys):
 
 
 def test_files_without_recorded_rules_hold_the_default_rules_they_have_columns_for():
-    rules = recorded_rules({"beta": 0.3}, ["sim", "osa_noisy", "p_clean", "gmm_noisy"])
+    rules = recorded_rules(Provenance.from_json({"beta": 0.3}, "an older file"), ["sim", "osa_noisy", "p_clean", "gmm_noisy"])
     assert [(r.name, r.decision, r.noisy_if, r.threshold) for r in rules] == [
         ("beta", "osa_noisy", "sim <= 0.3000", 0.3), ("gmm", "gmm_noisy", "p_clean < 0.5", None)]
-    assert [r.name for r in recorded_rules({}, ["sim", "gmm_noisy"])] == ["gmm"]
+    assert [r.name for r in recorded_rules(Provenance(), ["sim", "gmm_noisy"])] == ["gmm"]
 
 
 def test_an_enabled_rule_reaches_the_file_the_summary_evaluate_and_the_report(tmp_path, capsys):
@@ -99,7 +99,7 @@ def test_an_enabled_rule_reaches_the_file_the_summary_evaluate_and_the_report(tm
     scores = tmp_path / "scores.parquet"
     main(["score", str(tmp_path / "emb"), "--from-embeddings", "--out", str(scores), "--beta-mode", "fixed",
           "--beta", "0.1", "--rule", "top-fraction:keep=0.7"])
-    cut = read_provenance(scores)["rules"][2]["threshold"]
+    cut = read_provenance(scores).rules[2].threshold
     out = capsys.readouterr().out  # the summary table (rich wraps its rows at 80 columns)
     assert "flagged by top-fraction rule (sim <=" in out and f"{cut:.4f})" in out
 
@@ -110,10 +110,12 @@ def test_an_enabled_rule_reaches_the_file_the_summary_evaluate_and_the_report(tm
     assert flagged.tolist() == (np.array(table["sim"]) <= np.float32(cut)).tolist()
     assert flagged.mean() == pytest.approx(0.3, abs=0.01)
     summary = read_summary(scores)
-    assert summary["flagged_top-fraction"] == flagged.sum() and [r["name"] for r in summary["rules"]] == [
+    assert summary.flagged["top-fraction"] == flagged.sum() and [r.name for r in summary.rules] == [
         "beta", "gmm", "top-fraction"]
-    assert summary["share_flagged_gmm"] == pytest.approx(np.mean(table["gmm_noisy"]))  # today's keys stay
-    assert read_provenance(scores)["rules"][2]["options"] == {"keep": 0.7}
+    assert summary.share_flagged["gmm"] == pytest.approx(np.mean(table["gmm_noisy"]))
+    metadata = json.loads(pq.read_metadata(scores).metadata[b"pairclean_summary"])  # the file's keys stay
+    assert metadata["flagged_top-fraction"] == flagged.sum() and metadata["share_flagged_gmm"] == summary.share_flagged["gmm"]
+    assert read_provenance(scores).rules[2].options == {"keep": 0.7}
 
     # evaluate detection: its row, with the metrics of the column against the truth.
     main(["evaluate", "detection", str(scores), "--truth", str(truth)])

@@ -15,7 +15,7 @@ import pyarrow.parquet as pq
 import pytest
 from helpers import forked, run_cli
 
-from pairclean.data.formats.embeddings import open_embeddings
+from pairclean.data.embeddings import open_embeddings
 from pairclean.scoring.model import ScoreConfig, score
 from pairclean.scores.contract import read_provenance
 
@@ -59,8 +59,8 @@ def test_the_layout_holds_every_scored_pair_once_with_provenance(saved):
     provenance = json.loads((emb / "provenance.json").read_text())
     assert provenance["estimator"]["model"] == "pairclean-tiny" and provenance["weights_sha1"]
     assert provenance["preprocessing"] and provenance["rows"] == 16 and provenance["dtype"] == "float16"
-    assert provenance["beta"]["beta"] == pytest.approx(read_provenance(out)["beta"])
-    assert result.summary["embeddings_saved"] == 16 and result.summary["embedding_bytes"] == provenance["bytes"] > 0
+    assert provenance["beta"]["beta"] == pytest.approx(read_provenance(out).beta)
+    assert result.summary.embeddings_saved == 16 and result.summary.embedding_bytes == provenance["bytes"] > 0
 
 
 def test_from_embeddings_scores_them_again_without_a_model(saved, tmp_path, capsys):
@@ -69,22 +69,26 @@ def test_from_embeddings_scores_them_again_without_a_model(saved, tmp_path, caps
     code, printed, err = run_cli(["score", emb, "--from-embeddings", "--out", again, "--rule", "top-fraction:keep=0.5"],
                                  capsys)
     assert code == 0, err
+    # The long beta source goes under the summary table instead of padding it (before: ~200 columns).
+    summary = printed[printed.index("pairclean score ->"):].splitlines()
+    assert max(len(line) for line in summary[:-1]) < 120 and summary[-1].startswith("beta: recorded with the embeddings")
+    assert any(line.startswith("time: beta / scoring") and "(see below)" in line for line in summary)
     first = {(r["shard"], r["index"]): r for r in pq.read_table(out).to_pylist() if r["error"] is None}
     second = {(r["shard"], r["index"]): r for r in pq.read_table(again).to_pylist()}
     assert first.keys() == second.keys()  # the dataset's identity, so truth and the first scores join
     for ident, row in first.items():
         assert second[ident]["key"] == row["key"] and second[ident]["sim"] == pytest.approx(row["sim"], abs=2e-3)
     provenance = read_provenance(again)
-    assert provenance["beta"] == pytest.approx(read_provenance(out)["beta"])  # the recorded random-inputs beta
-    assert "recorded with the embeddings" in provenance["beta_source"]
-    assert provenance["estimator"]["saved_by"]["estimator"]["model"] == "pairclean-tiny"
+    assert provenance.beta == pytest.approx(read_provenance(out).beta)  # the recorded random-inputs beta
+    assert "recorded with the embeddings" in provenance.beta_source
+    assert provenance.estimator["saved_by"]["estimator"]["model"] == "pairclean-tiny"
     # the dataset the saving run scored, recorded with the embeddings: filter finds the pairs from the scores alone
-    assert provenance["dataset"]["pairs"] == read_provenance(out)["dataset"]
+    assert provenance.dataset.pairs == read_provenance(out).dataset
     code, printed, err = run_cli(["filter", again, "--where", "sim > -2", "--out", tmp_path / "kept"], capsys)
     assert code == 0, err
     assert len(list((tmp_path / "kept").glob("*.tar"))) >= 1
     spec = open_embeddings(str(emb))
-    assert spec.pair == "image-text" and spec.saved["rows"] == 16
+    assert spec.pair == "image-text" and spec.saved.rows == 16
 
 
 @pytest.mark.parametrize("fault", ["part-written:2", "committed:3", "before-rename:6"])

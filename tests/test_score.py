@@ -16,7 +16,7 @@ from pairclean.cli import main
 from pairclean.lab.coco import read_pairs
 from pairclean.scores.contract import read_provenance, run_manifest_path
 from pairclean.scoring.model import score
-from pairclean.scoring.parts import parts_dir_for
+from pairclean.runs import parts_dir_for
 
 
 def _rows(path):
@@ -37,7 +37,7 @@ def test_shards_and_parquet_score_one_row_per_input_pair(coco_src, coco_shards, 
     assert all(r["error"] is None for r in wds_rows + pq_rows)
     # Same images, same captions, same model: the two source formats give the same similarities.
     np.testing.assert_allclose([r["sim"] for r in wds_rows], [r["sim"] for r in pq_rows], atol=1e-6)
-    assert res.summary["pairs"] == res.summary["scored"] == len(pairs)
+    assert res.summary.pairs == res.summary.scored == len(pairs)
     assert not parts_dir_for(out_wds).exists()  # parts are removed once the output is final
 
 
@@ -45,7 +45,7 @@ def test_derived_columns_follow_the_scorer(coco_shards, fast_config, tmp_path):
     out = tmp_path / "s.parquet"
     score(str(coco_shards), out, fast_config)
     prov = read_provenance(out)
-    beta = prov["beta"]
+    beta = prov.beta
     for r in _rows(out):
         s_tilde = r["sim"] - beta
         assert r["sim_debiased"] == pytest.approx(s_tilde, abs=1e-6)
@@ -53,8 +53,8 @@ def test_derived_columns_follow_the_scorer(coco_shards, fast_config, tmp_path):
         assert r["weight_norm"] == pytest.approx(min(r["weight"] / (4 / 27), 1.0), abs=1e-5)
         assert r["osa_noisy"] == (s_tilde <= 0)
         assert r["gmm_noisy"] == (r["p_clean"] < 0.5)
-    assert prov["estimator"]["model"] == "pairclean-tiny" and prov["weight_fn"] == "cubic"
-    assert prov["beta_k"] == 64 and prov["beta_std"] > 0 and prov["seed"] == 0
+    assert prov.estimator["model"] == "pairclean-tiny" and prov.weight_fn == "cubic"
+    assert prov.beta_k == 64 and prov.beta_std > 0 and prov.seed == 0
     manifest = json.loads(run_manifest_path(out).read_text())
     assert manifest["provenance"]["beta"] == beta and manifest["summary"]["pairs"] == 16
 
@@ -63,7 +63,7 @@ def test_same_seed_gives_identical_beta_and_scores(coco_shards, fast_config, tmp
     a, b = tmp_path / "a.parquet", tmp_path / "b.parquet"
     score(str(coco_shards), a, fast_config)
     score(str(coco_shards), b, fast_config)
-    assert read_provenance(a)["beta"] == read_provenance(b)["beta"]
+    assert read_provenance(a).beta == read_provenance(b).beta
     assert pq.read_table(a).equals(pq.read_table(b))
 
 
@@ -155,7 +155,7 @@ def test_local_checkpoint_loads_through_open_clip_and_is_hashed(coco_shards, tmp
     fast_config.pretrained = str(ckpt)
     out = tmp_path / "s.parquet"
     score(str(coco_shards), out, fast_config)
-    prov = read_provenance(out)["estimator"]
+    prov = read_provenance(out).estimator
     assert prov["checkpoint_sha256"] == file_sha256(ckpt)
 
 
@@ -177,3 +177,17 @@ def test_shards_smaller_than_half_a_batch_are_pointed_out(coco_src, fast_config,
     err = capsys.readouterr().err
     assert "warning: the shards hold 3 pairs on average" in err and "of --batch-size 32" in err
     assert "WARNING:pairclean" not in err and logging.getLogger("pairclean").propagate  # the CLI's, and only while it runs
+
+
+def test_the_start_up_line_names_the_keys_a_parquet_without_a_key_column_gets(coco_src, tmp_path, capsys):
+    """Before: `key=key` announced, while the rows became data/0, data/1, ..."""
+    from helpers import run_cli
+
+    records = [json.loads(line) for line in (coco_src / "pairs.jsonl").read_text().splitlines()][:4]
+    pq.write_table(pa.table({"image": [(coco_src / r["image"]).read_bytes() for r in records],
+                             "caption": [r["captions"][0] for r in records]}), tmp_path / "data.parquet")
+    code, out, err = run_cli(["score", tmp_path / "data.parquet", "--out", tmp_path / "s.parquet", "--model",
+                              "pairclean-tiny", "--pretrained", "none", "--beta-k", "16", "--workers", "0"], capsys)
+    assert code == 0, err
+    assert "key=file/row (data/0, data/1, ...: no 'key' column)" in out.splitlines()[0]
+    assert pq.read_table(tmp_path / "s.parquet").column("key").to_pylist() == ["data/0", "data/1", "data/2", "data/3"]

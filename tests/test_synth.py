@@ -14,7 +14,7 @@ from PIL import Image
 from pairclean.cli import main
 from pairclean.errors import UserError
 from pairclean.data.manifest import load_manifest
-from pairclean.data.reader import read_samples
+from pairclean.data.reading.tar import read_samples
 from pairclean.lab.synth.estimator import TOY_MODEL, EstimatorRecipe, cached_checkpoint, train_estimator
 from pairclean.lab.synth.world import (COLOURS, GRID, IMAGE_SIZE, PREFIXES, ToyObject, build_world, describe, relation,
                                    render, sample_scene, samples)
@@ -167,7 +167,7 @@ def test_web_shards_are_img2dataset_sized_and_deterministic(tmp_path):
     src = Path(__file__).parent / "data" / "coco-mini"
     main(["synth", "web-shards", "--src", str(src), "--out", str(tmp_path / "a"), "--shards", "2",
           "--pairs-per-shard", "20"])
-    spec = build_web_shards(src, tmp_path / "b", shards=2, pairs_per_shard=20)
+    spec = build_web_shards(src, tmp_path / "b", shards=2, pairs_per_shard=20, jobs=2)  # rendered by 2 processes
     assert [Path(s).name for s in spec.shards] == ["web-000000.tar", "web-000001.tar"]
     samples = list(wds.WebDataset(spec.shards, shardshuffle=False))
     again = list(wds.WebDataset(load_manifest(tmp_path / "a" / "manifest.yaml").shards, shardshuffle=False))

@@ -16,7 +16,7 @@ import pyarrow.parquet as pq
 import pytest
 from helpers import run_cli
 
-from pairclean.conventions import sources
+from conventions import sources
 
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
@@ -76,7 +76,7 @@ def test_an_error_line_prints_markup_in_the_users_text_literally(coco_shards, co
 def _detection_inputs(directory) -> tuple:
     """Embeddings whose GMM abstains (one noisy pair: nothing to separate), scored, with a truth file."""
     from pairclean.cli import main
-    from pairclean.data.formats.embeddings import write_embeddings
+    from pairclean.data.embeddings import write_embeddings
 
     rng = np.random.default_rng(0)
     left = rng.standard_normal((600, 16))
@@ -141,6 +141,8 @@ def _commands() -> list[str]:
         yield prefix.strip()
         for name, sub in getattr(command, "commands", {}).items():
             yield from walk(sub, f"{prefix} {name}")
+        for mode in command.modes() if hasattr(command, "modes") else ():
+            yield from walk(mode.command, f"{prefix} {mode.flag}")  # `score --from-embeddings`: a mode with its own help
     return sorted(walk(typer.main.get_command(app)))
 
 

@@ -7,15 +7,21 @@ from __future__ import annotations
 import io
 import logging
 
+import numpy as np
 import pytest
 import torch
 from PIL import Image
+from torchvision.transforms import InterpolationMode
+from torchvision.transforms.v2 import functional as F
 
 from pairclean.backends.base import cpu_bf16_native, resolve_precision
 from pairclean.backends.compiled import CompiledOrEager
-from pairclean.backends.device_jpeg import DeviceJpegDecoder, RawJpeg, finish_batch
+from pairclean.backends.device_jpeg import DeviceJpegDecoder, device_decodable
+from pairclean.backends.inputs import ImageBatch, StandardTransform, TokenBatch, stack_pixels
 from pairclean.backends.oom import OomBackoff, take_rows
-from pairclean.backends.text_trim import supports_text_trim, text_buckets
+from pairclean.backends.text_trim import supports_text_trim, text_buckets, token_ends
+from pairclean.ops.measure import DeviceReads
+from pairclean.data.decode import decode_image
 from pairclean.lab.coco import read_pairs
 from pairclean.errors import UserError
 from pairclean.backends.open_clip import OpenClipEstimator, OpenClipPreparer
@@ -43,9 +49,41 @@ def test_length_buckets_keep_rows_in_order_and_exact(tiny_estimator):
     words = "a large red star above a small blue circle on a green background near the top left corner".split()
     captions = [" ".join(words[: 1 + (i * 7) % len(words)]) for i in range(300)]
     tokens = tiny_estimator.tokenizer(captions)
-    assert [len(rows) for rows in text_buckets(tokens)] == [150, 150]
+    assert [len(rows) for rows in text_buckets(token_ends(tokens))] == [150, 150]
     full = torch.nn.functional.normalize(tiny_estimator.model.encode_text(tokens).float(), dim=-1)
     torch.testing.assert_close(tiny_estimator.encode("text", tokens), full, atol=1e-5, rtol=0)
+
+
+def test_the_text_tower_cuts_and_buckets_captions_without_reading_the_device_back(tiny_estimator):
+    """Workers send each caption's end with the ids (TokenBatch): the estimator trims and buckets by
+    them, so encoding a batch's captions reads nothing computed on the device back to the host. The
+    same ids without their ends (as a tensor already on the device) are read back: the detector works."""
+    words = "a large red star above a small blue circle on a green background near the top left corner".split()
+    captions = [" ".join(words[: 1 + (i * 5) % len(words)]) for i in range(260)]
+    batch = tiny_estimator.preparer.collate("text", captions)
+    assert isinstance(batch, TokenBatch) and batch.ends.tolist() == token_ends(batch.tokens).tolist()
+    assert [len(rows) for rows in text_buckets(batch.ends)] == [130, 130]
+    with DeviceReads(batch.tokens) as with_ends:
+        encoded = tiny_estimator.encode("text", batch)
+    with DeviceReads(batch.tokens) as without:
+        plain = tiny_estimator.encode("text", batch.tokens)
+    assert with_ends.reads == 0 and without.reads > 0
+    assert torch.equal(encoded, plain)
+    picked = take_rows(batch, [259, 0, 7])
+    assert picked.tokens.tolist() == batch.tokens[[259, 0, 7]].tolist() and picked.ends.tolist() == batch.ends[[259, 0, 7]].tolist()
+    assert len(take_rows(batch, slice(10, 30))) == 20
+
+
+def test_training_batches_hold_plain_token_ids(tiny_estimator):
+    """Training's methods index and concatenate token ids: the trained target's preparer leaves
+    the ends out, the scoring estimator's sends them."""
+    from pairclean.backends.open_clip import OpenClipTarget
+
+    target = OpenClipTarget(tiny_estimator.model_name, "none", device="cpu")
+    assert isinstance(target.preparer.collate("text", ["a cat"]), torch.Tensor)
+    assert isinstance(target.estimator.preparer.collate("text", ["a cat"]), TokenBatch)
+    tokens = target.preparer.collate("text", ["a cat", "a dog on a mat"])
+    torch.testing.assert_close(target.encode("text", tokens), target.encode("text", TokenBatch(tokens, token_ends(tokens))))
 
 
 def test_a_copy_with_another_model_encodes_with_that_model(tiny_estimator):
@@ -111,42 +149,98 @@ def test_take_rows_keeps_the_batch_kind():
     assert take_rows(torch.arange(5), slice(1, 3)).tolist() == [1, 2]
 
 
-def test_device_jpeg_decode_matches_pil_preprocessing(tiny_estimator, coco_src):
+def _device_decoder(estimator) -> DeviceJpegDecoder:
+    """What OpenClipEstimator holds with --decode gpu on CUDA, here on the CPU."""
+    preprocess = estimator.preparer.preprocess
+    return DeviceJpegDecoder(StandardTransform.parse(preprocess), torch.device("cpu"), preprocess)
+
+
+def test_workers_send_uint8_pixels_that_normalise_on_the_device_to_torchvisions_floats_bit_for_bit(tiny_estimator, coco_src):
     datas = _jpeg_bytes(coco_src, 4)
-    decoder = DeviceJpegDecoder(tiny_estimator.preparer.preprocess, torch.device("cpu"))
-    pixels, failed = decoder({"jpeg": [torch.frombuffer(bytearray(d), dtype=torch.uint8) for d in datas],
-                              "jpeg_rows": [0, 1, 2, 3], "pixels": None, "pixel_rows": [], "n": 4})
-    reference = torch.stack([tiny_estimator.preparer.preprocess(Image.open(io.BytesIO(d)).convert("RGB")) for d in datas])
-    assert failed == {} and pixels.shape == reference.shape
-    # Tensor resize vs PIL resize: about a grey level apart, same embeddings to 3 decimals.
-    assert (pixels - reference).abs().mean() < 0.03
-    cos = (tiny_estimator.encode("image", pixels) * tiny_estimator.encode("image", reference)).sum(-1)
-    assert cos.min() > 0.999
+    prepared = [tiny_estimator.preparer.prepare("image", d) for d in datas]
+    batch = tiny_estimator.preparer.collate("image", prepared)
+    assert batch.dtype == torch.uint8 and batch.shape == (4, 3, 64, 64)
+    assert batch.is_contiguous(memory_format=torch.channels_last)  # HWC images stacked: no transpose copied
+    reference = torch.stack([tiny_estimator.preparer.preprocess(decode_image(d, draft_size=64)) for d in datas])
+    normalised = tiny_estimator.image_input(batch)
+    assert normalised.is_contiguous() and torch.equal(normalised, reference)
+    assert torch.equal(tiny_estimator.encode("image", batch), tiny_estimator.encode("image", reference))
 
 
-def test_finish_batch_turns_undecodable_jpegs_into_error_rows_and_keeps_sides_aligned(tiny_estimator, coco_src):
+def test_device_jpeg_decode_matches_pil_preprocessing(tiny_estimator, coco_src):
+    datas = _jpeg_bytes(coco_src, 6)
+    batch = tiny_estimator.preparer.collate("image", datas)  # bytes: JPEGs a worker left for the device
+    assert isinstance(batch, ImageBatch) and batch.jpeg_rows == tuple(range(6)) and batch.pixels is None
+    assert [batch.jpegs.file_bytes(i) for i in range(6)] == datas  # one tensor, the files back to back
+    pixels, failed = _device_decoder(tiny_estimator)(batch)
+    preprocess = tiny_estimator.preparer.preprocess
+    reference = torch.stack([StandardTransform.parse(preprocess).geometry_pixels(Image.open(io.BytesIO(d)).convert("RGB"))
+                             for d in datas]).permute(0, 3, 1, 2)
+    assert failed == {} and pixels.dtype == torch.uint8 and pixels.shape == reference.shape
+    # One batched resize for every size vs PIL's per image: at most one grey level apart, rarely.
+    difference = (pixels.int() - reference.int()).abs()
+    assert difference.max() <= 1 and (difference > 0).float().mean() < 0.01
+
+
+def test_batched_resize_crop_matches_pil_on_every_kind_of_size():
+    from pairclean.backends.device_jpeg import resize_many
+
+    generator = torch.Generator().manual_seed(0)
+    sizes = [(64, 64), (65, 64), (40, 300), (300, 40), (17, 23), (500, 333), (64, 90)]  # same, tall, wide, upscale
+    smooth = [torch.nn.functional.interpolate(torch.rand((1, 3, 8, 8), generator=generator) * 255, size=s,
+                                              mode="bilinear", align_corners=False)[0].round().to(torch.uint8)
+              for s in sizes]
+    out = resize_many(smooth, 64, 56, "bicubic")
+    for image, got in zip(smooth, out):
+        pil = Image.fromarray(image.permute(1, 2, 0).numpy())
+        expected = torch.from_numpy(np.array(
+            F.center_crop(F.resize(pil, [64], interpolation=InterpolationMode.BICUBIC), [56, 56]))).permute(2, 0, 1)
+        assert (got.int() - expected.int()).abs().max() <= 1
+
+
+def test_device_decodable_leaves_rotated_cmyk_and_other_images_to_the_workers(coco_src):
+    jpeg = _jpeg_bytes(coco_src, 1)[0]
+    assert device_decodable(jpeg)
+    image = Image.open(io.BytesIO(jpeg))
+    exif = image.getexif()
+    exif[0x0112] = 6  # rotate 90: PIL's path applies it, nvjpeg would not
+    rotated, cmyk, png = io.BytesIO(), io.BytesIO(), io.BytesIO()
+    image.save(rotated, format="JPEG", exif=exif)
+    image.convert("CMYK").save(cmyk, format="JPEG")
+    image.save(png, format="PNG")
+    assert not any(device_decodable(x.getvalue()) for x in (rotated, cmyk, png))
+
+
+def test_finish_on_device_turns_undecodable_jpegs_into_error_rows_and_keeps_sides_aligned(tiny_estimator, coco_src):
+    from pairclean.scoring.batches import PairBatch, UnitSpan
+    from pairclean.scoring.pipeline import finish_on_device
+
     good = _jpeg_bytes(coco_src, 3)
     broken = good[1][:600]  # a valid header, then nothing: the header check passes, decoding fails
     png = io.BytesIO()
     Image.open(io.BytesIO(good[2])).save(png, format="PNG")
     images = [good[0], broken, png.getvalue(), good[2]]
-    preparer = OpenClipPreparer(tiny_estimator.preparer.preprocess, tiny_estimator.tokenizer, draft_size=None, device_jpeg=True)
+    preparer = OpenClipPreparer(tiny_estimator.preparer.preprocess, tiny_estimator.tokenizer, draft_size=None,
+                                device_jpeg=True, token_ends=True)
     prepared = [preparer.prepare("image", x) for x in images]
-    assert [isinstance(p, RawJpeg) for p in prepared] == [True, True, False, True]  # PNG decoded in the worker
+    assert [isinstance(p, bytes) for p in prepared] == [True, True, False, True]  # PNG decoded in the worker
     captions = ["zero", "one", "two", "three"]
-    batch = {"error": [None, None, "bad caption", None, None],
-             "left": preparer.collate("image", prepared), "right": preparer.collate("text", captions)}
+    batch = PairBatch([UnitSpan("u", 0, 5)], ["a", "b", "c", "d", "e"], ["s"] * 5, list(range(5)),
+                      [None, None, "bad caption", None, None], preparer.collate("image", prepared),
+                      preparer.collate("text", captions))
 
-    class OnCpu:  # what OpenClipEstimator holds with --decode gpu on CUDA, here on the CPU
-        device_decoder = DeviceJpegDecoder(tiny_estimator.preparer.preprocess, torch.device("cpu"))
+    class OnCpu:  # the estimator's device preprocessing with --decode gpu on CUDA, here on the CPU
+        finish_batch = type(tiny_estimator).finish_batch
+        device_decoder = _device_decoder(tiny_estimator)
 
-    out = finish_batch(OnCpu(), batch, "image", "text")
-    assert out["error"][0] is None and out["error"][2] == "bad caption"
-    assert out["error"][1].startswith("cannot decode image")
-    assert out["left"].shape[0] == out["right"].shape[0] == 3
-    assert out["right"].tolist() == tiny_estimator.tokenizer(["zero", "two", "three"]).tolist()
-    expected_png_row = preparer.preprocess(Image.open(io.BytesIO(png.getvalue())).convert("RGB"))
-    torch.testing.assert_close(out["left"][1], expected_png_row)
+    out = finish_on_device(OnCpu(), batch, "image", "text")
+    assert out.error[0] is None and out.error[2] == "bad caption"
+    assert out.error[1].startswith("cannot decode image")
+    assert out.left.shape[0] == len(out.right) == 3
+    kept = tiny_estimator.tokenizer(["zero", "two", "three"])
+    assert out.right.tokens.tolist() == kept.tolist() and out.right.ends.tolist() == token_ends(kept).tolist()
+    expected_png_row = stack_pixels([preparer.prepare("image", png.getvalue())])[0]
+    assert torch.equal(out.left[1], expected_png_row)
 
 
 def test_decode_gpu_falls_back_to_worker_decode_without_cuda(caplog):
@@ -171,7 +265,7 @@ def test_precision_auto_and_bf16_detection():
 def test_bf16_autocast_on_cpu_stays_close_to_fp32(tiny_estimator, coco_src):
     torch.manual_seed(0)
     bf16 = OpenClipEstimator("pairclean-tiny", pretrained="none", device="cpu", precision="bf16")
-    pixels = torch.stack([tiny_estimator.preparer.prepare("image", d) for d in _jpeg_bytes(coco_src, 4)])
+    pixels = tiny_estimator.preparer.collate("image", [tiny_estimator.preparer.prepare("image", d) for d in _jpeg_bytes(coco_src, 4)])
     cos = (tiny_estimator.encode("image", pixels) * bf16.encode("image", pixels)).sum(-1)
     assert cos.min() > 0.99
 
@@ -197,7 +291,7 @@ def test_real_torch_compile_encodes_like_eager(tiny_estimator, coco_src):
     compile, the estimator still encodes (eagerly) and says so once."""
     torch.manual_seed(0)
     compiled = OpenClipEstimator("pairclean-tiny", pretrained="none", device="cpu", compile=True)
-    pixels = torch.stack([tiny_estimator.preparer.prepare("image", d) for d in _jpeg_bytes(coco_src, 4)])
+    pixels = tiny_estimator.preparer.collate("image", [tiny_estimator.preparer.prepare("image", d) for d in _jpeg_bytes(coco_src, 4)])
     tokens = tiny_estimator.tokenizer(["a red circle", "two people riding horses along a beach", "x", "a dog"])
     torch.testing.assert_close(compiled.encode("image", pixels), tiny_estimator.encode("image", pixels), atol=1e-4, rtol=0)
     torch.testing.assert_close(compiled.encode("text", tokens), tiny_estimator.encode("text", tokens), atol=1e-4, rtol=0)

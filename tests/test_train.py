@@ -19,7 +19,7 @@ from helpers import text_pairs as _text_pairs
 from helpers import tiny_train_config as tiny
 from pairclean.lab.coco import build_shards
 from pairclean.errors import UserError
-from pairclean.data.manifest import open_dataset
+from pairclean.data.dataset import open_dataset
 from pairclean.scoring.model import ScoreConfig, score
 from pairclean.train.retrieval import evaluate_retrieval
 from pairclean.core.scorer import cone_weight, debias, normalised_weight
@@ -247,7 +247,8 @@ def test_duplicate_rows_in_the_scores_are_refused(tmp_path, coco_shards, scores)
 
 
 def test_online_osa_weights_come_from_the_scorer(tmp_path, coco_shards):
-    cfg = tiny(method="osa-online", method_options={"beta_k": 32})
+    # the random frozen copy, on purpose (estimator_pretrained none): the weights are the scorer's all the same
+    cfg = tiny(method="osa-online", method_options={"beta_k": 32, "estimator_pretrained": "none"})
     train(str(coco_shards), tmp_path / "run", cfg)
     run = json.loads((tmp_path / "run" / "run.json").read_text())
     beta = run["method"]["beta"]
@@ -341,3 +342,38 @@ def test_online_estimator_with_its_own_preprocessing(tmp_path, coco_src):
     assert run["target"]["backend"] == "open_clip"
     sims = [row["sim"] for row in _diagnostics(tmp_path / "run")]
     assert len(sims) == 16 and min(sims) > 0.2  # MiniLM similarity of two captions of one image
+
+
+def test_online_with_no_trained_estimator_is_refused_before_anything_is_trained(tmp_path, coco_shards, capsys):
+    """`--online` from random init copies a random model as its frozen estimator: its weights would be
+    noise. Before: it trained without a word. Refused, naming the ways forward; allowed on purpose."""
+    from helpers import run_cli
+
+    base = ["train", coco_shards, "--model", "pairclean-tiny", "--pretrained", "none", "--epochs", "1",
+            "--batch-size", "8", "--workers", "0", "--warmup-steps", "1", "--online"]
+    code, out, err = run_cli([*base, "--out", tmp_path / "refused"], capsys)
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1, err
+    assert lines[0].startswith("error: the online estimator is a frozen copy of the model before training, and that "
+                               "model is randomly initialised (--pretrained none)")
+    assert "--estimator-model (and --estimator-pretrained); --estimator-pretrained none trains against the random " \
+           "copy on purpose" in lines[0]
+    assert not (tmp_path / "refused" / "model-final.pt").exists()
+    code, out, err = run_cli([*base, "--estimator-pretrained", "none", "--out", tmp_path / "on-purpose"], capsys)
+    assert code == 0, err
+
+
+def test_a_run_directory_is_created_with_its_parents(tmp_path, coco_shards, capsys):
+    """docs/training.md's first example writes runs/osa: before, refused until runs/ existed."""
+    from helpers import run_cli
+
+    code, out, err = run_cli(["train", coco_shards, "--out", tmp_path / "runs" / "deeper" / "osa", "--model",
+                              "pairclean-tiny", "--pretrained", "none", "--epochs", "1", "--batch-size", "8",
+                              "--workers", "0", "--warmup-steps", "1"], capsys)
+    assert code == 0, err
+    assert (tmp_path / "runs" / "deeper" / "osa" / "run.json").is_file()
+    (tmp_path / "a-file").write_text("x")
+    code, out, err = run_cli(["train", coco_shards, "--out", tmp_path / "a-file" / "osa", "--model", "pairclean-tiny",
+                              "--pretrained", "none", "--epochs", "1"], capsys)
+    assert code == 2 and err.strip() == f"error: {tmp_path / 'a-file'} is a file: {tmp_path / 'a-file' / 'osa'} cannot " \
+                                        "be created in it"

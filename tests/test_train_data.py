@@ -1,4 +1,4 @@
-"""The training data path: shard index = read_unit's indexes, deterministic per-epoch order, worker split."""
+"""The training data path: shard index = the reader's indexes, deterministic per-epoch order, worker split."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import torch
 from torch.utils.data import DataLoader
 
 from pairclean.backends.open_clip import OpenClipEstimator
-from pairclean.data.manifest import open_dataset
-from pairclean.data.reader import UnitFailure, read_unit
+from pairclean.data.dataset import open_dataset
+from pairclean.data.spec import UnitFailure
 from pairclean.train.data import TrainBatches, index_shards
 
 
@@ -23,13 +23,13 @@ def _tar(path, members):
             tar.addfile(info, io.BytesIO(data))
 
 
-def test_header_listing_matches_read_unit_even_with_repeated_keys(tmp_path):
+def test_header_listing_matches_the_reader_even_with_repeated_keys(tmp_path):
     shard = tmp_path / "odd.tar"
     _tar(shard, [("a.txt", b"x"), ("a.txt2", b"y"), ("a.txt", b"z"), ("a.txt2", b"w"), ("__meta__", b""),
                  ("b.txt", b"q"), ("b.txt2", b"r"), ("c.json", b"{}")])
     spec = open_dataset(str(shard), pair="text-text")
-    read = [item.key for item in read_unit(spec, str(shard)) if not isinstance(item, UnitFailure)]
-    keys, (rows, failure) = spec.input_format.keys(str(shard)), spec.input_format.rows(str(shard))
+    read = [item.key for item in spec.read(str(shard)) if not isinstance(item, UnitFailure)]
+    keys, (rows, failure) = spec.keys(str(shard)), spec.rows(str(shard))
     assert keys == read == ["a", "a", "b", "c"] and failure is None
     assert index_shards(spec)[0].rows == rows == 4
 
@@ -38,7 +38,7 @@ def test_truncated_shard_counts_what_is_readable(tmp_path, coco_shards):
     whole = sorted(coco_shards.glob("*.tar"))[0]
     cut = tmp_path / "cut.tar"
     cut.write_bytes(whole.read_bytes()[:len(whole.read_bytes()) // 2])
-    rows, failure = open_dataset(str(cut)).input_format.rows(str(cut))
+    rows, failure = open_dataset(str(cut)).rows(str(cut))
     assert failure is not None and 0 < rows < 6
 
 

@@ -223,3 +223,16 @@ def test_method_option_help_lists_every_method_with_its_defaults(capsys):
     out = capsys.readouterr().out
     for text in ("sdd", "alpha=20.0", "beta=30.0", "gsc", "tau1=0.07", "gamma=0.01", "networks=1", "osa-weights"):
         assert text in out
+
+
+@pytest.mark.parametrize("order", [["--method-option", "help", "--method", "sps", "--epochs", "7"],
+                                   ["--epochs", "7", "--method", "sps", "--method-option", "help"],
+                                   ["--method", "sps", "--method-option", "help", "--epochs", "7"]])
+def test_method_option_help_shows_the_schedule_at_the_epochs_given_wherever_they_stand(order, capsys):
+    """Before: `--method-option help --epochs 4` listed the schedule at 5 epochs (the default): the
+    options were read in the order given and the listing came before --epochs was."""
+    from pairclean.cli import main
+
+    main(["train", *order])
+    out = capsys.readouterr().out
+    assert "schedule at --epochs 7" in out and "warmup_epochs=1, e_qc=3, e_n=4" in out

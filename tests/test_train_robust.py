@@ -8,7 +8,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from pairclean.data.manifest import open_dataset
+from pairclean.data.dataset import open_dataset
 from pairclean.train import TrainConfig
 from pairclean.train.data import DROPPED, TrainBatches, index_shards
 from pairclean.train.methods import MethodContext
@@ -26,7 +26,7 @@ def ctx(tmp_path, coco_shards):
     torch.manual_seed(0)
     target = load_target("pairclean-tiny", "none")
     cfg = TrainConfig(model="pairclean-tiny", pretrained="none", batch_size=8, workers=0)
-    return MethodContext(spec=spec, shards=index_shards(spec), target=target, run_dir=tmp_path, seed=0,
+    return MethodContext(dataset=spec, spec=spec.spec, shards=index_shards(spec), target=target, run_dir=tmp_path, seed=0,
                          left="image", right="text", config=cfg)
 
 
@@ -51,7 +51,7 @@ def test_pair_pass_gives_every_pair_its_cosine_and_keeps_the_rng(ctx):
     table = pair_pass(ctx, ctx.target, pair_similarity, index)
     assert torch.equal(torch.get_rng_state(), state)
     assert table.seen.all()
-    batches = TrainBatches(ctx.spec, ctx.target.preparer, 16, seed=0, shuffle=False)
+    batches = TrainBatches(ctx.dataset, ctx.target.preparer, 16, seed=0, shuffle=False)
     batch = next(iter(batches))
     with torch.no_grad():
         ctx.target.module.eval()
@@ -67,13 +67,13 @@ def test_epoch_weights_leave_dropped_pairs_unread(ctx):
     values[[0, 7, 15]] = DROPPED
     weights.write(values)
     plan = weights.plan(pairs=13)
-    batch = next(iter(TrainBatches(ctx.spec, ctx.target.preparer, 32, seed=0, shuffle=False, plan=plan)))
+    batch = next(iter(TrainBatches(ctx.dataset, ctx.target.preparer, 32, seed=0, shuffle=False, plan=plan)))
     read = index.ids(batch["shard"], batch["index"])
     assert sorted(read.tolist()) == sorted(set(range(16)) - {0, 7, 15})
     assert batch["weight"].tolist() == [0.25] * 13 and batch["stats"]["dropped"] == 3
     values[7] = 1.0  # rewritten between epochs: the next reader sees the new arrays
     weights.write(values)
-    batch = next(iter(TrainBatches(ctx.spec, ctx.target.preparer, 32, seed=0, shuffle=False, plan=plan)))
+    batch = next(iter(TrainBatches(ctx.dataset, ctx.target.preparer, 32, seed=0, shuffle=False, plan=plan)))
     assert 7 in index.ids(batch["shard"], batch["index"]).tolist()
 
 

@@ -25,7 +25,8 @@ from pairclean.errors import ConfigError, UserError
 from pairclean.ops.notices import notice_once
 
 PRECISIONS = ("fp32", "bf16", "fp16")
-FALLBACK_BACKEND = "open_clip"  # what `auto` picks when no backend recognises the model: open_clip names look like anything
+FALLBACK_BACKEND = "open_clip"  # what `auto` picks when no backend recognises the model (and the pairs hold images)
+TEXT_FALLBACK_BACKEND = "sentence-transformers"  # ... when the pairs are text only: a hub or cached sentence model
 
 
 class Preparer(Protocol):
@@ -42,9 +43,16 @@ class Estimator(Protocol):
     precision: str
     preparer: Preparer
     model: torch.nn.Module  # the weights: the beta cache fingerprints them, training copies them
-    device_decoder: Any  # a DeviceJpegDecoder when JPEGs are decoded on the device (--decode gpu), else None
+    random_init: bool  # the weights were drawn at random (`pretrained` none), not learned
 
-    def encode(self, modality: str, batch: Any) -> torch.Tensor: ...
+    def finish_batch(self, modality: str, inputs: Any) -> tuple[Any, dict[int, str]]:
+        """Device preprocessing of one side of a collated batch on the device (JPEGs left for the
+        device decoded, resized, cropped); {row: reason} for rows that could not be."""
+        ...
+
+    def encode(self, modality: str, batch: Any) -> torch.Tensor:
+        """Unit vectors of a batch (uint8 pixels are normalised on the device first)."""
+        ...
     def random_batch(self, modality: str, n: int, generator: torch.Generator) -> Any: ...
     def provenance(self) -> dict: ...
 
@@ -122,8 +130,7 @@ def check_backend(backend: str, needed: tuple[str, ...] = ()) -> str:
     encodes = BACKENDS[name].modalities
     missing = [m for m in dict.fromkeys(needed) if m not in encodes]
     if missing:
-        from pairclean.data.manifest import PAIR_KINDS
-        from pairclean.data.reader import modalities
+        from pairclean.data.spec import PAIR_KINDS, modalities
 
         kinds = [k for k in PAIR_KINDS if set(modalities(k)) <= set(encodes)]
         raise ConfigError(f"the {name} backend cannot encode {', '.join(missing)}: it encodes {', '.join(encodes)} "
@@ -131,14 +138,22 @@ def check_backend(backend: str, needed: tuple[str, ...] = ()) -> str:
     return name
 
 
-def detect_backend(model: str) -> str:
-    """The backend that recognises `model` (a directory, a bundled name, ...), else open_clip."""
-    return next((name for name, cls in BACKENDS.items() if cls.detects(model)), FALLBACK_BACKEND)
+def detect_backend(model: str | None, needed: tuple[str, ...] = ()) -> str:
+    """The backend that recognises `model` (an open_clip name, a sentence-transformers directory or
+    bundled name, ...); a name none recognises is a sentence-transformers model (from the hub or its
+    cache) when the pairs are text only (`needed`), else an open_clip one (which then says it is
+    unknown). No model: the fallback backend's default model."""
+    if model is None:
+        return FALLBACK_BACKEND
+    found = next((name for name, cls in BACKENDS.items() if cls.detects(model)), None)
+    if found is not None:
+        return found
+    return TEXT_FALLBACK_BACKEND if needed and set(needed) == {"text"} else FALLBACK_BACKEND
 
 
-def resolve_backend(backend: str, model: str, needed: tuple[str, ...] = ()) -> str:
-    """check_backend, with `auto` chosen from the model."""
-    return check_backend(detect_backend(model) if backend == "auto" else backend, needed)
+def resolve_backend(backend: str, model: str | None, needed: tuple[str, ...] = ()) -> str:
+    """check_backend, with `auto` chosen from the model and the modalities the pairs need."""
+    return check_backend(detect_backend(model, needed) if backend == "auto" else backend, needed)
 
 
 def default_model(backend: str) -> str:
@@ -151,12 +166,13 @@ def build_estimator(backend: str = FALLBACK_BACKEND, model: str | None = None, *
     return cls.estimator(model or cls.default_model, **options)
 
 
-def load_target(model: str, pretrained: str = "none", backend: str = "auto", device: str = "auto",
-                temperature: float | None = None) -> Target:
-    """The model to train; `auto` recognises the backend from the model."""
+def load_target(model: str, pretrained: str | None = "none", backend: str = "auto", device: str = "auto",
+                temperature: float | None = None, needed: tuple[str, ...] = ()) -> Target:
+    """The model to train; `auto` recognises the backend from the model (and the modalities `needed`).
+    `pretrained` None: the model's own weights (see the backend)."""
     if temperature is not None and temperature <= 0:
         raise ConfigError("temperature must be positive", "temperature")
-    return BACKENDS[resolve_backend(backend, model)].target(model, pretrained, device, temperature)
+    return BACKENDS[resolve_backend(backend, model, needed)].target(model, pretrained, device, temperature)
 
 
 def load_exported(description: dict, weights: str | os.PathLike, device: str = "auto") -> Target:
@@ -249,10 +265,11 @@ def random_vocabulary_texts(words: list[str], n: int, generator: torch.Generator
 
 
 def move_batch(batch: Any, device: torch.device) -> Any:
-    """A collated batch (a tensor, or a dict of tensors) on `device`."""
+    """A collated batch (a tensor, a dict of tensors, or a record with `to`, such as an
+    ImageBatch) on `device`, copied asynchronously from page-locked memory."""
     if isinstance(batch, dict):
         return {k: move_batch(v, device) for k, v in batch.items()}
-    return batch.to(device, non_blocking=True) if isinstance(batch, torch.Tensor) else batch
+    return batch.to(device, non_blocking=True) if hasattr(batch, "to") else batch
 
 
 def frozen_copy(estimator: Estimator, module: torch.nn.Module) -> Estimator:

@@ -1,165 +1,214 @@
-"""JPEG decode on the device (--decode gpu): workers leave JPEGs undecoded, the main process decodes
-each batch with nvjpeg and applies the model's Resize / CenterCrop / Normalize there.
+"""JPEG decode on the device: workers leave JPEGs undecoded, the main process decodes a whole batch
+there. The registry of device decoders (`decode` gpu: torchvision's nvjpeg, the default; nvimgcodec
+and dali, NVIDIA's libraries, in their own modules; others register under their own name), the
+failure handling they share (`BatchedDeviceDecoder`), and the torchvision one: one nvjpeg call per
+batch, then resize and crop with two batched matmuls (`resample`).
 
-Everything degrades to the worker path: non-JPEGs and JPEGs the device cannot decode go through
-PIL, and a CPU-only machine never builds a decoder (the estimator says so once).
+Per batch, not per image: the decoded images are sorted by size and padded into a few tensors
+(bounded in size, so one huge image does not pad the batch to its size), each resized and
+cropped in one call; the main process spends a few microseconds per image on bookkeeping.
+Everything degrades to the worker path: non-JPEGs, CMYK, EXIF-rotated and oversized JPEGs go
+through PIL in the worker, a JPEG the device cannot decode through PIL here, and a CPU-only
+machine never builds a decoder unless asked to (the pipeline-only benchmark measures this path's
+cost on the CPU).
 """
 
 from __future__ import annotations
 
+import importlib
 import io
+import os
 import warnings
-from typing import Any
+from abc import ABC, abstractmethod
 
 import torch
 from PIL import Image
 
-from pairclean.backends.oom import take_rows
+from pairclean.backends.inputs import ImageBatch, StandardTransform
+from pairclean.backends.resample import FILTERS, resize_crop
 from pairclean.data.decode import MAX_PIXELS, DecodeError, decode_image
 
-
-class RawJpeg:
-    """A JPEG left undecoded by a worker, to be decoded as part of a batch on the device."""
-
-    __slots__ = ("data",)
-
-    def __init__(self, data: torch.Tensor):
-        self.data = data
+PAD_BUDGET = 48 << 20  # padded input pixels per resize call (x 3 bytes as uint8, x 12 as float32)
+EXIF_ORIENTATION = 0x0112
 
 
 def device_decodable(data: bytes, max_pixels: int = MAX_PIXELS) -> bool:
-    """A JPEG whose header says nvjpeg can decode it (RGB or greyscale, within the pixel limit).
+    """A JPEG whose header says the device decoder gives the pixels PIL would: RGB or greyscale,
+    within the pixel limit, not rotated by an EXIF tag (PIL's path applies the rotation).
 
-    Reads the header only; CMYK JPEGs and every other format go through PIL in the worker.
+    Reads the header only; every other image goes through PIL in the worker.
     """
     if not isinstance(data, (bytes, bytearray)) or data[:3] != b"\xff\xd8\xff":
         return False
     try:
         with Image.open(io.BytesIO(data), formats=["JPEG"]) as img:
-            return img.mode in ("RGB", "L") and img.size[0] * img.size[1] <= max_pixels
-    except Exception:
+            return (img.mode in ("RGB", "L") and img.size[0] * img.size[1] <= max_pixels
+                    and img.getexif().get(EXIF_ORIENTATION, 1) == 1)
+    except Exception:  # any header PIL cannot parse: the worker's decode reports why
         return False
 
 
-def collate_images(items: list) -> Any:
-    """Stack worker-prepared pixels; batches holding RawJpeg rows become a dict for the device."""
-    if not any(isinstance(x, RawJpeg) for x in items):
-        return torch.stack(items)
-    jpeg_rows = [i for i, x in enumerate(items) if isinstance(x, RawJpeg)]
-    pixel_rows = [i for i, x in enumerate(items) if not isinstance(x, RawJpeg)]
-    return {"jpeg": [items[i].data for i in jpeg_rows], "jpeg_rows": jpeg_rows,
-            "pixels": torch.stack([items[i] for i in pixel_rows]) if pixel_rows else None,
-            "pixel_rows": pixel_rows, "n": len(items)}
+def _filter_name(transform: StandardTransform) -> str | None:
+    name = getattr(transform.interpolation, "value", str(transform.interpolation))
+    return name if name in FILTERS else None
 
 
-def _standard_transform(preprocess) -> tuple[int, int, Any, list[float], list[float]] | None:
-    """(resize, crop, interpolation, mean, std) if `preprocess` is the usual open_clip eval chain:
-    shortest-side Resize, CenterCrop, RGB conversion, ToTensor, Normalize; None otherwise."""
-    from torchvision.transforms import CenterCrop, Normalize, Resize
+class DeviceDecoder(ABC):
+    """A way to decode a batch's JPEGs on the device, then resize and crop them as the model's
+    preprocessing does. Subclass, name it, and decorate with `register_device_decoder`: `decode`
+    NAME then selects it. Built once per estimator; called once per batch."""
 
-    resize = crop = interpolation = mean = std = None
-    for t in getattr(preprocess, "transforms", []):
-        if isinstance(t, Resize):
-            size = t.size if isinstance(t.size, int) else (t.size[0] if len(t.size) == 1 else None)
-            if size is None or t.max_size is not None:
-                return None
-            resize, interpolation = size, t.interpolation
-        elif isinstance(t, CenterCrop):
-            if t.size[0] != t.size[1]:
-                return None
-            crop = t.size[0]
-        elif isinstance(t, Normalize):
-            mean, std = list(t.mean), list(t.std)
-        elif type(t).__name__ not in ("MaybeConvertMode", "MaybeToTensor", "ToTensor") and \
-                getattr(t, "__name__", "") != "_convert_to_rgb":
-            return None
-    if None in (resize, crop, mean):
-        return None
-    return resize, crop, interpolation, mean, std
+    name: str
+    version: int = 1  # raised whenever its pixels change: a run's settings pin it, so a resumed run never mixes two
+    package: str | None = None  # the PyPI package it needs beyond pairclean's own dependencies
+    module: str | None = None  # the module `package` installs (imported to tell whether it can run)
 
-
-class DeviceJpegDecoder:
-    """Decode a batch of JPEGs with torchvision.io.decode_jpeg on the device (nvjpeg on CUDA) and
-    apply the model's Resize / CenterCrop / Normalize there, as tensors.
-
-    Pixels differ from PIL's by rounding (about one grey level); the run's provenance records
-    `decode: gpu`, and a resumed run must use the same decode.
-    """
-
-    def __init__(self, preprocess, device: torch.device):
-        spec = _standard_transform(preprocess)
-        if spec is None:
-            raise ValueError("the model's preprocessing is not Resize + CenterCrop + Normalize")
-        self.resize, self.crop, self.interpolation, mean, std = spec
-        self.device = device
-        self.mean = torch.tensor(mean, device=device).view(3, 1, 1)
-        self.std = torch.tensor(std, device=device).view(3, 1, 1)
-        self.preprocess = preprocess
+    def __init__(self, transform: StandardTransform, device: torch.device, preprocess):
+        self.transform, self.device, self.preprocess = transform, device, preprocess
 
     @classmethod
-    def supports(cls, preprocess) -> bool:
-        return _standard_transform(preprocess) is not None
+    def supports(cls, transform: StandardTransform | None) -> bool:
+        """Whether it reproduces this preprocessing (checked before it is built)."""
+        return transform is not None and _filter_name(transform) is not None and transform.resize >= transform.crop
 
-    def _pixels(self, image: torch.Tensor) -> torch.Tensor:
-        from torchvision.transforms.v2 import functional as F
+    @classmethod
+    def load(cls):
+        """Its library's module, imported."""
+        return importlib.import_module(cls.module)
 
-        image = F.resize(image, [self.resize], interpolation=self.interpolation, antialias=True)
-        image = F.center_crop(image, [self.crop, self.crop])
-        return (image.float() / 255.0 - self.mean) / self.std
+    @classmethod
+    def unavailable(cls) -> str | None:
+        """Why it cannot run in this environment (its package missing or failing to load), else None."""
+        if cls.module is None:
+            return None
+        try:
+            cls.load()
+        except (ImportError, OSError) as exc:  # OSError: a shared library it loads is missing
+            first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            return f"needs the {cls.package} package ({first}): pip install 'pairclean[gpu]'"
+        return None
 
-    def _decode(self, datas: list[torch.Tensor]) -> list[torch.Tensor]:
+    @abstractmethod
+    def __call__(self, batch: ImageBatch) -> tuple[torch.Tensor, dict[int, str]]:
+        """(uint8 (rows, 3, crop, crop) pixels of every row on the device, zeros where decoding
+        failed; {row: reason} for those rows)."""
+
+
+DEVICE_DECODERS: dict[str, type[DeviceDecoder]] = {}
+
+
+def register_device_decoder(cls: type[DeviceDecoder]) -> type[DeviceDecoder]:
+    DEVICE_DECODERS[cls.name] = cls
+    return cls
+
+
+def host_threads() -> int:
+    """CPU threads a device decoder's library may use for its host work (JPEG headers, Huffman
+    decoding of small images, the images the device cannot take): half the cores this process
+    may run on, at most 8; the DataLoader workers have the rest."""
+    return max(1, min(8, len(os.sched_getaffinity(0)) // 2))
+
+
+class BatchedDeviceDecoder(DeviceDecoder):
+    """A device decoder made of one batched library call (`decode_crop`), with the failure
+    handling every such decoder needs: when the call fails as a whole (one bad file fails
+    torchvision's or DALI's batch), the batch is split in halves and each retried, down to single
+    files, so k bad files in n cost about 2 k log2(n) calls, not n; a file the library cannot
+    decode goes through PIL, as in the workers, and one PIL cannot decode either becomes a failed
+    row with PIL's reason."""
+
+    batch_errors: tuple[type[BaseException], ...] = (RuntimeError,)  # how the library says a call failed
+
+    def __init__(self, transform: StandardTransform, device: torch.device, preprocess):
+        super().__init__(transform, device, preprocess)
+        self.filter = _filter_name(transform)
+
+    @abstractmethod
+    def decode_crop(self, files: list[torch.Tensor]) -> tuple[torch.Tensor, list[int]]:
+        """(uint8 (k, 3, crop, crop) pixels on the device of the k files it decoded, resized and
+        cropped as the model's preprocessing; their positions in `files`). A file it cannot decode
+        is left out; a call that fails as a whole raises one of `batch_errors`."""
+
+    def _decode_split(self, files: list[torch.Tensor], positions: list[int]) -> tuple[list[torch.Tensor], list[int]]:
+        """`decode_crop` of these files, halving the batch where a call fails: (pixel tensors, the
+        positions they hold, in order)."""
+        try:
+            pixels, decoded = self.decode_crop([files[p] for p in positions])
+            return [pixels], [positions[i] for i in decoded]
+        except self.batch_errors:
+            if len(positions) == 1:
+                return [], []
+        middle = len(positions) // 2
+        first, first_at = self._decode_split(files, positions[:middle])
+        second, second_at = self._decode_split(files, positions[middle:])
+        return first + second, first_at + second_at
+
+    def __call__(self, batch: ImageBatch) -> tuple[torch.Tensor, dict[int, str]]:
+        """(uint8 pixels of every row on the device, zeros where decoding failed; {row: reason})."""
+        crop = self.transform.crop
+        out = torch.zeros((batch.rows, 3, crop, crop), dtype=torch.uint8, device=self.device)
+        files = batch.jpegs.files()
+        parts, decoded = self._decode_split(files, list(range(len(files))))
+        if decoded:
+            rows = torch.tensor([batch.jpeg_rows[p] for p in decoded], device=self.device)
+            out[rows] = torch.cat(parts) if len(parts) > 1 else parts[0]
+        failed: dict[int, str] = {}
+        for position in sorted(set(range(len(files))) - set(decoded)):  # the library refused it: PIL's reading, or its reason
+            row = batch.jpeg_rows[position]
+            try:
+                image = decode_image(batch.jpegs.file_bytes(position))
+                out[row] = self.transform.geometry_pixels(image).permute(2, 0, 1).to(self.device)
+            except DecodeError as exc:
+                failed[row] = str(exc)
+        if batch.pixels is not None:
+            out[torch.tensor(batch.pixel_rows, device=self.device)] = batch.pixels.to(self.device, non_blocking=True)
+        return out, failed
+
+
+@register_device_decoder
+class DeviceJpegDecoder(BatchedDeviceDecoder):
+    """`decode` gpu: a batch of JPEGs decoded with torchvision.io.decode_jpeg on the device (nvjpeg
+    on CUDA), then the model's shortest-side Resize and CenterCrop applied to all of them at once.
+
+    Gives uint8 pixels; the estimator normalises them as the first step of its image tower.
+    Pixels differ from PIL's (the workers' path) where libjpeg's and nvjpeg's IDCTs round
+    otherwise and where PIL's fixed-point resampling weights do (docs/benchmarks.md gives the
+    measured differences); the run's settings pin `decode`, so a resumed run does not mix them.
+    """
+
+    name = "gpu"
+    version = 2  # 1 (a6e2769): torchvision's tensor resize per image, no 8-bit rounding between the passes
+
+    def decode_crop(self, files: list[torch.Tensor]) -> tuple[torch.Tensor, list[int]]:
         from torchvision.io import ImageReadMode, decode_jpeg
 
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # torchvision 0.29 deprecates its image decoders
-            out = decode_jpeg(datas, mode=ImageReadMode.RGB, device=self.device)
-        return out if isinstance(out, list) else [out]
-
-    def _decode_one(self, data: torch.Tensor) -> torch.Tensor:
-        """One image: on the device, else PIL on this CPU (raises DecodeError)."""
-        try:
-            return self._pixels(self._decode([data])[0])
-        except Exception:
-            image = decode_image(data.numpy().tobytes())
-            return self.preprocess(image).to(self.device, non_blocking=True)
-
-    def __call__(self, batch: dict) -> tuple[torch.Tensor, dict[int, str]]:
-        """(pixels for every row, zeros where decoding failed; {row: reason} for those rows)."""
-        out = torch.zeros((batch["n"], 3, self.crop, self.crop), device=self.device)
-        failed: dict[int, str] = {}
-        try:
-            for row, image in zip(batch["jpeg_rows"], self._decode(batch["jpeg"])):
-                out[row] = self._pixels(image)
-        except Exception:  # one bad image fails the whole batched call: redo them one by one
-            for row, data in zip(batch["jpeg_rows"], batch["jpeg"]):
-                try:
-                    out[row] = self._decode_one(data)
-                except DecodeError as exc:
-                    failed[row] = str(exc)
-        if batch["pixels"] is not None:
-            out[batch["pixel_rows"]] = batch["pixels"].to(self.device, non_blocking=True)
-        return out, failed
+            out = decode_jpeg(files, mode=ImageReadMode.RGB, device=self.device)
+        images = out if isinstance(out, list) else [out]
+        return resize_many(images, self.transform.resize, self.transform.crop, self.filter), list(range(len(files)))
 
 
-def finish_batch(estimator, batch: dict, left: str, right: str) -> dict:
-    """Main-process step before encoding: decode RawJpeg images on the device.
-
-    Rows whose image cannot be decoded become error rows and leave both sides' collated
-    inputs, so that the two sides stay aligned.
-    """
-    decoder = estimator.device_decoder
-    if decoder is None:
-        return batch
-    failed: dict[int, str] = {}
-    for side, modality in (("left", left), ("right", right)):
-        if modality == "image" and isinstance(batch[side], dict):
-            batch[side], bad = decoder(batch[side])
-            failed = {**bad, **failed}
-    if failed:
-        ok_rows = [i for i, e in enumerate(batch["error"]) if e is None]
-        keep = [p for p in range(len(ok_rows)) if p not in failed]
-        batch["left"] = take_rows(batch["left"], keep)
-        batch["right"] = take_rows(batch["right"], keep)
-        for pos, reason in failed.items():
-            batch["error"][ok_rows[pos]] = reason
-    return batch
+def resize_many(images: list[torch.Tensor], resize: int, crop: int, filter_name: str) -> torch.Tensor:
+    """uint8 (C, H, W) images of any sizes -> uint8 (N, C, crop, crop), in their order: sorted by
+    size and cut into runs whose padded size stays under PAD_BUDGET pixels, each run padded into
+    one tensor (one C++ loop of copies: `_foreach_copy_`) and resized in one `resize_crop` call."""
+    device, channels = images[0].device, images[0].shape[0]
+    sizes = [(image.shape[1], image.shape[2]) for image in images]
+    order = sorted(range(len(images)), key=lambda k: sizes[k][0] * sizes[k][1])
+    out = torch.empty((len(images), channels, crop, crop), dtype=torch.uint8, device=device)
+    start = 0
+    while start < len(order):
+        end, hmax, wmax = start, 0, 0
+        while end < len(order):  # a run grows while its padded size stays within budget (one image at least)
+            h, w = max(hmax, sizes[order[end]][0]), max(wmax, sizes[order[end]][1])
+            if end > start and h * w * (end - start + 1) > PAD_BUDGET:
+                break
+            hmax, wmax, end = h, w, end + 1
+        run = order[start:end]
+        padded = torch.zeros((len(run), channels, hmax, wmax), dtype=torch.uint8, device=device)
+        torch._foreach_copy_([padded[j, :, :sizes[k][0], :sizes[k][1]] for j, k in enumerate(run)],
+                             [images[k] for k in run])
+        out[torch.tensor(run, device=device)] = resize_crop(padded, [sizes[k] for k in run], resize, crop, filter_name)
+        start = end
+    return out

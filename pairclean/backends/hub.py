@@ -1,16 +1,18 @@
-"""Whether model weights named by a tag can come from the Hugging Face Hub, asked before a download.
+"""Whether model files can come from the Hugging Face Hub, asked before a download.
 
-open_clip fetches a pretrained tag's weights through huggingface_hub, which retries an unreachable
-hub with back-off (1 + 2 + 4 + 8 + 8 s per file, two files: about a minute) before it looks in its
-cache. So before that: the weights already in the cache are used as they are; otherwise, when
-HF_HUB_OFFLINE is set or the hub's host does not answer within seconds, the run stops at once with
-the ways forward instead of after the retries.
+open_clip fetches a pretrained tag's weights (and an `hf-hub:` model's config and weights), and
+sentence-transformers a model's files, through huggingface_hub, which retries an unreachable hub
+with back-off (1 + 2 + 4 + 8 + 8 s per file: a minute for open_clip's two, 83 s for a sentence
+model's three) before it looks in its cache. So before that: files already in the cache are used as
+they are; otherwise, when HF_HUB_OFFLINE is set or the hub's host does not answer within seconds,
+the run stops at once with the ways forward instead of after the retries.
 """
 
 from __future__ import annotations
 
 import socket
 import urllib.request
+from contextlib import contextmanager
 from urllib.parse import urlparse
 
 from pairclean.errors import ConfigError
@@ -59,9 +61,13 @@ def hub_unreachable() -> str | None:
     return None
 
 
-def check_fetchable(model: str, tag: str, repo_id: str, filenames: list[str]) -> None:
-    """Refuse at once, with the ways forward, weights that are neither in the cache nor reachable;
-    say so when cached weights will be found only after the downloader's retries."""
+TAG_WAYS = "Give `pretrained` a local checkpoint file, or `pretrained` none for random weights"
+
+
+def check_fetchable(what: str, repo_id: str, filenames: list[str], ways: str = TAG_WAYS) -> None:
+    """Refuse at once, with the ways forward, files (`what`: "the weights 'openai' of ViT-B-32";
+    `filenames`: alternatives, the first cached one will do) that are neither in the cache nor
+    reachable; say so when cached files will be found only after the downloader's retries."""
     from huggingface_hub import constants
 
     why = hub_unreachable()
@@ -69,11 +75,34 @@ def check_fetchable(model: str, tag: str, repo_id: str, filenames: list[str]) ->
         return
     if cached_file(repo_id, filenames) is not None:
         if not constants.HF_HUB_OFFLINE:
-            notice(f"{why}: the weights {tag!r} of {model} come from the Hugging Face cache, after the downloader's "
-                   "retries (about half a minute; HF_HUB_OFFLINE=1 skips them)")
+            notice(f"{why}: {what} come from the Hugging Face cache, after the downloader's retries (about half "
+                   "a minute; HF_HUB_OFFLINE=1 skips them)")
         return
     cache = hub_cache()
-    raise ConfigError(f"cannot fetch the weights {tag!r} of {model}: {why}, and they are not in the Hugging Face cache "
-                      f"({cache}). Give `pretrained` a local checkpoint file, or `pretrained` none for random "
-                      f"weights, or fetch them once where the hub can be reached and copy that cache to {cache} "
+    raise ConfigError(f"cannot fetch {what}: {why}, and they are not in the Hugging Face cache ({cache}). {ways}, "
+                      f"or fetch them once where the hub can be reached and copy that cache to {cache} "
                       "(HF_HUB_OFFLINE=1 then skips the network)", "pretrained")
+
+
+@contextmanager
+def quiet_progress_bars():
+    """transformers' and huggingface_hub's own tqdm bars ("Loading weights", "Writing model shards",
+    downloads) off while a model is loaded or saved, so they are not drawn into pairclean's progress
+    display; each library's setting is restored afterwards."""
+    from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
+
+    try:
+        from transformers.utils import logging as transformers_logging
+    except ImportError:  # huggingface_hub alone
+        transformers_logging = None
+    hub_was_off = are_progress_bars_disabled()
+    transformers_was_on = transformers_logging is not None and transformers_logging.is_progress_bar_enabled()
+    if transformers_logging is not None:
+        transformers_logging.disable_progress_bar()  # also huggingface_hub's
+    disable_progress_bars()
+    try:
+        yield
+    finally:
+        if transformers_was_on:
+            transformers_logging.enable_progress_bar()  # turns huggingface_hub's on too: set it back below
+        (disable_progress_bars if hub_was_off else enable_progress_bars)()

@@ -10,6 +10,7 @@ from typing import Any, Callable
 
 import torch
 
+from pairclean.backends.inputs import TokenBatch
 from pairclean.ops.notices import notice_once
 
 
@@ -28,6 +29,8 @@ def take_rows(batch: Any, rows: slice | list[int]) -> Any:
         return batch[rows] if isinstance(rows, slice) else batch[torch.as_tensor(rows, dtype=torch.long)]
     if isinstance(batch, dict):
         return {k: take_rows(v, rows) for k, v in batch.items()}
+    if isinstance(batch, TokenBatch):
+        return batch.take(rows)
     if isinstance(rows, slice):
         return batch[rows]
     return type(batch)(batch[i] for i in rows)

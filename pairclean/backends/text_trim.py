@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 
@@ -24,11 +26,16 @@ def supports_text_trim(model: torch.nn.Module) -> bool:
     return bool(torch.equal(mask, causal))
 
 
-def trimmed_encode_text(model: torch.nn.Module, text: torch.Tensor) -> torch.Tensor:
-    """open_clip CLIP.encode_text over the first L positions, L = the last EOT of the batch + 1."""
+def token_ends(tokens: torch.Tensor) -> torch.Tensor:
+    """Each caption's end: its EOT position + 1 (EOT is the largest id in CLIP's vocabulary,
+    which is what argmax pooling relies on too)."""
+    return tokens.argmax(dim=-1) + 1
+
+
+def trimmed_encode_text(model: torch.nn.Module, text: torch.Tensor, length: int) -> torch.Tensor:
+    """open_clip CLIP.encode_text over the first `length` positions (at least the batch's last EOT + 1)."""
     from open_clip.transformer import text_global_pool
 
-    length = int(text.argmax(dim=-1).max()) + 1
     text = text[:, :length]
     cast_dtype = model.transformer.get_cast_dtype()
     x = model.token_embedding(text).to(cast_dtype)
@@ -41,26 +48,35 @@ def trimmed_encode_text(model: torch.nn.Module, text: torch.Tensor) -> torch.Ten
     return x
 
 
-def text_buckets(text: torch.Tensor, buckets: int = 4, min_rows: int = 128) -> list[torch.Tensor]:
-    """Row indices in up to `buckets` groups of similar caption length, at least `min_rows` each:
-    smaller groups make each op too small to pay for its own dispatch and thread sync (measured
-    on 2 CPU threads: 4 groups of 16 captions cost 2.2x the CPU of one trimmed batch of 64)."""
-    parts = min(buckets, max(1, text.shape[0] // min_rows))
+def text_buckets(ends: torch.Tensor, buckets: int = 4, min_rows: int = 128) -> list[torch.Tensor]:
+    """Row indices in up to `buckets` groups of similar caption length (`ends`: `token_ends`), at
+    least `min_rows` each: smaller groups make each op too small to pay for its own dispatch and
+    thread sync (measured on 2 CPU threads: 4 groups of 16 captions cost 2.2x the CPU of one
+    trimmed batch of 64)."""
+    parts = min(buckets, max(1, ends.shape[0] // min_rows))
     if parts == 1:
-        return [torch.arange(text.shape[0], device=text.device)]
-    return list(text.argmax(dim=-1).argsort().tensor_split(parts))
+        return [torch.arange(ends.shape[0], device=ends.device)]
+    return list(ends.argsort().tensor_split(parts))
 
 
-def bucketed_encode_text(model: torch.nn.Module, text: torch.Tensor) -> torch.Tensor:
-    """trimmed_encode_text per bucket of captions sorted by length, each cut at its own longest
-    caption: in a large batch one long caption no longer sets the length for all. Rows come
-    back in their original order, each still exact."""
-    groups = text_buckets(text)
+def bucketed_encode_text(model: torch.nn.Module, text: torch.Tensor, ends: torch.Tensor,
+                         encode: Callable = trimmed_encode_text) -> torch.Tensor:
+    """`encode` (trimmed_encode_text, or its compiled form) per bucket of captions sorted by length,
+    each cut at its own longest caption: in a large batch one long caption no longer sets the
+    length for all. Rows come back in their original order, each still exact.
+
+    `ends` is in host memory, so the cuts and the groups are decided without reading anything back
+    from the device: on CUDA such a read waits for all the work queued before it (the batch's image
+    tower), and the host could not queue the next batch meanwhile."""
+    ends = ends.cpu()
+    groups = text_buckets(ends)
     if len(groups) == 1:
-        return trimmed_encode_text(model, text)
+        return encode(model, text, int(ends.max()))
     out = None
     for rows in groups:
-        encoded = trimmed_encode_text(model, text[rows])
+        length = int(ends[rows].max())
+        rows = rows.to(text.device, non_blocking=True)
+        encoded = encode(model, text[rows], length)
         if out is None:
             out = encoded.new_empty((text.shape[0], encoded.shape[1]))
         out[rows] = encoded

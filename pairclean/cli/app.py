@@ -10,7 +10,9 @@ of a Python type (`<list[str]>`); a flag has none. Every command and command gro
 """
 
 import typing
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import typer
 from typer.core import TyperCommand, TyperGroup
@@ -45,7 +47,13 @@ def readable(param) -> None:
 
 
 class Command(TyperCommand):
-    """A command with help a person reads (see the module docstring)."""
+    """A command with help a person reads (see the module docstring), and the options its function
+    stacks with a decorator (`cli.options.stack`, e.g. `@options.dataset_options`): typer builds
+    parameters from the signature only, so they are added here, after the command's own."""
+
+    def __init__(self, *args, params=None, callback=None, **kwargs):
+        stacked = [param for provider in getattr(callback, "__pairclean_options__", ()) for param in provider()]
+        super().__init__(*args, params=[*(params or []), *stacked], callback=callback, **kwargs)
 
     def parameters(self, ctx) -> list:
         """The command's parameters (a command that adds some when it is parsed overrides this)."""
@@ -79,6 +87,44 @@ class Command(TyperCommand):
         return pieces
 
 
+@dataclass(frozen=True)
+class Mode:
+    """A mode of a command: the flag that selects it, the command it becomes, one line of help."""
+
+    flag: str
+    command: Any
+    line: str
+
+
+class ModalCommand(Command):
+    """A command with modes: a flag that makes it another command with only its own options
+    (`pairclean score SHARDS` runs a model; `pairclean score EMBEDDINGS --from-embeddings` scores
+    precomputed vectors). The flag may stand anywhere before `--`; the mode's command parses the
+    rest, runs, and has its own help (`pairclean score --from-embeddings --help`). A subclass
+    names its modes in `modes()`."""
+
+    def modes(self) -> tuple[Mode, ...]:
+        return ()
+
+    def make_context(self, info_name, args, parent=None, **extra):
+        args = list(args)
+        given = args[:args.index("--")] if "--" in args else args
+        for mode in self.modes():
+            if mode.flag in given:
+                args.remove(mode.flag)
+                return mode.command.make_context(f"{info_name} {mode.flag}", args, parent=parent, **extra)
+        return super().make_context(info_name, args, parent=parent, **extra)
+
+    def invoke(self, ctx):
+        return super().invoke(ctx) if ctx.command is self else ctx.command.invoke(ctx)
+
+    def format_options(self, ctx, formatter) -> None:
+        super().format_options(ctx, formatter)
+        with formatter.section("Modes"):
+            formatter.write_dl([(mode.flag, f"{mode.line} Its options: {ctx.command_path} {mode.flag} --help.")
+                                for mode in self.modes()])
+
+
 class Group(TyperGroup):
     """A command group with the same help as `Command`."""
 
@@ -105,10 +151,10 @@ console = LiteralConsole()
 err_console = LiteralConsole(stderr=True)
 
 
-def announce(spec) -> None:
-    """The one line a run over a dataset starts with: its format and how it is read (its input
-    format's `describe`); under torchrun only rank 0 says it."""
+def announce(source) -> None:
+    """The one line a run over a dataset (or precomputed embeddings) starts with: its format and
+    how it is read (`describe`); under torchrun only rank 0 says it."""
     import os
 
     if os.environ.get("RANK", "0") == "0":
-        console.print(spec.input_format.describe())
+        console.print(source.describe())

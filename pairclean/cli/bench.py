@@ -22,25 +22,63 @@ def report_tables(report) -> list[Table]:
     tables = []
     for i, r in enumerate(report.rounds):
         title = "pairclean bench score" + (f" - round {i + 1}" if len(report.rounds) > 1 else "")
-        table = Table(title=title)
-        for name in ("phase", "pairs", "seconds", "pairs/s", "CPU ms/pair", "peak PSS (+workers)", "peak RSS",
-                     "GPU peak", "load 1m"):
-            table.add_column(name, justify="left" if name == "phase" else "right")
-        for phase in (r.ceiling, r.end_to_end, r.naive):
-            if phase is None:
-                table.add_row("naive loop", "-", "-", "n/a (open_clip image-text only)", "-", "-", "-", "-", "-")
-                continue
-            table.add_row(phase.name, f"{phase.pairs:,}", f"{phase.seconds:.1f}", f"{phase.pairs_per_second:,.1f}",
-                          f"{phase.cpu_ms_per_pair:,.1f}", _mib(phase.peak_mib), _mib(phase.peak_rss_mib),
-                          _mib(phase.gpu_peak_mib), f"{phase.load[0]:.1f} -> {phase.load[1]:.1f}")
-        e = r.end_to_end.extra
-        table.add_row("end-to-end whole call", f"{r.end_to_end.pairs:,}", f"{e['whole_call_seconds']:.1f}",
-                      f"{e['whole_call_pairs_per_second']:,.1f}", "", "", "", "", f"beta {e['beta_seconds']:.1f} s ({e['beta_source']})")
-        tables.append(table)
+        if r.ceiling is not None:
+            tables.append(_phase_table(title, r))
+        if r.pipeline_only is not None:
+            tables.append(_pipeline_table(title + ": pipeline only (zero-cost model)", r.pipeline_only))
     return tables
 
 
+def _phase_table(title: str, r) -> Table:
+    table = Table(title=title)
+    for name in ("phase", "pairs", "seconds", "pairs/s", "CPU ms/pair", "peak PSS (+workers)", "peak RSS",
+                 "GPU peak", "load 1m"):
+        table.add_column(name, justify="left" if name == "phase" else "right")
+    for phase in (r.ceiling, r.end_to_end, r.naive):
+        if phase is None:
+            table.add_row("naive loop", "-", "-", "n/a (open_clip image-text only)", "-", "-", "-", "-", "-")
+            continue
+        table.add_row(phase.name, f"{phase.pairs:,}", f"{phase.seconds:.1f}", f"{phase.pairs_per_second:,.1f}",
+                      f"{phase.cpu_ms_per_pair:,.1f}", _mib(phase.peak_mib), _mib(phase.peak_rss_mib),
+                      _mib(phase.gpu_peak_mib), f"{phase.load[0]:.1f} -> {phase.load[1]:.1f}")
+    e = r.end_to_end.extra
+    table.add_row("end-to-end whole call", f"{r.end_to_end.pairs:,}", f"{e['whole_call_seconds']:.1f}",
+                  f"{e['whole_call_pairs_per_second']:,.1f}", "", "", "", "", f"beta {e['beta_seconds']:.1f} s ({e['beta_source']})")
+    return table
+
+
+def _pipeline_table(title: str, p) -> Table:
+    """The main process's time per pair by stage: CPU of its main thread, and wall time."""
+    table = Table(title=title)
+    for name in ("stage", "main-process CPU ms/pair", "wall ms/pair"):
+        table.add_column(name, justify="left" if name == "stage" else "right")
+    m = p.meter
+    for stage, cpu in m["stages"].items():
+        wall = m["stage_wall_ms_per_pair"].get(stage)
+        table.add_row(stage, f"{cpu:.4f}", "-" if wall is None else f"{wall:.4f}")
+    table.add_row("main process in all", f"{m['main_cpu_ms_per_pair']:.4f}", f"{1000 * m['seconds'] / max(m['pairs'], 1):.4f}")
+    return table
+
+
+def pipeline_lines(report) -> list[str]:
+    lines = []
+    for r in report.rounds:
+        p = r.pipeline_only
+        if p is None:
+            continue
+        m = p.meter
+        over = p.over_worker_capacity
+        lines.append(f"pipeline only (decode {p.decode}): {m['pairs']:,} pairs at {m['pairs_per_second']:,.1f} pairs/s; main "
+                     f"process {m['main_cpu_ms_per_pair']:.4f} CPU ms per pair; {m['worker_bytes_per_pair'] / 1000:,.1f} kB per "
+                     f"pair from the workers; {p.workers} worker(s) at {p.worker_ms_per_pair:.2f} ms per pair can prepare "
+                     f"{p.worker_capacity:,.1f} pairs/s" + (f" ({over:.2f} of it reached)" if over is not None else "")
+                     + f"; load {p.load[0]:.1f} -> {p.load[1]:.1f}")
+    return lines
+
+
 def summary_lines(report) -> list[str]:
+    if report.config.get("pipeline_only"):
+        return pipeline_lines(report)
     c = report.config
     lines = [f"model {c['model']} ({c['pretrained']}) on {c['device']}, {c['precision']}, batch {c['batch_size']}, "
              f"{c['workers']} workers, decode {c['decode']}, compile {c['compile']}, "
@@ -74,7 +112,7 @@ def summary_lines(report) -> list[str]:
     cpu_ceiling, cpu_naive = report.median("cpu_vs_ceiling"), report.median("cpu_vs_naive")
     lines.append(f"by CPU per pair (unaffected by other load): ceiling / end-to-end = {cpu_ceiling:.2f}"
                  + (f", naive / end-to-end = {cpu_naive:.2f}" if cpu_naive else ""))
-    return lines
+    return lines + pipeline_lines(report)
 
 
 def _files(*given: str) -> list[str]:
@@ -85,13 +123,13 @@ def _files(*given: str) -> list[str]:
 
 
 @bench_app.command("score")
-@options.with_dataset
+@options.dataset_options
 def bench_score_command(
+    ctx: typer.Context,
     source: options.Source,
     model: str = typer.Option("ViT-B-32", help="open_clip model name (or a pairclean tiny config)."),
     pretrained: options.Pretrained = "openai",
     backend: options.Backend = "open_clip",
-    dataset: options.DatasetOptions = options.GIVEN,
     device: options.Device = "auto",
     precision: options.Precision = "fp32",
     decode: options.Decode = "fast",
@@ -103,22 +141,26 @@ def bench_score_command(
     beta_cache: options.BetaCache = True,
     naive_pairs: int = typer.Option(512, help="Pairs for the naive reference loop (0 skips it)."),
     min_seconds: float = typer.Option(10.0, help="Run the model-only ceiling at least this long."),
-    repeat: int = typer.Option(1, help="Rounds of (a)(b)(c), interleaved; ratios are reported per round and as medians."),
+    repeat: int = typer.Option(1, help="Rounds of (a)(b)(c)(d), interleaved; ratios are reported per round and as medians."),
+    pipeline_only: bool = typer.Option(False, "--pipeline-only", help="Run only (d), the scoring loop around a "
+                                       "zero-cost model: where the main process spends its time, quick on any machine."),
     json_out: options.JsonOut = None,
     overwrite: bool = typer.Option(False, help="Replace an existing output file."),
 ) -> None:
-    """Model-only ceiling vs end-to-end `pairclean score` vs a naive loop: pairs/s, ratios, peak memory."""
+    """Model-only ceiling vs end-to-end `pairclean score` vs a naive loop vs the pipeline alone: pairs/s,
+    ratios, peak memory, the main process's CPU per pair by stage."""
+    dataset = options.dataset_given(ctx)
     from pairclean.scoring.bench import bench_score, write_report
     from pairclean.ops.guard import open_output
     from pairclean.scoring.model import ScoreConfig
 
-    spec = dataset.spec(source)
-    target = open_output(json_out, [*source, *spec.shards, *_files(pretrained)], "json", overwrite=overwrite) if json_out is not None else None
+    data = dataset.open(source)
+    target = open_output(json_out, [*source, *data.spec.shards, *_files(pretrained)], "json", overwrite=overwrite) if json_out is not None else None
     cfg = ScoreConfig(model=model, pretrained=pretrained, backend=backend, device=device, precision=precision,
                       decode=decode, compile=compile, batch_size=batch_size, workers=workers, beta_mode=beta_mode,
                       beta_k=beta_k, beta_cache=beta_cache)
-    report = bench_score(spec, cfg, naive_pairs=naive_pairs, min_seconds=min_seconds, repeat=repeat,
-                         progress=RichProgress(err_console))
+    report = bench_score(data, cfg, naive_pairs=naive_pairs, min_seconds=min_seconds, repeat=repeat,
+                         progress=RichProgress(err_console), pipeline_only=pipeline_only)
     for table in report_tables(report):
         print_table(console, table)
     for line in summary_lines(report):

@@ -8,10 +8,12 @@ from typing import List, Optional
 import typer
 from rich.table import Table
 
+import pairclean.cli.options as options
 from pairclean.cli.app import announce, app, console
 from pairclean.cli.progress import RichProgress
 from pairclean.cli.terminal import print_table
-from pairclean.dedup import DEFAULT_THRESHOLD
+from pairclean.dedup.defaults import DEFAULT_THRESHOLD
+from pairclean.errors import UserError
 
 
 def summary_table(result) -> Table:
@@ -19,16 +21,16 @@ def summary_table(result) -> Table:
     table = Table(title=f"pairclean dedup -> {result.out}", show_header=False)
     table.add_column(style="bold")
     table.add_column(justify="right")
-    table.add_row("rows (usable vectors)", f"{s['rows']:,} ({s['usable']:,})")
-    table.add_row("k-means clusters", f"{s['clusters']:,}")
-    table.add_row("duplicate groups (rows in them)", f"{s['duplicate_groups']:,} ({s['in_groups']:,})")
-    table.add_row("removed (kept = false)", f"{s['removed']:,} ({s['share_removed']:.2%})")
-    if s.get("scores_join"):
-        table.add_row("scores joined on (rows with a score)", f"{s['scores_join']} ({s['scored_rows']:,})")
+    table.add_row("rows (usable vectors)", f"{s.rows:,} ({s.usable:,})")
+    table.add_row("k-means clusters", f"{s.clusters:,}")
+    table.add_row("duplicate groups (rows in them)", f"{s.duplicate_groups:,} ({s.in_groups:,})")
+    table.add_row("removed (kept = false)", f"{s.removed:,} ({s.share_removed:.2%})")
+    if s.scores_join:
+        table.add_row("scores joined on (rows with a score)", f"{s.scores_join} ({s.scored_rows:,})")
     if result.already_complete:
         table.add_row("status", "already complete: nothing was done")
-    elif s.get("seconds"):
-        table.add_row("time", ", ".join(f"{k} {v:.1f} s" for k, v in s["seconds"].items())
+    elif s.seconds:
+        table.add_row("time", ", ".join(f"{k} {v:.1f} s" for k, v in s.seconds.items())
                       + (" (resumed run)" if result.resumed else ""))
     return table
 
@@ -60,19 +62,24 @@ def dedup_command(
     key_field: Optional[str] = typer.Option(None, help="Metadata column holding the key (default key, else image_path; uid for DataComp)."),
     overwrite: bool = typer.Option(False, help="Replace an existing output (and discard an unfinished run)."),
     resume: bool = typer.Option(False, help="Continue an unfinished run, failing if there is none (re-running resumes anyway)."),
+    allow_other_dataset: options.AllowOtherDataset = False,
 ) -> None:
     """Semantic deduplication (SemDeDup) of saved embeddings, keeping the copy whose caption matches best."""
-    from pairclean.data.formats.embeddings import open_embeddings
+    from pairclean.data.embeddings import open_embeddings
     from pairclean.dedup.run import DedupConfig, dedup
-    from pairclean.ops.guard import open_output
+    from pairclean.scores.contract import is_scores_file
+
+    if given := next((s for s in source if is_scores_file(s)), None):
+        raise UserError(f"{given} is a scores file: dedup reads the embeddings a scoring run saved. Score with "
+                        f"`pairclean score ... --save-embeddings emb/`, then `pairclean dedup emb/ --scores {given} "
+                        "--out dedup.parquet`")
 
     cfg = DedupConfig(side=side, threshold=threshold, keep=keep, clusters=clusters, sample_per_cluster=sample_per_cluster,
                       iterations=iterations, seed=seed, backend=backend, threads=threads, group_rows=group_rows, overwrite=overwrite,
-                      resume=resume, progress=RichProgress(console))
-    target = open_output(out, source, "out", overwrite=None)  # the names given; the run adds the files it reads
+                      resume=resume, allow_other_dataset=allow_other_dataset, progress=RichProgress(console))
     spec = open_embeddings(source, layout, left_field=left_emb_field, right_field=right_emb_field, key_field=key_field,
                            keys=keys)
     announce(spec)
-    result = dedup(spec, target, scores, cfg)
+    result = dedup(spec, out, scores, cfg)  # the run guards `out` against every input, the names given included
     if result.summary:  # under torchrun only rank 0 writes and reports
         print_table(console, summary_table(result))

@@ -8,6 +8,7 @@ import typer
 
 from pairclean.cli.app import App, app, console
 from pairclean.cli.terminal import print_table
+from pairclean.errors import UserError
 
 evaluate_app = App(no_args_is_help=True, help="Measure detection quality, dedup quality or retrieval quality.")
 app.add_typer(evaluate_app, name="evaluate")
@@ -45,8 +46,39 @@ def retrieval_command(
         target.write_json(metrics)
 
 
+def audit_tables(audit: dict):
+    """A blind audit's estimates for the whole dataset as rich tables: per rule, then the noise share."""
+    from rich.table import Table
+
+    def shown(estimate: dict) -> str:
+        if estimate["value"] is None:
+            return "n/a (none marked)"
+        return f"{100 * estimate['value']:.1f} [{100 * estimate['low']:.1f}, {100 * estimate['high']:.1f}]"
+
+    pairs = audit["scored_pairs"]
+    table = Table(title=f"blind audit: {audit['marked']:,} marked pairs weighted to all {pairs:,} scored pairs "
+                        f"({len(audit['design']['strata'])} sim strata); % [{audit['confidence']:.0%} interval: Wilson at "
+                        "Kish's effective n]")
+    for name, justify in (("rule", "left"), ("noisy if", "left"), ("flagged\n% of pairs", "right"),
+                          ("precision\n%", "right"), ("recall\n%", "right"), ("noise left\nin kept %", "right")):
+        table.add_column(name, justify=justify, no_wrap=True)
+    for m in audit["rules"].values():
+        table.add_row(m["label"], m["noisy_if"], f"{100 * m['flagged_share']:.1f}", shown(m["precision"]),
+                      shown(m["recall"]), shown(m["noise_left"]))
+    summary = Table(show_header=False)
+    summary.add_column(style="bold")
+    summary.add_column(justify="right")
+    noise = audit["noise_share"]
+    summary.add_row("noise share of the scored pairs, %", shown(noise))
+    if noise["value"] is not None:
+        summary.add_row("noisy pairs (estimate)", f"{noise['value'] * pairs:,.0f} [{noise['low'] * pairs:,.0f}, "
+                                                  f"{noise['high'] * pairs:,.0f}]")
+    return table, summary
+
+
 def detection_tables(result: dict):
-    """The detection metrics as rich tables: the rules, then the threshold-free figures."""
+    """The detection metrics as rich tables: the rules, then the threshold-free figures; for a
+    blind audit's marks, its estimates for the whole dataset, then the figures of the marked pairs."""
     from rich.table import Table
 
     def pct(value) -> str:
@@ -60,7 +92,8 @@ def detection_tables(result: dict):
     for m in result["rules"].values():  # the file's decision rules, then the oracle
         table.add_row(m["label"], m["noisy_if"], pct(m["clean_kept"]), pct(m["noise_caught"]),
                       pct(m["balanced_accuracy"]), pct(m["precision"]))
-    summary = Table(show_header=False)
+    summary = Table(show_header=False, title=f"on the {result['pairs']:,} marked pairs alone (unweighted)"
+                    if "audit" in result else None)
     summary.add_column(style="bold")
     summary.add_column(justify="right")
     auc, ap = result["roc_auc"], result["average_precision"]
@@ -76,6 +109,8 @@ def detection_tables(result: dict):
     skipped = result.get("error_rows", 0) + result.get("unlabelled_rows", 0)
     if skipped:
         summary.add_row("left out", f"{result['error_rows']:,} error rows, {result['unlabelled_rows']:,} without truth")
+    if "audit" in result:  # the per-rule shares of a stratified sample are not the dataset's: the audit's are
+        return (*audit_tables(result["audit"]), summary)
     return table, summary
 
 
@@ -88,8 +123,8 @@ def detection_command(
                                                             "the dataset the scores recorded)."),
     truth_key: str | None = typer.Option(None, "--truth-key", help="The truth's column holding the pair key "
                                                                    "(joined to the scores' key column)."),
-    json_out: Path | None = typer.Option(None, "--json", help="Metrics JSON to write (default: SCORES.detection.json, "
-                                                              "replaced by each run)."),
+    json_out: Path | None = typer.Option(None, "--json", help="Metrics JSON to write (default: SCORES.detection.json; "
+                                                              "an existing one is replaced only with --overwrite)."),
     overwrite: bool = typer.Option(False, help="Replace an existing output file."),
 ) -> None:
     """Clean kept / noise caught / balanced accuracy / precision per rule in the file and the oracle, ROC-AUC, AP, mean noise rank, ECE of p_clean."""
@@ -98,8 +133,10 @@ def detection_command(
     from pairclean.scores.evaluation import evaluate_detection, recorded_truth
 
     truth_file = resolve_truth(truth) if truth is not None else recorded_truth(scores)
+    if not truth_file.is_file():  # said before an existing metrics file is
+        raise UserError(f"truth file not found: {truth_file}")
     target = open_output(json_out or scores.with_name(scores.stem + ".detection.json"),
-                         [scores, truth, truth_file], "json", overwrite=overwrite or json_out is None)
+                         [scores, truth, truth_file], "json", overwrite=overwrite)
     result = evaluate_detection(scores, truth_file, truth_key=truth_key)
     for table in detection_tables(result):
         print_table(console, table)
@@ -143,8 +180,8 @@ def dedup_command(
     noise_truth: Path | None = typer.Option(None, "--noise-truth", help="Caption-noise truth of the same pairs (`corrupt --mode shuffle` "
                                                                          "on the duplicated data): how often the kept copy is the noisy one."),
     side: str | None = typer.Option(None, help="image, text or both (default: the side the dedup ran on)."),
-    json_out: Path | None = typer.Option(None, "--json", help="Metrics JSON to write (default: DEDUP.evaluation.json, "
-                                                              "replaced by each run)."),
+    json_out: Path | None = typer.Option(None, "--json", help="Metrics JSON to write (default: DEDUP.evaluation.json; "
+                                                              "an existing one is replaced only with --overwrite)."),
     overwrite: bool = typer.Option(False, help="Replace an existing output file."),
 ) -> None:
     """Precision and recall of a dedup per planted duplicate kind (exact, reencode, resize, crop, caption, identical)."""
@@ -152,7 +189,7 @@ def dedup_command(
     from pairclean.ops.guard import open_output
 
     target = open_output(json_out or dedup_file.with_name(dedup_file.stem + ".evaluation.json"),
-                         [dedup_file, truth, noise_truth], "json", overwrite=overwrite or json_out is None)
+                         [dedup_file, truth, noise_truth], "json", overwrite=overwrite)
     result = evaluate_dedup(dedup_file, truth, noise_truth=noise_truth, side=side)
     for table in dedup_tables(result):
         print_table(console, table)

@@ -88,13 +88,17 @@ def scores_and_shards(source: list[str], scores: Path | None) -> tuple[Path, lis
         return scores, source or None
     if len(source) == 1 and is_scores_file(source[0]):
         return Path(source[0]), None
+    if len(source) == 1 and not any(c in source[0] for c in "*?[{:") and not Path(source[0]).exists():
+        raise UserError(f"{'scores file' if source[0].endswith('.parquet') else 'file or directory'} not found: "
+                        f"{source[0]}")
     raise UserError("give the scores file alone (pairclean filter scores.parquet --out kept/), or the shards "
                     "with --scores scores.parquet")
 
 
 @app.command("filter")
-@options.with_dataset
+@options.dataset_options
 def filter_command(
+    ctx: typer.Context,
     source: List[str] = typer.Argument(..., metavar="SOURCE", help="A scores file (its dataset is read from it), or the "
                                        "shards to filter (directory, glob, list file, Parquet files, manifest) with --scores."),
     scores: Optional[Path] = typer.Option(None, "--scores", "-s", help="Scores Parquet written by `pairclean score`, "
@@ -113,38 +117,41 @@ def filter_command(
     shard_bytes: float = typer.Option(1e9, help="WebDataset output: bytes per shard at most."),
     prefix: str = typer.Option("shard", help="Output file names: PREFIX-000000.tar / .parquet; '' names them like "
                                              "the input (00000.tar, Parquet files keep their names)."),
-    dataset: options.DatasetOptions = options.GIVEN,
     overwrite: bool = typer.Option(False, help="Replace a non-empty --out directory."),
+    allow_other_dataset: options.AllowOtherDataset = False,
 ) -> None:
     """Write the pairs the rules keep as new shards in the input's shape (members byte-identical), or preview with --dry-run."""
+    dataset = options.dataset_given(ctx)
     if out is None and not dry_run and keys_out is None:
         raise UserError("give --out DIR (or --keys-out FILE, or --dry-run)")
     from pairclean.curate.filter import attachments, filter_dataset
     from pairclean.scores.contract import read_metadata, scored_pairs
-    from pairclean.scores.db import ScoresDB, parse_attachments
+    from pairclean.config import parse_attachments
+    from pairclean.scores.db import ScoresDB, check_attach_name
 
     scores, shards = scores_and_shards(source, scores)
     if out is not None and not dry_run:  # the names given; filter_dataset checks the files it reads
         out = open_output(out, [*source, scores], "out", kind="directory", overwrite=overwrite)
     if not scores.is_file():
         raise UserError(f"scores file not found: {scores}")
-    provenance = read_metadata(scores)[0] or {}
-    spec = dataset.reopen(scored_pairs(provenance), shards, pair=dataset.pair or provenance.get("pair"))
-    if spec is None and out is not None and not dry_run:
+    provenance = read_metadata(scores)[0]
+    recorded_pair = provenance.pair if provenance else None
+    data = dataset.reopen(scored_pairs(provenance), shards, pair=dataset.pair or recorded_pair)
+    if data is None and out is not None and not dry_run:
         raise UserError(f"{scores} does not say which shards it describes (scored from embeddings without a link to "
                         "their pairs): give the shards, pairclean filter SHARDS --scores SCORES")
-    if spec is not None:
-        announce(spec)
-    tables = parse_attachments(attach)
-    with ScoresDB(scores, attach=attachments(spec, tables)) as db:
+    if data is not None:
+        announce(data)
+    tables = parse_attachments(attach, check_name=check_attach_name)
+    with ScoresDB(scores, attach=attachments(data, tables)) as db:
         with Progress(TextColumn("{task.description}", markup=False), BarColumn(), MofNCompleteColumn(), TextColumn("shards", markup=False),
                       TimeElapsedColumn(), console=console, transient=True) as bar:
-            task = bar.add_task("dry run" if dry_run else "filtering", total=len(spec.shards) if spec else 0)
-            result = filter_dataset(spec, db, out, where=where, top_fraction=top_fraction, by=by,
+            task = bar.add_task("dry run" if dry_run else "filtering", total=len(data.spec.shards) if data else 0)
+            result = filter_dataset(data, db, out, where=where, top_fraction=top_fraction, by=by,
                                     dry_run=dry_run, shard_size=shard_size, shard_bytes=shard_bytes, prefix=prefix,
                                     overwrite=overwrite, progress=lambda _shard: bar.advance(task),
                                     keep_keys=str(keep_keys) if keep_keys else None, keys_out=keys_out,
-                                    attach=tables)
+                                    attach=tables, allow_other_dataset=allow_other_dataset)
     print_table(console, result_table(result))
     if result.join == "key":
         console.print(f"matched by key: {result.unmatched:,} scored row(s) have no pair in the given shards")

@@ -2,18 +2,19 @@
 
 A command declares `device: options.Device = "auto"`; the help text (and the flag's spelling) lives
 here, so `score`, `bench`, `train` and `corrupt` cannot drift apart. The dataset options (pair
-kind, which member or column holds each side of a pair, label template, `pipe:` permission) come
-as one bundle: a command decorated with `@with_dataset` declares `dataset: DatasetOptions` and
-builds its DatasetSpec with `dataset.spec(source)`. `flag_for` is how the CLI words the library's
-config fields.
+kind, format, split, image root, which member or column holds each side of a pair, label
+template, `pipe:` permission) come as one bundle, stacked on a command by a plain decorator as
+sqlite-utils stacks its `output_options`: a command decorated with `@dataset_options` takes `ctx:
+typer.Context` and reads what was given as one `DatasetOptions` with `dataset_given(ctx)`, which
+opens the dataset (`open(source)`); typer builds the options from their declaration
+(`borrowed_options`), and the command's own signature is never rewritten. `flag_for` is how the
+CLI words the library's config fields.
 """
 
 from __future__ import annotations
 
-import functools
-import inspect
-import typing
 from dataclasses import dataclass, field
+from functools import lru_cache
 from pathlib import Path
 from typing import List, Optional
 
@@ -35,14 +36,22 @@ Source = Annotated[List[str], typer.Argument(
                             "img2dataset, Hugging Face datasets and DataComp layouts are recognised.")]
 Pair = Annotated[Optional[str], typer.Option(help="Pair kind: image-text, text-text, image-label, image-image.")]
 AllowPipe = Annotated[bool, typer.Option(help="Allow `pipe:` shard URLs, which run shell commands.")]
+AllowOtherDataset = Annotated[bool, typer.Option(
+    "--allow-other-dataset", help="Use the scores (or embeddings) with data whose files differ from the ones they "
+                                  "recorded: another download or copy, or files changed since scoring (each row must "
+                                  "still be the pair its key names).")]
 Device = Annotated[str, typer.Option(help="auto, cpu, cuda, cuda:1 ...")]
 Precision = Annotated[str, typer.Option(
     help="fp32, bf16 (autocast), fp16 (CUDA only), or auto (bf16/fp16 on CUDA, bf16 on CPUs with native bf16, else fp32).")]
-Pretrained = Annotated[str, typer.Option(help="Pretrained tag, local checkpoint path, or 'none' (random init).")]
+Pretrained = Annotated[Optional[str], typer.Option(
+    help="Pretrained tag, local checkpoint path, or 'none' (random init). Default: the model's own weights "
+         "(openai for an open_clip architecture, the repository's for hf-hub:ORG/REPO).", show_default=False)]
 Backend = Annotated[str, typer.Option(
-    help="Encoder backend: open_clip (images and text) or sentence-transformers (text-text pairs).")]
+    help="Encoder backend: open_clip (images and text), sentence-transformers (text-text pairs), or auto "
+         "(from the model name; a name open_clip does not know is a sentence-transformers model on text pairs).")]
 Decode = Annotated[str, typer.Option(
-    help="fast (JPEG draft decode at model size), exact, or gpu (JPEGs decoded on the CUDA device; CPU workers otherwise).")]
+    help="fast (JPEG draft decode at model size), exact, or a decoder on the CUDA device (CPU workers otherwise): "
+         "gpu (torchvision nvJPEG), nvimgcodec or dali (NVIDIA's libraries: pip install 'pairclean[gpu]').")]
 Compile = Annotated[bool, typer.Option("--compile", help="torch.compile the model (first batches slower; eager if compiling fails).")]
 BetaMode = Annotated[str, typer.Option(help="random-inputs, shuffled, or fixed.")]
 BetaK = Annotated[int, typer.Option(help="K random inputs per side for --beta-mode random-inputs.")]
@@ -70,17 +79,6 @@ LabelField = Annotated[Optional[str], typer.Option(help="image-label pairs: labe
 LabelTemplate = Annotated[Optional[str], typer.Option(
     help='image-label pairs: the sentence a label becomes (default "This is a picture of {label}.").')]
 
-# The dataset options, in the order the help lists them: parameter -> (type, default, Fields attribute).
-DATASET_OPTIONS = {
-    "pair": (Pair, None, None), "input_format": (InputFormat, None, None), "split": (Split, None, None),
-    "image_root": (ImageRoot, None, None), "image_field": (ImageField, None, "image"),
-    "image_path_field": (ImagePathField, None, "image_path"), "text_field": (TextField, None, "text"),
-    "json_text_key": (JsonTextKey, None, "json_text_key"), "key_field": (KeyField, None, "key"),
-    "text2_field": (Text2Field, None, "text2"), "image2_field": (Image2Field, None, "image2"),
-    "image2_path_field": (Image2PathField, None, "image2_path"), "label_field": (LabelField, None, "label"),
-    "label_template": (LabelTemplate, None, None), "allow_pipe": (AllowPipe, False, None),
-}
-
 
 @dataclass
 class DatasetOptions:
@@ -97,7 +95,7 @@ class DatasetOptions:
     image_root: str | None = None
 
     def given_fields(self):
-        from pairclean.data.manifest import Fields
+        from pairclean.data.spec import Fields
 
         return Fields(**self.fields) if self.fields else None
 
@@ -106,55 +104,91 @@ class DatasetOptions:
         return {"pair": pair or self.pair, "allow_pipe": self.allow_pipe, "label_template": self.label_template,
                 "format": self.format, "split": self.split, "image_root": self.image_root}
 
-    def spec(self, source: list[str], pair: str | None = None):
-        """The DatasetSpec of `source` with these options applied (`pair` overrides the option)."""
-        from pairclean.data.manifest import open_dataset
+    def open(self, source: list[str], pair: str | None = None):
+        """The dataset `source` names, with these options applied (`pair` overrides the option)."""
+        from pairclean.data.dataset import open_dataset
 
         return open_dataset(source, pair=pair or self.pair, fields=self.given_fields(), allow_pipe=self.allow_pipe,
                             label_template=self.label_template, format=self.format, split=self.split,
                             image_root=self.image_root)
 
-    def reopen(self, record: dict | None, source: list[str] | None = None, pair: str | None = None):
-        """The dataset a scores file recorded (or `source`, read with the recorded mapping), these
-        options applied; None when there is neither."""
-        from pairclean.data.manifest import reopen_dataset
+    def reopen(self, record, source: list[str] | None = None, pair: str | None = None):
+        """The dataset a scores file recorded (`data.record.DatasetRecord`, or `source`, read with the
+        recorded mapping), these options applied; None when there is neither."""
+        from pairclean.data.dataset import reopen_dataset
 
         if not source and not record:
             return None
-        return reopen_dataset(record or {}, source or None, self.given_fields(), **self.options(pair))
+        return reopen_dataset(record, source or None, self.given_fields(), **self.options(pair))
+
+
+# -- options a command stacks on with a decorator -------------------------------------------------
+
+STACKED = "__pairclean_options__"  # a command function's stacked option providers (`cli.app.Command` adds them)
+
+
+def borrowed_options(declaration, meta_key: str) -> list:
+    """The options `declaration` declares the typer way (its parameters' annotations and defaults),
+    built once by typer itself, for another command: each option's value goes to
+    ctx.meta[meta_key][its name], never to the command function (so no signature is rewritten)."""
+    def store(ctx, param, value):
+        ctx.meta.setdefault(meta_key, {})[param.name] = value
+        return value
+
+    holder = typer.Typer(add_completion=False)
+    holder.command()(declaration)
+    params = list(typer.main.get_command(holder).params)
+    for param in params:
+        param.expose_value, param.callback = False, store
+    return params
+
+
+def stack(provider):
+    """A decorator adding the options `provider()` builds to a command, as `@click.option` stacks
+    one (sqlite-utils' `output_options`): `@app.command(...)` above it, the function unchanged."""
+    def decorate(command):
+        command.__dict__.setdefault(STACKED, []).append(provider)
+        return command
+
+    return decorate
+
+
+DATASET_GIVEN = "pairclean_dataset_options"  # ctx.meta key: {option name: value}
+# option name -> the `Fields` attribute it sets (the other options are DatasetOptions attributes)
+FIELD_OPTIONS = {"image_field": "image", "image_path_field": "image_path", "text_field": "text",
+                 "json_text_key": "json_text_key", "key_field": "key", "text2_field": "text2",
+                 "image2_field": "image2", "image2_path_field": "image2_path", "label_field": "label"}
+
+
+def _dataset_declaration(
+    pair: Pair = None, input_format: InputFormat = None, split: Split = None, image_root: ImageRoot = None,
+    image_field: ImageField = None, image_path_field: ImagePathField = None, text_field: TextField = None,
+    json_text_key: JsonTextKey = None, key_field: KeyField = None, text2_field: Text2Field = None,
+    image2_field: Image2Field = None, image2_path_field: Image2PathField = None, label_field: LabelField = None,
+    label_template: LabelTemplate = None, allow_pipe: AllowPipe = False,
+) -> None:
+    """The dataset options, in the order the help lists them (never called: `dataset_options` borrows them)."""
+
+
+@lru_cache(maxsize=1)
+def _dataset_parameters() -> tuple:
+    return tuple(borrowed_options(_dataset_declaration, DATASET_GIVEN))
+
+
+dataset_options = stack(_dataset_parameters)
+dataset_options.__doc__ = """Stack the dataset options on a command: --pair, --input-format, --split,
+--image-root, the nine --*-field options, --label-template and --allow-pipe. The command takes
+`ctx: typer.Context` and reads them with `dataset_given(ctx)`."""
+
+
+def dataset_given(ctx) -> DatasetOptions:
+    """What the command line said about the dataset (the options of `@dataset_options`)."""
+    given = ctx.meta.get(DATASET_GIVEN, {})
+    fields = {attribute: given[name] for name, attribute in FIELD_OPTIONS.items() if given.get(name) is not None}
+    return DatasetOptions(given.get("pair"), fields, given.get("label_template"), bool(given.get("allow_pipe")),
+                          given.get("input_format"), given.get("split"), given.get("image_root"))
 
 
 Attach = Annotated[Optional[List[str]], typer.Option(
     "--attach", help="NAME=FILE: a read-only table the SQL may read, e.g. img2dataset's metadata "
                      "(meta='out/*.parquet') or a key list (.txt, .npy); repeatable. No other file is readable.")]
-
-
-GIVEN = DatasetOptions()  # the default a command writes for `dataset`: @with_dataset fills it from the command line
-
-
-def with_dataset(command):
-    """Give a command the dataset options, declared here once: its parameter `dataset:
-    DatasetOptions` stands on the command line for --pair, the nine --*-field options,
-    --label-template and --allow-pipe, and receives them as one object."""
-    hints = typing.get_type_hints(command, include_extras=True)
-    signature = inspect.signature(command)
-    parameters = []
-    for parameter in signature.parameters.values():
-        if parameter.name == "dataset":
-            parameters += [inspect.Parameter(name, parameter.kind, default=default, annotation=kind)
-                           for name, (kind, default, _) in DATASET_OPTIONS.items()]
-        else:
-            parameters.append(parameter.replace(annotation=hints[parameter.name]))
-
-    @functools.wraps(command)
-    def run(**given):
-        options = {name: given.pop(name) for name in DATASET_OPTIONS}
-        fields = {attribute: options[name] for name, (_, _, attribute) in DATASET_OPTIONS.items()
-                  if attribute is not None and options[name] is not None}
-        dataset = DatasetOptions(options["pair"], fields, options["label_template"], options["allow_pipe"],
-                                 options["input_format"], options["split"], options["image_root"])
-        return command(**given, dataset=dataset)
-
-    run.__signature__ = signature.replace(parameters=parameters)
-    run.__annotations__ = {p.name: p.annotation for p in parameters}
-    return run

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 from typing import Iterable, Optional
 
@@ -19,7 +20,8 @@ from pairclean.config import at_least, check_value
 from pairclean.errors import UserError
 from pairclean.ops.guard import open_output
 from pairclean.scores.contract import column_meanings
-from pairclean.scores.db import ScoresDB, parse_attachments
+from pairclean.config import parse_attachments
+from pairclean.scores.db import ScoresDB, check_attach_name
 
 MAX_SQL_BYTES = 2**20  # a statement read with --file (/dev/zero would never end)
 
@@ -77,7 +79,9 @@ def query_command(
     sql: Optional[str] = typer.Argument(None, help="One SQL statement over the views `scores` (and `truth`, `labeled`, "
                                                    "the --attach tables)."),
     file: Optional[Path] = typer.Option(None, "--file", "-f", help="Read the SQL from this file instead."),
-    truth: Optional[Path] = typer.Option(None, help="Ground-truth Parquet (key, shard, index, noisy): adds views `truth` and `labeled`."),
+    truth: Optional[Path] = typer.Option(None, help="Ground-truth Parquet (key, shard, index, noisy): adds views `truth` "
+                                                    "and `labeled` (default: the truth file of the dataset the scores "
+                                                    "recorded, e.g. one `pairclean corrupt` wrote, when it is there)."),
     fmt: str = typer.Option("table", "--format", help="table, csv, json (JSON Lines) or parquet."),
     out: Optional[Path] = typer.Option(None, "--out", "-o", help="Write csv/json/parquet here (atomically) instead of stdout."),
     limit: int = typer.Option(50, help="Rows shown by --format table (the rest are counted)."),
@@ -87,6 +91,10 @@ def query_command(
     overwrite: bool = typer.Option(False, help="Replace an existing output file."),
 ) -> None:
     """Run SQL through DuckDB over the scores: `pairclean query scores.parquet "SELECT ..."`."""
+    from pairclean.scores.evaluation import recorded_truth
+
+    if truth is None and (recorded := recorded_truth(scores, required=False)) is not None and recorded.is_file():
+        truth = recorded  # a recorded truth file that is gone leaves the query without the truth views
     if columns:
         if sql is not None or file is not None:
             raise UserError("--columns lists the columns: give no SQL with it")
@@ -95,7 +103,7 @@ def query_command(
         return
     if (sql is None) == (file is None):
         raise UserError("give the SQL as an argument or with --file, not both")
-    tables = parse_attachments(attach)
+    tables = parse_attachments(attach, check_name=check_attach_name)
     target = open_output(out, [scores, truth, file, *(f for files in tables.values() for f in files)],
                          overwrite=overwrite) if out is not None else None  # before anything is read
     if file is not None:
@@ -112,7 +120,14 @@ def query_command(
     if fmt == "table" and out is not None:
         raise UserError("--out needs --format csv, json or parquet")
     with ScoresDB(scores, truth=truth, attach=tables) as db:
-        schema, batches = db.stream(db.run(sql))
+        try:
+            result = db.run(sql)
+        except UserError as exc:
+            if truth is None and re.search(r"Table with name (labeled|truth) does not exist", str(exc)):
+                raise UserError(f"{exc}: the views truth and labeled need --truth FILE ({scores} records no "
+                                "truth file)") from None
+            raise
+        schema, batches = db.stream(result)
         if fmt == "table":
             table, note = rich_result(batches, schema, limit)
             print_table(console, table)

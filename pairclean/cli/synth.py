@@ -62,12 +62,14 @@ def web_shards_command(
     shards: int = typer.Option(2, help="Number of tar shards."),
     pairs_per_shard: int = typer.Option(5000, help="Pairs per shard (img2dataset writes 5,000-10,000)."),
     seed: int = typer.Option(0, help="Pair i depends only on (seed, i)."),
+    jobs: int = typer.Option(1, help="Processes rendering the pairs (the shards are the same for any number)."),
     overwrite: bool = typer.Option(False, help="Replace an existing directory."),
 ) -> None:
     """Web-style shards for throughput: COCO-mini images cropped, resized to 256-384 px and re-encoded."""
     from pairclean.lab.coco import build_web_shards
 
-    spec = build_web_shards(src, out, shards=shards, pairs_per_shard=pairs_per_shard, seed=seed, overwrite=overwrite)
+    spec = build_web_shards(src, out, shards=shards, pairs_per_shard=pairs_per_shard, seed=seed, overwrite=overwrite,
+                            jobs=jobs)
     console.print(f"{shards * pairs_per_shard:,} pairs in {len(spec.shards)} shard(s) under {out}; "
                   f"manifest {out / 'manifest.yaml'}")
 

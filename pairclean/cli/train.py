@@ -22,9 +22,10 @@ from pairclean.ops.guard import open_output
 from pairclean.cli.app import Command, announce, app, console
 from pairclean.cli.progress import RichProgress
 from pairclean.cli.terminal import print_table
+from pairclean.config import split_option
 from pairclean.errors import ConfigError, UserError
 
-SHORTCUTS_GIVEN = "pairclean_method_shortcuts"  # ctx.meta key: {flag: value} of the shortcut flags given
+SHORTCUTS_GIVEN = "pairclean_method_shortcuts"  # ctx.meta key: {option name: value} of the shortcut flags
 
 
 def declared_shortcuts() -> dict[str, tuple]:
@@ -38,32 +39,32 @@ def declared_shortcuts() -> dict[str, tuple]:
     return flags
 
 
-def _remember(flag: str):
-    def callback(ctx, param, value):
-        if value not in (None, False):
-            ctx.meta.setdefault(SHORTCUTS_GIVEN, {})[flag] = value
-    return callback
+def _parameter_name(flag: str) -> str:
+    return f"shortcut_{flag.lstrip('-').replace('-', '_')}"
 
 
 @lru_cache(maxsize=1)
 def _shortcut_parameters() -> tuple:
-    """One typer option per declared flag, built by typer from a generated signature; values go to ctx.meta."""
+    """One option per declared flag, built by typer (`options.borrowed_options`) from a declaration
+    made of the methods' `Shortcut`s (the flags are data, so this one declaration is generated);
+    their values go to ctx.meta, never to the command function."""
     kinds = {str: Optional[str], int: Optional[int], bool: bool}
-    params = [inspect.Parameter(f"shortcut_{flag.lstrip('-').replace('-', '_')}", inspect.Parameter.KEYWORD_ONLY,
-                                default=typer.Option(False if s.kind is bool else None, flag, help=s.help),
-                                annotation=kinds[s.kind])
-              for flag, (s, _) in declared_shortcuts().items()]
 
-    def shortcuts(**values) -> None:
+    def declaration(**values) -> None:
         """The method shortcut flags (never called: the options are borrowed)."""
 
-    shortcuts.__signature__ = inspect.Signature(params)
-    holder = typer.Typer(add_completion=False)
-    holder.command()(shortcuts)
-    built = [p for p in typer.main.get_command(holder).params if p.name.startswith("shortcut_")]
-    for param, flag in zip(built, declared_shortcuts()):
-        param.expose_value, param.callback = False, _remember(flag)
-    return tuple(built)
+    declaration.__signature__ = inspect.Signature([
+        inspect.Parameter(_parameter_name(flag), inspect.Parameter.KEYWORD_ONLY, annotation=kinds[s.kind],
+                          default=typer.Option(False if s.kind is bool else None, flag, help=s.help))
+        for flag, (s, _) in declared_shortcuts().items()])
+    return tuple(options.borrowed_options(declaration, SHORTCUTS_GIVEN))
+
+
+def shortcuts_given(ctx) -> dict:
+    """{flag: value} of the shortcut flags the command line gave."""
+    values = ctx.meta.get(SHORTCUTS_GIVEN, {})
+    return {flag: value for flag in declared_shortcuts()
+            if (value := values.get(_parameter_name(flag))) not in (None, False)}
 
 
 class _TrainCommand(Command):
@@ -97,10 +98,11 @@ def method_and_options(method: Optional[str], given: dict, extra: list[str]) -> 
             raise UserError(f"{set_by[option]} and {flag} both set {option}: give one")
         chosen[option], set_by[option] = value, flag
     for item in extra:
-        if "=" not in item:
+        option = split_option(item)
+        if option is None:
             raise UserError(f"--method-option takes key=value, not {item!r}")
-        key, value = item.split("=", 1)
-        chosen[key.strip().replace("-", "_")] = value
+        key, value = option
+        chosen[key.replace("-", "_")] = value
     return method, chosen
 
 
@@ -141,18 +143,25 @@ def epochs_table(result) -> Table:
     return table
 
 
-def list_method_options(ctx: typer.Context, value: Optional[List[str]]):
+HELP_READS = ("method", "method_option", "epochs")  # eager: read before the other options, in the order given
+
+
+def list_method_options(ctx: typer.Context, param: typer.CallbackParam, value):
     """`--method-option help`: every method (or the one --method names) with its options and defaults, and
-    the warm-up and phases it would run at --epochs (given options included), then exit. --method and
-    --epochs are eager, so they are read by now wherever they stand on the line."""
-    if not value or "help" not in value:
+    the warm-up and phases it would run at --epochs (given options included), then exit. --method,
+    --method-option and --epochs are eager, and click reads eager options in the order they stand on
+    the line: this callback is theirs, and answers once it has seen all three."""
+    seen = ctx.meta.setdefault("train-method-help", {})
+    seen[param.name] = value
+    requested = seen.get("method_option") or ()
+    if len(seen) < len(HELP_READS) or "help" not in requested:
         return value
     import dataclasses
 
     from pairclean.train import METHODS, Method, build_method
 
-    epochs, named = ctx.params.get("epochs", 5), ctx.params.get("method")
-    given = dict(item.split("=", 1) for item in value if "=" in item)
+    epochs, named = seen["epochs"], seen["method"]
+    given = dict(option for item in requested if (option := split_option(item)) is not None)
     table = Table(title="pairclean train --method NAME --method-option key=value")
     for column in ("method", "what it does", "when it pays (measured)", "options (default)", "shortcut flags",
                    f"schedule at --epochs {epochs}"):
@@ -173,21 +182,20 @@ def list_method_options(ctx: typer.Context, value: Optional[List[str]]):
 
 
 @app.command("train", cls=_TrainCommand)
-@options.with_dataset
+@options.dataset_options
 def train_command(
     ctx: typer.Context,
     source: options.Source,
     out: Path = typer.Option(..., "--out", "-o", help="Run directory (checkpoints, metrics.jsonl, run.json)."),
     val: Optional[List[str]] = typer.Option(None, "--val", help="Validation pairs: R@K and rSum each epoch, best checkpoint by rSum."),
-    model: str = typer.Option("ViT-B-32", help="open_clip model name (or a pairclean tiny config), or a sentence-transformers directory / all-MiniLM-L6-v2."),
-    pretrained: options.Pretrained = "openai",
+    model: str = typer.Option("ViT-B-32", help="open_clip model name, hf-hub:ORG/REPO or a pairclean tiny config, or a sentence-transformers directory / all-MiniLM-L6-v2."),
+    pretrained: options.Pretrained = None,
     backend: str = typer.Option("auto", help="auto, open_clip, or sentence-transformers."),
-    dataset: options.DatasetOptions = options.GIVEN,
-    method: Optional[str] = typer.Option(None, is_eager=True, help="Training method by name (plain, osa-weights, filter, osa-online, sdd, gsc, ...)."),
+    method: Optional[str] = typer.Option(None, is_eager=True, callback=list_method_options, help="Training method by name (plain, osa-weights, filter, osa-online, sdd, gsc, ...)."),
     method_option: Optional[List[str]] = typer.Option(None, metavar="KEY=VALUE", callback=list_method_options, is_eager=True,
                                                       help="Method option key=value (repeatable); 'help' lists every "
                                                            "method's options, defaults and schedule at --epochs."),
-    epochs: int = typer.Option(5, is_eager=True, help="Passes over the training data."),
+    epochs: int = typer.Option(5, is_eager=True, callback=list_method_options, help="Passes over the training data."),
     batch_size: int = typer.Option(256, help="Pairs per step (in-batch negatives)."),
     lr: float = typer.Option(5e-6, help="Peak AdamW learning rate."),
     weight_decay: float = typer.Option(0.2, help="AdamW weight decay (not on gains, biases, logit scale)."),
@@ -207,8 +215,10 @@ def train_command(
     overwrite: bool = typer.Option(False, help="Replace the run in --out."),
 ) -> None:
     """Train a dual encoder on (reweighted or filtered) pairs: weighted symmetric InfoNCE."""
-    target = open_output(out, [*source, *(val or [])], "out", kind="directory", overwrite=None)  # train() adds the files
-    name, method_options = method_and_options(method, ctx.meta.get(SHORTCUTS_GIVEN, {}), method_option or [])
+    dataset = options.dataset_given(ctx)
+    target = open_output(out, [*source, *(val or [])], "out", kind="directory", overwrite=None,
+                         parents=True)  # train() adds the files it reads, and creates the directory with its parents
+    name, method_options = method_and_options(method, shortcuts_given(ctx), method_option or [])
     from pairclean.train import TrainConfig, train
 
     with train_wording(name):
@@ -219,11 +229,11 @@ def train_command(
                           shuffle_buffer=shuffle_buffer, val_batch_size=val_batch_size, log_every=log_every,
                           diagnostics=diagnostics, seed=seed, resume=resume, overwrite=overwrite,
                           progress=RichProgress(console))
-    spec = dataset.spec(source)
-    announce(spec)
-    val_spec = dataset.spec(val, pair=spec.pair) if val else None
+    data = dataset.open(source)
+    announce(data)
+    val_data = dataset.open(val, pair=data.spec.pair) if val else None
     with train_wording(name):
-        result = train(spec, target, cfg, val=val_spec)
+        result = train(data, target, cfg, val=val_data)
     from pairclean.ops import distributed
 
     if not distributed.is_main():  # under torchrun rank 0 reports

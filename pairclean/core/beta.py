@@ -1,7 +1,11 @@
 """The cone bias beta (OSA Eq. 4): the mean cosine of random pairs through the same encoders.
 
 `random-inputs` (default) pushes K random left inputs and K random right inputs (noise images,
-random-token texts) through the estimator and averages all K x K cross cosines. `shuffled` is
+random-token texts) through the estimator and averages all K x K cross cosines. The inputs are
+drawn in blocks of DRAW_BLOCK, block b of a side from its own generator seeded by (seed, side, b),
+and encoded in chunks that never span two blocks: which inputs are drawn depends on the seed and
+K alone, never on the batch size (a batch size of DRAW_BLOCK or more encodes the same chunks, so
+beta is the same to the bit; a smaller one differs only in float rounding). `shuffled` is
 the mean cosine of in-dataset pairs with one side permuted, accumulated while scoring from
 per-part embedding sums (it sits inside the noisy distribution: a diagnostic, not a boundary).
 `fixed` takes the user's value.
@@ -19,6 +23,8 @@ from pairclean.config import check_choice
 from pairclean.errors import ConfigError
 
 BETA_MODES = ("random-inputs", "shuffled", "fixed")
+DRAW_BLOCK = 64  # random inputs per seeded block (see the module docstring)
+RANDOM_INPUTS_VERSION = 2  # how the random inputs are drawn: 1 drew them batch by batch from one generator
 
 
 @dataclass
@@ -33,21 +39,41 @@ class BetaEstimate:
         return asdict(self)
 
 
+def block_generator(seed: int, side: int, block: int) -> torch.Generator:
+    """The generator of one block of random inputs: seeded from (seed, side, block) alone."""
+    state = np.random.SeedSequence([seed, side, block]).generate_state(1)[0]
+    return torch.Generator().manual_seed(int(state))
+
+
+def encoding_chunk(batch_size: int) -> int:
+    """How many random inputs are encoded at once: the batch size, within one draw block."""
+    return min(batch_size, DRAW_BLOCK)
+
+
+def _rows(inputs, start: int, stop: int):
+    """Rows start..stop of a collated batch (a tensor, or a dict of tensors such as a tokenizer's)."""
+    if isinstance(inputs, dict):
+        return {name: value[start:stop] for name, value in inputs.items()}
+    return inputs[start:stop]
+
+
 @torch.no_grad()
 def random_input_beta(estimator, left: str, right: str, k: int = 1024, seed: int = 0,
                       batch_size: int = 256) -> BetaEstimate:
     """beta = mean over all K x K cosines between K random left and K random right inputs."""
-    generator = torch.Generator().manual_seed(seed)
+    chunk = encoding_chunk(batch_size)
 
-    def embed(modality: str) -> torch.Tensor:
+    def embed(side: int, modality: str) -> torch.Tensor:
         chunks = []
-        for start in range(0, k, batch_size):
-            n = min(batch_size, k - start)
-            chunks.append(estimator.encode(modality, estimator.random_batch(modality, n, generator)).double().cpu())
+        for block, start in enumerate(range(0, k, DRAW_BLOCK)):
+            n = min(DRAW_BLOCK, k - start)
+            inputs = estimator.random_batch(modality, n, block_generator(seed, side, block))
+            for first in range(0, n, chunk):
+                chunks.append(estimator.encode(modality, _rows(inputs, first, first + chunk)).double().cpu())
         return torch.cat(chunks)
 
-    u = embed(left)
-    v = embed(right)
+    u = embed(0, left)
+    v = embed(1, right)
     sims = u @ v.T
     return BetaEstimate("random-inputs", float(sims.mean()), float(sims.std()), k, seed)
 

@@ -7,9 +7,12 @@ methods (2 or 3 components over min-max normalised losses or discrepancies).
 from __future__ import annotations
 
 from dataclasses import dataclass, asdict
+from typing import TYPE_CHECKING
 
 import numpy as np
-from sklearn.mixture import GaussianMixture
+
+if TYPE_CHECKING:  # sklearn loads when a mixture is fitted: the scores contract names FittedMixture, and
+    from sklearn.mixture import GaussianMixture  # the CLI starts without sklearn (tests/test_demo.py)
 
 
 @dataclass
@@ -37,6 +40,8 @@ class FittedMixture:
 def fit_similarity_mixture(values, seed: int = 0, max_iter: int = 100, tol: float = 1e-3,
                            reg_covar: float = 1e-6) -> FittedMixture:
     """Fit a 2-component 1-D GaussianMixture; finite values only."""
+    from sklearn.mixture import GaussianMixture
+
     x = np.asarray(values, dtype=np.float64)
     x = x[np.isfinite(x)].reshape(-1, 1)
     if len(x) < 2:
@@ -69,6 +74,8 @@ def clean_posterior(values, n_components: int = 2, higher_is_clean: bool = True,
     zeta weighs its second feature). Returns (posteriors of every component ordered clean first,
     the fitted mixture).
     """
+    from sklearn.mixture import GaussianMixture
+
     x = np.asarray(values, dtype=np.float64)
     x = x.reshape(len(x), -1)
     x = np.column_stack([minmax(x[:, j]) for j in range(x.shape[1])])

@@ -2,12 +2,21 @@
 person marks keep / drop with the keyboard, and the import of those marks as a truth Parquet that
 `evaluate detection --truth` accepts: measured precision on the user's own data, no noise injected.
 
-The sample is stratified by similarity decile (DuckDB `ntile(10)`), `per_decile` pairs from each,
-chosen by md5 of (seed, key), so the same command draws the same pairs. Thumbnails and texts come
-from the shards through the report's reader path (`fetch_media`). The page holds everything it
-shows (no network), written through `curate.pages` (the pairs as the page's own markup, the data
-its script needs as script-safe JSON); its marks live in the page (and the browser's localStorage)
-until exported as JSON, which `import_marks` turns into Parquet (key, shard, index, noisy).
+Two samples. The decile page (`build_audit`): `per_decile` pairs from each similarity decile
+(DuckDB `ntile(10)`), lowest first, each with its similarity and decile: a look at what the
+model calls noise. The blind page (`build_audit(..., blind=True)`): `pairs` pairs drawn at random
+within `strata` ranges of `sim` that hold about equally many scored pairs (cut at DuckDB's
+`quantile_disc`), shown in random order with no similarity, decile or rule verdict, so the person
+marking judges the pair and not the model; the design (each stratum's sim range, its pairs N_h and
+the pairs drawn from it) is recorded in the page, exported with the marks and kept by the import,
+and `evaluate detection` weights the marks back to the whole dataset (`scores/stratified.py`).
+Pairs are chosen (and the blind page ordered) by md5 of (seed, key, shard, index), so the same
+command draws the same pairs. Thumbnails and texts come from the shards through the report's reader
+path (`fetch_media`). The page holds everything it shows (no network), written through
+`curate.pages` (the pairs as the page's own markup, the data its script needs as script-safe JSON);
+its marks live in the page (and the browser's localStorage) until exported as JSON, which
+`import_marks` turns into Parquet (key, shard, index, noisy, and for a blind audit stratum, with
+the design in the file's metadata).
 """
 
 from __future__ import annotations
@@ -18,17 +27,20 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from pairclean.scores.contract import from_embeddings
+from pairclean.scores.contract import Provenance, from_embeddings, scored_pairs
 from pairclean.scores.db import ScoresDB
+from pairclean.scores.stratified import DESIGN_KEY, DESIGN_VERSION, read_design, whole_number
+from pairclean.scores.sql import sql_string
 from pairclean.curate.pages import Html, ScriptJson, join, render, template
-from pairclean.curate.report.media import fetch_media, media_spec
-from pairclean.data.manifest import Fields
+from pairclean.curate.report.media import fetch_media, media_dataset
+from pairclean.data.spec import Fields
 from pairclean.config import COUNT, INT64_MAX, SEED, declare, within
 from pairclean.errors import ConfigError, UserError
 from pairclean.ops.guard import open_output
 
 DECILES = 10
 MARKS_SCHEMA = pa.schema([("key", pa.string()), ("shard", pa.string()), ("index", pa.int64()), ("noisy", pa.bool_())])
+BLIND_SCHEMA = MARKS_SCHEMA.append(pa.field("stratum", pa.int32()))
 
 
 def stratified_sample(db: ScoresDB, per_decile: int, seed: int) -> list[dict]:
@@ -41,50 +53,100 @@ def stratified_sample(db: ScoresDB, per_decile: int, seed: int) -> list[dict]:
             WHERE r <= ? ORDER BY decile, sim""", [str(seed), per_decile]).fetchall()]
 
 
+def _sample_order(seed: int, what: str) -> str:
+    """A pseudo-random order of the scored rows: md5 of (seed, what, key, shard, index)."""
+    return f"""md5(concat({sql_string(str(seed))}, ':{what}:', key, ':', shard, ':', "index"))"""
+
+
+def blind_sample(db: ScoresDB, pairs: int, strata: int, seed: int) -> tuple[dict, list[dict]]:
+    """(the design, the drawn rows in the order the page shows them): `pairs` scored pairs spread
+    evenly over `strata` ranges of sim (cut at sim quantiles, so each holds about as many pairs;
+    empty ranges, from ties, are dropped), drawn at random within each, then shuffled."""
+    scored = "FROM scores WHERE sim IS NOT NULL AND NOT isnan(sim)"
+    total = db.scalar(f"SELECT count(*) {scored}")
+    if not total:
+        return {}, []
+    quantiles = [i / strata for i in range(1, strata)]
+    cuts = db.scalar(f"SELECT quantile_disc(sim, {quantiles}) {scored}") if quantiles else []
+    cuts = sorted(set(float(c) for c in cuts))
+    stratum = ("CASE " + " ".join(f"WHEN sim <= {c!r} THEN {i + 1}" for i, c in enumerate(cuts))
+               + f" ELSE {len(cuts) + 1} END") if cuts else "1"
+    sizes = dict(db.con.execute(f"SELECT {stratum} AS h, count(*) {scored} GROUP BY h ORDER BY h").fetchall())
+    numbers = sorted(sizes)
+    drawn = {h: min(sizes[h], pairs // len(numbers) + (i < pairs % len(numbers))) for i, h in enumerate(numbers)}
+    bounds = [None, *cuts, None]
+    design = {"version": DESIGN_VERSION, "seed": seed, "scores": db.path.name, "scored_pairs": int(total),
+              "strata": [{"stratum": h, "sim_above": bounds[h - 1], "sim_at_most": bounds[h], "pairs": int(sizes[h]),
+                          "drawn": int(drawn[h])} for h in numbers]}
+    db.register("audit_drawn", pa.table({"h": pa.array(numbers, pa.int32()),
+                                         "n": pa.array([drawn[h] for h in numbers], pa.int64())}))
+    rows = db.con.execute(f"""SELECT key, shard, "index", h FROM (
+          SELECT key, shard, "index", h, row_number() OVER (PARTITION BY h ORDER BY {_sample_order(seed, 'draw')}) AS r
+          FROM (SELECT key, shard, "index", {stratum} AS h {scored}))
+        JOIN audit_drawn USING (h) WHERE r <= n ORDER BY {_sample_order(seed, 'show')}""").fetchall()
+    return design, [{"key": k, "shard": shard, "index": index, "stratum": h} for k, shard, index, h in rows]
+
+
 _CARD = """<article class="pair{{layout}}" hidden>
-{{pictures}}<div class="texts">{{texts}}<p class="where">similarity decile {{decile}} · sim {{sim}}</p>
+{{pictures}}<div class="texts">{{texts}}{{scores}}
 <p class="where">key {{key}}</p><p class="where" title="{{shard}}">{{shard_name}} #{{index}}</p></div>
 </article>
 """
 
 
 def _card(row: dict, media) -> Html:
-    """One pair as the page shows it: its pictures as large as the page allows, its texts beside them."""
+    """One pair as the page shows it: its pictures as large as the page allows, its texts beside
+    them, and on the decile page its similarity and decile (never on the blind page)."""
     images = [render('<img src="{{src}}" alt="">', src=src) if src else Html('<div class="noimg">image cannot be '
                                                                               'decoded</div>') for src in media.images]
     texts = [render("<p>{{text}}</p>", text=t) for t in media.texts]
     if media.note:
         texts.append(render('<p class="where">{{note}}</p>', note=media.note))
+    scores = render('<p class="where">similarity decile {{decile}} · sim {{sim}}</p>', decile=row["decile"],
+                    sim=f"{row['sim']:.4f}") if "sim" in row else Html("")
     return render(_CARD, layout="" if images else " texts-only",
                   pictures=render('<div class="pics">{{images}}</div>', images=join(images)) if images else Html(""),
-                  texts=join(texts), decile=row["decile"], sim=f"{row['sim']:.4f}", key=row["key"],
+                  texts=join(texts), scores=scores, key=row["key"],
                   shard=row["shard"], shard_name=Path(row["shard"]).name, index=int(row["index"]))
 
 
-@declare(per_decile=COUNT, seed=SEED, thumb=within(1, 4096))
+BLIND_HELP = ("pairs in random order, no similarity shown: judge each pair by itself. Mark every pair you can; "
+              "one you cannot judge, leave unmarked")
+DECILE_HELP = "lowest similarity decile first"
+
+
+@declare(per_decile=COUNT, seed=SEED, thumb=within(1, 4096), pairs=COUNT, strata=within(1, 1000))
 def build_audit(scores: str | Path, shards: list[str] | None, out: str | Path, per_decile: int = 10, seed: int = 0,
-                thumb: int = 1024, fields: Fields | None = None, overwrite: bool = False, **dataset_options) -> int:
-    """Write the audit page; returns the number of pairs on it. The pairs come from `shards`, else
-    the dataset the scores recorded (`fields`, `dataset_options` override how it is read; the pair
-    kind defaults to the one the scores compared). Images are kept up to `thumb` pixels on their
-    longer side: the page draws them as large as the browser window allows."""
+                thumb: int = 1024, fields: Fields | None = None, overwrite: bool = False,
+                allow_other_dataset: bool = False, blind: bool = False, pairs: int = 200, strata: int = 10,
+                **dataset_options) -> int:
+    """Write the audit page; returns the number of pairs on it. The decile page holds `per_decile`
+    pairs of each similarity decile; the blind page (`blind`) `pairs` pairs drawn within `strata`
+    sim ranges, in random order, without scores. The pairs come from `shards`, else the dataset the
+    scores recorded (`fields`, `dataset_options` override how it is read; the pair kind defaults to
+    the one the scores compared). Images are kept up to `thumb` pixels on their longer side: the
+    page draws them as large as the browser window allows."""
     with ScoresDB(scores) as db:
-        prov = db.provenance or {}
-        spec, note = media_spec(prov, shards, fields, **dataset_options)
-        if spec is None:
+        prov = db.provenance or Provenance()
+        dataset, note = media_dataset(prov, shards, fields, **dataset_options)
+        if dataset is None:
             raise ConfigError(note, "shards")
         if from_embeddings(prov):
             db.check_unique_keys()
-        rows = stratified_sample(db, per_decile, seed)
+        design, rows = blind_sample(db, pairs, strata, seed) if blind else (None, stratified_sample(db, per_decile, seed))
     if not rows:
         raise UserError(f"{scores} holds no scored pair to audit")
-    target = open_output(out, [scores, *(shards or []), *spec.shards], overwrite=overwrite)
-    media = fetch_media(spec, rows, thumb, from_embeddings(prov))
-    items = [{"key": r["key"], "shard": r["shard"], "index": int(r["index"]), "sim": round(float(r["sim"]), 4),
-              "decile": int(r["decile"])} for r in rows]
-    page = render(template("pairclean.curate", "audit.html"), title=f"pairclean audit · {Path(scores).name}",
+    target = open_output(out, [scores, *(shards or []), *dataset.input_paths()], overwrite=overwrite)
+    media = fetch_media(dataset, rows, thumb, from_embeddings(prov), scored_pairs(prov), allow_other_dataset)
+    shown = ("key", "shard", "index", "stratum") if blind else ("key", "shard", "index", "sim", "decile")
+    items = [{name: (round(float(r[name]), 4) if name == "sim" else int(r[name]) if name in ("index", "decile",
+                                                                                            "stratum") else r[name])
+              for name in shown} for r in rows]
+    page = render(template("pairclean.curate", "audit.html"),
+                  title=f"pairclean {'blind ' if blind else ''}audit · {Path(scores).name}",
                   cards=join(_card(r, media[(r["shard"], int(r["index"]))]) for r in rows),
-                  items=ScriptJson(items), store=ScriptJson(f"pairclean-audit:{Path(scores).name}"))
+                  order=BLIND_HELP if blind else DECILE_HELP, items=ScriptJson(items), design=ScriptJson(design),
+                  store=ScriptJson(f"pairclean-{'blind-' if blind else ''}audit:{Path(scores).name}"))
     with target.write() as tmp:
         tmp.write_text(page, encoding="utf-8")
     return len(items)
@@ -98,10 +160,12 @@ def _no_constant(name: str):
     raise ValueError(f"{name} is not a JSON number")
 
 
-def read_marks(marks: str | Path) -> list[dict]:
+def read_marks(marks: str | Path) -> tuple[list[dict], dict | None]:
     """The audit page's export, typed strictly: a JSON list (at most MAX_MARKS_BYTES) of objects
-    with a string key and shard, an integer index >= 0 and a mark keep / drop; anything else is a
-    UserError naming the entry (a mark on index 1.9 or true would land on another pair)."""
+    with a string key and shard, an integer index >= 0 and a mark keep / drop (the decile page), or
+    a blind audit's object {audit: blind, design, marks} whose marks also name their stratum;
+    anything else is a UserError naming the entry (a mark on index 1.9 or true would land on
+    another pair). Returns (the rows, the design or None)."""
     try:
         with open(marks, "rb") as fh:
             data = fh.read(MAX_MARKS_BYTES + 1)
@@ -118,8 +182,13 @@ def read_marks(marks: str | Path) -> list[dict]:
     except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, NaN / Infinity
         raise UserError(f"{marks} is not an audit export (a JSON list of key, shard, index, mark keep/drop): "
                         f"{str(exc)[:200]}") from None
+    design = None
+    if isinstance(entries, dict) and entries.get("audit") == "blind":
+        design = read_design(entries.get("design"), f"{marks} is not an audit export")
+        entries = entries.get("marks")
     if not isinstance(entries, list):
         raise UserError(f"{marks} is not an audit export: a JSON {type(entries).__name__}, not a list of marks")
+    strata = {s["stratum"] for s in design["strata"]} if design else set()
     rows = []
     for n, entry in enumerate(entries):
         where = f"{marks} is not an audit export: entry {n}"
@@ -129,21 +198,37 @@ def read_marks(marks: str | Path) -> list[dict]:
             if not isinstance(entry.get(name), str):
                 raise UserError(f"{where}: {name} must be a string, got {json.dumps(entry.get(name))[:80]}")
         index = entry.get("index")
-        if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index <= INT64_MAX:
+        if not whole_number(index):
             raise UserError(f"{where}: index must be an integer from 0 to {INT64_MAX}, got {json.dumps(index)[:80]}")
         if entry.get("mark") not in MARKS:
             raise UserError(f"{where}: mark must be keep or drop, got {json.dumps(entry.get('mark'))[:80]}")
-        rows.append({"key": entry["key"], "shard": entry["shard"], "index": index, "noisy": MARKS[entry["mark"]]})
-    return rows
+        row = {"key": entry["key"], "shard": entry["shard"], "index": index, "noisy": MARKS[entry["mark"]]}
+        if design is not None:
+            if entry.get("stratum") not in strata or isinstance(entry.get("stratum"), bool):
+                raise UserError(f"{where}: stratum must be one of the design's 1..{len(strata)}, got "
+                                f"{json.dumps(entry.get('stratum'))[:80]}")
+            row["stratum"] = entry["stratum"]
+        rows.append(row)
+    return rows, design
 
 
-def import_marks(marks: str | Path, out: str | Path, overwrite: bool = False) -> int:
-    """The exported marks JSON -> a truth Parquet (key, shard, index, noisy = marked drop); returns rows."""
+def import_marks(marks: str | Path, out: str | Path, overwrite: bool = False) -> tuple[int, dict | None]:
+    """The exported marks JSON -> a truth Parquet (key, shard, index, noisy = marked drop, and for a
+    blind audit stratum, with the design in the file's metadata); returns (rows, the design or None)."""
     target = open_output(out, [marks], overwrite=overwrite)
-    rows = read_marks(marks)
+    rows, design = read_marks(marks)
     if not rows:
         raise UserError(f"{marks} holds no marks")
+    if design is not None:
+        schema = BLIND_SCHEMA.with_metadata({DESIGN_KEY: json.dumps(design).encode()})
+        marked = {}
+        for row in rows:
+            marked[row["stratum"]] = marked.get(row["stratum"], 0) + 1
+        over = [s["stratum"] for s in design["strata"] if marked.get(s["stratum"], 0) > s["drawn"]]
+        if over:
+            raise UserError(f"{marks} holds more marks in stratum {over[0]} than pairs were drawn from it")
+    else:
+        schema = MARKS_SCHEMA
     with target.write() as tmp:
-        pq.write_table(pa.Table.from_pylist(rows, schema=MARKS_SCHEMA), tmp)
-    return len(rows)
-
+        pq.write_table(pa.Table.from_pylist(rows, schema=schema), tmp)
+    return len(rows), design

@@ -8,8 +8,8 @@ every predicate keeps it (NULL counts as no). All rules are run over every row b
 written, so a bad predicate fails with DuckDB's message and leaves nothing behind. The kept keys
 can be exported (`keys_out`: a DataComp uid .npy for their resharder, text or Parquet).
 
-The dataset's input format writes the kept samples (`InputFormat.write_kept`): tar members or
-Parquet rows byte for byte, img2dataset's per-shard metadata and stats beside each tar. It fetches
+The dataset's rewriter writes the kept samples (`data.rewriting`, `Rewriter.write_kept`): tar members
+or Parquet rows byte for byte, img2dataset's per-shard metadata and stats beside each tar. It fetches
 the kept set one shard (or Parquet row group) at a time from DuckDB (`ScoresKept`): memory holds
 one shard's decisions and one sample, never every key. Each kept sample is checked against the
 key the scores have for its (shard, index), so a shard that changed after scoring stops the run
@@ -30,13 +30,16 @@ import pyarrow as pa
 
 from pairclean.config import COUNT, at_least, declare
 from pairclean.curate.sweep import Sweep, threshold_sweep
-from pairclean.data.formats import Decisions, KeptRows
 from pairclean.data.keys import read_keys, write_keys
-from pairclean.data.manifest import DatasetSpec, write_manifest
+from pairclean.data.dataset import Dataset, as_dataset
+from pairclean.data.manifest import write_manifest
+from pairclean.data.record import check_same_dataset
+from pairclean.data.rewriting import Decisions, KeptRows, rewriter_for
+from pairclean.data.spec import DatasetSpec
 from pairclean.errors import ConfigError, UserError
 from pairclean.ops.atomic import write_json
 from pairclean.ops.guard import Output, check_file_prefix, open_output
-from pairclean.scores.contract import from_embeddings
+from pairclean.scores.contract import from_embeddings, scored_pairs
 from pairclean.scores.db import NUMERIC_TYPES, ScoresDB, compile_predicate, match_shards
 from pairclean.scores.rules import TopFractionRule
 from pairclean.scores.sql import duckdb_message
@@ -157,12 +160,11 @@ class ScoresKept(KeptRows):
         return self.db.scalar("SELECT max(\"index\") FROM scores WHERE shard = ?", [self.mapping[shard]])
 
 
-def _dataset_keys(spec: DatasetSpec) -> pa.Table:
+def _dataset_keys(dataset: Dataset) -> pa.Table:
     """(shard, index, key) of every pair the dataset's shards hold, as its format keys them."""
-    fmt = spec.input_format
     shards, index, keys = [], [], []
-    for shard in dict.fromkeys(spec.shards):
-        listed = fmt.keys(shard)
+    for shard in dict.fromkeys(dataset.spec.shards):
+        listed = dataset.keys(shard)
         shards.extend([shard] * len(listed))
         index.extend(range(len(listed)))
         keys.extend(listed)
@@ -170,14 +172,15 @@ def _dataset_keys(spec: DatasetSpec) -> pa.Table:
                      "key": pa.array(keys, pa.string())})
 
 
-def match_dataset(db: ScoresDB, spec: DatasetSpec, result: FilterResult) -> dict[str, str]:
+def match_dataset(db: ScoresDB, dataset: Dataset, result: FilterResult) -> dict[str, str]:
     """Given shard -> its name in `scores`, narrowed to those shards. Scores made from these shards
     meet them by (shard, index); scores made elsewhere (precomputed embeddings) by key."""
+    spec = dataset.spec
     mapping = match_shards(spec.shards, db.scored_shards())
     missing = [s for s, m in mapping.items() if m is None]
     if missing and (len(missing) == len(mapping) or from_embeddings(db.provenance)):
         result.join = "key"
-        joined, result.unmatched = db.join_keys(_dataset_keys(spec))
+        joined, result.unmatched = db.join_keys(_dataset_keys(dataset))
         if not joined:
             raise UserError(f"no key of {db.path} is a key of the given shards (first: {spec.shards[0]}): "
                             "filter the data these scores describe")
@@ -189,42 +192,48 @@ def match_dataset(db: ScoresDB, spec: DatasetSpec, result: FilterResult) -> dict
     return mapping  # type: ignore[return-value]
 
 
-def attachments(spec: DatasetSpec | None, attach: dict[str, list[str]] | None) -> dict[str, list[str]]:
+def attachments(dataset: Dataset | None, attach: dict[str, list[str]] | None) -> dict[str, list[str]]:
     """The tables filter's predicates may read: the user's, and the dataset's own metadata sidecars
     as `metadata` (img2dataset's per-shard Parquet: width, status, url, ...) unless a user table has the name."""
     attach = dict(attach or {})
-    sidecars = spec.input_format.metadata_files() if spec is not None else []
+    sidecars = dataset.input_format.metadata_files() if dataset is not None else []
     if sidecars and METADATA_TABLE not in attach:
         attach[METADATA_TABLE] = sidecars
     return attach
 
 
-def _export_keys(db: ScoresDB, rules: list[Predicate], path: Path) -> int:
-    """The kept pairs' keys, sorted, in the format `keys_out`'s suffix names."""
-    keys = db.con.sql(f"SELECT key FROM ({_decision_sql(rules)}) WHERE keep ORDER BY key").fetchnumpy()["key"]
-    return write_keys(path, (str(k) for k in keys))
+def _kept_keys(db: ScoresDB, rules: list[Predicate]) -> list[str]:
+    """The kept pairs' keys, sorted."""
+    return [str(k) for k in db.con.sql(f"SELECT key FROM ({_decision_sql(rules)}) WHERE keep ORDER BY key")
+            .fetchnumpy()["key"]]
 
 
 @declare(top_fraction=TopFractionRule.OPTIONS["keep"].bounds, shard_size=COUNT, shard_bytes=at_least(1))
-def filter_dataset(spec: DatasetSpec | None, scores: str | Path | ScoresDB, out: str | Path | Output | None = None,
+def filter_dataset(source: Dataset | DatasetSpec | None, scores: str | Path | ScoresDB, out: str | Path | Output | None = None,
                    where: list[str] | None = None, top_fraction: float | None = None, by: str = "sim",
                    dry_run: bool = False, shard_size: int = 10_000, shard_bytes: float = 1e9, prefix: str = "shard",
                    overwrite: bool = False, progress: Callable[[str], None] | None = None,
                    keep_keys: str | None = None, keys_out: str | Path | None = None,
-                   attach: dict[str, list[str]] | None = None) -> FilterResult:
-    """Keep the pairs every rule keeps; write them under `out` (nothing at all on a dry run).
+                   attach: dict[str, list[str]] | None = None, allow_other_dataset: bool = False) -> FilterResult:
+    """Keep the pairs every rule keeps; write them under `out` (nothing at all on a dry run, nor
+    when the rules keep no pair).
 
-    `spec`: the dataset to write from (None: work on the scores alone, for a dry run's counts or
+    `source`: the dataset to write from (None: work on the scores alone, for a dry run's counts or
     `keys_out`). `scores`: the scores file, or a `ScoresDB` the caller opened (and closes) on it.
     WebDataset in -> shards of at most `shard_size` samples / `shard_bytes` bytes; Parquet in ->
     one file per input file that keeps rows. `prefix` '' names outputs like the input
     (img2dataset's `00000.tar`). `out` also gets `manifest.yaml` (the new dataset) and
-    `filter.json` (rules, counts, provenance). `keys_out`: also write the kept keys there.
+    `filter.json` (rules, counts, provenance). `keys_out`: also write the kept keys there. The
+    dataset's files must be the ones the scores recorded (`data.record`; `allow_other_dataset`
+    waives it), and every kept sample is the pair the scores name at its position.
     """
     if prefix:
         check_file_prefix(prefix)
+    dataset = as_dataset(source) if source is not None else None
+    spec = dataset.spec if dataset is not None else None
     scores_path = scores.path if isinstance(scores, ScoresDB) else Path(scores)
-    inputs = [*(spec.shards if spec else []), scores_path, keep_keys, *(f for fs in (attach or {}).values() for f in fs)]
+    inputs = [*(dataset.input_paths() if dataset else []), scores_path, keep_keys,
+              *(f for fs in (attach or {}).values() for f in fs)]
     writing = not dry_run and out is not None
     target = None
     if writing:
@@ -232,48 +241,55 @@ def filter_dataset(spec: DatasetSpec | None, scores: str | Path | ScoresDB, out:
             raise ConfigError("writing the kept pairs needs the dataset: the scores file does not name one", "out")
         target = open_output(out, inputs, "out", kind="directory", overwrite=overwrite)
         out = target.path
-        spec.input_format.check_rewritable()
+        rewriter_for(dataset).check_rewritable()
     elif not dry_run and keys_out is None:
         raise ConfigError("give `out` (a directory for the kept pairs), `keys_out`, or `dry_run`", "out", "keys_out",
                           "dry_run")
     elif out is not None:
         out = out.path if isinstance(out, Output) else Path(out)
-    if keys_out is not None and not dry_run:
-        keys_out = open_output(keys_out, inputs, "keys_out", overwrite=overwrite).path
+    keys_target = None
+    if keys_out is not None and not dry_run:  # the kept directory is another output of this run
+        keys_target = open_output(keys_out, [*inputs, *([target] if target else [])], "keys_out", overwrite=overwrite)
     opened = contextlib.nullcontext(scores) if isinstance(scores, ScoresDB) \
-        else ScoresDB(scores, attach=attachments(spec, attach))
+        else ScoresDB(scores, attach=attachments(dataset, attach))
     with opened as db:
         result = FilterResult(out=out, dry_run=dry_run, format=spec.format if spec else None, total_pairs=0,
                               total_bytes=None, counts=[], kept_pairs=0, kept_bytes=None,
-                              bytes_estimated=bool(spec and spec.input_format.bytes_estimated()))
-        mapping = match_dataset(db, spec, result) if spec is not None else {}
+                              bytes_estimated=bool(dataset and rewriter_for(dataset).bytes_estimated()))
+        if dataset is not None:
+            check_same_dataset(scored_pairs(db.provenance), dataset.files(), f"the scores file {db.path}",
+                               allow_other_dataset)
+        mapping = match_dataset(db, dataset, result) if dataset is not None else {}
         rules = keep_predicates(db, where or [], top_fraction, by, keep_keys)
         total, per_rule, kept = count_rules(db, rules)
         names = [r.name for r in rules] + (["all rules"] if len(rules) > 1 else [])
         pair_counts = per_rule + ([kept] if len(rules) > 1 else [])
         result.total_pairs, result.kept_pairs = total, kept
         result.counts = [RuleCount(n, c) for n, c in zip(names, pair_counts)]
-        if keys_out is not None and not dry_run:
-            result.keys_written = _export_keys(db, rules, Path(keys_out))
         if dry_run:
-            if spec is not None:
-                _dry_run_bytes(ScoresKept(db, rules, mapping), spec, result, progress)
+            if dataset is not None:
+                _dry_run_bytes(ScoresKept(db, rules, mapping), dataset, result, progress)
             # over the whole file, as the run's null was drawn
-            result.sweep = threshold_sweep(db, (db.provenance or {}).get("null_quantiles"), view="scores_file")
+            result.sweep = threshold_sweep(db, db.provenance.null_quantiles if db.provenance else None,
+                                           view="scores_file")
             return result
-        if not writing:
-            return result
-        if kept == 0:
+        if kept == 0:  # a failed run writes nothing: no directory, no key list
             raise UserError(f"the rules keep none of the {total:,} pairs; nothing written")
-        _write(db, rules, spec, mapping, result, shard_size, shard_bytes, prefix, target, progress)
+        # Each output is written under a temp name; the key list (in the format its suffix names)
+        # is renamed into place after the directory, so a failure while writing either leaves neither.
+        with keys_target.write() if keys_target is not None else contextlib.nullcontext() as keys_tmp:
+            if keys_tmp is not None:
+                result.keys_written = write_keys(keys_tmp, _kept_keys(db, rules), suffix=keys_target.path.suffix)
+            if writing:
+                _write(db, rules, dataset, mapping, result, shard_size, shard_bytes, prefix, target, progress)
     return result
 
 
-def _dry_run_bytes(kept: ScoresKept, spec: DatasetSpec, result: FilterResult, progress) -> None:
+def _dry_run_bytes(kept: ScoresKept, dataset: Dataset, result: FilterResult, progress) -> None:
     total, per_rule = 0, np.zeros(kept.rules + 1, np.int64)
-    fmt = spec.input_format
-    for shard in spec.shards:
-        t, r = fmt.kept_bytes(kept, shard, result.read_failures)
+    rewriter = rewriter_for(dataset)
+    for shard in dataset.spec.shards:
+        t, r = rewriter.kept_bytes(kept, shard, result.read_failures)
         total += t
         per_rule += r
         if progress:
@@ -285,12 +301,11 @@ def _dry_run_bytes(kept: ScoresKept, spec: DatasetSpec, result: FilterResult, pr
     result.kept_bytes = int(per_rule[-1])
 
 
-def _write(db: ScoresDB, rules, spec: DatasetSpec, mapping, result: FilterResult, shard_size, shard_bytes, prefix,
+def _write(db: ScoresDB, rules, dataset: Dataset, mapping, result: FilterResult, shard_size, shard_bytes, prefix,
            target: Output, progress) -> None:
-    out = target.path
+    out, spec, rewriter = target.path, dataset.spec, rewriter_for(dataset)
     with target.stage() as tmp:
-        written = spec.input_format.write_kept(ScoresKept(db, rules, mapping), tmp, prefix, shard_size, shard_bytes,
-                                               progress)
+        written = rewriter.write_kept(ScoresKept(db, rules, mapping), tmp, prefix, shard_size, shard_bytes, progress)
         result.read_failures = written.read_failures
         if written.pairs != result.kept_pairs:
             # Every shard was read to its last scored index, so only repeated rows get here.
@@ -299,7 +314,7 @@ def _write(db: ScoresDB, rules, spec: DatasetSpec, mapping, result: FilterResult
         result.kept_bytes = written.bytes
         result.output_files = [str(out / f.name) for f in written.files]
         new_spec = DatasetSpec(format=spec.format, shards=result.output_files, pair=spec.pair, fields=spec.fields,
-                               label_template=spec.label_template, image_root=spec.input_format.copy_root(),
+                               label_template=spec.label_template, image_root=rewriter.copy_root(),
                                name=f"{spec.name}-filtered" if spec.name else out.name)
         write_manifest(tmp / "manifest.yaml", new_spec, shards_relative_to=out)
         write_json(tmp / "filter.json", {
@@ -308,4 +323,5 @@ def _write(db: ScoresDB, rules, spec: DatasetSpec, mapping, result: FilterResult
             "counts": [asdict(c) for c in result.counts], "kept_pairs": result.kept_pairs,
             "kept_bytes": result.kept_bytes, "bytes_estimated": result.bytes_estimated,
             "output": [Path(f).name for f in result.output_files],
-            "read_failures": result.read_failures, "scores_provenance": db.provenance})
+            "read_failures": result.read_failures,
+            "scores_provenance": db.provenance.to_json() if db.provenance is not None else None})

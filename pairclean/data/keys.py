@@ -5,13 +5,18 @@
             sorted; a file without the .npy magic is read as a raw array of that dtype, as the
             resharder does. A plain 1-D array (strings or integers) is read as keys too.
   .parquet  a column `key` (else `uid`, else the only column)
-  other     text, one key per line (blank lines skipped)
+  other     text, one key per line: lines are split at "\\n" only (a key may hold any other
+            character, spaces at either end included); a trailing "\\r" (a file saved on Windows)
+            and a leading byte-order mark are dropped, empty lines skipped
 
-Keys are strings everywhere in pairclean: a uid is its 32 lower-case hex digits.
+Keys are strings everywhere in pairclean: a uid is its 32 lower-case hex digits. What `write_keys`
+writes, `read_keys` reads back as the same set: a key the format cannot hold is refused before
+anything is written (a line break or an empty key in text; anything but a uid in .npy).
 """
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Iterable
 
@@ -23,6 +28,11 @@ from pairclean.errors import UserError
 
 UID_DTYPE = np.dtype("u8,u8")
 KEY_COLUMNS = ("key", "uid")
+# DataComp's uids are md5 digests in lower-case hex; their tools split one into halves with
+# (int(uid[:16], 16), int(uid[16:32], 16)) (baselines/utils.py; resharder.py: divmod(int(uid, 16), 2**64)).
+# `int` also takes upper case, "0x", "+", "_" and spaces, so only this form round-trips.
+UID = re.compile(r"[0-9a-f]{32}")
+BOM = "\ufeff"
 
 
 def uid_strings(pairs: np.ndarray) -> list[str]:
@@ -34,14 +44,10 @@ def uid_pairs(keys: Iterable[str]) -> np.ndarray:
     """32-hex-digit uids -> DataComp's sorted (high, low) array; a key that is not one is refused."""
     halves = []
     for key in keys:
-        try:
-            value = int(key, 16)
-            if len(key) != 32 or value < 0:
-                raise ValueError
-        except (TypeError, ValueError):
-            raise UserError(f"key {key!r} is not a DataComp uid (32 hex digits): a .npy subset holds uids only; "
-                            "export other keys as .txt or .parquet") from None
-        halves.append(divmod(value, 1 << 64))
+        if not isinstance(key, str) or not UID.fullmatch(key):
+            raise UserError(f"key {key!r} is not a DataComp uid (32 lower-case hex digits): a .npy subset holds "
+                            "uids only; export other keys as .txt or .parquet")
+        halves.append((int(key[:16], 16), int(key[16:], 16)))
     array = np.array(halves, dtype=UID_DTYPE) if halves else np.empty(0, dtype=UID_DTYPE)
     array.sort()
     return array
@@ -69,6 +75,12 @@ def _read_parquet(path: Path) -> list[str]:
     return [str(k) for k in pf.read(columns=[column]).column(0).to_pylist() if k is not None]
 
 
+def _read_text(path: Path) -> list[str]:
+    text = path.read_text(encoding="utf-8")
+    lines = (text[len(BOM):] if text.startswith(BOM) else text).split("\n")
+    return [line for line in (ln[:-1] if ln.endswith("\r") else ln for ln in lines) if line]
+
+
 def read_keys(path: str | Path) -> pa.Array:
     """The keys a file lists, as strings (see the module's formats)."""
     path = Path(path)
@@ -80,24 +92,34 @@ def read_keys(path: str | Path) -> pa.Array:
         elif path.suffix == ".parquet":
             keys = _read_parquet(path)
         else:
-            keys = [line.strip() for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+            keys = _read_text(path)
     except (OSError, ValueError, UnicodeDecodeError) as exc:
         raise UserError(f"cannot read key list {path}: {str(exc).splitlines()[0][:200]}") from None
     return pa.array(keys, pa.string())
 
 
-def write_keys(path: str | Path, keys: Iterable[str]) -> int:
-    """Write keys in the format the suffix names (.npy: DataComp's sorted uid array); returns how many."""
-    from pairclean.ops.atomic import atomic_path
+def _text_lines(keys: list[str]) -> str:
+    for key in keys:
+        if not key or "\n" in key or "\r" in key or key.startswith(BOM):
+            raise UserError(f"key {key!r} cannot be written to a text key list (one key per line: no line break, "
+                            "no empty key, no leading byte-order mark); export the keys as .parquet")
+    return "".join(f"{k}\n" for k in keys)
 
+
+def write_keys(path: str | Path, keys: Iterable[str], suffix: str | None = None) -> int:
+    """Write keys to `path` in the format `suffix` (by default the path's own) names (.npy:
+    DataComp's sorted uid array; .parquet; else text); how many. Every key is checked before
+    anything is written; a caller that needs the file whole writes to a temp path
+    (`ops.guard.Output.write`)."""
     path = Path(path)
+    suffix = suffix if suffix is not None else path.suffix
     keys = list(keys)
-    with atomic_path(path) as tmp:
-        if path.suffix == ".npy":
-            with open(tmp, "wb") as fh:
-                np.save(fh, uid_pairs(keys))
-        elif path.suffix == ".parquet":
-            pq.write_table(pa.table({"key": pa.array(keys, pa.string())}), tmp)
-        else:
-            tmp.write_text("".join(f"{k}\n" for k in keys), encoding="utf-8")
+    if suffix == ".npy":
+        uids = uid_pairs(keys)
+        with open(path, "wb") as fh:
+            np.save(fh, uids)
+    elif suffix == ".parquet":
+        pq.write_table(pa.table({"key": pa.array(keys, pa.string())}), path)
+    else:
+        path.write_text(_text_lines(keys), encoding="utf-8", newline="")
     return len(keys)

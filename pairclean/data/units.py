@@ -13,7 +13,6 @@ import re
 from dataclasses import dataclass
 from enum import Enum
 
-from pairclean.ops.urls import is_local
 
 _ROW_GROUP = re.compile(r"(?P<path>.*)#rg=(?P<n>\d+)", re.DOTALL)
 _ROWS = re.compile(r"(?P<path>.*)#rows=(?P<start>\d+)-(?P<stop>\d+)", re.DOTALL)
@@ -61,14 +60,14 @@ def unit_shard(unit: str) -> str:
     return Unit.parse(unit).path
 
 
-def unit_fingerprint(unit: str) -> dict | None:
-    """Size and mtime of the unit's file, recorded when the unit is committed: a shard rewritten
-    after that is caught on resume instead of keeping stale rows. None for URLs and missing files."""
-    path = unit_shard(unit)
-    if not is_local(path):
-        return None
-    try:
-        info = os.stat(path)
-    except OSError:
-        return None
-    return {"size": info.st_size, "mtime_ns": info.st_mtime_ns}
+def unique_shards(shards: list[str]) -> list[str]:
+    """Each shard once, in first-seen order: `x.tar`, `../shards/x.tar` and a symlink to it are one
+    local file (compared by real path), which would otherwise be scored and filtered twice."""
+    seen: set[str] = set()
+    out = []
+    for shard in shards:
+        identity = os.path.realpath(shard) if "://" not in shard and not shard.startswith("pipe:") else shard
+        if identity not in seen:
+            seen.add(identity)
+            out.append(shard)
+    return out

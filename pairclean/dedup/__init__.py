@@ -2,9 +2,9 @@
 pair whose caption matches its image best: `dedup(source, out, scores, DedupConfig(...))`.
 
 The run module (torch, faiss) loads on first use, so the CLI can name the default threshold
-without starting torch (the demo fixes torch's CPU arithmetic before torch starts)."""
+(`defaults.py`) without starting torch (the demo fixes torch's CPU arithmetic before torch starts)."""
 
-DEFAULT_THRESHOLD = 0.95  # cosine; SemDeDup's eps = 1 - threshold (docs/dedup.md: the sweep behind it)
+from pairclean.dedup.defaults import DEFAULT_THRESHOLD
 
 __all__ = ["DEFAULT_THRESHOLD", "DedupConfig", "DedupResult", "dedup"]
 

@@ -22,14 +22,17 @@ what `keep cleanest` is for.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import duckdb
 
 from pairclean.dedup.vectors import SIDES
 from pairclean.errors import UserError
 from pairclean.config import check_choice
-from pairclean.scores.contract import read_metadata
 from pairclean.scores.sql import duckdb_message, sandboxed_connection, sql_string
+
+if TYPE_CHECKING:
+    from pairclean.dedup.run import DedupProvenance
 
 KINDS = ("exact", "reencode", "resize", "crop", "caption", "identical", "same content")
 TRUTH_COLUMNS = ("dup_group", "dup_kind", "left_sha1", "right_sha1")
@@ -62,8 +65,10 @@ def evaluate_dedup(dedup_file: str | Path, truth: str | Path, noise_truth: str |
     for path in (dedup_file, truth, noise_truth):
         if path is not None and not path.is_file():
             raise UserError(f"file not found: {path}")
-    provenance = read_metadata(dedup_file)[0] or {}
-    side = side or provenance.get("side") or "image"
+    from pairclean.dedup.run import DedupProvenance, read_dedup_metadata
+
+    provenance = read_dedup_metadata(dedup_file)[0] or DedupProvenance(kind=DedupProvenance.kind_written)
+    side = side or provenance.side or "image"
     check_choice(side, SIDES, "side")
     with _Session(dedup_file, truth, noise_truth) as con:
         try:
@@ -88,7 +93,8 @@ class _Session:
         self.tmp.cleanup()
 
 
-def _measure(con, side: str, provenance: dict, dedup_file: Path, truth: Path, noise_truth: Path | None) -> dict:
+def _measure(con, side: str, provenance: "DedupProvenance", dedup_file: Path, truth: Path,
+             noise_truth: Path | None) -> dict:
     con.execute(f"CREATE VIEW d AS SELECT * FROM read_parquet({sql_string(dedup_file)})")
     con.execute(f"CREATE VIEW truth AS SELECT * FROM read_parquet({sql_string(truth)})")
     missing = [c for c in ("group_id", "kept") if c not in con.sql("SELECT * FROM d").columns]
@@ -149,7 +155,7 @@ def _measure(con, side: str, provenance: dict, dedup_file: Path, truth: Path, no
     groups, found_groups, collapsed, kept_noisy, noisy_members, members = planted
     result = {
         "dedup": str(dedup_file), "truth": str(truth), "join": join, "side": side,
-        "threshold": provenance.get("threshold"), "keep": provenance.get("keep"), "rows": int(rows),
+        "threshold": provenance.threshold, "keep": provenance.keep, "rows": int(rows),
         "predicted_pairs": int(predicted), "correct_pairs": int(correct), "true_pairs": int(true_total),
         "found_pairs": int(grouped), "precision": _share(correct, predicted), "recall": _share(grouped, true_total),
         "kinds": kinds, "removed": int(removed),

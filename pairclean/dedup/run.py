@@ -10,9 +10,9 @@ copy survives. Here the order is by default the scores file's `sim_debiased`, hi
 copy that carries a wrong caption is the one removed. `keep semdedup` is SemDeDup's own order,
 `keep random` a seeded arbitrary one.
 
-The run, in stages, each committed in the run's parts directory (`OUT.parts/`: the scoring run's
-part store, with its pinned settings, lock, parts and commit records), so a killed run resumes
-where it stopped and ends with the rows an uninterrupted run writes:
+The run, in stages, each committed in the run's parts directory (`OUT.parts/`: the resumable run
+of `runs.open_run`, with its pinned settings, lock, parts and commit records), so a killed run
+resumes where it stopped and ends with the rows an uninterrupted run writes:
 
 1. k-means (rank 0): a uniform sample of `clusters` x `sample_per_cluster` rows -> centroids.npy;
 2. assignment: each unit of rows streamed through the embeddings reader, every vector given its
@@ -30,14 +30,14 @@ Units (stage 2) and groups (stage 4) are claimed one at a time by whichever torc
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import shutil
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+from typing import ClassVar
 
 import duckdb
 import numpy as np
@@ -46,25 +46,27 @@ import pyarrow.parquet as pq
 import torch
 
 from pairclean import __version__
-from pairclean.dedup import DEFAULT_THRESHOLD
+from pairclean.dedup.defaults import DEFAULT_THRESHOLD
 from pairclean.config import COUNT, SEED, at_least, check_choice, check_settings, pinned_settings, setting, unpinned, within
-from pairclean.data.formats.embeddings import EmbeddingSpec, iter_batches, open_embeddings
-from pairclean.data.units import Unit, unit_fingerprint
+from pairclean.data.embeddings import EmbeddingSource, open_embeddings
+from pairclean.data.units import Unit, unit_shard
 from pairclean.dedup.kmeans import BACKENDS, nearest_centroid, resolve_backend, train_kmeans
 from pairclean.dedup.pairwise import cluster_duplicates
 from pairclean.dedup.vectors import SIDES, Vectors, joined
 from pairclean.errors import ConfigError, UserError
 from pairclean.ops import distributed
-from pairclean.ops.atomic import atomic_path, write_json
+from pairclean.ops.atomic import atomic_path
 from pairclean.ops.faults import fault_point
-from pairclean.ops.guard import Output, open_output
+from pairclean.ops.guard import Output
 from pairclean.ops.notices import notice
 from pairclean.ops.progress import SILENT, Progress
 from pairclean.ops.worker_memory import give_back_freed_memory
-from pairclean.scores.contract import provenance_metadata, run_manifest_path, summary_metadata, write_run_manifest
+from pairclean.data.record import DatasetRecord, check_same_dataset
+from pairclean.ops.records import Record
+from pairclean.scores.contract import (READ_BACK, provenance_metadata, read_metadata, scored_pairs, summary_metadata,
+                                       write_run_manifest)
 from pairclean.scores.sql import duckdb_message, sandboxed_connection, sql_string
-from pairclean.scoring.parts import GroupClaims, PartStore, parts_dir_for
-from pairclean.scoring.run import check_unchanged, units_settings
+from pairclean.runs import GroupClaims, PartStore, Run, by_rank, open_run
 
 KEEP_ORDERS = ("cleanest", "semdedup", "random")
 DUCKDB_MEMORY = "512MB"  # the index and finalize queries spill above this, with one DuckDB thread. At
@@ -107,6 +109,7 @@ class DedupConfig:
     threads: int = setting(0, at_least(0), pinned=False)  # torch intra-op threads during the run (0: leave torch's setting)
     overwrite: bool = unpinned(False)
     resume: bool = unpinned(False)
+    allow_other_dataset: bool = unpinned(False)  # use scores recording another dataset than the embeddings' anyway
     progress: Progress = unpinned(SILENT)
 
     def __post_init__(self):
@@ -116,10 +119,91 @@ class DedupConfig:
         check_choice(self.backend, BACKENDS, "backend", "k-means backend")
 
 
+@dataclass(frozen=True)
+class KMeansRecord(Record):
+    """Stage 1's record (`kmeans.json`, and the output's provenance): how the centroids were trained."""
+
+    what = "k-means record"
+    clusters: int
+    sample: int
+    iterations: int
+    backend: str
+    seconds: float
+
+
+@dataclass(frozen=True)
+class ClusterGroup(Record):
+    what = "group of clusters"
+    first: int
+    last: int
+    rows: int
+
+
+@dataclass(frozen=True)
+class IndexRecord(Record):
+    """Stage 3's record (`index.json`): the groups of whole clusters and how the scores were joined."""
+
+    what = "dedup index record"
+    groups: list[ClusterGroup]
+    scores_join: str | None
+    scored_rows: int
+    clusters_used: int
+
+
+@dataclass(frozen=True)
+class DedupProvenance(Record):
+    """How a dedup output was made (its schema metadata; `kind` tells it from a scores file's)."""
+
+    what = "dedup provenance"
+    kind_written: ClassVar[str] = "dedup"
+    kind: str
+    pairclean_version: str | None = None
+    input: list[str] | None = None
+    layout: str | None = None
+    embeddings: DatasetRecord | None = None
+    embedding_dim: int | None = None
+    side: str | None = None
+    threshold: float | None = None
+    eps: float | None = None
+    keep: str | None = None
+    scores: str | None = None
+    seed: int | None = None
+    backend: str | None = None
+    kmeans: KMeansRecord | None = None
+    scores_join: str | None = None
+    world_size: int | None = None
+    work_by_rank: dict[str, dict[str, int]] | None = None
+    run_id: str | None = None
+    settings_sha1: str | None = None
+    finished_at: str | None = None
+
+
+@dataclass(frozen=True)
+class DedupSummary(Record):
+    what = "dedup summary"
+    rows: int
+    usable: int
+    in_groups: int
+    removed: int
+    duplicate_groups: int
+    kept: int
+    share_removed: float
+    clusters: int
+    scores_join: str | None = None
+    scored_rows: int | None = None
+    groups_of_clusters: int | None = None
+    seconds: dict[str, float] = field(default_factory=dict)
+
+
+def read_dedup_metadata(path: str | Path) -> tuple[DedupProvenance | None, DedupSummary | None]:
+    """The provenance and summary of a dedup output (None, None: not one)."""
+    return read_metadata(path, DedupProvenance, DedupSummary)
+
+
 @dataclass
 class DedupResult:
     out: Path
-    summary: dict
+    summary: DedupSummary | None  # None on the ranks other than 0
     seconds: float
     resumed: bool
     already_complete: bool = False
@@ -128,32 +212,33 @@ class DedupResult:
 # -- the run -------------------------------------------------------------------------------------
 
 
-def dedup(source: str | list[str] | EmbeddingSpec, out: str | Path | Output, scores: str | Path | None = None,
+def dedup(source: str | list[str] | EmbeddingSource, out: str | Path | Output, scores: str | Path | None = None,
           config: DedupConfig | None = None) -> DedupResult:
     """Deduplicate the embeddings `source` into `out` (Parquet, one row per input row); resumes an
     interrupted run. `scores`: the scores file whose sim_debiased decides the copy kept (`cleanest`)."""
     cfg = config or DedupConfig()
-    spec = source if isinstance(source, EmbeddingSpec) else open_embeddings(source)
+    spec = source if isinstance(source, EmbeddingSource) else open_embeddings(source)
     distributed.init_from_env(device_type="cpu")
     progress = cfg.progress if distributed.is_main() else SILENT
     scores = Path(scores) if scores is not None else None
     _check_scores(scores, cfg.keep)
+    if scores is not None:  # the scores must describe the pairs these embeddings describe
+        check_same_dataset(scored_pairs(read_metadata(scores)[0]), spec.pairs, f"the scores file {scores}",
+                           cfg.allow_other_dataset, other="the embeddings")
     vectors = Vectors(spec, cfg.side)
-    # The run also keeps its parts directory and run manifest beside the output: neither may touch an input.
-    target = open_output(out, (), "out", overwrite=None)
-    target = open_output(target, [*spec.sources, *spec.inputs(), scores],
-                         companions=[parts_dir_for(target.path), run_manifest_path(target.path)])
-    out = target.path
     units = spec.units(cfg.unit_rows)
     backend = resolve_backend(cfg.backend)
-    store = PartStore(parts_dir_for(out))
     settings = {**pinned_settings(cfg), "backend": backend, "layout": spec.layout, "rows": vectors.rows,
-                "dim": vectors.dim, "scores": _identity(scores), **units_settings(units)}
-    finished = distributed.on_main(lambda: store.finished(out, settings, overwrite=cfg.overwrite, resume=cfg.resume))
-    if finished is not None:
-        return DedupResult(out, finished, 0.0, True, already_complete=True)
+                "dim": vectors.dim, "scores": _identity(scores)}
+    # The output (with its parts directory and run manifest beside it) may touch no input.
+    run = open_run(out, [*spec.sources, *spec.inputs(), scores], settings, units, READ_BACK, unit_shard,
+                   overwrite=cfg.overwrite, resume=cfg.resume)
+    out, store = run.out, run.store
+    finished = distributed.on_main(run.finished)
+    if finished:
+        return DedupResult(out, read_dedup_metadata(out)[1], 0.0, True, already_complete=True)
     started = time.perf_counter()
-    resumed = distributed.on_main(lambda: _begin(store, out, settings, units, cfg))
+    resumed = distributed.on_main(lambda: _begin(run))
     seconds = {}
     intra_op = torch.get_num_threads()
     torch.set_num_threads(cfg.threads or intra_op)
@@ -163,41 +248,35 @@ def dedup(source: str | list[str] | EmbeddingSpec, out: str | Path | Output, sco
         centroids = np.load(store.dir / "centroids.npy")
         seconds["kmeans"] = time.perf_counter() - tick
         tick = time.perf_counter()
-        _assign(store, units, vectors, centroids, backend, cfg, progress)
+        _assign(run, units, vectors, centroids, backend, cfg, progress)
         distributed.barrier()
         seconds["assign"] = time.perf_counter() - tick
         tick = time.perf_counter()
         index = distributed.on_main(lambda: _index(store, units, scores, cfg, progress))
         seconds["index"] = time.perf_counter() - tick
         tick = time.perf_counter()
-        _clusters(store, index, vectors, cfg, progress)
+        _clusters(run, index, vectors, cfg, progress)
         distributed.barrier()
         seconds["clusters"] = time.perf_counter() - tick
     finally:
         vectors.close()
         torch.set_num_threads(intra_op)
     if not distributed.is_main():
-        return DedupResult(out, {}, time.perf_counter() - started, resumed)
-    provenance = {"kind": "dedup", "pairclean_version": __version__, "input": spec.sources, "layout": spec.layout,
-                  "embeddings": spec.record(),
-                  "embedding_dim": spec.dim, "side": cfg.side, "threshold": cfg.threshold, "eps": 1 - cfg.threshold,
-                  "keep": cfg.keep, "scores": str(scores) if scores else None, "seed": cfg.seed, "backend": backend,
-                  "kmeans": kmeans, "scores_join": index["scores_join"], "world_size": distributed.world_size()}
-    records = store.committed()
-    provenance["work_by_rank"] = {stage: _by_rank(records, stage) for stage in ("assign", "clusters")}
-    summary = _finalize(store, units, index, target, provenance, seconds, progress)
-    store.remove()
-    if summary["share_removed"] > CROWDED:
-        notice(f"{summary['share_removed']:.0%} of the rows were removed at threshold {cfg.threshold}: in this "
+        return DedupResult(out, None, time.perf_counter() - started, resumed)
+    records = run.committed().values()
+    provenance = DedupProvenance(
+        kind=DedupProvenance.kind_written, pairclean_version=__version__, input=spec.sources, layout=spec.layout,
+        embeddings=spec.record(), embedding_dim=spec.dim, side=cfg.side, threshold=cfg.threshold,
+        eps=1 - cfg.threshold, keep=cfg.keep, scores=str(scores) if scores else None, seed=cfg.seed, backend=backend,
+        kmeans=kmeans, scores_join=index.scores_join, world_size=distributed.world_size(),
+        work_by_rank={stage: by_rank(r for r in records if r.get("stage") == stage) for stage in ("assign", "clusters")})
+    summary = _finalize(run, units, index, provenance, seconds, progress)
+    run.close()
+    if summary.share_removed > CROWDED:
+        notice(f"{summary.share_removed:.0%} of the rows were removed at threshold {cfg.threshold}: in this "
                "embedding space most rows have a neighbour that close; look at the distribution of nearest_sim "
                "and raise `threshold` (docs/dedup.md)", "threshold")
     return DedupResult(out, summary, time.perf_counter() - started, resumed)
-
-
-def _by_rank(records: dict[str, dict], stage: str) -> dict[str, int]:
-    """Parts of a stage, by the torchrun rank that committed them (a resumed job's earlier runs included)."""
-    ranks = [r["rank"] for r in records.values() if r.get("stage") == stage and "rank" in r]
-    return {str(r): ranks.count(r) for r in sorted(set(ranks))}
 
 
 def _check_scores(scores: Path | None, keep: str) -> None:
@@ -226,22 +305,22 @@ def _identity(path: Path | None) -> dict | None:
     return {"path": os.path.realpath(path), "size": info.st_size, "mtime_ns": info.st_mtime_ns}
 
 
-def _begin(store: PartStore, out: Path, settings: dict, units: list[str], cfg: DedupConfig) -> bool:
-    start = store.begin(out, settings, units, overwrite=cfg.overwrite, resume=cfg.resume)
-    check_unchanged({u: r for u, r in store.committed().items() if u in set(units)})
-    for stage in ("assign", "clusters"):  # claims of a dead run: cleared while the run lock is held
-        shutil.rmtree(store.dir / f"claims-{stage}", ignore_errors=True)
-        (store.dir / f"claims-{stage}").mkdir()
-    return start.resumed
+def _begin(run: Run) -> bool:
+    """Rank 0: start or resume the run; the claims of a dead run are cleared while the lock is held."""
+    started = run.begin()
+    for stage in ("assign", "clusters"):
+        run.claims(f"claims-{stage}")
+    return started.resumed
 
 
 # -- stage 1: k-means on a sample -------------------------------------------------------------
 
 
-def _centroids(store: PartStore, vectors: Vectors, cfg: DedupConfig, backend: str, progress: Progress) -> dict:
+def _centroids(store: PartStore, vectors: Vectors, cfg: DedupConfig, backend: str,
+               progress: Progress) -> KMeansRecord:
     record = store.dir / "kmeans.json"
     if record.is_file() and (store.dir / "centroids.npy").is_file():
-        return _read_json(record)
+        return KMeansRecord.read(record)
     began = time.perf_counter()
     n = vectors.rows
     k = cfg.clusters or max(1, math.ceil(math.sqrt(n)))
@@ -258,28 +337,26 @@ def _centroids(store: PartStore, vectors: Vectors, cfg: DedupConfig, backend: st
     with atomic_path(store.dir / "centroids.npy", temp_dir=store.dir) as tmp:
         with open(tmp, "wb") as fh:
             np.save(fh, centroids)
-    info = {"clusters": k, "sample": int(len(sample)), "iterations": cfg.iterations, "backend": backend,
-            "seconds": round(time.perf_counter() - began, 3)}
-    write_json(record, info, temp_dir=store.dir)
+    info = KMeansRecord(clusters=k, sample=int(len(sample)), iterations=cfg.iterations, backend=backend,
+                        seconds=round(time.perf_counter() - began, 3))
+    store.write_record(record.name, info.to_json())
     return info
 
 
 # -- stage 2: every vector's nearest centroid -------------------------------------------------
 
 
-def _assign(store: PartStore, units: list[str], vectors: Vectors, centroids: np.ndarray, backend: str,
+def _assign(run: Run, units: list[str], vectors: Vectors, centroids: np.ndarray, backend: str,
             cfg: DedupConfig, progress: Progress) -> None:
-    done = set(store.committed())
-    claims = GroupClaims(store.dir / "claims-assign")
+    done = set(run.committed())
+    claims = GroupClaims(run.store.dir / "claims-assign")
     began, rows = time.perf_counter(), 0
     with progress.task("assigning", total=len(units), completed=sum(u in done for u in units), pairs=0) as task:
         for number, unit in enumerate(units):
             if unit in done or not claims.claim(number):
                 continue
             table = _assign_unit(unit, vectors, centroids, backend, cfg.batch_rows)
-            store.commit_table(unit, table, {"stage": "assign", "rank": distributed.rank(),
-                                             "fingerprint": unit_fingerprint(unit),
-                                             "usable": table.num_rows - table.column("cluster").null_count})
+            run.commit(unit, table, {"stage": "assign", "usable": table.num_rows - table.column("cluster").null_count})
             rows += table.num_rows
             elapsed = time.perf_counter() - began
             task.update(advance=1, pairs=rows, rate=rows / elapsed if elapsed else 0.0)
@@ -288,7 +365,7 @@ def _assign(store: PartStore, units: list[str], vectors: Vectors, centroids: np.
 def _assign_unit(unit: str, vectors: Vectors, centroids: np.ndarray, backend: str, batch_rows: int) -> pa.Table:
     first = vectors.unit_start(Unit.parse(unit).path, 0)
     tables = []
-    for batch in iter_batches(vectors.spec, unit, batch_rows):
+    for batch in vectors.spec.batches(unit, batch_rows):
         keys, shards, index = batch.identity()
         sides, usable = vectors.batch(batch)
         labels, sims = nearest_centroid(joined(sides)[usable], centroids, backend)
@@ -333,10 +410,11 @@ def _scores_join(con, scores: Path | None) -> tuple[str | None, str]:
                     "index and key, or a unique key): give the scores of these embeddings")
 
 
-def _index(store: PartStore, units: list[str], scores: Path | None, cfg: DedupConfig, progress: Progress) -> dict:
+def _index(store: PartStore, units: list[str], scores: Path | None, cfg: DedupConfig,
+           progress: Progress) -> IndexRecord:
     record = store.dir / "index.json"
     if record.is_file():
-        return _read_json(record)
+        return IndexRecord.read(record)
     progress.note("sorting the rows by cluster and keep order")
     parts = [str(store.part_path(u)) for u in units]
     spill = Path(tempfile.mkdtemp(prefix="pairclean-dedup-", dir=store.dir))
@@ -364,19 +442,19 @@ def _index(store: PartStore, units: list[str], scores: Path | None, cfg: DedupCo
     finally:
         con.close()
         shutil.rmtree(spill, ignore_errors=True)
-    index = {"groups": groups, "scores_join": join, "scored_rows": int(scored), "clusters_used": len(counts)}
-    write_json(record, index, temp_dir=store.dir)  # last: the stage is done
+    index = IndexRecord(groups=groups, scores_join=join, scored_rows=int(scored), clusters_used=len(counts))
+    store.write_record(record.name, index.to_json())  # last: the stage is done
     return index
 
 
-def _pack_clusters(counts: list[tuple[int, int]], group_rows: int) -> list[dict]:
+def _pack_clusters(counts: list[tuple[int, int]], group_rows: int) -> list[ClusterGroup]:
     """Consecutive clusters in groups of at least `group_rows` rows (the last may hold fewer)."""
     groups, current = [], None
     for cluster, n in counts:
         if current is None:
-            current = {"first": int(cluster), "last": int(cluster), "rows": 0}
-        current["last"], current["rows"] = int(cluster), current["rows"] + int(n)
-        if current["rows"] >= group_rows:
+            current = ClusterGroup(first=int(cluster), last=int(cluster), rows=0)
+        current = replace(current, last=int(cluster), rows=current.rows + int(n))
+        if current.rows >= group_rows:
             groups.append(current)
             current = None
     if current is not None:
@@ -388,7 +466,7 @@ def _group_path(store: PartStore, number: int) -> Path:
     return store.dir / "clusters" / f"group-{number:06d}.parquet"
 
 
-def _write_groups(store: PartStore, groups: list[dict], reader: pa.RecordBatchReader) -> None:
+def _write_groups(store: PartStore, groups: list[ClusterGroup], reader: pa.RecordBatchReader) -> None:
     """The sorted (cluster, row) stream split into one file per group, written as it comes."""
     schema = pa.schema([("cluster", pa.int32()), ("row", pa.int64())])
     pending: list[pa.RecordBatch] = []
@@ -397,9 +475,9 @@ def _write_groups(store: PartStore, groups: list[dict], reader: pa.RecordBatchRe
         with atomic_path(_group_path(store, number), temp_dir=store.dir) as tmp:
             with pq.ParquetWriter(tmp, schema) as writer:
                 written = 0
-                while written < group["rows"]:
+                while written < group.rows:
                     batch = pending.pop() if pending else next(batches)
-                    take = min(batch.num_rows, group["rows"] - written)
+                    take = min(batch.num_rows, group.rows - written)
                     writer.write_batch(pa.RecordBatch.from_arrays(
                         [batch.column(0).cast(pa.int32()).slice(0, take), batch.column(1).slice(0, take)],
                         schema=schema))
@@ -411,20 +489,20 @@ def _write_groups(store: PartStore, groups: list[dict], reader: pa.RecordBatchRe
 # -- stage 4: duplicates inside each cluster --------------------------------------------------
 
 
-def _clusters(store: PartStore, index: dict, vectors: Vectors, cfg: DedupConfig, progress: Progress) -> None:
-    done = set(store.committed())
-    claims = GroupClaims(store.dir / "claims-clusters")
-    groups = index["groups"]
+def _clusters(run: Run, index: IndexRecord, vectors: Vectors, cfg: DedupConfig, progress: Progress) -> None:
+    done = set(run.committed())
+    claims = GroupClaims(run.store.dir / "claims-clusters")
+    groups = index.groups
     names = [f"{CLUSTERS_UNIT}{g}" for g in range(len(groups))]
     began, rows = time.perf_counter(), 0
     with progress.task("clusters", total=len(groups), completed=sum(n in done for n in names), pairs=0) as task:
         for number, name in enumerate(names):
             if name in done or not claims.claim(number):
                 continue
-            table = _cluster_group(pq.read_table(_group_path(store, number)), vectors, cfg)
+            table = _cluster_group(pq.read_table(_group_path(run.store, number)), vectors, cfg)
             give_back_freed_memory()
-            store.commit_table(name, table, {"stage": "clusters", "rank": distributed.rank(),
-                                             "removed": table.num_rows - _count_true(table.column("kept"))})
+            run.commit(name, table, {"stage": "clusters", "removed": table.num_rows - _count_true(table.column("kept"))},
+                       fingerprint=False)
             rows += table.num_rows
             elapsed = time.perf_counter() - began
             task.update(advance=1, pairs=rows, rate=rows / elapsed if elapsed else 0.0)
@@ -462,19 +540,17 @@ def _cluster_group(group: pa.Table, vectors: Vectors, cfg: DedupConfig) -> pa.Ta
 # -- stage 5: one file in input order ---------------------------------------------------------
 
 
-def _finalize(store: PartStore, units: list[str], index: dict, target: Output, provenance: dict,
-              seconds: dict[str, float], progress: Progress) -> dict:
+def _finalize(run: Run, units: list[str], index: IndexRecord, provenance: DedupProvenance,
+              seconds: dict[str, float], progress: Progress) -> DedupSummary:
     """Write OUT (and OUT.run.json) from the parts; its summary counts the rows as they are written.
     `seconds`: the stages' times in this process (a resumed run's earlier work is not in them)."""
-    out = target.path
+    out, store = run.out, run.store
     progress.note(f"writing {out}")
     assigned = ", ".join(sql_string(store.part_path(u)) for u in units)
-    clustered = ", ".join(sql_string(store.part_path(f"{CLUSTERS_UNIT}{g}")) for g in range(len(index["groups"])))
+    clustered = ", ".join(sql_string(store.part_path(f"{CLUSTERS_UNIT}{g}")) for g in range(len(index.groups)))
     spill = Path(tempfile.mkdtemp(prefix="pairclean-dedup-", dir=store.dir))
     con = sandboxed_connection(spill, directories=[store.dir], memory_limit=DUCKDB_MEMORY, threads=1)
-    run = store.run_info()
-    provenance = {**provenance, "run_id": run.get("run_id"), "settings_sha1": store.settings_sha1(),
-                  "finished_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    provenance = replace(provenance, **asdict(run.identity()))
     schema = DEDUP_SCHEMA.with_metadata(provenance_metadata(provenance))
     counts = {"rows": 0, "usable": 0, "in_groups": 0, "removed": 0}
     try:
@@ -489,7 +565,7 @@ def _finalize(store: PartStore, units: list[str], index: dict, target: Output, p
                    n."index" AS nearest_index, c.nearest_sim
             FROM a LEFT JOIN c ON a.row = c.row LEFT JOIN a AS n ON n.row = c.nearest_row
             ORDER BY a.row""").to_arrow_reader(65536)
-        with target.write(temp_dir=store.dir, no_clobber=not run.get("replaces_output")) as tmp:
+        with run.write_output() as tmp:
             with pq.ParquetWriter(tmp, schema, compression="zstd") as writer:
                 for batch in reader:
                     table = pa.Table.from_batches([batch]).cast(schema)
@@ -499,11 +575,12 @@ def _finalize(store: PartStore, units: list[str], index: dict, target: Output, p
                     counts["in_groups"] += table.num_rows - table.column("group_id").null_count
                     counts["removed"] += table.num_rows - _count_true(table.column("kept"))
                     fault_point("finalize-batch")
-                summary = {**counts, "duplicate_groups": int(groups), "kept": counts["rows"] - counts["removed"],
-                           "share_removed": counts["removed"] / counts["rows"] if counts["rows"] else 0.0,
-                           "clusters": provenance["kmeans"]["clusters"], "scores_join": index["scores_join"],
-                           "scored_rows": index["scored_rows"], "groups_of_clusters": len(index["groups"]),
-                           "seconds": {k: round(v, 3) for k, v in seconds.items()}}
+                summary = DedupSummary(
+                    **counts, duplicate_groups=int(groups), kept=counts["rows"] - counts["removed"],
+                    share_removed=counts["removed"] / counts["rows"] if counts["rows"] else 0.0,
+                    clusters=provenance.kmeans.clusters, scores_join=index.scores_join,
+                    scored_rows=index.scored_rows, groups_of_clusters=len(index.groups),
+                    seconds={k: round(v, 3) for k, v in seconds.items()})
                 writer.add_key_value_metadata(summary_metadata(summary))
             write_run_manifest(out, summary, provenance, temp_dir=store.dir)
     finally:
@@ -513,5 +590,3 @@ def _finalize(store: PartStore, units: list[str], index: dict, target: Output, p
     return summary
 
 
-def _read_json(path: Path) -> dict:
-    return json.loads(path.read_text())

@@ -2,7 +2,7 @@
 
 Rows are numbered across the input in the order of its units (file pair after file pair): that
 number (`row`) is the dedup's own identity of a pair; the output names it by key, shard and index.
-Streaming (the assignment pass) goes through the embeddings reader (`data.formats.embeddings`); the
+Streaming (the assignment pass) goes through the embeddings reader (`data.embeddings`); the
 k-means sample and each cluster's members are read by position with pread from the arrays in
 place (.npy files, or the uncompressed members of DataComp's .npz; no memory map: resident memory
 stays the rows asked for, however large the files). Parquet embedding columns cannot be read by
@@ -24,7 +24,7 @@ import torch
 
 from pairclean.config import check_choice
 from pairclean.errors import UserError
-from pairclean.data.formats.embeddings import EmbeddingBatch, EmbeddingSpec, NpyFiles
+from pairclean.data.embeddings import EmbeddingBatch, EmbeddingSource, NpyFiles
 
 SIDES = ("image", "text", "both")
 SIDE_COLUMNS = {"image": (0,), "text": (1,), "both": (0, 1)}  # 0: left (img_emb), 1: right (text_emb)
@@ -50,9 +50,9 @@ def joined(sides: list[np.ndarray]) -> np.ndarray:
 class Vectors:
     """The rows of an array embeddings input (clip-retrieval, a numpy pair, DataComp's .npz) by global position."""
 
-    def __init__(self, spec: EmbeddingSpec, side: str):
+    def __init__(self, spec: EmbeddingSource, side: str):
         check_choice(side, SIDES, "side")
-        if not spec.input_format.rows_in_place:
+        if not spec.rows_in_place:
             raise UserError(f"dedup reads array embeddings by row in place (clip-retrieval, numpy or datacomp-npz "
                             f"layouts; `pairclean score --save-embeddings` writes clip-retrieval's); this input is "
                             f"{spec.layout}, whose rows cannot be read by position: write its columns as .npy arrays")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from collections import defaultdict
+from dataclasses import replace
 from pathlib import Path
 
 import pyarrow as pa
@@ -17,7 +18,8 @@ import pyarrow.parquet as pq
 from pairclean.ops.atomic import atomic_path
 from pairclean.config import COUNT, check_choice, declare
 from pairclean.errors import UserError
-from pairclean.data.manifest import DatasetSpec, write_manifest
+from pairclean.data.manifest import write_manifest
+from pairclean.data.spec import DatasetSpec
 from pairclean.data.writer import write_shards
 from pairclean.ops.guard import open_output
 
@@ -83,5 +85,5 @@ def build_text_pairs(captions_json: str | Path, out: str | Path, format: str = "
         (tmp / OTHER_CAPTIONS).parent.mkdir()
         pq.write_table(pa.table({"key": [p["key"] for p in pairs for _ in p["others"]],
                                  "caption": [c for p in pairs for c in p["others"]]}), tmp / OTHER_CAPTIONS)
-    spec.shards = spec.sources = [str(out / n) for n in names]
+    spec = replace(spec, shards=[str(out / n) for n in names], sources=[str(out / n) for n in names])
     return spec

@@ -11,7 +11,7 @@ captions gets about 30% of its words replaced by random words of the dataset's o
 weakened; the truth's `noise` column names each pair's kind (clean / weak / shuffle).
 
 Three streaming passes, memory bounded by a batch:
-1. every pair is read with the reader's `read_unit` and (position, shard, index, key, caption) is
+1. every pair is read with the dataset's reader (`Dataset.read`) and (position, shard, index, key, caption) is
    spilled to a temp Parquet file;
 2. DuckDB (on a temp database file, so it spills) picks the noisy positions and the permutation
    by ordering on md5 hashes of (seed, position): the choice depends only on the seed and the
@@ -41,10 +41,12 @@ import pyarrow.parquet as pq
 from pairclean.ops.atomic import write_json
 from pairclean.config import SEED, SHARE, check_choice, declare, within
 from pairclean.errors import ConfigError, UserError
-from pairclean.data.manifest import DatasetSpec, open_dataset, write_manifest
+from pairclean.data.dataset import Dataset, as_dataset
+from pairclean.data.manifest import write_manifest
 from pairclean.ops.guard import Output, open_output
 from pairclean.scores.sql import sandboxed_connection, sql_string
-from pairclean.data.reader import UnitFailure, list_units, read_unit
+from pairclean.data.rewriting import rewriter_for
+from pairclean.data.spec import DatasetSpec, UnitFailure
 from pairclean.data.units import unit_shard
 from pairclean.ops.urls import is_local
 
@@ -108,7 +110,8 @@ def weaken(caption: str, vocabulary: list[str], index: dict[str, int], rng: np.r
     return " ".join(words)
 
 
-def _check_source(spec: DatasetSpec, ratio: float, mode: str, weak_ratio: float | None = None) -> None:
+def _check_source(dataset: Dataset, ratio: float, mode: str, weak_ratio: float | None = None) -> None:
+    spec = dataset.spec
     check_choice(mode, MODES, "mode", "noise mode")
     if (mode == "mixed") != (weak_ratio is not None):
         raise ConfigError("weak_ratio goes with mode mixed (the share weakened beside the ratio shuffled), "
@@ -119,13 +122,14 @@ def _check_source(spec: DatasetSpec, ratio: float, mode: str, weak_ratio: float 
     remote = [s for s in spec.shards if not is_local(s)]
     if remote:
         raise UserError(f"corrupt reads local shards twice; copy {remote[0]} (and the other URLs) to disk first")
-    spec.input_format.check_rewritable()
-    names = [spec.input_format.output_name(s) for s in dict.fromkeys(spec.shards)]
+    rewriter = rewriter_for(dataset)
+    rewriter.check_rewritable()
+    names = [rewriter.output_name(s) for s in dict.fromkeys(spec.shards)]
     if len(set(names)) != len(names):
         raise UserError("two input shards share a file name: corrupt keeps file names, so rename one of them")
 
 
-def _spill_rows(spec: DatasetSpec, units: list[str], path: Path, progress) -> tuple[int, int]:
+def _spill_rows(dataset: Dataset, units: list[str], path: Path, progress) -> tuple[int, int]:
     """Pass 1: (pos, shard, index, key, caption) of every pair; caption NULL for error rows."""
     pairs = eligible = 0
     buf: dict[str, list] = {name: [] for name in _ROWS_SCHEMA.names}
@@ -136,7 +140,7 @@ def _spill_rows(spec: DatasetSpec, units: list[str], path: Path, progress) -> tu
                 values.clear()
 
         for unit in units:
-            for item in read_unit(spec, unit):
+            for item in dataset.read(unit):
                 if isinstance(item, UnitFailure):
                     if item.fields:  # a setting reads it wrong (the reason names which): nothing to repair
                         raise ConfigError(f"cannot read {item.unit}: {item.reason}", *item.fields)
@@ -145,7 +149,7 @@ def _spill_rows(spec: DatasetSpec, units: list[str], path: Path, progress) -> tu
                 if item.shard != unit_shard(unit):
                     continue  # an error row from the shard's metadata (a failed download): no pair to copy
                 caption = item.right if item.error is None else None
-                context = item.left if caption is not None and spec.pair == "text-text" else None
+                context = item.left if caption is not None and dataset.spec.pair == "text-text" else None
                 for name, value in (("pos", pairs), ("shard", item.shard), ("index", item.index),
                                     ("key", item.key), ("caption", caption), ("context", context)):
                     buf[name].append(value)
@@ -303,23 +307,24 @@ class _Noise:
 
 
 @declare(ratio=SHARE, seed=SEED, weak_share=within(0, 1, low_open=True), weak_ratio=SHARE)
-def corrupt(source: str | list[str] | DatasetSpec, out: str | Path | Output, ratio: float, seed: int = 0,
+def corrupt(source: str | list[str] | DatasetSpec | Dataset, out: str | Path | Output, ratio: float, seed: int = 0,
             mode: str = "shuffle", overwrite: bool = False, weak_share: float = WEAK_SHARE,
             progress: Callable[[str], None] | None = None, weak_ratio: float | None = None) -> CorruptResult:
     """Write a noisy copy of `source` to the directory `out` with `out/truth/truth.parquet`,
     `out/manifest.yaml` (whose `truth:` points at it) and `out/corrupt.json`. `ratio` is the share
     drawn for `mode`'s noise; in mixed mode the share shuffled, beside `weak_ratio` weakened."""
-    spec = source if isinstance(source, DatasetSpec) else open_dataset(source)
-    _check_source(spec, ratio, mode, weak_ratio)
+    dataset = as_dataset(source)
+    spec = dataset.spec
+    _check_source(dataset, ratio, mode, weak_ratio)
     target = open_output(out, [*spec.shards, spec.truth], "out", kind="directory", overwrite=overwrite)
     out = target.path
     field = caption_field(spec)
-    units = list_units(spec)
+    units = dataset.units()
     shards = list(dict.fromkeys(spec.shards))
     with tempfile.TemporaryDirectory(prefix="pairclean-corrupt-") as work, target.stage() as tmp:
         work = Path(work)
         rows, repl = work / "rows.parquet", work / "replacements.parquet"
-        pairs, eligible = _spill_rows(spec, units, rows, progress)
+        pairs, eligible = _spill_rows(dataset, units, rows, progress)
         shares = {"shuffle": (ratio, 0.0, 0.0), "weak": (0.0, ratio, 0.0), "mixed": (ratio, weak_ratio, 0.0),
                   "hard": (0.0, 0.0, ratio)}[mode]
         shuffled, weakened, hard = (round(share * eligible) for share in shares)
@@ -329,7 +334,7 @@ def corrupt(source: str | list[str] | DatasetSpec, out: str | Path | Output, rat
             vocabulary = _vocabulary(con, rows) if weakened else None
         finally:
             con.close()
-        fmt = spec.input_format
+        fmt = rewriter_for(dataset)
         names = {s: str(out / fmt.output_name(s)) for s in shards}
         (tmp / "truth").mkdir()
         noise = _Noise(rows, repl, seed, vocabulary, names, tmp / TRUTH_NAME, weak_share)

@@ -44,9 +44,13 @@ import webdataset as wds
 from PIL import Image
 
 from pairclean.config import SEED, SHARE, check_choice, declare
-from pairclean.data.formats.webdataset import WebDatasetFormat, member_named
-from pairclean.data.manifest import DatasetSpec, open_dataset, write_manifest
-from pairclean.data.reader import list_units, raise_failure, read_samples
+from pairclean.data.dataset import Dataset, as_dataset
+from pairclean.data.formats.webdataset import WebDatasetFormat
+from pairclean.data.manifest import write_manifest
+from pairclean.data.reading.tar import read_samples
+from pairclean.data.rewriting import rewriter_for
+from pairclean.data.rewriting.tar import member_named
+from pairclean.data.spec import DatasetSpec, raise_failure
 from pairclean.data.writer import write_shards
 from pairclean.errors import ConfigError, UserError
 from pairclean.lab.corrupt import TRUTH_NAME, CorruptResult, _check_source, _records, _spill_rows, caption_field
@@ -160,11 +164,12 @@ class _Copies:
     """Walks the spilled rows and the planned copies in position order, writes every truth row,
     and makes each copy when its original passes."""
 
-    def __init__(self, rows: Path, repl: Path, spec: DatasetSpec, names: dict[str, str], out: Path, tmp: Path,
+    def __init__(self, rows: Path, repl: Path, dataset: Dataset, names: dict[str, str], out: Path, tmp: Path,
                  seed: int):
         self.rows, self.repl = _records(rows), _records(repl)
         self.next_repl = next(self.repl, None)
-        self.spec, self.names, self.seed = spec, names, seed
+        spec = dataset.spec
+        self.spec, self.rewriter, self.names, self.seed = spec, rewriter_for(dataset), names, seed
         self.text_field = spec.fields.text
         self.caption_field = caption_field(spec)
         self.image_fields = spec.fields.image_candidates() if spec.pair == "image-text" else []
@@ -214,7 +219,7 @@ class _Copies:
             copy[member] = new_left = transform_image(data, member.rsplit(".", 1)[-1], kind, rng)
         elif kind == "caption":
             new_caption = repl["other"]
-            self.spec.input_format.replace_caption(copy, self.caption_field, new_caption)
+            self.rewriter.replace_caption(copy, self.caption_field, new_caption)
             if self.spec.pair == "text-text":
                 new_left = repl["other2"]
                 copy[member_named(copy, self.text_field)] = new_left.encode("utf-8")
@@ -238,21 +243,22 @@ class _Copies:
 
 
 @declare(ratio=SHARE, seed=SEED)
-def plant_duplicates(source: str | list[str] | DatasetSpec, out: str | Path | Output, ratio: float, seed: int = 0,
+def plant_duplicates(source: str | list[str] | DatasetSpec | Dataset, out: str | Path | Output, ratio: float, seed: int = 0,
                      kinds: tuple[str, ...] | None = None, other_captions: str | Path | None = None,
                      overwrite: bool = False, progress: Callable[[str], None] | None = None) -> CorruptResult:
     """Copy `source` to `out` with a copy of a share `ratio` of its pairs in `duplicates-*.tar`,
     plus `truth/truth.parquet`, `manifest.yaml` and `corrupt.json` (`CorruptResult.selected`: the
     copies; `noisy`: 0)."""
-    spec = source if isinstance(source, DatasetSpec) else open_dataset(source)
+    dataset = as_dataset(source)
+    spec = dataset.spec
     other_captions = Path(other_captions) if other_captions is not None else None
     kinds = tuple(kinds) if kinds else default_kinds(spec.pair, other_captions)
-    _check_source(spec, ratio, "shuffle")  # the checks every copy of a dataset shares (shards, caption, ratio)
+    _check_source(dataset, ratio, "shuffle")  # the checks every copy of a dataset shares (shards, caption, ratio)
     _check_kinds(kinds, spec.pair, other_captions)
-    if type(spec.input_format) is not WebDatasetFormat:  # a plain copy: no sidecars to keep beside the shards
+    if type(dataset.input_format) is not WebDatasetFormat:  # a plain copy: no sidecars to keep beside the shards
         raise UserError(f"duplicate mode writes its copies as plain WebDataset shards: give WebDataset input, not "
-                        f"{spec.input_format.label}")
-    names = {s: spec.input_format.output_name(s) for s in dict.fromkeys(spec.shards)}
+                        f"{dataset.input_format.label}")
+    names = {s: rewriter_for(dataset).output_name(s) for s in dict.fromkeys(spec.shards)}
     if any(n.startswith(DUPLICATES_PREFIX + "-") for n in names.values()):
         raise UserError(f"an input shard is named {DUPLICATES_PREFIX}-*: the copies' shards would take its name")
     target = open_output(out, [*spec.shards, spec.truth, other_captions], "out", kind="directory", overwrite=overwrite)
@@ -260,7 +266,7 @@ def plant_duplicates(source: str | list[str] | DatasetSpec, out: str | Path | Ou
     with tempfile.TemporaryDirectory(prefix="pairclean-dup-") as work, target.stage() as tmp:
         work = Path(work)
         rows, repl = work / "rows.parquet", work / "copies.parquet"
-        pairs, eligible = _spill_rows(spec, list_units(spec), rows, progress)
+        pairs, eligible = _spill_rows(dataset, dataset.units(), rows, progress)
         con = sandboxed_connection(work / "spill", files=[other_captions] if other_captions else [],
                                    directories=[work], database=str(work / "plan.duckdb"))
         try:
@@ -269,7 +275,7 @@ def plant_duplicates(source: str | list[str] | DatasetSpec, out: str | Path | Ou
             con.close()
         out_names = {s: str(out / n) for s, n in names.items()}
         (tmp / "truth").mkdir()
-        copies = _Copies(rows, repl, spec, out_names, out, tmp, seed)
+        copies = _Copies(rows, repl, dataset, out_names, out, tmp, seed)
         try:
             for shard in names:
                 def samples(shard=shard):

@@ -25,7 +25,8 @@ import pyarrow.parquet as pq
 
 from pairclean.ops.atomic import atomic_path
 from pairclean.config import COUNT, SEED, at_least, check_choice, declare, within
-from pairclean.data.manifest import DatasetSpec, Fields, write_manifest
+from pairclean.data.manifest import write_manifest
+from pairclean.data.spec import DatasetSpec, Fields
 from pairclean.data.writer import write_shards
 from pairclean.ops.guard import open_output
 from pairclean.lab.synth.world import Scene, png_bytes, render, sample_scene

@@ -123,16 +123,35 @@ def all_reduce_mean(value: float) -> float:
     return all_reduce_sum(value) / world_size()
 
 
+class _GatherWithGrad(torch.autograd.Function):
+    """all_gather whose backward hands each rank the sum over ranks of the gradient of its own rows:
+    what torch.distributed.nn's all_gather does (deprecated since torch 2.14 for a private module's),
+    with one all_reduce in the backward, which gloo and NCCL both have."""
+
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor) -> torch.Tensor:
+        tensor = tensor.contiguous()
+        parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
+        dist.all_gather(parts, tensor)
+        ctx.rows = tensor.shape[0]
+        return torch.cat(parts, dim=0)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad)  # every rank's loss depends on every rank's rows
+        start = dist.get_rank() * ctx.rows
+        return grad[start:start + ctx.rows]
+
+
 def gather_with_grad(tensor: torch.Tensor) -> torch.Tensor:
     """Every rank's rows, concatenated in rank order, differentiable (open_clip's gather_with_grad):
     the backward sends each rank the gradient of every rank's loss with respect to its own rows,
     so with DistributedDataParallel's gradient averaging the update equals one process training
-    on the global batch."""
+    on the global batch. Every rank gives the same number of rows."""
     if not is_distributed():
         return tensor
-    import torch.distributed.nn.functional as dist_fn
-
-    return torch.cat(dist_fn.all_gather(tensor), dim=0)
+    return _GatherWithGrad.apply(tensor)
 
 
 def default_device_for_rank(requested: str) -> str:

@@ -89,10 +89,32 @@ def _overlap(target: Path, source: Path) -> int:
     return 1 if source.is_dir() and _within(target, source) else 0
 
 
+def _apart(output: Output, other: Output) -> None:
+    """Two outputs of one run (each with its companions) never equal or contain one another: the
+    one written last would replace the other, or be removed with it, whether or not either exists yet."""
+    for written in (output.path, *output.companions):
+        for theirs in (other.path, *other.companions):
+            mine, their = _resolved(written), _resolved(theirs)
+            if _within(mine, their) or _within(their, mine):
+                how = "is" if mine == their else ("is inside" if _within(mine, their) else "contains")
+                raise ConfigError(f"`{output.field}` {_named(output, written)} {how} `{other.field}` "
+                                  f"{_named(other, theirs)}, another output of this run: give them places apart",
+                                  output.field, other.field)
+
+
+def _named(output: Output, written: Path) -> str:
+    """An output's path, or a companion's as `out (its name)`."""
+    return str(output.path) if written == output.path else f"{output.path} (its {Path(written).name})"
+
+
 def _guard(output: Output, inputs: Iterable) -> tuple[str, ...]:
-    """The local inputs, after refusing the worst overlap of the output (or a companion) with any of them."""
+    """The local inputs, after refusing the worst overlap of the output (or a companion) with any of
+    them; an `Output` among them is another output of the same run (`_apart`)."""
     checked, worst = [], (0, None, None)
     for given in inputs:
+        if isinstance(given, Output):
+            _apart(output, given)
+            continue
         path = local_path(str(given)) if given is not None else None
         if path is None:  # none, a remote URL or a command: nothing here can overwrite it
             continue
@@ -114,11 +136,14 @@ def _guard(output: Output, inputs: Iterable) -> tuple[str, ...]:
 
 
 def open_output(out: str | os.PathLike | Output, inputs: Iterable = (), field: str = "out", *, kind: str = "file",
-                overwrite: bool | None = False, companions: Iterable[str | os.PathLike] = ()) -> Output:
+                overwrite: bool | None = False, companions: Iterable[str | os.PathLike] = (),
+                parents: bool = False) -> Output:
     """Check the output `out` against every input (files read and directories named; None and
-    remote URLs are skipped) and return the handle to write it through. `field`: the setting that
-    holds `out`, named in errors. `kind`: a file or a directory. `overwrite`: see `Output` (an
-    existing output is replaced only when the caller's config says so). An `Output` opened earlier
+    remote URLs are skipped; an `Output` is another output of the same run, which this one may not
+    equal, contain or lie inside, nor the reverse) and return the handle to write it through.
+    `field`: the setting that holds `out`, named in errors. `kind`: a file or a directory. `overwrite`: see `Output` (an
+    existing output is replaced only when the caller's config says so). `parents`: a missing parent
+    directory is no error (the owner of a run directory creates it with its parents). An `Output` opened earlier
     (by a front end that knows the directories the user named) is checked against these inputs
     too, and its companions with them."""
     if isinstance(out, Output):
@@ -140,8 +165,10 @@ def open_output(out: str | os.PathLike | Output, inputs: Iterable = (), field: s
         raise ConfigError(f"{path} exists; pass `overwrite` to replace it", "overwrite")
     if overwrite is False and path.is_dir() and any(path.iterdir()):
         raise ConfigError(f"{path} exists and is not empty; pass `overwrite` to replace it", "overwrite")
-    if not path.parent.exists():
+    if not parents and not path.parent.exists():
         raise UserError(f"directory {path.parent} does not exist (to write {path} in)")
+    if parents and not (ancestor := next(p for p in path.parents if p.exists())).is_dir():
+        raise UserError(f"{ancestor} is a file: {path} cannot be created in it")
     return output
 
 

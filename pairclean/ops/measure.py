@@ -7,12 +7,17 @@ see PeakMemory for the sampling.
 
 from __future__ import annotations
 
+import collections
 import os
 import statistics
 import threading
 import time
+import traceback
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+from torch.utils.weak import WeakTensorKeyDictionary
 
 
 def _proc_kib(pid: int, filename: str, *names: str) -> dict[str, int]:
@@ -179,3 +184,109 @@ def gpu_peak_mib(device: torch.device) -> float | None:
         return None
     torch.cuda.synchronize(device)
     return torch.cuda.max_memory_allocated(device) / 2**20
+
+
+class StageMeter:
+    """Where a pipeline's main process spends its time, stage by stage: wall seconds and the main
+    thread's CPU seconds per named stage (each `mark(stage)` charges the time since the previous
+    mark to `stage`), the whole process's CPU seconds (its other threads included: the
+    DataLoader's pin-memory thread, torch's intra-op pool), and the bytes that crossed from the
+    workers.
+
+    The steady state is what is measured: everything up to the end of the first batch (forking
+    the workers, their first batch, first-call costs) is `startup`, reported apart, and the per-pair
+    figures count the later batches' pairs only. A mark costs two clock reads (about a
+    microsecond); a pipeline without a meter skips them.
+    """
+
+    def __init__(self):
+        self.wall: dict[str, float] = {}
+        self.cpu: dict[str, float] = {}
+        self.worker_bytes = 0
+        self.pairs = 0
+        self.process_cpu = 0.0
+        self.seconds = 0.0
+        self.startup = (0.0, 0.0)  # wall, process CPU seconds until the first batch was through
+        self.steady = False
+        self._last = (0.0, 0.0)
+        self._began = (0.0, 0.0)
+
+    def start(self) -> None:
+        self._last = (time.perf_counter(), time.thread_time())
+        self._began = (self._last[0], time.process_time())
+
+    def mark(self, stage: str) -> None:
+        now = (time.perf_counter(), time.thread_time())
+        if self.steady:
+            self.wall[stage] = self.wall.get(stage, 0.0) + now[0] - self._last[0]
+            self.cpu[stage] = self.cpu.get(stage, 0.0) + now[1] - self._last[1]
+        self._last = now
+
+    def batch(self, pairs: int, worker_bytes: int) -> None:
+        """A batch is through every stage: count it, or end the start-up with the first one."""
+        if self.steady:
+            self.pairs += pairs
+            self.worker_bytes += worker_bytes
+            return
+        cpu = time.process_time()
+        self.startup = (self._last[0] - self._began[0], cpu - self._began[1])
+        self._began = (self._last[0], cpu)
+        self.steady = True
+
+    def stop(self) -> None:
+        self.seconds = time.perf_counter() - self._began[0]
+        self.process_cpu = time.process_time() - self._began[1]
+
+    def per_pair_ms(self, seconds: dict[str, float]) -> dict[str, float]:
+        return {stage: 1000 * value / self.pairs if self.pairs else 0.0 for stage, value in seconds.items()}
+
+    def summary(self) -> dict:
+        """Per pair, in the steady state: main-process CPU ms in total and by stage (main thread;
+        `other threads` is the rest of the process), wall ms by stage, bytes from the workers;
+        pairs/s; and the start-up's wall and CPU seconds."""
+        pairs = self.pairs or 1
+        threads = max(0.0, self.process_cpu - sum(self.cpu.values()))
+        return {"pairs": self.pairs, "seconds": self.seconds,
+                "pairs_per_second": self.pairs / self.seconds if self.seconds > 0 else 0.0,
+                "main_cpu_ms_per_pair": 1000 * self.process_cpu / pairs,
+                "stages": {**self.per_pair_ms(self.cpu), "other threads": 1000 * threads / pairs},
+                "stage_wall_ms_per_pair": self.per_pair_ms(self.wall),
+                "worker_bytes_per_pair": self.worker_bytes / pairs,
+                "startup_seconds": self.startup[0], "startup_cpu_seconds": self.startup[1]}
+
+
+class DeviceReads(TorchDispatchMode):
+    """Counts, on any machine, the reads back to the host that a CUDA run would pay for: tensors
+    given to `mark` (what would live on the device: a batch's inputs once copied, a model's
+    weights) and every tensor computed from them are marked, and a scalar read, `nonzero`,
+    `equal` or `masked_select` of a marked tensor is counted by the pairclean line that issued it.
+    On CUDA each such read waits for all the GPU work queued before it, so the host cannot queue
+    the next batch meanwhile."""
+
+    READS = frozenset({"_local_scalar_dense", "nonzero", "equal", "is_nonzero", "masked_select", "_unique2"})
+
+    def __init__(self, *on_device: torch.Tensor):
+        super().__init__()
+        self.marked = WeakTensorKeyDictionary()
+        self.sites: collections.Counter[str] = collections.Counter()
+        self.mark(*on_device)
+
+    @property
+    def reads(self) -> int:
+        return sum(self.sites.values())
+
+    def mark(self, *tensors: torch.Tensor) -> None:
+        for tensor in tensors:
+            self.marked[tensor] = True
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        inputs = [a for a in tree_flatten((args, kwargs or {}))[0] if isinstance(a, torch.Tensor)]
+        derived = any(a in self.marked or isinstance(a, torch.nn.Parameter) for a in inputs)
+        if derived and func.overloadpacket.__name__ in self.READS:
+            ours = [f for f in traceback.extract_stack() if f"{os.sep}pairclean{os.sep}" in f.filename and f.filename != __file__]
+            site = f"{ours[-1].filename.rsplit(os.sep + 'pairclean' + os.sep, 1)[1]}:{ours[-1].lineno}" if ours else "?"
+            self.sites[site] += 1
+        out = func(*args, **(kwargs or {}))
+        if derived:
+            self.mark(*(o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor)))
+        return out

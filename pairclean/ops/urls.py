@@ -1,10 +1,14 @@
 """Where a dataset path points: this machine, or elsewhere (a URL with a scheme, a `pipe:` command).
 
-Every stage asks: the reader (how to open it), the output guard (only local files can overlap an
-output), resume fingerprints and training's shard checks (only local files can be stat'ed).
+Every stage asks: the reader (how to open it; a local one only when it is a regular file), the
+output guard (only local files can overlap an output), resume fingerprints and training's shard
+checks (only local files can be stat'ed).
 """
 
 from __future__ import annotations
+
+import os
+import stat
 
 
 def is_local(url: str) -> bool:
@@ -36,3 +40,20 @@ def local_path(url: str) -> str | None:
     if protocol in LocalFileSystem.protocol:
         return LocalFileSystem._strip_protocol(target)
     return None
+
+
+def file_kind(mode: int) -> str:
+    """What a file that is not a regular file is, in words (from its `st_mode`)."""
+    return next((name for test, name in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a named pipe"),
+                                         (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
+                                         (stat.S_ISBLK, "a block device")) if test(mode)), "not a regular file")
+
+
+def not_regular(path: str) -> str | None:
+    """What a local path is when it is not a regular file (None: it is one, or it does not exist).
+    Only regular files are opened: opening a named pipe blocks until something writes to it."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return None
+    return None if stat.S_ISREG(mode) else file_kind(mode)

@@ -69,7 +69,7 @@ def _warn_if_abstaining(db: "ScoresDB", predicate: str, expression: str, field: 
     from pairclean.ops.notices import notice
     from pairclean.scores.rules import recorded_rules
 
-    rules = recorded_rules(db.provenance or {}, db.columns(view))
+    rules = recorded_rules(db.provenance, db.columns(view))
     deciding = ", ".join(r.decision for r in rules if not r.abstains) or "none"
     for rule in rules:
         for column in rule.value_columns if rule.abstains else ():
@@ -97,30 +97,11 @@ def check_attach_name(name: str, field: str = "attach") -> str:
     return name
 
 
-def parse_attachments(values: list[str] | None, field: str = "attach") -> dict[str, list[str]]:
-    """`NAME=FILE` values -> {NAME: files} (a glob names several Parquet files); a malformed value,
-    a reserved name or a name given twice is refused naming `field`."""
-    import glob
-
-    tables: dict[str, list[str]] = {}
-    for value in values or []:
-        name, sep, pattern = value.partition("=")
-        if not sep or not name or not pattern:
-            raise ConfigError(f"`{field}` {value!r}: give NAME=FILE (e.g. meta=out/00000.parquet)", field)
-        check_attach_name(name, field)
-        if name.lower() in {n.lower() for n in tables}:
-            raise ConfigError(f"`{field}` {value!r}: the table {name} is attached twice", field)
-        files = sorted(glob.glob(pattern)) if any(c in pattern for c in "*?[") else [pattern]
-        if not files:
-            raise UserError(f"`{field}` {value!r}: no file matches {pattern}")
-        tables[name] = files
-    return tables
-
-
 def resolve_truth(truth: str | Path) -> Path:
     """The truth Parquet a truth argument names: the file itself, the `truth:` entry of a dataset
     manifest, or that of the manifest in a directory (`pairclean corrupt` writes DIR/manifest.yaml)."""
-    from pairclean.data.manifest import MANIFEST_NAME, load_manifest
+    from pairclean.data.manifest import load_manifest
+    from pairclean.data.spec import MANIFEST_NAME
 
     truth = Path(truth)
     if truth.is_dir():
@@ -170,6 +151,7 @@ class ScoresDB:
         self.con.execute("CREATE VIEW scores AS SELECT * FROM scores_file")
         self._metadata: tuple[Provenance | None, Summary | None] | None = None
         self.truth_join: str | None = None
+        self.truth_path: Path | None = Path(truth) if truth is not None else None  # the truth Parquet resolved
         try:
             for name, files in attach.items():
                 self._attach(name, files, name in tables)
@@ -301,7 +283,8 @@ class ScoresDB:
             matched = self.scalar(f"SELECT count(*) FROM scores s JOIN truth t ON {condition}")
             if matched:
                 self.truth_join = label
-                self.con.execute(f"CREATE VIEW labeled AS SELECT s.*, t.noisy::BOOLEAN AS noisy "
+                stratum = ", t.stratum AS audit_stratum" if "stratum" in cols else ""  # a blind audit's marks
+                self.con.execute(f"CREATE VIEW labeled AS SELECT s.*, t.noisy::BOOLEAN AS noisy{stratum} "
                                  f"FROM scores s LEFT JOIN truth t ON {condition}")
                 return
         raise UserError(f"truth file {truth} matches no scored pair (joined on {candidates[-1][0]})")

@@ -15,6 +15,11 @@ number in files scored before) and its ECE is None, with the rule's `abstains` r
 Scores and truth are joined by `pairclean.scores.db.ScoresDB`: on (shard, index), then on (shard file
 name, index), else on key. The metrics need every labelled similarity in memory at once (a sort),
 8 bytes per pair per column.
+
+A truth file made from a blind audit's marks (it carries the audit's design: `scores/stratified.py`)
+labels a stratified random sample, not the dataset: `audit_estimates` weights the marks back to
+every scored pair, giving the noise share and each rule's precision, recall and the noise left in
+what it keeps, each with a 95% interval; the figures above are then those of the marked pairs alone.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from pairclean.errors import ConfigError, UserError
 from pairclean.scores.db import ScoresDB
 from pairclean.scores.rules import REGISTRY, recorded_rules
 from pairclean.scores.sql import sql_identifier
+from pairclean.scores.stratified import CONFIDENCE, audit_design, ratio_estimate
 
 
 def _share(numerator: int, denominator: int) -> float | None:
@@ -120,7 +126,7 @@ def evaluate_detection(scores: str | Path, truth: str | Path | None = None, trut
     `noisy_if` and `threshold`."""
     truth = truth if truth is not None else recorded_truth(scores)
     with ScoresDB(scores, truth, truth_key=truth_key) as db:
-        provenance = db.provenance or {}
+        provenance = db.provenance
         rules = recorded_rules(provenance, db.columns("labeled"))
         decisions = [rule.decision for rule in rules]
         missing = [c for c in ("sim", "weight", *decisions) if c not in db.columns("labeled")]
@@ -136,6 +142,8 @@ def evaluate_detection(scores: str | Path, truth: str | Path | None = None, trut
                            "WHERE sim IS NOT NULL AND noisy IS NOT NULL").to_arrow_table()
         truth_rows = db.scalar("SELECT count(*) FROM truth")
         join = db.truth_join
+        design = audit_design(db.truth_path)
+        audit = audit_estimates(db, design, rules) if design is not None else None
     if table.num_rows == 0:
         raise UserError(f"no scored pair of {scores} has a truth label in {truth}")
     column = {name: table.column(name).to_numpy(zero_copy_only=False) for name in table.column_names}
@@ -154,19 +162,69 @@ def evaluate_detection(scores: str | Path, truth: str | Path | None = None, trut
                                                         if oracle["threshold"] is not None else "n/a"))
     result.update({"scores": str(scores), "truth": str(truth), "join": join, "scores_rows": int(counts[0]),
                    "error_rows": int(counts[1]), "unlabelled_rows": int(counts[2]), "truth_rows": int(truth_rows),
-                   "estimator": provenance.get("estimator"), "beta_mode": provenance.get("beta_mode"),
-                   "weight_fn": provenance.get("weight_fn")})
+                   "estimator": provenance.estimator if provenance else None,
+                   "beta_mode": provenance.beta_mode if provenance else None,
+                   "weight_fn": provenance.weight_fn if provenance else None})
+    if audit is not None:
+        result["audit"] = audit
     return result
 
 
-def recorded_truth(scores: str | Path) -> Path:
-    """The truth file of the dataset a scores file recorded (a dataset `corrupt` wrote names one)."""
+def audit_estimates(db: ScoresDB, design: dict, rules) -> dict:
+    """The blind audit's marks (`labeled` joined to a truth file carrying `design`) weighted back to
+    every scored pair of the file: the noise share, and per rule the share it flags (exact, from
+    the file), its precision, its recall and the noise left in the pairs it keeps, each a
+    `stratified.Estimate` (share 0..1 with its 95% interval)."""
+    scored = "FROM scores WHERE sim IS NOT NULL AND NOT isnan(sim)"
+    pairs = db.scalar(f"SELECT count(*) {scored}")
+    if pairs != design["scored_pairs"]:
+        raise UserError(f"the audit was drawn from {design['scored_pairs']:,} scored pairs ({design['scores']}); "
+                        f"{db.path} holds {pairs:,}: draw the audit from the scores file it evaluates")
+    if "audit_stratum" not in db.columns("labeled"):
+        raise UserError(f"{db.truth_path} carries an audit design but no stratum column")
+    flags = [f"coalesce({sql_identifier(rule.decision)}, false)" for rule in rules]
+    marked = db.con.execute(f"SELECT audit_stratum, sim, noisy{''.join(', ' + f for f in flags)} FROM labeled "
+                            "WHERE noisy IS NOT NULL AND sim IS NOT NULL AND NOT isnan(sim)").fetchall()
+    strata = {s["stratum"]: s for s in design["strata"]}
+    for h, sim, *_ in marked:
+        if h not in strata:
+            raise UserError(f"{db.truth_path} marks a pair of stratum {h}, which its audit design does not have")
+        low, high = strata[h]["sim_above"], strata[h]["sim_at_most"]
+        if (low is not None and not sim > low) or (high is not None and not sim <= high):
+            raise UserError(f"a marked pair's sim {sim:.4f} lies outside its audit stratum {h} ({low} < sim <= {high}): "
+                            f"{db.path} is not the scores file the audit was drawn from ({design['scores']})")
+    columns = list(zip(*marked)) if marked else [[] for _ in range(3 + len(rules))]
+    stratum = np.asarray(columns[0], dtype=np.int64)
+    noisy = np.asarray(columns[2], dtype=bool)
+    population = {h: s["pairs"] for h, s in strata.items()}
+
+    def share(y, x) -> dict:
+        return ratio_estimate(y, x, stratum, population).as_dict()
+
+    result = {"marked": len(marked), "scored_pairs": pairs, "confidence": CONFIDENCE,
+              "interval": "stratified ratio estimator; Wilson interval at Kish's effective n",
+              "design": design, "noise_share": share(noisy, np.ones_like(noisy)), "rules": {}}
+    for i, rule in enumerate(rules):
+        flagged = np.asarray(columns[3 + i], dtype=bool)
+        result["rules"][rule.name] = {
+            "label": rule.label, "noisy_if": rule.noisy_if, "abstains": rule.abstains,
+            "flagged_share": db.scalar(f"SELECT avg({flags[i]}::INTEGER) {scored}"),
+            "precision": share(noisy & flagged, flagged), "recall": share(noisy & flagged, noisy),
+            "noise_left": share(noisy & ~flagged, ~flagged)}
+    return result
+
+
+def recorded_truth(scores: str | Path, required: bool = True) -> Path | None:
+    """The truth file of the dataset a scores file recorded (a dataset `corrupt` wrote names one);
+    None when it names none and the truth is not `required`."""
     from pairclean.scores.contract import read_metadata, scored_pairs
 
     if not Path(scores).is_file():
         raise UserError(f"scores file not found: {scores}")
-    dataset = scored_pairs(read_metadata(scores)[0]) or {}
-    if not dataset.get("truth"):
+    dataset = scored_pairs(read_metadata(scores)[0])
+    if dataset is None or not dataset.truth:
+        if not required:
+            return None
         raise ConfigError(f"the dataset {scores} was scored from names no truth file: give `truth`", "truth")
-    return Path(dataset["truth"])
+    return Path(dataset.truth)
 

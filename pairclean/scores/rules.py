@@ -28,8 +28,9 @@ from typing import TYPE_CHECKING, ClassVar
 import numpy as np
 import pyarrow as pa
 
-from pairclean.config import Declared, check_choice, check_value, parse_value, within
+from pairclean.config import Declared, check_choice, check_value, parse_value, split_option, within
 from pairclean.errors import ConfigError, UserError
+from pairclean.ops.records import Record
 from pairclean.scores.sql import sql_identifier
 
 if TYPE_CHECKING:
@@ -51,8 +52,10 @@ class FitContext:
 
 
 @dataclass(frozen=True)
-class RuleRecord:
-    """What a scores file records about one of its rules (an entry of provenance["rules"])."""
+class RuleRecord(Record):
+    """What a scores file records about one of its rules (an entry of the provenance's `rules`)."""
+
+    what = "rule record"
 
     name: str
     label: str
@@ -68,6 +71,15 @@ class RuleRecord:
     def value_columns(self) -> list[str]:
         """Its columns other than the decision: NULL in every row when the rule abstains."""
         return [c for c in self.columns if c != self.decision]
+
+    @classmethod
+    def upgraded(cls, value: dict) -> dict:
+        """Files scored before `abstains` was recorded said it only in `noisy_if` (and still wrote
+        the unusable posterior)."""
+        noisy_if = value.get("noisy_if")
+        if not value.get("abstains") and isinstance(noisy_if, str) and noisy_if.startswith("abstains"):
+            return {**value, "abstains": noisy_if.split(":", 1)[1].strip() if ":" in noisy_if else noisy_if}
+        return value
 
 
 class DecisionRule(ABC):
@@ -106,7 +118,8 @@ class DecisionRule(ABC):
         return None
 
     def provenance(self) -> dict:
-        """Top-level provenance entries this rule owns (what it fitted, for readers of the file)."""
+        """Top-level provenance entries this rule owns (what it fitted, for readers of the file):
+        fields of `scores.contract.Provenance`."""
         return {}
 
     def notes(self) -> dict:
@@ -200,7 +213,7 @@ class GmmRule(DecisionRule):
         return "p_clean < 0.5"  # the crossing in sim depends on both components (one or two boundaries)
 
     def provenance(self):
-        return {"gmm": self.mixture.as_dict() if self.mixture is not None else None}
+        return {"gmm": self.mixture}
 
     def notes(self):
         return {**self.separation, "separates": self.mixture is not None and self.abstains() is None}
@@ -327,8 +340,8 @@ def parse_rule(spec: str) -> DecisionRule:
     cls = REGISTRY[name]
     options = {}
     for item in filter(None, (part.strip() for part in rest.split(","))):
-        key, eq, value = (part.strip() for part in item.partition("="))
-        if not eq or key not in cls.OPTIONS:
+        key, value = split_option(item) or (None, None)
+        if key not in cls.OPTIONS:
             allowed = ", ".join(cls.OPTIONS) or "none"
             raise ConfigError(f"`rules` {spec!r}: bad option {item!r} (options of {name}: {allowed}; "
                               "write NAME:key=value)", "rules")
@@ -354,25 +367,16 @@ def build_rules(specs) -> list[DecisionRule]:
     return rules
 
 
-def _record(entry: dict) -> RuleRecord:
-    """A provenance entry as a RuleRecord; files scored before `abstains` was recorded said it only in
-    `noisy_if` (and still wrote the unusable posterior)."""
-    noisy_if = entry.get("noisy_if", "")
-    abstains = entry.get("abstains") or (noisy_if.split(":", 1)[1].strip() if noisy_if.startswith("abstains") else None)
-    return RuleRecord(**{**entry, "abstains": abstains})
-
-
-def recorded_rules(provenance: dict, columns) -> list[RuleRecord]:
-    """The rules a scores file holds: as its provenance records them (those whose columns it
-    still has), else (files written before rules were recorded) the default rules whose decision
-    column it has, with the file's beta."""
-    if "rules" in provenance:
-        return [record for record in (_record(entry) for entry in provenance["rules"])
-                if all(column in columns for column in record.columns)]
+def recorded_rules(provenance, columns) -> list[RuleRecord]:
+    """The rules a scores file holds (`provenance`: its `scores.contract.Provenance`, or None): as
+    its provenance records them (those whose columns it still has), else (files written before
+    rules were recorded) the default rules whose decision column it has, with the file's beta."""
+    if provenance is not None and provenance.rules is not None:
+        return [record for record in provenance.rules if all(column in columns for column in record.columns)]
     present = []
     for name in DEFAULT_RULES:
         rule = REGISTRY[name]()
         if rule.decision in columns:
-            rule.fit(np.array([]), FitContext(beta=provenance.get("beta")))
+            rule.fit(np.array([]), FitContext(beta=provenance.beta if provenance is not None else None))
             present.append(rule.record())
     return present

@@ -12,6 +12,12 @@ Three measurements in one process, on one estimator (loaded once), same batch si
                 each image in full in the main process, open_clip's own preprocess and
                 tokenizer, batched encode_image / encode_text of the model as loaded (fp32
                 weights; under torch.autocast for bf16/fp16), no workers.
+(d) pipeline only - (b)'s scoring loop with the towers replaced by a zero-cost stand-in: the same
+                loader, workers, collation, copies to the device, device preprocessing, scorer and
+                sink. What it cannot do faster than, with any model: its pairs/s, the main
+                process's CPU per pair by stage, the bytes a pair costs between worker and main
+                process. With `decode` gpu it runs the device decoder even on a CPU, so its
+                per-batch cost shows on a machine without a GPU too.
 
 Peak memory, GPU use and CPU seconds per phase are measured by `ops.measure`.
 """
@@ -27,20 +33,23 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
+import pyarrow as pa
 import torch
 from PIL import Image
 
 from pairclean.backends import build_estimator, check_backend
 from pairclean.backends.base import autocast_context, resolve_precision
-from pairclean.backends.oom import OomBackoff
+from pairclean.backends.device_jpeg import DEVICE_DECODERS
+from pairclean.backends.inputs import ImageBatch, StandardTransform, TokenBatch
+from pairclean.backends.oom import OomBackoff, batch_rows
 from pairclean.backends.open_clip import OpenClipEstimator
 from pairclean.backends.text_trim import text_buckets
-from pairclean.data.manifest import DatasetSpec, open_dataset
-from pairclean.data.reader import UnitFailure, list_units, modalities, read_unit
+from pairclean.data.dataset import Dataset, as_dataset
+from pairclean.data.spec import DatasetSpec, UnitFailure, modalities
 from pairclean.config import COUNT, at_least, declare
 from pairclean.errors import UserError
 from pairclean.ops.guard import Output, open_output
-from pairclean.ops.measure import GpuBusy, PeakMemory, cpu_seconds, gpu_peak_mib, gpu_peak_reset
+from pairclean.ops.measure import GpuBusy, PeakMemory, StageMeter, cpu_seconds, gpu_peak_mib, gpu_peak_reset
 from pairclean.ops.progress import SILENT, Progress
 from pairclean.scoring.model import ModelProducer, ScoreConfig, score
 
@@ -69,28 +78,61 @@ class Phase:
 
 
 @dataclass
-class BenchRound:
-    ceiling: Phase
-    end_to_end: Phase
-    naive: Phase | None
+class PipelineOnly:
+    """(d): the scoring loop around a zero-cost model. `meter`: `StageMeter.summary()` of the main
+    process; `worker_ms_per_pair`: a worker's CPU per pair with the round's preparer (both
+    sides), so `workers` of them can prepare `worker_capacity` pairs/s."""
+
+    decode: str
+    workers: int
+    worker_ms_per_pair: float
+    meter: dict
+    load: tuple[float, float] = (0.0, 0.0)
 
     @property
-    def vs_ceiling(self) -> float:
-        return self.end_to_end.pairs_per_second / self.ceiling.pairs_per_second
+    def worker_capacity(self) -> float:
+        return max(self.workers, 1) * 1000 / self.worker_ms_per_pair if self.worker_ms_per_pair > 0 else 0.0
+
+    @property
+    def over_worker_capacity(self) -> float | None:
+        capacity = self.worker_capacity
+        return self.meter["pairs_per_second"] / capacity if capacity else None
+
+    def as_dict(self) -> dict:
+        return {**self.meter, "decode": self.decode, "workers": self.workers,
+                "worker_ms_per_pair": self.worker_ms_per_pair, "worker_capacity_pairs_per_second": self.worker_capacity,
+                "over_worker_capacity": self.over_worker_capacity, "load": self.load}
+
+
+@dataclass
+class BenchRound:
+    ceiling: Phase | None
+    end_to_end: Phase | None
+    naive: Phase | None
+    pipeline_only: PipelineOnly | None = None
+
+    def _ratio(self, top: Phase | None, bottom: Phase | None, attr: str) -> float | None:
+        if top is None or bottom is None or not getattr(bottom, attr):
+            return None
+        return getattr(top, attr) / getattr(bottom, attr)
+
+    @property
+    def vs_ceiling(self) -> float | None:
+        return self._ratio(self.end_to_end, self.ceiling, "pairs_per_second")
 
     @property
     def vs_naive(self) -> float | None:
-        return self.end_to_end.pairs_per_second / self.naive.pairs_per_second if self.naive else None
+        return self._ratio(self.end_to_end, self.naive, "pairs_per_second")
 
     @property
-    def cpu_vs_ceiling(self) -> float:
+    def cpu_vs_ceiling(self) -> float | None:
         """Ceiling CPU per pair over end-to-end CPU per pair: the share of the machine's work
         that is the model's own (1.0 = decoding, reading and writing cost nothing)."""
-        return self.ceiling.cpu_ms_per_pair / self.end_to_end.cpu_ms_per_pair
+        return self._ratio(self.ceiling, self.end_to_end, "cpu_ms_per_pair")
 
     @property
     def cpu_vs_naive(self) -> float | None:
-        return self.naive.cpu_ms_per_pair / self.end_to_end.cpu_ms_per_pair if self.naive else None
+        return self._ratio(self.naive, self.end_to_end, "cpu_ms_per_pair")
 
 
 @dataclass
@@ -109,8 +151,14 @@ class BenchReport:
             return None if p is None else {**asdict(p), "pairs_per_second": p.pairs_per_second,
                                            "cpu_ms_per_pair": p.cpu_ms_per_pair}
 
+        pipelines = [r.pipeline_only for r in self.rounds if r.pipeline_only is not None]
+        # Top level: the round whose pipeline-only pairs/s is the median (the only one, with one round).
+        median = sorted(pipelines, key=lambda p: p.meter["pairs_per_second"])[len(pipelines) // 2] if pipelines else None
         return {"config": self.config, "prepare_ms": self.prepare_ms,
+                "pipeline_only": median.as_dict() if median else None,
+                "worker_bytes_per_pair": median.meter["worker_bytes_per_pair"] if median else None,
                 "rounds": [{"ceiling": phase(r.ceiling), "end_to_end": phase(r.end_to_end), "naive": phase(r.naive),
+                            "pipeline_only": r.pipeline_only.as_dict() if r.pipeline_only else None,
                             "end_to_end_over_ceiling": r.vs_ceiling, "end_to_end_over_naive": r.vs_naive,
                             "cpu_end_to_end_over_ceiling": r.cpu_vs_ceiling, "cpu_end_to_end_over_naive": r.cpu_vs_naive}
                            for r in self.rounds],
@@ -122,16 +170,16 @@ class BenchReport:
 
 # ---------------------------------------------------------------- (a) the ceiling
 
-def _batch_plan(spec: DatasetSpec, groups: list[list[str]], batch_size: int, max_pairs: int) -> list[dict[str, list]]:
+def _batch_plan(data: Dataset, groups: list[list[str]], batch_size: int, max_pairs: int) -> list[dict[str, list]]:
     """The valid rows of the data as the pipeline batches them (a group's units as one stream,
     `batch_size` rows counted with error rows), text values kept, image bytes dropped."""
-    left, right = modalities(spec.pair)
+    left, right = modalities(data.spec.pair)
     plan: list[dict[str, list]] = []
     seen = 0
     for group in groups:
         rows, count = {"left": [], "right": []}, 0
         for unit in group:
-            for item in read_unit(spec, unit):
+            for item in data.read(unit):
                 if isinstance(item, UnitFailure):
                     continue
                 if item.error is None:
@@ -150,16 +198,27 @@ def _batch_plan(spec: DatasetSpec, groups: list[list[str]], batch_size: int, max
     return plan
 
 
-def measure_ceiling(estimator, spec: DatasetSpec, batch_size: int, min_seconds: float,
+def ceiling_pixels(estimator, n: int, generator: torch.Generator) -> torch.Tensor:
+    """Random pixels as the pipeline hands them to the estimator: uint8, channels last (normalised
+    in `encode`, as the pipeline's are) where workers send uint8; the estimator's own random
+    images otherwise."""
+    transform = getattr(getattr(estimator, "preparer", None), "transform", None)
+    if transform is None:
+        return estimator.random_batch("image", n, generator)
+    size = transform.crop
+    return torch.randint(0, 256, (n, size, size, 3), dtype=torch.uint8, generator=generator).permute(0, 3, 1, 2)
+
+
+def measure_ceiling(estimator, data: Dataset, batch_size: int, min_seconds: float,
                     max_pairs: int = 8192, groups: list[list[str]] | None = None) -> Phase:
     """Encode in-memory batches shaped like the data's until `min_seconds` have passed (one pass
     at least); `groups`: the run's packing of the units (default: one unit each)."""
-    left, right = modalities(spec.pair)
-    plan = _batch_plan(spec, groups or [[u] for u in list_units(spec)], batch_size, max_pairs)
+    left, right = modalities(data.spec.pair)
+    plan = _batch_plan(data, groups or [[u] for u in data.units()], batch_size, max_pairs)
     if not plan:
         raise UserError("no valid pair in the given shards to benchmark on")
     generator = torch.Generator().manual_seed(0)
-    pixels = estimator.random_batch("image", batch_size, generator) if "image" in (left, right) else None
+    pixels = ceiling_pixels(estimator, batch_size, generator) if "image" in (left, right) else None
     batches = []
     for rows in plan:
         n = len(rows["left"])
@@ -170,7 +229,7 @@ def measure_ceiling(estimator, spec: DatasetSpec, batch_size: int, min_seconds: 
             else:
                 prep = estimator.preparer
                 inputs[side] = prep.collate(modality, [prep.prepare(modality, t) for t in rows[side]])
-            if estimator.device.type == "cuda" and isinstance(inputs[side], torch.Tensor):
+            if estimator.device.type == "cuda" and hasattr(inputs[side], "pin_memory"):
                 inputs[side] = inputs[side].pin_memory()  # as the pipeline's DataLoader hands them over
         batches.append((n, inputs))
     backoff = {left: OomBackoff(), right: OomBackoff()}
@@ -215,8 +274,8 @@ def measure_ceiling(estimator, spec: DatasetSpec, batch_size: int, min_seconds: 
 def _shape_key(inputs: dict) -> tuple:
     key = []
     for value in inputs.values():
-        if isinstance(value, torch.Tensor) and value.dtype in (torch.int32, torch.int64) and value.dim() == 2:
-            key.append(tuple((len(rows), int(value[rows].argmax(dim=-1).max())) for rows in text_buckets(value)))
+        if isinstance(value, TokenBatch):
+            key.append(tuple((len(rows), int(value.ends[rows].max())) for rows in text_buckets(value.ends)))
         else:
             key.append(tuple(getattr(value, "shape", ())) or type(value).__name__)
     return tuple(key)
@@ -228,7 +287,8 @@ def _text_trim_gain(estimator, left: str, right: str, batches) -> dict:
     if not getattr(estimator, "text_trim", False) or "text" not in (left, right):
         return {}
     side = "right" if right == "text" else "left"
-    tokens = batches[0][1][side].to(estimator.device)
+    batch = batches[0][1][side]
+    tokens, ends = batch.tokens.to(estimator.device), batch.ends
     n = tokens.shape[0]
 
     def timed(fn) -> float:
@@ -240,36 +300,40 @@ def _text_trim_gain(estimator, left: str, right: str, batches) -> dict:
             best = min(best, time.perf_counter() - started)
         return best / n
 
-    trimmed = timed(lambda t: estimator.encode("text", t))
+    trimmed = timed(lambda t: estimator.encode("text", TokenBatch(t, ends)))
     full = timed(estimator.model.encode_text)
-    lengths = tokens.argmax(dim=-1) + 1
-    positions = sum(int(lengths[rows].max()) * len(rows) for rows in text_buckets(tokens)) / n
+    positions = sum(int(ends[rows].max()) * len(rows) for rows in text_buckets(ends)) / n
     return {"text_tokens_trimmed": positions, "text_tokens_full": int(tokens.shape[1]),
             "text_seconds_per_caption_trimmed": trimmed, "text_seconds_per_caption_full": full}
 
 
 # ---------------------------------------------------------------- worker cost per pair
 
-def measure_prepare_cost(estimator, spec: DatasetSpec, max_items: int = 64) -> dict[str, float]:
-    """CPU milliseconds a DataLoader worker spends per pair on each side (decode + preprocess for
-    images, tokenising for texts), on this thread's CPU clock with one torch thread as in a
-    worker, so a busy machine does not inflate it. For open_clip, full decode ("exact") too."""
-    left, right = modalities(spec.pair)
+def _sample_items(data: Dataset, max_items: int) -> list:
     items = []
-    for unit in list_units(spec):
-        for item in read_unit(spec, unit):
+    for unit in data.units():
+        for item in data.read(unit):
             if not isinstance(item, UnitFailure) and item.error is None:
                 items.append(item)
             if len(items) >= max_items:
-                break
-        if len(items) >= max_items:
-            break
+                return items
+    return items
+
+
+def measure_prepare_cost(estimator, data: Dataset, max_items: int = 64, preparers: dict | None = None) -> dict[str, float]:
+    """CPU milliseconds a DataLoader worker spends per pair on each side (decode + preprocess for
+    images, tokenising for texts, collation), on this thread's CPU clock with one torch thread as
+    in a worker, so a busy machine does not inflate it. For open_clip, full decode ("exact") too;
+    `preparers`: label -> preparer to measure instead."""
+    left, right = modalities(data.spec.pair)
+    items = _sample_items(data, max_items)
     if not items:
         return {}
-    preparers = {"": estimator.preparer}
-    if isinstance(estimator, OpenClipEstimator) and "image" in (left, right) and estimator.preparer.draft_size:
-        p = estimator.preparer
-        preparers["exact "] = type(p)(p.preprocess, p.tokenizer, None)
+    if preparers is None:
+        preparers = {"": estimator.preparer}
+        if isinstance(estimator, OpenClipEstimator) and "image" in (left, right) and estimator.preparer.draft_size:
+            p = estimator.preparer
+            preparers["exact "] = type(p)(p.preprocess, p.tokenizer, None)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     cost: dict[str, float] = {}
@@ -291,32 +355,37 @@ def measure_prepare_cost(estimator, spec: DatasetSpec, max_items: int = 64) -> d
 
 # ---------------------------------------------------------------- (b) end to end
 
-def measure_end_to_end(estimator, spec: DatasetSpec, cfg: ScoreConfig, workdir: Path) -> Phase:
+def measure_end_to_end(estimator, data: Dataset, cfg: ScoreConfig, workdir: Path) -> Phase:
+    """`score()` on the shards, its main process metered stage by stage (`extra["meter"]`: on a GPU,
+    where the host waited - for the workers in `receive`, for the device in `sink` - tells which
+    side bounds the run)."""
     out = workdir / "bench-scores.parquet"
+    meter = StageMeter()
     load0 = os.getloadavg()[0]
     gpu_peak_reset(estimator.device)
     cpu0 = cpu_seconds()
     with PeakMemory() as mem, GpuBusy(estimator.device) as busy:
         started = time.perf_counter()
-        result = score(spec, out, replace(cfg, overwrite=True, progress=SILENT), estimator=estimator)
+        result = score(data, out, replace(cfg, overwrite=True, progress=SILENT), estimator=estimator, meter=meter)
         whole = time.perf_counter() - started
     cpu = cpu_seconds() - cpu0  # the whole call: beta (none with shuffled/fixed/cached) and finalize included
     s = result.summary
     extra = {"whole_call_seconds": whole, "whole_call_pairs_per_second": result.pairs_scored_now / whole,
-             "beta_seconds": s.get("beta_seconds"), "beta_source": s.get("beta_source"),
-             "errors": s.get("errors"), "workers": cfg.workers, "gpu_utilisation": busy.percent,
-             "batches": s.get("batches"),
-             "full_batches": s.get("full_batches"), "mean_batch_fill": s.get("mean_batch_fill")}
+             "beta_seconds": s.beta_seconds, "beta_source": s.beta_source,
+             "errors": s.errors, "workers": cfg.workers, "gpu_utilisation": busy.percent,
+             "batches": s.batches,
+             "full_batches": s.full_batches, "mean_batch_fill": s.mean_batch_fill,
+             "meter": meter.summary()}
     return Phase("end-to-end scoring loop", result.pairs_scored_now, result.seconds, mem.peak_mib, mem.peak_rss_mib,
                  gpu_peak_mib(estimator.device), (load0, os.getloadavg()[0]), cpu, extra)
 
 
 # ---------------------------------------------------------------- (c) the naive loop
 
-def measure_naive(estimator, spec: DatasetSpec, batch_size: int, max_pairs: int) -> Phase | None:
+def measure_naive(estimator, data: Dataset, batch_size: int, max_pairs: int) -> Phase | None:
     """PIL full decode per sample + open_clip's own preprocess/tokenizer/encode, no workers.
     None where it does not apply (not open_clip, or the left side is not an image)."""
-    left, right = modalities(spec.pair)
+    left, right = modalities(data.spec.pair)
     if not isinstance(estimator, OpenClipEstimator) or (left, right) != ("image", "text") or max_pairs <= 0:
         return None
     model, preprocess, tokenizer = estimator.model, estimator.preparer.preprocess, estimator.tokenizer
@@ -343,13 +412,13 @@ def measure_naive(estimator, spec: DatasetSpec, batch_size: int, max_pairs: int)
     cpu0 = cpu_seconds()
     with PeakMemory() as mem:
         started = time.perf_counter()
-        for unit in list_units(spec):
-            for item in read_unit(spec, unit):
+        for unit in data.units():
+            for item in data.read(unit):
                 if isinstance(item, UnitFailure) or item.error is not None:
                     continue
                 try:
                     image = Image.open(io.BytesIO(item.left)).convert("RGB")
-                except Exception:
+                except Exception:  # noqa: BLE001 - PIL raises many types for data it cannot read
                     continue  # the naive loop skips what it cannot read
                 images.append(preprocess(image))
                 texts.append(item.right)
@@ -367,13 +436,92 @@ def measure_naive(estimator, spec: DatasetSpec, batch_size: int, max_pairs: int)
                  (load0, os.getloadavg()[0]), cpu_seconds() - cpu0)
 
 
-# ---------------------------------------------------------------- all three
+# ---------------------------------------------------------------- (d) pipeline only
+
+class ZeroCostEstimator:
+    """An estimator's stand-in for the pipeline-only round: its device, preparer and device
+    preprocessing, with `encode` returning rows of a fixed table of unit vectors (a gather, no
+    model arithmetic). With `device_decode` (a device decoder's name), JPEGs are left for that
+    decoder even on a CPU device, so the device path's per-batch cost is measured where there is
+    no GPU."""
+
+    TABLE_ROWS = 4096
+
+    def __init__(self, estimator, modality: str, device_decode: str | None = None):
+        self.inner, self.device, self.precision = estimator, estimator.device, estimator.precision
+        self.model = estimator.model
+        self.preparer, self.decoder = estimator.preparer, getattr(estimator, "device_decoder", None)
+        if device_decode and self.decoder is None and isinstance(estimator, OpenClipEstimator):
+            transform, cls = StandardTransform.parse(estimator.preparer.preprocess), DEVICE_DECODERS[device_decode]
+            if cls.supports(transform) and cls.unavailable() is None:
+                p = estimator.preparer
+                self.preparer = type(p)(p.preprocess, p.tokenizer, p.draft_size, device_jpeg=True,
+                                        token_ends=p.token_ends)
+                self.decoder = cls(transform, self.device, p.preprocess)
+        self.decode = self.decoder.name if self.decoder is not None else getattr(estimator, "decode", "-")
+        generator = torch.Generator().manual_seed(0)
+        width = estimator.encode(modality, estimator.random_batch(modality, 2, generator)).shape[1]  # `modality`: one it encodes
+        table = torch.randn((self.TABLE_ROWS, width), generator=generator)
+        self.table = torch.nn.functional.normalize(table, dim=-1).to(self.device)
+        self.offset = 0
+
+    def finish_batch(self, modality: str, inputs):
+        if isinstance(inputs, ImageBatch):
+            return self.decoder(inputs)
+        return inputs, {}
+
+    def encode(self, modality: str, batch) -> torch.Tensor:
+        n = batch_rows(batch)
+        rows = torch.arange(self.offset, self.offset + n, device=self.device) % self.TABLE_ROWS
+        self.offset += n
+        return self.table[rows]
+
+    def random_batch(self, modality: str, n: int, generator: torch.Generator):
+        return self.inner.random_batch(modality, n, generator)
+
+    def provenance(self) -> dict:
+        return {**self.inner.provenance(), "model": "zero-cost stand-in (pipeline-only benchmark)"}
+
+
+def measure_pipeline_only(estimator, data: Dataset, cfg: ScoreConfig, workdir: Path) -> PipelineOnly:
+    """(b)'s scoring loop around `ZeroCostEstimator(estimator)`, metered stage by stage. beta is
+    fixed (0): a beta from a stand-in model must never reach the beta cache; the beta rule alone
+    (finalize is not measured, and a GMM over stand-in similarities would only warn)."""
+    left, right = modalities(data.spec.pair)
+    zero = ZeroCostEstimator(estimator, right, device_decode=cfg.decode if cfg.decode in DEVICE_DECODERS else None)
+    cost = measure_prepare_cost(zero, data, preparers={"": zero.preparer})
+    worker_ms = sum(cost.get(f"{side} {m}", 0.0) for side, m in (("left", left), ("right", right)))
+    run_cfg = replace(cfg, overwrite=True, progress=SILENT, beta_mode="fixed", beta=0.0, beta_cache=False, rules=("beta",))
+    meter = StageMeter()
+    pa.array([0.0])  # pyarrow imports pandas at its first conversion: 1.7 s of CPU once per process, not per pair
+    load0 = os.getloadavg()[0]
+    children = _children_cpu()
+    score(data, workdir / "pipeline-only.parquet", run_cfg, estimator=zero, meter=meter)
+    summary = meter.summary()
+    # The workers' CPU in the run (reaped when it ends), start-up included: beside `worker_ms`, what
+    # reading, collating and handing batches over cost them on top of preparing the pairs.
+    summary["worker_cpu_ms_per_pair"] = 1000 * (_children_cpu() - children) / max(meter.pairs, 1)
+    return PipelineOnly(zero.decode, cfg.workers, worker_ms, summary, (load0, os.getloadavg()[0]))
+
+
+def _children_cpu() -> float:
+    import resource
+
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+# ---------------------------------------------------------------- all four
 
 @declare(naive_pairs=at_least(0), min_seconds=at_least(0), repeat=COUNT)
-def bench_score(source: str | list[str] | DatasetSpec, cfg: ScoreConfig, naive_pairs: int = 512,
-                min_seconds: float = 10.0, repeat: int = 1, estimator=None, progress: Progress = SILENT) -> BenchReport:
-    """Measure (a), (b), (c) `repeat` times, interleaved, with one estimator."""
-    spec = source if isinstance(source, DatasetSpec) else open_dataset(source)
+def bench_score(source: str | list[str] | DatasetSpec | Dataset, cfg: ScoreConfig, naive_pairs: int = 512,
+                min_seconds: float = 10.0, repeat: int = 1, estimator=None, progress: Progress = SILENT,
+                pipeline_only: bool = False) -> BenchReport:
+    """Measure (a), (b), (c), (d) `repeat` times, interleaved, with one estimator; `pipeline_only`:
+    (d) alone (no model arithmetic: quick on any machine)."""
+    data = as_dataset(source)
+    spec = data.spec
+    cfg = cfg.resolved(spec.pair)
     if cfg.precision == "auto":
         cfg = replace(cfg, precision=resolve_precision(cfg.device, "auto"))
     if estimator is None:
@@ -383,28 +531,32 @@ def bench_score(source: str | list[str] | DatasetSpec, cfg: ScoreConfig, naive_p
                                     precision=cfg.precision, decode=cfg.decode, compile=cfg.compile)
     say = progress.note
     say("worker cost per pair ...")
-    prepare_ms = measure_prepare_cost(estimator, spec)
-    if cfg.beta_mode == "random-inputs" and cfg.beta_cache:
+    prepare_ms = measure_prepare_cost(estimator, data)
+    if cfg.beta_mode == "random-inputs" and cfg.beta_cache and not pipeline_only:
         say("beta (once; the measured runs read it from the beta cache) ...")
-        ModelProducer(spec, cfg, estimator).random_beta()
-    groups = ModelProducer(spec, cfg, estimator).groups(list_units(spec))  # as the scoring run packs them
+        ModelProducer(data, cfg, estimator).random_beta()
+    groups = ModelProducer(data, cfg, estimator).groups(data.units())  # as the scoring run packs them
     rounds = []
     with tempfile.TemporaryDirectory(prefix="pairclean-bench-") as tmp:
         for i in range(repeat):
             tag = f"[{i + 1}/{repeat}] " if repeat > 1 else ""
-            say(f"{tag}(a) model-only ceiling ...")
-            ceiling = measure_ceiling(estimator, spec, cfg.batch_size, min_seconds, groups=groups)
-            say(f"{tag}(b) end-to-end pairclean score ...")
-            e2e = measure_end_to_end(estimator, spec, cfg, Path(tmp))
-            say(f"{tag}(c) naive reference loop ...")
-            naive = measure_naive(estimator, spec, cfg.batch_size, naive_pairs)
-            rounds.append(BenchRound(ceiling, e2e, naive))
+            ceiling = e2e = naive = None
+            if not pipeline_only:
+                say(f"{tag}(a) model-only ceiling ...")
+                ceiling = measure_ceiling(estimator, data, cfg.batch_size, min_seconds, groups=groups)
+                say(f"{tag}(b) end-to-end pairclean score ...")
+                e2e = measure_end_to_end(estimator, data, cfg, Path(tmp))
+                say(f"{tag}(c) naive reference loop ...")
+                naive = measure_naive(estimator, data, cfg.batch_size, naive_pairs)
+            say(f"{tag}(d) pipeline only (zero-cost model) ...")
+            pipeline = measure_pipeline_only(estimator, data, cfg, Path(tmp))
+            rounds.append(BenchRound(ceiling, e2e, naive, pipeline))
     config = {"model": cfg.model, "pretrained": cfg.pretrained, "backend": cfg.backend,
               "device": str(estimator.device), "precision": estimator.precision,
               "batch_size": cfg.batch_size, "workers": cfg.workers, "decode": getattr(estimator, "decode", cfg.decode),
               "compile": cfg.compile, "text_trim": getattr(estimator, "text_trim", False),
               "torch_threads": torch.get_num_threads(), "cpu_count": os.cpu_count(), "torch": torch.__version__,
-              "shards": len(spec.shards), "pair": spec.pair}
+              "shards": len(spec.shards), "pair": spec.pair, "pipeline_only": pipeline_only}
     return BenchReport(config, rounds, prepare_ms)
 
 

@@ -1,7 +1,8 @@
 """The random-inputs beta, computed once per estimator and reused by later runs (a JSON file per key).
 
-beta from random inputs depends on the estimator's weights, K, the seed and the batching, never on the
-data: `BetaCache` names an entry by all of them, `cached_random_input_beta` reads it or computes it
+beta from random inputs depends on the estimator's weights, K, the seed, how the inputs are drawn
+(`core.beta.RANDOM_INPUTS_VERSION`) and, in its last bits, the encoding chunk (the batch size up to
+`core.beta.DRAW_BLOCK`), never on the data: `BetaCache` names an entry by all of them, `cached_random_input_beta` reads it or computes it
 (`core.beta.random_input_beta`) and stores it. The files live under `ops.cache.cache_dir()/beta`.
 """
 
@@ -13,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from pairclean.core.beta import BetaEstimate, random_input_beta
+from pairclean.core.beta import RANDOM_INPUTS_VERSION, BetaEstimate, encoding_chunk, random_input_beta
 from pairclean.ops.atomic import write_json
 from pairclean.ops.cache import cache_dir
 
@@ -30,8 +31,9 @@ def weights_fingerprint(module: torch.nn.Module) -> str:
 
 
 class BetaCache:
-    """random-inputs beta depends on the estimator, K, the seed and the batching, never on the
-    data: computed once per (weights, provenance, K, seed, batch) and reused by later runs.
+    """random-inputs beta depends on the estimator, K, the seed, the draw and the encoding chunk,
+    never on the data: computed once per (weights, provenance, K, seed, draw, chunk) and reused by
+    later runs. An entry computed with an earlier draw (another RANDOM_INPUTS_VERSION) is never served.
 
     The weights are identified by `weights_id` when the caller built the estimator itself from
     a complete description (provenance + seed + library versions: a checkpoint is named by its
@@ -52,7 +54,8 @@ class BetaCache:
             provenance.pop("pretrained", None)
         weights = weights_id if weights_id is not None else weights_fingerprint(model)
         ident = {"provenance": provenance, "weights": weights, "left": left, "right": right,
-                 "k": k, "seed": seed, "batch_size": batch_size, "torch": torch.__version__}
+                 "k": k, "seed": seed, "draw": RANDOM_INPUTS_VERSION, "chunk": encoding_chunk(batch_size),
+                 "torch": torch.__version__}
         return hashlib.sha1(json.dumps(ident, sort_keys=True, default=str).encode()).hexdigest()
 
     def get(self, key: str) -> BetaEstimate | None:

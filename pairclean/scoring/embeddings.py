@@ -1,8 +1,8 @@
 """Scoring from precomputed embeddings: no model and no GPU, the same parts, finalize and output.
 
-The layouts (clip-retrieval, two .npy files, Parquet embedding columns, DataComp's .npz) are
-input formats of kind "embeddings" (`data.formats.embeddings`: `open_embeddings`, `iter_batches`):
-a unit's rows arrive block by block in reused per-thread buffers, and a block is scored here
+The layouts (clip-retrieval, two .npy files, Parquet embedding columns, DataComp's .npz) are read by
+`data.embeddings` (`open_embeddings` returns an immutable `EmbeddingSource`): a unit's rows arrive
+block by block (`EmbeddingSource.batches`) in reused per-thread buffers, and a block is scored here
 while it is in cache.
 
 The similarity is the cosine: the row-wise dot divided by both norms, which are computed anyway
@@ -15,7 +15,7 @@ or the shuffled-pairs diagnostic.
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Iterator
 
@@ -26,12 +26,13 @@ import torch
 from pairclean.config import COUNT, at_least, setting, unpinned
 from pairclean.core.beta import BETA_MODES, BetaEstimate, ShuffledAccumulator
 from pairclean.core.scorer import null_partners
-from pairclean.data.formats.embeddings import (BLOCK_ROWS, SAVED_PROVENANCE, ArrayRows, EmbeddingBatch, EmbeddingSpec,
-                                               NpyRows, block_buffer, iter_batches)
+from pairclean.data.embeddings import BLOCK_ROWS, SAVED_PROVENANCE, ArrayRows, EmbeddingBatch, EmbeddingSource, NpyRows
+from pairclean.data.embeddings.batches import block_buffer
 from pairclean.errors import ConfigError, UserError
 from pairclean.ops.guard import Output
 from pairclean.ops.notices import notice
-from pairclean.scoring.run import Commit, Producer, RunConfig, ScoreResult, Work, run_scoring
+from pairclean.scores.contract import Renormalised
+from pairclean.scoring.run import Commit, Finishing, Producer, RunConfig, ScoreResult, Work, run_scoring
 
 UNIT_TOLERANCE = 1e-2  # |norm - 1| above this is "not unit length" (float16 storage rounds to ~1e-3)
 NULL_PER_BATCH = 4096  # rows per batch (evenly spaced) that draw a null pair: bounds the extra dot products
@@ -122,10 +123,10 @@ def score_batch(batch: EmbeddingBatch, pool: ThreadPoolExecutor | None,
 # -- beta ----------------------------------------------------------------------------------------
 
 
-def _unit_vectors(spec: EmbeddingSpec, side: str, batch_rows: int) -> Iterator[np.ndarray]:
+def _unit_vectors(spec: EmbeddingSource, side: str, batch_rows: int) -> Iterator[np.ndarray]:
     """One side's usable vectors, normalised, in float64 batches."""
     for unit in spec.units(1 << 62):
-        for batch in iter_batches(spec, unit, batch_rows):
+        for batch in spec.batches(unit, batch_rows):
             x = np.asarray(batch.rows.arrays()[side == "right"], dtype=np.float64)
             norms = np.linalg.norm(x, axis=1)
             keep = np.isfinite(norms) & (norms > 0)
@@ -134,7 +135,7 @@ def _unit_vectors(spec: EmbeddingSpec, side: str, batch_rows: int) -> Iterator[n
             yield x[keep] / norms[keep, None]
 
 
-def random_embeddings_beta(spec: EmbeddingSpec, batch_rows: int = 65536) -> BetaEstimate:
+def random_embeddings_beta(spec: EmbeddingSource, batch_rows: int = 65536) -> BetaEstimate:
     """beta = mean cosine over all K_left x K_right pairs of user-supplied random-input embeddings.
 
     Streamed exactly, without the K x K matrix: mean = (sum u^).(sum v^) / (K_l K_r) and
@@ -165,7 +166,7 @@ def random_embeddings_beta(spec: EmbeddingSpec, batch_rows: int = 65536) -> Beta
 
 @dataclass
 class EmbeddingScoreConfig(RunConfig):
-    random_embeddings: EmbeddingSpec | None = unpinned(None)  # for beta_mode random-inputs (pinned by its paths)
+    random_embeddings: EmbeddingSource | None = unpinned(None)  # for beta_mode random-inputs (pinned by its paths)
     batch_rows: int = setting(65536, COUNT, pinned=False)  # rows read at a time: what bounds memory
     unit_rows: int = setting(1 << 18, COUNT)  # rows per unit of an .npy pair: the grain of resume; held until commit
     threads: int = setting(0, at_least(0), pinned=False)  # 0: torch.get_num_threads()
@@ -177,7 +178,7 @@ class EmbeddingScoreConfig(RunConfig):
                               "random_embeddings", "beta_mode")
 
 
-def _score_unit(unit: str, spec: EmbeddingSpec, batch_rows: int, pool: ThreadPoolExecutor | None,
+def _score_unit(unit: str, spec: EmbeddingSource, batch_rows: int, pool: ThreadPoolExecutor | None,
                 shuffled: bool) -> tuple[dict, dict]:
     """Score one unit batch by batch: (its part's columns, its commit record). A unit that breaks
     keeps its rows so far and says why in the record."""
@@ -187,7 +188,7 @@ def _score_unit(unit: str, spec: EmbeddingSpec, batch_rows: int, pool: ThreadPoo
     accumulator = ShuffledAccumulator() if shuffled else None
     failure = None
     try:
-        for batch in iter_batches(spec, unit, batch_rows):
+        for batch in spec.batches(unit, batch_rows):
             scores = score_batch(batch, pool, accumulator)
             batch_keys, batch_shards, batch_index = batch.identity()
             keys.append(batch_keys)
@@ -214,12 +215,12 @@ def _score_unit(unit: str, spec: EmbeddingSpec, batch_rows: int, pool: ThreadPoo
 class EmbeddingsProducer(Producer):
     """Similarities of precomputed embedding pairs: no model, no GPU."""
 
-    def __init__(self, spec: EmbeddingSpec, cfg: EmbeddingScoreConfig):
+    def __init__(self, spec: EmbeddingSource, cfg: EmbeddingScoreConfig):
         self.spec, self.cfg = spec, cfg
         # random-inputs needs embeddings of random inputs from the same model (there is no model to draw
         # them), or the random-inputs beta that the run which saved these embeddings computed with it
-        saved = (spec.saved or {}).get("beta") or {}
-        self.saved_beta = BetaEstimate(**saved) if saved.get("mode") == "random-inputs" else None
+        saved = spec.saved.beta if spec.saved is not None else None
+        self.saved_beta = BetaEstimate(**asdict(saved)) if saved is not None and saved.mode == "random-inputs" else None
         self.beta_modes = BETA_MODES if cfg.random_embeddings is not None or self.saved_beta else ("fixed", "shuffled")
 
     def missing_beta(self) -> ConfigError:
@@ -239,7 +240,7 @@ class EmbeddingsProducer(Producer):
 
     def input_files(self) -> list[str]:
         rand = self.cfg.random_embeddings
-        return [*self.spec.sources, *self.spec.inputs(), *(rand.sources + rand.inputs() if rand else [])]
+        return [*self.spec.sources, *self.spec.inputs(), *([*rand.sources, *rand.inputs()] if rand else [])]
 
     def random_beta(self) -> tuple[BetaEstimate, str]:
         rand = self.cfg.random_embeddings
@@ -278,7 +279,7 @@ class EmbeddingsProducer(Producer):
         return {}
 
     def finish(self, records: dict[str, dict], counters: dict[str, int], todo: int,
-               beta: BetaEstimate | None) -> tuple[dict, dict]:
+               beta: BetaEstimate | None) -> Finishing:
         units = list(records)
         not_unit = {side: sum(records[u].get(f"not_unit_{side}", 0) for u in units) for side in ("left", "right")}
         deviation = max((records[u].get("max_norm_deviation", 0.0) for u in units), default=0.0)
@@ -289,13 +290,14 @@ class EmbeddingsProducer(Producer):
         estimator = {"backend": "precomputed-embeddings", "layout": spec.layout, "embedding_dim": spec.dim,
                      "dtype": sorted({n.dtype for n in spec.npy}) or None}
         if spec.saved:  # the model that computed them, as the saving run recorded it
-            estimator["saved_by"] = {k: spec.saved.get(k) for k in ("estimator", "weights_sha1", "preprocessing")}
+            estimator["saved_by"] = {"estimator": spec.saved.estimator, "weights_sha1": spec.saved.weights_sha1,
+                                     "preprocessing": spec.saved.preprocessing}
         provenance = {"estimator": estimator, "pair": spec.pair, "input_shards": spec.inputs(), "dataset": spec.record(),
-                      "renormalised": {**not_unit, "max_norm_deviation": deviation}}
-        return provenance, {"not_unit_left": not_unit["left"], "not_unit_right": not_unit["right"]}
+                      "renormalised": Renormalised(**not_unit, max_norm_deviation=deviation)}
+        return Finishing(provenance, {"not_unit_left": not_unit["left"], "not_unit_right": not_unit["right"]})
 
 
-def score_embeddings(spec: EmbeddingSpec, out: str | Path | Output, config: EmbeddingScoreConfig | None = None) -> ScoreResult:
+def score_embeddings(spec: EmbeddingSource, out: str | Path | Output, config: EmbeddingScoreConfig | None = None) -> ScoreResult:
     """Score every row pair of precomputed embeddings into `out`, resumably, like `score()`."""
     cfg = config or EmbeddingScoreConfig()
     return run_scoring(EmbeddingsProducer(spec, cfg), out, cfg)

@@ -13,7 +13,6 @@ Two streaming passes over the parts (pyarrow record batches, memory bounded by a
 
 from __future__ import annotations
 
-import time
 from dataclasses import asdict
 from typing import Sequence
 
@@ -25,12 +24,11 @@ from pairclean import __version__
 from pairclean.core.beta import BetaEstimate
 from pairclean.core.null import NullCalibration
 from pairclean.core.scorer import cone_weight, debias, normalised_weight
-from pairclean.ops.guard import Output
 from pairclean.ops.faults import fault_point
-from pairclean.scores.contract import (Provenance, Summary, flagged_summary, provenance_metadata, scores_schema,
-                                       summary_metadata, write_run_manifest)
+from pairclean.scores.contract import (FailedUnit, Provenance, Summary, flagged_summary, provenance_metadata,
+                                       scores_schema, summary_metadata, write_run_manifest)
 from pairclean.scores.rules import DEFAULT_RULES, FitContext, build_rules
-from pairclean.scoring.parts import PartStore
+from pairclean.runs import PartStore, Run
 
 
 def _iter_parts(store: PartStore, units: list[str], columns=None, batch_size: int = 65536):
@@ -111,10 +109,15 @@ def weight_columns(sim: np.ndarray, beta: float, weight_fn: str, official_scale:
     return {"sim_debiased": sd, "weight": w, "weight_norm": wn}
 
 
-def finalize(store: PartStore, units: list[str], target: Output, beta: BetaEstimate, weight_fn: str,
-             seed: int, gmm_sample: int, provenance: dict, records: dict[str, dict],
-             rules: Sequence[str] = DEFAULT_RULES) -> Summary:
-    """Write the final scores Parquet + run manifest; returns the run summary.
+def failed_units(units: list[str], records: dict[str, dict]) -> list[FailedUnit]:
+    """The units that broke, with their reasons and the rows they gave before (from the commit records)."""
+    return [FailedUnit(unit=u, reason=records[u]["failure"], rows=records[u]["rows"])
+            for u in units if records[u].get("failure")]
+
+
+def finalize(run: Run, units: list[str], beta: BetaEstimate, weight_fn: str, seed: int, gmm_sample: int,
+             provenance: dict, records: dict[str, dict], rules: Sequence[str] = DEFAULT_RULES) -> Summary:
+    """Write the run's scores Parquet + run manifest; returns the run summary.
 
     `rules` are decision-rule specs (`pairclean.scores.rules`), fitted on the sample and written in
     this order. Reconciliation: every row of the output is either scored (`sim` set) or an error row
@@ -124,6 +127,7 @@ def finalize(store: PartStore, units: list[str], target: Output, beta: BetaEstim
     The counts are taken again from the rows as they are written and checked against the
     commit records before the output is renamed into place.
     """
+    store = run.store
     deciders = build_rules(rules)
     n_rows = sum(records[u]["rows"] for u in units)
     n_errors = sum(records[u]["errors"] for u in units)
@@ -135,22 +139,19 @@ def finalize(store: PartStore, units: list[str], target: Output, beta: BetaEstim
     rule_records = [rule.record() for rule in deciders]
     official_scale = max(max_sim - beta.beta, 0.0) if weight_fn == "official" and n_valid else None
 
-    unit_failures = [{"unit": u, "reason": records[u]["failure"], "rows": records[u]["rows"]}
-                     for u in units if records[u].get("failure")]
-    run = store.run_info()
-    provenance: Provenance = {
+    unit_failures = failed_units(units, records)
+    provenance = Provenance(**{
         **provenance, "pairclean_version": __version__, "beta": beta.beta, "beta_std": beta.std,
         "beta_k": beta.k, "beta_mode": beta.mode, "weight_fn": weight_fn, "official_scale": official_scale,
         **{key: value for rule in deciders for key, value in rule.provenance().items()},
         "gmm_sample": int(len(sample)), "null_sample": int(len(null_sample)),
-        "null_quantiles": null_quantiles(null_sample), "rules": [asdict(r) for r in rule_records], "run_id": run.get("run_id"),
-        "settings_sha1": store.settings_sha1(), "finished_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+        "null_quantiles": null_quantiles(null_sample), "rules": rule_records, **asdict(run.identity())})
     schema = scores_schema(deciders).with_metadata(provenance_metadata(provenance))
 
     flagged = {rule.name: 0 for rule in deciders}
     written = scored = errored = 0
-    out = target.path
-    with target.write(temp_dir=store.dir, no_clobber=not run.get("replaces_output")) as tmp:
+    out = run.out
+    with run.write_output() as tmp:
         with pq.ParquetWriter(tmp, schema, compression="zstd") as writer:
             for batch in _iter_parts(store, units):
                 sim = batch.column("sim").to_numpy(zero_copy_only=False).astype(np.float64)  # nulls -> NaN
@@ -177,11 +178,11 @@ def finalize(store: PartStore, units: list[str], target: Output, beta: BetaEstim
             if (written, scored, errored) != (n_rows, n_valid, n_errors):
                 raise RuntimeError(f"parts do not reconcile with their commit records: rows {written} vs {n_rows}, "
                                    f"scored {scored} vs {n_valid}, errors {errored} vs {n_errors}")
-            summary: Summary = {
-                "pairs": n_rows, "scored": n_valid, "errors": n_errors, "unit_failures": unit_failures,
-                "failed_units": len(unit_failures), "units": len(units),
-                "beta": beta.beta, "beta_std": beta.std, "beta_k": beta.k, "beta_mode": beta.mode,
-                **random_pairing_share(sample, null_sample), **flagged_summary(rule_records, flagged, n_valid)}
+            summary = Summary(
+                pairs=n_rows, scored=n_valid, errors=n_errors, unit_failures=unit_failures,
+                failed_units=len(unit_failures), units=len(units),
+                beta=beta.beta, beta_std=beta.std, beta_k=beta.k, beta_mode=beta.mode,
+                **random_pairing_share(sample, null_sample), **flagged_summary(rule_records, flagged, n_valid))
             writer.add_key_value_metadata(summary_metadata(summary))
         # The run manifest lands before the Parquet is renamed into place: an output file
         # that exists is always complete and always has its manifest.

@@ -3,37 +3,38 @@
     producer (a model over shards, or precomputed embeddings) -> one part per unit (committed)
     -> finalize (the decision rules over all pairs) -> the scores file
 
-The lifecycle owns what every run shares: validation, the unit list, its packing into groups and
-the pinned settings, the part store (fresh, resumed, or already finished), beta (resolved once,
-saved with where it came from), the remaining groups, claimed one at a time by whichever rank (or
-DataLoader worker) is free, finalize, provenance and clean-up.
+The lifecycle owns what every scoring run shares: validation, the unit list and its packing into
+groups, beta (resolved once, saved with where it came from), the remaining groups, claimed one at a
+time by whichever rank (or DataLoader worker) is free, finalize and the provenance. What every
+resumable run shares (the output guard, pinned settings, fresh / resumed / finished, commits,
+clean-up) is `runs.open_run`'s.
 A producer owns only how its units become similarities (`Producer`): a new kind of input is one
 producer class, not a second pipeline.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import time
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, ClassVar, Iterator
 
 from pairclean.config import FINITE, SEED, SHARE, at_least, check_choice, check_settings, pinned_settings, setting, unpinned
 from pairclean.core.beta import BETA_MODES, BetaEstimate, check_beta_mode, resolve_beta, shuffled_beta
 from pairclean.core.scorer import WEIGHT_FUNCTIONS
+from pairclean.data.units import unit_shard
 from pairclean.errors import ConfigError, UserError
 from pairclean.ops import distributed
-from pairclean.data.units import unit_fingerprint, unit_shard
-from pairclean.ops.atomic import write_json
-from pairclean.ops.guard import Output, open_output
+from pairclean.ops.guard import Output
 from pairclean.ops.progress import SILENT, Progress
-from pairclean.scores.contract import read_provenance, run_manifest_path
+from pairclean.runs import GroupClaims, PartStore, Run, by_rank, open_run
+from pairclean.scores.contract import (READ_BACK, ErrorCount, Provenance, Summary, read_provenance, read_summary,
+                                       run_manifest_path, write_run_manifest)
 from pairclean.scores.rules import DEFAULT_RULES, build_rules
-from pairclean.scoring.finalize import finalize
-from pairclean.scoring.parts import GroupClaims, PartStore, parts_dir_for
+from pairclean.scoring.finalize import failed_units, finalize
+from pairclean.scoring.parts import (GROUPS_RECORD, PART_WRITE_OPTIONS, common_errors, error_counts, load_beta,
+                                     load_groups, part_table, save_beta)
 
 # commit(unit, columns, record): the producer hands each finished unit's rows to the run.
 Commit = Callable[[str, dict, dict], None]
@@ -79,6 +80,15 @@ class Work:
                 yield units
 
 
+@dataclass(frozen=True)
+class Finishing:
+    """What a producer adds when its run finishes: its provenance entries (`estimator`, `pair`,
+    `input_shards`, `dataset`, ...) and extra summary entries."""
+
+    provenance: dict
+    summary: dict = field(default_factory=dict)
+
+
 class Producer(ABC):
     """Turns units into similarities. The lifecycle calls, in order: `units()`, `settings()`,
     `prepare()` (after the finished-run check, before anything is written: build and so
@@ -110,8 +120,8 @@ class Producer(ABC):
         return [[unit] for unit in units]
 
     def input_files(self) -> list[str]:
-        """Files the run reads besides its units' shards (a checkpoint, a keys file ...): the output
-        must not overwrite them."""
+        """What the run reads besides its units' shards (the directories and files the user named,
+        a checkpoint, a keys file ...): the output must not overwrite, contain or lie inside them."""
         return []
 
     @abstractmethod
@@ -130,39 +140,25 @@ class Producer(ABC):
 
     @abstractmethod
     def finish(self, records: dict[str, dict], counters: dict[str, int], todo: int,
-               beta: BetaEstimate | None) -> tuple[dict, dict]:
-        """(provenance entries: `estimator`, `pair`, `input_shards`, `dataset`, ...; extra summary
-        entries). `counters`: `score`'s, summed over ranks, with `pairs` (scored by this run);
+               beta: BetaEstimate | None) -> Finishing:
+        """The producer's provenance entries and extra summary entries (`Finishing`). `counters`:
+        `score`'s, summed over ranks, with `pairs` (scored by this run);
         `beta`: the run's, None when the run gives no scores file (nothing is to be marked complete)."""
 
 
 @dataclass
 class ScoreResult:
     out: Path
-    summary: dict
+    summary: Summary | None  # None on the ranks other than 0 (under torchrun only rank 0 finalizes)
     seconds: float
     pairs_scored_now: int
     resumed: bool
-    provenance: dict = field(default_factory=dict)
+    provenance: Provenance | None = None
     already_complete: bool = False  # the output was already this run's finished result
 
     @property
     def pairs_per_second(self) -> float:
         return self.pairs_scored_now / self.seconds if self.seconds > 0 else 0.0
-
-
-def units_settings(units: list[str]) -> dict:
-    return {"units_sha1": hashlib.sha1(json.dumps(units).encode()).hexdigest(), "n_units": len(units)}
-
-
-def check_unchanged(records: dict[str, dict]) -> None:
-    """Refuse to resume over committed units whose file changed since (a vanished file is only
-    a failed unit, as elsewhere): their rows would describe data that is no longer there."""
-    changed = [u for u, rec in records.items() if rec.get("fingerprint") is not None
-               and unit_fingerprint(u) not in (None, rec["fingerprint"])]
-    if changed:
-        raise ConfigError(f"{unit_shard(changed[0])} changed since the unfinished run scored it "
-                        f"({len(changed)} unit(s) changed): pass `overwrite` to score the inputs again", "overwrite")
 
 
 def unusable_run(units: list[str], records: dict[str, dict], store: PartStore,
@@ -177,28 +173,62 @@ def unusable_run(units: list[str], records: dict[str, dict], store: PartStore,
         return (f"every input unit failed ({len(units)}), no pair was read; first: {unit_shard(failed[0])}: "
                 f"{records[failed[0]]['failure']}")
     if rows and errors == rows:
-        return f"every pair ({rows:,}) is an error row: {store.common_errors(units)}"
+        return f"every pair ({rows:,}) is an error row: {common_errors(store, units)}"
     if max_error_share is not None and rows and errors / rows > max_error_share:
         return (f"{errors:,} of {rows:,} pairs ({errors / rows:.1%}) are error rows, more than `max_error_share` "
-                f"{max_error_share:g}: {store.common_errors(units)}")
+                f"{max_error_share:g}: {common_errors(store, units)}")
     if not rows:
         return "the inputs hold no pair"
     return None
 
 
-def fail_run(reason: str, units: list[str], records: dict[str, dict], store: PartStore, out: Path,
-             provenance: dict) -> None:
+def fail_run(reason: str, units: list[str], records: dict[str, dict], run: Run, provenance: dict) -> None:
     """End a run that gives no scores file: its reasons in the run manifest, the parts removed (so
     the corrected command starts afresh), nothing else written; then the one-line error."""
-    failures = [{"unit": u, "reason": records[u]["failure"], "rows": records[u]["rows"]}
-                for u in units if records[u].get("failure")]
-    summary = {"pairs": sum(records[u]["rows"] for u in units), "errors": sum(records[u]["errors"] for u in units),
-               "unit_failures": failures, "failed_units": len(failures), "units": len(units),
-               "error_reasons": store.error_counts(units), "failed": reason}
-    write_json(run_manifest_path(out), {"output": None, "summary": summary, "provenance": provenance})
-    store.remove()
-    message = f"{reason}; no scores file was written (all reasons in {run_manifest_path(out)})"
+    failures = failed_units(units, records)
+    summary = Summary(pairs=sum(records[u]["rows"] for u in units), errors=sum(records[u]["errors"] for u in units),
+                      unit_failures=failures, failed_units=len(failures), units=len(units),
+                      error_reasons=[ErrorCount(**count) for count in error_counts(run.store, units)], failed=reason)
+    write_run_manifest(run.out, summary, Provenance(**provenance), written=False)
+    run.close()
+    message = f"{reason}; no scores file was written (all reasons in {run_manifest_path(run.out)})"
     raise ConfigError(message, "max_error_share") if "`max_error_share`" in reason else UserError(message)
+
+
+@dataclass(frozen=True)
+class Begun:
+    """What starting a scoring run decided on rank 0 and told the others: fresh or resumed, its
+    units, beta and where it came from (and how long it took), and the work left."""
+
+    resumed: bool
+    units: list[str]
+    beta: BetaEstimate | None
+    beta_source: str
+    beta_seconds: float
+    work: Work
+
+
+def _begin(run: Run, producer: Producer, cfg: RunConfig) -> Begun:
+    """Rank 0: start or resume the run, then beta and the packing, each pinned once."""
+    started = run.begin()
+    producer.started(started.resumed)
+    began = time.perf_counter()
+    saved = load_beta(run.store)
+    if saved is not None:
+        beta, source = saved
+    else:
+        beta, source = resolve_beta(cfg.beta_mode, cfg.beta, producer.random_beta)
+        if beta is not None:
+            save_beta(run.store, beta, source)
+    groups = load_groups(run.store, started.units)
+    if groups is None:  # packed once, when the run starts: a resumed run batches alike
+        groups = producer.groups(started.units)
+        run.store.write_record(GROUPS_RECORD, groups)
+    # Claims are made after the committed units are known, so a job restarted with another
+    # world size still scores every remaining unit exactly once.
+    work = Work([(i, g) for i, g in enumerate(groups) if any(u not in started.done for u in g)], started.done,
+                run.claims())
+    return Begun(started.resumed, started.units, beta, source, time.perf_counter() - began, work)
 
 
 def run_scoring(producer: Producer, out: str | Path | Output, cfg: RunConfig) -> ScoreResult:
@@ -206,52 +236,28 @@ def run_scoring(producer: Producer, out: str | Path | Output, cfg: RunConfig) ->
     distributed.init_from_env(device_type=producer.device_type)
     progress = cfg.progress if distributed.is_main() else SILENT
     check_beta_mode(cfg.beta_mode, cfg.beta, producer.beta_modes, producer.missing_beta() or "")
-    target = open_output(out, (), "out", overwrite=None)  # the parent exists, the spelling is a local file
     units = producer.units()
-    # The run also writes its parts directory and run manifest beside the output: neither may touch an input.
-    target = open_output(target, [*dict.fromkeys(unit_shard(u) for u in units), *producer.input_files()],
-                         companions=[parts_dir_for(target.path), run_manifest_path(target.path)])
-    out = target.path
-    store = PartStore(parts_dir_for(out))
-    settings = {**pinned_settings(cfg), **producer.settings(), **units_settings(units)}
+    # The output (with its parts directory and run manifest beside it) may touch no input.
+    run = open_run(out, [*dict.fromkeys(unit_shard(u) for u in units), *producer.input_files()],
+                   {**pinned_settings(cfg), **producer.settings()}, units, READ_BACK, unit_shard,
+                   overwrite=cfg.overwrite, resume=cfg.resume)
+    out = run.out
     # Under torchrun, rank 0 alone decides (finished? fresh or resumed? beta) and tells the others.
-    finished = distributed.on_main(lambda: store.finished(out, settings, overwrite=cfg.overwrite, resume=cfg.resume))
-    if finished is not None:  # the same command, re-run after it finished: nothing to do
-        return ScoreResult(out, finished, 0.0, 0, True, read_provenance(out), already_complete=True)
+    finished = distributed.on_main(run.finished)
+    if finished:  # the same command, re-run after it finished: nothing to do
+        return ScoreResult(out, read_summary(out), 0.0, 0, True, read_provenance(out), already_complete=True)
     producer.prepare()
-
-    def start_run():
-        start = store.begin(out, settings, units, overwrite=cfg.overwrite, resume=cfg.resume)
-        producer.started(start.resumed)
-        began = time.perf_counter()
-        saved = store.load_beta()
-        if saved is not None:
-            source = saved.pop("source", "resumed")
-            beta = BetaEstimate(**saved)
-        else:
-            beta, source = resolve_beta(cfg.beta_mode, cfg.beta, producer.random_beta)
-            if beta is not None:
-                store.save_beta({**beta.as_dict(), "source": source})
-        groups = store.load_groups(start.units)
-        if groups is None:  # packed once, when the run starts: a resumed run batches alike
-            groups = producer.groups(start.units)
-            store.save_groups(groups)
-        done = store.committed()
-        check_unchanged(done)
-        # Claims are made after the committed units are known, so a job restarted with another
-        # world size still scores every remaining unit exactly once.
-        work = Work([(i, g) for i, g in enumerate(groups) if any(u not in done for u in g)],
-                    frozenset(u for u in start.units if u in done), store.fresh_claims())
-        return start.units, start.resumed, beta, source, time.perf_counter() - began, work
-
-    units, resumed, beta, beta_source, beta_seconds, work = distributed.on_main(start_run)
+    begun = distributed.on_main(lambda: _begin(run, producer, cfg))
+    units, work, beta = begun.units, begun.work, begun.beta
     todo = len(units) - len(work.done)
     started, cpu_started = time.perf_counter(), time.process_time()
     with progress.task("scoring", total=len(units), completed=len(work.done), pairs=0, rate=0.0) as task:
         scored = {"pairs": 0}
 
         def commit(unit: str, columns: dict, record: dict) -> None:
-            store.commit(unit, columns, {**record, "rank": distributed.rank(), "fingerprint": unit_fingerprint(unit)})
+            part = part_table(columns)
+            run.commit(unit, part.table, {**record, "errors": part.errors, "null_rows": part.null_rows},
+                       **PART_WRITE_OPTIONS)
             scored["pairs"] += len(columns["key"])
             elapsed = time.perf_counter() - started
             task.update(advance=1, pairs=scored["pairs"], rate=scored["pairs"] / elapsed if elapsed else 0.0)
@@ -264,25 +270,24 @@ def run_scoring(producer: Producer, out: str | Path | Output, cfg: RunConfig) ->
     scored_now = counters["pairs"]
     elapsed = distributed.all_reduce_sum(elapsed) / distributed.world_size()
     if not distributed.is_main():
-        return ScoreResult(out, {}, elapsed, scored_now, resumed, {})
+        return ScoreResult(out, None, elapsed, scored_now, begun.resumed)
 
-    records = store.committed()
+    records = run.committed()
     missing = [u for u in units if u not in records]
     if missing:
         raise RuntimeError(f"{len(missing)} unit(s) were not committed (first: {missing[0]})")
-    reason = unusable_run(units, records, store, cfg.max_error_share)
+    reason = unusable_run(units, records, run.store, cfg.max_error_share)
     if beta is None and reason is None:
         beta = shuffled_beta([records[u].get("shuffled") for u in units])
-    produced, extra = producer.finish(records, counters, todo, None if reason else beta)
-    by_rank = [records[u]["rank"] for u in units if u not in work.done and "rank" in records[u]]
-    provenance = {**produced, "seed": cfg.seed, "beta_mode": cfg.beta_mode, "beta_source": beta_source,
+    produced = producer.finish(records, counters, todo, None if reason else beta)
+    provenance = {**produced.provenance, "seed": cfg.seed, "beta_mode": cfg.beta_mode, "beta_source": begun.beta_source,
                   "world_size": distributed.world_size(),
-                  "units_by_rank": {str(r): by_rank.count(r) for r in sorted(set(by_rank))}}
+                  "units_by_rank": by_rank(records[u] for u in units if u not in work.done)}
     if reason:
-        fail_run(reason, units, records, store, out, provenance)
-    summary = finalize(store, units, target, beta, cfg.weight_fn, cfg.seed, cfg.gmm_sample, provenance, records,
-                       cfg.rules)
-    summary.update(extra, pairs_per_second=scored_now / elapsed if elapsed > 0 else 0.0, scoring_seconds=elapsed,
-                   scoring_cpu_seconds=cpu, beta_seconds=beta_seconds, beta_source=beta_source)
-    store.remove()
-    return ScoreResult(out, summary, elapsed, scored_now, resumed, provenance)
+        fail_run(reason, units, records, run, provenance)
+    summary = finalize(run, units, beta, cfg.weight_fn, cfg.seed, cfg.gmm_sample, provenance, records, cfg.rules)
+    summary = replace(summary, **produced.summary, pairs_per_second=scored_now / elapsed if elapsed > 0 else 0.0,
+                      scoring_seconds=elapsed, scoring_cpu_seconds=cpu, beta_seconds=begun.beta_seconds,
+                      beta_source=begun.beta_source)
+    run.close()
+    return ScoreResult(out, summary, elapsed, scored_now, begun.resumed, read_provenance(out))

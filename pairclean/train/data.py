@@ -1,10 +1,10 @@
 """The training data path: shard index, per-shard weight arrays, shuffled prepared batches.
 
 `index_shards` counts the pairs of every shard without reading pixel data (the dataset's input
-format: Parquet metadata, a tar shard's header listing, whose indexes are those `read_unit` gives).
+format: Parquet metadata, a tar shard's header listing, whose indexes are those `Dataset.read` gives).
 `TrainBatches` is an IterableDataset: units (tar shards / Parquet row groups) are shuffled per
 epoch, split by node (torch.distributed rank, a no-op in one process) then by DataLoader worker
-(webdataset's `split_by_node` / `split_by_worker`), read with the reader's `read_unit`, joined with
+(webdataset's `split_by_node` / `split_by_worker`), read with `Dataset.read`, joined with
 the shard's weight array when the shard is opened, shuffled in a bounded buffer, prepared and
 collated in the worker. The order depends only on (seed, epoch, rank, worker), so a resumed run
 sees the same batches.
@@ -24,8 +24,8 @@ import webdataset as wds
 from torch.utils.data import IterableDataset
 
 from pairclean.errors import UserError
-from pairclean.data.manifest import DatasetSpec
-from pairclean.data.reader import UnitFailure, list_units, modalities, read_unit
+from pairclean.data.dataset import Dataset
+from pairclean.data.spec import UnitFailure, modalities
 from pairclean.data.units import unit_shard
 from pairclean.ops.urls import is_local
 
@@ -39,21 +39,20 @@ class ShardInfo:
     failure: str | None = None  # the shard could only be listed partly
 
 
-def index_shards(spec: DatasetSpec) -> list[ShardInfo]:
+def index_shards(dataset: Dataset) -> list[ShardInfo]:
     """Pairs per shard, in the spec's order, as the dataset's format counts them (no pixel data read)."""
     out = []
-    fmt = spec.input_format
-    for shard in dict.fromkeys(spec.shards):  # a shard listed twice is one unit (reader.list_units)
+    for shard in dict.fromkeys(dataset.spec.shards):  # a shard listed twice is one unit (Dataset.units)
         if is_local(shard) and not os.path.isfile(shard):
             raise UserError(f"shard not found: {shard}")
-        rows, failure = fmt.rows(shard)
+        rows, failure = dataset.rows(shard)
         out.append(ShardInfo(shard, rows, failure))
     return out
 
 
-def shard_keys(spec: DatasetSpec, shard: str) -> list[str]:
+def shard_keys(dataset: Dataset, shard: str) -> list[str]:
     """Keys of one shard by position (for joining scores by key)."""
-    return spec.input_format.keys(shard)
+    return dataset.keys(shard)
 
 
 def content_digest(value: bytes | str) -> str:
@@ -70,14 +69,14 @@ class UnitSpan:
     rows: int
 
 
-def unit_spans(spec: DatasetSpec, units: list[str], shards: list[ShardInfo]) -> dict[str, UnitSpan]:
+def unit_spans(dataset: Dataset, units: list[str], shards: list[ShardInfo]) -> dict[str, UnitSpan]:
     """Each unit's span: a whole shard's from the shard index, a part's (a Parquet row group) as the
     dataset's format counts it (file metadata)."""
     rows = {s.shard: s.rows for s in shards}
     spans, next_start = {}, {}
     for unit in units:
         shard = unit_shard(unit)
-        n = rows[shard] if unit == shard else spec.input_format.count(unit)
+        n = rows[shard] if unit == shard else dataset.count(unit)
         spans[unit] = UnitSpan(shard, next_start.get(shard, 0), n)
         next_start[shard] = spans[unit].start + n
     return spans
@@ -97,13 +96,14 @@ class BatchPlan:
 class TrainBatches(IterableDataset):
     """Prepared training batches; each worker reads its own share of the (shuffled) units."""
 
-    def __init__(self, spec: DatasetSpec, preparer, batch_size: int, seed: int, shuffle_buffer: int = 1000,
+    def __init__(self, dataset: Dataset, preparer, batch_size: int, seed: int, shuffle_buffer: int = 1000,
                  plan: BatchPlan | None = None, shuffle: bool = True):
-        self.spec, self.preparer, self.batch_size, self.seed = spec, preparer, batch_size, seed
+        self.dataset, self.spec = dataset, dataset.spec
+        self.preparer, self.batch_size, self.seed = preparer, batch_size, seed
         self.shuffle_buffer, self.shuffle = shuffle_buffer, shuffle
         self.plan = plan or BatchPlan()
-        self.units = list_units(spec)
-        self.left, self.right = modalities(spec.pair)
+        self.units = dataset.units()
+        self.left, self.right = modalities(self.spec.pair)
         self.epoch, self.repeat = 0, 0
 
     def set_epoch(self, epoch: int, repeat: int = 0) -> None:
@@ -153,7 +153,7 @@ class TrainBatches(IterableDataset):
         """(RawPair, weight) for every usable pair of the units; counts what was left out."""
         for unit in units:
             weights = self._weights_for(unit_shard(unit))
-            for item in read_unit(self.spec, unit):
+            for item in self.dataset.read(unit):
                 if isinstance(item, UnitFailure):
                     stats["failures"].append(f"{item.unit}: {item.reason}")
                     continue

@@ -20,8 +20,8 @@ from torch.utils.data import DataLoader
 from pairclean.ops.worker_memory import steady_worker_memory
 from pairclean.config import COUNT, at_least, declare
 from pairclean.errors import UserError
-from pairclean.data.manifest import DatasetSpec, open_dataset
-from pairclean.data.reader import modalities
+from pairclean.data.dataset import Dataset, as_dataset
+from pairclean.data.spec import DatasetSpec, modalities
 
 KS = (1, 5, 10)
 METRIC_NAMES = tuple(f"{d}_r{k}" for d in ("i2t", "t2i") for k in KS) + ("rsum",)
@@ -73,13 +73,14 @@ def _select(batch, idx: list[int]):
 
 
 @torch.no_grad()
-def embed_pairs(target, spec: DatasetSpec, batch_size: int = 256, workers: int = 0,
+def embed_pairs(target, data: Dataset, batch_size: int = 256, workers: int = 0,
                 autocast=None) -> RetrievalEmbeddings:
-    """Encode every pair of `spec` once, each distinct left item once."""
+    """Encode every pair of `data` once, each distinct left item once."""
     from pairclean.train.data import BatchPlan, TrainBatches  # pairclean.train imports this module
 
+    spec = data.spec
     left_mod, right_mod = modalities(spec.pair)
-    dataset = TrainBatches(spec, target.preparer, batch_size, seed=0, shuffle=False, plan=BatchPlan(left_digest=True))
+    dataset = TrainBatches(data, target.preparer, batch_size, seed=0, shuffle=False, plan=BatchPlan(left_digest=True))
     workers = min(workers, len(dataset.units))
     loader = DataLoader(dataset, batch_size=None, num_workers=workers, worker_init_fn=steady_worker_memory)
     item_of: dict[str, int] = {}
@@ -123,8 +124,8 @@ class JointTarget:
         return torch.cat([t.encode(modality, batch) for t in self.targets], dim=-1) / len(self.targets) ** 0.5
 
 
-def evaluate_target(target, spec: DatasetSpec, batch_size: int = 256, workers: int = 0, autocast=None) -> dict:
-    emb = embed_pairs(target, spec, batch_size, workers, autocast)
+def evaluate_target(target, data: Dataset, batch_size: int = 256, workers: int = 0, autocast=None) -> dict:
+    emb = embed_pairs(target, data, batch_size, workers, autocast)
     return {**recall_metrics(emb.left, emb.right, emb.owner), "skipped": emb.skipped}
 
 
@@ -150,10 +151,10 @@ def load_trained(model: str | Path, arch: str | None = None, device: str = "auto
 
 
 @declare(batch_size=COUNT, workers=at_least(0))
-def evaluate_retrieval(model: str | Path, data: str | list[str] | DatasetSpec, arch: str | None = None,
+def evaluate_retrieval(model: str | Path, data: str | list[str] | DatasetSpec | Dataset, arch: str | None = None,
                        pair: str | None = None, batch_size: int = 256, workers: int = 0,
                        device: str = "auto") -> dict:
     """`pairclean evaluate retrieval`: load a trained model and score retrieval on `data`."""
-    spec = data if isinstance(data, DatasetSpec) else open_dataset(data, pair=pair)
+    dataset = as_dataset(data, pair=pair)
     target = load_trained(model, arch=arch, device=device)
-    return evaluate_target(target, spec, batch_size=batch_size, workers=workers)
+    return evaluate_target(target, dataset, batch_size=batch_size, workers=workers)

@@ -32,7 +32,7 @@ from torch.utils.data import DataLoader
 
 from pairclean.backends import load_target
 from pairclean.backends.base import autocast_context
-from pairclean.data.reader import UnitFailure, list_units, read_unit
+from pairclean.data.spec import UnitFailure
 from pairclean.errors import ConfigError, UserError
 from pairclean.ops import distributed
 from pairclean.ops.atomic import atomic_path
@@ -106,7 +106,7 @@ def pair_pass(ctx, target, columns: Callable[[dict, torch.Tensor, torch.Tensor],
     sees the same batches every epoch); the DataLoader has its own generator, so the pass leaves
     the global RNG streams, and with them exact resume, untouched."""
     cfg = ctx.config
-    dataset = TrainBatches(ctx.spec, target.preparer, cfg.batch_size // distributed.world_size(), ctx.seed,
+    dataset = TrainBatches(ctx.dataset, target.preparer, cfg.batch_size // distributed.world_size(), ctx.seed,
                            shuffle=False, plan=BatchPlan())
     loader = DataLoader(dataset, batch_size=None, num_workers=min(cfg.workers, len(dataset.units)),
                         generator=torch.Generator().manual_seed(0))
@@ -189,11 +189,11 @@ class EpochWeights:
         distributed.on_main(write)
 
 
-def read_pairs(spec, wanted: set[int], index: PairIndex) -> dict[int, object]:
+def read_pairs(dataset, wanted: set[int], index: PairIndex) -> dict[int, object]:
     """The raw pairs (RawPair) with these global ids, read once in file order (for a memory bank)."""
     found = {}
-    for unit in list_units(spec):
-        for item in read_unit(spec, unit):
+    for unit in dataset.units():
+        for item in dataset.read(unit):
             if isinstance(item, UnitFailure) or item.error is not None:
                 continue
             pid = int(index.ids([item.shard], [item.index])[0])
@@ -319,7 +319,7 @@ class NetworkBatches:
         cfg = ctx.config
         self.full = cfg.batch_size // distributed.world_size()
         plan = subset.plan() if subset is not None else BatchPlan()
-        self.dataset = TrainBatches(ctx.spec, preparer, self.full, seed, cfg.shuffle_buffer, plan)
+        self.dataset = TrainBatches(ctx.dataset, preparer, self.full, seed, cfg.shuffle_buffer, plan)
         self.workers = min(cfg.workers, len(self.dataset.units))
         self.seed, self.cycle, self.iterator, self.finished = seed, cycle, None, False
 

@@ -23,6 +23,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from pairclean.ops.guard import Output, open_output
+from pairclean.runs import settings_changes
 from pairclean.config import (COUNT, SEED, SHARE, above, at_least, check_settings, pinned_settings, setting,
                               unpinned)
 from pairclean.ops import distributed
@@ -34,9 +35,10 @@ from pairclean.config import check_choice, check_pretrained
 from pairclean.errors import ConfigError, UserError
 from pairclean.backends import check_backend, load_target
 from pairclean.backends.base import PRECISIONS, autocast_context
-from pairclean.data.manifest import DatasetSpec, open_dataset
+from pairclean.backends.feed import DeviceFeed
+from pairclean.data.dataset import Dataset, as_dataset
+from pairclean.data.spec import DatasetSpec, modalities
 from pairclean.train.retrieval import JointTarget, evaluate_target
-from pairclean.data.reader import modalities
 from pairclean.train.checkpoint import (BEST, RUN_FILE, STATE_FILE, epoch_model_name, is_training_run, load_state,
                                         model_path, read_run, save_state, set_rng_state)
 from pairclean.train.data import TrainBatches, index_shards, unit_spans
@@ -48,7 +50,7 @@ from pairclean.train.logs import DiagnosticsWriter, MetricsLog
 @dataclass
 class TrainConfig:
     model: str = "ViT-B-32"  # open_clip name (or pairclean tiny config), or a sentence-transformers dir/name
-    pretrained: str = "openai"  # open_clip: tag, checkpoint path, or "none" (random init)
+    pretrained: str | None = None  # open_clip: tag, checkpoint path, or "none" (random init); None: the model's own
     backend: str = "auto"  # auto | open_clip | sentence-transformers
     device: str = unpinned("auto")
     precision: str = "fp32"  # fp32 | bf16 (autocast) | fp16 (CUDA, with a grad scaler)
@@ -145,10 +147,6 @@ def param_groups(module: torch.nn.Module, weight_decay: float) -> list[dict]:
     return [{"params": no_decay, "weight_decay": 0.0}, {"params": decay, "weight_decay": weight_decay}]
 
 
-def _spec(data, pair: str | None) -> DatasetSpec:
-    return data if isinstance(data, DatasetSpec) else open_dataset(data, pair=pair)
-
-
 def _prepare_run_dir(out: Path, cfg: TrainConfig) -> bool:
     """Create or check RUN_DIR; True when a saved state will be resumed. Only a training run's
     directory is ever removed (`overwrite`): a directory holding any other run.json (a scoring
@@ -162,9 +160,7 @@ def _prepare_run_dir(out: Path, cfg: TrainConfig) -> bool:
             raise ConfigError(f"{out} holds a run: set resume to continue it or overwrite to start over", "resume",
                               "overwrite")
         shutil.rmtree(out)  # overwrite, or resume of a run that never finished an epoch
-    if not out.parent.exists():
-        raise UserError(f"directory {out.parent} does not exist")
-    out.mkdir(exist_ok=True)
+    out.mkdir(parents=True, exist_ok=True)
     return False
 
 
@@ -173,8 +169,8 @@ def _settings(cfg: TrainConfig, spec: DatasetSpec, val: DatasetSpec | None) -> d
             "val_shards": val.shards if val else None}
 
 
-def train(source: str | list[str] | DatasetSpec, out: str | Path | Output, config: TrainConfig | None = None,
-          val: str | list[str] | DatasetSpec | None = None, pair: str | None = None) -> TrainResult:
+def train(source: str | list[str] | DatasetSpec | Dataset, out: str | Path | Output, config: TrainConfig | None = None,
+          val: str | list[str] | DatasetSpec | Dataset | None = None, pair: str | None = None) -> TrainResult:
     """Train `config.model` on `source` into the run directory `out`; see the package docstring."""
     cfg = config or TrainConfig()
     cfg.check()
@@ -183,20 +179,22 @@ def train(source: str | list[str] | DatasetSpec, out: str | Path | Output, confi
     if cfg.batch_size % world:
         raise ConfigError(f"batch_size {cfg.batch_size} (the global batch) must be a multiple of the {world} ranks",
                           "batch_size")
-    spec = _spec(source, pair)
-    val_spec = _spec(val, pair or spec.pair) if val is not None else None
+    data = as_dataset(source, pair=pair)
+    spec = data.spec
+    val_data = as_dataset(val, pair=pair or spec.pair) if val is not None else None
+    val_spec = val_data.spec if val_data is not None else None
     method = build_method(cfg.method, cfg.method_options)
     pretrained = [cfg.pretrained] if cfg.pretrained and os.path.isfile(cfg.pretrained) else []
     out = open_output(out, [*spec.shards, *(val_spec.shards if val_spec else []), *method.input_files(), *pretrained],
-                      "out", kind="directory", overwrite=None).path
+                      "out", kind="directory", overwrite=None, parents=True).path
     resuming = distributed.on_main(lambda: _prepare_run_dir(out, cfg))  # rank 0 owns the run directory
     settings = _settings(cfg, spec, val_spec)
     state = None
     if resuming:
         earlier = read_run(out).get("settings", {})
-        differ = sorted(k for k in set(earlier) | set(settings) if earlier.get(k) != settings.get(k))
+        differ = settings_changes(earlier, settings)  # the resumable run's one comparison (runs.store)
         if differ:
-            shown = "; ".join(f"{k}: {earlier.get(k)!r} -> {settings.get(k)!r}" for k in differ[:4])
+            shown = "; ".join(f"{k}: {old!r} -> {new!r}" for k, old, new in differ[:4])
             raise ConfigError(f"{out} was trained with different settings ({shown}); resume with the same settings "
                               "or set overwrite", "overwrite")
         state = load_state(out)
@@ -205,20 +203,20 @@ def train(source: str | list[str] | DatasetSpec, out: str | Path | Output, confi
     torch.manual_seed(cfg.seed)
     np.random.seed(cfg.seed)
     random.seed(cfg.seed)
-    target = load_target(cfg.model, cfg.pretrained, backend=cfg.backend,
+    target = load_target(cfg.model, cfg.pretrained, backend=cfg.backend, needed=modalities(spec.pair),
                          device=distributed.default_device_for_rank(cfg.device), temperature=cfg.temperature)
     check_backend(target.backend, modalities(spec.pair))
     autocast_context(target.device, cfg.precision)  # refuses fp16 without CUDA before any work
     left_mod, right_mod = modalities(spec.pair)
-    shards = index_shards(spec)
-    ctx = MethodContext(spec=spec, shards=shards, target=target, run_dir=out, seed=cfg.seed, left=left_mod,
+    shards = index_shards(data)
+    ctx = MethodContext(dataset=data, spec=spec, shards=shards, target=target, run_dir=out, seed=cfg.seed, left=left_mod,
                         right=right_mod, config=cfg)
     plan = method.setup(ctx)  # before the saved weights are loaded: a frozen estimator copies the initial model
     pairs = plan.pairs if plan.pairs is not None else sum(s.rows for s in shards)
     # Each rank reads its own shards (split_by_node) in batches of batch_size / world.
-    dataset = TrainBatches(spec, target.preparer, cfg.batch_size // world, cfg.seed, cfg.shuffle_buffer, plan)
+    dataset = TrainBatches(data, target.preparer, cfg.batch_size // world, cfg.seed, cfg.shuffle_buffer, plan)
     workers = min(cfg.workers, len(dataset.units))
-    spans = unit_spans(spec, dataset.units, shards)
+    spans = unit_spans(data, dataset.units, shards)
 
     def steps_in(epoch: int, kept: dict) -> int:
         return epoch_steps(dataset.reader_pairs(epoch, kept, workers, world), cfg.batch_size // world,
@@ -257,8 +255,8 @@ def train(source: str | list[str] | DatasetSpec, out: str | Path | Output, confi
         steps = loop.replan(epoch, span or chosen) if chosen is not None else steps_in(epoch, dataset.kept_pairs(spans))
         with progress.task(f"epoch {epoch}", total=steps, loss=0.0, lr=0.0, rate=0.0) as task:
             record = loop.run_epoch(epoch, _Passes(loader, steps if span else None), task)
-        if val_spec is not None and distributed.is_main():
-            val_metrics = evaluate_target(JointTarget([target, *method.extra_networks().values()]), val_spec,
+        if val_data is not None and distributed.is_main():
+            val_metrics = evaluate_target(JointTarget([target, *method.extra_networks().values()]), val_data,
                                           cfg.val_batch_size, workers, autocast_context(target.device, cfg.precision))
             record.update({f"val_{k}": v for k, v in val_metrics.items()})
         loop.finish_epoch(epoch, record)
@@ -301,6 +299,20 @@ class _Towers(torch.nn.Module):
         return self.target.encode(self.left, left_batch), self.target.encode(self.right, right_batch)
 
 
+FED = ("left", "right")  # a batch's inputs end so: both sides, and an extra preparer's (`estimator_left`)
+
+
+@dataclass
+class _Settled:
+    """What a step leaves to be read once the next one is queued (`_Loop._settle`)."""
+
+    out: object  # the method's StepOutput
+    batch: dict
+    lr: float
+    step: int
+    logit_scale: torch.Tensor
+
+
 class _Loop:
     """The optimisation state of a run and what one epoch does with it."""
 
@@ -316,6 +328,7 @@ class _Loop:
         self.done_epochs, self.step, self.best_rsum, self.best_epoch, self.history = 0, 0, None, None, []
         self.diag: DiagnosticsWriter | None = None
         self.towers = _Towers(target, ctx.left, ctx.right)
+        self.feed = DeviceFeed(target.device)  # batch i+1's copies to the device overlap step i
         if distributed.is_distributed():
             from torch.nn.parallel import DistributedDataParallel
 
@@ -405,7 +418,27 @@ class _Loop:
                 batch = next(it, None)
             if not distributed.all_reduce_min(batch is not None):
                 return
-            yield batch
+            yield {k: self.feed(v) if k.endswith(FED) else v for k, v in batch.items()}
+
+    def _settle(self, done: "_Settled", epoch: int, totals: dict, task, epoch_start: float) -> None:
+        """A step's loss, diagnostics, log line and progress, read one step late: reading a loss
+        waits for the device, and by then the next step is queued, so the device never idles on it."""
+        loss, n = distributed.all_reduce_mean(float(done.out.loss.detach())), len(done.batch["key"])
+        if not math.isfinite(loss):  # every rank sees the same mean: all stop, none saves a checkpoint
+            raise ConfigError(f"the training loss became {loss} at step {done.step}: stopped before saving a "
+                              "checkpoint (check the loss weights, or lower lr)", "lr")
+        totals["loss_sum"] += loss * n
+        totals["pairs"] += n
+        totals["steps"] += 1
+        batch = done.batch
+        if self.diag is not None:
+            self.diag.add({"key": batch["key"], "shard": batch["shard"], "index": batch["index"].numpy(),
+                           "epoch": [epoch] * n, **{k: v.float().cpu().numpy() for k, v in done.out.per_pair.items()}})
+        if done.step % self.cfg.log_every == 0 and distributed.is_main():
+            self.metrics.write({"event": "step", "epoch": epoch, "step": done.step, "loss": loss, "lr": done.lr,
+                                "logit_scale": float(done.logit_scale), **done.out.metrics})
+        elapsed = time.perf_counter() - epoch_start
+        task.update(advance=1, loss=loss, lr=done.lr, rate=totals["pairs"] / elapsed if elapsed else 0.0)
 
     def run_epoch(self, epoch: int, loader: _Passes, task) -> dict:
         """One pass over the training data; returns the epoch's metrics record so far."""
@@ -416,28 +449,19 @@ class _Loop:
         totals = {"loss_sum": 0.0, "pairs": 0, "steps": 0, "errors": 0, "dropped": 0, "compute_s": 0.0, "data_s": 0.0}
         failures: list[str] = []
         epoch_start = ready = time.perf_counter()
+        pending = None
         for batch in self._batches(loader, totals, failures):
             began = time.perf_counter()
             totals["data_s"] += began - ready
             lr = self.optimizer.param_groups[0]["lr"]  # this step's (the schedule moves on after it)
             out = self._step(batch)
-            loss, n = distributed.all_reduce_mean(float(out.loss.detach())), len(batch["key"])
-            if not math.isfinite(loss):  # every rank sees the same mean: all stop, none saves a checkpoint
-                raise ConfigError(f"the training loss became {loss} at step {self.step}: stopped before saving a "
-                                  "checkpoint (check the loss weights, or lower lr)", "lr")
+            if pending is not None:  # the step before's figures: the device is on this step already
+                self._settle(pending, epoch, totals, task, epoch_start)
+            pending = _Settled(out, batch, lr, self.step, self.target.logit_scale().detach())
             ready = time.perf_counter()
             totals["compute_s"] += ready - began
-            totals["loss_sum"] += loss * n
-            totals["pairs"] += n
-            totals["steps"] += 1
-            if self.diag is not None:
-                self.diag.add({"key": batch["key"], "shard": batch["shard"], "index": batch["index"].numpy(),
-                               "epoch": [epoch] * n, **{k: v.float().cpu().numpy() for k, v in out.per_pair.items()}})
-            if self.step % cfg.log_every == 0 and distributed.is_main():
-                self.metrics.write({"event": "step", "epoch": epoch, "step": self.step, "loss": loss, "lr": lr,
-                                    "logit_scale": float(self.target.logit_scale().detach()), **out.metrics})
-            elapsed = ready - epoch_start
-            task.update(advance=1, loss=loss, lr=lr, rate=totals["pairs"] / elapsed if elapsed else 0.0)
+        if pending is not None:
+            self._settle(pending, epoch, totals, task, epoch_start)
         if totals["steps"] == 0:
             if self.diag is not None:
                 self.diag.abort()

@@ -33,7 +33,7 @@ import pyarrow.parquet as pq
 from pairclean.ops.atomic import atomic_path
 from pairclean.config import check_choice
 from pairclean.errors import ConfigError, UserError
-from pairclean.data.manifest import DatasetSpec
+from pairclean.data.dataset import Dataset
 from pairclean.ops.atomic import atomic_directory
 from pairclean.scores.db import NUMERIC_TYPES, ScoresDB, compile_predicate
 from pairclean.scores.sql import duckdb_message
@@ -109,7 +109,7 @@ class _Scores:
         return {}
 
 
-def build_weight_arrays(scores: str | Path, spec: DatasetSpec, shards: list[ShardInfo], run_dir: Path,
+def build_weight_arrays(scores: str | Path, dataset: Dataset, shards: list[ShardInfo], run_dir: Path,
                         column: str | None = "weight_norm", predicate: str | None = None, join: str = "auto",
                         on_missing: str = "error", batch_rows: int = 65536,
                         attach: dict[str, list[str]] | None = None) -> WeightJoin:
@@ -121,7 +121,7 @@ def build_weight_arrays(scores: str | Path, spec: DatasetSpec, shards: list[Shar
     out = Path(run_dir) / WEIGHTS_DIR
     with src.db, atomic_directory(out, overwrite=True) as tmp:
         keys_file = tmp / "train-keys.parquet"
-        _write_train_keys(spec, shards, keys_file)
+        _write_train_keys(dataset, shards, keys_file)
         con.register("train_keys", pads.dataset(keys_file))
         mode = _choose_join(src, shards, join)
         # The weight and the predicate are evaluated over the scores alone, so a column they name
@@ -175,12 +175,12 @@ def _check_unique(con, columns: str, label: str) -> None:
         raise UserError(f"scores hold {label} {dup[:-1]} {dup[-1]} times: the join needs it to be unique")
 
 
-def _write_train_keys(spec: DatasetSpec, shards: list[ShardInfo], path: Path) -> None:
+def _write_train_keys(dataset: Dataset, shards: list[ShardInfo], path: Path) -> None:
     """(shard_id, idx, key) of every training pair, one shard in memory at a time."""
     schema = pa.schema([("shard_id", pa.int32()), ("idx", pa.int64()), ("key", pa.string())])
     with pq.ParquetWriter(path, schema) as writer:
         for shard_id, info in enumerate(shards):
-            keys = shard_keys(spec, info.shard)[:info.rows]
+            keys = shard_keys(dataset, info.shard)[:info.rows]
             writer.write_table(pa.table({"shard_id": pa.array([shard_id] * len(keys), pa.int32()),
                                          "idx": pa.array(range(len(keys)), pa.int64()), "key": keys}, schema=schema))
 

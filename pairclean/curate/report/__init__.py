@@ -13,14 +13,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from pairclean.curate.report.media import fetch_media, media_spec
+from pairclean.curate.report.media import fetch_media, media_dataset
 from pairclean.curate.report.page import render_page
 from pairclean.curate.report.stats import gather
 from pairclean.config import at_least, declare, within
-from pairclean.data.manifest import Fields
+from pairclean.data.spec import Fields
 from pairclean.errors import UserError
 from pairclean.ops.guard import open_output
-from pairclean.scores.contract import from_embeddings
+from pairclean.scores.contract import from_embeddings, scored_pairs
 from pairclean.scores.db import ScoresDB
 
 MAX_BINS = 1000  # a histogram bar per bin: more is unreadable and grows the page without bound
@@ -40,9 +40,10 @@ class ReportResult:
 def build_report(scores: str | Path, out: str | Path, shards: list[str] | None = None,
                  truth: str | Path | None = None, gallery: int = 24, contrast: int = 8, thumb: int = 224,
                  bins: int = 60, max_shard_rows: int = 40, title: str | None = None, fields: Fields | None = None,
-                 overwrite: bool = False, **dataset_options) -> ReportResult:
+                 overwrite: bool = False, allow_other_dataset: bool = False, **dataset_options) -> ReportResult:
     """Write the HTML report for a scores file; thumbnails come from `shards`, else the dataset the
-    scores recorded (`fields` and `dataset_options`: format, split, image_root, pair override how it is read)."""
+    scores recorded (`fields` and `dataset_options`: format, split, image_root, pair override how it
+    is read), which must still be the dataset scored (`allow_other_dataset` waives its fingerprints)."""
     scores = Path(scores)
     target = open_output(out, [scores, truth, *(shards or [])], overwrite=overwrite)
     out = target.path
@@ -51,10 +52,13 @@ def build_report(scores: str | Path, out: str | Path, shards: list[str] | None =
         if prov is None:
             raise UserError(f"{scores} has no pairclean provenance (not written by pairclean score?)")
         stats = gather(db, prov, truth is not None, bins, gallery, contrast)
-        spec, media_note = media_spec(prov, shards, fields, **dataset_options)
-        if spec is not None and from_embeddings(prov):
+        dataset, media_note = media_dataset(prov, shards, fields, **dataset_options)
+        if dataset is not None and from_embeddings(prov):
             db.check_unique_keys()
-    media = fetch_media(spec, stats.lowest + stats.highest, thumb, from_embeddings(prov)) if spec is not None else {}
+    if dataset is not None:  # the dataset read for the thumbnails is an input too
+        target = open_output(target, dataset.input_paths())
+    media = fetch_media(dataset, stats.lowest + stats.highest, thumb, from_embeddings(prov), scored_pairs(prov),
+                        allow_other_dataset) if dataset is not None else {}
     page = render_page(scores, prov, stats, media, media_note, title or f"pairclean report · {scores.name}",
                        max_shard_rows)
     with target.write() as tmp:

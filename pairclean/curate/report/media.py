@@ -1,10 +1,14 @@
 """The gallery's media: thumbnails and texts of the pairs it shows, read from the shards themselves
-through the dataset reader (`data.reader.read_unit`), only the units that hold a gallery pair.
+through the dataset's reader (`data.dataset.Dataset.read`), only the units that hold a gallery pair.
 
 The dataset is the one the scores file recorded (`scores.contract.scored_pairs`), opened again with
 its format and field mapping, or the shards a user gives (read with the recorded mapping where they
-are the recorded format). Rows are found by (shard, index); scores whose rows are not the
-dataset's (made from precomputed embeddings) find their pairs by key, which must then be unique.
+are the recorded format). Rows are found by (shard, index), and each pair read must carry the key
+the scores have at that position (a shard rewritten since, or another download named alike, stops
+the page: it would show another pair under a row's scores); the files read must also be the ones
+the scores recorded (`data.record`: their fingerprints; `allow_other_dataset` waives that check
+only). Scores whose rows are not the dataset's (made from precomputed embeddings) find their pairs
+by key, which must then be unique.
 """
 
 from __future__ import annotations
@@ -15,10 +19,12 @@ import os
 from dataclasses import dataclass, field, replace
 
 from pairclean.data.decode import DecodeError, decode_image
-from pairclean.data.manifest import DatasetSpec, Fields, open_dataset, reopen_dataset
-from pairclean.data.reader import RawPair, count_pairs, list_units, read_unit
+from pairclean.data.dataset import Dataset, open_dataset, reopen_dataset
+from pairclean.data.record import DatasetRecord, check_same_dataset
+from pairclean.data.rewriting.base import changed
+from pairclean.data.spec import Fields, RawPair
 from pairclean.errors import UserError
-from pairclean.scores.contract import from_embeddings, scored_pairs
+from pairclean.scores.contract import Provenance, from_embeddings, scored_pairs
 from pairclean.scores.db import match_shards
 
 
@@ -40,15 +46,15 @@ def thumbnail_uri(data: bytes, size: int) -> str:
     return "data:image/jpeg;base64," + base64.b64encode(buf.getvalue()).decode()
 
 
-def media_spec(provenance: dict, shards: list[str] | None = None, fields: Fields | None = None,
-               **options) -> tuple[DatasetSpec | None, str | None]:
+def media_dataset(provenance: Provenance, shards: list[str] | None = None, fields: Fields | None = None,
+                  **options) -> tuple[Dataset | None, str | None]:
     """The dataset to take thumbnails from: `shards` (read with the recorded mapping where they are
     the recorded format), else the dataset the scores recorded; `fields` and `options` (format,
     split, image_root, pair ...) override. (None, why) when there is none to open."""
     record = scored_pairs(provenance)
-    options["pair"] = options.get("pair") or provenance.get("pair")
+    options["pair"] = options.get("pair") or provenance.pair
     if shards:
-        return reopen_dataset(record or {}, shards, fields, **options), None
+        return reopen_dataset(record, shards, fields, **options), None
     if record is not None:
         try:
             return reopen_dataset(record, fields=fields, **options), None
@@ -57,23 +63,23 @@ def media_spec(provenance: dict, shards: list[str] | None = None, fields: Fields
     if from_embeddings(provenance):
         return None, ("pass `shards` to see the pairs: these scores were made from precomputed embeddings "
                       "that do not say where their pairs are (they are found by key)")
-    recorded = provenance.get("input_shards") or []  # a scores file from before datasets were recorded
+    recorded = provenance.input_shards or []  # a scores file from before datasets were recorded
     present = [s for s in recorded if os.path.exists(s)]
     if not recorded or len(present) < len(recorded):
         return None, "pass `shards` to see the pairs: the scored shards are not where the scores say"
     return open_dataset(present, pair=options["pair"]), None
 
 
-def _units_for(spec: DatasetSpec, path: str, indices: set[int]) -> dict[str, set[int]]:
+def _units_for(dataset: Dataset, path: str, indices: set[int]) -> dict[str, set[int]]:
     """The units of the file `path` holding these row indices: a file read as one unit holds them
     all; a file read in several (Parquet row groups) is walked by each unit's row count."""
-    units = list_units(replace(spec, shards=[path]))
+    units = Dataset(replace(dataset.spec, shards=[path])).units()
     if len(units) == 1:
         return {units[0]: indices}
     found: dict[str, set[int]] = {}
     start = 0
     for unit in units:
-        rows = count_pairs(spec, unit)
+        rows = dataset.count(unit)
         inside = {i for i in indices if start <= i < start + rows}
         if inside:
             found[unit] = inside
@@ -81,14 +87,19 @@ def _units_for(spec: DatasetSpec, path: str, indices: set[int]) -> dict[str, set
     return found
 
 
-def _read_pairs(spec: DatasetSpec, wanted: dict[str, set[int]]) -> dict[tuple[str, int], RawPair]:
-    """RawPairs at the wanted (shard path -> indices); stops reading a unit once all are found."""
+def _read_pairs(dataset: Dataset, wanted: dict[str, dict[int, str | None]]) -> dict[tuple[str, int], RawPair]:
+    """RawPairs at the wanted (shard path -> index -> the key the scores have there, None: any);
+    stops reading a unit once all are found. A pair whose key is not the scored one means the
+    shard is not what was scored: a UserError."""
     found: dict[tuple[str, int], RawPair] = {}
-    for path, indices in wanted.items():
-        for unit, needed in _units_for(spec, path, indices).items():
+    for path, keys in wanted.items():
+        for unit, needed in _units_for(dataset, path, set(keys)).items():
             left = set(needed)
-            for item in read_unit(spec, unit):
+            for item in dataset.read(unit):
                 if isinstance(item, RawPair) and item.shard == path and item.index in left:
+                    if keys[item.index] is not None and item.key != keys[item.index]:
+                        raise changed(path, f"pair {item.index} is {item.key!r} in the shard but "
+                                            f"{keys[item.index]!r} in the scores")
                     found[(path, item.index)] = item
                     left.discard(item.index)
                     if not left:
@@ -103,13 +114,12 @@ def _thumb(data, size: int) -> str | None:
         return None
 
 
-def locate_keys(spec: DatasetSpec, keys: set[str]) -> dict[str, tuple[str, int]]:
+def locate_keys(dataset: Dataset, keys: set[str]) -> dict[str, tuple[str, int]]:
     """Where each key is in the dataset: key -> (shard, index), from the format's key listing of
     every shard. A wanted key found twice is refused: a pair matched by key must be one pair."""
     found: dict[str, tuple[str, int]] = {}
-    fmt = spec.input_format
-    for shard in dict.fromkeys(spec.shards):
-        for index, key in enumerate(fmt.keys(shard)):
+    for shard in dict.fromkeys(dataset.spec.shards):
+        for index, key in enumerate(dataset.keys(shard)):
             if key in keys:
                 if key in found:
                     raise UserError(f"key {key!r} is {found[key][0]}#{found[key][1]} and {shard}#{index} in the dataset: "
@@ -118,26 +128,34 @@ def locate_keys(spec: DatasetSpec, keys: set[str]) -> dict[str, tuple[str, int]]
     return found
 
 
-def fetch_media(spec: DatasetSpec, rows: list[dict], thumb: int, by_key: bool = False) -> dict[tuple[str, int], Media]:
+def fetch_media(dataset: Dataset, rows: list[dict], thumb: int, by_key: bool = False,
+                recorded: DatasetRecord | None = None,
+                allow_other_dataset: bool = False) -> dict[tuple[str, int], Media]:
     """Thumbnails and texts for gallery rows (keyed by the scored (shard, index)). `by_key`: the
-    scores' rows are not the dataset's (precomputed embeddings), so each is found by its key."""
+    scores' rows are not the dataset's (precomputed embeddings), so each is found by its key.
+    `recorded`: the dataset the scores recorded; the files read must be its files."""
+    spec = dataset.spec
     if by_key or not any(match_shards(spec.shards, sorted({r["shard"] for r in rows})).values()):
-        located = locate_keys(spec, {r["key"] for r in rows})
+        located = locate_keys(dataset, {r["key"] for r in rows})
         place = {(r["shard"], int(r["index"])): located.get(r["key"]) for r in rows}
+        scored_key = {}  # found by their keys: nothing more to compare
     else:
         mapping = {scored: given for given, scored in
                    match_shards(spec.shards, sorted({r["shard"] for r in rows})).items() if scored is not None}
         place = {(r["shard"], int(r["index"])): (mapping[r["shard"]], int(r["index"])) if r["shard"] in mapping
                  else None for r in rows}
-    wanted: dict[str, set[int]] = {}
+        scored_key = {place[(r["shard"], int(r["index"]))]: r["key"] for r in rows}
+    wanted: dict[str, dict[int, str | None]] = {}
     for where in place.values():
         if where is not None:
-            wanted.setdefault(where[0], set()).add(where[1])
-    pairs = _read_pairs(spec, wanted)
+            wanted.setdefault(where[0], {})[where[1]] = scored_key.get(where)
+    check_same_dataset(recorded, list(wanted), "the scores file", allow_other_dataset)
+    pairs = _read_pairs(dataset, wanted)
     # Text-text pairs often come from image datasets: show the sample's image as context.
     context = {}
     if spec.pair == "text-text":
-        context = _read_pairs(replace(spec, pair="image-text"), wanted)
+        anywhere = {path: dict.fromkeys(keys) for path, keys in wanted.items()}  # keys were checked above
+        context = _read_pairs(Dataset(replace(spec, pair="image-text")), anywhere)
     media = {}
     for r in rows:
         key = (r["shard"], int(r["index"]))

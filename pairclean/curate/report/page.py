@@ -16,6 +16,7 @@ from pairclean.curate.pages import Html, join, render, template
 from pairclean.curate.report.figures import gmm_boundaries, shard_figure, similarity_figure
 from pairclean.curate.report.stats import ReportStats
 from pairclean.curate.sweep import Sweep
+from pairclean.scores.contract import Provenance
 from pairclean.scores.rules import RuleRecord
 
 
@@ -123,27 +124,28 @@ def _estimator_line(est: dict) -> str:
     return " · ".join(str(p) for p in parts if p) or "not recorded"
 
 
-def _provenance_html(prov: dict, scores: Path) -> Html:
-    est = prov.get("estimator") or {}
-    gmm = prov.get("gmm") or {}
+def _provenance_html(prov: Provenance, scores: Path) -> Html:
+    est = prov.estimator or {}
+    gmm = prov.gmm
+    dataset = prov.dataset
     items = [
         ("scores file", str(scores)),
         ("estimator", _estimator_line(est)),
         ("precision / device", f"{est.get('precision', '?')} / {est.get('device', '?')}"),
-        ("pair kind", prov.get("pair", "?")),
-        ("dataset", prov.get("dataset") or f"{len(prov.get('input_shards') or []):,} shards"),
-        ("β", f"{_num(prov.get('beta'), 4)} ± {_num(prov.get('beta_std'), 4)} "
-              f"({prov.get('beta_mode')}, K = {prov.get('beta_k')})"),
-        ("weight function", str(prov.get("weight_fn"))),
-        ("GMM", ", ".join(f"μ={m:.3f} σ²={v:.4f} π={w:.2f}" for m, v, w in
-                          zip(gmm.get("means", []), gmm.get("variances", []), gmm.get("weights", [])))
-         + (f" (fitted on {gmm.get('n_fit', 0):,} pairs)" if gmm else "not fitted")),
-        ("scored with", f"pairclean {prov.get('pairclean_version', '?')}, finished {prov.get('finished_at', '?')}"),
+        ("pair kind", prov.pair or "?"),
+        ("dataset", f"{dataset.format}: {', '.join(dataset.sources)}" if dataset
+         else f"{len(prov.input_shards or []):,} shards"),
+        ("β", f"{_num(prov.beta, 4)} ± {_num(prov.beta_std, 4)} ({prov.beta_mode}, K = {prov.beta_k})"),
+        ("weight function", str(prov.weight_fn)),
+        ("GMM", ", ".join(f"μ={m:.3f} σ²={v:.4f} π={w:.2f}"
+                          for m, v, w in zip(gmm.means, gmm.variances, gmm.weights))
+         + f" (fitted on {gmm.n_fit:,} pairs)" if gmm else "not fitted"),
+        ("scored with", f"pairclean {prov.pairclean_version or '?'}, finished {prov.finished_at or '?'}"),
     ]
     return render('<table class="kv">{{rows}}</table><details><summary>full provenance (JSON)</summary>'
                   "<pre>{{full}}</pre></details>",
                   rows=join(render("<tr><th>{{k}}</th><td>{{v}}</td></tr>", k=k, v=v) for k, v in items),
-                  full=json.dumps(prov, indent=2, sort_keys=True, default=str))
+                  full=json.dumps(prov.to_json(), indent=2, sort_keys=True))
 
 
 def _sweep_html(sweep: Sweep | None) -> Html:
@@ -175,14 +177,13 @@ def _truth_table(stats: ReportStats) -> Html:
         ["rule", "noisy if", "flagged", "clean kept", "noise caught", "balanced accuracy", "precision"], rows))
 
 
-def _cards(stats: ReportStats, prov: dict) -> list[Html]:
+def _cards(stats: ReportStats, prov: Provenance) -> list[Html]:
     s, rules, n = stats.summary, stats.rules, stats.summary["scored"]
     cards = [
         _card("pairs", f"{s['pairs']:,}", f"{s['scored']:,} scored"),
         _card("errors", f"{s['errors']:,}", _pct(s["errors"] / s["pairs"]) + " of pairs",
               "warn" if s["errors"] else ""),
-        _card("β (cone bias)", _num(prov.get("beta"), 4),
-              f"± {_num(prov.get('beta_std'), 4)} · {prov.get('beta_mode')}", "beta"),
+        _card("β (cone bias)", _num(prov.beta, 4), f"± {_num(prov.beta_std, 4)} · {prov.beta_mode}", "beta"),
         *(_card(f"flagged by {rule.label} rule", _pct(s["flagged"][rule.name] / n if n else None),
                 f"{s['flagged'][rule.name]:,} pairs with {rule.noisy_if}", f"rule {rule.name}") for rule in rules),
         _card("mean OSA weight", _num(s["mean_weight"], 4), f"{_pct(s['zero_weight'] / n if n else None)} weigh 0"),
@@ -218,20 +219,20 @@ def _errors(stats: ReportStats) -> Html:
                                [[e["error"], f"{e['n']:,}", e["example"]] for e in stats.errors]))
 
 
-def render_page(scores: Path, prov: dict, stats: ReportStats, media: dict, media_note: str | None,
+def render_page(scores: Path, prov: Provenance, stats: ReportStats, media: dict, media_note: str | None,
                 heading: str, max_shard_rows: int) -> str:
     """The self-contained HTML page."""
     gmm_decides = not any(r.name == "gmm" and r.abstains for r in stats.rules)  # an abstaining GMM has no boundary
-    mixture = FittedMixture(**prov["gmm"]) if prov.get("gmm") and gmm_decides else None
+    mixture = prov.gmm if prov.gmm and gmm_decides else None
     truth = stats.truth is not None
     return render(
         template("pairclean.curate.report", "page.html"),
         heading=heading, css=Html(template("pairclean.curate.report", "report.css")),
-        pairs=f"{stats.summary['pairs']:,}", pair=prov.get("pair", "?"),
-        estimator=_estimator_line(prov.get("estimator") or {}),
+        pairs=f"{stats.summary['pairs']:,}", pair=prov.pair or "?",
+        estimator=_estimator_line(prov.estimator or {}),
         generated=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         cards=join(_cards(stats, prov)), histogram_lead=_histogram_lead(mixture, stats),
-        histogram=similarity_figure(stats.edges, stats.counts, prov.get("beta"), mixture, stats.summary["scored"]),
+        histogram=similarity_figure(stats.edges, stats.counts, prov.beta, mixture, stats.summary["scored"]),
         truth_table=_truth_table(stats), sweep=_sweep_html(stats.sweep),
         shard_figure=shard_figure(stats.shards, truth, stats.rules),
         shard_table=_shard_table(stats.shards, truth, max_shard_rows, stats.rules),

@@ -10,6 +10,7 @@ import numpy as np
 
 from pairclean.curate.sweep import Sweep, threshold_sweep
 from pairclean.errors import UserError
+from pairclean.scores.contract import Provenance
 from pairclean.scores.db import ScoresDB
 from pairclean.scores.evaluation import truth_metrics
 from pairclean.scores.rules import RuleRecord, recorded_rules
@@ -33,7 +34,8 @@ class ReportStats:
     sweep: Sweep | None
 
 
-def gather(db: ScoresDB, provenance: dict, has_truth: bool, bins: int, gallery: int, contrast: int) -> ReportStats:
+def gather(db: ScoresDB, provenance: Provenance, has_truth: bool, bins: int, gallery: int,
+           contrast: int) -> ReportStats:
     """Every section's numbers; `labeled` (scores joined with the truth) is read when there is a truth."""
     view = "labeled" if has_truth else "scores"
     rules = recorded_rules(provenance, db.columns(view))
@@ -42,8 +44,8 @@ def gather(db: ScoresDB, provenance: dict, has_truth: bool, bins: int, gallery: 
         raise UserError(f"{db.path} holds no pairs")
     lo = s["min_sim"] if s["min_sim"] is not None else 0.0
     hi = s["max_sim"] if s["max_sim"] is not None else 1.0
-    if provenance.get("beta") is not None:
-        lo, hi = min(lo, provenance["beta"]), max(hi, provenance["beta"])
+    if provenance.beta is not None:
+        lo, hi = min(lo, provenance.beta), max(hi, provenance.beta)
     pad = max(hi - lo, 1e-3) * 0.03
     edges, counts = histogram(db, view, lo - pad, hi + pad, bins, has_truth)
     lowest = gallery_rows(db, view, min(gallery, s["scored"]), True, has_truth, rules)
@@ -52,7 +54,7 @@ def gather(db: ScoresDB, provenance: dict, has_truth: bool, bins: int, gallery: 
     return ReportStats(rules=rules, summary=s, truth=truth_by_rule(db, rules) if has_truth else None,
                        truth_join=db.truth_join, edges=edges, counts=counts,
                        shards=per_shard(db, view, has_truth, rules), lowest=lowest, highest=highest,
-                       errors=error_reasons(db), sweep=threshold_sweep(db, provenance.get("null_quantiles"), view))
+                       errors=error_reasons(db), sweep=threshold_sweep(db, provenance.null_quantiles, view))
 
 
 def _rows(db: ScoresDB, sql: str, params: list | None = None) -> list[dict]:

@@ -15,9 +15,9 @@ import json
 import re
 from pathlib import Path
 
-from pairclean.data.formats.base import Claim, register_format
+from pairclean.data.formats.base import SHARD_SUFFIXES, Claim, register_format
 from pairclean.data.formats.parquet import ParquetFormat
-from pairclean.data.reader import parquet_file
+from pairclean.data.reading.inputs import parquet_file
 from pairclean.errors import UserError
 from pairclean.ops.urls import is_local
 
@@ -32,7 +32,7 @@ def features(path: str) -> dict | None:
     try:
         raw = (parquet_file(path).schema_arrow.metadata or {}).get(b"huggingface")
         return json.loads(raw)["info"]["features"] if raw else None
-    except Exception:
+    except Exception:  # an unreadable file or foreign metadata (pyarrow, the OS, JSON, its shape): not datasets'
         return None
 
 
@@ -67,14 +67,17 @@ class HfParquet(ParquetFormat):
             if texts:
                 fields["text"] = texts[0]
             fields["key"] = keys[0] if keys else "id"
-        return Claim(cls.name, found.shards, fields)
+        return Claim(cls.name, found.shards, fields, why="the Parquet schema metadata holds Hugging Face datasets' "
+                                                         "features")
 
     @classmethod
     def directory_files(cls, directory: Path) -> list[str] | None:
-        """The hub's layout: the dataset root holds README.md and data/, the files are in data/."""
+        """The hub's layout: the dataset root holds README.md and data/, the files are in data/.
+        Every shard file there is listed, so that img2dataset output kept in ROOT/data/ (its tars
+        beside their sidecars) is detected as img2dataset's, not its sidecars as the hub's Parquet."""
         data = directory / HUB_DATA_DIR
         if data.is_dir() and not any(p.suffix in (".parquet", ".tar") for p in directory.iterdir() if p.is_file()):
-            files = sorted(str(p) for p in data.iterdir() if p.suffix == ".parquet" and p.is_file())
+            files = sorted(str(p) for p in data.iterdir() if p.name.endswith(SHARD_SUFFIXES) and p.is_file())
             return files or None
         return None
 
@@ -93,10 +96,6 @@ class HfParquet(ParquetFormat):
             return Path(self.spec.image_root)
         folder = Path(path).parent
         return folder.parent if folder.name == HUB_DATA_DIR else folder
-
-    def copy_root(self) -> str | None:
-        """A copy elsewhere reads path-only images from this dataset's root (recorded in its manifest)."""
-        return str(self.image_root(self.spec.shards[0]).resolve())
 
     def describe_extra(self) -> str:
         counts: dict[str, int] = {}

@@ -5,9 +5,9 @@ the tar holds `KEY.jpg`, `KEY.txt`, `KEY.json` for each successful download only
 beside it is a *sidecar*: one row per input URL of the shard, failures included (`status`
 `failed_to_download` / `failed_to_resize`, img2dataset's own `error_message`). Sidecars are not
 shards: a failed download becomes an error row with img2dataset's reason (`shard` = the sidecar,
-`index` = its row), and filter writes the kept samples' sidecar rows and a stats summary beside
-each tar it writes, so the output has the input's shape (and DataComp's resharder, which sizes
-shards from `_stats.json`, takes it as input).
+`index` = its row). Filter writes the kept samples' sidecar rows and a stats summary beside each
+tar it writes (`data.rewriting.img2dataset`), so the output has the input's shape (and DataComp's
+resharder, which sizes shards from `_stats.json`, takes it as input).
 
 parquet output (`NNNNN.parquet` + `NNNNN_stats.json`): one row per input URL, image bytes in
 `jpg` (null for failed rows), caption in `caption`, `key`, `status`, `error_message`.
@@ -19,18 +19,19 @@ DataComp's `uid`: rows are keyed by it, so scores made from DataComp's shipped e
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.parquet as pq
 
-from pairclean.data.formats.base import Claim, KeptRows, NextCaption, register_format
+from pairclean.data.formats.base import Claim, register_format
 from pairclean.data.formats.parquet import ParquetFormat
 from pairclean.data.formats.webdataset import WebDatasetFormat, is_tar
-from pairclean.data.reader import RawPair, Sample, UnitFailure, parquet_file, read_parquet_pairs, sample_key, shown
+from pairclean.data.reading.inputs import parquet_file
+from pairclean.data.reading.parquet import parquet_pairs
+from pairclean.data.reading.values import shown
+from pairclean.data.spec import RawPair, UnitFailure
 from pairclean.data.units import Unit
-from pairclean.ops.atomic import write_json
+from pairclean.errors import UserError
 from pairclean.ops.urls import is_local
 
 SUCCESS = "success"
@@ -44,33 +45,27 @@ def failure_reason(status, message) -> str | None:
     return f"img2dataset {status}: {shown(message)}" if message else f"img2dataset {status}"
 
 
-def stats_path(data_file: Path) -> Path:
-    """`00000.tar` / `00000.parquet` -> `00000_stats.json`."""
-    return data_file.with_name(data_file.name.split(".")[0] + "_stats.json")
-
-
-def write_stats(data_file: Path, table: pa.Table | None, count: int) -> None:
-    """img2dataset's per-shard stats for a shard pairclean wrote (DataComp's resharder reads `successes`)."""
-    statuses = table.column("status").to_pylist() if table is not None and "status" in table.column_names \
-        else [SUCCESS] * count
-    by_status: dict[str, int] = {}
-    for status in statuses:
-        by_status[str(status)] = by_status.get(str(status), 0) + 1
-    write_json(stats_path(data_file), {"count": len(statuses), "successes": by_status.get(SUCCESS, 0),
-                                       "failed_to_download": by_status.get("failed_to_download", 0),
-                                       "failed_to_resize": by_status.get("failed_to_resize", 0),
-                                       "status_dict": by_status, "written_by": "pairclean"})
-
-
 def _sidecar_name(tar: str) -> str:
     return tar[: -len(".tar")] + ".parquet" if tar.endswith(".tar") else tar + ".parquet"
 
 
-def _columns(path: str) -> set[str]:
+SIDECARS_TRIED = 8  # detection reads the columns of the first readable of this many sidecars
+
+
+def columns_of(path: str) -> set[str]:
+    """A Parquet file's column names (none when it cannot be read: detection then passes it by)."""
     try:
         return set(parquet_file(path).schema_arrow.names)
-    except Exception:
+    except Exception:  # pyarrow, the OS or a remote filesystem: not this layout's sidecar
         return set()
+
+
+def read_table(path: str, columns: list[str] | None = None) -> pa.Table:
+    """A sidecar (or img2dataset Parquet file) read whole, or a UserError naming it."""
+    try:
+        return parquet_file(path).read(columns=columns)
+    except Exception as exc:  # pyarrow, the OS or a remote filesystem: one line naming the file
+        raise UserError(f"cannot read {path}: {str(exc).splitlines()[0][:300]}") from None
 
 
 @register_format
@@ -91,9 +86,15 @@ class Img2DatasetWebDataset(WebDatasetFormat):
         # The sidecars named with the tars (a directory), else those beside them on disk (a glob of the tars).
         sidecars = parquets or [s for t in tars if is_local(t) and os.path.isfile(s := _sidecar_name(t))]
         local = [p for p in sidecars if is_local(p)]
-        if not sidecars or (local and not set(cls.needs) <= _columns(local[0])):
+        if not sidecars:
             return None
-        return Claim(cls.name, tars)
+        why = f"each tar has img2dataset's sidecar beside it (NNNNN.parquet with {', '.join(cls.needs)})"
+        columns = next((found for found in map(columns_of, local[:SIDECARS_TRIED]) if found), None)
+        if local and columns is None:  # no sidecar readable: their names alone say img2dataset's
+            return Claim(cls.name, tars, why=why + "; no sidecar could be read") if "uid" not in cls.needs else None
+        if local and not set(cls.needs) <= columns:
+            return None
+        return Claim(cls.name, tars, why=why)
 
     def sidecar(self, shard: str) -> str | None:
         path = _sidecar_name(shard)
@@ -112,8 +113,7 @@ class Img2DatasetWebDataset(WebDatasetFormat):
         sidecar = self.sidecar(shard)
         if sidecar is None:
             return None, []
-        table = parquet_file(sidecar).read(columns=[c for c in (self.sidecar_key(), *STATUS_COLUMNS)
-                                                    if c in _columns(sidecar)])
+        table = read_table(sidecar, [c for c in (self.sidecar_key(), *STATUS_COLUMNS) if c in columns_of(sidecar)])
         keys = table.column(self.sidecar_key()).to_pylist() if self.sidecar_key() in table.column_names \
             else [None] * table.num_rows
         status = table.column("status").to_pylist() if "status" in table.column_names else [SUCCESS] * table.num_rows
@@ -126,8 +126,8 @@ class Img2DatasetWebDataset(WebDatasetFormat):
         yield from super().read(unit)
         try:
             sidecar, failed = self._failed(unit)
-        except Exception as exc:
-            yield UnitFailure(unit, f"cannot read the sidecar of {unit}: {str(exc).splitlines()[0][:300]}")
+        except Exception as exc:  # any way a sidecar breaks: the tar's rows are kept, the unit is a failed unit
+            yield UnitFailure(unit, f"img2dataset sidecar: {str(exc).splitlines()[0][:300]}")
             return
         for row, key, reason in failed:
             yield RawPair(key=key, shard=sidecar, index=row, error=reason)
@@ -135,73 +135,21 @@ class Img2DatasetWebDataset(WebDatasetFormat):
     def count(self, unit: str) -> int:
         try:
             failed = len(self._failed(unit)[1])
-        except Exception:
+        except Exception:  # an unreadable sidecar: its rows are not counted (the unit's read reports it)
             failed = 0
         return super().count(unit) + failed
 
     def describe_extra(self) -> str:
         sidecars = self.metadata_files()
-        failed = sum(len(self._failed(t)[1]) for t in dict.fromkeys(self.spec.shards)) if sidecars else 0
+        failed = unreadable = 0
+        for tar in dict.fromkeys(self.spec.shards) if sidecars else ():
+            try:
+                failed += len(self._failed(tar)[1])
+            except UserError:
+                unreadable += 1
+        broken = f"; {unreadable} cannot be read: their shards are failed units" if unreadable else ""
         return (f"{len(sidecars)} metadata sidecar(s) ({failed} failed download(s) become error rows "
-                "with img2dataset's reason)")
-
-    # -- filter: per-shard sidecars and stats beside each tar written ------------------------
-
-    def write_kept(self, kept: KeptRows, tmp: Path, prefix: str, shard_size: int, shard_bytes: float, progress):
-        # The sidecar row of each sample handed to the writer, in order (None: the sidecar has no row
-        # for it); a closed shard takes as many as it holds: the writer closes a shard when the next
-        # sample arrives, so the last one handed over may belong to the next shard.
-        self._rows: list[pa.Table | None] = []
-        self._index: tuple[str | None, dict[str, int], pa.Table | None] = (None, {}, None)
-        return super().write_kept(kept, tmp, prefix, shard_size, shard_bytes, progress)
-
-    def on_kept(self, shard: str, sample: Sample) -> None:
-        if self._index[0] != shard:
-            sidecar = self.sidecar(shard)
-            table = parquet_file(sidecar).read() if sidecar is not None else None
-            column = self.sidecar_key()
-            rows = {str(k): i for i, k in enumerate(table.column(column).to_pylist())} \
-                if table is not None and column in table.column_names else {}
-            self._index = (shard, rows, table)
-        _, rows, table = self._index
-        row = rows.get(sample_key(self.spec.fields.key, sample))
-        self._rows.append(table.slice(row, 1) if row is not None else None)
-
-    def on_closed(self, path: Path) -> None:
-        count = self.count(str(path))
-        mine, self._rows = [t for t in self._rows[:count] if t is not None], self._rows[count:]
-        table = pa.concat_tables(mine, promote_options="default") if mine else None
-        if table is not None:
-            pq.write_table(table, path.with_suffix(".parquet"))
-        write_stats(path, table, count)
-
-    # -- corrupt: the sidecar copied with the changed captions -------------------------------
-
-    def rewrite(self, shard: str, tmp: Path, next_caption: NextCaption, caption_field: str) -> None:
-        changed: dict[str, str] = {}
-
-        def recording(path: str, index: int, key: str | None) -> str | None:
-            new = next_caption(path, index, key)
-            if new is not None:
-                changed[str(key)] = new
-            return new
-
-        super().rewrite(shard, tmp, recording, caption_field)
-        sidecar = self.sidecar(shard)
-        target = tmp / self.output_name(shard)
-        if sidecar is None:
-            return
-        table = parquet_file(sidecar).read()
-        column = self.sidecar_key()
-        if changed and "caption" in table.column_names and column in table.column_names:
-            keys = [str(k) for k in table.column(column).to_pylist()]
-            captions = [changed.get(k, c) for k, c in zip(keys, table.column("caption").to_pylist())]
-            index = table.schema.get_field_index("caption")
-            table = table.set_column(index, table.schema.field(index), pa.array(captions, pa.string()))
-        pq.write_table(table, target.with_suffix(".parquet"))
-        stats = stats_path(Path(shard))
-        if stats.is_file():
-            stats_path(target).write_bytes(stats.read_bytes())
+                f"with img2dataset's reason{broken})")
 
 
 @register_format
@@ -227,28 +175,24 @@ class Img2DatasetParquet(ParquetFormat):
             return None
         if not forced:
             local = [p for p in found.shards if is_local(p)]
-            if not local or not {"jpg", "caption", "key", *STATUS_COLUMNS} <= _columns(local[0]):
+            if not local or not {"jpg", "caption", "key", *STATUS_COLUMNS} <= columns_of(local[0]):
                 return None
-        return Claim(cls.name, found.shards)
+        return Claim(cls.name, found.shards, why="the Parquet files have img2dataset's columns (jpg, caption, key, "
+                                                 "status, error_message)")
 
     def read(self, unit: str):
-        return read_parquet_pairs(self.spec, unit, self.image_root(Unit.parse(unit).path), extra=STATUS_COLUMNS,
-                                  row_error=lambda row: failure_reason(row.get("status"), row.get("error_message")))
+        return parquet_pairs(self.spec, unit, self.image_root(Unit.parse(unit).path), self.field_defaults,
+                             extra=STATUS_COLUMNS,
+                             row_error=lambda row: failure_reason(row.get("status"), row.get("error_message")))
 
     def describe_extra(self) -> str:
-        failed = 0
+        failed = unreadable = 0
         for shard in dict.fromkeys(self.spec.shards):
-            if is_local(shard) and "status" in _columns(shard):
-                status = parquet_file(shard).read(columns=["status"]).column("status")
-                failed += len(status) - pc.sum(pc.equal(status, SUCCESS)).as_py() if len(status) else 0
-        return f"{failed} failed download(s) become error rows with img2dataset's reason"
-
-    def on_written(self, target: Path, rows: int) -> None:
-        write_stats(target, parquet_file(str(target)).read(columns=["status"])
-                    if "status" in _columns(str(target)) else None, rows)
-
-    def rewrite(self, shard: str, tmp: Path, next_caption: NextCaption, caption_field: str) -> None:
-        super().rewrite(shard, tmp, next_caption, caption_field)
-        stats = stats_path(Path(shard))
-        if stats.is_file():
-            stats_path(tmp / self.output_name(shard)).write_bytes(stats.read_bytes())
+            try:
+                if is_local(shard) and "status" in columns_of(shard):
+                    status = read_table(shard, ["status"]).column("status")
+                    failed += len(status) - pc.sum(pc.equal(status, SUCCESS)).as_py() if len(status) else 0
+            except UserError:
+                unreadable += 1
+        broken = f"; {unreadable} file(s) cannot be read: their units fail" if unreadable else ""
+        return f"{failed} failed download(s) become error rows with img2dataset's reason{broken}"

@@ -26,7 +26,8 @@ from PIL import Image, ImageDraw
 
 from pairclean.config import COUNT, SEED, at_least, declare
 from pairclean.errors import ConfigError
-from pairclean.data.manifest import DatasetSpec, Fields, write_manifest
+from pairclean.data.manifest import write_manifest
+from pairclean.data.spec import DatasetSpec, Fields
 from pairclean.data.writer import write_shards
 from pairclean.ops.guard import open_output
 

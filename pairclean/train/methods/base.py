@@ -32,9 +32,10 @@ from typing import Any, Callable, ClassVar
 
 import torch
 
-from pairclean.config import check_choice, check_value, declarations, parse_value
-from pairclean.data.manifest import DatasetSpec
-from pairclean.errors import ConfigError, UserError
+from pairclean.config import check_choice, check_value, field_types, parse_value
+from pairclean.data.dataset import Dataset
+from pairclean.data.spec import DatasetSpec
+from pairclean.errors import UserError
 from pairclean.ops.notices import notice
 from pairclean.train.data import BatchPlan, ShardInfo
 from pairclean.train.loss import weighted_infonce
@@ -44,7 +45,8 @@ from pairclean.train.loss import weighted_infonce
 class MethodContext:
     """What a method may use: the data, the target, the run directory, the trainer's settings."""
 
-    spec: DatasetSpec
+    dataset: Dataset  # what reads the training data
+    spec: DatasetSpec  # the dataset's spec (plain data: pair kind, shards, fields)
     shards: list[ShardInfo]
     target: Any
     run_dir: Path
@@ -184,31 +186,11 @@ def register_method(cls: type[Method]) -> type[Method]:
     return cls
 
 
-def _coerce(value: Any, annotation: str, name: str):
-    """Option strings (`--method-option key=value`) -> the option's declared type."""
-    if not isinstance(value, str):
-        return value
-    kind = annotation.replace(" ", "").split("|")
-    if value.lower() in ("none", "null") and "None" in kind:
-        return None
-    try:
-        if "bool" in kind:
-            if value.lower() not in ("true", "false", "1", "0", "yes", "no"):
-                raise ValueError(value)
-            return value.lower() in ("true", "1", "yes")
-        if "int" in kind:
-            return int(value)
-        if "float" in kind:
-            return float(value)
-    except ValueError:
-        raise ConfigError(f"method option {name}={value!r} is not a valid {annotation}", name) from None
-    return value
-
-
 def build_method(name: str, options: dict | None = None) -> Method:
-    """The registered method `name` with its options: numbers are parsed and checked against their
-    declarations (`config.setting` on each Options field), other strings converted to the field's
-    type; each Options checks what concerns several fields at once."""
+    """The registered method `name` with its options: text is read as each field's type
+    (`config.parse_value`: numbers checked against their declarations, `config.setting` on each
+    Options field), numbers given as numbers checked likewise; each Options checks what concerns
+    several fields at once."""
     check_choice(name, sorted(METHODS), "method")
     cls = METHODS[name]
     fields = {f.name: f for f in dataclasses.fields(cls.Options)}
@@ -217,10 +199,10 @@ def build_method(name: str, options: dict | None = None) -> Method:
     if unknown:
         known = ", ".join(fields) or "none"
         raise UserError(f"method {name} has no option(s) {', '.join(unknown)} (its options: {known})")
-    declared = declarations(cls.Options)  # numbers: their declared type and bounds, checked here for every method
-    values = {k: (parse_value(v, declared[k], k) if isinstance(v, str) else
-                  check_value(v, declared[k].kind, declared[k].bounds, k, declared[k].optional))
-              if k in declared else _coerce(v, str(fields[k].type), k) for k, v in options.items()}
+    declared = field_types(cls.Options)  # numbers with their declared bounds, checked here for every method
+    values = {k: parse_value(v, declared[k], k) if isinstance(v, str) else
+              check_value(v, declared[k].kind, declared[k].bounds, k, declared[k].optional)
+              if declared[k].kind in (int, float) else v for k, v in options.items()}
     try:
         opts = cls.Options(**values)
     except TypeError as exc:

@@ -8,6 +8,7 @@ import torch
 
 from pairclean.backends import build_estimator, resolve_backend
 from pairclean.config import COUNT, FINITE, check_choice, setting
+from pairclean.errors import ConfigError
 from pairclean.core.beta import check_beta_mode, random_input_beta, resolve_beta
 from pairclean.core.scorer import WEIGHT_FUNCTIONS, cone_weight, debias, normalised_weight
 from pairclean.train.data import BatchPlan
@@ -21,7 +22,8 @@ ONLINE_BETA_MODES = ("random-inputs", "fixed")  # shuffled needs a full pass ove
 @dataclass
 class OsaOnlineOptions:
     estimator_model: str | None = None  # None: a frozen copy of the target before training (official code)
-    estimator_pretrained: str = "none"  # open_clip estimators: tag, checkpoint path, or none
+    estimator_pretrained: str = "default"  # the model's own weights, a tag, a checkpoint path, or none (random;
+    #                                        it also allows a random frozen copy on purpose)
     estimator_backend: str = "auto"  # auto | open_clip | sentence-transformers
     weight_fn: str = "cubic"
     normalise: bool = True  # weight_norm, as the offline default column
@@ -54,7 +56,8 @@ class OsaOnline(Method):
                  Shortcut("--estimator-model", "estimator_model", "--online estimator (default: a frozen copy of the "
                                                                   "model before training)."),
                  Shortcut("--estimator-pretrained", "estimator_pretrained", "--online estimator weights: tag, path, "
-                                                                            "or none."),
+                                                                            "none, or default (the model's own; none "
+                                                                            "also allows a random frozen copy)."),
                  Shortcut("--weight-fn", "weight_fn", "--online weight function: cubic, linear, cosine, official."),
                  Shortcut("--beta-k", "beta_k", "--online: K random inputs per side for beta.", kind=int),
                  REDUCTION_SHORTCUT)
@@ -76,8 +79,16 @@ class OsaOnline(Method):
         else:
             backend = resolve_backend(o.estimator_backend, o.estimator_model, (ctx.left, ctx.right))
             torch.manual_seed(ctx.seed)  # a randomly initialised estimator is then reproducible
-            self.estimator = build_estimator(backend, model=o.estimator_model, pretrained=o.estimator_pretrained,
-                                             device=str(target.device))
+            self.estimator = build_estimator(backend, model=o.estimator_model, device=str(target.device),
+                                             pretrained=None if o.estimator_pretrained == "default"
+                                             else o.estimator_pretrained)
+        if self.estimator.random_init and o.estimator_pretrained != "none":  # none: a random estimator on purpose
+            raise ConfigError("the online estimator is a frozen copy of the model before training, and that model is "
+                              "randomly initialised (`pretrained` none): its similarities, and so the weights, would "
+                              "be noise. Give the model trained weights with `pretrained`, or a trained estimator "
+                              "with `estimator_model` (and `estimator_pretrained`); `estimator_pretrained` none trains "
+                              "against the random copy on purpose", "pretrained", "estimator_model",
+                              "estimator_pretrained")
         if self.beta is None:  # a resumed run keeps the beta it started with
             estimate, _ = resolve_beta(o.beta_mode, o.beta, lambda: (random_input_beta(
                 self.estimator, ctx.left, ctx.right, k=o.beta_k, seed=ctx.seed), "computed"))

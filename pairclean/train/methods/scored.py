@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pairclean.config import check_choice
+from pairclean.config import check_choice, parse_attachments
 from pairclean.errors import ConfigError
 from pairclean.ops import distributed
 from pairclean.scores.contract import columns_phrase
-from pairclean.scores.db import parse_attachments
+from pairclean.scores.db import check_attach_name
 from pairclean.train.data import BatchPlan
 from pairclean.train.methods.base import Method, MethodContext, Shortcut
 from pairclean.train.weights import JOINS, ON_MISSING, build_weight_arrays
@@ -30,7 +30,7 @@ class ScoresOptions:
 
     def attachments(self) -> dict[str, list[str]]:
         """{NAME: files} of `attach` (NAME=FILE, a glob naming several Parquet files)."""
-        return parse_attachments([self.attach] if self.attach else [])
+        return parse_attachments([self.attach] if self.attach else [], check_name=check_attach_name)
 
 
 def needs_scores(method: str, options: ScoresOptions) -> None:
@@ -70,7 +70,7 @@ class ScoredMethod(Method):
         announced to every rank; in one process, built here."""
         o = self.options
         self.join = distributed.on_main(lambda: build_weight_arrays(
-            o.scores, ctx.spec, ctx.shards, ctx.run_dir, column=self.weight_column(), predicate=o.filter, join=o.join,
+            o.scores, ctx.dataset, ctx.shards, ctx.run_dir, column=self.weight_column(), predicate=o.filter, join=o.join,
             on_missing=o.on_missing, attach=o.attachments()))
         return BatchPlan(weights_dir=self.join.directory, shard_files=self.join.shard_files, pairs=self.join.kept)
 

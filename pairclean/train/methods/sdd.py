@@ -120,7 +120,7 @@ class Sdd(Method):
             self.bank_image, self.bank_text = memory_bank(self.initial["left"], self.initial["right"], clean,
                                                           self.options.chunk)
             self.initial_kept = int(np.sum(self.initial.seen & self_drop(sim100, self.options.alpha)))
-        self.entries = read_pairs(ctx.spec, set(self.bank_image.tolist()) | set(self.bank_text.tolist()), self.index)
+        self.entries = read_pairs(ctx.dataset, set(self.bank_image.tolist()) | set(self.bank_text.tolist()), self.index)
         self.siamese = Network(ctx, replica(ctx.target))
         return self.weights.plan(pairs=max(self.initial_kept, 1))
 

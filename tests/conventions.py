@@ -2,7 +2,7 @@
 
 Layers, ground first (a module imports only from its own layer and those below):
 
-    errors, config < ops < data < backends < core < scores < scoring, curate < dedup < train < lab < cli
+    errors, config < ops < runs < data < backends < core < scores < scoring, curate < dedup < train < lab < cli
 
 Packages of one layer (`scoring`, `curate`) stand side by side and do not import each other.
 `tests/test_layers.py` holds every import statement of the package to `LAYERS` (deferred imports
@@ -20,25 +20,27 @@ import ast
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 # Each entry is one layer: the top-level modules and packages of `pairclean` in it. The package
 # root (`pairclean/__init__.py`: `__version__`, and exports imported lazily by name) is ground too.
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("", "errors", "config", "conventions"),
+    ("", "errors", "config"),
     ("ops",),
+    ("runs",),  # the resumable run's engine (part store, claims, the output guard once), for scoring, dedup, train
     ("data",),
     ("backends",),
     ("core",),
     ("scores",),
     ("scoring", "curate"),
-    ("dedup",),  # reads saved embeddings and a scores file, and keeps its parts in scoring's part store
+    ("dedup",),  # reads saved embeddings and a scores file
     ("train",),
     ("lab",),
     ("cli",),
     ("__main__",),  # `python -m pairclean`: the command line, started
 )
 
-_UNSHOWN = {"", "conventions", "__main__"}  # in a layer, but not what a reader of the order needs
+_UNSHOWN = {"", "__main__"}  # in a layer, but not what a reader of the order needs
 
 
 def layers_line() -> str:
@@ -75,7 +77,7 @@ def layer_of(module: str) -> int:
     for rank, layer in enumerate(LAYERS):
         if part in layer:
             return rank
-    raise KeyError(f"{module} is in no layer: declare {part!r} in pairclean.conventions.LAYERS")
+    raise KeyError(f"{module} is in no layer: declare {part!r} in LAYERS (tests/conventions.py)")
 
 
 @dataclass(frozen=True)
@@ -90,26 +92,156 @@ class Import:
                 f"{part_of(self.module) or 'pairclean'} may not import {part_of(self.target)}")
 
 
-def imports_of(path: str, source: str) -> list[Import]:
-    """Every import of pairclean in a module, wherever it stands (top level, inside a function,
-    under `if TYPE_CHECKING`); relative imports resolved against the module."""
+def _import_statements(path: str, source: str) -> Iterator[tuple[ast.stmt, str, list[str]]]:
+    """(statement, the module it imports from, the names it imports) of every import in a module,
+    wherever it stands (top level, inside a function, under `if TYPE_CHECKING`); relative imports
+    resolved against the module. `import a.b` imports from `a.b` and names nothing."""
     module = module_name(path)
     package = module.split(".") if path.endswith("__init__.py") else module.split(".")[:-1]
-    found = []
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Import):
-            targets = [alias.name for alias in node.names]
+            for alias in node.names:
+                yield node, alias.name, []
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
                 base = ".".join(package[:len(package) - node.level + 1] + ([base] if base else []))
-            # `from pairclean import cli` imports a part; `from pairclean import __version__`, the root
-            targets = [base] if base != "pairclean" else \
-                [f"pairclean.{alias.name}" if _declared(alias.name) else base for alias in node.names]
-        else:
-            continue
+            yield node, base, [alias.name for alias in node.names]
+
+
+def imports_of(path: str, source: str) -> list[Import]:
+    """Every import of pairclean in a module, wherever it stands (top level, inside a function,
+    under `if TYPE_CHECKING`); relative imports resolved against the module."""
+    module = module_name(path)
+    found = []
+    for node, base, names in _import_statements(path, source):
+        # `from pairclean import cli` imports a part; `from pairclean import __version__`, the root
+        targets = [base] if base != "pairclean" or not names else \
+            [f"pairclean.{name}" if _declared(name) else base for name in names]
         found += [Import(path, node.lineno, module, target) for target in targets
                   if target == "pairclean" or target.startswith("pairclean.")]
+    return found
+
+
+# ---------------------------------------------------------------- import cycles
+
+def module_graph(files: dict[str, str]) -> dict[str, set[str]]:
+    """module -> the modules of `files` it imports, every import statement counted (deferred ones
+    inside functions and `TYPE_CHECKING` ones too): `from a import b` is an edge to the module
+    `a.b` when there is one, else to `a`. (Python also runs a package's `__init__` before any of
+    its modules; that implicit step is not an edge here, as it is not an import anyone wrote.)"""
+    modules = {module_name(path): path for path in files}
+    graph: dict[str, set[str]] = {module: set() for module in modules}
+    for module, path in modules.items():
+        for _, base, names in _import_statements(path, files[path]):
+            targets = [f"{base}.{name}" if f"{base}.{name}" in modules else base for name in names] or [base]
+            graph[module].update(t for t in targets if t in modules and t != module)
+    return graph
+
+
+def import_cycles(files: dict[str, str]) -> list[list[str]]:
+    """The import cycles of `files`: every strongly connected component of the module graph with
+    more than one module (a cycle hidden in a function is still a cycle), each sorted."""
+    graph = module_graph(files)
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles: list[list[str]] = []
+    for root in sorted(graph):  # Tarjan's algorithm, iterative: a deep package needs no recursion limit
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, edges = work[-1]
+            step = next(edges, None)
+            if step is not None:
+                if step not in index:
+                    index[step] = low[step] = len(index)
+                    stack.append(step)
+                    on_stack.add(step)
+                    work.append((step, iter(sorted(graph[step]))))
+                elif step in on_stack:
+                    low[node] = min(low[node], index[step])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    cycles.append(sorted(component))
+    return sorted(cycles)
+
+
+# ---------------------------------------------------------------- records and handlers
+
+def _names_dict(node: ast.expr) -> bool:
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):  # a quoted annotation
+        try:
+            node = ast.parse(node.value, mode="eval").body
+        except SyntaxError:
+            return False
+    while isinstance(node, ast.Subscript):
+        node = node.value
+    return isinstance(node, ast.Name) and node.id in ("dict", "Dict")
+
+
+def _returns_dict(annotation: ast.expr) -> bool:
+    """`-> dict`, `-> dict[str, int]`, or a tuple holding one (`-> tuple[dict, dict]`)."""
+    if isinstance(annotation, ast.Constant) and isinstance(annotation.value, str):
+        try:
+            annotation = ast.parse(annotation.value, mode="eval").body
+        except SyntaxError:
+            return False
+    if _names_dict(annotation):
+        return True
+    if isinstance(annotation, ast.Subscript) and getattr(annotation.value, "id", None) in ("tuple", "Tuple"):
+        items = annotation.slice.elts if isinstance(annotation.slice, ast.Tuple) else [annotation.slice]
+        return any(_names_dict(item) for item in items)
+    return False
+
+
+@dataclass(frozen=True)
+class Found:
+    path: str
+    line: int
+    name: str
+
+    def __str__(self) -> str:
+        return f"{self.path}:{self.line} {self.name}"
+
+
+def dict_returns(files: dict[str, str]) -> list[Found]:
+    """Functions annotated to return a bare dict, or a tuple holding one: a record whose shape
+    only its readers know (issue 32 counted them)."""
+    return [Found(path, node.lineno, node.name) for path, source in sorted(files.items())
+            for node in ast.walk(ast.parse(source))
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.returns is not None
+            and _returns_dict(node.returns)]
+
+
+def silent_broad_handlers(files: dict[str, str]) -> list[Found]:
+    """`except Exception:` (or a bare `except:`) that neither names the exception nor says, in a
+    comment on its line, why anything may be caught there."""
+    found = []
+    for path, source in sorted(files.items()):
+        lines = source.splitlines()
+        for node in ast.walk(ast.parse(source)):
+            if not isinstance(node, ast.ExceptHandler) or node.name is not None:
+                continue
+            broad = node.type is None or getattr(node.type, "id", None) in ("Exception", "BaseException")
+            if broad and "#" not in lines[node.lineno - 1]:
+                found.append(Found(path, node.lineno, lines[node.lineno - 1].strip()))
     return found
 
 

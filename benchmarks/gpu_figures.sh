@@ -1,0 +1,177 @@
+#!/usr/bin/env bash
+# Every GPU figure of docs/benchmarks.md in one call on a fresh, lent GPU machine (issue 31):
+#   1. the interpreter that holds torch becomes `python` on PATH (a wrapper that execs it: a
+#      symlink is not enough there), and the repository is put on PYTHONPATH (nothing to build);
+#   2. the packages the image lacks, installed from the wheels carried in benchmarks/wheels/
+#      (fetched beforehand by benchmarks/fetch_gpu_wheels.sh: the machine cannot reach PyPI);
+#   3. web-like shards (`synth web-shards`, rendered by every core);
+#   4. `bench score` (model-only ceiling, end to end with its main process metered, pipeline only),
+#      alternating decode gpu|fast x eager|--compile, then each other installed device decoder
+#      (nvimgcodec, with --with-nvimgcodec's wheels) and benchmarks/device_decoders.py on one batch;
+#   5. a training epoch against the model's own step rate (benchmarks/train_throughput.py);
+#   6. benchmarks/cuda_paths.sh (every CUDA path).
+# One JSON per variant in OUT, a log per step, summary.json and a table at the end. A step that
+# would overrun the time budget is skipped and says so; every step runs under a timeout.
+#     bash benchmarks/fetch_gpu_wheels.sh [3.12 --with-nvimgcodec]   # here, once (28 MB; 57 MB with nvImageCodec)
+#     bash benchmarks/gpu_figures.sh [OUT]                  # there (the device call carries benchmarks/wheels)
+# Knobs (environment): BUDGET=480 (seconds) SHARDS=14 PAIRS_PER_SHARD=2500 MODEL=ViT-B-32
+#   PRECISION=bf16 BATCH=1024 TRAIN_BATCH=512 WORKERS=(cores - 2) DEVICE=cuda DECODES="gpu fast"
+#   COMPILE=1 CUDA_PATHS=1 (a CPU dry run: DEVICE=cpu MODEL=pairclean-tiny SHARDS=2 PAIRS_PER_SHARD=64
+#   BATCH=32 TRAIN_BATCH=32 COMPILE=0 CUDA_PATHS=0)
+set -u
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+OUT=${1:-$ROOT/gpu-figures}
+mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)
+W="$OUT/work"
+T0=$(date +%s)
+BUDGET=${BUDGET:-480}
+SHARDS=${SHARDS:-14}
+PAIRS_PER_SHARD=${PAIRS_PER_SHARD:-2500}
+MODEL=${MODEL:-ViT-B-32}
+PRECISION=${PRECISION:-bf16}
+BATCH=${BATCH:-1024}
+TRAIN_BATCH=${TRAIN_BATCH:-512}
+CORES=$(nproc)
+WORKERS=${WORKERS:-$(( CORES > 3 ? CORES - 2 : 1 ))}
+DEVICE=${DEVICE:-cuda}
+DECODES=${DECODES:-gpu fast}
+COMPILE=${COMPILE:-1}
+CUDA_PATHS=${CUDA_PATHS:-1}
+
+left() { echo $(( BUDGET - $(date +%s) + T0 )); }
+say() { echo "[$(( $(date +%s) - T0 ))s] $*" | tee -a "$OUT/log.txt"; }
+
+# step NAME SECONDS CMD...: CMD under a timeout of the budget left, its output in OUT/NAME.log;
+# skipped (OUT/NAME.skipped) when less than SECONDS are left.
+step() {
+  local name=$1 need=$2 rest rc
+  shift 2
+  rest=$(left)
+  if (( rest < need )); then
+    say "skip $name: ${rest} s of the budget left, it needs about ${need} s"
+    echo "$rest" > "$OUT/$name.skipped"
+    return 0
+  fi
+  say "start $name"
+  timeout --kill-after=15 "$rest" "$@" > "$OUT/$name.log" 2>&1
+  rc=$?
+  say "end $name: rc=$rc"
+  tail -n 4 "$OUT/$name.log" | sed 's/^/    /'
+  return 0
+}
+
+# 1. python: the interpreter that imports torch, as a wrapper script on PATH
+PY=""
+for candidate in python3 python python3.12 python3.11 /usr/bin/python3 /usr/local/bin/python3 /opt/conda/bin/python; do
+  if command -v "$candidate" >/dev/null 2>&1 && "$candidate" -c "import torch" >/dev/null 2>&1; then
+    PY=$(command -v "$candidate")
+    break
+  fi
+done
+[ -n "$PY" ] || { say "no interpreter on this machine imports torch"; exit 1; }
+mkdir -p "$OUT/bin" "$W"
+printf '#!/bin/sh\nexec "%s" "$@"\n' "$PY" > "$OUT/bin/python"
+chmod +x "$OUT/bin/python"
+export PATH="$OUT/bin:$PATH" PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+say "python: $PY ($(python -c 'import sys, torch; print(sys.version.split()[0], "torch", torch.__version__)'))"
+
+# 2. what the image lacks, from the carried wheels (no index: the machine reaches none)
+python - "$ROOT/benchmarks/wheels" > "$OUT/install-list.txt" <<'EOF'
+import pathlib, sys
+from importlib.metadata import PackageNotFoundError, distribution
+for wheel in sorted(pathlib.Path(sys.argv[1]).glob("*.whl")):
+    try:
+        distribution(wheel.name.split("-")[0])  # installed already: the image's own is kept
+    except PackageNotFoundError:
+        print(wheel)
+EOF
+if [ -s "$OUT/install-list.txt" ]; then
+  step install 20 python -m pip install --no-index --no-deps $(cat "$OUT/install-list.txt")
+fi
+python -c "import pairclean.cli, open_clip, webdataset, duckdb" 2>"$OUT/import-check.log" \
+  || { say "pairclean does not import here:"; cat "$OUT/import-check.log"; exit 1; }
+python - > "$OUT/machine.json" <<EOF
+import json, os, platform, subprocess, sys, torch, torchvision
+gpu = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
+                     capture_output=True, text=True).stdout.strip() if os.path.exists("/usr/bin/nvidia-smi") else None
+print(json.dumps({"gpu": gpu, "cuda_available": torch.cuda.is_available(), "torch": torch.__version__,
+                  "torchvision": torchvision.__version__, "python": sys.version.split()[0], "cores": os.cpu_count(),
+                  "platform": platform.platform(), "settings": {"model": "$MODEL", "precision": "$PRECISION",
+                  "batch": $BATCH, "train_batch": $TRAIN_BATCH, "workers": $WORKERS, "device": "$DEVICE",
+                  "shards": $SHARDS, "pairs_per_shard": $PAIRS_PER_SHARD}}, indent=1))
+EOF
+say "machine: $(python -c "import json; m = json.load(open('$OUT/machine.json')); print(m['gpu'], m['cores'], 'cores')")"
+
+# 3. the shards
+step shards 30 python -m pairclean synth web-shards --src "$ROOT/tests/data/coco-mini" --out "$W/web" \
+  --shards "$SHARDS" --pairs-per-shard "$PAIRS_PER_SHARD" --jobs "$CORES" --overwrite
+[ -f "$W/web/manifest.yaml" ] || { say "no shards: stopping"; exit 1; }
+
+# 4. scoring variants, alternating
+score() {  # NAME DECODE [--compile]
+  step "score-$1" 45 python -m pairclean bench score "$W/web/manifest.yaml" --model "$MODEL" --pretrained none \
+    --device "$DEVICE" --precision "$PRECISION" --batch-size "$BATCH" --workers "$WORKERS" --decode "$2" ${3:-} \
+    --beta-mode shuffled --naive-pairs 0 --min-seconds 8 --json "$OUT/score-$1.json" --overwrite
+}
+extra_decodes=$(python -c "from pairclean.backends.device_jpeg import DEVICE_DECODERS as D
+print(' '.join(n for n, c in D.items() if n not in '$DECODES'.split() and c.unavailable() is None))")
+for decode in $DECODES; do score "$decode-eager-1" "$decode"; done
+if [ "$COMPILE" = 1 ]; then
+  for decode in $DECODES; do score "$decode-compile" "$decode" --compile; done
+fi
+for decode in $extra_decodes; do score "$decode-eager" "$decode"; done
+if [ -n "$extra_decodes" ]; then
+  step decoders 40 python "$ROOT/benchmarks/device_decoders.py" "$W/web" --device "$DEVICE" --decoders gpu $extra_decodes \
+    --repeat 10 --json "$OUT/decoders.json"
+fi
+step train 60 python "$ROOT/benchmarks/train_throughput.py" "$W/web/manifest.yaml" --model "$MODEL" \
+  --precision "$PRECISION" --batch-size "$TRAIN_BATCH" --workers "$WORKERS" --device "$DEVICE" \
+  --min-seconds 8 --json "$OUT/train.json"
+for decode in $DECODES; do score "$decode-eager-2" "$decode"; done
+
+# 6. every CUDA path
+if [ "$CUDA_PATHS" = 1 ]; then
+  step cuda-paths 120 bash "$ROOT/benchmarks/cuda_paths.sh" "$W/cuda"
+fi
+
+# the table
+python - "$OUT" <<'EOF' | tee "$OUT/summary.txt"
+import json, pathlib, sys
+out = pathlib.Path(sys.argv[1])
+rows, summary = [], {"scoring": {}, "train": None, "skipped": sorted(p.stem for p in out.glob("*.skipped"))}
+for path in sorted(out.glob("score-*.json")):
+    report = json.loads(path.read_text())
+    (r,) = report["rounds"]
+    c, e, p = r["ceiling"], r["end_to_end"], r["pipeline_only"]
+    m = e["extra"].get("meter", {})
+    entry = {"ceiling_pairs_per_second": c["pairs_per_second"], "ceiling_gpu_utilisation": c["extra"].get("gpu_utilisation"),
+             "end_to_end_pairs_per_second": e["pairs_per_second"], "end_to_end_gpu_utilisation": e["extra"].get("gpu_utilisation"),
+             "end_to_end_over_ceiling": r["end_to_end_over_ceiling"], "end_to_end_main_cpu_ms_per_pair": m.get("main_cpu_ms_per_pair"),
+             "end_to_end_stage_wall_ms_per_pair": m.get("stage_wall_ms_per_pair"),
+             "pipeline_only_pairs_per_second": p["pairs_per_second"], "pipeline_only_main_cpu_ms_per_pair": p["main_cpu_ms_per_pair"],
+             "worker_bytes_per_pair": p["worker_bytes_per_pair"], "worker_capacity_pairs_per_second": p["worker_capacity_pairs_per_second"],
+             "decode": report["config"]["decode"], "compile": report["config"]["compile"]}
+    summary["scoring"][path.stem] = entry
+    util = lambda v: "-" if v is None else f"{v:.0f}%"
+    rows.append(f"{path.stem:22} {entry['ceiling_pairs_per_second']:10,.0f} {util(entry['ceiling_gpu_utilisation']):>5} "
+                f"{entry['end_to_end_pairs_per_second']:10,.0f} {util(entry['end_to_end_gpu_utilisation']):>5} "
+                f"{entry['end_to_end_over_ceiling']:6.2f} {entry['pipeline_only_pairs_per_second']:10,.0f} "
+                f"{entry['pipeline_only_main_cpu_ms_per_pair']:8.4f} {entry['worker_capacity_pairs_per_second']:10,.0f}")
+print(f"{'variant':22} {'ceiling/s':>10} {'util':>5} {'e2e/s':>10} {'util':>5} {'ratio':>6} {'pipe/s':>10} {'ms/pair':>8} {'workers/s':>10}")
+print("\n".join(rows))
+train = out / "train.json"
+if train.exists():
+    t = json.loads(train.read_text())
+    summary["train"] = t
+    print(f"train: model only {t['model_only']['pairs_per_second']:,.0f} pairs/s, end to end "
+          f"{t['end_to_end']['pairs_per_second']:,.0f} pairs/s, ratio {t['end_to_end_over_model_only']:.2f}")
+cuda = out / "cuda-paths.log"
+if cuda.exists():
+    lines = cuda.read_text().splitlines()
+    summary["cuda_paths"] = lines[-1] if lines else ""
+    print("cuda_paths.sh:", summary["cuda_paths"])
+if summary["skipped"]:
+    print("skipped (time):", ", ".join(summary["skipped"]))
+(out / "summary.json").write_text(json.dumps(summary, indent=1))
+EOF
+say "done: $OUT"

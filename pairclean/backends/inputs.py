@@ -1,0 +1,201 @@
+"""What one side of a batch of images is between the DataLoader workers and the device.
+
+Workers hand images over as uint8 RGB pixels, already resized and cropped to the model's input
+size (150 kB a pair at 224 px, a quarter of float32's 602 kB through shared memory, the pin
+copy and the bus); the device turns them into the model's normalised floats as the first step of
+the image tower (`PixelNormalizer`). With JPEGs decoded on the device (`decode` gpu), a batch
+also holds the JPEG files the workers left undecoded, packed into one byte tensor: one shared
+memory segment per batch instead of one per image.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+
+def uint8_hwc(image) -> torch.Tensor:
+    """A PIL RGB image as a uint8 HWC tensor: the values torchvision's ToTensor would scale to
+    [0, 1], not yet divided, in the image's own layout (no transpose in the worker)."""
+    return torch.from_numpy(np.array(image, dtype=np.uint8, copy=True))
+
+
+def new_batch_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """An empty tensor to collate into: in shared memory when built in a DataLoader worker, so
+    handing it to the main process copies nothing (what torch's default_collate does)."""
+    out = torch.empty(shape, dtype=dtype)
+    if torch.utils.data.get_worker_info() is not None:
+        out.share_memory_()
+    return out
+
+
+def stack_pixels(items: list[torch.Tensor]) -> torch.Tensor:
+    """One batch tensor of same-sized images, shaped (N, 3, H, W). uint8 HWC images are stacked as
+    they are and seen through a transposed view: channels-last memory, the layout the GPU's
+    convolutions take, so no transpose is ever copied. Float CHW images (a preprocessing the
+    workers ran whole) are stacked as they are."""
+    out = new_batch_tensor((len(items), *items[0].shape), items[0].dtype)
+    torch.stack(items, out=out)
+    return out.permute(0, 3, 1, 2) if items[0].dtype == torch.uint8 else out
+
+
+@dataclass(frozen=True)
+class StandardTransform:
+    """A model's eval preprocessing when it is the usual chain - shortest-side Resize, square
+    CenterCrop, RGB conversion, ToTensor, Normalize - taken apart: the geometry a worker (or the
+    device) applies to uint8 pixels, and the normalisation the device applies after."""
+
+    resize: int
+    crop: int
+    interpolation: object  # torchvision InterpolationMode
+    mean: tuple[float, float, float]
+    std: tuple[float, float, float]
+    geometry: tuple  # the PIL transforms before ToTensor, in order
+
+    @classmethod
+    def parse(cls, preprocess) -> "StandardTransform | None":
+        from torchvision.transforms import CenterCrop, Normalize, Resize
+
+        resize = crop = interpolation = mean = std = None
+        geometry = []
+        for t in getattr(preprocess, "transforms", []):
+            name = type(t).__name__
+            if isinstance(t, Resize):
+                size = t.size if isinstance(t.size, int) else (t.size[0] if len(t.size) == 1 else None)
+                if size is None or t.max_size is not None or resize is not None:
+                    return None
+                resize, interpolation = size, t.interpolation
+                geometry.append(t)
+            elif isinstance(t, CenterCrop):
+                if t.size[0] != t.size[1] or crop is not None:
+                    return None
+                crop = t.size[0]
+                geometry.append(t)
+            elif isinstance(t, Normalize):
+                mean, std = tuple(t.mean), tuple(t.std)
+            elif name == "MaybeConvertMode" or getattr(t, "__name__", "") == "_convert_to_rgb":
+                geometry.append(t)
+            elif name not in ("MaybeToTensor", "ToTensor"):
+                return None
+        if None in (resize, crop, mean) or len(mean) != 3 or len(std) != 3:
+            return None
+        return cls(resize, crop, interpolation, mean, std, tuple(geometry))
+
+    def geometry_pixels(self, image) -> torch.Tensor:
+        """What a worker sends for a decoded PIL image: the geometry applied, as uint8 HWC."""
+        for t in self.geometry:
+            image = t(image)
+        return uint8_hwc(image)
+
+
+@dataclass(frozen=True)
+class JpegBlob:
+    """JPEG files back to back in one uint8 tensor; `offsets[i]:offsets[i + 1]` is file i."""
+
+    data: torch.Tensor
+    offsets: tuple[int, ...]
+
+    @classmethod
+    def pack(cls, files: list[bytes]) -> "JpegBlob":
+        offsets = np.concatenate([[0], np.cumsum([len(f) for f in files])]).astype(np.int64)
+        data = new_batch_tensor((int(offsets[-1]),), torch.uint8)
+        view = data.numpy()
+        for data_bytes, start, end in zip(files, offsets[:-1], offsets[1:]):
+            view[start:end] = np.frombuffer(data_bytes, dtype=np.uint8)
+        return cls(data, tuple(int(o) for o in offsets))
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def files(self) -> list[torch.Tensor]:
+        """Each file as a view of the one tensor (what `torchvision.io.decode_jpeg` takes)."""
+        return [self.data[start:end] for start, end in zip(self.offsets[:-1], self.offsets[1:])]
+
+    def file_bytes(self, i: int) -> bytes:
+        return self.data[self.offsets[i]:self.offsets[i + 1]].numpy().tobytes()
+
+
+@dataclass(frozen=True)
+class ImageBatch:
+    """A batch's images when some are left for the device to decode (`decode` gpu): the pixels
+    workers prepared (rows `pixel_rows`: PNGs, CMYK JPEGs ...) and the JPEGs (rows `jpeg_rows`).
+    `finish_batch` on the estimator turns it into one pixel tensor of `rows` images."""
+
+    rows: int
+    jpegs: JpegBlob
+    jpeg_rows: tuple[int, ...]
+    pixels: torch.Tensor | None = None
+    pixel_rows: tuple[int, ...] = field(default=())
+
+    def pin_memory(self) -> "ImageBatch":
+        """Called by the DataLoader's pin thread: the worker-prepared pixels page-locked (the JPEG
+        bytes are read by the decoder from host memory, as they are)."""
+        if self.pixels is None:
+            return self
+        return ImageBatch(self.rows, self.jpegs, self.jpeg_rows, self.pixels.pin_memory(), self.pixel_rows)
+
+    def to(self, device: torch.device, non_blocking: bool = False) -> "ImageBatch":
+        """The worker-prepared pixels on `device`; the JPEG bytes stay in host memory, where the
+        device's decoder reads them."""
+        if self.pixels is None:
+            return self
+        return ImageBatch(self.rows, self.jpegs, self.jpeg_rows, self.pixels.to(device, non_blocking=non_blocking),
+                          self.pixel_rows)
+
+    def nbytes(self) -> int:
+        return self.jpegs.data.nbytes + (self.pixels.nbytes if self.pixels is not None else 0)
+
+
+@dataclass(frozen=True)
+class TokenBatch:
+    """A batch's token ids with each caption's end (`text_trim.token_ends`) kept in host memory:
+    the text tower cuts the padding and groups captions by length from `ends` without reading
+    anything back from the device (workers compute them; the copy to the device moves the ids only)."""
+
+    tokens: torch.Tensor
+    ends: torch.Tensor
+
+    def __len__(self) -> int:
+        return self.tokens.shape[0]
+
+    def take(self, rows: slice | list[int]) -> "TokenBatch":
+        """The batch of `rows` only (a slice, or a list of positions)."""
+        if isinstance(rows, slice):
+            return TokenBatch(self.tokens[rows], self.ends[rows])
+        index = torch.as_tensor(rows, dtype=torch.long)
+        return TokenBatch(self.tokens[index.to(self.tokens.device, non_blocking=True)], self.ends[index])
+
+    def pin_memory(self) -> "TokenBatch":
+        return TokenBatch(self.tokens.pin_memory(), self.ends)
+
+    def to(self, device: torch.device, non_blocking: bool = False) -> "TokenBatch":
+        return TokenBatch(self.tokens.to(device, non_blocking=non_blocking), self.ends)
+
+    def nbytes(self) -> int:
+        return self.tokens.nbytes + self.ends.nbytes
+
+
+class PixelNormalizer:
+    """uint8 pixels -> the model's input floats, on the device: the first step of an image tower.
+
+    `(x / 255 - mean) / std` in float32, in that order: exactly torchvision's ToTensor then
+    Normalize, so pixels normalised here are bit for bit the ones a worker used to send. Float
+    input is taken as already normalised (a model whose preprocessing the workers must run whole).
+    """
+
+    def __init__(self, mean: list[float], std: list[float]):
+        self.mean = torch.tensor(mean, dtype=torch.float32).view(1, 3, 1, 1)
+        self.std = torch.tensor(std, dtype=torch.float32).view(1, 3, 1, 1)
+        self._on: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def __call__(self, pixels: torch.Tensor, memory_format=torch.contiguous_format) -> torch.Tensor:
+        """The model's input, in `memory_format` (the cast writes it there: no extra copy)."""
+        if pixels.dtype != torch.uint8:
+            return pixels.contiguous(memory_format=memory_format)
+        device = pixels.device
+        if device not in self._on:
+            self._on[device] = (self.mean.to(device), self.std.to(device))
+        mean, std = self._on[device]
+        return pixels.to(torch.float32, memory_format=memory_format).div_(255).sub_(mean).div_(std)

@@ -1,0 +1,256 @@
+"""The main process of a scoring run, batch after batch:
+
+    receive (a PairBatch from a worker, page-locked by the DataLoader's pin thread)
+    -> to device (asynchronous copies, on a side stream: they overlap the previous batch's model)
+    -> device preprocessing (`estimator.finish_batch`: JPEGs decoded, resized, cropped)
+    -> encode (u, v) -> scorer (sims and null sims, copied back to the host asynchronously)
+    -> sink (rows into each unit's part, commits), one batch behind
+
+The sink handles batch i-1 after batch i's work is queued on the device, so on a GPU the host's
+bookkeeping and Parquet writes run while the model computes, and the host never waits for the
+device except for results it already queued. On a CPU device the same stages run in order.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable
+
+import numpy as np
+import torch
+
+from pairclean.backends.base import Estimator
+from pairclean.backends.feed import DeviceFeed
+from pairclean.backends.oom import OomBackoff, take_rows
+from pairclean.core.beta import ShuffledAccumulator
+from pairclean.core.scorer import null_partners
+from pairclean.ops.measure import StageMeter
+from pairclean.scoring.batches import PairBatch, UnitEnd
+
+STAGES = ("receive", "to device", "device preprocessing", "encode", "scorer", "sink")
+
+
+def finish_on_device(estimator: Estimator, batch: PairBatch, left: str, right: str) -> PairBatch:
+    """Device preprocessing of both sides. A row either side could not finish (an image the device
+    cannot decode) becomes an error row and leaves both sides' inputs, so the sides stay aligned."""
+    if batch.left is None:
+        return batch
+    batch.left, failed_left = estimator.finish_batch(left, batch.left)
+    batch.right, failed_right = estimator.finish_batch(right, batch.right)
+    failed = {**failed_right, **failed_left}
+    if failed:
+        valid = batch.valid_rows()
+        keep = [p for p in range(len(valid)) if p not in failed]
+        batch.left, batch.right = take_rows(batch.left, keep), take_rows(batch.right, keep)
+        for position, reason in failed.items():
+            batch.error[valid[position]] = reason
+        if not keep:
+            batch.left = batch.right = None
+    return batch
+
+
+@dataclass
+class ScoredBatch:
+    """A batch's rows and what the device computed for its valid rows (`encoded`, in order):
+    similarities, null similarities and, where the sink needs them, the embeddings, all in host
+    memory once `ready` (a CUDA event; None where there is nothing to wait for)."""
+
+    batch: PairBatch
+    encoded: list[int]
+    sims: torch.Tensor | None = None
+    nulls: torch.Tensor | None = None
+    left: torch.Tensor | None = None
+    right: torch.Tensor | None = None
+    ready: Any = None
+
+    def wait(self) -> None:
+        if self.ready is not None:
+            self.ready.synchronize()
+
+
+def _to_host(tensor: torch.Tensor) -> torch.Tensor:
+    """An asynchronous copy into page-locked host memory (torch's caching host allocator); the
+    tensor itself when it is already on the host."""
+    if not tensor.is_cuda:
+        return tensor
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    return host.copy_(tensor, non_blocking=True)
+
+
+class Scorer:
+    """Encodes a batch's valid rows (each side in chunks that fit: `OomBackoff`) and computes each
+    pair's cosine and null cosine (row i against row i + n/2: `core.scorer.null_partners`)."""
+
+    def __init__(self, estimator: Estimator, left: str, right: str, keep_embeddings: bool):
+        self.estimator, self.left_mod, self.right_mod = estimator, left, right
+        self.keep_embeddings = keep_embeddings  # the sink needs u and v (shuffled beta, saved embeddings)
+        self.backoff = {left: OomBackoff(), right: OomBackoff()}
+
+    def encode(self, batch: PairBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        u = self.backoff[self.left_mod](lambda b: self.estimator.encode(self.left_mod, b), batch.left)
+        v = self.backoff[self.right_mod](lambda b: self.estimator.encode(self.right_mod, b), batch.right)
+        return u, v
+
+    def score(self, batch: PairBatch, u: torch.Tensor, v: torch.Tensor) -> ScoredBatch:
+        scored = ScoredBatch(batch, batch.valid_rows())
+        partners = torch.from_numpy(null_partners(len(u))).to(v.device)
+        scored.sims = _to_host((u * v).sum(-1))
+        scored.nulls = _to_host((u * v[partners]).sum(-1)) if len(partners) else None
+        if self.keep_embeddings:
+            scored.left, scored.right = _to_host(u), _to_host(v)
+        if u.is_cuda:
+            scored.ready = torch.cuda.Event()
+            scored.ready.record()
+        batch.left = batch.right = None  # the inputs are no longer needed: free them now
+        return scored
+
+
+@dataclass
+class _UnitRows:
+    """A unit's rows gathered so far, as column chunks (one per batch it spans)."""
+
+    key: list[str] = field(default_factory=list)
+    shard: list[str] = field(default_factory=list)
+    index: list[int] = field(default_factory=list)
+    error: list[str | None] = field(default_factory=list)
+    sim: list[np.ndarray] = field(default_factory=list)
+    null: list[np.ndarray] = field(default_factory=list)
+
+    def columns(self) -> dict:
+        empty = np.zeros(0, dtype=np.float32)
+        return {"key": self.key, "shard": self.shard, "index": self.index, "error": self.error,
+                "sim": np.concatenate(self.sim) if self.sim else empty,
+                "null_sim": np.concatenate(self.null) if self.null else empty}
+
+
+@dataclass
+class UnitEmbeddings:
+    """A unit's embeddings for `save_embeddings`, in its row order."""
+
+    left: list[torch.Tensor] = field(default_factory=list)
+    right: list[torch.Tensor] = field(default_factory=list)
+    key: list[str] = field(default_factory=list)
+    shard: list[str] = field(default_factory=list)
+    index: list[int] = field(default_factory=list)
+
+
+# commit(unit, columns, record); save_block(unit, block or None) -> what the commit record says of it
+Commit = Callable[[str, dict, dict], None]
+SaveBlock = Callable[[str, UnitEmbeddings | None], dict]
+
+
+class PartSink:
+    """Rows into each unit's part, one batch behind the device: `put(batch i)` first takes batch
+    i-1 (whose results are in host memory by then, or nearly), then keeps batch i. A unit is
+    committed, with its shuffled-beta sums and its saved embeddings, once its last row is in.
+    Rows of units an earlier run committed only filled their batches: they are dropped here."""
+
+    def __init__(self, done: frozenset[str], commit: Commit, accumulate: bool, save_block: SaveBlock | None,
+                 save_dtype: torch.dtype = torch.float16):
+        self.done, self.commit, self.accumulate = done, commit, accumulate
+        self.save_block, self.save_dtype = save_block, save_dtype
+        self.rows: dict[str, _UnitRows] = defaultdict(_UnitRows)
+        self.sums: dict[str, ShuffledAccumulator] = defaultdict(ShuffledAccumulator)
+        self.blocks: dict[str, UnitEmbeddings] = defaultdict(UnitEmbeddings)
+        self.pending: ScoredBatch | None = None
+
+    def put(self, scored: ScoredBatch) -> None:
+        if self.pending is not None:
+            self._take(self.pending)
+        self.pending = scored
+
+    def close(self) -> None:
+        if self.pending is not None:
+            self._take(self.pending)
+            self.pending = None
+
+    def _take(self, scored: ScoredBatch) -> None:
+        scored.wait()
+        batch, n = scored.batch, len(scored.batch)
+        sims = np.full(n, np.nan, dtype=np.float32)
+        nulls = np.full(n, np.nan, dtype=np.float32)
+        if scored.encoded:
+            sims[scored.encoded] = scored.sims.numpy()
+            if scored.nulls is not None:
+                nulls[scored.encoded] = scored.nulls.numpy()
+        # Position of each row among the encoded ones: a span's encoded rows are contiguous in u, v.
+        first_encoded = np.searchsorted(np.asarray(scored.encoded, dtype=np.int64), np.arange(n + 1))
+        for span in batch.spans:
+            if span.unit in self.done:
+                continue
+            part, rows = self.rows[span.unit], slice(span.start, span.stop)
+            part.key.extend(batch.key[rows])
+            part.shard.extend(batch.shard[rows])
+            part.index.extend(batch.index[rows])
+            part.error.extend(batch.error[rows])
+            part.sim.append(sims[rows])
+            part.null.append(nulls[rows])
+            lo, hi = int(first_encoded[span.start]), int(first_encoded[span.stop])
+            if hi > lo and scored.left is not None:
+                self._keep_embeddings(span.unit, scored, lo, hi)
+        for end in batch.done:
+            self._commit(end)
+
+    def _keep_embeddings(self, unit: str, scored: ScoredBatch, lo: int, hi: int) -> None:
+        u, v = scored.left[lo:hi], scored.right[lo:hi]
+        if self.accumulate:
+            self.sums[unit].add(u, v)
+        if self.save_block is not None:
+            block, batch = self.blocks[unit], scored.batch
+            block.left.append(u.to(self.save_dtype))
+            block.right.append(v.to(self.save_dtype))
+            for row in scored.encoded[lo:hi]:
+                block.key.append(batch.key[row])
+                block.shard.append(batch.shard[row])
+                block.index.append(batch.index[row])
+
+    def _commit(self, end: UnitEnd) -> None:
+        columns = self.rows.pop(end.unit, _UnitRows()).columns()
+        record = {"failure": end.failure, "shuffled": self.sums.pop(end.unit, ShuffledAccumulator()).state()}
+        if self.save_block is not None:  # the unit's block first: committed units have theirs
+            record.update(self.save_block(end.unit, self.blocks.pop(end.unit, None)))
+        self.commit(end.unit, columns, record)
+
+
+def run_pipeline(batches: Iterable[PairBatch], estimator: Estimator, left: str, right: str, sink: PartSink,
+                 batch_size: int, meter: StageMeter | None = None,
+                 after_batch: Callable[[], None] | None = None) -> dict[str, int]:
+    """Drive every batch through the stages; counters of the batches seen (how full they were).
+    `meter`: where the main process's time goes, stage by stage (STAGES)."""
+    feed = DeviceFeed(estimator.device)
+    scorer = Scorer(estimator, left, right, keep_embeddings=sink.accumulate or sink.save_block is not None)
+    counters = {"batches": 0, "full_batches": 0, "batch_rows": 0}
+    mark = meter.mark if meter is not None else (lambda stage: None)
+    if meter is not None:
+        meter.start()
+    for batch in batches:
+        mark("receive")
+        pairs = sum(s.stop - s.start for s in batch.spans if s.unit not in sink.done)
+        worker_bytes = batch.worker_bytes() if meter is not None else 0
+        if len(batch):
+            counters["batches"] += 1
+            counters["full_batches"] += len(batch) == batch_size
+            counters["batch_rows"] += len(batch)
+        batch.left, batch.right = feed(batch.left), feed(batch.right)
+        mark("to device")
+        batch = finish_on_device(estimator, batch, left, right)
+        mark("device preprocessing")
+        if batch.left is not None:
+            u, v = scorer.encode(batch)
+            mark("encode")
+            scored = scorer.score(batch, u, v)
+        else:
+            scored = ScoredBatch(batch, [])
+        mark("scorer")
+        sink.put(scored)
+        if after_batch is not None:
+            after_batch()
+        mark("sink")
+        if meter is not None:
+            meter.batch(pairs, worker_bytes)
+    sink.close()
+    mark("sink")
+    if meter is not None:
+        meter.stop()
+    return counters

@@ -1,0 +1,156 @@
+"""The device JPEG decoders (`decode` gpu, nvimgcodec, dali) run on the CPU against PIL's
+preprocessing, on real COCO JPEGs with the rows a web batch brings (a greyscale JPEG, a truncated
+one, a PNG the workers decode), and the registry's fallback when a decoder's package is missing.
+
+nvImageCodec and DALI are the `gpu` extra (`pip install 'pairclean[gpu]'`, about 260 MB of wheels): their
+tests skip without them."""
+
+from __future__ import annotations
+
+import io
+import logging
+import sys
+
+import pytest
+import torch
+from PIL import Image
+from torchvision import transforms as T
+
+from pairclean.backends.device_jpeg import DEVICE_DECODERS, BatchedDeviceDecoder, DeviceJpegDecoder
+from pairclean.backends.inputs import ImageBatch, JpegBlob, StandardTransform, stack_pixels
+from pairclean.backends.open_clip import OpenClipEstimator, OpenClipPreparer
+from pairclean.lab.coco import read_pairs
+
+pytestmark = pytest.mark.usefixtures("fresh_notices")
+
+LIBRARIES = {"nvimgcodec": "nvidia.nvimgcodec", "dali": "nvidia.dali"}
+NORMALIZE = T.Normalize((0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711))
+# Shortest-side Resize + CenterCrop as open_clip builds them: bicubic, bilinear, and a crop smaller
+# than the resize (an odd margin: CenterCrop's start rounds half to even).
+PREPROCESSINGS = {
+    "bicubic-64": T.Compose([T.Resize(64, interpolation=T.InterpolationMode.BICUBIC), T.CenterCrop(64), T.ToTensor(), NORMALIZE]),
+    "bilinear-96": T.Compose([T.Resize(96, interpolation=T.InterpolationMode.BILINEAR), T.CenterCrop(96), T.ToTensor(), NORMALIZE]),
+    "bicubic-73-crop-64": T.Compose([T.Resize(73, interpolation=T.InterpolationMode.BICUBIC), T.CenterCrop(64), T.ToTensor(),
+                                     NORMALIZE]),
+}
+# How far each decoder's pixels may be from PIL's (the workers' path), measured on these files
+# (docs/benchmarks.md, "Device decoders"): (largest difference, share of values off by more than 1).
+# torchvision and nvImageCodec decode with libjpeg-turbo on a CPU, as PIL does, and resize with
+# `resample`; DALI resamples in float, without PIL's 8-bit rounding between its passes.
+TOLERANCE = {"gpu": (1, 0.0), "nvimgcodec": (1, 0.0), "dali": (16, 0.01)}
+
+
+def _decoder_class(name: str):
+    if name in LIBRARIES:
+        pytest.importorskip(LIBRARIES[name], reason=f"`decode` {name} needs {DEVICE_DECODERS[name].package} "
+                                                    "(pip install 'pairclean[gpu]')")
+    return DEVICE_DECODERS[name]
+
+
+def _web_batch(coco_src, preprocess):
+    """A batch as the workers hand it over with JPEGs left for the device: 6 COCO JPEGs, a
+    greyscale JPEG, a truncated JPEG (its header passes the workers' check), a PNG (decoded in
+    the worker). (batch, the PIL-decodable files by row, the PNG's row, the truncated file's row)."""
+    jpegs = [(coco_src / p["image"]).read_bytes() for p in read_pairs(coco_src)[:6]]
+    grey, png = io.BytesIO(), io.BytesIO()
+    Image.open(io.BytesIO(jpegs[0])).convert("L").save(grey, format="JPEG")
+    Image.open(io.BytesIO(jpegs[1])).save(png, format="PNG")
+    items = jpegs[:3] + [jpegs[3][:len(jpegs[3]) // 2], png.getvalue(), grey.getvalue()] + jpegs[3:]
+    preparer = OpenClipPreparer(preprocess, None, draft_size=None, device_jpeg=True)
+    batch = preparer.collate("image", [preparer.prepare("image", x) for x in items])
+    assert isinstance(batch, ImageBatch) and batch.pixel_rows == (4,) and len(batch.jpegs) == 8
+    readable = {row: data for row, data in enumerate(items) if row != 3}
+    return batch, readable, 4, 3
+
+
+@pytest.mark.parametrize("preprocessing", sorted(PREPROCESSINGS))
+@pytest.mark.parametrize("name", ["gpu", "nvimgcodec", "dali"])
+def test_each_decoder_gives_pils_preprocessing_on_the_cpu(name, preprocessing, coco_src):
+    cls = _decoder_class(name)
+    preprocess = PREPROCESSINGS[preprocessing]
+    transform = StandardTransform.parse(preprocess)
+    assert cls.supports(transform) and cls.unavailable() is None
+    batch, readable, png_row, truncated_row = _web_batch(coco_src, preprocess)
+    pixels, failed = cls(transform, torch.device("cpu"), preprocess)(batch)
+
+    crop = transform.crop
+    assert pixels.dtype == torch.uint8 and pixels.shape == (batch.rows, 3, crop, crop)
+    assert list(failed) == [truncated_row] and failed[truncated_row].startswith("cannot decode image")
+    assert not pixels[truncated_row].any()
+    assert torch.equal(pixels[png_row], batch.pixels[0])  # the worker's pixels, as they came
+    rows = sorted(readable)
+    reference = torch.stack([transform.geometry_pixels(Image.open(io.BytesIO(readable[r])).convert("RGB"))
+                             for r in rows]).permute(0, 3, 1, 2)
+    difference = (pixels[rows].int() - reference.int()).abs()
+    largest, share_over_one = TOLERANCE[name]
+    assert difference.max() <= largest and (difference > 1).float().mean() <= share_over_one
+    assert (difference > 0).float().mean() < 0.25  # a geometry half a pixel off moves most values (DALI's resize_shorter + crop: 68%)
+
+
+@pytest.mark.parametrize("name", ["gpu", "nvimgcodec", "dali"])
+def test_a_batch_of_files_no_library_can_read_gives_failed_rows_and_worker_pixels(name, coco_src):
+    cls = _decoder_class(name)
+    preprocess = PREPROCESSINGS["bicubic-64"]
+    good = (coco_src / read_pairs(coco_src)[0]["image"]).read_bytes()
+    truncated = [good[:600], good[:700]]
+    pixels = stack_pixels([StandardTransform.parse(preprocess).geometry_pixels(Image.open(io.BytesIO(good)).convert("RGB"))])
+    batch = ImageBatch(3, JpegBlob.pack(truncated), (0, 2), pixels, (1,))
+    out, failed = cls(StandardTransform.parse(preprocess), torch.device("cpu"), preprocess)(batch)
+    assert sorted(failed) == [0, 2] and not out[0].any() and not out[2].any()
+    assert torch.equal(out[1], pixels[0])
+
+
+def test_one_bad_file_costs_a_few_halved_calls_not_one_per_file(coco_src):
+    """A library that fails the whole batch for one bad file (torchvision's, DALI's): halves are
+    retried, so 1 bad file in 16 costs 1 + 2 * 4 calls, and every good file is still decoded."""
+    preprocess = PREPROCESSINGS["bicubic-64"]
+    files = [(coco_src / p["image"]).read_bytes() for p in read_pairs(coco_src)[:16]]
+    files[11] = files[11][:600]
+    batch = ImageBatch(16, JpegBlob.pack(files), tuple(range(16)))
+    calls = []
+
+    class Counted(DeviceJpegDecoder):
+        def decode_crop(self, chunk):
+            calls.append(len(chunk))
+            return super().decode_crop(chunk)
+
+    counted = Counted(StandardTransform.parse(preprocess), torch.device("cpu"), preprocess)
+    out, failed = counted(batch)
+    assert sorted(calls, reverse=True) == [16, 8, 8, 4, 4, 2, 2, 1, 1] and list(failed) == [11]
+    plain, _ = DeviceJpegDecoder(StandardTransform.parse(preprocess), torch.device("cpu"), preprocess)(
+        ImageBatch(15, JpegBlob.pack(files[:11] + files[12:]), tuple(range(15))))
+    assert (torch.cat([out[:11], out[12:]]).int() - plain.int()).abs().max() <= 1  # the same files, other padding
+
+
+def test_dali_rebuilds_its_pipeline_for_a_bigger_batch(coco_src):
+    cls = _decoder_class("dali")
+    preprocess = PREPROCESSINGS["bicubic-64"]
+    files = [(coco_src / p["image"]).read_bytes() for p in read_pairs(coco_src)[:7]]
+    decoder = cls(StandardTransform.parse(preprocess), torch.device("cpu"), preprocess)
+    small, _ = decoder(ImageBatch(2, JpegBlob.pack(files[:2]), (0, 1)))
+    assert decoder.capacity == 2
+    big, _ = decoder(ImageBatch(7, JpegBlob.pack(files), tuple(range(7))))
+    assert decoder.capacity == 7 and torch.equal(big[:2], small)
+    again, _ = decoder(ImageBatch(3, JpegBlob.pack(files[4:]), (0, 1, 2)))
+    assert decoder.capacity == 7 and torch.equal(again, big[4:])
+
+
+def test_the_registry_lists_every_decoder_and_the_package_each_needs():
+    assert {"gpu", "nvimgcodec", "dali"} <= set(DEVICE_DECODERS)
+    assert DEVICE_DECODERS["gpu"].package is None and DEVICE_DECODERS["gpu"].unavailable() is None
+    assert DEVICE_DECODERS["nvimgcodec"].package == "nvidia-nvimgcodec-cu13"
+    assert DEVICE_DECODERS["dali"].package == "nvidia-dali-cuda130"
+    assert all(issubclass(cls, BatchedDeviceDecoder) for cls in DEVICE_DECODERS.values())
+
+
+@pytest.mark.parametrize("name", ["nvimgcodec", "dali"])
+def test_a_decoder_whose_package_is_missing_leaves_decoding_to_the_workers_and_names_the_package(name, monkeypatch, caplog):
+    monkeypatch.setitem(sys.modules, LIBRARIES[name], None)  # what importing it does where it is not installed
+    package = DEVICE_DECODERS[name].package
+    assert package in DEVICE_DECODERS[name].unavailable()
+    with caplog.at_level(logging.WARNING, logger="pairclean"):
+        est = OpenClipEstimator("pairclean-tiny", pretrained="none", device="cpu", decode=name)
+    assert est.decode == "fast" and est.device_decoder is None and not est.preparer.device_jpeg
+    (message,) = [r.getMessage() for r in caplog.records if f"`decode` {name}" in r.getMessage()]
+    assert "\n" not in message and f"needs the {package} package" in message
+    assert "pip install 'pairclean[gpu]'" in message and message.endswith("decoding JPEGs in the CPU workers (fast)")

@@ -1,0 +1,102 @@
+"""The scoring run's main process (`scoring/pipeline.py`) and what measures it: the pipeline-only
+round of `pairclean bench score`, the stage meter, what crosses from the workers, and the pinned
+version of the device decoder."""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+from dataclasses import replace
+
+import pytest
+import torch
+from helpers import forked
+
+from pairclean.backends.device_jpeg import DeviceJpegDecoder
+from pairclean.cli import main
+from pairclean.errors import UserError
+from pairclean.ops.measure import StageMeter
+from pairclean.scoring.model import score
+from pairclean.scoring.pipeline import STAGES
+
+pytestmark = pytest.mark.usefixtures("fresh_notices")
+
+
+def bench_pipeline_only(coco_shards, tmp_path, *extra) -> dict:
+    out = tmp_path / "bench.json"
+    main(["bench", "score", str(coco_shards), "--model", "pairclean-tiny", "--pretrained", "none", "--batch-size", "4",
+          "--workers", "1", "--pipeline-only", "--json", str(out), *extra])
+    return json.loads(out.read_text())
+
+
+def test_pipeline_only_round_reports_the_main_process_by_stage_and_what_a_pair_costs(coco_shards, tmp_path, capsys):
+    report = bench_pipeline_only(coco_shards, tmp_path)
+    printed = capsys.readouterr().out
+    p = report["pipeline_only"]
+    assert p["decode"] == "fast" and p["workers"] == 1
+    assert set(p["stages"]) == {*STAGES, "other threads"} and all(v >= 0 for v in p["stages"].values())
+    assert p["main_cpu_ms_per_pair"] >= sum(v for k, v in p["stages"].items() if k != "other threads") - 1e-9
+    # 16 pairs in batches of 4: the first batch is start-up, the other 12 pairs the steady state.
+    assert p["pairs"] == 12 and p["pairs_per_second"] == pytest.approx(p["pairs"] / p["seconds"])
+    # uint8 pixels (3 x 64 x 64 for the tiny model) and int64 tokens (32), not float32 pixels.
+    assert 3 * 64 * 64 + 32 * 8 <= report["worker_bytes_per_pair"] < 3 * 64 * 64 + 32 * 8 + 200
+    assert p["worker_capacity_pairs_per_second"] == pytest.approx(1000 / p["worker_ms_per_pair"])
+    assert report["rounds"][0]["ceiling"] is None and report["config"]["pipeline_only"]
+    assert "main process in all" in printed and "pipeline only (decode fast)" in printed
+
+
+def test_pipeline_only_runs_the_device_decoder_on_a_cpu(coco_shards, tmp_path):
+    """--decode gpu without CUDA: the scoring falls back to the workers, the pipeline-only round
+    still runs the device path (JPEG bytes cross, the main process decodes) to measure it."""
+    import webdataset as wds
+
+    p = bench_pipeline_only(coco_shards, tmp_path, "--decode", "gpu")["pipeline_only"]
+    assert p["decode"] == "gpu" and p["pairs"] == 12
+    sizes = [len(s["jpg"]) for s in wds.WebDataset(sorted(map(str, coco_shards.glob("*.tar"))), shardshuffle=False)]
+    assert min(sizes) <= p["worker_bytes_per_pair"] <= max(sizes) + 32 * 8 + 200  # the JPEG files, not pixels
+    assert p["stages"]["device preprocessing"] > 0
+
+
+def test_stage_meter_measures_the_steady_state_after_the_first_batch():
+    meter = StageMeter()
+    meter.start()
+    time.sleep(0.02)
+    meter.mark("receive")
+    meter.batch(100, 1000)  # the start-up batch: not counted
+    for _ in range(2):
+        time.sleep(0.01)
+        meter.mark("receive")
+        meter.mark("sink")
+        meter.batch(10, 500)
+    meter.stop()
+    summary = meter.summary()
+    assert summary["pairs"] == 20 and summary["worker_bytes_per_pair"] == 50
+    assert summary["startup_seconds"] >= 0.02 and summary["seconds"] >= 0.02  # sleeps: lower bounds only
+    assert summary["stage_wall_ms_per_pair"]["receive"] >= 1.0  # 2 x 10 ms over 20 pairs
+
+
+def test_a_device_decoder_of_another_version_does_not_resume_the_run_it_did_not_start(
+        coco_shards, fast_config, tmp_path, monkeypatch):
+    cfg = replace(fast_config, decode="gpu")
+    out = tmp_path / "s.parquet"
+    assert forked(lambda: score(str(coco_shards), out, cfg), "committed:1") == -signal.SIGKILL
+    monkeypatch.setattr(DeviceJpegDecoder, "version", DeviceJpegDecoder.version + 1)
+    with pytest.raises(UserError, match="settings"):
+        score(str(coco_shards), out, cfg)
+    monkeypatch.undo()
+    assert score(str(coco_shards), out, cfg).resumed  # the same version goes on
+
+
+def test_training_batches_carry_uint8_pixels_that_the_target_normalises(coco_shards):
+    from pairclean.backends import load_target
+    from pairclean.data.dataset import open_dataset
+    from pairclean.train.data import TrainBatches
+
+    torch.manual_seed(0)
+    target = load_target("pairclean-tiny", "none", device="cpu")
+    batch = next(iter(TrainBatches(open_dataset(str(coco_shards)), target.preparer, 4, seed=0)))
+    assert batch["left"].dtype == torch.uint8 and batch["left"].shape == (4, 3, 64, 64)
+    normalised = target.estimator.image_input(batch["left"])
+    assert normalised.dtype == torch.float32 and normalised.is_contiguous()
+    assert torch.equal(target.encode("image", batch["left"]), target.encode("image", normalised))
