@@ -234,6 +234,8 @@ class Diffncl(Method):
 
     name = "diffncl"
     Options = DiffnclOptions
+    pays = ("real text (COCO, MiniLM, 40% shuffle): +7.9 over plain (3 seeds), the least (its weak-pair loop: "
+            "weak_loop=once 409.9 at seed 0); toy world: +114 (3 seeds)")
 
     def __init__(self, options):
         super().__init__(options)

@@ -194,6 +194,7 @@ class Gsc(Method):
 
     name = "gsc"
     Options = GscOptions
+    pays = "real text (COCO, MiniLM, 40% shuffle): +13.7 over plain (3 seeds, one network); toy world: +111 (3 seeds)"
 
     def __init__(self, options):
         super().__init__(options)
