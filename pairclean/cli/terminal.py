@@ -4,7 +4,7 @@ that stay readable at any width.
 Captions, keys, paths, predicates and query results come from the user's data. `LiteralConsole`
 never parses a string as rich markup or emoji codes (`'[/bold]'` is printed, not a crash;
 `[link=...]` is printed, not a hidden link) and shows control and bidirectional-format
-characters as `<U+XXXX>` (`ops.text.visible`: an escape sequence or a right-to-left override in a
+characters by their code points, `<U+202E>` (`ops.text.visible`: an escape sequence or a right-to-left override in a
 key cannot rewrite the line). pairclean's own emphasis is a `style=` or a `rich.text.Text` built
 here, never markup inside a string.
 

@@ -7,7 +7,7 @@ escape:
 
 * `Html`: markup pairclean built (itself by `render`), inserted as it is;
 * `ScriptJson`: data for a script, as JSON with `<`, `>`, `&`, U+2028 and U+2029 written as
-  `\\uXXXX` escapes, so no string in it can end the script (`</script>`) or enter the HTML
+  JSON's `\\u` escapes (`<` becomes `\\u003c`), so no string in it can end the script (`</script>`) or enter the HTML
   spec's script-data-escaped states (`<!--<script>`) that keep the page's `</script>` from
   closing it;
 * anything else: text, with control and bidirectional-format characters made visible

@@ -26,5 +26,5 @@ def code_point(char: str) -> str:
 
 def visible(text: str) -> str:
     """`text` with every control character (C0 and C1 but tab and newline), bidirectional format
-    character, line or paragraph separator and lone surrogate shown as `<U+XXXX>`."""
+    character, line or paragraph separator and lone surrogate shown by its code point (`code_point`)."""
     return _HIDDEN.sub(lambda m: code_point(m.group()), text)
