@@ -10,13 +10,15 @@
 #      (nvimgcodec, with --with-nvimgcodec's wheels) and benchmarks/device_decoders.py on one batch;
 #   5. a training epoch against the model's own step rate (benchmarks/train_throughput.py);
 #   6. benchmarks/cuda_paths.sh (every CUDA path).
+# Steps 4-6 interleave, the issue's first asks first: each decode eager, training, --compile with the
+# first decode, cuda_paths.sh, the other device decoders, the other --compile, each decode eager again.
 # One JSON per variant in OUT, a log per step, summary.json and a table at the end. A step that
 # would overrun the time budget is skipped and says so; every step runs under a timeout.
 #     bash benchmarks/fetch_gpu_wheels.sh [3.12 --with-nvimgcodec]   # here, once (28 MB; 57 MB with nvImageCodec)
 #     bash benchmarks/gpu_figures.sh [OUT]                  # there (the device call carries benchmarks/wheels)
 # Knobs (environment): BUDGET=480 (seconds) SHARDS=14 PAIRS_PER_SHARD=2500 MODEL=ViT-B-32
 #   PRECISION=bf16 BATCH=1024 TRAIN_BATCH=512 WORKERS=(cores - 2) DEVICE=cuda DECODES="gpu fast"
-#   COMPILE=1 CUDA_PATHS=1 (a CPU dry run: DEVICE=cpu MODEL=pairclean-tiny SHARDS=2 PAIRS_PER_SHARD=64
+#   COMPILE=1 CUDA_PATHS=1 TRAIN=1 MIN_SECONDS=8 (a CPU dry run: DEVICE=cpu MODEL=pairclean-tiny SHARDS=2 PAIRS_PER_SHARD=64
 #   BATCH=32 TRAIN_BATCH=32 COMPILE=0 CUDA_PATHS=0)
 set -u
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -37,6 +39,8 @@ DEVICE=${DEVICE:-cuda}
 DECODES=${DECODES:-gpu fast}
 COMPILE=${COMPILE:-1}
 CUDA_PATHS=${CUDA_PATHS:-1}
+TRAIN=${TRAIN:-1}
+MIN_SECONDS=${MIN_SECONDS:-8}
 
 left() { echo $(( BUDGET - $(date +%s) + T0 )); }
 say() { echo "[$(( $(date +%s) - T0 ))s] $*" | tee -a "$OUT/log.txt"; }
@@ -87,6 +91,10 @@ for wheel in sorted(pathlib.Path(sys.argv[1]).glob("*.whl")):
 EOF
 if [ -s "$OUT/install-list.txt" ]; then
   step install 20 python -m pip install --no-index --no-deps $(cat "$OUT/install-list.txt")
+  if ! python -c "import open_clip, webdataset, duckdb" 2>/dev/null; then  # the image's environment is read-only
+    step install-target 20 python -m pip install --no-index --no-deps --target "$W/site" $(cat "$OUT/install-list.txt")
+    export PYTHONPATH="$PYTHONPATH:$W/site"
+  fi
 fi
 python -c "import pairclean.cli, open_clip, webdataset, duckdb" 2>"$OUT/import-check.log" \
   || { say "pairclean does not import here:"; cat "$OUT/import-check.log"; exit 1; }
@@ -107,32 +115,36 @@ step shards 30 python -m pairclean synth web-shards --src "$ROOT/tests/data/coco
   --shards "$SHARDS" --pairs-per-shard "$PAIRS_PER_SHARD" --jobs "$CORES" --overwrite
 [ -f "$W/web/manifest.yaml" ] || { say "no shards: stopping"; exit 1; }
 
-# 4. scoring variants, alternating
+# 4-6. scoring variants, training, every CUDA path
 score() {  # NAME DECODE [--compile]
   step "score-$1" 45 python -m pairclean bench score "$W/web/manifest.yaml" --model "$MODEL" --pretrained none \
     --device "$DEVICE" --precision "$PRECISION" --batch-size "$BATCH" --workers "$WORKERS" --decode "$2" ${3:-} \
-    --beta-mode shuffled --naive-pairs 0 --min-seconds 8 --json "$OUT/score-$1.json" --overwrite
+    --beta-mode shuffled --naive-pairs 0 --min-seconds "$MIN_SECONDS" --json "$OUT/score-$1.json" --overwrite
 }
 extra_decodes=$(python -c "from pairclean.backends.device_jpeg import DEVICE_DECODERS as D
 print(' '.join(n for n, c in D.items() if n not in '$DECODES'.split() and c.unavailable() is None))")
+# in the order of what the issue asks first, so a short budget drops the least: each decode eager,
+# training, --compile with the default decode, every CUDA path, the other device decoders, the rest
+first=${DECODES%% *}
 for decode in $DECODES; do score "$decode-eager-1" "$decode"; done
-if [ "$COMPILE" = 1 ]; then
-  for decode in $DECODES; do score "$decode-compile" "$decode" --compile; done
+[ "$TRAIN" = 1 ] && step train 60 python "$ROOT/benchmarks/train_throughput.py" "$W/web/manifest.yaml" --model "$MODEL" \
+  --precision "$PRECISION" --batch-size "$TRAIN_BATCH" --workers "$WORKERS" --device "$DEVICE" \
+  --min-seconds "$MIN_SECONDS" --json "$OUT/train.json"
+[ "$COMPILE" = 1 ] && score "$first-compile" "$first" --compile
+
+if [ "$CUDA_PATHS" = 1 ]; then
+  step cuda-paths 150 bash "$ROOT/benchmarks/cuda_paths.sh" "$W/cuda"
 fi
+
 for decode in $extra_decodes; do score "$decode-eager" "$decode"; done
 if [ -n "$extra_decodes" ]; then
   step decoders 40 python "$ROOT/benchmarks/device_decoders.py" "$W/web" --device "$DEVICE" --decoders gpu $extra_decodes \
     --repeat 10 --json "$OUT/decoders.json"
 fi
-step train 60 python "$ROOT/benchmarks/train_throughput.py" "$W/web/manifest.yaml" --model "$MODEL" \
-  --precision "$PRECISION" --batch-size "$TRAIN_BATCH" --workers "$WORKERS" --device "$DEVICE" \
-  --min-seconds 8 --json "$OUT/train.json"
-for decode in $DECODES; do score "$decode-eager-2" "$decode"; done
-
-# 6. every CUDA path
-if [ "$CUDA_PATHS" = 1 ]; then
-  step cuda-paths 120 bash "$ROOT/benchmarks/cuda_paths.sh" "$W/cuda"
+if [ "$COMPILE" = 1 ]; then
+  for decode in ${DECODES#"$first"}; do score "$decode-compile" "$decode" --compile; done
 fi
+for decode in $DECODES; do score "$decode-eager-2" "$decode"; done
 
 # the table
 python - "$OUT" <<'EOF' | tee "$OUT/summary.txt"

@@ -154,3 +154,22 @@ def test_a_decoder_whose_package_is_missing_leaves_decoding_to_the_workers_and_n
     (message,) = [r.getMessage() for r in caplog.records if f"`decode` {name}" in r.getMessage()]
     assert "\n" not in message and f"needs the {package} package" in message
     assert "pip install 'pairclean[gpu]'" in message and message.endswith("decoding JPEGs in the CPU workers (fast)")
+
+
+def test_nvimgcodec_backend_the_device_cannot_create_counts_as_not_decoding(monkeypatch):
+    """On an H100, nvImageCodec 0.9 raised 'Could not create decoder. Code: 7' for a decoder
+    restricted to its GPU_ONLY backend: the probe goes on to the next backend and, with none left,
+    says the GPU does not decode (the run then notes the CPU decoder) instead of crashing the run."""
+    cls = _decoder_class("nvimgcodec")
+    preprocess = PREPROCESSINGS["bicubic-64"]
+    decoder = cls(StandardTransform.parse(preprocess), torch.device("cpu"), preprocess)
+    library, tried = decoder.library, []
+
+    class Refusing:
+        def __init__(self, device_id=None, backends=(), **kwargs):
+            tried.append(device_id)
+            raise RuntimeError("Internal error - Could not create decoder. Code: 7")
+
+    monkeypatch.setattr(decoder, "library", type("Library", (), {**{k: getattr(library, k) for k in dir(library)
+                                                                     if not k.startswith("__")}, "Decoder": Refusing}))
+    assert decoder._gpu_decodes(0) is False and tried == [0, 0, 0]

@@ -100,3 +100,72 @@ def test_training_batches_carry_uint8_pixels_that_the_target_normalises(coco_sha
     normalised = target.estimator.image_input(batch["left"])
     assert normalised.dtype == torch.float32 and normalised.is_contiguous()
     assert torch.equal(target.encode("image", batch["left"]), target.encode("image", normalised))
+
+
+def test_prefetching_thread_gives_the_scores_of_the_inline_pipeline(coco_shards, fast_config, tmp_path, monkeypatch):
+    """On CUDA batch i+1 is received, copied and decoded in a thread of its own while batch i
+    runs; forced on here, on a CPU, the run's rows are the inline run's."""
+    import pyarrow.parquet as pq
+
+    from pairclean.scoring import pipeline
+
+    cfg = replace(fast_config, batch_size=3, workers=1)
+    inline = score(str(coco_shards), tmp_path / "inline.parquet", cfg)
+    monkeypatch.setattr(pipeline, "PREFETCH_DEVICES", ("cuda", "cpu"))
+    threads = []
+    original = pipeline.DevicePrefetcher.__iter__
+
+    def watched(self):
+        threads.append(self.threaded)
+        return original(self)
+
+    monkeypatch.setattr(pipeline.DevicePrefetcher, "__iter__", watched)
+    ahead = score(str(coco_shards), tmp_path / "ahead.parquet", cfg)
+    assert threads == [True] and ahead.pairs_scored_now == inline.pairs_scored_now == 16
+    a, b = (pq.read_table(tmp_path / name).sort_by([("shard", "ascending"), ("index", "ascending")])
+            for name in ("inline.parquet", "ahead.parquet"))
+    for column in ("key", "sim", "weight", "error"):
+        assert a.column(column).to_pylist() == b.column(column).to_pylist()
+
+
+def test_prefetcher_raises_the_threads_error_in_order_and_stops_when_the_consumer_does():
+    import threading
+
+    from pairclean.backends.feed import DevicePrefetcher
+
+    def prepare(x):
+        if x == 3:
+            raise ValueError("batch 3 is bad")
+        return x * 10
+
+    seen = []
+    with pytest.raises(ValueError, match="batch 3 is bad"):
+        for item in DevicePrefetcher(range(6), prepare, torch.device("cpu"), threaded=True):
+            seen.append(item)
+    assert seen == [0, 10, 20]
+
+    pulled = []
+
+    def source():
+        for i in range(1000):
+            pulled.append(i)
+            yield i
+
+    ahead = iter(DevicePrefetcher(source(), lambda x: x, torch.device("cpu"), threaded=True, depth=2))
+    assert next(ahead) == 0
+    ahead.close()  # the consumer stops: the thread ends without draining the source
+    assert not any(t.name == "pairclean-device-prefetch" for t in threading.enumerate())
+    assert len(pulled) <= 5
+
+
+def test_pipeline_only_round_with_the_prefetching_thread_charges_its_work_to_other_threads(coco_shards, tmp_path,
+                                                                                            monkeypatch):
+    """As on CUDA: the device decoder runs in the prefetching thread, so the main thread's
+    `device preprocessing` is empty and the decode shows under `other threads`."""
+    from pairclean.scoring import pipeline
+
+    monkeypatch.setattr(pipeline, "PREFETCH_DEVICES", ("cuda", "cpu"))
+    p = bench_pipeline_only(coco_shards, tmp_path, "--decode", "gpu")["pipeline_only"]
+    assert p["decode"] == "gpu" and p["pairs"] == 12
+    assert p["stages"]["device preprocessing"] < 0.01 and p["stages"]["to device"] < 0.01  # two clock reads
+    assert p["stages"]["other threads"] > 0 and p["stage_wall_ms_per_pair"]["receive"] > 0

@@ -4,11 +4,18 @@ A DataLoader with `pin_memory` hands over page-locked batches; `DeviceFeed` copi
 device asynchronously on a side stream, and makes the compute stream wait for those copies only,
 so the model keeps computing the batch before while the next one crosses the bus (scoring and
 training both feed their batches through it). On a CPU device it hands batches on unchanged.
+
+`DevicePrefetcher` goes one step further for work the host must wait for: it prepares batch i+1
+(copies and device preprocessing, where torchvision's nvJPEG decode blocks until the batch is
+decoded) in a thread of its own while the main thread queues batch i's model.
 """
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+import queue
+import threading
+from contextlib import nullcontext
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
@@ -50,3 +57,87 @@ class DeviceFeed:
         for tensor in device_tensors(moved):
             tensor.record_stream(compute)
         return moved
+
+
+_DONE = object()
+
+
+class DevicePrefetcher:
+    """Iterates `prepare(batch)` over `batches`; on CUDA (or with `threaded=True`) in a background
+    thread on a side stream, up to `depth` prepared batches ahead of the consumer, so preparation
+    that blocks the host (a library's synchronous decode) overlaps the model on the batch before.
+
+    Each prepared batch reaches the consumer with the compute stream made to wait for the side
+    stream's work, and its device tensors recorded on the compute stream (the caching allocator
+    keeps their memory until the compute stream is done with them). An exception in the thread is
+    raised in the consumer, at the batch where it happened. The iterator of `batches` is made here,
+    in the consumer's thread (a DataLoader sets its signal handlers only from the main thread).
+    `held`: the device tensors of a prepared batch (default: found by walking it)."""
+
+    def __init__(self, batches: Iterable, prepare: Callable[[Any], Any], device: torch.device,
+                 threaded: bool | None = None, depth: int = 1,
+                 held: Callable[[Any], Iterable[torch.Tensor]] = device_tensors):
+        self.batches, self.prepare, self.device, self.depth, self.held = batches, prepare, device, depth, held
+        self.threaded = device.type == "cuda" if threaded is None else threaded
+
+    def __iter__(self) -> Iterator:
+        if not self.threaded:
+            for batch in self.batches:
+                yield self.prepare(batch)
+            return
+        source = iter(self.batches)
+        ready: queue.Queue = queue.Queue(maxsize=self.depth)
+        stop = threading.Event()
+        cuda = self.device.type == "cuda"
+        stream = torch.cuda.Stream(self.device) if cuda else None  # made here: its device has the consumer's index
+
+        def hand_over(item) -> bool:
+            while not stop.is_set():
+                try:
+                    ready.put(item, timeout=0.1)
+                    return True
+                except queue.Full:
+                    continue
+            return False
+
+        def work() -> None:
+            try:
+                with torch.cuda.device(stream.device) if cuda else nullcontext(), \
+                        torch.cuda.stream(stream) if cuda else nullcontext():
+                    prepare_all()
+            except BaseException as exc:  # handed to the consumer, which raises it
+                hand_over(exc)
+                return
+            hand_over(_DONE)
+
+        def prepare_all() -> None:
+            for batch in source:
+                if stop.is_set():
+                    return
+                batch = self.prepare(batch)
+                event = None
+                if cuda:
+                    event = torch.cuda.Event()
+                    event.record(stream)
+                if not hand_over((batch, event)):
+                    return
+
+        thread = threading.Thread(target=work, name="pairclean-device-prefetch", daemon=True)
+        thread.start()
+        try:
+            while True:
+                item = ready.get()
+                if item is _DONE:
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                batch, event = item
+                if event is not None:
+                    compute = torch.cuda.current_stream(self.device)
+                    compute.wait_event(event)
+                    for tensor in self.held(batch):
+                        tensor.record_stream(compute)
+                yield batch
+        finally:
+            stop.set()
+            thread.join(timeout=5)  # a thread still waiting for its source ends with the process (daemon)

@@ -63,11 +63,20 @@ class NvImageCodecDecoder(BatchedDeviceDecoder):
                                               backends=[nvimgcodec.Backend(nvimgcodec.BackendKind.CPU_ONLY)])
 
     def _gpu_decodes(self, index: int) -> bool:
-        """Whether a decoder restricted to the GPU backend decodes a small JPEG on this device."""
+        """Whether a decoder restricted to one of the device's backends (the hardware decoder, the
+        CUDA one, the hybrid) decodes a small JPEG here. A backend that cannot be created on this
+        device (nvImageCodec raises: an H100 gave 'Could not create decoder. Code: 7' for GPU_ONLY)
+        is one that does not decode."""
         nvimgcodec, encoded = self.library, io.BytesIO()
         Image.new("RGB", (64, 64), (200, 40, 40)).save(encoded, format="JPEG")
-        probe = nvimgcodec.Decoder(device_id=index, backends=[nvimgcodec.Backend(nvimgcodec.BackendKind.GPU_ONLY)])
-        return probe.decode(nvimgcodec.CodeStream(encoded.getvalue()), params=self.params) is not None
+        for kind in ("HW_GPU_ONLY", "GPU_ONLY", "HYBRID_CPU_GPU"):
+            try:
+                probe = nvimgcodec.Decoder(device_id=index, backends=[nvimgcodec.Backend(getattr(nvimgcodec.BackendKind, kind))])
+                if probe.decode(nvimgcodec.CodeStream(encoded.getvalue()), params=self.params) is not None:
+                    return True
+            except (RuntimeError, AttributeError):
+                continue
+        return False
 
     def _stream(self) -> int:
         """The CUDA stream decoding is ordered on: the caller's current one (0: none, on a CPU)."""

@@ -3,6 +3,7 @@
     receive (a PairBatch from a worker, page-locked by the DataLoader's pin thread)
     -> to device (asynchronous copies, on a side stream: they overlap the previous batch's model)
     -> device preprocessing (`estimator.finish_batch`: JPEGs decoded, resized, cropped)
+       (on CUDA these three run one batch ahead in a thread of their own: `DevicePrefetcher`)
     -> encode (u, v) -> scorer (sims and null sims, copied back to the host asynchronously)
     -> sink (rows into each unit's part, commits), one batch behind
 
@@ -14,6 +15,7 @@ device except for results it already queued. On a CPU device the same stages run
 from __future__ import annotations
 
 from collections import defaultdict
+from contextlib import closing
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
@@ -21,12 +23,15 @@ import numpy as np
 import torch
 
 from pairclean.backends.base import Estimator
-from pairclean.backends.feed import DeviceFeed
+from pairclean.backends.feed import DeviceFeed, DevicePrefetcher, device_tensors
 from pairclean.backends.oom import OomBackoff, take_rows
 from pairclean.core.beta import ShuffledAccumulator
 from pairclean.core.scorer import null_partners
 from pairclean.ops.measure import StageMeter
 from pairclean.scoring.batches import PairBatch, UnitEnd
+
+# Device types whose batches are prepared one ahead in a thread of their own (`run_pipeline`).
+PREFETCH_DEVICES = ("cuda",)
 
 STAGES = ("receive", "to device", "device preprocessing", "encode", "scorer", "sink")
 
@@ -215,40 +220,55 @@ class PartSink:
 
 def run_pipeline(batches: Iterable[PairBatch], estimator: Estimator, left: str, right: str, sink: PartSink,
                  batch_size: int, meter: StageMeter | None = None,
-                 after_batch: Callable[[], None] | None = None) -> dict[str, int]:
+                 after_batch: Callable[[], None] | None = None, prefetch: bool | None = None) -> dict[str, int]:
     """Drive every batch through the stages; counters of the batches seen (how full they were).
-    `meter`: where the main process's time goes, stage by stage (STAGES)."""
+    `meter`: where the main process's time goes, stage by stage (STAGES). `prefetch`: receive,
+    copy and preprocess batch i+1 in a thread of its own while the main thread runs batch i
+    (`DevicePrefetcher`; default on CUDA, where nvJPEG's decode blocks the thread calling it);
+    then the main thread's `receive` is its wait for a prepared batch."""
     feed = DeviceFeed(estimator.device)
     scorer = Scorer(estimator, left, right, keep_embeddings=sink.accumulate or sink.save_block is not None)
     counters = {"batches": 0, "full_batches": 0, "batch_rows": 0}
     mark = meter.mark if meter is not None else (lambda stage: None)
+    threaded = estimator.device.type in PREFETCH_DEVICES if prefetch is None else prefetch
+    inline_mark = (lambda stage: None) if threaded else mark  # the meter is the main thread's
+
+    def prepare(batch: PairBatch) -> tuple[PairBatch, int]:
+        inline_mark("receive")
+        worker_bytes = batch.worker_bytes() if meter is not None else 0  # what crossed, before the device has it
+        batch.left, batch.right = feed(batch.left), feed(batch.right)
+        inline_mark("to device")
+        batch = finish_on_device(estimator, batch, left, right)
+        inline_mark("device preprocessing")
+        return batch, worker_bytes
+
     if meter is not None:
         meter.start()
-    for batch in batches:
-        mark("receive")
-        pairs = sum(s.stop - s.start for s in batch.spans if s.unit not in sink.done)
-        worker_bytes = batch.worker_bytes() if meter is not None else 0
-        if len(batch):
-            counters["batches"] += 1
-            counters["full_batches"] += len(batch) == batch_size
-            counters["batch_rows"] += len(batch)
-        batch.left, batch.right = feed(batch.left), feed(batch.right)
-        mark("to device")
-        batch = finish_on_device(estimator, batch, left, right)
-        mark("device preprocessing")
-        if batch.left is not None:
-            u, v = scorer.encode(batch)
-            mark("encode")
-            scored = scorer.score(batch, u, v)
-        else:
-            scored = ScoredBatch(batch, [])
-        mark("scorer")
-        sink.put(scored)
-        if after_batch is not None:
-            after_batch()
-        mark("sink")
-        if meter is not None:
-            meter.batch(pairs, worker_bytes)
+    prepared = DevicePrefetcher(batches, prepare, estimator.device, threaded=threaded,
+                                held=lambda item: device_tensors((item[0].left, item[0].right)))
+    with closing(iter(prepared)) as ready:  # an error below stops the prefetching thread at once
+        for batch, worker_bytes in ready:
+            if threaded:  # the thread did these: the main thread waited for them in `receive`
+                for stage in STAGES[:3]:
+                    mark(stage)
+            pairs = sum(s.stop - s.start for s in batch.spans if s.unit not in sink.done)
+            if len(batch):
+                counters["batches"] += 1
+                counters["full_batches"] += len(batch) == batch_size
+                counters["batch_rows"] += len(batch)
+            if batch.left is not None:
+                u, v = scorer.encode(batch)
+                mark("encode")
+                scored = scorer.score(batch, u, v)
+            else:
+                scored = ScoredBatch(batch, [])
+            mark("scorer")
+            sink.put(scored)
+            if after_batch is not None:
+                after_batch()
+            mark("sink")
+            if meter is not None:
+                meter.batch(pairs, worker_bytes)
     sink.close()
     mark("sink")
     if meter is not None:
