@@ -67,6 +67,29 @@ def test_units_are_packed_sixteen_batches_to_a_group():
     assert GROUP_BATCHES == 16
 
 
+def test_units_are_cut_into_a_group_for_every_reader_where_there_are_enough():
+    """A DataLoader worker reads whole groups: 14 shards of 2,500 at batch 1,024 were 2 groups,
+    so 2 of 14 workers decoded (an H100 run); with 14 readers they are 14 groups."""
+    units = [f"u{i}" for i in range(14)]
+    assert pack_units(units, 2500, 1024) == [units[:7], units[7:]]
+    assert pack_units(units, 2500, 1024, readers=14) == [[u] for u in units]
+    assert pack_units(units, 2500, 1024, readers=4) == [units[i:i + 4] for i in range(0, 14, 4)]
+    assert pack_units(units, 2500, 1024, readers=50) == [[u] for u in units]  # fewer units than readers: one each
+    assert pack_units(units, 40, 256, readers=2) == [units[:7], units[7:]]  # small units: still half each
+
+
+def test_a_run_packs_its_units_for_its_workers(layouts):
+    from dataclasses import replace
+
+    from pairclean.scoring.model import ModelProducer
+    from pairclean.data.dataset import open_dataset
+
+    small, _ = layouts
+    data = open_dataset(str(small))
+    assert len(ModelProducer(data, replace(CFG, workers=0)).groups(data.units())) == 1
+    assert len(ModelProducer(data, replace(CFG, workers=3)).groups(data.units())) == 3
+
+
 def test_many_small_shards_fill_every_batch_and_match_few_large_shards(layouts, tmp_path):
     small, large = layouts
     a = score(str(small), tmp_path / "small.parquet", CFG)
