@@ -117,7 +117,8 @@ step shards 30 python -m pairclean synth web-shards --src "$ROOT/tests/data/coco
 
 # 4-6. scoring variants, training, every CUDA path
 score() {  # NAME DECODE [--compile]
-  step "score-$1" 45 python -m pairclean bench score "$W/web/manifest.yaml" --model "$MODEL" --pretrained none \
+  # --compile: each recompilation logged (why, which shape) in OUT/score-NAME.log, to see where compile time goes
+  step "score-$1" 45 env ${3:+TORCH_LOGS=recompiles} python -m pairclean bench score "$W/web/manifest.yaml" --model "$MODEL" --pretrained none \
     --device "$DEVICE" --precision "$PRECISION" --batch-size "$BATCH" --workers "$WORKERS" --decode "$2" ${3:-} \
     --beta-mode shuffled --naive-pairs 0 --min-seconds "$MIN_SECONDS" --json "$OUT/score-$1.json" --overwrite
 }
