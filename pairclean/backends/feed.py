@@ -63,9 +63,9 @@ _DONE = object()
 
 
 class DevicePrefetcher:
-    """Iterates `prepare(batch)` over `batches`; on CUDA (or with `threaded=True`) in a background
-    thread on a side stream, up to `depth` prepared batches ahead of the consumer, so preparation
-    that blocks the host (a library's synchronous decode) overlaps the model on the batch before.
+    """Iterates `prepare(batch)` over `batches`; `threaded`: in a background thread (on CUDA, on a
+    side stream), up to `depth` prepared batches ahead of the consumer, so preparation that blocks
+    the host (a library's synchronous decode) overlaps the model on the batch before.
 
     Each prepared batch reaches the consumer with the compute stream made to wait for the side
     stream's work, and its device tensors recorded on the compute stream (the caching allocator
@@ -74,11 +74,10 @@ class DevicePrefetcher:
     in the consumer's thread (a DataLoader sets its signal handlers only from the main thread).
     `held`: the device tensors of a prepared batch (default: found by walking it)."""
 
-    def __init__(self, batches: Iterable, prepare: Callable[[Any], Any], device: torch.device,
-                 threaded: bool | None = None, depth: int = 1,
-                 held: Callable[[Any], Iterable[torch.Tensor]] = device_tensors):
-        self.batches, self.prepare, self.device, self.depth, self.held = batches, prepare, device, depth, held
-        self.threaded = device.type == "cuda" if threaded is None else threaded
+    def __init__(self, batches: Iterable, prepare: Callable[[Any], Any], device: torch.device, threaded: bool,
+                 depth: int = 1, held: Callable[[Any], Iterable[torch.Tensor]] = device_tensors):
+        self.batches, self.prepare, self.device, self.threaded = batches, prepare, device, threaded
+        self.depth, self.held = depth, held
 
     def __iter__(self) -> Iterator:
         if not self.threaded:

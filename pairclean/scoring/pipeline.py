@@ -220,17 +220,17 @@ class PartSink:
 
 def run_pipeline(batches: Iterable[PairBatch], estimator: Estimator, left: str, right: str, sink: PartSink,
                  batch_size: int, meter: StageMeter | None = None,
-                 after_batch: Callable[[], None] | None = None, prefetch: bool | None = None) -> dict[str, int]:
+                 after_batch: Callable[[], None] | None = None) -> dict[str, int]:
     """Drive every batch through the stages; counters of the batches seen (how full they were).
-    `meter`: where the main process's time goes, stage by stage (STAGES). `prefetch`: receive,
-    copy and preprocess batch i+1 in a thread of its own while the main thread runs batch i
-    (`DevicePrefetcher`; default on CUDA, where nvJPEG's decode blocks the thread calling it);
-    then the main thread's `receive` is its wait for a prepared batch."""
+    `meter`: where the main process's time goes, stage by stage (STAGES). On PREFETCH_DEVICES batch
+    i+1 is received, copied and preprocessed in a thread of its own while the main thread runs batch
+    i (`DevicePrefetcher`: nvJPEG's decode blocks the thread calling it); the main thread's `receive`
+    is then its wait for a prepared batch."""
     feed = DeviceFeed(estimator.device)
     scorer = Scorer(estimator, left, right, keep_embeddings=sink.accumulate or sink.save_block is not None)
     counters = {"batches": 0, "full_batches": 0, "batch_rows": 0}
     mark = meter.mark if meter is not None else (lambda stage: None)
-    threaded = estimator.device.type in PREFETCH_DEVICES if prefetch is None else prefetch
+    threaded = estimator.device.type in PREFETCH_DEVICES
     inline_mark = (lambda stage: None) if threaded else mark  # the meter is the main thread's
 
     def prepare(batch: PairBatch) -> tuple[PairBatch, int]:
