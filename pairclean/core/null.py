@@ -20,6 +20,7 @@ another row's right. Against its m sorted values:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -76,7 +77,16 @@ class NullCalibration:
         if n == 0:
             return np.nan, np.nan, np.nan
         above = float((self.p_values(np.asarray(sample, dtype=np.float64)) > STOREY_LAMBDA).mean())
-        centre = (above + Z95 ** 2 / (2 * n)) / (1 + Z95 ** 2 / n)
-        half = Z95 * np.sqrt(above * (1 - above) / n + Z95 ** 2 / (4 * n * n)) / (1 + Z95 ** 2 / n)
         scale = 1.0 / (1.0 - STOREY_LAMBDA)
-        return tuple(float(min(max(x * scale, 0.0), 1.0)) for x in (above, centre - half, centre + half))
+        return tuple(float(min(x * scale, 1.0)) for x in (above, *wilson(above, n)))
+
+
+def wilson(share: float, n: float, z: float = Z95) -> tuple[float, float]:
+    """Wilson's score interval for a proportion observed as `share` of `n` (n may be fractional),
+    at the normal quantile `z` (Z95: 95%)."""
+    denominator = 1 + z * z / n
+    centre = (share + z * z / (2 * n)) / denominator
+    half = z * math.sqrt(share * (1 - share) / n + z * z / (4 * n * n)) / denominator
+    low, high = max(0.0, centre - half), min(1.0, centre + half)
+    # exactly 0 and 1 at the ends (the formula's, which float rounding misses by an ulp)
+    return (0.0 if share == 0 else low), (1.0 if share == 1 else high)

@@ -31,7 +31,6 @@ types it strictly wherever it is read, `audit_design` finds it in a truth file.
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,6 +39,7 @@ import pyarrow.parquet as pq
 from scipy.stats import norm
 
 from pairclean.config import INT64_MAX
+from pairclean.core.null import wilson
 from pairclean.errors import UserError
 
 CONFIDENCE = 0.95
@@ -60,17 +60,6 @@ class Estimate:
     def as_dict(self) -> dict:
         return {"value": self.value, "low": self.low, "high": self.high, "effective_n": self.effective_n,
                 "sampled": self.sampled}
-
-
-def wilson(share: float, n: float, confidence: float = CONFIDENCE) -> tuple[float, float]:
-    """Wilson's score interval for a proportion observed as `share` of `n` (n may be fractional)."""
-    z = float(norm.ppf(0.5 + confidence / 2))
-    denominator = 1 + z * z / n
-    centre = (share + z * z / (2 * n)) / denominator
-    half = z * math.sqrt(share * (1 - share) / n + z * z / (4 * n * n)) / denominator
-    low, high = max(0.0, centre - half), min(1.0, centre + half)
-    # exactly 0 and 1 at the ends (the formula's, which float rounding misses by an ulp)
-    return (0.0 if share == 0 else low), (1.0 if share == 1 else high)
 
 
 def ratio_estimate(y, x, strata, population: dict[int, int], confidence: float = CONFIDENCE) -> Estimate:
@@ -95,7 +84,7 @@ def ratio_estimate(y, x, strata, population: dict[int, int], confidence: float =
             variance += big_n * big_n * (1 - n / big_n) * z.var(ddof=1) / n
     variance /= total_x * total_x
     effective = ratio * (1 - ratio) / variance if variance > 0 and 0 < ratio < 1 else float(sampled)
-    low, high = wilson(ratio, effective, confidence)
+    low, high = wilson(ratio, effective, z=float(norm.ppf(0.5 + confidence / 2)))
     return Estimate(float(ratio), low, high, float(effective), sampled)
 
 
