@@ -73,7 +73,8 @@ class Run:
         """Start the run or resume the unfinished one (rank 0). A committed unit whose file changed
         since is refused: its rows would describe data that is no longer there."""
         start = self.store.begin(self.out, self.settings, self.units, overwrite=self.overwrite, resume=self.resume)
-        done = {u: r for u, r in self.store.committed().items() if u in set(start.units)}
+        units = set(start.units)
+        done = {u: r for u, r in self.store.committed().items() if u in units}
         self._check_unchanged(done)
         return Started(start.resumed, start.units, frozenset(done))
 
