@@ -33,7 +33,7 @@ from pairclean.ops.worker_memory import steady_worker_memory
 from pairclean.ops.atomic import write_json
 from pairclean.config import check_choice, check_pretrained
 from pairclean.errors import ConfigError, UserError
-from pairclean.backends import check_backend, load_target
+from pairclean.backends import load_target
 from pairclean.backends.base import PRECISIONS, autocast_context
 from pairclean.backends.feed import DeviceFeed
 from pairclean.data.dataset import Dataset, as_dataset
@@ -203,13 +203,12 @@ def train(source: str | list[str] | DatasetSpec | Dataset, out: str | Path | Out
     torch.manual_seed(cfg.seed)
     np.random.seed(cfg.seed)
     random.seed(cfg.seed)
-    target = load_target(cfg.model, cfg.pretrained, backend=cfg.backend, needed=modalities(spec.pair),
-                         device=distributed.default_device_for_rank(cfg.device), temperature=cfg.temperature)
-    check_backend(target.backend, modalities(spec.pair))
-    autocast_context(target.device, cfg.precision)  # refuses fp16 without CUDA before any work
     left_mod, right_mod = modalities(spec.pair)
+    target = load_target(cfg.model, cfg.pretrained, backend=cfg.backend, needed=(left_mod, right_mod),
+                         device=distributed.default_device_for_rank(cfg.device), temperature=cfg.temperature)
+    autocast_context(target.device, cfg.precision)  # refuses fp16 without CUDA before any work
     shards = index_shards(data)
-    ctx = MethodContext(dataset=data, spec=spec, shards=shards, target=target, run_dir=out, seed=cfg.seed, left=left_mod,
+    ctx = MethodContext(dataset=data, shards=shards, target=target, run_dir=out, seed=cfg.seed, left=left_mod,
                         right=right_mod, config=cfg)
     plan = method.setup(ctx)  # before the saved weights are loaded: a frozen estimator copies the initial model
     pairs = plan.pairs if plan.pairs is not None else sum(s.rows for s in shards)
