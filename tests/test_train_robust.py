@@ -26,7 +26,7 @@ def ctx(tmp_path, coco_shards):
     torch.manual_seed(0)
     target = load_target("pairclean-tiny", "none")
     cfg = TrainConfig(model="pairclean-tiny", pretrained="none", batch_size=8, workers=0)
-    return MethodContext(dataset=spec, spec=spec.spec, shards=index_shards(spec), target=target, run_dir=tmp_path, seed=0,
+    return MethodContext(dataset=spec, shards=index_shards(spec), target=target, run_dir=tmp_path, seed=0,
                          left="image", right="text", config=cfg)
 
 

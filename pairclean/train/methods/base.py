@@ -34,11 +34,15 @@ import torch
 
 from pairclean.config import check_choice, check_value, field_types, parse_value
 from pairclean.data.dataset import Dataset
-from pairclean.data.spec import DatasetSpec
 from pairclean.errors import UserError
 from pairclean.ops.notices import notice
 from pairclean.train.data import BatchPlan, ShardInfo
 from pairclean.train.loss import weighted_infonce
+
+
+# `epoch` of the subset-training methods (SPS, DiffNCL): one pass over the pairs they chose, or as many
+# steps as a pass over every pair.
+EPOCH_LENGTHS = ("subset", "all")
 
 
 @dataclass
@@ -46,7 +50,6 @@ class MethodContext:
     """What a method may use: the data, the target, the run directory, the trainer's settings."""
 
     dataset: Dataset  # what reads the training data
-    spec: DatasetSpec  # the dataset's spec (plain data: pair kind, shards, fields)
     shards: list[ShardInfo]
     target: Any
     run_dir: Path
