@@ -50,11 +50,6 @@ def index_shards(dataset: Dataset) -> list[ShardInfo]:
     return out
 
 
-def shard_keys(dataset: Dataset, shard: str) -> list[str]:
-    """Keys of one shard by position (for joining scores by key)."""
-    return dataset.keys(shard)
-
-
 def content_digest(value: bytes | str) -> str:
     """Identity of an item by content: the same image (or text) under several captions."""
     return hashlib.sha1(value.encode() if isinstance(value, str) else value).hexdigest()

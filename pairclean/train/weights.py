@@ -37,7 +37,7 @@ from pairclean.data.dataset import Dataset
 from pairclean.ops.atomic import atomic_directory
 from pairclean.scores.db import NUMERIC_TYPES, ScoresDB, compile_predicate
 from pairclean.scores.sql import duckdb_message
-from pairclean.train.data import DROPPED, ShardInfo, shard_keys
+from pairclean.train.data import DROPPED, ShardInfo
 
 JOINS = ("auto", "shard-index", "key")
 ON_MISSING = ("error", "drop", "keep")
@@ -180,7 +180,7 @@ def _write_train_keys(dataset: Dataset, shards: list[ShardInfo], path: Path) -> 
     schema = pa.schema([("shard_id", pa.int32()), ("idx", pa.int64()), ("key", pa.string())])
     with pq.ParquetWriter(path, schema) as writer:
         for shard_id, info in enumerate(shards):
-            keys = shard_keys(dataset, info.shard)[:info.rows]
+            keys = dataset.keys(info.shard)[:info.rows]
             writer.write_table(pa.table({"shard_id": pa.array([shard_id] * len(keys), pa.int32()),
                                          "idx": pa.array(range(len(keys)), pa.int64()), "key": keys}, schema=schema))
 
