@@ -38,8 +38,8 @@ from pairclean.core.mixture import clean_posterior, minmax
 from pairclean.config import COUNT, above, at_least, check_choice, setting, within
 from pairclean.errors import ConfigError, UserError
 from pairclean.train.loss import infonce_terms
-from pairclean.train.methods.base import (Embeddings, FollowUp, LossOutput, Method, MethodContext, register_method,
-                                          every_parameter, scaled_epoch, too_short)
+from pairclean.train.methods.base import (EPOCH_LENGTHS, Embeddings, FollowUp, LossOutput, Method, MethodContext,
+                                          every_parameter, register_method, scaled_epoch, too_short)
 from pairclean.train.robust import (EpochWeights, NetworkBatches, OwnModule, PairIndex, Peer, embedding_dim, pair_pass,
                                     write_pair_table)
 CLEAN, WEAK, NOISY = 0, 1, 2
@@ -186,7 +186,6 @@ def weak_pair_losses(f: torch.Tensor, g: torch.Tensor, denoiser: Denoiser, steps
 PAPER_EPOCHS, PAPER_WARMUP = 45, 5  # Flickr30K: 5 warm-up epochs, then 40
 LOOPS = ("batches", "rows")
 WEAK_LOOPS = ("cycle", "once", "none")
-EPOCH_LENGTHS = ("subset", "all")
 ZETA_ON = ("normalised", "raw")
 
 

@@ -33,8 +33,8 @@ from pairclean.core.mixture import clean_posterior
 from pairclean.errors import ConfigError
 from pairclean.ops import distributed
 from pairclean.train.loss import infonce_terms
-from pairclean.train.methods.base import (Embeddings, FollowUp, LossOutput, Method, MethodContext, register_method,
-                                          every_parameter, scaled_epoch, too_short)
+from pairclean.train.methods.base import (EPOCH_LENGTHS, Embeddings, FollowUp, LossOutput, Method, MethodContext,
+                                          every_parameter, register_method, scaled_epoch, too_short)
 from pairclean.train.robust import (EpochWeights, NetworkBatches, PairIndex, Peer, gather_pairs, pair_pass,
                                     write_pair_table)
 
@@ -104,7 +104,6 @@ def _nullable(values: np.ndarray) -> np.ndarray:
 PAPER_EPOCHS, PAPER_WARMUP, PAPER_QC_AFTER, PAPER_N_AFTER = 45, 5, 15, 20  # [C]: 5 warm-up + 40; quasi-clean
 # pairs from co-training epoch 10 (after 15 epochs in all), noisy ones from co-training epoch 15 (after 20)
 BATCH_SOURCES = ("loaders", "rows")
-EPOCH_LENGTHS = ("subset", "all")
 
 
 @dataclass
