@@ -19,7 +19,7 @@ from pairclean.backends.compiled import CompiledOrEager
 from pairclean.backends.device_jpeg import DeviceJpegDecoder, device_decodable
 from pairclean.backends.inputs import ImageBatch, StandardTransform, TokenBatch, stack_pixels
 from pairclean.backends.oom import OomBackoff, take_rows
-from pairclean.backends.text_trim import supports_text_trim, text_buckets, token_ends
+from pairclean.backends.text_trim import supports_text_trim, text_buckets, token_ends, trimmed_encode_text
 from pairclean.ops.measure import DeviceReads
 from pairclean.data.decode import decode_image
 from pairclean.lab.coco import read_pairs
@@ -278,11 +278,70 @@ def test_compile_failure_falls_back_to_eager_once(monkeypatch, caplog):
 
     monkeypatch.setattr(torch, "compile", failing_compile)
     calls = []
-    wrapped = CompiledOrEager(lambda x: calls.append(x) or x + 1, "image")
+    wrapped = CompiledOrEager(lambda model, x: calls.append(int(x)) or x + 1, "image", torch.device("cpu"))
     with caplog.at_level(logging.WARNING, logger="pairclean"):
-        assert wrapped(1) == 2 and wrapped(2) == 3
+        assert wrapped(None, torch.tensor([1])) == 2 and wrapped(None, torch.tensor([2])) == 3
     assert calls == [1, 2]
     assert sum("running it eagerly" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_compiled_tower_sees_the_full_batch_shape_and_gives_back_its_rows(monkeypatch):
+    """A partial batch reaches the compiled function padded with zero rows to the most rows seen,
+    in its own memory layout; only its own rows come back, computed from its own inputs."""
+    seen = []
+    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: fn)
+
+    def tower(model, batch):
+        seen.append((batch.shape[0], batch.is_contiguous(memory_format=torch.channels_last)))
+        return batch.flatten(1).sum(1, keepdim=True) + model
+
+    wrapped = CompiledOrEager(tower, "image", torch.device("cpu"))
+    full = torch.rand(6, 3, 4, 4).contiguous(memory_format=torch.channels_last)
+    part = torch.rand(4, 3, 4, 4).contiguous(memory_format=torch.channels_last)
+    assert torch.equal(wrapped(1.0, full), tower(1.0, full))
+    out = wrapped(1.0, part)
+    assert out.shape == (4, 1) and torch.equal(out, tower(1.0, part))
+    assert seen[:3:2] == [(6, True), (6, True)]  # the wrapped calls; seen[1] and [3] are the references
+
+
+def test_compiled_tower_pads_to_the_smaller_chunks_after_running_out_of_memory(monkeypatch):
+    """After an out-of-memory the caller (OomBackoff) goes on in halves: padding them back up to
+    the batch that did not fit would run out again."""
+    seen = []
+    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: fn)
+
+    def tower(model, batch):
+        seen.append(batch.shape[0])
+        if batch.shape[0] > 4:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2 GiB")
+        return batch * 2
+
+    backoff = OomBackoff()
+    wrapped = CompiledOrEager(tower, "image", torch.device("cpu"))
+    batch = torch.arange(8.0).view(8, 1)
+    assert torch.equal(backoff(lambda part: wrapped(None, part), batch), batch * 2)
+    assert seen == [8, 4, 4] and backoff.chunk == 4
+
+
+def test_compiled_text_cuts_in_steps_stay_exact(tiny_estimator):
+    """Rounding each bucket's cut up to a step (fewer shapes for a compiled tower) changes no output."""
+    from functools import partial
+
+    from pairclean.backends.text_trim import bucketed_encode_text
+
+    captions = ["a dog", "two people riding horses along a beach at sunset", "x", "a red circle"] * 80
+    tokens = tiny_estimator.tokenizer(captions)
+    ends = token_ends(tokens)
+    lengths = []
+
+    def encode(model, text, length):
+        lengths.append(length)
+        return trimmed_encode_text(model, text, length)
+
+    plain = bucketed_encode_text(tiny_estimator.model, tokens, ends)
+    stepped = bucketed_encode_text(tiny_estimator.model, tokens, ends, encode=encode, length_step=16)
+    assert set(lengths) <= {16, 32} and len(lengths) == 2
+    torch.testing.assert_close(stepped, plain, atol=2e-6, rtol=0)
 
 
 @pytest.mark.slow
@@ -296,3 +355,28 @@ def test_real_torch_compile_encodes_like_eager(tiny_estimator, coco_src):
     torch.testing.assert_close(compiled.encode("image", pixels), tiny_estimator.encode("image", pixels), atol=1e-4, rtol=0)
     torch.testing.assert_close(compiled.encode("text", tokens), tiny_estimator.encode("text", tokens), atol=1e-4, rtol=0)
     torch.testing.assert_close(compiled.encode("text", tokens[:2]), tiny_estimator.encode("text", tokens[:2]), atol=1e-4, rtol=0)
+    torch.testing.assert_close(compiled.encode("image", pixels[:3]), tiny_estimator.encode("image", pixels[:3]), atol=1e-4, rtol=0)
+
+
+@pytest.mark.slow
+def test_compiled_towers_compile_once_across_partial_batches(tiny_estimator, coco_src):
+    """A group's last, partial batch and captions of other lengths reuse the towers' first
+    compilation (padded rows, cuts in steps): no recompilation (on CUDA: no further CUDA graph)."""
+    from torch._dynamo.utils import counters
+
+    torch.manual_seed(0)
+    compiled = OpenClipEstimator("pairclean-tiny", pretrained="none", device="cpu", compile=True)
+    pixels = tiny_estimator.preparer.collate("image", [tiny_estimator.preparer.prepare("image", d) for d in _jpeg_bytes(coco_src, 6)])
+    short = tiny_estimator.tokenizer(["a dog", "x", "a red circle", "two cats", "a cup", "tea"])
+    long = tiny_estimator.tokenizer(["two people riding horses along a beach at sunset while a dog runs"] * 5)
+    torch._dynamo.reset()
+    counters.clear()
+    compiled.encode("image", pixels)
+    compiled.encode("text", short)
+    first = counters["stats"]["unique_graphs"]
+    for rows in (5, 2):
+        torch.testing.assert_close(compiled.encode("image", pixels[:rows]), tiny_estimator.encode("image", pixels[:rows]),
+                                   atol=1e-4, rtol=0)
+    torch.testing.assert_close(compiled.encode("text", long), tiny_estimator.encode("text", long), atol=1e-4, rtol=0)
+    torch.testing.assert_close(compiled.encode("text", short[:3]), tiny_estimator.encode("text", short[:3]), atol=1e-4, rtol=0)
+    assert first >= 2 and counters["stats"]["unique_graphs"] == first

@@ -38,6 +38,7 @@ CONFIG_DIR = Path(__file__).parent / "model_configs"
 WORKER_DECODES = ("fast", "exact")  # PIL in the workers; every other `decode` is a registered device decoder
 SCHEMAS = ("hf-hub:", "local-dir:")  # open_clip's model names that carry their own config and weights
 DEFAULT_TAG = "openai"  # the weights of an architecture name when `pretrained` is not given
+COMPILED_LENGTH_STEP = 16  # compiled text tower: caption cuts in steps of 16 tokens, 5 lengths up to CLIP's 77
 
 
 def register_model_configs() -> None:
@@ -289,14 +290,15 @@ class OpenClipEstimator:
         self.preparer = OpenClipPreparer(preprocess, self.tokenizer, draft, device_jpeg=self.device_decoder is not None,
                                          token_ends=self.text_trim)
         self.compile = compile
-        if compile:
-            self._encode_image = CompiledOrEager(_plain_encode_image, "image")
-            text = CompiledOrEager(trimmed_encode_text if self.text_trim else _plain_encode_text, "text",
+        if compile:  # compiled towers see few shapes: full-batch rows (padded), caption cuts in steps of 16
+            self._encode_image = CompiledOrEager(_plain_encode_image, "image", self.device)
+            text = CompiledOrEager(trimmed_encode_text if self.text_trim else _plain_encode_text, "text", self.device,
                                    dynamic=True if self.text_trim else None)
         else:
             self._encode_image = _plain_encode_image
             text = trimmed_encode_text if self.text_trim else _plain_encode_text
-        self._encode_text = partial(bucketed_encode_text, encode=text) if self.text_trim else text
+        self._encode_text = (partial(bucketed_encode_text, encode=text, length_step=COMPILED_LENGTH_STEP if compile else 1)
+                             if self.text_trim else text)
 
     def _device_decoder(self, cls, transform, preprocess, model: str):
         """The device decoder `decode` names, or None (said once) where it cannot run here: the

@@ -60,21 +60,26 @@ def text_buckets(ends: torch.Tensor, buckets: int = 4, min_rows: int = 128) -> l
 
 
 def bucketed_encode_text(model: torch.nn.Module, text: torch.Tensor, ends: torch.Tensor,
-                         encode: Callable = trimmed_encode_text) -> torch.Tensor:
+                         encode: Callable = trimmed_encode_text, length_step: int = 1) -> torch.Tensor:
     """`encode` (trimmed_encode_text, or its compiled form) per bucket of captions sorted by length,
     each cut at its own longest caption: in a large batch one long caption no longer sets the
-    length for all. Rows come back in their original order, each still exact.
+    length for all. Rows come back in their original order, each still exact. `length_step`: cuts
+    rounded up to a multiple of it (still exact), so that a compiled `encode` sees few lengths.
 
     `ends` is in host memory, so the cuts and the groups are decided without reading anything back
     from the device: on CUDA such a read waits for all the work queued before it (the batch's image
     tower), and the host could not queue the next batch meanwhile."""
     ends = ends.cpu()
     groups = text_buckets(ends)
+
+    def cut(ends: torch.Tensor) -> int:
+        return min(text.shape[1], -(-int(ends.max()) // length_step) * length_step)
+
     if len(groups) == 1:
-        return encode(model, text, int(ends.max()))
+        return encode(model, text, cut(ends))
     out = None
     for rows in groups:
-        length = int(ends[rows].max())
+        length = cut(ends[rows])
         rows = rows.to(text.device, non_blocking=True)
         encoded = encode(model, text[rows], length)
         if out is None:
