@@ -9,16 +9,18 @@
 #      alternating decode gpu|fast x eager|--compile, then each other installed device decoder
 #      (nvimgcodec, with --with-nvimgcodec's wheels) and benchmarks/device_decoders.py on one batch;
 #   5. a training epoch against the model's own step rate (benchmarks/train_throughput.py);
-#   6. benchmarks/cuda_paths.sh (every CUDA path).
-# Steps 4-6 interleave, the issue's first asks first: each decode eager, training, --compile with the
-# first decode, cuda_paths.sh, the other device decoders, the other --compile, each decode eager again.
+#   6. benchmarks/cuda_paths.sh (every CUDA path);
+#   7. benchmarks/profile_score.py: the main thread's ops, launches and synchronisations, first decode eager.
+# Steps 4-7 interleave, the issue's first asks first: each decode eager, training, --compile with the
+# first decode, cuda_paths.sh, the profile, the other device decoders, the other --compile, each decode
+# eager again.
 # One JSON per variant in OUT, a log per step, summary.json and a table at the end. A step that
 # would overrun the time budget is skipped and says so; every step runs under a timeout.
 #     bash benchmarks/fetch_gpu_wheels.sh [3.12 --with-nvimgcodec]   # here, once (28 MB; 57 MB with nvImageCodec)
 #     bash benchmarks/gpu_figures.sh [OUT]                  # there (the device call carries benchmarks/wheels)
 # Knobs (environment): BUDGET=480 (seconds) SHARDS=14 PAIRS_PER_SHARD=2500 MODEL=ViT-B-32
 #   PRECISION=bf16 BATCH=1024 TRAIN_BATCH=512 WORKERS=(cores - 2) DEVICE=cuda DECODES="gpu fast"
-#   COMPILE=1 CUDA_PATHS=1 TRAIN=1 MIN_SECONDS=8 (a CPU dry run: DEVICE=cpu MODEL=pairclean-tiny SHARDS=2 PAIRS_PER_SHARD=64
+#   COMPILE=1 CUDA_PATHS=1 TRAIN=1 PROFILE=1 MIN_SECONDS=8 (a CPU dry run: DEVICE=cpu MODEL=pairclean-tiny SHARDS=2 PAIRS_PER_SHARD=64
 #   BATCH=32 TRAIN_BATCH=32 COMPILE=0 CUDA_PATHS=0)
 set -u
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -40,6 +42,7 @@ DECODES=${DECODES:-gpu fast}
 COMPILE=${COMPILE:-1}
 CUDA_PATHS=${CUDA_PATHS:-1}
 TRAIN=${TRAIN:-1}
+PROFILE=${PROFILE:-1}
 MIN_SECONDS=${MIN_SECONDS:-8}
 
 left() { echo $(( BUDGET - $(date +%s) + T0 )); }
@@ -136,6 +139,9 @@ for decode in $DECODES; do score "$decode-eager-1" "$decode"; done
 if [ "$CUDA_PATHS" = 1 ]; then
   step cuda-paths 150 bash "$ROOT/benchmarks/cuda_paths.sh" "$W/cuda"
 fi
+[ "$PROFILE" = 1 ] && step profile 40 python "$ROOT/benchmarks/profile_score.py" "$W/web/manifest.yaml" --model "$MODEL" \
+  --precision "$PRECISION" --batch-size "$BATCH" --workers "$WORKERS" --decode "$first" --device "$DEVICE" \
+  --shards 3 --out "$OUT/profile"
 
 for decode in $extra_decodes; do score "$decode-eager" "$decode"; done
 if [ -n "$extra_decodes" ]; then
@@ -183,6 +189,10 @@ if cuda.exists():
     lines = cuda.read_text().splitlines()
     summary["cuda_paths"] = lines[-1] if lines else ""
     print("cuda_paths.sh:", summary["cuda_paths"])
+profiled = out / "profile" / "profile.json"
+if profiled.exists():
+    summary["profile"] = json.loads(profiled.read_text())["per_batch"]
+    print("profile, per batch:", ", ".join(f"{k} {v:,.1f}" for k, v in summary["profile"].items()))
 if summary["skipped"]:
     print("skipped (time):", ", ".join(summary["skipped"]))
 (out / "summary.json").write_text(json.dumps(summary, indent=1))
