@@ -167,5 +167,6 @@ def test_pipeline_only_round_with_the_prefetching_thread_charges_its_work_to_oth
     monkeypatch.setattr(pipeline, "PREFETCH_DEVICES", ("cuda", "cpu"))
     p = bench_pipeline_only(coco_shards, tmp_path, "--decode", "gpu")["pipeline_only"]
     assert p["decode"] == "gpu" and p["pairs"] == 12
-    assert p["stages"]["device preprocessing"] < 0.01 and p["stages"]["to device"] < 0.01  # two clock reads
+    # two clock reads a batch (a scheduler hiccup on a loaded machine aside); decoding costs ~3 ms a pair here
+    assert p["stages"]["device preprocessing"] < 0.1 and p["stages"]["to device"] < 0.1
     assert p["stages"]["other threads"] > 0 and p["stage_wall_ms_per_pair"]["receive"] > 0

@@ -19,7 +19,7 @@ from pairclean.backends.compiled import CompiledOrEager
 from pairclean.backends.device_jpeg import DeviceJpegDecoder, device_decodable
 from pairclean.backends.inputs import ImageBatch, StandardTransform, TokenBatch, stack_pixels
 from pairclean.backends.oom import OomBackoff, take_rows
-from pairclean.backends.text_trim import supports_text_trim, text_buckets, token_ends, trimmed_encode_text
+from pairclean.backends.text_trim import TextCuts, supports_text_trim, text_buckets, token_ends, trimmed_encode_text
 from pairclean.ops.measure import DeviceReads
 from pairclean.data.decode import decode_image
 from pairclean.lab.coco import read_pairs
@@ -52,6 +52,19 @@ def test_length_buckets_keep_rows_in_order_and_exact(tiny_estimator):
     assert [len(rows) for rows in text_buckets(token_ends(tokens))] == [150, 150]
     full = torch.nn.functional.normalize(tiny_estimator.model.encode_text(tokens).float(), dim=-1)
     torch.testing.assert_close(tiny_estimator.encode("text", tokens), full, atol=1e-5, rtol=0)
+
+
+def test_text_cuts_bucket_where_ops_are_cheap_and_cut_once_where_each_costs_a_launch(tiny_estimator):
+    """Eager CUDA: one group (each bucket's ~600 ops cost the host a launch apiece); the CPU and
+    CUDA graphs: four. A compiled tower's cuts come in steps, never past the context."""
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert TextCuts.for_device(cuda, compiled=False, step=16) == TextCuts(buckets=1, step=1)
+    assert TextCuts.for_device(cuda, compiled=True, step=16) == TextCuts(buckets=4, step=16)
+    assert TextCuts.for_device(cpu, compiled=False, step=16) == TextCuts(buckets=4, step=1)
+    assert tiny_estimator.text_cuts == TextCuts(buckets=4, step=1)
+    ends = torch.tensor([3, 30, 5, 31] * 150)
+    assert [(len(rows), cut) for rows, cut in TextCuts(buckets=1).groups(ends, 32)] == [(600, 31)]
+    assert [cut for _, cut in TextCuts(buckets=4, step=16).groups(ends, 32)] == [16, 16, 32, 32]
 
 
 def test_the_text_tower_cuts_and_buckets_captions_without_reading_the_device_back(tiny_estimator):
@@ -339,7 +352,7 @@ def test_compiled_text_cuts_in_steps_stay_exact(tiny_estimator):
         return trimmed_encode_text(model, text, length)
 
     plain = bucketed_encode_text(tiny_estimator.model, tokens, ends)
-    stepped = bucketed_encode_text(tiny_estimator.model, tokens, ends, encode=encode, length_step=16)
+    stepped = bucketed_encode_text(tiny_estimator.model, tokens, ends, encode=encode, cuts=TextCuts(step=16))
     assert set(lengths) <= {16, 32} and len(lengths) == 2
     torch.testing.assert_close(stepped, plain, atol=2e-6, rtol=0)
 

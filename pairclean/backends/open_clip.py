@@ -27,7 +27,7 @@ from pairclean.backends.checkpoint_model import checkpoint_models
 from pairclean.backends.device_jpeg import DEVICE_DECODERS, device_decodable
 from pairclean.backends.inputs import ImageBatch, JpegBlob, PixelNormalizer, StandardTransform, TokenBatch, stack_pixels
 from pairclean.backends.hub import check_fetchable
-from pairclean.backends.text_trim import bucketed_encode_text, supports_text_trim, token_ends, trimmed_encode_text
+from pairclean.backends.text_trim import TextCuts, bucketed_encode_text, supports_text_trim, token_ends, trimmed_encode_text
 from pairclean.data.decode import decode_image
 from pairclean.config import check_choice
 from pairclean.errors import ConfigError, UserError
@@ -297,8 +297,8 @@ class OpenClipEstimator:
         else:
             self._encode_image = _plain_encode_image
             text = trimmed_encode_text if self.text_trim else _plain_encode_text
-        self._encode_text = (partial(bucketed_encode_text, encode=text, length_step=COMPILED_LENGTH_STEP if compile else 1)
-                             if self.text_trim else text)
+        self.text_cuts = TextCuts.for_device(self.device, compile, COMPILED_LENGTH_STEP)
+        self._encode_text = partial(bucketed_encode_text, encode=text, cuts=self.text_cuts) if self.text_trim else text
 
     def _device_decoder(self, cls, transform, preprocess, model: str):
         """The device decoder `decode` names, or None (said once) where it cannot run here: the

@@ -43,7 +43,7 @@ from pairclean.backends.device_jpeg import DEVICE_DECODERS
 from pairclean.backends.inputs import ImageBatch, StandardTransform, TokenBatch
 from pairclean.backends.oom import OomBackoff, batch_rows
 from pairclean.backends.open_clip import OpenClipEstimator
-from pairclean.backends.text_trim import text_buckets
+from pairclean.backends.text_trim import TextCuts
 from pairclean.data.dataset import Dataset, as_dataset
 from pairclean.data.spec import DatasetSpec, UnitFailure, modalities
 from pairclean.config import COUNT, at_least, declare
@@ -244,7 +244,7 @@ def measure_ceiling(estimator, data: Dataset, batch_size: int, min_seconds: floa
     # long job amortises. The end-to-end run that follows meets the same shapes.
     seen: set = set()
     for _, inputs in batches:
-        shape = _shape_key(inputs)
+        shape = _shape_key(inputs, getattr(estimator, "text_cuts", TextCuts()))
         if shape not in seen:
             seen.add(shape)
             step(inputs)
@@ -271,11 +271,12 @@ def measure_ceiling(estimator, data: Dataset, batch_size: int, min_seconds: floa
                  gpu_peak_mib(estimator.device), (load0, os.getloadavg()[0]), cpu, extra)
 
 
-def _shape_key(inputs: dict) -> tuple:
+def _shape_key(inputs: dict, cuts: TextCuts) -> tuple:
+    """The shapes the towers see for a batch (the text tower's: each group's rows and cut)."""
     key = []
     for value in inputs.values():
         if isinstance(value, TokenBatch):
-            key.append(tuple((len(rows), int(value.ends[rows].max())) for rows in text_buckets(value.ends)))
+            key.append(tuple((len(rows), cut) for rows, cut in cuts.groups(value.ends, value.tokens.shape[1])))
         else:
             key.append(tuple(getattr(value, "shape", ())) or type(value).__name__)
     return tuple(key)
@@ -302,7 +303,7 @@ def _text_trim_gain(estimator, left: str, right: str, batches) -> dict:
 
     trimmed = timed(lambda t: estimator.encode("text", TokenBatch(t, ends)))
     full = timed(estimator.model.encode_text)
-    positions = sum(int(ends[rows].max()) * len(rows) for rows in text_buckets(ends)) / n
+    positions = sum(cut * len(rows) for rows, cut in estimator.text_cuts.groups(ends, tokens.shape[1])) / n
     return {"text_tokens_trimmed": positions, "text_tokens_full": int(tokens.shape[1]),
             "text_seconds_per_caption_trimmed": trimmed, "text_seconds_per_caption_full": full}
 
