@@ -247,7 +247,7 @@ def test_blind_marks_carry_their_strata_into_the_estimates_for_the_whole_dataset
     assert code == 0 and "7 marks" in out and "a blind audit: 4 strata of 16 scored pairs" in out, err
     table = pq.read_table(tmp_path / "audit-truth.parquet")
     assert table.column_names == ["key", "shard", "index", "noisy", "stratum"]
-    assert audit_design(tmp_path / "audit-truth.parquet") == _design(blind_page)
+    assert audit_design(tmp_path / "audit-truth.parquet").to_json() == _design(blind_page)
     code, out, err = run_cli(["evaluate", "detection", coco_scores, "--truth", tmp_path / "audit-truth.parquet",
                               "--json", tmp_path / "d.json"], capsys)
     assert code == 0, err
@@ -283,9 +283,15 @@ def test_a_blind_audit_is_refused_against_another_scores_file(blind_page, coco_s
 
 
 @pytest.mark.parametrize("change, message", [
-    (lambda e: e["design"].update(version=9), "design must be an object of version 1"),
-    (lambda e: e["design"]["strata"][0].update(pairs=0), "design.strata[0] must be stratum 1 with pairs >= 1"),
-    (lambda e: e["design"]["strata"][1].update(drawn=9), "design.strata[1] must be stratum 2"),
+    (lambda e: e["design"].update(version=9), "blind audit design (version: must be 1, got 9)"),
+    (lambda e: e.update(design=[]), "blind audit design (must be an object, got a list [])"),
+    (lambda e: e["design"]["strata"][0].update(pairs=0), "(strata[0].pairs: must be an integer from 1 to"),
+    (lambda e: e["design"]["strata"][1].update(drawn=9), "(strata[1].drawn: must be from 0 to the stratum's pairs (4), got 9)"),
+    (lambda e: e["design"]["strata"][1].update(stratum=1), "(strata[1].stratum: must be 2"),
+    (lambda e: e["design"]["strata"][1].update(sim_above="0.2"), "(strata[1].sim_above: must be a number, got a string"),
+    (lambda e: e["design"]["strata"][1].update(pairs=True), "(strata[1].pairs: must be an integer, got a boolean true)"),
+    (lambda e: e["design"].update(seed=-1), "(seed: must be an integer from 0 to"),
+    (lambda e: e["design"].update(extra=1), "(extra: unknown field)"),
     (lambda e: e["design"].update(scored_pairs=17), "the strata hold 16 pairs, not the 17 scored"),
     (lambda e: e["marks"][0].update(stratum=5), "entry 0: stratum must be one of the design's 1..4, got 5"),
     (lambda e: e["marks"][0].update(stratum=True), "entry 0: stratum must be one of the design's 1..4, got true"),
@@ -357,3 +363,26 @@ def test_the_intervals_cover_the_truth_at_their_rate():
         assert covered["share"] >= 360 and covered["precision"] >= 360, (n, covered)
         if n == 100:
             assert covered["wald precision"] < 340, covered
+
+
+@pytest.mark.parametrize("design, message", [
+    (b"{not json", "blind audit design (not JSON"),
+    (b'{"version": 1, "seed": 0, "scores": "s", "scored_pairs": 16, "strata": [{"stratum": 1, "sim_above": NaN, '
+     b'"sim_at_most": null, "pairs": 16, "drawn": 2}]}', "(strata[0].sim_above: must be a finite number, got nan)"),
+    (b'{"version": 1, "seed": 0, "scores": "s", "scored_pairs": 16, "strata": []}', "(strata: must hold at least one"),
+])
+def test_a_truth_file_s_audit_design_is_read_back_strictly(blind_page, coco_scores, truth, tmp_path, capsys,
+                                                             design, message):
+    """The design travels in the truth Parquet's metadata, where anyone may edit it: evaluating
+    against a tampered one is one line naming the file and the field, exit 2, nothing written."""
+    from pairclean.scores.stratified import DESIGN_KEY
+
+    _blind_marks(blind_page, truth, tmp_path / "marks.json")
+    import_marks(tmp_path / "marks.json", tmp_path / "t.parquet")
+    table = pq.read_table(tmp_path / "t.parquet")
+    pq.write_table(table.replace_schema_metadata({DESIGN_KEY: design}), tmp_path / "t.parquet")
+    code, _, err = run_cli(["evaluate", "detection", coco_scores, "--truth", tmp_path / "t.parquet",
+                            "--json", tmp_path / "d.json"], capsys)
+    assert code == 2 and f"the audit design in {tmp_path / 't.parquet'} is not a valid blind audit design" in err
+    assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "d.json").exists()

@@ -58,6 +58,6 @@ def audit_import_command(
     from pairclean.curate.audit import import_marks
 
     n, design = import_marks(marks, out, overwrite=overwrite)
-    strata = f" (a blind audit: {len(design['strata'])} strata of {design['scored_pairs']:,} scored pairs, kept with " \
+    strata = f" (a blind audit: {len(design.strata)} strata of {design.scored_pairs:,} scored pairs, kept with " \
              "the marks)" if design else ""
     console.print(f"{n:,} marks -> {out}{strata}", soft_wrap=True)

@@ -29,7 +29,7 @@ import pyarrow.parquet as pq
 
 from pairclean.scores.contract import Provenance, from_embeddings, scored_pairs
 from pairclean.scores.db import ScoresDB
-from pairclean.scores.stratified import DESIGN_KEY, DESIGN_VERSION, read_design, whole_number
+from pairclean.scores.stratified import DESIGN_KEY, DESIGN_VERSION, AuditDesign, Stratum, whole_number
 from pairclean.scores.sql import sql_string
 from pairclean.curate.pages import Html, ScriptJson, join, render, template
 from pairclean.curate.report.media import fetch_media, media_dataset
@@ -58,14 +58,14 @@ def _sample_order(seed: int, what: str) -> str:
     return f"""md5(concat({sql_string(str(seed))}, ':{what}:', key, ':', shard, ':', "index"))"""
 
 
-def blind_sample(db: ScoresDB, pairs: int, strata: int, seed: int) -> tuple[dict, list[dict]]:
+def blind_sample(db: ScoresDB, pairs: int, strata: int, seed: int) -> tuple[AuditDesign | None, list[dict]]:
     """(the design, the drawn rows in the order the page shows them): `pairs` scored pairs spread
     evenly over `strata` ranges of sim (cut at sim quantiles, so each holds about as many pairs;
     empty ranges, from ties, are dropped), drawn at random within each, then shuffled."""
     scored = "FROM scores WHERE sim IS NOT NULL AND NOT isnan(sim)"
     total = db.scalar(f"SELECT count(*) {scored}")
     if not total:
-        return {}, []
+        return None, []
     quantiles = [i / strata for i in range(1, strata)]
     cuts = db.scalar(f"SELECT quantile_disc(sim, {quantiles}) {scored}") if quantiles else []
     cuts = sorted(set(float(c) for c in cuts))
@@ -75,9 +75,8 @@ def blind_sample(db: ScoresDB, pairs: int, strata: int, seed: int) -> tuple[dict
     numbers = sorted(sizes)
     drawn = {h: min(sizes[h], pairs // len(numbers) + (i < pairs % len(numbers))) for i, h in enumerate(numbers)}
     bounds = [None, *cuts, None]
-    design = {"version": DESIGN_VERSION, "seed": seed, "scores": db.path.name, "scored_pairs": int(total),
-              "strata": [{"stratum": h, "sim_above": bounds[h - 1], "sim_at_most": bounds[h], "pairs": int(sizes[h]),
-                          "drawn": int(drawn[h])} for h in numbers]}
+    design = AuditDesign(DESIGN_VERSION, seed, db.path.name, int(total),
+                         [Stratum(h, bounds[h - 1], bounds[h], int(sizes[h]), int(drawn[h])) for h in numbers])
     db.register("audit_drawn", pa.table({"h": pa.array(numbers, pa.int32()),
                                          "n": pa.array([drawn[h] for h in numbers], pa.int64())}))
     rows = db.con.execute(f"""SELECT key, shard, "index", h FROM (
@@ -145,7 +144,7 @@ def build_audit(scores: str | Path, shards: list[str] | None, out: str | Path, p
     page = render(template("pairclean.curate", "audit.html"),
                   title=f"pairclean {'blind ' if blind else ''}audit · {Path(scores).name}",
                   cards=join(_card(r, media[(r["shard"], int(r["index"]))]) for r in rows),
-                  order=BLIND_HELP if blind else DECILE_HELP, items=ScriptJson(items), design=ScriptJson(design),
+                  order=BLIND_HELP if blind else DECILE_HELP, items=ScriptJson(items), design=ScriptJson(design.to_json() if design else None),
                   store=ScriptJson(f"pairclean-{'blind-' if blind else ''}audit:{Path(scores).name}"))
     with target.write() as tmp:
         tmp.write_text(page, encoding="utf-8")
@@ -184,11 +183,11 @@ def read_marks(marks: str | Path) -> tuple[list[dict], dict | None]:
                         f"{str(exc)[:200]}") from None
     design = None
     if isinstance(entries, dict) and entries.get("audit") == "blind":
-        design = read_design(entries.get("design"), f"{marks} is not an audit export")
+        design = AuditDesign.from_json(entries.get("design"), f"the design in {marks}")
         entries = entries.get("marks")
     if not isinstance(entries, list):
         raise UserError(f"{marks} is not an audit export: a JSON {type(entries).__name__}, not a list of marks")
-    strata = {s["stratum"] for s in design["strata"]} if design else set()
+    strata = {s.stratum for s in design.strata} if design else set()
     rows = []
     for n, entry in enumerate(entries):
         where = f"{marks} is not an audit export: entry {n}"
@@ -212,7 +211,7 @@ def read_marks(marks: str | Path) -> tuple[list[dict], dict | None]:
     return rows, design
 
 
-def import_marks(marks: str | Path, out: str | Path, overwrite: bool = False) -> tuple[int, dict | None]:
+def import_marks(marks: str | Path, out: str | Path, overwrite: bool = False) -> tuple[int, AuditDesign | None]:
     """The exported marks JSON -> a truth Parquet (key, shard, index, noisy = marked drop, and for a
     blind audit stratum, with the design in the file's metadata); returns (rows, the design or None)."""
     target = open_output(out, [marks], overwrite=overwrite)
@@ -220,11 +219,11 @@ def import_marks(marks: str | Path, out: str | Path, overwrite: bool = False) ->
     if not rows:
         raise UserError(f"{marks} holds no marks")
     if design is not None:
-        schema = BLIND_SCHEMA.with_metadata({DESIGN_KEY: json.dumps(design).encode()})
+        schema = BLIND_SCHEMA.with_metadata({DESIGN_KEY: design.dumps().encode()})
         marked = {}
         for row in rows:
             marked[row["stratum"]] = marked.get(row["stratum"], 0) + 1
-        over = [s["stratum"] for s in design["strata"] if marked.get(s["stratum"], 0) > s["drawn"]]
+        over = [s.stratum for s in design.strata if marked.get(s.stratum, 0) > s.drawn]
         if over:
             raise UserError(f"{marks} holds more marks in stratum {over[0]} than pairs were drawn from it")
     else:

@@ -34,7 +34,7 @@ from pairclean.errors import ConfigError, UserError
 from pairclean.scores.db import ScoresDB
 from pairclean.scores.rules import REGISTRY, recorded_rules
 from pairclean.scores.sql import sql_identifier
-from pairclean.scores.stratified import CONFIDENCE, audit_design, ratio_estimate
+from pairclean.scores.stratified import CONFIDENCE, AuditDesign, audit_design, ratio_estimate
 
 
 def _share(numerator: int, denominator: int) -> float | None:
@@ -170,40 +170,40 @@ def evaluate_detection(scores: str | Path, truth: str | Path | None = None, trut
     return result
 
 
-def audit_estimates(db: ScoresDB, design: dict, rules) -> dict:
+def audit_estimates(db: ScoresDB, design: AuditDesign, rules) -> dict:
     """The blind audit's marks (`labeled` joined to a truth file carrying `design`) weighted back to
     every scored pair of the file: the noise share, and per rule the share it flags (exact, from
     the file), its precision, its recall and the noise left in the pairs it keeps, each a
     `stratified.Estimate` (share 0..1 with its 95% interval)."""
     scored = "FROM scores WHERE sim IS NOT NULL AND NOT isnan(sim)"
     pairs = db.scalar(f"SELECT count(*) {scored}")
-    if pairs != design["scored_pairs"]:
-        raise UserError(f"the audit was drawn from {design['scored_pairs']:,} scored pairs ({design['scores']}); "
+    if pairs != design.scored_pairs:
+        raise UserError(f"the audit was drawn from {design.scored_pairs:,} scored pairs ({design.scores}); "
                         f"{db.path} holds {pairs:,}: draw the audit from the scores file it evaluates")
     if "audit_stratum" not in db.columns("labeled"):
         raise UserError(f"{db.truth_path} carries an audit design but no stratum column")
     flags = [f"coalesce({sql_identifier(rule.decision)}, false)" for rule in rules]
     marked = db.con.execute(f"SELECT audit_stratum, sim, noisy{''.join(', ' + f for f in flags)} FROM labeled "
                             "WHERE noisy IS NOT NULL AND sim IS NOT NULL AND NOT isnan(sim)").fetchall()
-    strata = {s["stratum"]: s for s in design["strata"]}
+    strata = {s.stratum: s for s in design.strata}
     for h, sim, *_ in marked:
         if h not in strata:
             raise UserError(f"{db.truth_path} marks a pair of stratum {h}, which its audit design does not have")
-        low, high = strata[h]["sim_above"], strata[h]["sim_at_most"]
+        low, high = strata[h].sim_above, strata[h].sim_at_most
         if (low is not None and not sim > low) or (high is not None and not sim <= high):
             raise UserError(f"a marked pair's sim {sim:.4f} lies outside its audit stratum {h} ({low} < sim <= {high}): "
-                            f"{db.path} is not the scores file the audit was drawn from ({design['scores']})")
+                            f"{db.path} is not the scores file the audit was drawn from ({design.scores})")
     columns = list(zip(*marked)) if marked else [[] for _ in range(3 + len(rules))]
     stratum = np.asarray(columns[0], dtype=np.int64)
     noisy = np.asarray(columns[2], dtype=bool)
-    population = {h: s["pairs"] for h, s in strata.items()}
+    population = {h: s.pairs for h, s in strata.items()}
 
     def share(y, x) -> dict:
         return ratio_estimate(y, x, stratum, population).as_dict()
 
     result = {"marked": len(marked), "scored_pairs": pairs, "confidence": CONFIDENCE,
               "interval": "stratified ratio estimator; Wilson interval at Kish's effective n",
-              "design": design, "noise_share": share(noisy, np.ones_like(noisy)), "rules": {}}
+              "design": design.to_json(), "noise_share": share(noisy, np.ones_like(noisy)), "rules": {}}
     for i, rule in enumerate(rules):
         flagged = np.asarray(columns[3 + i], dtype=bool)
         result["rules"][rule.name] = {

@@ -24,15 +24,15 @@ the time at 100 marked pairs in the simulation of docs/lab.md); Wilson's interva
 simple random sample's) into it. Measured coverage: docs/lab.md, "The blind audit".
 
 The design a blind audit records (its strata's sim ranges, pairs N_h and pairs drawn) travels from
-the page through the exported marks into the truth Parquet's metadata (DESIGN_KEY); `read_design`
-types it strictly wherever it is read, `audit_design` finds it in a truth file.
+the page through the exported marks into the truth Parquet's metadata (DESIGN_KEY); `AuditDesign`
+reads it back strictly wherever it is read, `audit_design` finds it in a truth file.
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -40,7 +40,7 @@ from scipy.stats import norm
 
 from pairclean.config import INT64_MAX
 from pairclean.core.null import wilson
-from pairclean.errors import UserError
+from pairclean.ops.records import Record
 
 CONFIDENCE = 0.95
 DESIGN_KEY = b"pairclean_audit"  # a blind audit's design, in its truth Parquet's key-value metadata
@@ -95,37 +95,52 @@ def whole_number(value, low: int = 0) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and low <= value <= INT64_MAX
 
 
-def _sim_bound(value) -> bool:
-    return value is None or (isinstance(value, (int, float)) and not isinstance(value, bool))
+@dataclass(frozen=True)
+class Stratum:
+    """One stratum of a blind audit: pairs with sim_above < sim <= sim_at_most (None: unbounded)."""
+
+    stratum: int  # numbered 1.. in order of sim
+    sim_above: float | None
+    sim_at_most: float | None
+    pairs: int  # N_h, the scored pairs in it
+    drawn: int  # n_h drawn for the page (the marks may be fewer)
 
 
-def read_design(design, where: str) -> dict:
-    """A blind audit's design, typed strictly: its version, seed, the scores file's name and scored
-    pairs, and strata numbered 1.. with their sim range, pairs (N_h >= 1) and pairs drawn."""
-    if not isinstance(design, dict) or design.get("version") != DESIGN_VERSION:
-        raise UserError(f"{where}: design must be an object of version {DESIGN_VERSION}")
-    if not whole_number(design.get("scored_pairs"), 1) or not whole_number(design.get("seed")) or \
-            not isinstance(design.get("scores"), str):
-        raise UserError(f"{where}: design needs scored_pairs (an integer >= 1), seed and scores")
-    strata = design.get("strata")
-    if not isinstance(strata, list) or not strata:
-        raise UserError(f"{where}: design.strata must be a non-empty list")
-    for n, stratum in enumerate(strata):
-        if not isinstance(stratum, dict) or stratum.get("stratum") != n + 1 or not whole_number(stratum.get("pairs"), 1) \
-                or not whole_number(stratum.get("drawn")) or stratum["drawn"] > stratum["pairs"] \
-                or not _sim_bound(stratum.get("sim_above")) or not _sim_bound(stratum.get("sim_at_most")):
-            raise UserError(f"{where}: design.strata[{n}] must be stratum {n + 1} with pairs >= 1, drawn <= pairs "
-                            "and its sim range")
-    if sum(s["pairs"] for s in strata) != design["scored_pairs"]:
-        raise UserError(f"{where}: the strata hold {sum(s['pairs'] for s in strata):,} pairs, not the "
-                        f"{design['scored_pairs']:,} scored")
-    return {"version": DESIGN_VERSION, "seed": design["seed"], "scores": design["scores"],
-            "scored_pairs": design["scored_pairs"],
-            "strata": [{name: s[name] for name in ("stratum", "sim_above", "sim_at_most", "pairs", "drawn")}
-                       for s in strata]}
+@dataclass(frozen=True)
+class AuditDesign(Record):
+    """A blind audit's design, read back wherever it travels (the page, the exported marks, the
+    truth Parquet's metadata) as strictly as a flag: its version, seed, the scores file's name and
+    scored pairs, and its strata, numbered 1.., holding the scored pairs between them."""
+
+    what: ClassVar[str] = "blind audit design"
+    version: int
+    seed: int
+    scores: str
+    scored_pairs: int
+    strata: list[Stratum]
+
+    def problems(self):
+        if self.version != DESIGN_VERSION:
+            yield "version", f"must be {DESIGN_VERSION}, got {self.version}"
+        if not whole_number(self.seed):
+            yield "seed", f"must be an integer from 0 to {INT64_MAX}"
+        if not whole_number(self.scored_pairs, 1):
+            yield "scored_pairs", f"must be an integer from 1 to {INT64_MAX}"
+        if not self.strata:
+            yield "strata", "must hold at least one stratum"
+        for n, stratum in enumerate(self.strata):
+            if stratum.stratum != n + 1:
+                yield f"strata[{n}].stratum", f"must be {n + 1} (strata are numbered 1.. in order)"
+            if not whole_number(stratum.pairs, 1):
+                yield f"strata[{n}].pairs", f"must be an integer from 1 to {INT64_MAX}"
+            if not whole_number(stratum.drawn) or stratum.drawn > stratum.pairs:
+                yield f"strata[{n}].drawn", f"must be from 0 to the stratum's pairs ({stratum.pairs}), got {stratum.drawn}"
+        held = sum(s.pairs for s in self.strata)
+        if held != self.scored_pairs:
+            yield "scored_pairs", f"the strata hold {held:,} pairs, not the {self.scored_pairs:,} scored"
 
 
-def audit_design(truth: str | Path) -> dict | None:
+def audit_design(truth: str | Path) -> AuditDesign | None:
     """The blind audit design a truth Parquet carries (None: not a blind audit's marks)."""
     try:
         metadata = pq.read_schema(truth).metadata or {}
@@ -133,8 +148,5 @@ def audit_design(truth: str | Path) -> dict | None:
         return None
     if DESIGN_KEY not in metadata:
         return None
-    try:
-        design = json.loads(metadata[DESIGN_KEY])
-    except ValueError:
-        raise UserError(f"{truth}: its audit design is not JSON") from None
-    return read_design(design, f"{truth}: the audit design")
+    source = f"the audit design in {truth}"
+    return AuditDesign.from_json(AuditDesign.parse(metadata[DESIGN_KEY], source), source)
