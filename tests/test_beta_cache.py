@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import numpy as np
 import pyarrow.parquet as pq
 import pytest
 import torch
@@ -37,18 +38,20 @@ def test_weights_fingerprint_sees_any_weight_change(tiny_estimator):
 
 def test_beta_cache_reuses_beta_for_the_same_weights_only(coco_shards, fast_config, tmp_path, monkeypatch):
     """Also runs --compile (torch.compile replaced by identity to stay fast; real compilation is
-    measured by the benchmarks): compile is not part of the cache key and changes no score."""
+    measured by the benchmarks): compile is not part of the cache key and changes scores only in
+    their low bits."""
     monkeypatch.setenv("PAIRCLEAN_CACHE_DIR", str(tmp_path / "cache"))
     compiled_kwargs = []
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: compiled_kwargs.append(kw) or fn)
     first = score(str(coco_shards), tmp_path / "1.parquet", fast_config)
     second = score(str(coco_shards), tmp_path / "2.parquet", replace(fast_config, compile=True))
     other_seed = score(str(coco_shards), tmp_path / "3.parquet", replace(fast_config, seed=1))
-    assert compiled_kwargs == [{"dynamic": None}, {"dynamic": True}]  # image tower; text with trimmed lengths
+    assert compiled_kwargs == [{"dynamic": None, "mode": None}, {"dynamic": True, "mode": None}]  # image; text (trimmed); no CUDA graphs on CPU
     assert first.summary.beta_source == "computed" and second.summary.beta_source == "cache"
     assert second.summary.beta == first.summary.beta and second.summary.beta_std == first.summary.beta_std
-    assert [r["sim"] for r in pq.read_table(tmp_path / "2.parquet").to_pylist()] == \
-        [r["sim"] for r in pq.read_table(tmp_path / "1.parquet").to_pylist()]
+    # a compiled tower runs partial batches padded to full ones: other matmul shapes, fp32 low bits
+    compiled_sims = pq.read_table(tmp_path / "2.parquet").column("sim").to_numpy()
+    assert np.abs(compiled_sims - pq.read_table(tmp_path / "1.parquet").column("sim").to_numpy()).max() < 1e-6
     assert other_seed.summary.beta_source == "computed" and other_seed.summary.beta != first.summary.beta
     assert len(list((tmp_path / "cache" / "beta").glob("*.json"))) == 2
     # An estimator handed in is named by a hash of its weights, never by its provenance alone.

@@ -52,7 +52,7 @@ Backend = Annotated[str, typer.Option(
 Decode = Annotated[str, typer.Option(
     help="fast (JPEG draft decode at model size), exact, or a decoder on the CUDA device (CPU workers otherwise): "
          "gpu (torchvision nvJPEG), nvimgcodec or dali (NVIDIA's libraries: pip install 'pairclean[gpu]').")]
-Compile = Annotated[bool, typer.Option("--compile", help="torch.compile the model (first batches slower; eager if compiling fails).")]
+Compile = Annotated[bool, typer.Option("--compile", help="torch.compile the model: one shape a tower, CUDA graphs on CUDA (first batches slower; eager if compiling fails).")]
 BetaMode = Annotated[str, typer.Option(help="random-inputs, shuffled, or fixed.")]
 BetaK = Annotated[int, typer.Option(help="K random inputs per side for --beta-mode random-inputs.")]
 BetaCache = Annotated[bool, typer.Option(help="Reuse a random-inputs beta computed before for the same weights, K and seed.")]
