@@ -173,3 +173,27 @@ def test_nvimgcodec_backend_the_device_cannot_create_counts_as_not_decoding(monk
     monkeypatch.setattr(decoder, "library", type("Library", (), {**{k: getattr(library, k) for k in dir(library)
                                                                      if not k.startswith("__")}, "Decoder": Refusing}))
     assert decoder._gpu_decodes(0) is False and tried == [0, 0, 0]
+
+
+def test_progressive_jpegs_go_to_the_workers_where_the_decoder_would_take_them_one_at_a_time(coco_src):
+    """torchvision's decoder batches baseline JPEGs but decodes progressive ones one by one with a
+    stream synchronisation each: with `gpu` they are decoded in the worker, with PIL, to exactly the
+    pixels `fast` gives; baseline JPEGs still travel undecoded. Decoders that batch them keep them."""
+    from pairclean.backends.device_jpeg import device_decodable
+
+    baseline = (coco_src / read_pairs(coco_src)[0]["image"]).read_bytes()
+    buffer = io.BytesIO()
+    Image.open(io.BytesIO(baseline)).save(buffer, format="JPEG", quality=90, progressive=True)
+    progressive = buffer.getvalue()
+    assert device_decodable(progressive) and not device_decodable(progressive, progressive=False)
+    assert device_decodable(baseline, progressive=False)
+    assert DeviceJpegDecoder.progressive is False
+    assert all(DEVICE_DECODERS[name].progressive for name in DEVICE_DECODERS if name != "gpu")
+
+    preprocess = PREPROCESSINGS["bicubic-64"]
+    fast = OpenClipPreparer(preprocess, None, draft_size=64)
+    gpu = OpenClipPreparer(preprocess, None, draft_size=64, device_jpeg=True, device_progressive=DeviceJpegDecoder.progressive)
+    items = [gpu.prepare("image", x) for x in (baseline, progressive)]
+    assert items[0] == baseline and torch.equal(items[1], fast.prepare("image", progressive))
+    batch = gpu.collate("image", items)
+    assert isinstance(batch, ImageBatch) and batch.jpeg_rows == (0,) and batch.pixel_rows == (1,)

@@ -32,9 +32,10 @@ PAD_BUDGET = 48 << 20  # padded input pixels per resize call (x 3 bytes as uint8
 EXIF_ORIENTATION = 0x0112
 
 
-def device_decodable(data: bytes, max_pixels: int = MAX_PIXELS) -> bool:
+def device_decodable(data: bytes, max_pixels: int = MAX_PIXELS, progressive: bool = True) -> bool:
     """A JPEG whose header says the device decoder gives the pixels PIL would: RGB or greyscale,
-    within the pixel limit, not rotated by an EXIF tag (PIL's path applies the rotation).
+    within the pixel limit, not rotated by an EXIF tag (PIL's path applies the rotation), and
+    baseline unless the decoder takes `progressive` JPEGs in its batch.
 
     Reads the header only; every other image goes through PIL in the worker.
     """
@@ -43,6 +44,7 @@ def device_decodable(data: bytes, max_pixels: int = MAX_PIXELS) -> bool:
     try:
         with Image.open(io.BytesIO(data), formats=["JPEG"]) as img:
             return (img.mode in ("RGB", "L") and img.size[0] * img.size[1] <= max_pixels
+                    and (progressive or not img.info.get("progressive"))
                     and img.getexif().get(EXIF_ORIENTATION, 1) == 1)
     except Exception:  # any header PIL cannot parse: the worker's decode reports why
         return False
@@ -60,6 +62,7 @@ class DeviceDecoder(ABC):
 
     name: str
     version: int = 1  # raised whenever its pixels change: a run's settings pin it, so a resumed run never mixes two
+    progressive: bool = True  # decodes progressive JPEGs within its batch (False: the CPU workers decode them)
     package: str | None = None  # the PyPI package it needs beyond pairclean's own dependencies
     module: str | None = None  # the module `package` installs (imported to tell whether it can run)
 
@@ -177,7 +180,12 @@ class DeviceJpegDecoder(BatchedDeviceDecoder):
     """
 
     name = "gpu"
-    version = 2  # 1 (a6e2769): torchvision's tensor resize per image, no 8-bit rounding between the passes
+    version = 3  # 3: progressive JPEGs decoded in the workers; 2: on the device; 1 (a6e2769): a resize per image
+    # torchvision batches baseline JPEGs to nvJPEG's hardware decoder (A100, H100) but decodes every
+    # other JPEG one at a time, Huffman on the host and a stream synchronisation each
+    # (decode_jpegs_cuda.cpp, pytorch/vision 156b4ec): in the workers, with PIL, they cost the
+    # prefetching thread nothing.
+    progressive = False
 
     def decode_crop(self, files: list[torch.Tensor]) -> tuple[torch.Tensor, list[int]]:
         from torchvision.io import ImageReadMode, decode_jpeg

@@ -99,21 +99,23 @@ class OpenClipPreparer:
 
     Where the model's preprocessing is the standard chain, a worker applies only its geometry
     (resize, crop) and sends uint8 pixels; the device normalises them (`PixelNormalizer`).
-    With `device_jpeg`, JPEGs the device can decode are passed on undecoded; with `token_ends`,
-    token ids come with each caption's end (`TokenBatch`), for a text tower that trims."""
+    With `device_jpeg`, JPEGs the device can decode are passed on undecoded (progressive ones only
+    if `device_progressive`); with `token_ends`, token ids come with each caption's end
+    (`TokenBatch`), for a text tower that trims."""
 
     def __init__(self, preprocess, tokenizer, draft_size: int | None, device_jpeg: bool = False,
-                 token_ends: bool = False):
+                 token_ends: bool = False, device_progressive: bool = True):
         self.preprocess = preprocess
         self.tokenizer = tokenizer
         self.draft_size = draft_size
         self.device_jpeg = device_jpeg
+        self.device_progressive = device_progressive
         self.token_ends = token_ends
         self.transform = StandardTransform.parse(preprocess)  # None: workers run the whole preprocessing
 
     def prepare(self, modality: str, value: Any) -> Any:
         if modality == "image":
-            if self.device_jpeg and device_decodable(value):
+            if self.device_jpeg and device_decodable(value, progressive=self.device_progressive):
                 return bytes(value)  # decoded with the rest of its batch on the device
             image = decode_image(value, draft_size=self.draft_size)
             return self.transform.geometry_pixels(image) if self.transform else self.preprocess(image)
@@ -288,6 +290,7 @@ class OpenClipEstimator:
         # of this estimator with another `.model` (training's frozen online estimator) uses its own weights.
         self.text_trim = supports_text_trim(net)
         self.preparer = OpenClipPreparer(preprocess, self.tokenizer, draft, device_jpeg=self.device_decoder is not None,
+                                         device_progressive=getattr(self.device_decoder, "progressive", True),
                                          token_ends=self.text_trim)
         self.compile = compile
         if compile:  # compiled towers see few shapes: full-batch rows (padded), caption cuts in steps of 16

@@ -464,7 +464,7 @@ class ZeroCostEstimator:
             if cls.supports(transform) and cls.unavailable() is None:
                 p = estimator.preparer
                 self.preparer = type(p)(p.preprocess, p.tokenizer, p.draft_size, device_jpeg=True,
-                                        token_ends=p.token_ends)
+                                        token_ends=p.token_ends, device_progressive=cls.progressive)
                 self.decoder = cls(transform, self.device, p.preprocess)
         self.decode = self.decoder.name if self.decoder is not None else getattr(estimator, "decode", "-")
         generator = torch.Generator().manual_seed(0)
