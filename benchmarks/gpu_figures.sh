@@ -18,7 +18,7 @@
 # would overrun the time budget is skipped and says so; every step runs under a timeout.
 #     bash benchmarks/fetch_gpu_wheels.sh [3.12 --with-nvimgcodec]   # here, once (28 MB; 57 MB with nvImageCodec)
 #     bash benchmarks/gpu_figures.sh [OUT]                  # there (the device call carries benchmarks/wheels)
-# Knobs (environment): BUDGET=480 (seconds) SHARDS=14 PAIRS_PER_SHARD=2500 MODEL=ViT-B-32
+# Knobs (environment): BUDGET=480 (seconds) SHARDS=14 PAIRS_PER_SHARD=2500 PROGRESSIVE=0 MODEL=ViT-B-32
 #   PRECISION=bf16 BATCH=1024 TRAIN_BATCH=512 WORKERS=(cores - 2) DEVICE=cuda DECODES="gpu fast"
 #   COMPILE=1 CUDA_PATHS=1 TRAIN=1 PROFILE=1 MIN_SECONDS=8 (a CPU dry run: DEVICE=cpu MODEL=pairclean-tiny SHARDS=2 PAIRS_PER_SHARD=64
 #   BATCH=32 TRAIN_BATCH=32 COMPILE=0 CUDA_PATHS=0)
@@ -31,6 +31,7 @@ T0=$(date +%s)
 BUDGET=${BUDGET:-480}
 SHARDS=${SHARDS:-14}
 PAIRS_PER_SHARD=${PAIRS_PER_SHARD:-2500}
+PROGRESSIVE=${PROGRESSIVE:-0}  # share of progressive JPEGs in the shards (0: the shards of session 11's figures)
 MODEL=${MODEL:-ViT-B-32}
 PRECISION=${PRECISION:-bf16}
 BATCH=${BATCH:-1024}
@@ -109,13 +110,13 @@ print(json.dumps({"gpu": gpu, "cuda_available": torch.cuda.is_available(), "torc
                   "torchvision": torchvision.__version__, "python": sys.version.split()[0], "cores": os.cpu_count(),
                   "platform": platform.platform(), "settings": {"model": "$MODEL", "precision": "$PRECISION",
                   "batch": $BATCH, "train_batch": $TRAIN_BATCH, "workers": $WORKERS, "device": "$DEVICE",
-                  "shards": $SHARDS, "pairs_per_shard": $PAIRS_PER_SHARD}}, indent=1))
+                  "shards": $SHARDS, "pairs_per_shard": $PAIRS_PER_SHARD, "progressive": $PROGRESSIVE}}, indent=1))
 EOF
 say "machine: $(python -c "import json; m = json.load(open('$OUT/machine.json')); print(m['gpu'], m['cores'], 'cores')")"
 
 # 3. the shards
 step shards 30 python -m pairclean synth web-shards --src "$ROOT/tests/data/coco-mini" --out "$W/web" \
-  --shards "$SHARDS" --pairs-per-shard "$PAIRS_PER_SHARD" --jobs "$CORES" --overwrite
+  --shards "$SHARDS" --pairs-per-shard "$PAIRS_PER_SHARD" --progressive "$PROGRESSIVE" --jobs "$CORES" --overwrite
 [ -f "$W/web/manifest.yaml" ] || { say "no shards: stopping"; exit 1; }
 
 # 4-6. scoring variants, training, every CUDA path

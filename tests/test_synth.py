@@ -177,3 +177,26 @@ def test_web_shards_are_img2dataset_sized_and_deterministic(tmp_path):
     sizes = [Image.open(io.BytesIO(s["jpg"])).size for s in samples]
     assert all(WEB_SIDE[0] <= max(size) <= WEB_SIDE[1] for size in sizes)
     assert len(set(sizes)) > 10 and all(s["txt"].strip() for s in samples)  # varied, with real captions
+
+
+def test_web_shards_write_a_share_of_progressive_jpegs_of_the_same_pictures(tmp_path):
+    """`--progressive`: that share of the JPEGs written progressive, drawn from (seed, i); the
+    pixels, captions and every other pair's bytes are those of the baseline shards."""
+    import webdataset as wds
+
+    from pairclean.lab.coco import build_web_shards
+
+    src = Path(__file__).parent / "data" / "coco-mini"
+    base = build_web_shards(src, tmp_path / "base", shards=1, pairs_per_shard=40)
+    main(["synth", "web-shards", "--src", str(src), "--out", str(tmp_path / "p"), "--shards", "1",
+          "--pairs-per-shard", "40", "--progressive", "0.5"])
+    plain = list(wds.WebDataset(base.shards, shardshuffle=False))
+    mixed = list(wds.WebDataset(load_manifest(tmp_path / "p" / "manifest.yaml").shards, shardshuffle=False))
+    flags = [bool(Image.open(io.BytesIO(s["jpg"])).info.get("progressive")) for s in mixed]
+    assert 10 <= sum(flags) <= 30 and not any(Image.open(io.BytesIO(s["jpg"])).info.get("progressive") for s in plain)
+    for a, b, flag in zip(plain, mixed, flags):
+        assert a["__key__"] == b["__key__"] and a["txt"] == b["txt"]
+        assert (a["jpg"] != b["jpg"]) == flag
+        assert np.array_equal(np.asarray(Image.open(io.BytesIO(a["jpg"]))), np.asarray(Image.open(io.BytesIO(b["jpg"]))))
+    with pytest.raises(UserError, match="progressive"):
+        build_web_shards(src, tmp_path / "bad", shards=1, pairs_per_shard=4, progressive=1.5)

@@ -63,13 +63,14 @@ def web_shards_command(
     pairs_per_shard: int = typer.Option(5000, help="Pairs per shard (img2dataset writes 5,000-10,000)."),
     seed: int = typer.Option(0, help="Pair i depends only on (seed, i)."),
     jobs: int = typer.Option(1, help="Processes rendering the pairs (the shards are the same for any number)."),
+    progressive: float = typer.Option(0.0, help="Share of the JPEGs written progressive, 0-1 (web crawls hold some)."),
     overwrite: bool = typer.Option(False, help="Replace an existing directory."),
 ) -> None:
     """Web-style shards for throughput: COCO-mini images cropped, resized to 256-384 px and re-encoded."""
     from pairclean.lab.coco import build_web_shards
 
     spec = build_web_shards(src, out, shards=shards, pairs_per_shard=pairs_per_shard, seed=seed, overwrite=overwrite,
-                            jobs=jobs)
+                            jobs=jobs, progressive=progressive)
     console.print(f"{shards * pairs_per_shard:,} pairs in {len(spec.shards)} shard(s) under {out}; "
                   f"manifest {out / 'manifest.yaml'}")
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from pairclean.config import COUNT, SEED, declare
+from pairclean.config import COUNT, SEED, SHARE, declare
 from pairclean.errors import ConfigError
 from pairclean.data.manifest import write_manifest
 from pairclean.data.spec import DatasetSpec
@@ -72,10 +72,12 @@ def build_parquet(src: Path, out_file: Path, by_path: bool = False, all_captions
 WEB_SIDE = (256, 384)  # img2dataset's usual download sizes: the longer side, in pixels
 
 
-def web_pair(src: Path, record: dict, seed: int, i: int) -> dict:
+def web_pair(src: Path, record: dict, seed: int, i: int, progressive: float = 0.0) -> dict:
     """Pair `i` of a web-style dataset: the COCO image cropped (70-100% of each side, position and
     mirror drawn from (seed, i)), resized so its longer side is 256-384 px, re-encoded as a JPEG
-    at quality 80-95, with one of its human captions. A function of (seed, i) alone."""
+    at quality 80-95 (a progressive one with probability `progressive`, as web crawls hold some),
+    with one of its human captions. A function of (seed, i) alone; with `progressive` 0 the same
+    bytes as before it existed (its draw comes last, and only then)."""
     import io
     import random
 
@@ -93,34 +95,36 @@ def web_pair(src: Path, record: dict, seed: int, i: int) -> dict:
         side = rng.randint(*WEB_SIDE)
         scale = side / max(cw, ch)
         img = img.resize((max(1, round(cw * scale)), max(1, round(ch * scale))), Image.Resampling.BICUBIC)
+        quality, caption = rng.randint(80, 95), rng.choice(record["captions"])
         buf = io.BytesIO()
-        img.save(buf, format="JPEG", quality=rng.randint(80, 95))
-    return {"__key__": f"{seed:03d}{i:09d}", "jpg": buf.getvalue(), "txt": rng.choice(record["captions"])}
+        img.save(buf, format="JPEG", quality=quality, progressive=progressive > 0 and rng.random() < progressive)
+    return {"__key__": f"{seed:03d}{i:09d}", "jpg": buf.getvalue(), "txt": caption}
 
 
 class _WebPairs:
-    """`web_pair(src, records[i % len], seed, i)` as a picklable function of i, for a process pool."""
+    """`web_pair(src, records[i % len], seed, i, progressive)` as a picklable function of i, for a process pool."""
 
-    def __init__(self, src: Path, records: list[dict], seed: int):
-        self.src, self.records, self.seed = src, records, seed
+    def __init__(self, src: Path, records: list[dict], seed: int, progressive: float):
+        self.src, self.records, self.seed, self.progressive = src, records, seed, progressive
 
     def __call__(self, i: int) -> dict:
-        return web_pair(self.src, self.records[i % len(self.records)], self.seed, i)
+        return web_pair(self.src, self.records[i % len(self.records)], self.seed, i, self.progressive)
 
 
-@declare(shards=COUNT, pairs_per_shard=COUNT, seed=SEED, jobs=COUNT)
+@declare(shards=COUNT, pairs_per_shard=COUNT, seed=SEED, jobs=COUNT, progressive=SHARE)
 def build_web_shards(src: Path, out: Path, shards: int = 2, pairs_per_shard: int = 5000, seed: int = 0,
-                     overwrite: bool = False, jobs: int = 1) -> DatasetSpec:
+                     overwrite: bool = False, jobs: int = 1, progressive: float = 0.0) -> DatasetSpec:
     """Shards shaped like img2dataset's (thousands of 256-384 px JPEGs each) from COCO-mini's
     images, cycled and varied deterministically (`web_pair`): data to measure throughput on.
-    `jobs` processes render the pairs (15-20 ms each); the shards are the same whatever `jobs`."""
+    `jobs` processes render the pairs (15-20 ms each); the shards are the same whatever `jobs`.
+    `progressive`: the share of JPEGs written progressive (decoders treat them otherwise)."""
     lines_path = Path(src) / "pairs.jsonl"
     if not lines_path.is_file():
         raise ConfigError(f"{lines_path} not found: point `src` at shared/data/coco-mini", "src")
     target = open_output(out, [src], "out", kind="directory", overwrite=overwrite)
     records = [json.loads(line) for line in lines_path.read_text().splitlines() if line.strip()]
     out = target.path
-    render, indexes = _WebPairs(src, records, seed), range(shards * pairs_per_shard)
+    render, indexes = _WebPairs(src, records, seed, progressive), range(shards * pairs_per_shard)
     with target.stage() as tmp, (multiprocessing.get_context("spawn").Pool(jobs) if jobs > 1 else nullcontext()) as pool:
         pairs = pool.imap(render, indexes, chunksize=32) if pool is not None else map(render, indexes)
         write_shards(pairs, tmp, prefix="web", maxcount=pairs_per_shard, maxsize=float("inf"))
