@@ -6,10 +6,11 @@
 
 `bench score` says which stage of the main thread costs what (receive, device preprocessing,
 encode, ...); this says why: the ops, kernel launches and host-device synchronisations behind
-them. One warm run first (compilation, cuDNN autotuning, the workers' first start), then a
-profiled run over the same shards. Written to OUT: profile.txt (ops by self CPU time, and by
-device time where there is one), profile.json (per batch: launches, synchronisations, the CPU
-time of the main thread's busiest ops).
+them. One warm run first (compilation, cuDNN autotuning, cache), then a profiled run over the same
+shards; each run starts its own workers, so the profiled DataLoader wait includes their start-up
+(first batch). Written to OUT: profile.txt (ops by self CPU time, and by device time where there is
+one), profile.json (per batch, in all and for each recording thread: kernel launches and
+synchronisations with their host time, top-level aten ops, the busiest ops).
 """
 
 from __future__ import annotations
@@ -31,6 +32,34 @@ from pairclean.scoring.model import ScoreConfig, score
 # Host calls that wait for the device (or make it wait): each one holds the main thread.
 SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy", "cudaStreamWaitEvent")
 LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cudaGraphLaunch")
+
+
+def per_batch(events, batches: int) -> dict:
+    """Launches and synchronisations (count, host ms) and aten ops called from Python or a module
+    (not those nested inside another aten op) per batch, over `events` (FunctionEvents)."""
+    launches = [e for e in events if e.name in LAUNCHES]
+    syncs = [e for e in events if e.name in SYNCS]
+    aten = [e for e in events if e.name.startswith("aten::")
+            and (e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::"))]
+    return {"launches": len(launches) / batches, "launch_cpu_ms": sum(e.self_cpu_time_total for e in launches) / 1000 / batches,
+            "synchronisations": len(syncs) / batches, "sync_cpu_ms": sum(e.self_cpu_time_total for e in syncs) / 1000 / batches,
+            "aten_ops": len(aten) / batches}
+
+
+def by_thread(events, batches: int) -> dict:
+    """`per_batch` for each recording thread, with its three busiest ops (which thread is which:
+    the main thread runs the towers' ops, on CUDA the prefetching thread the decode and copies)."""
+    threads: dict[int, list] = {}
+    for e in events:
+        threads.setdefault(e.thread, []).append(e)
+    out = {}
+    for thread, mine in sorted(threads.items()):
+        own: dict[str, float] = {}
+        for e in mine:
+            own[e.name] = own.get(e.name, 0.0) + e.self_cpu_time_total
+        top = sorted(own, key=own.get, reverse=True)[:3]
+        out[thread] = {**per_batch(mine, batches), "busiest": {n: own[n] / 1000 / batches for n in top}}
+    return out
 
 
 def main() -> None:
@@ -67,21 +96,11 @@ def main() -> None:
             result = score(data, Path(tmp) / "profiled.parquet", cfg, estimator=estimator)
     events = prof.key_averages()
     pairs, batches = result.pairs_scored_now, max(result.summary.batches, 1)
-    by_name = {e.key: e for e in events}
-
-    def count(names) -> int:
-        return sum(by_name[n].count for n in names if n in by_name)
-
-    def cpu_ms(names) -> float:
-        return sum(by_name[n].self_cpu_time_total for n in names if n in by_name) / 1000
-
     busiest = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:args.rows]
     report = {"config": vars(args), "device": str(estimator.device), "pairs": pairs, "batches": batches,
               "seconds": result.seconds, "pairs_per_second": pairs / result.seconds if result.seconds else None,
-              "per_batch": {"launches": count(LAUNCHES) / batches, "synchronisations": count(SYNCS) / batches,
-                            "launch_cpu_ms": cpu_ms(LAUNCHES) / batches, "sync_cpu_ms": cpu_ms(SYNCS) / batches,
-                            "aten_ops": sum(e.count for e in events if e.key.startswith("aten::")) / batches},
-              "syncs": {n: by_name[n].count for n in SYNCS if n in by_name},
+              "per_batch": per_batch(prof.events(), batches),
+              "by_thread": {str(t): figures for t, figures in by_thread(prof.events(), batches).items()},
               "busiest_ops_self_cpu_ms_per_batch": {e.key: e.self_cpu_time_total / 1000 / batches for e in busiest}}
     (out / "profile.json").write_text(json.dumps(report, indent=1))
     text = [f"{pairs} pairs in {batches} batches, {report['pairs_per_second'] or 0:,.0f} pairs/s profiled; per batch: "

@@ -291,49 +291,79 @@ def test_compile_failure_falls_back_to_eager_once(monkeypatch, caplog):
 
     monkeypatch.setattr(torch, "compile", failing_compile)
     calls = []
-    wrapped = CompiledOrEager(lambda model, x: calls.append(int(x)) or x + 1, "image", torch.device("cpu"))
+    wrapped = CompiledOrEager(lambda x: calls.append(x) or x + 1, "image", torch.device("cpu"))
     with caplog.at_level(logging.WARNING, logger="pairclean"):
-        assert wrapped(None, torch.tensor([1])) == 2 and wrapped(None, torch.tensor([2])) == 3
-    assert calls == [1, 2]
+        assert wrapped(1) == 2 and wrapped(2) == 3
+    assert calls == [1, 2] and not wrapped.active
     assert sum("running it eagerly" in r.getMessage() for r in caplog.records) == 1
 
 
-def test_compiled_tower_sees_the_full_batch_shape_and_gives_back_its_rows(monkeypatch):
-    """A partial batch reaches the compiled function padded with zero rows to the most rows seen,
-    in its own memory layout; only its own rows come back, computed from its own inputs."""
+def _recording_compile(monkeypatch, fail_above: int | None = None) -> list:
+    """torch.compile replaced by the function itself, recording each call's input shape (and
+    running out of memory above `fail_above` rows)."""
     seen = []
-    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: fn)
 
-    def tower(model, batch):
-        seen.append((batch.shape[0], batch.is_contiguous(memory_format=torch.channels_last)))
-        return batch.flatten(1).sum(1, keepdim=True) + model
+    def fake_compile(fn, **kwargs):
+        def compiled(model, batch, *rest):
+            seen.append((tuple(batch.shape), *rest))
+            if fail_above is not None and batch.shape[0] > fail_above:
+                raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2 GiB")
+            return fn(model, batch, *rest)
+        return compiled
 
-    wrapped = CompiledOrEager(tower, "image", torch.device("cpu"))
-    full = torch.rand(6, 3, 4, 4).contiguous(memory_format=torch.channels_last)
-    part = torch.rand(4, 3, 4, 4).contiguous(memory_format=torch.channels_last)
-    assert torch.equal(wrapped(1.0, full), tower(1.0, full))
-    out = wrapped(1.0, part)
-    assert out.shape == (4, 1) and torch.equal(out, tower(1.0, part))
-    assert seen[:3:2] == [(6, True), (6, True)]  # the wrapped calls; seen[1] and [3] are the references
+    monkeypatch.setattr(torch, "compile", fake_compile)
+    return seen
 
 
-def test_compiled_tower_pads_to_the_smaller_chunks_after_running_out_of_memory(monkeypatch):
+def test_a_compiled_model_sees_the_full_batch_shape_and_gives_back_its_rows(tiny_estimator, coco_src, monkeypatch):
+    """A partial batch reaches the compiled towers padded with zero rows to the most rows seen - the
+    text batch before it is cut into groups, so its groups have the full batch's rows too; only its
+    own rows come back, as eager computes them."""
+    seen = _recording_compile(monkeypatch)
+    torch.manual_seed(0)
+    compiled = OpenClipEstimator("pairclean-tiny", pretrained="none", device="cpu", compile=True)
+    pixels = tiny_estimator.preparer.collate("image", [tiny_estimator.preparer.prepare("image", d) for d in _jpeg_bytes(coco_src, 6)])
+    words = "a large red star above a small blue circle on a green background near the top left corner".split()
+    texts = tiny_estimator.preparer.collate("text", [" ".join(words[: 1 + (i * 5) % len(words)]) for i in range(300)])
+    for rows in (6, 4):
+        torch.testing.assert_close(compiled.encode("image", pixels[:rows]), tiny_estimator.encode("image", pixels[:rows]),
+                                   atol=1e-6, rtol=0)
+    assert [shape[0] for shape, *_ in seen] == [6, 6]
+    seen.clear()
+    for rows in (300, 200):
+        part = take_rows(texts, slice(0, rows))
+        torch.testing.assert_close(compiled.encode("text", part), tiny_estimator.encode("text", part), atol=1e-6, rtol=0)
+    assert [shape[0] for shape, *_ in seen] == [150] * 4  # 2 groups of 150 each time, not one of 200
+    assert all(length in (16, 32) for _, length in seen)
+
+
+def test_a_compiled_model_pads_to_the_smaller_chunks_after_running_out_of_memory(tiny_estimator, coco_src, monkeypatch):
     """After an out-of-memory the caller (OomBackoff) goes on in halves: padding them back up to
     the batch that did not fit would run out again."""
-    seen = []
-    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: fn)
-
-    def tower(model, batch):
-        seen.append(batch.shape[0])
-        if batch.shape[0] > 4:
-            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2 GiB")
-        return batch * 2
-
+    seen = _recording_compile(monkeypatch, fail_above=4)
+    torch.manual_seed(0)
+    compiled = OpenClipEstimator("pairclean-tiny", pretrained="none", device="cpu", compile=True)
+    pixels = tiny_estimator.preparer.collate("image", [tiny_estimator.preparer.prepare("image", d) for d in _jpeg_bytes(coco_src, 8)])
     backoff = OomBackoff()
-    wrapped = CompiledOrEager(tower, "image", torch.device("cpu"))
-    batch = torch.arange(8.0).view(8, 1)
-    assert torch.equal(backoff(lambda part: wrapped(None, part), batch), batch * 2)
-    assert seen == [8, 4, 4] and backoff.chunk == 4
+    out = backoff(lambda part: compiled.encode("image", part), pixels)
+    torch.testing.assert_close(out, tiny_estimator.encode("image", pixels), atol=1e-6, rtol=0)
+    assert [shape[0] for shape, *_ in seen] == [8, 4, 4] and backoff.chunk == 4
+
+
+def test_a_tower_that_fails_to_compile_runs_eager_cuts_and_no_padding(monkeypatch, caplog):
+    def failing_compile(fn, **kwargs):
+        def compiled(*args):
+            raise RuntimeError("inductor: no working C++ compiler")
+        return compiled
+
+    monkeypatch.setattr(torch, "compile", failing_compile)
+    compiled = OpenClipEstimator("pairclean-tiny", pretrained="none", device="cpu", compile=True)
+    assert compiled.text_cuts == TextCuts(buckets=4, step=16)
+    tokens = compiled.tokenizer(["a dog", "x", "two cats"])
+    compiled.encode("text", tokens)
+    assert compiled.text_cuts == TextCuts(buckets=4, step=1) and compiled.padding.rows == {"text": 3}
+    compiled.encode("text", tokens[:2])
+    assert compiled.padding.rows == {"text": 3}  # no longer padded: the eager tower takes any shape
 
 
 def test_compiled_text_cuts_in_steps_stay_exact(tiny_estimator):

@@ -34,8 +34,8 @@ EXIF_ORIENTATION = 0x0112
 
 def device_decodable(data: bytes, max_pixels: int = MAX_PIXELS, progressive: bool = True) -> bool:
     """A JPEG whose header says the device decoder gives the pixels PIL would: RGB or greyscale,
-    within the pixel limit, not rotated by an EXIF tag (PIL's path applies the rotation), and
-    baseline unless the decoder takes `progressive` JPEGs in its batch.
+    within the pixel limit, not rotated by an EXIF tag (PIL's path applies the rotation), and not
+    progressive unless the decoder takes `progressive` JPEGs in its batch.
 
     Reads the header only; every other image goes through PIL in the worker.
     """

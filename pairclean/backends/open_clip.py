@@ -14,7 +14,6 @@ import logging
 import math
 import os
 from contextlib import contextmanager
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +21,8 @@ import torch
 
 from pairclean.backends.base import (Backend, autocast_context, file_sha256, frozen_copy, move_batch, pick_device,
                                      random_vocabulary_texts, register_backend, resolve_precision)
-from pairclean.backends.compiled import CompiledOrEager
+from pairclean.backends.compiled import CompiledOrEager, RowPadding, pad_rows
+from pairclean.backends.oom import is_out_of_memory
 from pairclean.backends.checkpoint_model import checkpoint_models
 from pairclean.backends.device_jpeg import DEVICE_DECODERS, device_decodable
 from pairclean.backends.inputs import ImageBatch, JpegBlob, PixelNormalizer, StandardTransform, TokenBatch, stack_pixels
@@ -207,6 +207,11 @@ def _plain_encode_text(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Te
     return model.encode_text(tokens)
 
 
+def _compiled(tower) -> bool:
+    """A tower still running compiled (not an eager function, not fallen back to eager)."""
+    return isinstance(tower, CompiledOrEager) and tower.active
+
+
 def _text_inputs(batch: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Token ids and, where the batch brought them, each caption's end in host memory."""
     return (batch.tokens, batch.ends) if isinstance(batch, TokenBatch) else (batch, None)
@@ -293,15 +298,20 @@ class OpenClipEstimator:
                                          device_progressive=getattr(self.device_decoder, "progressive", True),
                                          token_ends=self.text_trim)
         self.compile = compile
-        if compile:  # compiled towers see few shapes: full-batch rows (padded), caption cuts in steps of 16
-            self._encode_image = CompiledOrEager(_plain_encode_image, "image", self.device)
-            text = CompiledOrEager(trimmed_encode_text if self.text_trim else _plain_encode_text, "text", self.device,
-                                   dynamic=True if self.text_trim else None)
+        # Compiled towers see few shapes: batches padded to the most rows seen, caption cuts in steps of 16.
+        self.padding = RowPadding() if compile else None
+        if compile:
+            self._image_tower = CompiledOrEager(_plain_encode_image, "image", self.device)
+            self._text_tower = CompiledOrEager(trimmed_encode_text if self.text_trim else _plain_encode_text, "text",
+                                               self.device, dynamic=True if self.text_trim else None)
         else:
-            self._encode_image = _plain_encode_image
-            text = trimmed_encode_text if self.text_trim else _plain_encode_text
-        self.text_cuts = TextCuts.for_device(self.device, compile, COMPILED_LENGTH_STEP)
-        self._encode_text = partial(bucketed_encode_text, encode=text, cuts=self.text_cuts) if self.text_trim else text
+            self._image_tower = _plain_encode_image
+            self._text_tower = trimmed_encode_text if self.text_trim else _plain_encode_text
+
+    @property
+    def text_cuts(self) -> TextCuts:
+        """How a batch of captions goes through the text tower here: as compiled, while it is."""
+        return TextCuts.for_device(self.device, _compiled(self._text_tower), COMPILED_LENGTH_STEP)
 
     def _device_decoder(self, cls, transform, preprocess, model: str):
         """The device decoder `decode` names, or None (said once) where it cannot run here: the
@@ -323,17 +333,35 @@ class OpenClipEstimator:
 
     @torch.no_grad()
     def encode(self, modality: str, batch: torch.Tensor | TokenBatch) -> torch.Tensor:
-        with autocast_context(self.device, self.precision):
-            if modality == "image":
-                out = self._encode_image(self.model, self.image_input(batch.to(self.device, non_blocking=True)))
-            elif self.text_trim:
-                tokens, ends = _text_inputs(batch)
-                if ends is None:  # ids from the host (beta's random texts) cost nothing to read; from the device, a sync
-                    ends = token_ends(tokens).cpu()
-                out = self._encode_text(self.model, tokens.to(self.device, non_blocking=True), ends)
-            else:
-                out = self._encode_text(self.model, _text_inputs(batch)[0].to(self.device, non_blocking=True))
+        try:
+            with autocast_context(self.device, self.precision):
+                out = self._encode(modality, batch)
+        except Exception as exc:
+            if self.padding is not None and is_out_of_memory(exc):
+                self.padding.reset()  # the caller goes on in smaller chunks: padding back up would run out again
+            raise
         return torch.nn.functional.normalize(out.float(), dim=-1)
+
+    def _encode(self, modality: str, batch: torch.Tensor | TokenBatch) -> torch.Tensor:
+        """The tower's output for `batch`'s rows (a compiled tower runs them padded: the padding's
+        rows are zeros, each row's output its own, and they are dropped here)."""
+        if modality == "image":
+            pixels = batch.to(self.device, non_blocking=True)
+            rows = pixels.shape[0]
+            if self.padding is not None and _compiled(self._image_tower):
+                pixels = pad_rows(pixels, self.padding.target("image", rows))
+            return self._image_tower(self.model, self.image_input(pixels))[:rows]
+        tokens, ends = _text_inputs(batch)
+        rows = tokens.shape[0]
+        if self.padding is not None and _compiled(self._text_tower):  # padded before the groups are cut
+            target = self.padding.target("text", rows)
+            tokens, ends = pad_rows(tokens, target), None if ends is None else pad_rows(ends, target, value=1)
+        if not self.text_trim:
+            return self._text_tower(self.model, tokens.to(self.device, non_blocking=True))[:rows]
+        if ends is None:  # ids from the host (beta's random texts) cost nothing to read; from the device, a sync
+            ends = token_ends(tokens).cpu()
+        return bucketed_encode_text(self.model, tokens.to(self.device, non_blocking=True), ends,
+                                    encode=self._text_tower, cuts=self.text_cuts)[:rows]
 
     def image_input(self, pixels: torch.Tensor) -> torch.Tensor:
         """The image tower's input: uint8 pixels normalised here, on the device, in the memory

@@ -66,10 +66,10 @@ class TextCuts:
     length, each cut at its longest caption rounded up to a multiple of `step` (still exact; a
     compiled tower then sees few lengths).
 
-    Buckets save arithmetic but multiply the ops: ViT-B-32's text tower is 596 aten ops a call,
-    2,378 for four buckets (counted on the CPU). Where each op costs the host a dispatch and a
+    Buckets save arithmetic but multiply the ops: ViT-B-32's text tower is 612 aten ops a call in
+    bf16, 2,435 for four buckets (counted on the CPU). Where each op costs the host a dispatch and a
     kernel launch (eager CUDA: on the H100 the encode stage held the main thread 62 ms a batch
-    of 1,024, about 2,566 ops at 24 us), that host time, not the GPU's, bounds the run; CPUs and
+    of 1,024, about 3,000 ops at some 20 us), that host time, not the GPU's, bounds the run; CPUs and
     CUDA graphs (`--compile`) pay per op far less (`for_device`)."""
 
     buckets: int = 4
