@@ -43,6 +43,7 @@ def test_pipeline_only_round_reports_the_main_process_by_stage_and_what_a_pair_c
     assert 3 * 64 * 64 + 32 * 8 <= report["worker_bytes_per_pair"] < 3 * 64 * 64 + 32 * 8 + 200
     assert p["worker_capacity_pairs_per_second"] == pytest.approx(1000 / p["worker_ms_per_pair"])
     assert report["rounds"][0]["ceiling"] is None and report["config"]["pipeline_only"]
+    assert report["config"]["text_cuts"] == {"buckets": 4, "step": 1}  # how the text tower ran (eager CPU)
     assert "main process in all" in printed and "pipeline only (decode fast)" in printed
 
 

@@ -563,6 +563,7 @@ def bench_score(source: str | list[str] | DatasetSpec | Dataset, cfg: ScoreConfi
               "device": str(estimator.device), "precision": estimator.precision,
               "batch_size": cfg.batch_size, "workers": cfg.workers, "decode": getattr(estimator, "decode", cfg.decode),
               "compile": cfg.compile, "text_trim": getattr(estimator, "text_trim", False),
+              "text_cuts": asdict(estimator.text_cuts) if hasattr(estimator, "text_cuts") else None,
               "torch_threads": torch.get_num_threads(), "cpu_count": os.cpu_count(), "torch": torch.__version__,
               "shards": len(spec.shards), "pair": spec.pair, "pipeline_only": pipeline_only}
     return BenchReport(config, rounds, prepare_ms)
