@@ -107,7 +107,7 @@ def main() -> None:
             + ", ".join(f"{k} {v:,.1f}" for k, v in report["per_batch"].items()),
             events.table(sort_by="self_cpu_time_total", row_limit=args.rows)]
     if cuda:
-        text.append(events.table(sort_by="self_cuda_time_total", row_limit=args.rows))
+        text.append(events.table(sort_by="self_device_time_total", row_limit=args.rows))
     (out / "profile.txt").write_text("\n\n".join(text))
     print(text[0])
 
