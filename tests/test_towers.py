@@ -283,13 +283,15 @@ def test_bf16_autocast_on_cpu_stays_close_to_fp32(tiny_estimator, coco_src):
     assert cos.min() > 0.99
 
 
-def test_compile_failure_falls_back_to_eager_once(monkeypatch, caplog):
-    def failing_compile(fn, **kwargs):
-        def compiled(*args):
-            raise RuntimeError("inductor: no working C++ compiler")
-        return compiled
+def _failing_compile(fn, **kwargs):
+    """torch.compile as on a machine where inductor cannot build: the first call fails."""
+    def compiled(*args):
+        raise RuntimeError("inductor: no working C++ compiler")
+    return compiled
 
-    monkeypatch.setattr(torch, "compile", failing_compile)
+
+def test_compile_failure_falls_back_to_eager_once(monkeypatch, caplog):
+    monkeypatch.setattr(torch, "compile", _failing_compile)
     calls = []
     wrapped = CompiledOrEager(lambda x: calls.append(x) or x + 1, "image", torch.device("cpu"))
     with caplog.at_level(logging.WARNING, logger="pairclean"):
@@ -351,12 +353,7 @@ def test_a_compiled_model_pads_to_the_smaller_chunks_after_running_out_of_memory
 
 
 def test_a_tower_that_fails_to_compile_runs_eager_cuts_and_no_padding(monkeypatch, caplog):
-    def failing_compile(fn, **kwargs):
-        def compiled(*args):
-            raise RuntimeError("inductor: no working C++ compiler")
-        return compiled
-
-    monkeypatch.setattr(torch, "compile", failing_compile)
+    monkeypatch.setattr(torch, "compile", _failing_compile)
     compiled = OpenClipEstimator("pairclean-tiny", pretrained="none", device="cpu", compile=True)
     assert compiled.text_cuts == TextCuts(buckets=4, step=16)
     tokens = compiled.tokenizer(["a dog", "x", "two cats"])
