@@ -22,7 +22,7 @@ from typing import Any, Callable, Iterable
 import numpy as np
 import torch
 
-from pairclean.backends.base import Estimator
+from pairclean.backends.base import Estimator, move_batch
 from pairclean.backends.feed import DeviceFeed, DevicePrefetcher, device_tensors
 from pairclean.backends.oom import OomBackoff, take_rows
 from pairclean.core.beta import ShuffledAccumulator
@@ -226,11 +226,13 @@ def run_pipeline(batches: Iterable[PairBatch], estimator: Estimator, left: str, 
     i+1 is received, copied and preprocessed in a thread of its own while the main thread runs batch
     i (`DevicePrefetcher`: nvJPEG's decode blocks the thread calling it); the main thread's `receive`
     is then its wait for a prepared batch."""
-    feed = DeviceFeed(estimator.device)
     scorer = Scorer(estimator, left, right, keep_embeddings=sink.accumulate or sink.save_block is not None)
     counters = {"batches": 0, "full_batches": 0, "batch_rows": 0}
     mark = meter.mark if meter is not None else (lambda stage: None)
     threaded = estimator.device.type in PREFETCH_DEVICES
+    # The prefetching thread copies on its own side stream, which the compute stream waits for
+    # (DevicePrefetcher): a DeviceFeed's second side stream there would only repeat that.
+    feed = (lambda value: move_batch(value, estimator.device)) if threaded else DeviceFeed(estimator.device)
     inline_mark = (lambda stage: None) if threaded else mark  # the meter is the main thread's
 
     def prepare(batch: PairBatch) -> tuple[PairBatch, int]:
