@@ -299,7 +299,7 @@ class OpenClipEstimator:
                                          token_ends=self.text_trim)
         self.compile = compile
         # Compiled towers see few shapes: batches padded to the most rows seen, caption cuts in steps of 16.
-        self.padding = RowPadding() if compile else None
+        self.padding = RowPadding()
         if compile:
             self._image_tower = CompiledOrEager(_plain_encode_image, "image", self.device)
             self._text_tower = CompiledOrEager(trimmed_encode_text if self.text_trim else _plain_encode_text, "text",
@@ -337,7 +337,7 @@ class OpenClipEstimator:
             with autocast_context(self.device, self.precision):
                 out = self._encode(modality, batch)
         except Exception as exc:
-            if self.padding is not None and is_out_of_memory(exc):
+            if is_out_of_memory(exc):
                 self.padding.reset()  # the caller goes on in smaller chunks: padding back up would run out again
             raise
         return torch.nn.functional.normalize(out.float(), dim=-1)
@@ -348,12 +348,12 @@ class OpenClipEstimator:
         if modality == "image":
             pixels = batch.to(self.device, non_blocking=True)
             rows = pixels.shape[0]
-            if self.padding is not None and _compiled(self._image_tower):
+            if _compiled(self._image_tower):
                 pixels = pad_rows(pixels, self.padding.target("image", rows))
             return self._image_tower(self.model, self.image_input(pixels))[:rows]
         tokens, ends = _text_inputs(batch)
         rows = tokens.shape[0]
-        if self.padding is not None and _compiled(self._text_tower):  # padded before the groups are cut
+        if _compiled(self._text_tower):  # padded before the groups are cut
             target = self.padding.target("text", rows)
             tokens, ends = pad_rows(tokens, target), None if ends is None else pad_rows(ends, target, value=1)
         if not self.text_trim:
