@@ -462,10 +462,9 @@ class ZeroCostEstimator:
         if device_decode and self.decoder is None and isinstance(estimator, OpenClipEstimator):
             transform, cls = StandardTransform.parse(estimator.preparer.preprocess), DEVICE_DECODERS[device_decode]
             if cls.supports(transform) and cls.unavailable() is None:
-                p = estimator.preparer
-                self.preparer = type(p)(p.preprocess, p.tokenizer, p.draft_size, device_jpeg=True,
-                                        token_ends=p.token_ends, device_progressive=cls.progressive)
-                self.decoder = cls(transform, self.device, p.preprocess)
+                self.preparer = copy.copy(estimator.preparer)  # the estimator's, leaving JPEGs to the decoder
+                self.preparer.device_jpeg, self.preparer.device_progressive = True, cls.progressive
+                self.decoder = cls(transform, self.device, estimator.preparer.preprocess)
         self.decode = self.decoder.name if self.decoder is not None else getattr(estimator, "decode", "-")
         generator = torch.Generator().manual_seed(0)
         width = estimator.encode(modality, estimator.random_batch(modality, 2, generator)).shape[1]  # `modality`: one it encodes
