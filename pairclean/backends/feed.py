@@ -2,12 +2,13 @@
 
 A DataLoader with `pin_memory` hands over page-locked batches; `DeviceFeed` copies them to the
 device asynchronously on a side stream, and makes the compute stream wait for those copies only,
-so the model keeps computing the batch before while the next one crosses the bus (scoring and
-training both feed their batches through it). On a CPU device it hands batches on unchanged.
+so the model keeps computing the batch before while the next one crosses the bus (training feeds
+its batches through it). On a CPU device it hands batches on unchanged.
 
 `DevicePrefetcher` goes one step further for work the host must wait for: it prepares batch i+1
 (copies and device preprocessing, where torchvision's nvJPEG decode blocks until the batch is
-decoded) in a thread of its own while the main thread queues batch i's model.
+decoded) in a thread of its own, on a side stream, while the main thread queues batch i's model
+(scoring on CUDA).
 """
 
 from __future__ import annotations
