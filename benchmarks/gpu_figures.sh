@@ -10,9 +10,10 @@
 #      (nvimgcodec, with --with-nvimgcodec's wheels) and benchmarks/device_decoders.py on one batch;
 #   5. a training epoch against the model's own step rate (benchmarks/train_throughput.py);
 #   6. benchmarks/cuda_paths.sh (every CUDA path);
-#   7. benchmarks/profile_score.py: the main thread's ops, launches and synchronisations, first decode eager.
+#   7. benchmarks/profile_score.py: the main thread's ops, launches and synchronisations, first decode eager;
+#      benchmarks/tower_ops.py: each tower's ops, ms a call and bf16 sims under autocast or not.
 # Steps 4-7 interleave, the issue's first asks first: each decode eager, training, --compile with the
-# first decode, cuda_paths.sh, the profile, the other device decoders, the other --compile, each decode
+# first decode, cuda_paths.sh, the profile, the towers, the other device decoders, the other --compile, each decode
 # eager again.
 # One JSON per variant in OUT, a log per step, summary.json and a table at the end. A step that
 # would overrun the time budget is skipped and says so; every step runs under a timeout.
@@ -20,7 +21,7 @@
 #     bash benchmarks/gpu_figures.sh [OUT]                  # there (the device call carries benchmarks/wheels)
 # Knobs (environment): BUDGET=480 (seconds) SHARDS=14 PAIRS_PER_SHARD=2500 PROGRESSIVE=0 MODEL=ViT-B-32
 #   PRECISION=bf16 BATCH=1024 TRAIN_BATCH=512 WORKERS=(cores - 2) DEVICE=cuda DECODES="gpu fast"
-#   COMPILE=1 CUDA_PATHS=1 TRAIN=1 PROFILE=1 MIN_SECONDS=8 (a CPU dry run: DEVICE=cpu MODEL=pairclean-tiny SHARDS=2 PAIRS_PER_SHARD=64
+#   COMPILE=1 CUDA_PATHS=1 TRAIN=1 PROFILE=1 TOWERS=1 MIN_SECONDS=8 (a CPU dry run: DEVICE=cpu MODEL=pairclean-tiny SHARDS=2 PAIRS_PER_SHARD=64
 #   BATCH=32 TRAIN_BATCH=32 COMPILE=0 CUDA_PATHS=0)
 set -u
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -44,6 +45,7 @@ COMPILE=${COMPILE:-1}
 CUDA_PATHS=${CUDA_PATHS:-1}
 TRAIN=${TRAIN:-1}
 PROFILE=${PROFILE:-1}
+TOWERS=${TOWERS:-1}
 MIN_SECONDS=${MIN_SECONDS:-8}
 
 left() { echo $(( BUDGET - $(date +%s) + T0 )); }
@@ -143,6 +145,8 @@ fi
 [ "$PROFILE" = 1 ] && step profile 40 python "$ROOT/benchmarks/profile_score.py" "$W/web/manifest.yaml" --model "$MODEL" \
   --precision "$PRECISION" --batch-size "$BATCH" --workers "$WORKERS" --decode "$first" --device "$DEVICE" \
   --shards 3 --out "$OUT/profile"
+[ "$TOWERS" = 1 ] && step towers 30 python "$ROOT/benchmarks/tower_ops.py" "$W/web/manifest.yaml" --model "$MODEL" \
+  --pairs "$BATCH" --device "$DEVICE" --repeat 10 --json "$OUT/towers.json"
 
 for decode in $extra_decodes; do score "$decode-eager" "$decode"; done
 if [ -n "$extra_decodes" ]; then
@@ -194,6 +198,12 @@ profiled = out / "profile" / "profile.json"
 if profiled.exists():
     summary["profile"] = json.loads(profiled.read_text())["per_batch"]
     print("profile, per batch:", ", ".join(f"{k} {v:,.1f}" for k, v in summary["profile"].items()))
+towers = out / "towers.json"
+if towers.exists():
+    summary["towers"] = json.loads(towers.read_text())
+    for way in summary["towers"]["ways"]:
+        print(f"towers, {way['way']}: image {way['image_ops']} ops {way['image_ms']:.1f} ms, text {way['text_ops']} ops "
+              f"{way['text_ms']:.1f} ms a call of {summary['towers']['pairs']}")
 if summary["skipped"]:
     print("skipped (time):", ", ".join(summary["skipped"]))
 (out / "summary.json").write_text(json.dumps(summary, indent=1))

@@ -97,7 +97,8 @@ def main() -> None:
     events = prof.key_averages()
     pairs, batches = result.pairs_scored_now, max(result.summary.batches, 1)
     busiest = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:args.rows]
-    report = {"config": vars(args), "device": str(estimator.device), "pairs": pairs, "batches": batches,
+    report = {"config": vars(args), "device": str(estimator.device), "estimator": estimator.provenance(),
+              "pairs": pairs, "batches": batches,
               "seconds": result.seconds, "pairs_per_second": pairs / result.seconds if result.seconds else None,
               "per_batch": per_batch(prof.events(), batches),
               "by_thread": {str(t): figures for t, figures in by_thread(prof.events(), batches).items()},

@@ -113,6 +113,25 @@ def test_finished_run_rerun_is_a_no_op_and_other_settings_are_refused(coco_shard
     assert out.stat().st_mtime_ns == stamp and not parts_dir_for(out).exists()
 
 
+def test_a_bf16_run_started_with_autocast_everywhere_is_not_resumed_by_the_stored_weights_way(
+        coco_shards, fast_config, tmp_path, monkeypatch):
+    """On CUDA the two ways differ within bf16 rounding: one scores file must not hold both."""
+    from pairclean.backends.open_clip import OpenClipBackend
+
+    out = tmp_path / "s.parquet"
+    bf16 = replace(fast_config, precision="bf16")
+    with monkeypatch.context() as earlier:  # what pinned settings held before the towers ran autocast-free
+        earlier.setattr(OpenClipBackend, "low_precision", "autocast")
+        assert forked(lambda: score(str(coco_shards), out, bf16), "committed:1") == -signal.SIGKILL
+    pinned = json.loads((parts_dir_for(out) / "settings.json").read_text())
+    assert "low_precision" not in pinned  # autocast: what every earlier pairclean pinned, by saying nothing
+    with pytest.raises(UserError, match="low_precision: None -> 'stored'"):
+        score(str(coco_shards), out, bf16)
+    assert score(str(coco_shards), out, replace(bf16, overwrite=True)).summary.pairs == 16
+    estimator = json.loads(pq.read_schema(out).metadata[b"pairclean"])["estimator"]
+    assert estimator["precision"] == "bf16" and estimator["autocast"] == {"image": False, "text": False}
+
+
 def test_killed_overwrite_run_resumes_and_replaces_the_output(coco_shards, fast_config, tmp_path):
     out = tmp_path / "s.parquet"
     out.write_bytes(b"an older output")

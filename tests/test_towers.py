@@ -275,12 +275,73 @@ def test_precision_auto_and_bf16_detection():
         resolve_precision(cpu, "fp8")
 
 
-def test_bf16_autocast_on_cpu_stays_close_to_fp32(tiny_estimator, coco_src):
+def test_bf16_on_cpu_stays_close_to_fp32(tiny_estimator, coco_src):
     torch.manual_seed(0)
     bf16 = OpenClipEstimator("pairclean-tiny", pretrained="none", device="cpu", precision="bf16")
     pixels = tiny_estimator.preparer.collate("image", [tiny_estimator.preparer.prepare("image", d) for d in _jpeg_bytes(coco_src, 4)])
     cos = (tiny_estimator.encode("image", pixels) * bf16.encode("image", pixels)).sum(-1)
     assert cos.min() > 0.99
+
+
+def _attention_calls(model: torch.nn.Module) -> list[tuple[torch.dtype, bool]]:
+    """(query dtype, autocast on) of every MultiheadAttention call in `model` from now on."""
+    seen = []
+    for module in model.modules():
+        if isinstance(module, torch.nn.MultiheadAttention):
+            module.register_forward_pre_hook(lambda m, args: seen.append((args[0].dtype, torch.is_autocast_enabled("cpu"))))
+    return seen
+
+
+def test_bf16_transformer_towers_run_in_their_stored_weights_without_autocast(coco_src):
+    """Autocast shuts MultiheadAttention's fused path (on CUDA: 572 aten ops for ViT-B-32's image
+    tower instead of 188); open_clip's own towers run bf16 without it, and on the CPU give exactly
+    what autocast gave. Beta's noise images (floats) take the same path."""
+    torch.manual_seed(0)
+    est = OpenClipEstimator("pairclean-tiny", pretrained="none", device="cpu", precision="bf16")
+    assert est.autocast == {"image": False, "text": False}
+    assert est.provenance()["autocast"] == {"image": False, "text": False}
+    pixels = est.preparer.collate("image", [est.preparer.prepare("image", d) for d in _jpeg_bytes(coco_src, 4)])
+    tokens = est.tokenizer(["a dog on a beach", "two people riding horses along a beach at sunset", "x", "a red car"])
+    noise = est.random_batch("image", 3, torch.Generator().manual_seed(1))
+    seen = _attention_calls(est.model)
+    stored = [est.encode("image", pixels), est.encode("text", tokens), est.encode("image", noise)]
+    assert seen and set(seen) == {(torch.bfloat16, False)}
+    est.autocast = {"image": True, "text": True}  # the earlier way: the same weights under autocast
+    seen.clear()
+    under_autocast = [est.encode("image", pixels), est.encode("text", tokens), est.encode("image", noise)]
+    assert seen and all(on for _, on in seen)
+    for a, b in zip(stored, under_autocast):
+        assert torch.equal(a, b)
+
+
+def test_towers_that_keep_fp32_parameters_stay_under_autocast():
+    rn = OpenClipEstimator("RN50", pretrained="none", device="cpu", precision="bf16")
+    assert rn.autocast == {"image": True, "text": False}  # a ResNet image tower, open_clip's text transformer
+    assert OpenClipEstimator("pairclean-tiny", pretrained="none", device="cpu").autocast == {"image": False, "text": False}
+    pixels = torch.randint(0, 256, (2, 3, 224, 224), dtype=torch.uint8)
+    assert rn.encode("image", pixels).dtype == torch.float32
+
+
+def test_low_precision_weights_as_open_clip_converts_them_and_linear_projections_too():
+    import open_clip
+    from open_clip.model import CustomTextCLIP, convert_weights_to_lp
+
+    from pairclean.backends.open_clip import _matmul_weights_to, register_model_configs
+
+    register_model_configs()
+    ours, theirs = (open_clip.create_model("pairclean-tiny", pretrained=None) for _ in range(2))
+    _matmul_weights_to(ours, torch.bfloat16)
+    convert_weights_to_lp(theirs, torch.bfloat16)
+    assert [(n, p.dtype) for n, p in ours.named_parameters()] == [(n, p.dtype) for n, p in theirs.named_parameters()]
+    assert {p.dtype for p in ours.parameters()} == {torch.bfloat16, torch.float32}
+    # SigLIP's text towers project with an nn.Linear, on which open_clip 3.3's own conversion fails.
+    cfg = open_clip.get_model_config("pairclean-tiny")
+    linear = CustomTextCLIP(cfg["embed_dim"], cfg["vision_cfg"], {**cfg["text_cfg"], "proj_bias": True}).eval()
+    assert isinstance(linear.text.text_projection, torch.nn.Linear)
+    _matmul_weights_to(linear, torch.bfloat16)
+    assert linear.text.text_projection.weight.dtype == torch.bfloat16
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        assert linear.encode_text(torch.randint(0, 1000, (2, 32))).shape == (2, 64)
 
 
 def _failing_compile(fn, **kwargs):

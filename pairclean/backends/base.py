@@ -86,6 +86,9 @@ class Backend:
     default_model: ClassVar[str]
     aliases: ClassVar[tuple[str, ...]] = ()
     export_suffix: ClassVar[str] = ".pt"  # what the target's export adds to a model's name ("": a directory)
+    # How its estimators compute at bf16/fp16, pinned in a run's settings: a resumed run computes alike.
+    # "autocast": fp32 weights under torch.autocast; "stored": weights stored in the low precision.
+    low_precision: ClassVar[str] = "autocast"
 
     @classmethod
     def detects(cls, model: str) -> bool:

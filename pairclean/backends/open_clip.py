@@ -13,7 +13,7 @@ import copy
 import logging
 import math
 import os
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -207,6 +207,44 @@ def _plain_encode_text(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Te
     return model.encode_text(tokens)
 
 
+def _matmul_weights_to(net: torch.nn.Module, dtype: torch.dtype) -> None:
+    """open_clip's `convert_weights_to_lp`: linear, conv and attention weights and the towers'
+    projection matrices in `dtype`. Its own fails where a projection is an nn.Linear, not a matrix
+    (open_clip 3.3, the SigLIP text towers): here such a projection is converted as the Linear it is."""
+    from open_clip.model import CLIP
+    from open_clip.transformer import Attention, TextTransformer, VisionTransformer
+
+    for module in net.modules():
+        tensors = []
+        if isinstance(module, (torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Linear)):
+            tensors = [module.weight, module.bias]
+        elif isinstance(module, (torch.nn.MultiheadAttention, Attention)):
+            tensors = [getattr(module, f"{name}_proj_weight", None) for name in ("in", "q", "k", "v")]
+            tensors += [getattr(module, name, None) for name in ("in_proj_bias", "bias_k", "bias_v")]
+        if isinstance(module, (CLIP, TextTransformer)):
+            tensors.append(getattr(module, "text_projection", None))
+        if isinstance(module, VisionTransformer):
+            tensors.append(getattr(module, "proj", None))
+        for tensor in tensors:
+            if isinstance(tensor, torch.Tensor):  # a Linear projection is a module, converted as one
+                tensor.data = tensor.data.to(dtype)
+
+
+def _in_stored_dtype(net: torch.nn.Module, modality: str) -> bool:
+    """Whether a tower runs bf16/fp16 in its stored low-precision weights with autocast off, as
+    open_clip's own bf16 mode does: open_clip's ViT and CLIP text transformer cast every fp32
+    parameter they keep (layer norms, embeddings) to their input's dtype themselves. On CUDA this
+    lets MultiheadAttention take its fused path, which autocast shuts (ViT-B-32's image tower: 188
+    aten ops a call instead of 572). Other towers (timm, Hugging Face, ResNets, attentional
+    pooling) add fp32 parameters to bf16 activations, so they stay under autocast."""
+    from open_clip.model import CLIP
+    from open_clip.transformer import VisionTransformer
+
+    if modality == "image":
+        return type(net.visual) is VisionTransformer and net.visual.attn_pool is None
+    return isinstance(net, CLIP) and type(net).encode_text is CLIP.encode_text
+
+
 def _compiled(tower) -> bool:
     """A tower still running compiled (not an eager function, not fallen back to eager)."""
     return isinstance(tower, CompiledOrEager) and tower.active
@@ -272,9 +310,9 @@ class OpenClipEstimator:
             # Matmul weights stored in the autocast dtype once (open_clip's own bf16/fp16 mode):
             # autocast re-casts weights that need no grad on every call, which on a CPU costs
             # more than bf16 saves (measured: 0.8x fp32 without this, 2.2x with it).
-            from open_clip.model import convert_weights_to_lp
-
-            convert_weights_to_lp(net, torch.bfloat16 if self.precision == "bf16" else torch.float16)
+            _matmul_weights_to(net, torch.bfloat16 if self.precision == "bf16" else torch.float16)
+        # bf16/fp16: towers in their stored dtype (autocast off) where they can, under autocast elsewhere
+        self.autocast = {m: self.precision != "fp32" and not _in_stored_dtype(net, m) for m in ("image", "text")}
         self.channels_last = self.device.type == "cuda"  # conv stems on tensor cores; no gain measured on CPU
         if self.channels_last:
             net.visual.to(memory_format=torch.channels_last)
@@ -331,10 +369,14 @@ class OpenClipEstimator:
             return self.device_decoder(inputs)
         return inputs, {}
 
+    def tower_context(self, modality: str):
+        """What a tower runs under: autocast, or nothing (fp32, or a tower in its stored dtype)."""
+        return autocast_context(self.device, self.precision) if self.autocast[modality] else nullcontext()
+
     @torch.no_grad()
     def encode(self, modality: str, batch: torch.Tensor | TokenBatch) -> torch.Tensor:
         try:
-            with autocast_context(self.device, self.precision):
+            with self.tower_context(modality):
                 out = self._encode(modality, batch)
         except Exception as exc:
             if is_out_of_memory(exc):
@@ -367,7 +409,10 @@ class OpenClipEstimator:
         """The image tower's input: uint8 pixels normalised here, on the device, in the memory
         layout the tower runs fastest in (channels last on CUDA, contiguous on CPU)."""
         layout = torch.channels_last if self.channels_last else torch.contiguous_format
-        return self.normalize(pixels, layout)
+        pixels = self.normalize(pixels, layout)
+        if self.precision != "fp32" and not self.autocast["image"]:  # the tower runs in its weights' dtype
+            return pixels.to(self.model.visual.conv1.weight.dtype)
+        return pixels
 
     def random_batch(self, modality: str, n: int, generator: torch.Generator) -> torch.Tensor:
         """Random inputs as the official OSA code draws them: noise images, random-token texts."""
@@ -397,6 +442,7 @@ class OpenClipEstimator:
                 "checkpoint_sha256": self.checkpoint_sha256, "precision": self.precision,
                 "device": str(self.device), "decode": self.decode, "image_size": self.image_size,
                 "image_mean": self.mean, "image_std": self.std,
+                **({"autocast": self.autocast} if self.precision != "fp32" else {}),
                 **({"device_decoder_version": self.device_decoder.version} if self.device_decoder else {})}
 
     def input_signature(self) -> tuple:
@@ -455,6 +501,9 @@ class OpenClipBackend(Backend):
     modalities = ("image", "text")
     default_model = "ViT-B-32"
     aliases = ("open-clip", "openclip")
+    # open_clip's own ViT and text transformer run in their stored bf16/fp16 weights, autocast off
+    # (`_in_stored_dtype`): on CPUs bit for bit what autocast gave; on CUDA within bf16 rounding of it
+    low_precision = "stored"
 
     @classmethod
     def detects(cls, model: str) -> bool:

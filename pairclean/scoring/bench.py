@@ -296,7 +296,7 @@ def _text_trim_gain(estimator, left: str, right: str, batches) -> dict:
         best = float("inf")
         for _ in range(2):  # the faster of two: the first call of a new shape pays for kernel setup
             started = time.perf_counter()
-            with torch.no_grad(), autocast_context(estimator.device, estimator.precision):
+            with torch.no_grad(), estimator.tower_context("text"):  # as `encode` runs the tower
                 fn(tokens).float().cpu()
             best = min(best, time.perf_counter() - started)
         return best / n
@@ -563,6 +563,7 @@ def bench_score(source: str | list[str] | DatasetSpec | Dataset, cfg: ScoreConfi
               "batch_size": cfg.batch_size, "workers": cfg.workers, "decode": getattr(estimator, "decode", cfg.decode),
               "compile": cfg.compile, "text_trim": getattr(estimator, "text_trim", False),
               "text_cuts": asdict(estimator.text_cuts) if hasattr(estimator, "text_cuts") else None,
+              "autocast": getattr(estimator, "autocast", None),  # the towers under autocast (open_clip)
               "torch_threads": torch.get_num_threads(), "cpu_count": os.cpu_count(), "torch": torch.__version__,
               "shards": len(spec.shards), "pair": spec.pair, "pipeline_only": pipeline_only}
     return BenchReport(config, rounds, prepare_ms)

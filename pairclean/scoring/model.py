@@ -20,7 +20,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from pairclean import __version__
-from pairclean.backends import build_estimator, default_model, resolve_backend
+from pairclean.backends import BACKENDS, build_estimator, default_model, resolve_backend
 from pairclean.backends.base import file_sha256, resolve_precision
 from pairclean.backends.device_jpeg import DEVICE_DECODERS
 from pairclean.ops.faults import slow_point
@@ -150,9 +150,12 @@ class ModelProducer(Producer):
         # its hash is pinned, so the resumed run is refused instead of mixing two models' scores.
         weights = file_sha256(pretrained) if pretrained and os.path.isfile(pretrained) else None
         decoder = DEVICE_DECODERS.get(self.cfg.decode)  # its pixels' version: a resumed run decodes alike
+        # How bf16/fp16 computes, where not under autocast (absent: autocast, as in every earlier pairclean)
+        low = BACKENDS[self.cfg.backend].low_precision if self.cfg.precision != "fp32" else "autocast"
         return {"pair": spec.pair, "format": spec.format, "fields": asdict(spec.fields),
                 "label_template": spec.label_template, "split": spec.split, "image_root": spec.image_root,
-                "weights_sha256": weights, **({"device_decoder": decoder.version} if decoder else {})}
+                "weights_sha256": weights, **({"device_decoder": decoder.version} if decoder else {}),
+                **({"low_precision": low} if low != "autocast" else {})}
 
     def input_files(self) -> list[str]:
         """The checkpoint, the dataset's sources and files (sidecars included), and the saved
