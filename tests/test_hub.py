@@ -62,6 +62,30 @@ def test_the_command_line_says_it_in_one_whole_line_with_flags(no_hub, coco_shar
     assert lines[0].endswith("(HF_HUB_OFFLINE=1 then skips the network)")
 
 
+@pytest.mark.parametrize("model, what", [
+    ("ViT-B-16-SigLIP", "the tokenizer files of ViT-B-16-SigLIP (timm/ViT-B-16-SigLIP)"),
+    ("xlm-roberta-base-ViT-B-32", "the tokenizer files of xlm-roberta-base-ViT-B-32 (xlm-roberta-base)")])
+def test_a_tokenizer_from_the_hub_is_refused_before_the_retries_even_with_random_weights(no_hub, model, what):
+    """Random weights still need the Hub's tokenizer (and text config) files: before this, a
+    minute of retries and an OSError."""
+    with pytest.raises(ConfigError) as caught:
+        OpenClipEstimator(model, pretrained="none", device="cpu")
+    message = str(caught.value)
+    assert message.startswith(f"cannot fetch {what}: 127.0.0.1 cannot be reached (") and caught.value.fields == ("model",)
+    assert "Choose a `model` whose tokenizer and text tower come with open_clip" in message
+
+
+def test_a_hub_text_model_config_is_checked_once_its_tokenizer_is_cached(no_hub):
+    repo = no_hub / "models--xlm-roberta-base"
+    (repo / "snapshots" / ("0" * 40)).mkdir(parents=True)
+    (repo / "snapshots" / ("0" * 40) / "tokenizer_config.json").write_text("{}")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("0" * 40)
+    with pytest.raises(ConfigError, match=r"^cannot fetch the text model's config of xlm-roberta-base-ViT-B-32 "
+                                          r"\(xlm-roberta-base\): 127.0.0.1 cannot be reached"):
+        OpenClipEstimator("xlm-roberta-base-ViT-B-32", pretrained="none", device="cpu")
+
+
 def test_cached_weights_are_used_and_the_retries_announced(no_hub, caplog, monkeypatch):
     snapshot = no_hub / f"models--{REPO.replace('/', '--')}" / "snapshots" / ("0" * 40)
     snapshot.mkdir(parents=True)

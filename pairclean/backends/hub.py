@@ -64,7 +64,8 @@ def hub_unreachable() -> str | None:
 TAG_WAYS = "Give `pretrained` a local checkpoint file, or `pretrained` none for random weights"
 
 
-def check_fetchable(what: str, repo_id: str, filenames: list[str], ways: str = TAG_WAYS) -> None:
+def check_fetchable(what: str, repo_id: str, filenames: list[str], ways: str = TAG_WAYS,
+                    field: str = "pretrained") -> None:
     """Refuse at once, with the ways forward, files (`what`: "the weights 'openai' of ViT-B-32";
     `filenames`: alternatives, the first cached one will do) that are neither in the cache nor
     reachable; say so when cached files will be found only after the downloader's retries."""
@@ -81,7 +82,7 @@ def check_fetchable(what: str, repo_id: str, filenames: list[str], ways: str = T
     cache = hub_cache()
     raise ConfigError(f"cannot fetch {what}: {why}, and they are not in the Hugging Face cache ({cache}). {ways}, "
                       f"or fetch them once where the hub can be reached and copy that cache to {cache} "
-                      "(HF_HUB_OFFLINE=1 then skips the network)", "pretrained")
+                      "(HF_HUB_OFFLINE=1 then skips the network)", field)
 
 
 @contextmanager

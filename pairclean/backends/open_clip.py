@@ -161,6 +161,27 @@ def _hub_files(tag_config: dict) -> tuple[str, list[str]] | None:
     return repo_id, [name for name in (twin, filename) if name]
 
 
+def _hub_text_files(model: str) -> list[tuple[str, str, list[str]]]:
+    """(what, Hub repository, files) an architecture's text side fetches even with random weights:
+    a Hugging Face tokenizer (the SigLIP models) and a Hugging Face text model's config (the
+    multilingual ones). The first file each library asks for (`tokenizer_config.json`, `config.json`)
+    stands for the rest."""
+    import open_clip
+
+    text = (open_clip.get_model_config(model) or {}).get("text_cfg", {})
+    files = []
+    if text.get("hf_tokenizer_name"):
+        files.append((f"the tokenizer files of {model} ({text['hf_tokenizer_name']})", text["hf_tokenizer_name"],
+                      ["tokenizer_config.json"]))
+    if text.get("hf_model_name"):
+        files.append((f"the text model's config of {model} ({text['hf_model_name']})", text["hf_model_name"],
+                      ["config.json"]))
+    return files
+
+
+TEXT_WAYS = "Choose a `model` whose tokenizer and text tower come with open_clip (ViT-B-32, ViT-L-14, RN50, ...)"
+
+
 def _schema_weights(model: str, pretrained: str) -> bool:
     """Whether a schema name (`hf-hub:`, `local-dir:`) loads its own weights (`pretrained` unset, i.e.
     the name itself) or none; refuse before any download what cannot be had (an hf-hub: repository
@@ -290,6 +311,9 @@ class OpenClipEstimator:
         elif weights is not None and (hub := _hub_files(open_clip.get_pretrained_cfg(model, weights))):
             # in seconds, not after a minute of download retries
             check_fetchable(f"the weights {weights!r} of {model}", *hub)
+        if not schema_name:  # a tokenizer or text config from the Hub, with any weights: also in seconds
+            for what, repo, files in _hub_text_files(model):
+                check_fetchable(what, repo, files, ways=TEXT_WAYS, field="model")
         self.random_init = weights is None  # weights drawn at random, not learned
         try:
             net, _, preprocess = open_clip.create_model_and_transforms(
