@@ -9,7 +9,8 @@ bound the main thread (docs/benchmarks.md, "After the H100 call"). Three ways, o
 the same weights:
   autocast, fused MHA off  - what CUDA ran before: `nn.MultiheadAttention` leaves its fused path
                              whenever CUDA autocast is on (`torch.is_autocast_enabled()`)
-  autocast                 - what CPUs ran before (CPU autocast leaves the fused path alone)
+  autocast                 - what ran before where it runs (on a CPU, whose autocast leaves the
+                             fused path alone; on CUDA the same computation as the row above)
   as built                 - what `OpenClipEstimator` runs now: open_clip's own transformer towers
                              in their stored bf16 weights, autocast off (`estimator.autocast`)
 Each way's sims (image . caption, L2-normalised) are compared with an fp32 copy of the model and
@@ -130,8 +131,8 @@ def main() -> None:
     pixels, tokens = pixels.to(reference.device), TokenBatch(tokens.tokens.to(reference.device), tokens.ends)
 
     fp32, fp32_ops, fp32_ms = encode(reference, pixels, tokens, args.repeat)
-    ways = {"autocast, fused MHA off (CUDA before)": ({"image": True, "text": True}, False),
-            "autocast (CPUs before)": ({"image": True, "text": True}, True),
+    ways = {"autocast, fused MHA off (before, CUDA)": ({"image": True, "text": True}, False),
+            "autocast (before)": ({"image": True, "text": True}, True),
             "as built (now)": (None, True)}
     sims, rows = {}, []
     for name, (autocast, fused) in ways.items():

@@ -130,6 +130,10 @@ def test_a_bf16_run_started_with_autocast_everywhere_is_not_resumed_by_the_store
     assert score(str(coco_shards), out, replace(bf16, overwrite=True)).summary.pairs == 16
     estimator = json.loads(pq.read_schema(out).metadata[b"pairclean"])["estimator"]
     assert estimator["precision"] == "bf16" and estimator["autocast"] == {"image": False, "text": False}
+    from pairclean.data.dataset import as_dataset
+    from pairclean.scoring.model import ModelProducer
+
+    assert "low_precision" not in ModelProducer(as_dataset(str(coco_shards)), fast_config).settings()  # fp32
 
 
 def test_killed_overwrite_run_resumes_and_replaces_the_output(coco_shards, fast_config, tmp_path):

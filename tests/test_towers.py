@@ -5,6 +5,7 @@ fallback, precision resolution."""
 from __future__ import annotations
 
 import io
+import json
 import logging
 
 import numpy as np
@@ -293,8 +294,8 @@ def _attention_calls(model: torch.nn.Module) -> list[tuple[torch.dtype, bool]]:
 
 
 def test_bf16_transformer_towers_run_in_their_stored_weights_without_autocast(coco_src):
-    """Autocast shuts MultiheadAttention's fused path (on CUDA: 572 aten ops for ViT-B-32's image
-    tower instead of 188); open_clip's own towers run bf16 without it, and on the CPU give exactly
+    """Autocast shuts MultiheadAttention's fused path (on CUDA: 577 aten ops for ViT-B-32's image
+    tower instead of 193); open_clip's own towers run bf16 without it, and on the CPU give exactly
     what autocast gave. Beta's noise images (floats) take the same path."""
     torch.manual_seed(0)
     est = OpenClipEstimator("pairclean-tiny", pretrained="none", device="cpu", precision="bf16")
@@ -314,12 +315,24 @@ def test_bf16_transformer_towers_run_in_their_stored_weights_without_autocast(co
         assert torch.equal(a, b)
 
 
-def test_towers_that_keep_fp32_parameters_stay_under_autocast():
+def test_towers_that_keep_fp32_parameters_stay_under_autocast(tmp_path):
+    import open_clip
+
     rn = OpenClipEstimator("RN50", pretrained="none", device="cpu", precision="bf16")
     assert rn.autocast == {"image": True, "text": False}  # a ResNet image tower, open_clip's text transformer
     assert OpenClipEstimator("pairclean-tiny", pretrained="none", device="cpu").autocast == {"image": False, "text": False}
     pixels = torch.randint(0, 256, (2, 3, 224, 224), dtype=torch.uint8)
     assert rn.encode("image", pixels).dtype == torch.float32
+    # Layer scales (ViT-M-16-alt's, for one) multiply the activations by an fp32 gamma: without
+    # autocast the next bf16 matmul would fail on mixed dtypes.
+    cfg = open_clip.get_model_config("pairclean-tiny")
+    (tmp_path / "pairclean-tiny-ls.json").write_text(json.dumps({**cfg, "vision_cfg": {**cfg["vision_cfg"], "ls_init_value": 0.1},
+                                                                "text_cfg": {**cfg["text_cfg"], "ls_init_value": 0.1}}))
+    open_clip.add_model_config(tmp_path)
+    scaled = OpenClipEstimator("pairclean-tiny-ls", pretrained="none", device="cpu", precision="bf16")
+    assert scaled.autocast == {"image": True, "text": True}
+    noise = scaled.random_batch("image", 2, torch.Generator().manual_seed(0))
+    assert scaled.encode("image", noise).shape == scaled.encode("text", scaled.tokenizer(["a dog", "x"])).shape == (2, 64)
 
 
 def test_low_precision_weights_as_open_clip_converts_them_and_linear_projections_too():

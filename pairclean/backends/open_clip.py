@@ -164,15 +164,15 @@ def _hub_files(tag_config: dict) -> tuple[str, list[str]] | None:
 def _hub_text_files(model: str) -> list[tuple[str, str, list[str]]]:
     """(what, Hub repository, files) an architecture's text side fetches even with random weights:
     a Hugging Face tokenizer (the SigLIP models) and a Hugging Face text model's config (the
-    multilingual ones). The first file each library asks for (`tokenizer_config.json`, `config.json`)
-    stands for the rest."""
+    multilingual ones; its weights only with `pretrained_text`, which pairclean leaves off). The
+    first files each library asks for stand for the rest."""
     import open_clip
 
     text = (open_clip.get_model_config(model) or {}).get("text_cfg", {})
     files = []
     if text.get("hf_tokenizer_name"):
         files.append((f"the tokenizer files of {model} ({text['hf_tokenizer_name']})", text["hf_tokenizer_name"],
-                      ["tokenizer_config.json"]))
+                      ["tokenizer_config.json", "tokenizer.json"]))
     if text.get("hf_model_name"):
         files.append((f"the text model's config of {model} ({text['hf_model_name']})", text["hf_model_name"],
                       ["config.json"]))
@@ -253,17 +253,37 @@ def _matmul_weights_to(net: torch.nn.Module, dtype: torch.dtype) -> None:
 
 def _in_stored_dtype(net: torch.nn.Module, modality: str) -> bool:
     """Whether a tower runs bf16/fp16 in its stored low-precision weights with autocast off, as
-    open_clip's own bf16 mode does: open_clip's ViT and CLIP text transformer cast every fp32
-    parameter they keep (layer norms, embeddings) to their input's dtype themselves. On CUDA this
-    lets MultiheadAttention take its fused path, which autocast shuts (ViT-B-32's image tower: 188
-    aten ops a call instead of 572). Other towers (timm, Hugging Face, ResNets, attentional
-    pooling) add fp32 parameters to bf16 activations, so they stay under autocast."""
+    open_clip's own bf16 mode does: open_clip's ViT and CLIP text transformer, whose fp32
+    parameters are all ones they cast to their input's dtype themselves (`_fp32_leftovers`). On
+    CUDA this lets MultiheadAttention take its fused path, which autocast shuts (ViT-B-32's image
+    tower: 193 aten ops a call instead of 577). Other towers (timm, Hugging Face, ResNets,
+    attentional pooling, layer scales) stay under autocast."""
     from open_clip.model import CLIP
     from open_clip.transformer import VisionTransformer
 
     if modality == "image":
-        return type(net.visual) is VisionTransformer and net.visual.attn_pool is None
-    return isinstance(net, CLIP) and type(net).encode_text is CLIP.encode_text
+        own = type(net.visual) is VisionTransformer and net.visual.attn_pool is None
+        return own and not _fp32_leftovers(net.visual)
+    own = isinstance(net, CLIP) and type(net).encode_text is CLIP.encode_text
+    return own and not _fp32_leftovers(net, skip=("visual", "logit_scale", "logit_bias"))
+
+
+SELF_CAST = ("class_embedding", "positional_embedding")  # cast to the activations' dtype where they are added
+
+
+def _fp32_leftovers(tower: torch.nn.Module, skip: tuple[str, ...] = ()) -> list[str]:
+    """The tower's fp32 parameters that would meet bf16 activations uncast (a layer scale's gamma,
+    a head scale): all but layer norms' (F.layer_norm takes bf16 input with fp32 weights), embedding
+    tables (looked up, then cast) and SELF_CAST. `skip`: top-level names outside the tower."""
+    owners = dict(tower.named_modules())
+    left = []
+    for name, param in tower.named_parameters():
+        path, _, leaf = name.rpartition(".")
+        if name.split(".")[0] in skip or param.dtype != torch.float32 or leaf in SELF_CAST:
+            continue
+        if not isinstance(owners[path], (torch.nn.LayerNorm, torch.nn.Embedding)):
+            left.append(name)
+    return left
 
 
 def _compiled(tower) -> bool:
@@ -316,9 +336,10 @@ class OpenClipEstimator:
                 check_fetchable(what, repo, files, ways=TEXT_WAYS, field="model")
         self.random_init = weights is None  # weights drawn at random, not learned
         try:
+            # pretrained_text False: `pretrained` none means random weights, a Hugging Face text tower's too
             net, _, preprocess = open_clip.create_model_and_transforms(
                 model, pretrained=None if schema_name else weights, load_weights=weights is not None,
-                device=self.device, weights_only=True)
+                device=self.device, weights_only=True, pretrained_text=False)
         except UserError:
             raise
         except Exception as exc:
