@@ -12,8 +12,8 @@
 #   6. benchmarks/cuda_paths.sh (every CUDA path);
 #   7. benchmarks/profile_score.py: the main thread's ops, launches and synchronisations, first decode eager;
 #      benchmarks/tower_ops.py: each tower's ops, ms a call and bf16 sims under autocast or not.
-# Steps 4-7 interleave, the issue's first asks first: each decode eager, training, --compile with the
-# first decode, cuda_paths.sh, the profile, the towers, the other device decoders, the other --compile, each decode
+# Steps 4-7 interleave, the issue's first asks first: each decode eager, the towers (30 s), training,
+# --compile with the first decode, cuda_paths.sh, the profile, the other device decoders, the other --compile, each decode
 # eager again.
 # One JSON per variant in OUT, a log per step, summary.json and a table at the end. A step that
 # would overrun the time budget is skipped and says so; every step runs under a timeout.
@@ -131,9 +131,11 @@ score() {  # NAME DECODE [--compile]
 extra_decodes=$(python -c "from pairclean.backends.device_jpeg import DEVICE_DECODERS as D
 print(' '.join(n for n, c in D.items() if n not in '$DECODES'.split() and c.unavailable() is None))")
 # in the order of what the issue asks first, so a short budget drops the least: each decode eager,
-# training, --compile with the default decode, every CUDA path, the other device decoders, the rest
+# the towers, training, --compile with the default decode, every CUDA path, the other device decoders, the rest
 first=${DECODES%% *}
 for decode in $DECODES; do score "$decode-eager-1" "$decode"; done
+[ "$TOWERS" = 1 ] && step towers 30 python "$ROOT/benchmarks/tower_ops.py" "$W/web/manifest.yaml" --model "$MODEL" \
+  --pairs "$BATCH" --device "$DEVICE" --repeat 10 --json "$OUT/towers.json"
 [ "$TRAIN" = 1 ] && step train 60 python "$ROOT/benchmarks/train_throughput.py" "$W/web/manifest.yaml" --model "$MODEL" \
   --precision "$PRECISION" --batch-size "$TRAIN_BATCH" --workers "$WORKERS" --device "$DEVICE" \
   --min-seconds "$MIN_SECONDS" --json "$OUT/train.json"
@@ -145,8 +147,6 @@ fi
 [ "$PROFILE" = 1 ] && step profile 40 python "$ROOT/benchmarks/profile_score.py" "$W/web/manifest.yaml" --model "$MODEL" \
   --precision "$PRECISION" --batch-size "$BATCH" --workers "$WORKERS" --decode "$first" --device "$DEVICE" \
   --shards 3 --out "$OUT/profile"
-[ "$TOWERS" = 1 ] && step towers 30 python "$ROOT/benchmarks/tower_ops.py" "$W/web/manifest.yaml" --model "$MODEL" \
-  --pairs "$BATCH" --device "$DEVICE" --repeat 10 --json "$OUT/towers.json"
 
 for decode in $extra_decodes; do score "$decode-eager" "$decode"; done
 if [ -n "$extra_decodes" ]; then
