@@ -35,7 +35,7 @@ from pairclean.backends.inputs import TokenBatch
 from pairclean.backends.open_clip import OpenClipEstimator, _matmul_weights_to
 from pairclean.data.dataset import as_dataset
 from pairclean.lab.coco import read_pairs
-from pairclean.data.spec import UnitFailure
+from pairclean.scoring.bench import sample_items
 
 COCO_MINI = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "coco-mini"
 
@@ -93,17 +93,8 @@ def read_source(source: Path, n: int) -> tuple[list[bytes], list[str]]:
     if (source / "pairs.jsonl").is_file():
         pairs = read_pairs(source, limit=n)
         return [(source / p["image"]).read_bytes() for p in pairs], [p["caption"] for p in pairs]
-    images, captions = [], []
-    data = as_dataset(str(source))
-    for unit in data.units():
-        for item in data.read(unit):
-            if isinstance(item, UnitFailure) or item.error is not None:
-                continue
-            images.append(item.left)
-            captions.append(item.right)
-            if len(images) == n:
-                return images, captions
-    return images, captions
+    items = sample_items(as_dataset(str(source)), n)
+    return [item.left for item in items], [item.right for item in items]
 
 
 def main() -> None:

@@ -27,7 +27,8 @@ from pairclean.backends.checkpoint_model import checkpoint_models
 from pairclean.backends.device_jpeg import DEVICE_DECODERS, device_decodable
 from pairclean.backends.inputs import ImageBatch, JpegBlob, PixelNormalizer, StandardTransform, TokenBatch, stack_pixels
 from pairclean.backends.hub import check_fetchable
-from pairclean.backends.text_trim import TextCuts, bucketed_encode_text, supports_text_trim, token_ends, trimmed_encode_text
+from pairclean.backends.text_trim import (TextCuts, bucketed_encode_text, clip_text_tower, supports_text_trim, token_ends,
+                                          trimmed_encode_text)
 from pairclean.data.decode import decode_image
 from pairclean.config import check_choice
 from pairclean.errors import ConfigError, UserError
@@ -258,14 +259,12 @@ def _in_stored_dtype(net: torch.nn.Module, modality: str) -> bool:
     CUDA this lets MultiheadAttention take its fused path, which autocast shuts (ViT-B-32's image
     tower: 193 aten ops a call instead of 577). Other towers (timm, Hugging Face, ResNets,
     attentional pooling, layer scales) stay under autocast."""
-    from open_clip.model import CLIP
     from open_clip.transformer import VisionTransformer
 
     if modality == "image":
         own = type(net.visual) is VisionTransformer and net.visual.attn_pool is None
         return own and not _fp32_leftovers(net.visual)
-    own = isinstance(net, CLIP) and type(net).encode_text is CLIP.encode_text
-    return own and not _fp32_leftovers(net, skip=("visual", "logit_scale", "logit_bias"))
+    return clip_text_tower(net) and not _fp32_leftovers(net, skip=("visual", "logit_scale", "logit_bias"))
 
 
 SELF_CAST = ("class_embedding", "positional_embedding")  # cast to the activations' dtype where they are added

@@ -8,17 +8,21 @@ from typing import Callable
 import torch
 
 
+def clip_text_tower(model: torch.nn.Module) -> bool:
+    """True for a model whose text tower is open_clip's own CLIP text transformer, run by CLIP's
+    own `encode_text` (not a subclass's, not a Hugging Face or timm tower)."""
+    from open_clip.model import CLIP
+
+    return isinstance(model, CLIP) and type(model).encode_text is CLIP.encode_text
+
+
 def supports_text_trim(model: torch.nn.Module) -> bool:
     """True for open_clip's CLIP text tower with causal attention and EOT (argmax) pooling.
 
     There the EOT position only sees the tokens before it, so padding after the longest
     caption of a batch can be cut without changing any output.
     """
-    try:
-        from open_clip.model import CLIP
-    except ImportError:  # pragma: no cover - open_clip is a dependency
-        return False
-    if not isinstance(model, CLIP) or type(model).encode_text is not CLIP.encode_text:
+    if not clip_text_tower(model):
         return False
     mask = getattr(model, "attn_mask", None)
     if model.text_pool_type != "argmax" or mask is None or mask.dim() != 2:

@@ -244,7 +244,7 @@ def measure_ceiling(estimator, data: Dataset, batch_size: int, min_seconds: floa
     # long job amortises. The end-to-end run that follows meets the same shapes.
     seen: set = set()
     for _, inputs in batches:
-        shape = _shape_key(inputs, getattr(estimator, "text_cuts", TextCuts()))
+        shape = _shape_key(inputs, getattr(estimator, "text_cuts", None))
         if shape not in seen:
             seen.add(shape)
             step(inputs)
@@ -271,8 +271,9 @@ def measure_ceiling(estimator, data: Dataset, batch_size: int, min_seconds: floa
                  gpu_peak_mib(estimator.device), (load0, os.getloadavg()[0]), cpu, extra)
 
 
-def _shape_key(inputs: dict, cuts: TextCuts) -> tuple:
-    """The shapes the towers see for a batch (the text tower's: each group's rows and cut)."""
+def _shape_key(inputs: dict, cuts: TextCuts | None) -> tuple:
+    """The shapes the towers see for a batch (the text tower's: each group's rows and cut; token
+    ends come only from an estimator that cuts its captions)."""
     key = []
     for value in inputs.values():
         if isinstance(value, TokenBatch):
@@ -310,7 +311,8 @@ def _text_trim_gain(estimator, left: str, right: str, batches) -> dict:
 
 # ---------------------------------------------------------------- worker cost per pair
 
-def _sample_items(data: Dataset, max_items: int) -> list:
+def sample_items(data: Dataset, max_items: int) -> list:
+    """The first `max_items` pairs of `data` that read without error."""
     items = []
     for unit in data.units():
         for item in data.read(unit):
@@ -331,7 +333,7 @@ def measure_prepare_cost(estimator, data: Dataset, max_items: int = 256, prepare
     make the capacity an overestimate).
     For open_clip, full decode ("exact") too; `preparers`: label -> preparer to measure instead."""
     left, right = modalities(data.spec.pair)
-    items = _sample_items(data, max_items)
+    items = sample_items(data, max_items)
     if not items:
         return {}
     if preparers is None:
@@ -562,7 +564,7 @@ def bench_score(source: str | list[str] | DatasetSpec | Dataset, cfg: ScoreConfi
               "device": str(estimator.device), "precision": estimator.precision,
               "batch_size": cfg.batch_size, "workers": cfg.workers, "decode": getattr(estimator, "decode", cfg.decode),
               "compile": cfg.compile, "text_trim": getattr(estimator, "text_trim", False),
-              "text_cuts": asdict(estimator.text_cuts) if hasattr(estimator, "text_cuts") else None,
+              "text_cuts": asdict(cuts) if (cuts := getattr(estimator, "text_cuts", None)) else None,
               "autocast": getattr(estimator, "autocast", None),  # the towers under autocast (open_clip)
               "torch_threads": torch.get_num_threads(), "cpu_count": os.cpu_count(), "torch": torch.__version__,
               "shards": len(spec.shards), "pair": spec.pair, "pipeline_only": pipeline_only}

@@ -151,11 +151,11 @@ class ModelProducer(Producer):
         weights = file_sha256(pretrained) if pretrained and os.path.isfile(pretrained) else None
         decoder = DEVICE_DECODERS.get(self.cfg.decode)  # its pixels' version: a resumed run decodes alike
         # How bf16/fp16 computes, where not under autocast (absent: autocast, as in every earlier pairclean)
-        low = BACKENDS[self.cfg.backend].low_precision if self.cfg.precision != "fp32" else "autocast"
+        low = BACKENDS[self.cfg.backend].low_precision
         return {"pair": spec.pair, "format": spec.format, "fields": asdict(spec.fields),
                 "label_template": spec.label_template, "split": spec.split, "image_root": spec.image_root,
                 "weights_sha256": weights, **({"device_decoder": decoder.version} if decoder else {}),
-                **({"low_precision": low} if low != "autocast" else {})}
+                **({"low_precision": low} if self.cfg.precision != "fp32" and low != "autocast" else {})}
 
     def input_files(self) -> list[str]:
         """The checkpoint, the dataset's sources and files (sidecars included), and the saved
