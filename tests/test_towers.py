@@ -35,6 +35,11 @@ def _jpeg_bytes(coco_src, n):
     return [(coco_src / p["image"]).read_bytes() for p in read_pairs(coco_src)[:n]]
 
 
+def _coco_pixels(estimator, coco_src, n):
+    """The first `n` COCO-mini images as `estimator`'s workers would send them."""
+    return estimator.preparer.collate("image", [estimator.preparer.prepare("image", d) for d in _jpeg_bytes(coco_src, n)])
+
+
 def test_trimmed_text_tower_matches_the_full_context(tiny_estimator):
     captions = ["a dog", "two people riding horses along a beach at sunset while a dog runs beside them", "x"]
     tokens = tiny_estimator.tokenizer(captions)
@@ -279,7 +284,7 @@ def test_precision_auto_and_bf16_detection():
 def test_bf16_on_cpu_stays_close_to_fp32(tiny_estimator, coco_src):
     torch.manual_seed(0)
     bf16 = OpenClipEstimator("pairclean-tiny", pretrained="none", device="cpu", precision="bf16")
-    pixels = tiny_estimator.preparer.collate("image", [tiny_estimator.preparer.prepare("image", d) for d in _jpeg_bytes(coco_src, 4)])
+    pixels = _coco_pixels(tiny_estimator, coco_src, 4)
     cos = (tiny_estimator.encode("image", pixels) * bf16.encode("image", pixels)).sum(-1)
     assert cos.min() > 0.99
 
@@ -301,7 +306,7 @@ def test_bf16_transformer_towers_run_in_their_stored_weights_without_autocast(co
     est = OpenClipEstimator("pairclean-tiny", pretrained="none", device="cpu", precision="bf16")
     assert est.autocast == {"image": False, "text": False}
     assert est.provenance()["autocast"] == {"image": False, "text": False}
-    pixels = est.preparer.collate("image", [est.preparer.prepare("image", d) for d in _jpeg_bytes(coco_src, 4)])
+    pixels = _coco_pixels(est, coco_src, 4)
     tokens = est.tokenizer(["a dog on a beach", "two people riding horses along a beach at sunset", "x", "a red car"])
     noise = est.random_batch("image", 3, torch.Generator().manual_seed(1))
     seen = _attention_calls(est.model)
@@ -398,7 +403,7 @@ def test_a_compiled_model_sees_the_full_batch_shape_and_gives_back_its_rows(tiny
     seen = _recording_compile(monkeypatch)
     torch.manual_seed(0)
     compiled = OpenClipEstimator("pairclean-tiny", pretrained="none", device="cpu", compile=True)
-    pixels = tiny_estimator.preparer.collate("image", [tiny_estimator.preparer.prepare("image", d) for d in _jpeg_bytes(coco_src, 6)])
+    pixels = _coco_pixels(tiny_estimator, coco_src, 6)
     words = "a large red star above a small blue circle on a green background near the top left corner".split()
     texts = tiny_estimator.preparer.collate("text", [" ".join(words[: 1 + (i * 5) % len(words)]) for i in range(300)])
     for rows in (6, 4):
@@ -419,7 +424,7 @@ def test_a_compiled_model_pads_to_the_smaller_chunks_after_running_out_of_memory
     seen = _recording_compile(monkeypatch, fail_above=4)
     torch.manual_seed(0)
     compiled = OpenClipEstimator("pairclean-tiny", pretrained="none", device="cpu", compile=True)
-    pixels = tiny_estimator.preparer.collate("image", [tiny_estimator.preparer.prepare("image", d) for d in _jpeg_bytes(coco_src, 8)])
+    pixels = _coco_pixels(tiny_estimator, coco_src, 8)
     backoff = OomBackoff()
     out = backoff(lambda part: compiled.encode("image", part), pixels)
     torch.testing.assert_close(out, tiny_estimator.encode("image", pixels), atol=1e-6, rtol=0)
@@ -464,7 +469,7 @@ def test_real_torch_compile_encodes_like_eager(tiny_estimator, coco_src):
     compile, the estimator still encodes (eagerly) and says so once."""
     torch.manual_seed(0)
     compiled = OpenClipEstimator("pairclean-tiny", pretrained="none", device="cpu", compile=True)
-    pixels = tiny_estimator.preparer.collate("image", [tiny_estimator.preparer.prepare("image", d) for d in _jpeg_bytes(coco_src, 4)])
+    pixels = _coco_pixels(tiny_estimator, coco_src, 4)
     tokens = tiny_estimator.tokenizer(["a red circle", "two people riding horses along a beach", "x", "a dog"])
     torch.testing.assert_close(compiled.encode("image", pixels), tiny_estimator.encode("image", pixels), atol=1e-4, rtol=0)
     torch.testing.assert_close(compiled.encode("text", tokens), tiny_estimator.encode("text", tokens), atol=1e-4, rtol=0)
@@ -480,7 +485,7 @@ def test_compiled_towers_compile_once_across_partial_batches(tiny_estimator, coc
 
     torch.manual_seed(0)
     compiled = OpenClipEstimator("pairclean-tiny", pretrained="none", device="cpu", compile=True)
-    pixels = tiny_estimator.preparer.collate("image", [tiny_estimator.preparer.prepare("image", d) for d in _jpeg_bytes(coco_src, 6)])
+    pixels = _coco_pixels(tiny_estimator, coco_src, 6)
     short = tiny_estimator.tokenizer(["a dog", "x", "a red circle", "two cats", "a cup", "tea"])
     long = tiny_estimator.tokenizer(["two people riding horses along a beach at sunset while a dog runs"] * 5)
     torch._dynamo.reset()
