@@ -444,8 +444,6 @@ def test_a_tower_that_fails_to_compile_runs_eager_cuts_and_no_padding(monkeypatc
 
 def test_compiled_text_cuts_in_steps_stay_exact(tiny_estimator):
     """Rounding each bucket's cut up to a step (fewer shapes for a compiled tower) changes no output."""
-    from functools import partial
-
     from pairclean.backends.text_trim import bucketed_encode_text
 
     captions = ["a dog", "two people riding horses along a beach at sunset", "x", "a red circle"] * 80
