@@ -6,13 +6,14 @@
 #      (fetched beforehand by benchmarks/fetch_gpu_wheels.sh: the machine cannot reach PyPI);
 #   3. web-like shards (`synth web-shards`, rendered by every core);
 #   4. `bench score` (model-only ceiling, end to end with its main process metered, pipeline only),
-#      alternating decode gpu|fast x eager|--compile, then each other installed device decoder
+#      alternating decode gpu|fast x eager|--compile, the first decode with CPU_SHARE of its JPEGs
+#      decoded in the workers (--cpu-decode-share), then each other installed device decoder
 #      (nvimgcodec, with --with-nvimgcodec's wheels) and benchmarks/device_decoders.py on one batch;
 #   5. a training epoch against the model's own step rate (benchmarks/train_throughput.py);
 #   6. benchmarks/cuda_paths.sh (every CUDA path);
 #   7. benchmarks/profile_score.py: the main thread's ops, launches and synchronisations, first decode eager;
 #      benchmarks/tower_ops.py: each tower's ops, ms a call and bf16 sims under autocast or not.
-# Steps 4-7 interleave, the issue's first asks first: each decode eager, the towers (30 s), training,
+# Steps 4-7 interleave, the issue's first asks first: each decode eager, the first with CPU_SHARE, the towers (30 s), training,
 # --compile with the first decode, cuda_paths.sh, the profile, the other device decoders, the other --compile, each decode
 # eager again.
 # One JSON per variant in OUT, a log per step, summary.json and a table at the end. A step that
@@ -20,7 +21,7 @@
 #     bash benchmarks/fetch_gpu_wheels.sh [3.12 --with-nvimgcodec]   # here, once (28 MB; 57 MB with nvImageCodec)
 #     bash benchmarks/gpu_figures.sh [OUT]                  # there (the device call carries benchmarks/wheels)
 # Knobs (environment): BUDGET=480 (seconds) SHARDS=14 PAIRS_PER_SHARD=2500 PROGRESSIVE=0 MODEL=ViT-B-32
-#   PRECISION=bf16 BATCH=1024 TRAIN_BATCH=512 WORKERS=(cores - 2) DEVICE=cuda DECODES="gpu fast"
+#   PRECISION=bf16 BATCH=1024 TRAIN_BATCH=512 WORKERS=(cores - 2) DEVICE=cuda DECODES="gpu fast" CPU_SHARE=0.3 (0: none)
 #   COMPILE=1 CUDA_PATHS=1 TRAIN=1 PROFILE=1 TOWERS=1 MIN_SECONDS=8 (a CPU dry run: DEVICE=cpu MODEL=pairclean-tiny SHARDS=2 PAIRS_PER_SHARD=64
 #   BATCH=32 TRAIN_BATCH=32 COMPILE=0 CUDA_PATHS=0)
 set -u
@@ -41,6 +42,7 @@ CORES=$(nproc)
 WORKERS=${WORKERS:-$(( CORES > 3 ? CORES - 2 : 1 ))}
 DEVICE=${DEVICE:-cuda}
 DECODES=${DECODES:-gpu fast}
+CPU_SHARE=${CPU_SHARE:-0.3}  # --cpu-decode-share of the extra eager round of the first decode (a device decoder)
 COMPILE=${COMPILE:-1}
 CUDA_PATHS=${CUDA_PATHS:-1}
 TRAIN=${TRAIN:-1}
@@ -122,11 +124,14 @@ step shards 30 python -m pairclean synth web-shards --src "$ROOT/tests/data/coco
 [ -f "$W/web/manifest.yaml" ] || { say "no shards: stopping"; exit 1; }
 
 # 4-6. scoring variants, training, every CUDA path
-score() {  # NAME DECODE [--compile]
+score() {  # NAME DECODE [FLAGS...]
+  local name=$1 decode=$2 logs=
+  shift 2
   # --compile: each recompilation logged (why, which shape) in OUT/score-NAME.log, to see where compile time goes
-  step "score-$1" 45 env ${3:+TORCH_LOGS=recompiles} python -m pairclean bench score "$W/web/manifest.yaml" --model "$MODEL" --pretrained none \
-    --device "$DEVICE" --precision "$PRECISION" --batch-size "$BATCH" --workers "$WORKERS" --decode "$2" ${3:-} \
-    --beta-mode shuffled --naive-pairs 0 --min-seconds "$MIN_SECONDS" --json "$OUT/score-$1.json" --overwrite
+  case " $* " in *" --compile "*) logs=TORCH_LOGS=recompiles ;; esac
+  step "score-$name" 45 env $logs python -m pairclean bench score "$W/web/manifest.yaml" --model "$MODEL" --pretrained none \
+    --device "$DEVICE" --precision "$PRECISION" --batch-size "$BATCH" --workers "$WORKERS" --decode "$decode" "$@" \
+    --beta-mode shuffled --naive-pairs 0 --min-seconds "$MIN_SECONDS" --json "$OUT/score-$name.json" --overwrite
 }
 extra_decodes=$(python -c "from pairclean.backends.device_jpeg import DEVICE_DECODERS as D
 print(' '.join(n for n, c in D.items() if n not in '$DECODES'.split() and c.unavailable() is None))")
@@ -134,6 +139,8 @@ print(' '.join(n for n, c in D.items() if n not in '$DECODES'.split() and c.unav
 # the towers, training, --compile with the default decode, every CUDA path, the other device decoders, the rest
 first=${DECODES%% *}
 for decode in $DECODES; do score "$decode-eager-1" "$decode"; done
+is_device_decoder=$(python -c "from pairclean.backends.device_jpeg import DEVICE_DECODERS as D; print(int('$first' in D))")
+[ "$CPU_SHARE" != 0 ] && [ "$is_device_decoder" = 1 ] && score "$first-share-eager" "$first" --cpu-decode-share "$CPU_SHARE"
 [ "$TOWERS" = 1 ] && step towers 30 python "$ROOT/benchmarks/tower_ops.py" "$W/web/manifest.yaml" --model "$MODEL" \
   --pairs "$BATCH" --device "$DEVICE" --repeat 10 --json "$OUT/towers.json"
 [ "$TRAIN" = 1 ] && step train 60 python "$ROOT/benchmarks/train_throughput.py" "$W/web/manifest.yaml" --model "$MODEL" \
@@ -174,7 +181,8 @@ for path in sorted(out.glob("score-*.json")):
              "end_to_end_stage_wall_ms_per_pair": m.get("stage_wall_ms_per_pair"),
              "pipeline_only_pairs_per_second": p["pairs_per_second"], "pipeline_only_main_cpu_ms_per_pair": p["main_cpu_ms_per_pair"],
              "worker_bytes_per_pair": p["worker_bytes_per_pair"], "worker_capacity_pairs_per_second": p["worker_capacity_pairs_per_second"],
-             "decode": report["config"]["decode"], "compile": report["config"]["compile"]}
+             "decode": report["config"]["decode"], "cpu_decode_share": report["config"].get("cpu_decode_share", 0.0),
+             "compile": report["config"]["compile"]}
     summary["scoring"][path.stem] = entry
     util = lambda v: "-" if v is None else f"{v:.0f}%"
     rows.append(f"{path.stem:22} {entry['ceiling_pairs_per_second']:10,.0f} {util(entry['ceiling_gpu_utilisation']):>5} "

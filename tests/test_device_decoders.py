@@ -197,3 +197,44 @@ def test_progressive_jpegs_go_to_the_workers_where_the_decoder_would_take_them_o
     assert items[0] == baseline and torch.equal(items[1], fast.prepare("image", progressive))
     batch = gpu.collate("image", items)
     assert isinstance(batch, ImageBatch) and batch.jpeg_rows == (0,) and batch.pixel_rows == (1,)
+
+
+def test_a_fixed_share_of_the_jpegs_is_decoded_in_the_workers_picked_by_content(coco_src):
+    """`cpu_decode_share`: the workers decode about that share of the JPEGs a device decoder
+    would take, to exactly the pixels `fast` gives; which ones depends on the file alone (the same
+    file takes the same way in another run, batch or worker), and the share grows by adding files."""
+    from pairclean.backends.device_jpeg import worker_decodes
+
+    many = [f"file {i}".encode() for i in range(4000)]
+    chosen = {share: {i for i, data in enumerate(many) if worker_decodes(data, share)} for share in (0, 0.25, 0.5, 1)}
+    assert chosen[0] == set() and chosen[1] == set(range(len(many))) and chosen[0.25] < chosen[0.5]
+    assert [len(chosen[share]) / len(many) for share in (0.25, 0.5)] == pytest.approx([0.25, 0.5], abs=0.02)  # 2.5 sd
+
+    files = [(coco_src / p["image"]).read_bytes() for p in read_pairs(coco_src)]
+    half = {i for i, data in enumerate(files) if worker_decodes(data, 0.5)}
+    assert half == {i for i, data in enumerate(files) if worker_decodes(bytearray(data), 0.5)}  # a copy: the same
+
+    preprocess = PREPROCESSINGS["bicubic-64"]
+    fast = OpenClipPreparer(preprocess, None, draft_size=64)
+    shared = OpenClipPreparer(preprocess, None, draft_size=64, device_jpeg=True, cpu_decode_share=0.5)
+    items = [shared.prepare("image", data) for data in files[:12]]
+    for i, item in enumerate(items):
+        if i in half:
+            assert torch.equal(item, fast.prepare("image", files[i]))
+        else:
+            assert item == files[i]
+    batch = shared.collate("image", items)
+    assert 0 < len(batch.pixel_rows) < 12 and set(batch.pixel_rows) == half & set(range(12)) and set(batch.jpeg_rows).isdisjoint(batch.pixel_rows)
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--cpu-decode-share", "0.3"], "--decode fast decodes every image in the workers already: use --decode gpu"),
+    (["--decode", "gpu", "--cpu-decode-share", "1.5"], "--cpu-decode-share must be within [0, 1], got 1.5"),
+])
+def test_a_cpu_decode_share_without_a_device_decoder_or_out_of_range_is_refused(argv, says, coco_shards, tmp_path, capsys):
+    from helpers import run_cli
+
+    out = tmp_path / "s.parquet"
+    code, _, err = run_cli(["score", coco_shards, "--model", "pairclean-tiny", "--pretrained", "none", "--out", out, *argv],
+                           capsys)
+    assert code == 2 and says in err and "Traceback" not in err and not out.exists()

@@ -171,3 +171,25 @@ def test_pipeline_only_round_with_the_prefetching_thread_charges_its_work_to_oth
     # two clock reads a batch (a scheduler hiccup on a loaded machine aside); decoding costs ~3 ms a pair here
     assert p["stages"]["device preprocessing"] < 0.1 and p["stages"]["to device"] < 0.1
     assert p["stages"]["other threads"] > 0 and p["stage_wall_ms_per_pair"]["receive"] > 0
+
+
+def test_pipeline_only_with_every_jpeg_left_to_the_workers_sends_pixels(coco_shards, tmp_path, capsys):
+    """--cpu-decode-share 1: the device decoder's round with all JPEGs decoded in the workers
+    crosses uint8 pixels, as --decode fast does; the share is in the config and the summary."""
+    report = bench_pipeline_only(coco_shards, tmp_path, "--decode", "gpu", "--cpu-decode-share", "1")
+    p = report["pipeline_only"]
+    assert p["decode"] == "gpu" and report["config"]["cpu_decode_share"] == 1.0
+    assert 3 * 64 * 64 + 32 * 8 <= p["worker_bytes_per_pair"] < 3 * 64 * 64 + 32 * 8 + 200
+    assert "pipeline only (decode gpu, 100% of the JPEGs in the workers)" in capsys.readouterr().out
+
+
+def test_a_run_resumes_only_with_the_cpu_decode_share_it_began_with(coco_shards, fast_config, tmp_path):
+    """The share decides which pixels each JPEG gets (the workers' PIL or the device's decoder):
+    pinned where set, so a resumed run does not mix two splits; a run without it pins nothing new
+    (an unfinished run from before the option resumes)."""
+    cfg = replace(fast_config, decode="gpu", cpu_decode_share=0.5)
+    out = tmp_path / "s.parquet"
+    assert forked(lambda: score(str(coco_shards), out, cfg), "committed:1") == -signal.SIGKILL
+    with pytest.raises(UserError, match="cpu_decode_share"):
+        score(str(coco_shards), out, replace(cfg, cpu_decode_share=0.25))
+    assert score(str(coco_shards), out, cfg).resumed

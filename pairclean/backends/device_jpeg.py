@@ -10,11 +10,13 @@ cropped in one call; the main process spends a few microseconds per image on boo
 Everything degrades to the worker path: non-JPEGs, CMYK, EXIF-rotated and oversized JPEGs go
 through PIL in the worker, a JPEG the device cannot decode through PIL here, and a CPU-only
 machine never builds a decoder unless asked to (the pipeline-only benchmark measures this path's
-cost on the CPU).
+cost on the CPU). Where the device's decoder, not the CPU, is the bound, a fixed share of the
+JPEGs (`worker_decodes`) can be decoded in the workers too.
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import io
 import os
@@ -26,7 +28,9 @@ from PIL import Image
 
 from pairclean.backends.inputs import ImageBatch, StandardTransform
 from pairclean.backends.resample import FILTERS, resize_crop
+from pairclean.config import SHARE, check_value
 from pairclean.data.decode import MAX_PIXELS, DecodeError, decode_image
+from pairclean.errors import ConfigError
 
 PAD_BUDGET = 48 << 20  # padded input pixels per resize call (x 3 bytes as uint8, x 12 as float32)
 EXIF_ORIENTATION = 0x0112
@@ -48,6 +52,27 @@ def device_decodable(data: bytes, max_pixels: int = MAX_PIXELS, progressive: boo
                     and img.getexif().get(EXIF_ORIENTATION, 1) == 1)
     except Exception:  # any header PIL cannot parse: the worker's decode reports why
         return False
+
+
+def worker_decodes(data: bytes, share: float) -> bool:
+    """Whether a JPEG a device decoder could take is decoded by the CPU workers instead
+    (`cpu_decode_share`): a hash of its bytes lies in the first `share` of the hash's range, so the
+    same file takes the same way in every run, worker and machine, and `share` of the files do
+    (BLAKE2b, not CRC-32: a CRC's linearity skews the share over files that differ in a few bytes;
+    ~0.1 ms a 100 kB file, beside the 2-4 ms of a worker's decode). Like DALI's
+    `hw_decoder_load`, it splits the decoding between a busy device decoder and idle cores."""
+    return share > 0 and int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "big") < share * 2**64
+
+
+def check_cpu_decode_share(share: float, decode: str) -> float:
+    """`cpu_decode_share` as a float in [0, 1]; a ConfigError where it is set without a device
+    decoder (every image is decoded in the workers then: the share would silently mean nothing)."""
+    share = check_value(share, float, SHARE, "cpu_decode_share")
+    if share and decode not in DEVICE_DECODERS:
+        raise ConfigError(f"`cpu_decode_share` splits the JPEGs between a device decoder and the CPU workers; "
+                          f"`decode` {decode} decodes every image in the workers already: use `decode` "
+                          f"{' or '.join(DEVICE_DECODERS)}, or leave the share at 0", "cpu_decode_share", "decode")
+    return share
 
 
 def _filter_name(transform: StandardTransform) -> str | None:

@@ -24,7 +24,7 @@ from pairclean.backends.base import (Backend, autocast_context, file_sha256, fro
 from pairclean.backends.compiled import CompiledOrEager, RowPadding, pad_rows
 from pairclean.backends.oom import is_out_of_memory
 from pairclean.backends.checkpoint_model import checkpoint_models
-from pairclean.backends.device_jpeg import DEVICE_DECODERS, device_decodable
+from pairclean.backends.device_jpeg import DEVICE_DECODERS, check_cpu_decode_share, device_decodable, worker_decodes
 from pairclean.backends.inputs import ImageBatch, JpegBlob, PixelNormalizer, StandardTransform, TokenBatch, stack_pixels
 from pairclean.backends.hub import check_fetchable
 from pairclean.backends.text_trim import (TextCuts, bucketed_encode_text, clip_text_tower, supports_text_trim, token_ends,
@@ -101,22 +101,25 @@ class OpenClipPreparer:
     Where the model's preprocessing is the standard chain, a worker applies only its geometry
     (resize, crop) and sends uint8 pixels; the device normalises them (`PixelNormalizer`).
     With `device_jpeg`, JPEGs the device can decode are passed on undecoded (progressive ones only
-    if `device_progressive`); with `token_ends`, token ids come with each caption's end
-    (`TokenBatch`), for a text tower that trims."""
+    if `device_progressive`; none of the `cpu_decode_share` the workers keep, `worker_decodes`);
+    with `token_ends`, token ids come with each caption's end (`TokenBatch`), for a text tower
+    that trims."""
 
     def __init__(self, preprocess, tokenizer, draft_size: int | None, device_jpeg: bool = False,
-                 token_ends: bool = False, device_progressive: bool = True):
+                 token_ends: bool = False, device_progressive: bool = True, cpu_decode_share: float = 0.0):
         self.preprocess = preprocess
         self.tokenizer = tokenizer
         self.draft_size = draft_size
         self.device_jpeg = device_jpeg
         self.device_progressive = device_progressive
+        self.cpu_decode_share = cpu_decode_share
         self.token_ends = token_ends
         self.transform = StandardTransform.parse(preprocess)  # None: workers run the whole preprocessing
 
     def prepare(self, modality: str, value: Any) -> Any:
         if modality == "image":
-            if self.device_jpeg and device_decodable(value, progressive=self.device_progressive):
+            if (self.device_jpeg and device_decodable(value, progressive=self.device_progressive)
+                    and not worker_decodes(value, self.cpu_decode_share)):
                 return bytes(value)  # decoded with the rest of its batch on the device
             image = decode_image(value, draft_size=self.draft_size)
             return self.transform.geometry_pixels(image) if self.transform else self.preprocess(image)
@@ -301,13 +304,14 @@ class OpenClipEstimator:
 
     @_open_clip_logging_contained()
     def __init__(self, model: str = "ViT-B-32", pretrained: str | None = None, device: str = "auto",
-                 precision: str = "fp32", decode: str = "fast", compile: bool = False):
+                 precision: str = "fp32", decode: str = "fast", compile: bool = False, cpu_decode_share: float = 0.0):
         import open_clip
 
         register_model_configs()
         self.device = pick_device(device)
         self.precision = resolve_precision(self.device, precision)
         check_choice(decode, (*WORKER_DECODES, *DEVICE_DECODERS), "decode")
+        self.cpu_decode_share = check_cpu_decode_share(cpu_decode_share, decode)
         schema_name = model.startswith(SCHEMAS)
         if not schema_name and model not in open_clip.list_models():
             raise ConfigError(f"unknown model {model!r}: open_clip has no such model (see `python -c 'import "
@@ -378,7 +382,7 @@ class OpenClipEstimator:
         self.text_trim = supports_text_trim(net)
         self.preparer = OpenClipPreparer(preprocess, self.tokenizer, draft, device_jpeg=self.device_decoder is not None,
                                          device_progressive=getattr(self.device_decoder, "progressive", True),
-                                         token_ends=self.text_trim)
+                                         token_ends=self.text_trim, cpu_decode_share=self.cpu_decode_share)
         self.compile = compile
         # Compiled towers see few shapes: batches padded to the most rows seen, caption cuts in steps of 16.
         self.padding = RowPadding()
@@ -487,7 +491,8 @@ class OpenClipEstimator:
                 "device": str(self.device), "decode": self.decode, "image_size": self.image_size,
                 "image_mean": self.mean, "image_std": self.std,
                 **({"autocast": self.autocast} if self.precision != "fp32" else {}),
-                **({"device_decoder_version": self.device_decoder.version} if self.device_decoder else {})}
+                **({"device_decoder_version": self.device_decoder.version} if self.device_decoder else {}),
+                **({"cpu_decode_share": self.cpu_decode_share} if self.device_decoder and self.cpu_decode_share else {})}
 
     def input_signature(self) -> tuple:
         """Image size and normalisation, tokenizer class and context length."""

@@ -61,6 +61,8 @@ def _pipeline_table(title: str, p) -> Table:
 
 
 def pipeline_lines(report) -> list[str]:
+    from pairclean.backends.device_jpeg import DEVICE_DECODERS
+
     lines = []
     for r in report.rounds:
         p = r.pipeline_only
@@ -68,7 +70,9 @@ def pipeline_lines(report) -> list[str]:
             continue
         m = p.meter
         over = p.over_worker_capacity
-        lines.append(f"pipeline only (decode {p.decode}): {m['pairs']:,} pairs at {m['pairs_per_second']:,.1f} pairs/s; main "
+        share = report.config.get("cpu_decode_share") if p.decode in DEVICE_DECODERS else 0
+        decode = p.decode + (f", {share:.0%} of the JPEGs in the workers" if share else "")
+        lines.append(f"pipeline only (decode {decode}): {m['pairs']:,} pairs at {m['pairs_per_second']:,.1f} pairs/s; main "
                      f"process {m['main_cpu_ms_per_pair']:.4f} CPU ms per pair; {m['worker_bytes_per_pair'] / 1000:,.1f} kB per "
                      f"pair from the workers; {p.workers} worker(s) at {p.worker_ms_per_pair:.2f} ms per pair can prepare "
                      f"{p.worker_capacity:,.1f} pairs/s" + (f" ({over:.2f} of it reached)" if over is not None else "")
@@ -133,6 +137,7 @@ def bench_score_command(
     device: options.Device = "auto",
     precision: options.Precision = "fp32",
     decode: options.Decode = "fast",
+    cpu_decode_share: options.CpuDecodeShare = 0.0,
     compile: options.Compile = False,
     batch_size: int = typer.Option(256, help="Pairs per forward pass (all three measurements)."),
     workers: int = typer.Option(2, help="DataLoader workers for the end-to-end run."),
@@ -157,7 +162,7 @@ def bench_score_command(
     data = dataset.open(source)
     target = open_output(json_out, [*source, *data.spec.shards, *_files(pretrained)], "json", overwrite=overwrite) if json_out is not None else None
     cfg = ScoreConfig(model=model, pretrained=pretrained, backend=backend, device=device, precision=precision,
-                      decode=decode, compile=compile, batch_size=batch_size, workers=workers, beta_mode=beta_mode,
+                      decode=decode, cpu_decode_share=cpu_decode_share, compile=compile, batch_size=batch_size, workers=workers, beta_mode=beta_mode,
                       beta_k=beta_k, beta_cache=beta_cache)
     report = bench_score(data, cfg, naive_pairs=naive_pairs, min_seconds=min_seconds, repeat=repeat,
                          progress=RichProgress(err_console), pipeline_only=pipeline_only)

@@ -52,6 +52,10 @@ Backend = Annotated[str, typer.Option(
 Decode = Annotated[str, typer.Option(
     help="fast (JPEG draft decode at model size), exact, or a decoder on the CUDA device (CPU workers otherwise): "
          "gpu (torchvision nvJPEG), nvimgcodec or dali (NVIDIA's libraries: pip install 'pairclean[gpu]').")]
+CpuDecodeShare = Annotated[float, typer.Option(
+    help="With a device decoder (--decode gpu, nvimgcodec, dali): the share of the JPEGs, 0-1, that the CPU workers "
+         "decode instead, picked by each file's content so a file always takes the same way; where the device's "
+         "decoder is the bound and cores are idle. Pinned by a run (the two ways' pixels differ slightly).")]
 Compile = Annotated[bool, typer.Option("--compile", help="torch.compile the model: one shape a tower, CUDA graphs on CUDA (first batches slower; eager if compiling fails).")]
 BetaMode = Annotated[str, typer.Option(help="random-inputs, shuffled, or fixed.")]
 BetaK = Annotated[int, typer.Option(help="K random inputs per side for --beta-mode random-inputs.")]

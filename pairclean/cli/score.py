@@ -161,6 +161,7 @@ def score_command(
     device: options.Device = "auto",
     precision: options.Precision = "fp32",
     decode: options.Decode = "fast",
+    cpu_decode_share: options.CpuDecodeShare = 0.0,
     compile: options.Compile = False,
     beta_cache: options.BetaCache = True,
     batch_size: int = typer.Option(256, help="Pairs per forward pass."),
@@ -186,7 +187,7 @@ def score_command(
 
     data = dataset.open(source)
     cfg = ScoreConfig(model=model, backend=backend, pretrained=pretrained,
-                      device=device, precision=precision, decode=decode,
+                      device=device, precision=precision, decode=decode, cpu_decode_share=cpu_decode_share,
                       batch_size=batch_size, workers=workers, beta_mode=beta_mode, beta=beta, beta_k=beta_k,
                       weight_fn=weight_fn, seed=seed, gmm_sample=gmm_sample, rules=(*DEFAULT_RULES, *(rule or ())),
                       max_error_share=max_error_share, overwrite=overwrite, resume=resume,

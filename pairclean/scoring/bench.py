@@ -537,7 +537,8 @@ def bench_score(source: str | list[str] | DatasetSpec | Dataset, cfg: ScoreConfi
         check_backend(cfg.backend, modalities(spec.pair))
         torch.manual_seed(cfg.seed)
         estimator = build_estimator(cfg.backend, model=cfg.model, pretrained=cfg.pretrained, device=cfg.device,
-                                    precision=cfg.precision, decode=cfg.decode, compile=cfg.compile)
+                                    precision=cfg.precision, decode=cfg.decode, compile=cfg.compile,
+                                    cpu_decode_share=cfg.cpu_decode_share)
     say = progress.note
     say("worker cost per pair ...")
     prepare_ms = measure_prepare_cost(estimator, data)
@@ -563,6 +564,7 @@ def bench_score(source: str | list[str] | DatasetSpec | Dataset, cfg: ScoreConfi
     config = {"model": cfg.model, "pretrained": cfg.pretrained, "backend": cfg.backend,
               "device": str(estimator.device), "precision": estimator.precision,
               "batch_size": cfg.batch_size, "workers": cfg.workers, "decode": getattr(estimator, "decode", cfg.decode),
+              "cpu_decode_share": cfg.cpu_decode_share,
               "compile": cfg.compile, "text_trim": getattr(estimator, "text_trim", False),
               "text_cuts": asdict(cuts) if (cuts := getattr(estimator, "text_cuts", None)) else None,
               "autocast": getattr(estimator, "autocast", None),  # the towers under autocast (open_clip)

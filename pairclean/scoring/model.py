@@ -22,14 +22,14 @@ from torch.utils.data import DataLoader
 from pairclean import __version__
 from pairclean.backends import BACKENDS, build_estimator, default_model, resolve_backend
 from pairclean.backends.base import file_sha256, resolve_precision
-from pairclean.backends.device_jpeg import DEVICE_DECODERS
+from pairclean.backends.device_jpeg import DEVICE_DECODERS, check_cpu_decode_share
 from pairclean.ops.faults import slow_point
 from pairclean.ops.guard import Output, open_output
 from pairclean.ops import distributed
 from pairclean.ops.notices import notice_once
 from pairclean.ops.measure import StageMeter
 from pairclean.ops.worker_memory import steady_worker_memory
-from pairclean.config import COUNT, at_least, check_choice, check_pretrained, setting, unpinned
+from pairclean.config import COUNT, SHARE, at_least, check_choice, check_pretrained, setting, unpinned
 from pairclean.core.beta import BetaEstimate
 from pairclean.data.dataset import Dataset, as_dataset
 from pairclean.data.embeddings import (SAVED_PROVENANCE, UNFINISHED, SavedBeta, SavedBlock, SavedEmbeddings,
@@ -51,6 +51,8 @@ class ScoreConfig(RunConfig):
     device: str = unpinned("auto")
     precision: str = "fp32"  # fp32 | bf16 | fp16 | auto (resolved before anything is pinned)
     decode: str = "fast"  # fast (JPEG draft decode) | exact | gpu (JPEGs decoded on the CUDA device)
+    # with a device decoder: the JPEGs the CPU workers decode instead (pinned in `settings` where set)
+    cpu_decode_share: float = setting(0.0, SHARE, pinned=False)
     compile: bool = unpinned(False)  # torch.compile the towers (eager fallback if compiling fails)
     beta_cache: bool = unpinned(True)  # reuse a random-inputs beta computed earlier for the same weights/K/seed
     batch_size: int = setting(256, COUNT, pinned=False)
@@ -62,6 +64,7 @@ class ScoreConfig(RunConfig):
     def __post_init__(self):
         super().__post_init__()
         check_pretrained(self.pretrained)
+        check_cpu_decode_share(self.cpu_decode_share, self.decode)
         check_choice(self.embeddings_dtype, EMBEDDING_DTYPES, "embeddings_dtype")
         if self.save_embeddings is not None:  # pinned as the directory it names: a resume from elsewhere is refused
             self.save_embeddings = os.path.abspath(str(self.save_embeddings))
@@ -155,6 +158,7 @@ class ModelProducer(Producer):
         return {"pair": spec.pair, "format": spec.format, "fields": asdict(spec.fields),
                 "label_template": spec.label_template, "split": spec.split, "image_root": spec.image_root,
                 "weights_sha256": weights, **({"device_decoder": decoder.version} if decoder else {}),
+                **({"cpu_decode_share": self.cfg.cpu_decode_share} if self.cfg.cpu_decode_share else {}),
                 **({"low_precision": low} if self.cfg.precision != "fp32" and low != "autocast" else {})}
 
     def input_files(self) -> list[str]:
@@ -169,7 +173,8 @@ class ModelProducer(Producer):
             torch.manual_seed(cfg.seed)  # a randomly initialised model (--pretrained none) is then reproducible
             self.estimator = build_estimator(cfg.backend, model=cfg.model, pretrained=cfg.pretrained,
                                              device=distributed.default_device_for_rank(cfg.device),
-                                             precision=cfg.precision, decode=cfg.decode, compile=cfg.compile)
+                                             precision=cfg.precision, decode=cfg.decode, compile=cfg.compile,
+                                             cpu_decode_share=cfg.cpu_decode_share)
 
     def groups(self, units: list[str]) -> list[list[str]]:
         """Small units packed so that batches span them (sized from the leading units' pair counts),
