@@ -133,14 +133,22 @@ score() {  # NAME DECODE [FLAGS...]
     --device "$DEVICE" --precision "$PRECISION" --batch-size "$BATCH" --workers "$WORKERS" --decode "$decode" "$@" \
     --beta-mode shuffled --naive-pairs 0 --min-seconds "$MIN_SECONDS" --json "$OUT/score-$name.json" --overwrite
 }
-extra_decodes=$(python -c "from pairclean.backends.device_jpeg import DEVICE_DECODERS as D
-print(' '.join(n for n, c in D.items() if n not in '$DECODES'.split() and c.unavailable() is None))")
-# in the order of what the issue asks first, so a short budget drops the least: each decode eager,
-# the towers, training, --compile with the default decode, every CUDA path, the other device decoders, the rest
 first=${DECODES%% *}
+# share_round 1: CPU_SHARE > 0 and the first decode a device decoder that can run here; then the
+# other installed device decoders
+read -r share_round extra_decodes < <(python -c "from pairclean.backends.device_jpeg import DEVICE_DECODERS as D
+first = D.get('$first')
+print(int(float('$CPU_SHARE') > 0 and first is not None and first.unavailable() is None),
+      *(n for n, c in D.items() if n not in '$DECODES'.split() and c.unavailable() is None))")
+# in the order of what the issue asks first, so a short budget drops the least: each decode eager,
+# the first with CPU_SHARE of its JPEGs in the workers, the towers, training, --compile with the
+# first decode, every CUDA path, the profile, the other device decoders, the rest
 for decode in $DECODES; do score "$decode-eager-1" "$decode"; done
-is_device_decoder=$(python -c "from pairclean.backends.device_jpeg import DEVICE_DECODERS as D; print(int('$first' in D))")
-[ "$CPU_SHARE" != 0 ] && [ "$is_device_decoder" = 1 ] && score "$first-share-eager" "$first" --cpu-decode-share "$CPU_SHARE"
+if [ "${share_round:-0}" = 1 ]; then
+  score "$first-share-eager" "$first" --cpu-decode-share "$CPU_SHARE"
+else
+  say "no --cpu-decode-share round: CPU_SHARE=$CPU_SHARE, first decode $first (it needs a share > 0 and a device decoder that can run here)"
+fi
 [ "$TOWERS" = 1 ] && step towers 30 python "$ROOT/benchmarks/tower_ops.py" "$W/web/manifest.yaml" --model "$MODEL" \
   --pairs "$BATCH" --device "$DEVICE" --repeat 10 --json "$OUT/towers.json"
 [ "$TRAIN" = 1 ] && step train 60 python "$ROOT/benchmarks/train_throughput.py" "$W/web/manifest.yaml" --model "$MODEL" \

@@ -77,15 +77,30 @@ def test_stage_meter_measures_the_steady_state_after_the_first_batch():
     assert summary["stage_wall_ms_per_pair"]["receive"] >= 1.0  # 2 x 10 ms over 20 pairs
 
 
+def as_if_the_device_decodes(monkeypatch) -> None:
+    """Runs pin what they would pin where the device decoder runs (CUDA and its package here):
+    the CPU's workers still decode the pixels, which no pin test looks at."""
+    from pairclean.backends.device_jpeg import DEVICE_DECODERS
+    from pairclean.scoring import model
+
+    monkeypatch.setattr(model, "device_decoder_for", lambda decode, device: DEVICE_DECODERS.get(decode))
+
+
+@pytest.fixture
+def device_decodes(monkeypatch):
+    as_if_the_device_decodes(monkeypatch)
+
+
 def test_a_device_decoder_of_another_version_does_not_resume_the_run_it_did_not_start(
-        coco_shards, fast_config, tmp_path, monkeypatch):
+        coco_shards, fast_config, tmp_path, monkeypatch, device_decodes):
     cfg = replace(fast_config, decode="gpu")
     out = tmp_path / "s.parquet"
     assert forked(lambda: score(str(coco_shards), out, cfg), "committed:1") == -signal.SIGKILL
-    monkeypatch.setattr(DeviceJpegDecoder, "version", DeviceJpegDecoder.version + 1)
+    version = DeviceJpegDecoder.version
+    monkeypatch.setattr(DeviceJpegDecoder, "version", version + 1)
     with pytest.raises(UserError, match="settings"):
         score(str(coco_shards), out, cfg)
-    monkeypatch.undo()
+    monkeypatch.setattr(DeviceJpegDecoder, "version", version)
     assert score(str(coco_shards), out, cfg).resumed  # the same version goes on
 
 
@@ -183,13 +198,37 @@ def test_pipeline_only_with_every_jpeg_left_to_the_workers_sends_pixels(coco_sha
     assert "pipeline only (decode gpu, 100% of the JPEGs in the workers)" in capsys.readouterr().out
 
 
-def test_a_run_resumes_only_with_the_cpu_decode_share_it_began_with(coco_shards, fast_config, tmp_path):
+def _pinned(out) -> dict:
+    return json.loads((out.parent / f"{out.name}.parts" / "settings.json").read_text())
+
+
+@pytest.mark.parametrize("began, then", [(0.5, 0.25), (0.0, 0.5)])
+def test_a_run_resumes_only_with_the_cpu_decode_share_it_began_with(began, then, coco_shards, fast_config, tmp_path,
+                                                                    device_decodes):
     """The share decides which pixels each JPEG gets (the workers' PIL or the device's decoder):
     pinned where set, so a resumed run does not mix two splits; a run without it pins nothing new
     (an unfinished run from before the option resumes)."""
+    cfg = replace(fast_config, decode="gpu", cpu_decode_share=began)
+    out = tmp_path / "s.parquet"
+    assert forked(lambda: score(str(coco_shards), out, cfg), "committed:1") == -signal.SIGKILL
+    assert _pinned(out).get("cpu_decode_share") == (began or None) and _pinned(out)["device_decoder"] == 3
+    with pytest.raises(UserError, match="cpu_decode_share"):
+        score(str(coco_shards), out, replace(cfg, cpu_decode_share=then))
+    assert score(str(coco_shards), out, cfg).resumed
+
+
+def test_a_run_where_the_device_cannot_decode_pins_the_workers_and_is_not_resumed_where_it_can(
+        coco_shards, fast_config, tmp_path, monkeypatch):
+    """--decode gpu without CUDA decodes every image in the workers: nothing of the device decoder
+    is pinned (nor the share, which then splits nothing), so the same run resumed where the device
+    decodes is refused instead of mixing PIL's pixels with nvJPEG's."""
+    from pairclean.backends.device_jpeg import device_decoder_for
+
+    assert device_decoder_for("gpu", "auto") is None and device_decoder_for("gpu", "cpu") is None
     cfg = replace(fast_config, decode="gpu", cpu_decode_share=0.5)
     out = tmp_path / "s.parquet"
     assert forked(lambda: score(str(coco_shards), out, cfg), "committed:1") == -signal.SIGKILL
-    with pytest.raises(UserError, match="cpu_decode_share"):
-        score(str(coco_shards), out, replace(cfg, cpu_decode_share=0.25))
-    assert score(str(coco_shards), out, cfg).resumed
+    assert "device_decoder" not in _pinned(out) and "cpu_decode_share" not in _pinned(out)
+    as_if_the_device_decodes(monkeypatch)
+    with pytest.raises(UserError, match="device_decoder: None -> 3"):
+        score(str(coco_shards), out, cfg)

@@ -97,7 +97,7 @@ class Backend:
 
     @classmethod
     def estimator(cls, model: str, **options) -> Estimator:
-        """The frozen estimator; options: pretrained, device, precision, decode, compile."""
+        """The frozen estimator; options: pretrained, device, precision, decode, compile, cpu_decode_share."""
         raise UserError(f"the {cls.name} backend builds no estimator (it cannot score)")
 
     @classmethod

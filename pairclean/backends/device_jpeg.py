@@ -28,10 +28,11 @@ from PIL import Image
 
 from pairclean.backends.inputs import ImageBatch, StandardTransform
 from pairclean.backends.resample import FILTERS, resize_crop
-from pairclean.config import SHARE, check_value
+from pairclean.config import SHARE, check_choice, check_value
 from pairclean.data.decode import MAX_PIXELS, DecodeError, decode_image
 from pairclean.errors import ConfigError
 
+WORKER_DECODES = ("fast", "exact")  # PIL in the workers; every other `decode` is a registered device decoder
 PAD_BUDGET = 48 << 20  # padded input pixels per resize call (x 3 bytes as uint8, x 12 as float32)
 EXIF_ORIENTATION = 0x0112
 
@@ -58,9 +59,10 @@ def worker_decodes(data: bytes, share: float) -> bool:
     """Whether a JPEG a device decoder could take is decoded by the CPU workers instead
     (`cpu_decode_share`): a hash of its bytes lies in the first `share` of the hash's range, so the
     same file takes the same way in every run, worker and machine, and `share` of the files do
-    (BLAKE2b, not CRC-32: a CRC's linearity skews the share over files that differ in a few bytes;
-    ~0.1 ms a 100 kB file, beside the 2-4 ms of a worker's decode). Like DALI's
-    `hw_decoder_load`, it splits the decoding between a busy device decoder and idle cores."""
+    (BLAKE2b: no structure in the files' bytes can skew the share, as a CRC's linearity may; ~0.1 ms
+    a 100 kB file, beside the 2-4 ms of a worker's decode). It splits the decoding between
+    a busy device decoder and idle cores, as DALI's `hw_decoder_load` splits it between the GPU's
+    hardware decoder and nvJPEG's hybrid one."""
     return share > 0 and int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "big") < share * 2**64
 
 
@@ -68,6 +70,7 @@ def check_cpu_decode_share(share: float, decode: str) -> float:
     """`cpu_decode_share` as a float in [0, 1]; a ConfigError where it is set without a device
     decoder (every image is decoded in the workers then: the share would silently mean nothing)."""
     share = check_value(share, float, SHARE, "cpu_decode_share")
+    check_choice(decode, (*WORKER_DECODES, *DEVICE_DECODERS), "decode")
     if share and decode not in DEVICE_DECODERS:
         raise ConfigError(f"`cpu_decode_share` splits the JPEGs between a device decoder and the CPU workers; "
                           f"`decode` {decode} decodes every image in the workers already: use `decode` "
@@ -128,6 +131,17 @@ DEVICE_DECODERS: dict[str, type[DeviceDecoder]] = {}
 def register_device_decoder(cls: type[DeviceDecoder]) -> type[DeviceDecoder]:
     DEVICE_DECODERS[cls.name] = cls
     return cls
+
+
+def device_decoder_for(decode: str, device: str) -> type[DeviceDecoder] | None:
+    """The device decoder a run with these settings decodes with, known before its model loads:
+    None where `decode` names none or it cannot run here (its package missing, no CUDA device),
+    and the workers decode every image. (A model whose preprocessing it cannot reproduce also
+    leaves every image to the workers; a run pins its model, so a resumed run decides alike.)"""
+    cls = DEVICE_DECODERS.get(decode)
+    if cls is None or device.split(":")[0] not in ("auto", "cuda") or not torch.cuda.is_available():
+        return None
+    return cls if cls.unavailable() is None else None
 
 
 def host_threads() -> int:

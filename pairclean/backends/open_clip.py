@@ -30,13 +30,11 @@ from pairclean.backends.hub import check_fetchable
 from pairclean.backends.text_trim import (TextCuts, bucketed_encode_text, clip_text_tower, supports_text_trim, token_ends,
                                           trimmed_encode_text)
 from pairclean.data.decode import decode_image
-from pairclean.config import check_choice
 from pairclean.errors import ConfigError, UserError
 from pairclean.ops.atomic import atomic_path
 from pairclean.ops.notices import notice_once
 
 CONFIG_DIR = Path(__file__).parent / "model_configs"
-WORKER_DECODES = ("fast", "exact")  # PIL in the workers; every other `decode` is a registered device decoder
 SCHEMAS = ("hf-hub:", "local-dir:")  # open_clip's model names that carry their own config and weights
 DEFAULT_TAG = "openai"  # the weights of an architecture name when `pretrained` is not given
 COMPILED_LENGTH_STEP = 16  # compiled text tower: caption cuts in steps of 16 tokens, 5 lengths up to CLIP's 77
@@ -310,8 +308,7 @@ class OpenClipEstimator:
         register_model_configs()
         self.device = pick_device(device)
         self.precision = resolve_precision(self.device, precision)
-        check_choice(decode, (*WORKER_DECODES, *DEVICE_DECODERS), "decode")
-        self.cpu_decode_share = check_cpu_decode_share(cpu_decode_share, decode)
+        self.cpu_decode_share = check_cpu_decode_share(cpu_decode_share, decode)  # and `decode`
         schema_name = model.startswith(SCHEMAS)
         if not schema_name and model not in open_clip.list_models():
             raise ConfigError(f"unknown model {model!r}: open_clip has no such model (see `python -c 'import "

@@ -202,8 +202,8 @@ class SentenceTransformersBackend(Backend):
 
     @classmethod
     def estimator(cls, model: str, device: str = "auto", precision: str = "fp32", **open_clip_options) -> SentenceTransformerEstimator:
-        """`pretrained`, `decode` and `compile` are open_clip's: a sentence encoder loads its own weights
-        and decodes no images."""
+        """`pretrained`, `decode`, `cpu_decode_share` and `compile` are open_clip's: a sentence encoder
+        loads its own weights and decodes no images."""
         return SentenceTransformerEstimator(model=model, device=device, precision=precision)
 
     @classmethod

@@ -60,9 +60,14 @@ def _pipeline_table(title: str, p) -> Table:
     return table
 
 
-def pipeline_lines(report) -> list[str]:
+def decode_label(decode: str, share: float | None) -> str:
+    """`decode`, with the share of the JPEGs the workers decoded where a device decoder ran."""
     from pairclean.backends.device_jpeg import DEVICE_DECODERS
 
+    return decode + (f", {share:.0%} of the JPEGs in the workers" if share and decode in DEVICE_DECODERS else "")
+
+
+def pipeline_lines(report) -> list[str]:
     lines = []
     for r in report.rounds:
         p = r.pipeline_only
@@ -70,9 +75,7 @@ def pipeline_lines(report) -> list[str]:
             continue
         m = p.meter
         over = p.over_worker_capacity
-        share = report.config.get("cpu_decode_share") if p.decode in DEVICE_DECODERS else 0
-        decode = p.decode + (f", {share:.0%} of the JPEGs in the workers" if share else "")
-        lines.append(f"pipeline only (decode {decode}): {m['pairs']:,} pairs at {m['pairs_per_second']:,.1f} pairs/s; main "
+        lines.append(f"pipeline only (decode {decode_label(p.decode, report.config.get('cpu_decode_share'))}): {m['pairs']:,} pairs at {m['pairs_per_second']:,.1f} pairs/s; main "
                      f"process {m['main_cpu_ms_per_pair']:.4f} CPU ms per pair; {m['worker_bytes_per_pair'] / 1000:,.1f} kB per "
                      f"pair from the workers; {p.workers} worker(s) at {p.worker_ms_per_pair:.2f} ms per pair can prepare "
                      f"{p.worker_capacity:,.1f} pairs/s" + (f" ({over:.2f} of it reached)" if over is not None else "")
@@ -85,7 +88,7 @@ def summary_lines(report) -> list[str]:
         return pipeline_lines(report)
     c = report.config
     lines = [f"model {c['model']} ({c['pretrained']}) on {c['device']}, {c['precision']}, batch {c['batch_size']}, "
-             f"{c['workers']} workers, decode {c['decode']}, compile {c['compile']}, "
+             f"{c['workers']} workers, decode {decode_label(c['decode'], c.get('cpu_decode_share'))}, compile {c['compile']}, "
              f"{c['torch_threads']} torch threads / {c['cpu_count']} CPUs"]
     e2e = report.rounds[-1].end_to_end.extra
     if not c["device"].startswith("cuda"):
