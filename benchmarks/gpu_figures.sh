@@ -139,7 +139,7 @@ first=${DECODES%% *}
 read -r share_round extra_decodes < <(python -c "from pairclean.backends.device_jpeg import DEVICE_DECODERS as D
 first = D.get('$first')
 print(int(float('$CPU_SHARE') > 0 and first is not None and first.unavailable() is None),
-      *(n for n, c in D.items() if n not in '$DECODES'.split() and c.unavailable() is None))")
+      *(n for n, c in D.items() if n not in '$DECODES'.split() and c.unavailable() is None))" 2> "$OUT/decoders-probe.log")
 # in the order of what the issue asks first, so a short budget drops the least: each decode eager,
 # the first with CPU_SHARE of its JPEGs in the workers, the towers, training, --compile with the
 # first decode, every CUDA path, the profile, the other device decoders, the rest
@@ -218,6 +218,9 @@ towers = out / "towers.json"
 if towers.exists():
     summary["towers"] = json.loads(towers.read_text())
     for way in summary["towers"]["ways"]:
+        if "error" in way:
+            print(f"towers, {way['way']}: failed: {way['error']}")
+            continue
         print(f"towers, {way['way']}: image {way['image_ops']} ops {way['image_ms']:.1f} ms, text {way['text_ops']} ops "
               f"{way['text_ms']:.1f} ms a call of {summary['towers']['pairs']}")
 if summary["skipped"]:

@@ -127,13 +127,17 @@ def main() -> None:
             "as built (now)": (None, True)}
     sims, rows = {}, []
     for name, (autocast, fused) in ways.items():
-        with way(bf16, autocast, fused):
-            sims[name], ops, ms = encode(bf16, pixels, tokens, args.repeat)
+        try:  # a way that fails (on a device, say) is reported as such; the others still are
+            with way(bf16, autocast, fused):
+                sims[name], ops, ms = encode(bf16, pixels, tokens, args.repeat)
+        except Exception as exc:  # any failure of a way is its result
+            rows.append({"way": name, "error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"})
+            continue
         diff = (sims[name] - fp32).abs()
         rows.append({"way": name, "image_ops": ops["image"], "text_ops": ops["text"], "image_ms": ms["image"],
                      "text_ms": ms["text"], "max_abs_dsim_vs_fp32": float(diff.max()),
                      "mean_abs_dsim_vs_fp32": float(diff.mean())})
-    names = list(ways)
+    names = list(sims)
     between = {f"{a} | {b}": float((sims[a] - sims[b]).abs().max()) for i, a in enumerate(names) for b in names[i + 1:]}
 
     def shown(value):
@@ -144,6 +148,9 @@ def main() -> None:
     print(f"fp32: image {fp32_ops['image']} ops {shown(fp32_ms['image'])} ms, text {fp32_ops['text']} ops "
           f"{shown(fp32_ms['text'])} ms a call")
     for r in rows:
+        if "error" in r:
+            print(f"{r['way']:40s} failed: {r['error']}")
+            continue
         print(f"{r['way']:40s} image {r['image_ops']:4d} ops {shown(r['image_ms']):>7s} ms  text {r['text_ops']:4d} ops "
               f"{shown(r['text_ms']):>7s} ms  max |dsim| vs fp32 {r['max_abs_dsim_vs_fp32']:.2e} "
               f"(mean {r['mean_abs_dsim_vs_fp32']:.1e})")

@@ -320,6 +320,59 @@ def test_bf16_transformer_towers_run_in_their_stored_weights_without_autocast(co
         assert torch.equal(a, b)
 
 
+def _on_fake_cuda(net: torch.nn.Module, mode) -> torch.nn.Module:
+    """`net` with every parameter and buffer a fake CUDA tensor (`FakeTensorMode`): ops then run
+    CUDA's dtype and device checks, with no GPU and no arithmetic."""
+    for name, tensor in [*net.named_parameters(), *net.named_buffers()]:
+        path, _, leaf = name.rpartition(".")
+        owner = net.get_submodule(path)
+        fake = mode.from_tensor(tensor.detach(), static_shapes=True).to("cuda")
+        if isinstance(tensor, torch.nn.Parameter):
+            owner._parameters[leaf] = torch.nn.Parameter(fake, requires_grad=False)
+        else:
+            owner._buffers[leaf] = fake
+    return net
+
+
+def test_towers_in_their_stored_dtype_pass_cudas_dtype_checks(monkeypatch):
+    """CUDA's layer norm refuses bf16 input with fp32 weights, which a CPU's takes: every bf16 run
+    on a GPU failed at its first batch until the towers' layer norms computed in fp32 there
+    (`_layer_norms_in_fp32`, applied on CUDA only, so CPU scores do not move). Checked on fake
+    CUDA tensors (their ops run CUDA's dtype and device checks, no arithmetic): the estimator made
+    as on CUDA (`_for_cuda`) encodes pixels and beta's noise images, its text tower captions; the
+    towers as built for the CPU are refused there."""
+    import copy
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from pairclean.backends.open_clip import _for_cuda, _plain_encode_image
+
+    torch.manual_seed(0)
+    est = OpenClipEstimator("pairclean-tiny", pretrained="none", device="cpu", precision="bf16")
+    assert est.autocast == {"image": False, "text": False}
+    assert not any(type(m).__name__ == "LayerNormFp32" for m in est.model.modules())  # the CPU's kernel, as before
+    tokens = est.tokenizer(["a dog on a beach", "two people riding horses along a beach at sunset", "x", "a red car"])
+    pixels = torch.randint(0, 256, (4, 3, est.image_size, est.image_size), dtype=torch.uint8)
+    noise = est.random_batch("image", 3, torch.Generator().manual_seed(1))
+    cut = int(token_ends(tokens).max())  # one group, cut at the longest caption, as CUDA runs the text tower
+    as_built = copy.deepcopy(est.model)
+    monkeypatch.setattr(torch.backends.cudnn, "benchmark", torch.backends.cudnn.benchmark)  # `_for_cuda` sets it
+    _for_cuda(est.model, ["image", "text"])
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        bf16 = torch.empty((4, 3, est.image_size, est.image_size), dtype=torch.bfloat16, device="cuda")
+        as_built = _on_fake_cuda(as_built, mode)
+        for tower, inputs in ((_plain_encode_image, (bf16,)), (trimmed_encode_text, (tokens.to("cuda"), cut))):
+            with pytest.raises(RuntimeError, match="expected scalar type BFloat16 but found Float"):
+                tower(as_built, *inputs)
+        est.model, est.device, est.channels_last = _on_fake_cuda(est.model, mode), torch.device("cuda"), True
+        for batch in (pixels, noise):  # normalised, cast and laid out channels-last as on CUDA
+            out = est.encode("image", batch)
+            assert out.device.type == "cuda" and out.dtype == torch.float32 and out.shape == (batch.shape[0], 64)
+        # The text tower as CUDA runs it; `encode`'s grouping computes on host tensors, which a fake mode fakes too.
+        text = trimmed_encode_text(est.model, tokens.to("cuda"), cut)
+        assert text.device.type == "cuda" and text.dtype == torch.bfloat16 and text.shape == (4, 64)
+
+
 def test_towers_that_keep_fp32_parameters_stay_under_autocast(tmp_path):
     import open_clip
 

@@ -88,5 +88,7 @@ class DaliJpegDecoder(BatchedDeviceDecoder):
             self.pipe, self.capacity = self._build(len(files)), len(files)
         stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
         (out,) = self.pipe.run(stream, jpegs=[data.numpy() for data in files])
-        pixels = torch.from_dlpack(out.as_tensor())  # (k, crop, crop, 3): HWC, as DALI's images are
+        # (k, crop, crop, 3): HWC, as DALI's images are. Copied out: the pipeline's output buffer is
+        # reused by its next run, which a batch split in halves (a bad file) makes before the parts are joined.
+        pixels = torch.from_dlpack(out.as_tensor()).clone()
         return pixels.permute(0, 3, 1, 2), list(range(len(files)))

@@ -268,13 +268,38 @@ def _in_stored_dtype(net: torch.nn.Module, modality: str) -> bool:
     return clip_text_tower(net) and not _fp32_leftovers(net, skip=("visual", "logit_scale", "logit_bias"))
 
 
+def _for_cuda(net: torch.nn.Module, stored: list[str]) -> None:
+    """What a model needs on CUDA that it does not on a CPU: the image tower channels-last (conv
+    stems on tensor cores; no gain measured on CPU), cuDNN's autotuner (image batches have one
+    fixed shape), and fp32 layer norms in the `stored` towers, those running in their stored
+    bf16/fp16 dtype (`_layer_norms_in_fp32`)."""
+    net.visual.to(memory_format=torch.channels_last)
+    torch.backends.cudnn.benchmark = True
+    _layer_norms_in_fp32(net, stored)
+
+
+def _layer_norms_in_fp32(net: torch.nn.Module, modalities: list[str]) -> None:
+    """CUDA: the layer norms of the towers that run in their stored dtype compute in fp32 on their
+    bf16/fp16 input and give it back in that dtype (open_clip's `LayerNormFp32`, what its own bf16
+    mode builds; autocast runs layer norms in fp32 too). CUDA's layer norm refuses a bf16/fp16
+    input with the fp32 weights a CPU's takes ("expected scalar type BFloat16 but found Float",
+    pytorch#138128); the CPU keeps its own mixed-dtype kernel, so CPU scores do not move."""
+    from open_clip.transformer import LayerNorm, LayerNormFp32
+
+    for name, module in net.named_modules():
+        tower = "image" if name.startswith("visual.") else "text"
+        if type(module) in (LayerNorm, torch.nn.LayerNorm) and tower in modalities:
+            module.__class__ = LayerNormFp32  # the same parameters; only its forward differs
+
+
 SELF_CAST = ("class_embedding", "positional_embedding")  # cast to the activations' dtype where they are added
 
 
 def _fp32_leftovers(tower: torch.nn.Module, skip: tuple[str, ...] = ()) -> list[str]:
     """The tower's fp32 parameters that would meet bf16 activations uncast (a layer scale's gamma,
-    a head scale): all but layer norms' (F.layer_norm takes bf16 input with fp32 weights), embedding
-    tables (looked up, then cast) and SELF_CAST. `skip`: top-level names outside the tower."""
+    a head scale): all but layer norms' (a CPU's F.layer_norm takes bf16 input with fp32 weights;
+    on CUDA they compute in fp32, `_layer_norms_in_fp32`), embedding tables (looked up, then cast)
+    and SELF_CAST. `skip`: top-level names outside the tower."""
     owners = dict(tower.named_modules())
     left = []
     for name, param in tower.named_parameters():
@@ -359,9 +384,8 @@ class OpenClipEstimator:
         # bf16/fp16: towers in their stored dtype (autocast off) where they can, under autocast elsewhere
         self.autocast = {m: self.precision != "fp32" and not _in_stored_dtype(net, m) for m in ("image", "text")}
         self.channels_last = self.device.type == "cuda"  # conv stems on tensor cores; no gain measured on CPU
-        if self.channels_last:
-            net.visual.to(memory_format=torch.channels_last)
-            torch.backends.cudnn.benchmark = True  # image batches have one fixed shape
+        if self.device.type == "cuda":
+            _for_cuda(net, [m for m, under_autocast in self.autocast.items() if self.precision != "fp32" and not under_autocast])
         self.model = net
         self.tokenizer = open_clip.get_tokenizer(model)
         self.mean, self.std, self.image_size = _normalize_params(preprocess)
