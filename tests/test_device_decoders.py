@@ -239,3 +239,31 @@ def test_a_cpu_decode_share_without_a_device_decoder_or_out_of_range_is_refused(
     code, _, err = run_cli(["score", coco_shards, "--model", "pairclean-tiny", "--pretrained", "none", "--out", out, *argv],
                            capsys)
     assert code == 2 and says in err and "Traceback" not in err and not out.exists()
+
+
+def test_the_device_path_passes_cudas_device_and_dtype_checks():
+    """What runs only on a GPU - decoded images resized together (`resize_many`), merged with the
+    workers' pixels by row, normalised channels-last - on fake CUDA tensors, whose ops run CUDA's
+    device and dtype checks with no GPU (a host index into a device tensor, a mixed dtype, fail)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from pairclean.backends.device_jpeg import resize_many
+    from pairclean.backends.inputs import PixelNormalizer
+
+    preprocess = PREPROCESSINGS["bicubic-73-crop-64"]
+
+    class Sized(BatchedDeviceDecoder):  # the library's call stood in for by images of several sizes
+        name = "sized"
+
+        def decode_crop(self, files):
+            images = [torch.zeros((3, 80 + 9 * i, 70 + 5 * i), dtype=torch.uint8, device=self.device) for i in range(len(files))]
+            return resize_many(images, self.transform.resize, self.transform.crop, self.filter), list(range(len(files)))
+
+    workers = stack_pixels([torch.zeros((64, 64, 3), dtype=torch.uint8)] * 2)  # channels-last view, as collated
+    batch = ImageBatch(7, JpegBlob.pack([b"\xff\xd8\xff" + bytes(64)] * 5), (0, 1, 2, 4, 6), workers, (3, 5))
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        device = torch.device("cuda")
+        pixels, failed = Sized(StandardTransform.parse(preprocess), device, preprocess)(batch)
+        assert pixels.device.type == "cuda" and pixels.dtype == torch.uint8 and pixels.shape == (7, 3, 64, 64) and not failed
+        model_input = PixelNormalizer(list(NORMALIZE.mean), list(NORMALIZE.std))(pixels, torch.channels_last)
+        assert model_input.dtype == torch.float32 and model_input.is_contiguous(memory_format=torch.channels_last)
