@@ -136,10 +136,12 @@ score() {  # NAME DECODE [FLAGS...]
 first=${DECODES%% *}
 # share_round 1: CPU_SHARE > 0 and the first decode a device decoder that can run here; then the
 # other installed device decoders
-read -r share_round extra_decodes < <(python -c "from pairclean.backends.device_jpeg import DEVICE_DECODERS as D
+probe=$(python -c "from pairclean.backends.device_jpeg import DEVICE_DECODERS as D
 first = D.get('$first')
 print(int(float('$CPU_SHARE') > 0 and first is not None and first.unavailable() is None),
-      *(n for n, c in D.items() if n not in '$DECODES'.split() and c.unavailable() is None))" 2> "$OUT/decoders-probe.log")
+      *(n for n, c in D.items() if n not in '$DECODES'.split() and c.unavailable() is None))" 2> "$OUT/decoders-probe.log") \
+  || say "the decoder probe failed (no share round, no other decoders): $(tail -n 1 "$OUT/decoders-probe.log")"
+read -r share_round extra_decodes <<< "$probe"
 # in the order of what the issue asks first, so a short budget drops the least: each decode eager,
 # the first with CPU_SHARE of its JPEGs in the workers, the towers, training, --compile with the
 # first decode, every CUDA path, the profile, the other device decoders, the rest

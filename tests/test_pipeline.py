@@ -211,7 +211,7 @@ def test_a_run_resumes_only_with_the_cpu_decode_share_it_began_with(began, then,
     cfg = replace(fast_config, decode="gpu", cpu_decode_share=began)
     out = tmp_path / "s.parquet"
     assert forked(lambda: score(str(coco_shards), out, cfg), "committed:1") == -signal.SIGKILL
-    assert _pinned(out).get("cpu_decode_share") == (began or None) and _pinned(out)["device_decoder"] == 3
+    assert _pinned(out).get("cpu_decode_share") == (began or None) and _pinned(out)["device_decoder"] == DeviceJpegDecoder.version
     with pytest.raises(UserError, match="cpu_decode_share"):
         score(str(coco_shards), out, replace(cfg, cpu_decode_share=then))
     assert score(str(coco_shards), out, cfg).resumed
@@ -224,11 +224,11 @@ def test_a_run_where_the_device_cannot_decode_pins_the_workers_and_is_not_resume
     decodes is refused instead of mixing PIL's pixels with nvJPEG's."""
     from pairclean.backends.device_jpeg import device_decoder_for
 
-    assert device_decoder_for("gpu", "auto") is None and device_decoder_for("gpu", "cpu") is None
-    cfg = replace(fast_config, decode="gpu", cpu_decode_share=0.5)
+    assert device_decoder_for("gpu", "cpu") is None
+    cfg = replace(fast_config, decode="gpu", cpu_decode_share=0.5, device="cpu")
     out = tmp_path / "s.parquet"
     assert forked(lambda: score(str(coco_shards), out, cfg), "committed:1") == -signal.SIGKILL
     assert "device_decoder" not in _pinned(out) and "cpu_decode_share" not in _pinned(out)
     as_if_the_device_decodes(monkeypatch)
-    with pytest.raises(UserError, match="device_decoder: None -> 3"):
+    with pytest.raises(UserError, match=f"device_decoder: None -> {DeviceJpegDecoder.version}"):
         score(str(coco_shards), out, cfg)

@@ -349,7 +349,7 @@ def test_towers_in_their_stored_dtype_pass_cudas_dtype_checks(monkeypatch):
 
     torch.manual_seed(0)
     est = OpenClipEstimator("pairclean-tiny", pretrained="none", device="cpu", precision="bf16")
-    assert est.autocast == {"image": False, "text": False}
+    assert est.autocast == {"image": False, "text": False} and est.stored_towers == ["image", "text"]
     assert not any(type(m).__name__ == "LayerNormFp32" for m in est.model.modules())  # the CPU's kernel, as before
     tokens = est.tokenizer(["a dog on a beach", "two people riding horses along a beach at sunset", "x", "a red car"])
     pixels = torch.randint(0, 256, (4, 3, est.image_size, est.image_size), dtype=torch.uint8)
@@ -357,7 +357,7 @@ def test_towers_in_their_stored_dtype_pass_cudas_dtype_checks(monkeypatch):
     cut = int(token_ends(tokens).max())  # one group, cut at the longest caption, as CUDA runs the text tower
     as_built = copy.deepcopy(est.model)
     monkeypatch.setattr(torch.backends.cudnn, "benchmark", torch.backends.cudnn.benchmark)  # `_for_cuda` sets it
-    _for_cuda(est.model, ["image", "text"])
+    _for_cuda(est.model, est.stored_towers)
     with FakeTensorMode(allow_non_fake_inputs=True) as mode:
         bf16 = torch.empty((4, 3, est.image_size, est.image_size), dtype=torch.bfloat16, device="cuda")
         as_built = _on_fake_cuda(as_built, mode)
@@ -391,6 +391,18 @@ def test_towers_that_keep_fp32_parameters_stay_under_autocast(tmp_path):
     assert scaled.autocast == {"image": True, "text": True}
     noise = scaled.random_batch("image", 2, torch.Generator().manual_seed(0))
     assert scaled.encode("image", noise).shape == scaled.encode("text", scaled.tokenizer(["a dog", "x"])).shape == (2, 64)
+    # A layer-scaled image tower beside a plain text tower: on CUDA only the text tower's layer
+    # norms compute in fp32 (the image tower's run under autocast, which does that itself).
+    from pairclean.backends.open_clip import _layer_norms_in_fp32
+
+    (tmp_path / "pairclean-tiny-ls-image.json").write_text(json.dumps({**cfg, "vision_cfg": {**cfg["vision_cfg"], "ls_init_value": 0.1}}))
+    open_clip.add_model_config(tmp_path)
+    mixed = OpenClipEstimator("pairclean-tiny-ls-image", pretrained="none", device="cpu", precision="bf16")
+    assert mixed.autocast == {"image": True, "text": False}
+    assert mixed.stored_towers == ["text"]
+    _layer_norms_in_fp32(mixed.model, mixed.stored_towers)
+    swapped = {name.split(".")[0] for name, m in mixed.model.named_modules() if type(m).__name__ == "LayerNormFp32"}
+    assert swapped == {"transformer", "ln_final"}
 
 
 def test_low_precision_weights_as_open_clip_converts_them_and_linear_projections_too():
