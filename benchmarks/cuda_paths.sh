@@ -8,6 +8,7 @@
 # spent on a broken line:  DEVICE=cpu PAIRS=400 WORKERS=2 bash benchmarks/cuda_paths.sh /tmp/cp
 set -u
 W=${1:-$(mktemp -d)}
+mkdir -p "$W"
 DEVICE=${DEVICE:-cuda}
 PAIRS=${PAIRS:-4000}  # the scored world; the estimator's is twice that, the validation set a quarter
 WORKERS=${WORKERS:-8}
