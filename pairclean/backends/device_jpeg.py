@@ -26,6 +26,7 @@ from abc import ABC, abstractmethod
 import torch
 from PIL import Image
 
+from pairclean.backends.base import pick_device
 from pairclean.backends.inputs import ImageBatch, StandardTransform
 from pairclean.backends.resample import FILTERS, resize_crop
 from pairclean.config import SHARE, check_choice, check_value
@@ -119,6 +120,11 @@ class DeviceDecoder(ABC):
             return f"needs the {cls.package} package ({first}): pip install 'pairclean[gpu]'"
         return None
 
+    @classmethod
+    def cannot_run(cls, device: torch.device) -> str | None:
+        """Why it cannot decode on `device` (its package first: what to install), else None."""
+        return cls.unavailable() or ("needs a CUDA device" if device.type != "cuda" else None)
+
     @abstractmethod
     def __call__(self, batch: ImageBatch) -> tuple[torch.Tensor, dict[int, str]]:
         """(uint8 (rows, 3, crop, crop) pixels of every row on the device, zeros where decoding
@@ -139,9 +145,7 @@ def device_decoder_for(decode: str, device: str) -> type[DeviceDecoder] | None:
     and the workers decode every image. (A model whose preprocessing it cannot reproduce also
     leaves every image to the workers; a run pins its model, so a resumed run decides alike.)"""
     cls = DEVICE_DECODERS.get(decode)
-    if cls is None or device.split(":")[0] not in ("auto", "cuda") or not torch.cuda.is_available():
-        return None
-    return cls if cls.unavailable() is None else None
+    return cls if cls is not None and cls.cannot_run(pick_device(device)) is None else None
 
 
 def host_threads() -> int:

@@ -423,7 +423,7 @@ class OpenClipEstimator:
     def _device_decoder(self, cls, transform, preprocess, model: str):
         """The device decoder `decode` names, or None (said once) where it cannot run here: the
         workers then decode with PIL (fast)."""
-        why = (cls.unavailable() or ("needs a CUDA device" if self.device.type != "cuda" else None)  # what to install first
+        why = (cls.cannot_run(self.device)
                or (None if cls.supports(transform) else f"needs a bicubic or bilinear Resize + CenterCrop + Normalize "
                                                          f"preprocessing, which {model}'s is not"))
         if why is None:
@@ -484,7 +484,7 @@ class OpenClipEstimator:
         layout the tower runs fastest in (channels last on CUDA, contiguous on CPU)."""
         layout = torch.channels_last if self.channels_last else torch.contiguous_format
         pixels = self.normalize(pixels, layout)
-        if self.precision != "fp32" and not self.autocast["image"]:  # the tower runs in its weights' dtype
+        if "image" in self.stored_towers:  # the tower runs in its weights' dtype
             return pixels.to(self.model.visual.conv1.weight.dtype)
         return pixels
 
