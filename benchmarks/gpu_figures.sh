@@ -10,10 +10,11 @@
 #      decoded in the workers (--cpu-decode-share), then each other installed device decoder
 #      (nvimgcodec, with --with-nvimgcodec's wheels) and benchmarks/device_decoders.py on one batch;
 #   5. a training epoch against the model's own step rate (benchmarks/train_throughput.py);
+#      `pairclean score` in one process against RANKS ranks sharing the GPU (benchmarks/ranks_per_gpu.py);
 #   6. benchmarks/cuda_paths.sh (every CUDA path);
 #   7. benchmarks/profile_score.py: the main thread's ops, launches and synchronisations, first decode eager;
 #      benchmarks/tower_ops.py: each tower's ops, ms a call and bf16 sims under autocast or not.
-# Steps 4-7 interleave, the issue's first asks first: each decode eager, the first with CPU_SHARE, the towers (30 s), training,
+# Steps 4-7 interleave, the issue's first asks first: each decode eager, RANKS ranks, the first with CPU_SHARE, the towers (30 s), training,
 # --compile with the first decode, cuda_paths.sh, the profile, the other device decoders, the other --compile, each decode
 # eager again.
 # One JSON per variant in OUT, a log per step, summary.json and a table at the end. A step that
@@ -22,7 +23,7 @@
 #     bash benchmarks/gpu_figures.sh [OUT]                  # there (the device call carries benchmarks/wheels)
 # Knobs (environment): BUDGET=480 (seconds) SHARDS=14 PAIRS_PER_SHARD=2500 PROGRESSIVE=0 MODEL=ViT-B-32
 #   PRECISION=bf16 BATCH=1024 TRAIN_BATCH=512 WORKERS=(cores - 2) DEVICE=cuda DECODES="gpu fast" CPU_SHARE=0.3 (0: none)
-#   COMPILE=1 CUDA_PATHS=1 TRAIN=1 PROFILE=1 TOWERS=1 MIN_SECONDS=8 (a CPU dry run: DEVICE=cpu MODEL=pairclean-tiny SHARDS=2 PAIRS_PER_SHARD=64
+#   COMPILE=1 CUDA_PATHS=1 TRAIN=1 PROFILE=1 TOWERS=1 RANKS=2 MIN_SECONDS=8 (a CPU dry run: DEVICE=cpu MODEL=pairclean-tiny SHARDS=2 PAIRS_PER_SHARD=64
 #   BATCH=32 TRAIN_BATCH=32 COMPILE=0 CUDA_PATHS=0)
 set -u
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -48,6 +49,7 @@ CUDA_PATHS=${CUDA_PATHS:-1}
 TRAIN=${TRAIN:-1}
 PROFILE=${PROFILE:-1}
 TOWERS=${TOWERS:-1}
+RANKS=${RANKS:-2}  # ranks sharing the GPU in benchmarks/ranks_per_gpu.py (0 or 1: skipped)
 MIN_SECONDS=${MIN_SECONDS:-8}
 
 left() { echo $(( BUDGET - $(date +%s) + T0 )); }
@@ -146,6 +148,10 @@ read -r share_round extra_decodes <<< "$probe"
 # the first with CPU_SHARE of its JPEGs in the workers, the towers, training, --compile with the
 # first decode, every CUDA path, the profile, the other device decoders, the rest
 for decode in $DECODES; do score "$decode-eager-1" "$decode"; done
+# the first decode's `pairclean score` in one process, then RANKS ranks sharing the GPU (torchrun)
+[ "$RANKS" -gt 1 ] && step ranks 50 python "$ROOT/benchmarks/ranks_per_gpu.py" "$W/web/manifest.yaml" --model "$MODEL" \
+  --device "$DEVICE" --precision "$PRECISION" --batch-size "$BATCH" --workers "$WORKERS" --decode "$first" \
+  --ranks "$RANKS" --json "$OUT/ranks.json"
 if [ "${share_round:-0}" = 1 ]; then
   score "$first-share-eager" "$first" --cpu-decode-share "$CPU_SHARE"
 else
@@ -207,6 +213,13 @@ if train.exists():
     summary["train"] = t
     print(f"train: model only {t['model_only']['pairs_per_second']:,.0f} pairs/s, end to end "
           f"{t['end_to_end']['pairs_per_second']:,.0f} pairs/s, ratio {t['end_to_end_over_model_only']:.2f}")
+ranks = out / "ranks.json"
+if ranks.exists():
+    r = json.loads(ranks.read_text())
+    summary["ranks"] = r
+    print("ranks sharing the GPU:", "; ".join(f"{way} {w['whole_command_pairs_per_second']:,.0f} pairs/s whole command, "
+          f"{w['scoring_loop_pairs_per_second'] or 0:,.0f} scoring loop" for way, w in r["ways"].items()),
+          f"(rows differing: {r['rows_whose_sim_differs']})")
 cuda = out / "cuda-paths.log"
 if cuda.exists():
     lines = cuda.read_text().splitlines()

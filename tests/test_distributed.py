@@ -208,3 +208,33 @@ def test_one_rank_killed_mid_job_then_the_job_resumed(twelve_groups, twelve_refe
     _torchrun(["score", str(twelve_groups), "--out", str(out), *TINY, "--no-beta-cache"])  # the same job again
     _assert_same(_rows(out), twelve_reference)
     assert not parts.exists()
+
+
+def test_ranks_beyond_a_nodes_gpus_share_them_for_scoring_in_a_gloo_group_and_training_refuses(monkeypatch):
+    """`torchrun --nproc_per_node 2` on a one-GPU node: each scoring rank runs its own host-bound
+    pipeline on the one GPU, in a gloo group (NCCL refuses two ranks on a GPU); training, whose
+    gradients go through NCCL, refuses in one line. CUDA and the group are stood in for (no GPU here)."""
+    import torch
+    import torch.distributed as dist
+
+    from pairclean.errors import UserError
+    from pairclean.ops import distributed
+
+    chosen = {}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda index: chosen.update(gpu=index))
+    monkeypatch.setattr(dist, "init_process_group", lambda backend, timeout: chosen.update(backend=backend))
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(distributed.atexit, "register", lambda fn: None)
+    for name, value in {"WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}.items():
+        monkeypatch.setenv(name, value)
+    distributed.init_from_env(device_type="cuda", share_gpus=True)
+    assert chosen == {"gpu": 0, "backend": "gloo"} and distributed.default_device_for_rank("auto") == "cuda:0"
+    chosen.clear()
+    with pytest.raises(UserError, match="2 ranks on this node and 1 GPU.*--nproc_per_node 1"):
+        distributed.init_from_env(device_type="cuda")
+    assert not chosen
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)  # a rank per GPU: NCCL, each its own
+    distributed.init_from_env(device_type="cuda")
+    assert chosen == {"gpu": 1, "backend": "nccl"} and distributed.default_device_for_rank("auto") == "cuda:1"

@@ -366,8 +366,10 @@ def test_towers_in_their_stored_dtype_pass_cudas_dtype_checks(monkeypatch):
                 tower(as_built, *inputs)
         est.model, est.device, est.channels_last = _on_fake_cuda(est.model, mode), torch.device("cuda"), True
         for batch in (pixels, noise):  # normalised, cast and laid out channels-last as on CUDA
-            out = est.encode("image", batch)
+            with DeviceReads() as waits:
+                out = est.encode("image", batch)
             assert out.device.type == "cuda" and out.dtype == torch.float32 and out.shape == (batch.shape[0], 64)
+            assert not waits.sites  # nothing the host waits for (the normaliser's constants went without a wait)
         # The text tower as CUDA runs it; `encode`'s grouping computes on host tensors, which a fake mode fakes too.
         text = trimmed_encode_text(est.model, tokens.to("cuda"), cut)
         assert text.device.type == "cuda" and text.dtype == torch.bfloat16 and text.shape == (4, 64)

@@ -275,6 +275,15 @@ def move_batch(batch: Any, device: torch.device) -> Any:
     return batch.to(device, non_blocking=True) if hasattr(batch, "to") else batch
 
 
+def host_values(values, device: torch.device, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    """Values computed on the host (row indices, image sizes) as a tensor on `device`, without
+    waiting for it: `torch.tensor(values, device=cuda)` copies with a stream synchronisation, so the
+    host would wait for all the work queued before it (a batch's decode, the model on the batch
+    before). A copy from pageable memory is staged by the driver before the call returns, so the
+    temporary host tensor may go at once."""
+    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+
 def frozen_copy(estimator: Estimator, module: torch.nn.Module) -> Estimator:
     """The estimator around a frozen copy of `module` as it is now (the official OSA code's online estimator)."""
     frozen = copy.copy(estimator)

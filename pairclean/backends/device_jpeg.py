@@ -26,8 +26,8 @@ from abc import ABC, abstractmethod
 import torch
 from PIL import Image
 
-from pairclean.backends.base import pick_device
-from pairclean.backends.inputs import ImageBatch, StandardTransform
+from pairclean.backends.base import host_values, pick_device
+from pairclean.backends.inputs import ImageBatch, JpegBlob, StandardTransform
 from pairclean.backends.resample import FILTERS, resize_crop
 from pairclean.config import SHARE, check_choice, check_value
 from pairclean.data.decode import MAX_PIXELS, DecodeError, decode_image
@@ -130,6 +130,14 @@ class DeviceDecoder(ABC):
         """(uint8 (rows, 3, crop, crop) pixels of every row on the device, zeros where decoding
         failed; {row: reason} for those rows)."""
 
+    def warm_up(self) -> None:
+        """Pay the first call's costs now - the library's handles and buffers, the calling thread's
+        BLAS handle and kernels - on one small JPEG: the prefetching thread does this while the
+        DataLoader's workers prepare their first batches, instead of on the run's first batch."""
+        image = io.BytesIO()
+        Image.new("RGB", (48, 40), (90, 140, 200)).save(image, format="JPEG")
+        self(ImageBatch(1, JpegBlob.pack([image.getvalue()]), (0,)))
+
 
 DEVICE_DECODERS: dict[str, type[DeviceDecoder]] = {}
 
@@ -196,18 +204,18 @@ class BatchedDeviceDecoder(DeviceDecoder):
         files = batch.jpegs.files()
         parts, decoded = self._decode_split(files, list(range(len(files))))
         if decoded:
-            rows = torch.tensor([batch.jpeg_rows[p] for p in decoded], device=self.device)
+            rows = host_values([batch.jpeg_rows[p] for p in decoded], self.device)
             out[rows] = torch.cat(parts) if len(parts) > 1 else parts[0]
         failed: dict[int, str] = {}
         for position in sorted(set(range(len(files))) - set(decoded)):  # the library refused it: PIL's reading, or its reason
             row = batch.jpeg_rows[position]
             try:
                 image = decode_image(batch.jpegs.file_bytes(position))
-                out[row] = self.transform.geometry_pixels(image).permute(2, 0, 1).to(self.device)
+                out[row] = self.transform.geometry_pixels(image).permute(2, 0, 1).to(self.device, non_blocking=True)
             except DecodeError as exc:
                 failed[row] = str(exc)
         if batch.pixels is not None:
-            out[torch.tensor(batch.pixel_rows, device=self.device)] = batch.pixels.to(self.device, non_blocking=True)
+            out[host_values(batch.pixel_rows, self.device)] = batch.pixels.to(self.device, non_blocking=True)
         return out, failed
 
 
@@ -260,6 +268,6 @@ def resize_many(images: list[torch.Tensor], resize: int, crop: int, filter_name:
         padded = torch.zeros((len(run), channels, hmax, wmax), dtype=torch.uint8, device=device)
         torch._foreach_copy_([padded[j, :, :sizes[k][0], :sizes[k][1]] for j, k in enumerate(run)],
                              [images[k] for k in run])
-        out[torch.tensor(run, device=device)] = resize_crop(padded, [sizes[k] for k in run], resize, crop, filter_name)
+        out[host_values(run, device)] = resize_crop(padded, [sizes[k] for k in run], resize, crop, filter_name)
         start = end
     return out

@@ -73,12 +73,15 @@ class DevicePrefetcher:
     keeps their memory until the compute stream is done with them). An exception in the thread is
     raised in the consumer, at the batch where it happened. The iterator of `batches` is made here,
     in the consumer's thread (a DataLoader sets its signal handlers only from the main thread).
-    `held`: the device tensors of a prepared batch (default: found by walking it)."""
+    `held`: the device tensors of a prepared batch (default: found by walking it). `warm_up`: run
+    in the thread before it takes the first batch (first-call costs, paid while the batches' source
+    starts: a DataLoader's workers preparing their first batches)."""
 
     def __init__(self, batches: Iterable, prepare: Callable[[Any], Any], device: torch.device, threaded: bool,
-                 depth: int = 1, held: Callable[[Any], Iterable[torch.Tensor]] = device_tensors):
+                 depth: int = 1, held: Callable[[Any], Iterable[torch.Tensor]] = device_tensors,
+                 warm_up: Callable[[], None] | None = None):
         self.batches, self.prepare, self.device, self.threaded = batches, prepare, device, threaded
-        self.depth, self.held = depth, held
+        self.depth, self.held, self.warm_up = depth, held, warm_up
 
     def __iter__(self) -> Iterator:
         if not self.threaded:
@@ -111,6 +114,8 @@ class DevicePrefetcher:
             hand_over(_DONE)
 
         def prepare_all() -> None:
+            if self.warm_up is not None:
+                self.warm_up()
             for batch in source:
                 if stop.is_set():
                     return

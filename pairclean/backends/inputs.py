@@ -196,6 +196,6 @@ class PixelNormalizer:
             return pixels.contiguous(memory_format=memory_format)
         device = pixels.device
         if device not in self._on:
-            self._on[device] = (self.mean.to(device), self.std.to(device))
+            self._on[device] = (self.mean.to(device, non_blocking=True), self.std.to(device, non_blocking=True))
         mean, std = self._on[device]
         return pixels.to(torch.float32, memory_format=memory_format).div_(255).sub_(mean).div_(std)

@@ -438,6 +438,11 @@ class OpenClipEstimator:
             return self.device_decoder(inputs)
         return inputs, {}
 
+    def warm_up(self) -> None:
+        """The device decoder's first-call costs, paid before the first batch (`DeviceDecoder.warm_up`)."""
+        if self.device_decoder is not None:
+            self.device_decoder.warm_up()
+
     @property
     def stored_towers(self) -> list[str]:
         """The towers that run in their stored bf16/fp16 weights, autocast off (`_in_stored_dtype`)."""

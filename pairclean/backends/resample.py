@@ -20,6 +20,8 @@ import math
 
 import torch
 
+from pairclean.backends.base import host_values
+
 CHUNK_PIXELS = 64 << 20  # input pixels (x 3 channels) resized per matmul call: bounds the float32 copy
 
 
@@ -98,8 +100,8 @@ def resize_crop(images: torch.Tensor, sizes: list[tuple[int, int]], resize: int,
     def weights(axis: int, width: int) -> torch.Tensor:
         given = [size[axis] for size in sizes]
         target = [size[axis] for size in resized]
-        as_tensor = lambda values: torch.tensor(values, dtype=torch.int64, device=device)  # noqa: E731
-        return resize_weights(as_tensor(given), as_tensor(target), as_tensor([crop_start(t, crop) for t in target]),
+        starts = [crop_start(t, crop) for t in target]
+        return resize_weights(host_values(given, device), host_values(target, device), host_values(starts, device),
                               crop, filter_name, width, max_taps(given, target, filter_name))
 
     rows, cols = weights(0, hmax), weights(1, wmax)  # (N, crop, Hmax), (N, crop, Wmax)

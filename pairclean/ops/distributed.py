@@ -21,15 +21,27 @@ def launched_by_torchrun() -> bool:
     return int(os.environ.get("WORLD_SIZE", "1")) > 1
 
 
-def init_from_env(device_type: str | None = None, timeout_minutes: int = 120) -> None:
-    """Join the process group torchrun describes in the environment (once)."""
+def init_from_env(device_type: str | None = None, timeout_minutes: int = 120, share_gpus: bool = False) -> None:
+    """Join the process group torchrun describes in the environment (once).
+
+    `share_gpus`: more ranks on a node than it has GPUs are allowed, the ranks sharing them in
+    turn (`gpu_of_rank`) in a gloo group (NCCL refuses two ranks on one GPU; scoring's collectives
+    are a few numbers and pickled objects). A host-bound pipeline - one prefetching thread, one
+    JPEG decoder behind a process-wide lock, one interpreter dispatching the model - then runs once
+    per process, and the GPU takes their kernels in turn. Without it (training: DDP's gradients),
+    such a launch is refused."""
     if not launched_by_torchrun() or dist.is_initialized():
         return
     if device_type is None:
         device_type = "cuda" if torch.cuda.is_available() else "cpu"
-    backend = "nccl" if device_type == "cuda" else "gloo"
-    if backend == "nccl":
-        torch.cuda.set_device(local_rank())
+    backend = "gloo"
+    if device_type == "cuda":
+        gpus = torch.cuda.device_count()
+        if local_world_size() > gpus and not share_gpus:
+            raise UserError(f"{local_world_size()} ranks on this node and {gpus} GPU(s): training runs one rank "
+                            f"per GPU (torchrun --nproc_per_node {gpus})")
+        torch.cuda.set_device(gpu_of_rank())
+        backend = "nccl" if local_world_size() <= gpus else "gloo"
     dist.init_process_group(backend=backend, timeout=datetime.timedelta(minutes=timeout_minutes))
     atexit.register(leave_group)
 
@@ -57,6 +69,15 @@ def world_size() -> int:
 
 def local_rank() -> int:
     return int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def local_world_size() -> int:
+    return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+
+
+def gpu_of_rank() -> int:
+    """This rank's GPU: its local rank, wrapping round where a node runs more ranks than it has GPUs."""
+    return local_rank() % max(1, torch.cuda.device_count())
 
 
 def is_main() -> bool:
@@ -157,5 +178,5 @@ def gather_with_grad(tensor: torch.Tensor) -> torch.Tensor:
 def default_device_for_rank(requested: str) -> str:
     """Under torchrun with CUDA, `auto` means this rank's own GPU."""
     if requested == "auto" and launched_by_torchrun() and torch.cuda.is_available():
-        return f"cuda:{local_rank()}"
+        return f"cuda:{gpu_of_rank()}"
     return requested

@@ -255,13 +255,29 @@ class StageMeter:
                 "startup_seconds": self.startup[0], "startup_cpu_seconds": self.startup[1]}
 
 
+def _blocking_cuda_copy(func, args: tuple, kwargs: dict) -> bool:
+    """A copy between the host and a CUDA device that waits for the device (no `non_blocking`)."""
+    name = func.overloadpacket.__name__
+    if name == "_to_copy" and kwargs.get("device") is not None and isinstance(args[0], torch.Tensor):
+        devices = {args[0].device.type, torch.device(kwargs["device"]).type}
+        blocking = not kwargs.get("non_blocking", False)
+    elif name == "copy_" and isinstance(args[1], torch.Tensor):
+        devices = {args[0].device.type, args[1].device.type}
+        blocking = not (args[2] if len(args) > 2 else kwargs.get("non_blocking", False))
+    else:
+        return False
+    return blocking and devices == {"cpu", "cuda"}
+
+
 class DeviceReads(TorchDispatchMode):
     """Counts, on any machine, the reads back to the host that a CUDA run would pay for: tensors
     given to `mark` (what would live on the device: a batch's inputs once copied, a model's
     weights) and every tensor computed from them are marked, and a scalar read, `nonzero`,
     `equal` or `masked_select` of a marked tensor is counted by the pairclean line that issued it.
     On CUDA each such read waits for all the GPU work queued before it, so the host cannot queue
-    the next batch meanwhile."""
+    the next batch meanwhile. So does a copy between the host and a CUDA device without
+    `non_blocking` (`torch.tensor(values, device=cuda)`, `.to(cuda)`, `.cpu()`): counted too, where
+    the tensors are CUDA ones (on fake CUDA tensors, `FakeTensorMode`, with no GPU)."""
 
     READS = frozenset({"_local_scalar_dense", "nonzero", "equal", "is_nonzero", "masked_select", "_unique2"})
 
@@ -282,7 +298,7 @@ class DeviceReads(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         inputs = [a for a in tree_flatten((args, kwargs or {}))[0] if isinstance(a, torch.Tensor)]
         derived = any(a in self.marked or isinstance(a, torch.nn.Parameter) for a in inputs)
-        if derived and func.overloadpacket.__name__ in self.READS:
+        if (derived and func.overloadpacket.__name__ in self.READS) or _blocking_cuda_copy(func, args, kwargs or {}):
             ours = [f for f in traceback.extract_stack() if f"{os.sep}pairclean{os.sep}" in f.filename and f.filename != __file__]
             site = f"{ours[-1].filename.rsplit(os.sep + 'pairclean' + os.sep, 1)[1]}:{ours[-1].lineno}" if ours else "?"
             self.sites[site] += 1

@@ -479,6 +479,10 @@ class ZeroCostEstimator:
             return self.decoder(inputs)
         return inputs, {}
 
+    def warm_up(self) -> None:
+        if self.decoder is not None:
+            self.decoder.warm_up()
+
     def encode(self, modality: str, batch) -> torch.Tensor:
         n = batch_rows(batch)
         rows = torch.arange(self.offset, self.offset + n, device=self.device) % self.TABLE_ROWS

@@ -22,7 +22,7 @@ from typing import Any, Callable, Iterable
 import numpy as np
 import torch
 
-from pairclean.backends.base import Estimator, move_batch
+from pairclean.backends.base import Estimator, host_values, move_batch
 from pairclean.backends.feed import DeviceFeed, DevicePrefetcher, device_tensors
 from pairclean.backends.oom import OomBackoff, take_rows
 from pairclean.core.beta import ShuffledAccumulator
@@ -99,7 +99,7 @@ class Scorer:
 
     def score(self, batch: PairBatch, u: torch.Tensor, v: torch.Tensor) -> ScoredBatch:
         scored = ScoredBatch(batch, batch.valid_rows())
-        partners = torch.from_numpy(null_partners(len(u))).to(v.device)
+        partners = host_values(null_partners(len(u)), v.device)
         scored.sims = _to_host((u * v).sum(-1))
         scored.nulls = _to_host((u * v[partners]).sum(-1)) if len(partners) else None
         if self.keep_embeddings:
@@ -247,7 +247,8 @@ def run_pipeline(batches: Iterable[PairBatch], estimator: Estimator, left: str, 
     if meter is not None:
         meter.start()
     prepared = DevicePrefetcher(batches, prepare, estimator.device, threaded=threaded,
-                                held=lambda item: device_tensors((item[0].left, item[0].right)))
+                                held=lambda item: device_tensors((item[0].left, item[0].right)),
+                                warm_up=getattr(estimator, "warm_up", None))
     with closing(iter(prepared)) as ready:  # an error below stops the prefetching thread at once
         for batch, worker_bytes in ready:
             if threaded:  # the thread did these: the main thread waited for them in `receive`

@@ -98,7 +98,7 @@ class Producer(ABC):
     then `finish(records, counters, todo, beta)` on rank 0."""
 
     beta_modes: ClassVar[tuple[str, ...]] = BETA_MODES
-    device_type: str = "cpu"  # torch.distributed backend choice: "cuda" -> NCCL, else gloo
+    device_type: str = "cpu"  # torch.distributed backend choice: "cuda" -> NCCL (gloo where ranks share a GPU), else gloo
 
     @abstractmethod
     def units(self) -> list[str]:
@@ -233,7 +233,7 @@ def _begin(run: Run, producer: Producer, cfg: RunConfig) -> Begun:
 
 def run_scoring(producer: Producer, out: str | Path | Output, cfg: RunConfig) -> ScoreResult:
     """Score every unit of `producer` into `out` (Parquet); resumes an interrupted run."""
-    distributed.init_from_env(device_type=producer.device_type)
+    distributed.init_from_env(device_type=producer.device_type, share_gpus=True)  # ranks may share a GPU
     progress = cfg.progress if distributed.is_main() else SILENT
     check_beta_mode(cfg.beta_mode, cfg.beta, producer.beta_modes, producer.missing_beta() or "")
     units = producer.units()
