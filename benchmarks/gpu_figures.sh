@@ -9,7 +9,8 @@
 #      alternating decode gpu|fast x eager|--compile, the first decode with CPU_SHARE of its JPEGs
 #      decoded in the workers (--cpu-decode-share), then each other installed device decoder
 #      (nvimgcodec, with --with-nvimgcodec's wheels) and benchmarks/device_decoders.py on one batch;
-#   5. a training epoch against the model's own step rate (benchmarks/train_throughput.py);
+#   5. a training epoch against the model's own step rate (benchmarks/train_throughput.py), then one
+#      with its JPEGs decoded on the device (TRAIN_DECODE);
 #      `pairclean score` in one process against RANKS ranks sharing the GPU (benchmarks/ranks_per_gpu.py);
 #   6. benchmarks/cuda_paths.sh (every CUDA path);
 #   7. benchmarks/profile_score.py: the main thread's ops, launches and synchronisations, first decode eager;
@@ -23,7 +24,7 @@
 #     bash benchmarks/gpu_figures.sh [OUT]                  # there (the device call carries benchmarks/wheels)
 # Knobs (environment): BUDGET=480 (seconds) SHARDS=14 PAIRS_PER_SHARD=2500 PROGRESSIVE=0 MODEL=ViT-B-32
 #   PRECISION=bf16 BATCH=1024 TRAIN_BATCH=512 WORKERS=(cores - 2) DEVICE=cuda DECODES="gpu fast" CPU_SHARE=0.3 (0: none)
-#   COMPILE=1 CUDA_PATHS=1 TRAIN=1 PROFILE=1 TOWERS=1 RANKS=2 MIN_SECONDS=8 (a CPU dry run: DEVICE=cpu MODEL=pairclean-tiny SHARDS=2 PAIRS_PER_SHARD=64
+#   COMPILE=1 CUDA_PATHS=1 TRAIN=1 TRAIN_DECODE=gpu PROFILE=1 TOWERS=1 RANKS=2 MIN_SECONDS=8 (a CPU dry run: DEVICE=cpu MODEL=pairclean-tiny SHARDS=2 PAIRS_PER_SHARD=64
 #   BATCH=32 TRAIN_BATCH=32 COMPILE=0 CUDA_PATHS=0)
 set -u
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -49,6 +50,7 @@ CUDA_PATHS=${CUDA_PATHS:-1}
 TRAIN=${TRAIN:-1}
 PROFILE=${PROFILE:-1}
 TOWERS=${TOWERS:-1}
+TRAIN_DECODE=${TRAIN_DECODE:-gpu}  # a second training epoch with --decode TRAIN_DECODE (fast: none)
 RANKS=${RANKS:-2}  # ranks sharing the GPU in benchmarks/ranks_per_gpu.py (0 or 1: skipped)
 MIN_SECONDS=${MIN_SECONDS:-8}
 
@@ -162,6 +164,10 @@ fi
 [ "$TRAIN" = 1 ] && step train 60 python "$ROOT/benchmarks/train_throughput.py" "$W/web/manifest.yaml" --model "$MODEL" \
   --precision "$PRECISION" --batch-size "$TRAIN_BATCH" --workers "$WORKERS" --device "$DEVICE" \
   --min-seconds "$MIN_SECONDS" --json "$OUT/train.json"
+# the same epoch with its JPEGs decoded on the device (TRAIN_DECODE; fast: no such round)
+[ "$TRAIN" = 1 ] && [ "$TRAIN_DECODE" != fast ] && step "train-$TRAIN_DECODE" 60 python "$ROOT/benchmarks/train_throughput.py" \
+  "$W/web/manifest.yaml" --model "$MODEL" --precision "$PRECISION" --batch-size "$TRAIN_BATCH" --workers "$WORKERS" \
+  --device "$DEVICE" --decode "$TRAIN_DECODE" --min-seconds "$MIN_SECONDS" --json "$OUT/train-$TRAIN_DECODE.json"
 [ "$COMPILE" = 1 ] && score "$first-compile" "$first" --compile
 
 if [ "$CUDA_PATHS" = 1 ]; then
@@ -207,12 +213,12 @@ for path in sorted(out.glob("score-*.json")):
                 f"{entry['pipeline_only_main_cpu_ms_per_pair']:8.4f} {entry['worker_capacity_pairs_per_second']:10,.0f}")
 print(f"{'variant':22} {'ceiling/s':>10} {'util':>5} {'e2e/s':>10} {'util':>5} {'ratio':>6} {'pipe/s':>10} {'ms/pair':>8} {'workers/s':>10}")
 print("\n".join(rows))
-train = out / "train.json"
-if train.exists():
+for train in sorted(out.glob("train*.json")):
     t = json.loads(train.read_text())
-    summary["train"] = t
-    print(f"train: model only {t['model_only']['pairs_per_second']:,.0f} pairs/s, end to end "
-          f"{t['end_to_end']['pairs_per_second']:,.0f} pairs/s, ratio {t['end_to_end_over_model_only']:.2f}")
+    summary[train.stem] = t
+    print(f"{train.stem}: model only {t['model_only']['pairs_per_second']:,.0f} pairs/s, end to end "
+          f"{t['end_to_end']['pairs_per_second']:,.0f} pairs/s, ratio {t['end_to_end_over_model_only']:.2f} "
+          f"(--decode {t['config'].get('decode', 'fast')})")
 ranks = out / "ranks.json"
 if ranks.exists():
     r = json.loads(ranks.read_text())

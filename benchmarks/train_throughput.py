@@ -7,7 +7,8 @@
 (a) model only: plain symmetric InfoNCE steps (forward, backward, AdamW) on one real batch of the
     shards, already on the device, repeated: what the model can do at this batch size.
 (b) end to end: `pairclean.train` (plain method, one epoch, no validation, diagnostics on as by
-    default) on the same shards: its own pairs/s, and its data and compute seconds per step.
+    default) on the same shards, its JPEGs decoded as `--decode` says (fast: PIL in the workers;
+    gpu: on the device): its own pairs/s, and its data and compute seconds per step.
 Prints (b)/(a); the issue's target on a GPU is >= 0.6.
 """
 
@@ -71,7 +72,7 @@ def model_only(args, dataset) -> dict:
 
 def end_to_end(args, dataset, out: Path) -> dict:
     cfg = TrainConfig(model=args.model, pretrained=args.pretrained, device=args.device, precision=args.precision,
-                      batch_size=args.batch_size, workers=args.workers, epochs=1, lr=1e-5, warmup_steps=1,
+                      decode=args.decode, batch_size=args.batch_size, workers=args.workers, epochs=1, lr=1e-5, warmup_steps=1,
                       overwrite=True, seed=0)
     called = time.perf_counter()
     result = train(dataset, out, cfg)
@@ -89,6 +90,7 @@ def main() -> None:
     parser.add_argument("--pretrained", default="none")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--precision", default="fp32")
+    parser.add_argument("--decode", default="fast", help="the end-to-end epoch's `decode` (gpu: JPEGs decoded on the device)")
     parser.add_argument("--batch-size", type=int, default=256)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--warmup-steps", type=int, default=3)
@@ -108,7 +110,7 @@ def main() -> None:
     print(f"model only: {ceiling['pairs_per_second']:,.1f} pairs/s ({ceiling['steps']} steps of {ceiling['batch']} on "
           f"{ceiling['device']}); end to end: {e2e['pairs_per_second']:,.1f} pairs/s over {e2e['steps']} steps "
           f"(data {e2e['data_seconds_per_step']:.3f} s, compute {e2e['compute_seconds_per_step']:.3f} s a step); "
-          f"end to end / model only = {report['end_to_end_over_model_only']:.2f}")
+          f"end to end / model only = {report['end_to_end_over_model_only']:.2f} (--decode {args.decode})")
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1))
 

@@ -232,7 +232,7 @@ def test_ranks_beyond_a_nodes_gpus_share_them_for_scoring_in_a_gloo_group_and_tr
     distributed.init_from_env(device_type="cuda", share_gpus=True)
     assert chosen == {"gpu": 0, "backend": "gloo"} and distributed.default_device_for_rank("auto") == "cuda:0"
     chosen.clear()
-    with pytest.raises(UserError, match="2 ranks on this node and 1 GPU.*--nproc_per_node 1"):
+    with pytest.raises(UserError, match=r"2 ranks on this node and 1 GPU.*one rank per GPU \(start 1 a node\)"):
         distributed.init_from_env(device_type="cuda")
     assert not chosen
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)  # a rank per GPU: NCCL, each its own

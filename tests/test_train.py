@@ -377,3 +377,70 @@ def test_a_run_directory_is_created_with_its_parents(tmp_path, coco_shards, caps
                               "--pretrained", "none", "--epochs", "1"], capsys)
     assert code == 2 and err.strip() == f"error: {tmp_path / 'a-file'} is a file: {tmp_path / 'a-file' / 'osa'} cannot " \
                                         "be created in it"
+
+
+def _device_decodes_on_the_cpu(monkeypatch) -> None:
+    """What `--decode gpu` does on a GPU, here: the torchvision decoder built on the CPU device (its
+    decode is libjpeg's there), and the run pinning it as where the device decodes."""
+    from pairclean.backends.device_jpeg import DEVICE_DECODERS, DeviceJpegDecoder
+
+    monkeypatch.setattr(DeviceJpegDecoder, "cannot_run", classmethod(lambda cls, device: None))
+    monkeypatch.setattr(trainer_module, "device_decoder_for", lambda decode, device: DEVICE_DECODERS.get(decode))
+
+
+def test_decode_gpu_leaves_the_training_loops_jpegs_for_the_device_and_pins_its_decoder(tmp_path, coco_shards,
+                                                                                       monkeypatch):
+    """With `decode` gpu the loop's workers send the JPEG files and the loop decodes each batch on
+    the device (on the feed's side stream on CUDA, overlapping the step before); every other loader
+    (validation here) still gets pixels from its workers. The run pins the decoder, so a resume
+    where it cannot decode is refused rather than mixing PIL's pixels with the device's."""
+    from pairclean.backends.device_jpeg import DeviceJpegDecoder
+    from pairclean.backends.inputs import ImageBatch
+
+    _device_decodes_on_the_cpu(monkeypatch)
+    decoded, finished = [], []
+    decode_crop = DeviceJpegDecoder.decode_crop
+    monkeypatch.setattr(DeviceJpegDecoder, "decode_crop", lambda self, files: decoded.append(len(files)) or decode_crop(self, files))
+    on_device = trainer_module._Loop._on_device
+
+    def watched(self, batch, totals):
+        finished.append(isinstance(batch["left"], ImageBatch))
+        return on_device(self, batch, totals)
+
+    monkeypatch.setattr(trainer_module._Loop, "_on_device", watched)
+    fast = train(str(coco_shards), tmp_path / "fast", tiny(workers=1))
+    assert not any(finished) and not decoded
+    finished.clear()
+    result = train(str(coco_shards), tmp_path / "gpu", tiny(workers=1, decode="gpu"), val=str(coco_shards))
+    (rec,) = result.epochs
+    assert finished == [True, True] and sum(decoded) == 16  # the loop's 16 JPEGs; validation's were decoded in its workers
+    assert rec["pairs"] == fast.epochs[0]["pairs"] == 16 and rec["skipped_errors"] == 0 and math.isfinite(rec["train_loss"])
+    settings = json.loads((tmp_path / "gpu" / "run.json").read_text())["settings"]
+    assert settings["decode"] == "gpu" and settings["device_decoder"] == DeviceJpegDecoder.version
+    assert "decode" not in json.loads((tmp_path / "fast" / "run.json").read_text())["settings"]  # as earlier runs
+    monkeypatch.undo()  # no device decodes here now: the run's settings differ
+    with pytest.raises(UserError, match=f"device_decoder: {DeviceJpegDecoder.version} -> None"):
+        train(str(coco_shards), tmp_path / "gpu", tiny(workers=1, decode="gpu", epochs=2, resume=True))
+
+
+def test_a_row_the_device_cannot_decode_leaves_the_training_batch_as_an_error(tmp_path, coco_shards, monkeypatch):
+    from pairclean.backends.device_jpeg import DeviceJpegDecoder
+
+    _device_decodes_on_the_cpu(monkeypatch)
+    call = DeviceJpegDecoder.__call__
+
+    def first_row_fails(self, batch):
+        pixels, failed = call(self, batch)
+        return pixels, {**failed, 0: "broken JPEG data"}
+
+    monkeypatch.setattr(DeviceJpegDecoder, "__call__", first_row_fails)
+    (rec,) = train(str(coco_shards), tmp_path / "run", tiny(decode="gpu")).epochs
+    assert rec["steps"] == 2 and rec["pairs"] == 14 and rec["skipped_errors"] == 2
+    assert len(_diagnostics(tmp_path / "run")) == 14  # the rows left out have no diagnostics either
+
+
+def test_an_unknown_decode_is_refused_in_one_line(tmp_path, coco_shards):
+    from pairclean.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="decode"):
+        tiny(decode="nvjpeg")

@@ -63,7 +63,9 @@ class Estimator(Protocol):
 
 
 class Target(Protocol):
-    """A dual encoder under training: what the trainer, the loss and retrieval evaluation use."""
+    """A dual encoder under training: what the trainer, the loss and retrieval evaluation use.
+    Optional: `loop_preparer`, what the training loop's own loader prepares with where it differs
+    from `preparer` (JPEGs left for the device, which `estimator.finish_batch` decodes)."""
 
     backend: str
     device: torch.device
@@ -89,6 +91,7 @@ class Backend:
     # How its estimators compute at bf16/fp16, pinned in a run's settings: a resumed run computes alike.
     # "autocast": fp32 weights under torch.autocast; "stored": weights stored in the low precision.
     low_precision: ClassVar[str] = "autocast"
+    decodes_images: ClassVar[bool] = False  # its `target` takes `decode` (fast, exact, a device decoder)
 
     @classmethod
     def detects(cls, model: str) -> bool:
@@ -102,7 +105,8 @@ class Backend:
 
     @classmethod
     def target(cls, model: str, pretrained: str, device: str, temperature: float | None) -> Target:
-        """The trainable target (temperature None: the backend's own)."""
+        """The trainable target (temperature None: the backend's own; with `decodes_images`, also
+        `decode`: how its training loop's JPEGs are decoded)."""
         raise UserError(f"the {cls.name} backend builds no training target (it cannot be trained)")
 
     @classmethod
@@ -170,12 +174,14 @@ def build_estimator(backend: str = FALLBACK_BACKEND, model: str | None = None, *
 
 
 def load_target(model: str, pretrained: str | None = "none", backend: str = "auto", device: str = "auto",
-                temperature: float | None = None, needed: tuple[str, ...] = ()) -> Target:
+                temperature: float | None = None, needed: tuple[str, ...] = (), decode: str = "fast") -> Target:
     """The model to train; `auto` recognises the backend from the model (and the modalities `needed`).
     `pretrained` None: the model's own weights (see the backend)."""
     if temperature is not None and temperature <= 0:
         raise ConfigError("temperature must be positive", "temperature")
-    return BACKENDS[resolve_backend(backend, model, needed)].target(model, pretrained, device, temperature)
+    cls = BACKENDS[resolve_backend(backend, model, needed)]
+    options = {"decode": decode} if cls.decodes_images else {}  # a backend reading no images has nothing to decode
+    return cls.target(model, pretrained, device, temperature, **options)
 
 
 def load_exported(description: dict, weights: str | os.PathLike, device: str = "auto") -> Target:

@@ -3,7 +3,8 @@
 A DataLoader with `pin_memory` hands over page-locked batches; `DeviceFeed` copies them to the
 device asynchronously on a side stream, and makes the compute stream wait for those copies only,
 so the model keeps computing the batch before while the next one crosses the bus (training feeds
-its batches through it). On a CPU device it hands batches on unchanged.
+its batches through it, and decodes its JPEGs there with `--decode gpu`). On a CPU device it hands
+batches on unchanged.
 
 `DevicePrefetcher` goes one step further for work the host must wait for: it prepares batch i+1
 (copies and device preprocessing, where torchvision's nvJPEG decode blocks until the batch is
@@ -51,13 +52,21 @@ class DeviceFeed:
     def __call__(self, value: Any) -> Any:
         if self.stream is None:
             return value
+        return self.run(move_batch, value, self.device)
+
+    def run(self, fn: Callable, *args) -> Any:
+        """`fn(*args)` queued on the side stream (on CUDA; called as is elsewhere), its device
+        tensors handed to the compute stream as the copies are: device preprocessing of the next
+        batch (a decode, a resize) overlaps the compute stream's work on the one before."""
+        if self.stream is None:
+            return fn(*args)
         compute = torch.cuda.current_stream(self.device)
         with torch.cuda.stream(self.stream):  # allocated from the side stream's pool: record_stream below guards it
-            moved = move_batch(value, self.device)
+            out = fn(*args)
         compute.wait_stream(self.stream)
-        for tensor in device_tensors(moved):
+        for tensor in device_tensors(out):
             tensor.record_stream(compute)
-        return moved
+        return out
 
 
 _DONE = object()

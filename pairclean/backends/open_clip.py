@@ -536,13 +536,20 @@ class OpenClipTarget:
 
     backend = "open_clip"
 
-    def __init__(self, model: str, pretrained: str, device: str = "auto", temperature: float | None = None):
-        self.estimator = OpenClipEstimator(model=model, pretrained=pretrained, device=device, precision="fp32")
+    def __init__(self, model: str, pretrained: str, device: str = "auto", temperature: float | None = None,
+                 decode: str = "fast"):
+        self.estimator = OpenClipEstimator(model=model, pretrained=pretrained, device=device, precision="fp32",
+                                           decode=decode)
         self.module = self.estimator.model
         self.module.requires_grad_(True).train()
         self.device = self.estimator.device
-        self.preparer = copy.copy(self.estimator.preparer)
-        self.preparer.token_ends = False  # training's methods index and concatenate plain token ids
+        # The training loop's loader leaves JPEGs for the device decoder, where one decodes (`decode`
+        # gpu ...): the loop finishes its batches there. Every other loader (validation, a method's
+        # scoring passes, a second network's) hands over pixels, decoded in its workers.
+        self.loop_preparer = copy.copy(self.estimator.preparer)
+        self.loop_preparer.token_ends = False  # training's methods index and concatenate plain token ids
+        self.preparer = copy.copy(self.loop_preparer)
+        self.preparer.device_jpeg = False
         self.temperature = temperature
         if temperature is not None:  # a fixed temperature replaces the learned one
             self.module.logit_scale.requires_grad_(False)
@@ -585,6 +592,7 @@ class OpenClipBackend(Backend):
     # (`_in_stored_dtype`): on CPUs bit for bit what autocast gave; on CUDA (fp32 layer norms, fused
     # attention) expected within bf16 rounding of it - not yet measured on a GPU
     low_precision = "stored"
+    decodes_images = True
 
     @classmethod
     def detects(cls, model: str) -> bool:
@@ -599,8 +607,9 @@ class OpenClipBackend(Backend):
         return OpenClipEstimator(model, **options)
 
     @classmethod
-    def target(cls, model: str, pretrained: str, device: str, temperature: float | None) -> OpenClipTarget:
-        return OpenClipTarget(model, pretrained, device=device, temperature=temperature)
+    def target(cls, model: str, pretrained: str, device: str, temperature: float | None,
+               decode: str = "fast") -> OpenClipTarget:
+        return OpenClipTarget(model, pretrained, device=device, temperature=temperature, decode=decode)
 
     @classmethod
     def exported(cls, description: dict, weights: Path, device: str) -> OpenClipTarget:

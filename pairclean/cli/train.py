@@ -205,6 +205,7 @@ def train_command(
     temperature: Optional[float] = typer.Option(None, help="Fixed softmax temperature (default: open_clip learns it; sentence-transformers 0.05)."),
     device: options.Device = "auto",
     precision: options.Precision = "fp32",
+    decode: options.Decode = "fast",
     workers: int = typer.Option(2, help="DataLoader workers reading, decoding and tokenising."),
     shuffle_buffer: int = typer.Option(1000, help="Pairs in each worker's shuffle buffer."),
     val_batch_size: int = typer.Option(256, help="Pairs per forward pass during validation."),
@@ -223,7 +224,7 @@ def train_command(
 
     with train_wording(name):
         cfg = TrainConfig(model=model, pretrained=pretrained, backend=backend, device=device, precision=precision,
-                          epochs=epochs, batch_size=batch_size, lr=lr, weight_decay=weight_decay,
+                          decode=decode, epochs=epochs, batch_size=batch_size, lr=lr, weight_decay=weight_decay,
                           warmup_steps=warmup_steps, min_lr_ratio=min_lr_ratio, grad_clip=grad_clip or None,
                           temperature=temperature, method=name, method_options=method_options, workers=workers,
                           shuffle_buffer=shuffle_buffer, val_batch_size=val_batch_size, log_every=log_every,

@@ -39,7 +39,7 @@ def init_from_env(device_type: str | None = None, timeout_minutes: int = 120, sh
         gpus = torch.cuda.device_count()
         if local_world_size() > gpus and not share_gpus:
             raise UserError(f"{local_world_size()} ranks on this node and {gpus} GPU(s): training runs one rank "
-                            f"per GPU (torchrun --nproc_per_node {gpus})")
+                            f"per GPU (start {gpus} a node)")
         torch.cuda.set_device(gpu_of_rank())
         backend = "nccl" if local_world_size() <= gpus else "gloo"
     dist.init_process_group(backend=backend, timeout=datetime.timedelta(minutes=timeout_minutes))

@@ -35,7 +35,10 @@ from pairclean.config import check_choice, check_pretrained
 from pairclean.errors import ConfigError, UserError
 from pairclean.backends import load_target
 from pairclean.backends.base import PRECISIONS, autocast_context
+from pairclean.backends.device_jpeg import check_cpu_decode_share, device_decoder_for
 from pairclean.backends.feed import DeviceFeed
+from pairclean.backends.inputs import ImageBatch
+from pairclean.backends.oom import take_rows
 from pairclean.data.dataset import Dataset, as_dataset
 from pairclean.data.spec import DatasetSpec, modalities
 from pairclean.train.retrieval import JointTarget, evaluate_target
@@ -54,6 +57,9 @@ class TrainConfig:
     backend: str = "auto"  # auto | open_clip | sentence-transformers
     device: str = unpinned("auto")
     precision: str = "fp32"  # fp32 | bf16 (autocast) | fp16 (CUDA, with a grad scaler)
+    # fast | exact (PIL in the workers) | gpu, nvimgcodec, dali: the training loop's JPEGs decoded on the
+    # CUDA device (the workers' PIL elsewhere); pinned by `_settings` where it is not fast
+    decode: str = unpinned("fast")
     epochs: int = setting(5, COUNT)
     batch_size: int = setting(256, at_least(2))  # in-batch negatives need two pairs
     lr: float = setting(5e-6, above(0))
@@ -81,6 +87,7 @@ class TrainConfig:
         check_settings(self)
         check_pretrained(self.pretrained)
         check_choice(self.precision, PRECISIONS, "precision")
+        check_cpu_decode_share(0.0, self.decode)  # `decode` is one of the known ways
 
 
 @dataclass
@@ -165,8 +172,14 @@ def _prepare_run_dir(out: Path, cfg: TrainConfig) -> bool:
 
 
 def _settings(cfg: TrainConfig, spec: DatasetSpec, val: DatasetSpec | None) -> dict:
+    # How the loop's images are decoded, where not as every earlier pairclean did (fast): what decodes
+    # them (a device decoder's version; None: the workers' PIL), so a resumed run decodes alike or is refused
+    decoding = {}
+    if cfg.decode != "fast" and "image" in modalities(spec.pair):
+        decoder = device_decoder_for(cfg.decode, distributed.default_device_for_rank(cfg.device))
+        decoding = {"decode": cfg.decode, "device_decoder": decoder.version if decoder else None}
     return {**pinned_settings(cfg), "pair": spec.pair, "train_shards": spec.shards, "fields": asdict(spec.fields),
-            "val_shards": val.shards if val else None}
+            "val_shards": val.shards if val else None, **decoding}
 
 
 def train(source: str | list[str] | DatasetSpec | Dataset, out: str | Path | Output, config: TrainConfig | None = None,
@@ -205,7 +218,8 @@ def train(source: str | list[str] | DatasetSpec | Dataset, out: str | Path | Out
     random.seed(cfg.seed)
     left_mod, right_mod = modalities(spec.pair)
     target = load_target(cfg.model, cfg.pretrained, backend=cfg.backend, needed=(left_mod, right_mod),
-                         device=distributed.default_device_for_rank(cfg.device), temperature=cfg.temperature)
+                         device=distributed.default_device_for_rank(cfg.device), temperature=cfg.temperature,
+                         decode=cfg.decode)
     autocast_context(target.device, cfg.precision)  # refuses fp16 without CUDA before any work
     shards = index_shards(data)
     ctx = MethodContext(dataset=data, shards=shards, target=target, run_dir=out, seed=cfg.seed, left=left_mod,
@@ -213,7 +227,8 @@ def train(source: str | list[str] | DatasetSpec | Dataset, out: str | Path | Out
     plan = method.setup(ctx)  # before the saved weights are loaded: a frozen estimator copies the initial model
     pairs = plan.pairs if plan.pairs is not None else sum(s.rows for s in shards)
     # Each rank reads its own shards (split_by_node) in batches of batch_size / world.
-    dataset = TrainBatches(data, target.preparer, cfg.batch_size // world, cfg.seed, cfg.shuffle_buffer, plan)
+    dataset = TrainBatches(data, getattr(target, "loop_preparer", target.preparer), cfg.batch_size // world, cfg.seed,
+                           cfg.shuffle_buffer, plan)
     workers = min(cfg.workers, len(dataset.units))
     spans = unit_spans(data, dataset.units, shards)
 
@@ -401,6 +416,7 @@ class _Loop:
         step only while every rank has a full local batch (DDP needs the same steps everywhere); a rank's
         partial batches are left out and counted as dropped."""
         full = self.cfg.batch_size // distributed.world_size()
+        usable = lambda n: n >= 2 and (n == full or not distributed.is_distributed())  # noqa: E731 - a lone pair has no negatives
         it = iter(loader)
         for _ in (range(loader.steps) if loader.steps is not None else itertools.count()):
             batch = next(it, None)
@@ -409,15 +425,32 @@ class _Loop:
                 totals["errors"] += stats["errors"]
                 totals["dropped"] += stats["dropped"]
                 failures.extend(stats["failures"])
-                n = len(batch["key"])
-                if n >= 2 and (n == full or not distributed.is_distributed()):  # a lone pair has no negatives
-                    break
+                if usable(len(batch["key"])):
+                    batch = self._on_device(batch, totals)
+                    if usable(len(batch["key"])):
+                        break
                 if distributed.is_distributed():
-                    totals["dropped"] += n
+                    totals["dropped"] += len(batch["key"])
                 batch = next(it, None)
             if not distributed.all_reduce_min(batch is not None):
                 return
-            yield {k: self.feed(v) if k.endswith(FED) else v for k, v in batch.items()}
+            yield batch
+
+    def _on_device(self, batch: dict, totals: dict) -> dict:
+        """The batch's inputs on the device, copied on the feed's side stream; JPEGs the loader left
+        for the device (`decode` gpu ...) decoded there too, overlapping the step before. A row
+        neither the device nor PIL can decode leaves the batch, counted as an error."""
+        batch = {k: self.feed(v) if k.endswith(FED) else v for k, v in batch.items()}
+        failed: dict[int, str] = {}
+        for side, modality in (("left", self.ctx.left), ("right", self.ctx.right)):
+            if isinstance(batch[side], ImageBatch):
+                batch[side], bad = self.feed.run(self.target.estimator.finish_batch, modality, batch[side])
+                failed.update(bad)
+        if failed:
+            totals["errors"] += len(failed)
+            keep = [row for row in range(len(batch["key"])) if row not in failed]
+            batch = {k: v if k == "stats" else take_rows(v, keep) for k, v in batch.items()}
+        return batch
 
     def _settle(self, done: "_Settled", epoch: int, totals: dict, task, epoch_start: float) -> None:
         """A step's loss, diagnostics, log line and progress, read one step late: reading a loss
