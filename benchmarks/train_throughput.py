@@ -80,6 +80,7 @@ def end_to_end(args, dataset, out: Path) -> dict:
     return {"pairs": record["pairs"], "steps": record["steps"], "epoch_seconds": record["seconds"],
             "pairs_per_second": record["pairs_per_second"], "data_seconds_per_step": record["data_seconds_per_step"],
             "compute_seconds_per_step": record["compute_seconds_per_step"],
+            "first_batch_seconds": record["first_batch_seconds"],
             "whole_call_seconds": time.perf_counter() - called}
 
 
@@ -109,7 +110,8 @@ def main() -> None:
               "load": (load, os.getloadavg()[0])}
     print(f"model only: {ceiling['pairs_per_second']:,.1f} pairs/s ({ceiling['steps']} steps of {ceiling['batch']} on "
           f"{ceiling['device']}); end to end: {e2e['pairs_per_second']:,.1f} pairs/s over {e2e['steps']} steps "
-          f"(data {e2e['data_seconds_per_step']:.3f} s, compute {e2e['compute_seconds_per_step']:.3f} s a step); "
+          f"(data {e2e['data_seconds_per_step']:.3f} s, compute {e2e['compute_seconds_per_step']:.3f} s a step, "
+          f"the first batch after {e2e['first_batch_seconds']:.2f} s); "
           f"end to end / model only = {report['end_to_end_over_model_only']:.2f} (--decode {args.decode})")
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1))

@@ -57,6 +57,7 @@ def test_plain_run_writes_a_checkpoint_open_clip_loads(tmp_path, coco_shards):
     assert [r["epoch"] for r in result.epochs] == [1]
     rec = result.epochs[0]
     assert rec["pairs"] == 16 and rec["steps"] == 2 and 0 <= rec["val_rsum"] <= 600
+    assert 0 < rec["first_batch_seconds"] <= rec["seconds"]  # the loader's start, within the epoch
     assert result.best_epoch == 1 and result.best_model.is_file() and result.last_model.is_file()
     register_model_configs()
     model, _, _ = open_clip.create_model_and_transforms("pairclean-tiny", pretrained=str(result.last_model),

@@ -481,10 +481,12 @@ class _Loop:
         totals = {"loss_sum": 0.0, "pairs": 0, "steps": 0, "errors": 0, "dropped": 0, "compute_s": 0.0, "data_s": 0.0}
         failures: list[str] = []
         epoch_start = ready = time.perf_counter()
-        pending = None
+        pending, first_batch = None, None
         for batch in self._batches(loader, totals, failures):
             began = time.perf_counter()
             totals["data_s"] += began - ready
+            if first_batch is None:  # the loader's start: its workers forked, each one's first batch prepared
+                first_batch = began - epoch_start
             lr = self.optimizer.param_groups[0]["lr"]  # this step's (the schedule moves on after it)
             out = self._step(batch)
             if pending is not None:  # the step before's figures: the device is on this step already
@@ -506,7 +508,7 @@ class _Loop:
                   "steps": totals["steps"], "skipped_errors": totals["errors"], "dropped": totals["dropped"],
                   "failed_shards": failures, "seconds": seconds,
                   "compute_seconds_per_step": totals["compute_s"] / totals["steps"],
-                  "data_seconds_per_step": totals["data_s"] / totals["steps"],
+                  "data_seconds_per_step": totals["data_s"] / totals["steps"], "first_batch_seconds": first_batch,
                   "pairs_per_second": totals["pairs"] / seconds}
         record.update(self.method.on_epoch_end(epoch, self.ctx))
         return record
