@@ -35,7 +35,7 @@ from pairclean.config import check_choice, check_pretrained
 from pairclean.errors import ConfigError, UserError
 from pairclean.backends import load_target
 from pairclean.backends.base import PRECISIONS, autocast_context
-from pairclean.backends.device_jpeg import check_cpu_decode_share, device_decoder_for
+from pairclean.backends.device_jpeg import DEVICE_DECODERS, WORKER_DECODES, device_decoder_for
 from pairclean.backends.feed import DeviceFeed
 from pairclean.backends.inputs import ImageBatch
 from pairclean.backends.oom import take_rows
@@ -87,7 +87,7 @@ class TrainConfig:
         check_settings(self)
         check_pretrained(self.pretrained)
         check_choice(self.precision, PRECISIONS, "precision")
-        check_cpu_decode_share(0.0, self.decode)  # `decode` is one of the known ways
+        check_choice(self.decode, (*WORKER_DECODES, *DEVICE_DECODERS), "decode")
 
 
 @dataclass
