@@ -212,8 +212,9 @@ def test_one_rank_killed_mid_job_then_the_job_resumed(twelve_groups, twelve_refe
 
 def test_ranks_beyond_a_nodes_gpus_share_them_for_scoring_in_a_gloo_group_and_training_refuses(monkeypatch):
     """`torchrun --nproc_per_node 2` on a one-GPU node: each scoring rank runs its own host-bound
-    pipeline on the one GPU, in a gloo group (NCCL refuses two ranks on a GPU); training, whose
-    gradients go through NCCL, refuses in one line. CUDA and the group are stood in for (no GPU here)."""
+    pipeline on the one GPU, in a gloo group (NCCL refuses two ranks on a GPU; scoring's group is gloo
+    on every node, so nodes with other GPU counts agree); training, whose gradients go through NCCL,
+    refuses in one line. CUDA and the group are stood in for (no GPU here)."""
     import torch
     import torch.distributed as dist
 
@@ -235,6 +236,8 @@ def test_ranks_beyond_a_nodes_gpus_share_them_for_scoring_in_a_gloo_group_and_tr
     with pytest.raises(UserError, match=r"2 ranks on this node and 1 GPU.*one rank per GPU \(start 1 a node\)"):
         distributed.init_from_env(device_type="cuda")
     assert not chosen
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)  # a rank per GPU: NCCL, each its own
-    distributed.init_from_env(device_type="cuda")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)  # a rank per GPU: each its own
+    distributed.init_from_env(device_type="cuda")  # training: NCCL
     assert chosen == {"gpu": 1, "backend": "nccl"} and distributed.default_device_for_rank("auto") == "cuda:1"
+    distributed.init_from_env(device_type="cuda", share_gpus=True)  # scoring: gloo on every node, whatever its GPUs
+    assert chosen == {"gpu": 1, "backend": "gloo"}

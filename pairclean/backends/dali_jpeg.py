@@ -83,6 +83,10 @@ class DaliJpegDecoder(BatchedDeviceDecoder):
         pipe.build()
         return pipe
 
+    def warm_up(self) -> None:
+        """Nothing: the pipeline is built for the batch's size at the first batch, and one built for a
+        single file would be built again there."""
+
     def decode_crop(self, files: list[torch.Tensor]) -> tuple[torch.Tensor, list[int]]:
         if len(files) > self.capacity:
             self.pipe, self.capacity = self._build(len(files)), len(files)

@@ -238,14 +238,38 @@ class DeviceJpegDecoder(BatchedDeviceDecoder):
     # prefetching thread nothing.
     progressive = False
 
+    def __init__(self, transform: StandardTransform, device: torch.device, preprocess):
+        super().__init__(transform, device, preprocess)
+        self.decode_stream = None  # CUDA: the stream torchvision's decoded images are allocated on (`decode_crop`)
+
     def decode_crop(self, files: list[torch.Tensor]) -> tuple[torch.Tensor, list[int]]:
         from torchvision.io import ImageReadMode, decode_jpeg
 
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # torchvision 0.29 deprecates its image decoders
-            out = decode_jpeg(files, mode=ImageReadMode.RGB, device=self.device)
-        images = out if isinstance(out, list) else [out]
+            if self.device.type != "cuda":
+                images = decode_jpeg(files, mode=ImageReadMode.RGB, device=self.device)
+            else:
+                images = self._decode_on_cuda(files, decode_jpeg, ImageReadMode.RGB)
+        images = images if isinstance(images, list) else [images]
         return resize_many(images, self.transform.resize, self.transform.crop, self.filter), list(range(len(files)))
+
+    def _decode_on_cuda(self, files: list[torch.Tensor], decode_jpeg, mode) -> list[torch.Tensor]:
+        """torchvision allocates the decoded images on the caller's current stream but writes them on a
+        stream of its own, which never waits for the caller's: an image freed while the caller's queued
+        work still reads it (the resize below; nothing waits for the device any more) could be handed
+        to the next decode and overwritten. So the images come from a stream of their own and are
+        recorded on the caller's: the caching allocator reuses their memory only once the caller's
+        work queued before they were freed is done."""
+        consumer = torch.cuda.current_stream(self.device)
+        if self.decode_stream is None:
+            self.decode_stream = torch.cuda.Stream(self.device)
+        with torch.cuda.stream(self.decode_stream):  # torchvision makes this stream wait for its decode
+            images = decode_jpeg(files, mode=mode, device=self.device)
+        consumer.wait_stream(self.decode_stream)
+        for image in images:
+            image.record_stream(consumer)
+        return images
 
 
 def resize_many(images: list[torch.Tensor], resize: int, crop: int, filter_name: str) -> torch.Tensor:

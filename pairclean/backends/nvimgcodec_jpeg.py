@@ -86,8 +86,9 @@ class NvImageCodecDecoder(BatchedDeviceDecoder):
         """An nvImageCodec image as a uint8 (3, H, W) tensor on the device, sharing its memory."""
         if image.buffer_kind == self.library.ImageBufferKind.STRIDED_DEVICE:
             return torch.from_dlpack(image)  # ready on our stream: the decode call was ordered on it
-        # Host memory: a view (on CUDA a copy, staged by the driver before the call returns, so it waits for nothing)
-        return torch.from_numpy(np.asarray(image)).to(self.device, non_blocking=True)
+        # Host memory, page-locked by nvImageCodec and freed with the image: a view, or on CUDA a copy
+        # that completes before the call returns (an asynchronous one could outlive the image's memory)
+        return torch.from_numpy(np.asarray(image)).to(self.device)
 
     def decode_crop(self, files: list[torch.Tensor]) -> tuple[torch.Tensor, list[int]]:
         streams, parsed = [], []

@@ -10,6 +10,7 @@ from typing import Any, Callable
 
 import torch
 
+from pairclean.backends.base import host_values
 from pairclean.backends.inputs import TokenBatch
 from pairclean.ops.notices import notice_once
 
@@ -26,7 +27,7 @@ def batch_rows(batch: Any) -> int:
 def take_rows(batch: Any, rows: slice | list[int]) -> Any:
     """The same kind of batch holding only `rows` (a slice, or a list of positions)."""
     if isinstance(batch, torch.Tensor):
-        return batch[rows] if isinstance(rows, slice) else batch[torch.as_tensor(rows, dtype=torch.long)]
+        return batch[rows] if isinstance(rows, slice) else batch[host_values(rows, batch.device)]
     if isinstance(batch, dict):
         return {k: take_rows(v, rows) for k, v in batch.items()}
     if isinstance(batch, TokenBatch):

@@ -1,4 +1,4 @@
-"""torch.distributed glue for runs launched by torchrun (NCCL on GPUs, gloo on CPU).
+"""torch.distributed glue for runs launched by torchrun (NCCL for training on GPUs, gloo on CPU and for scoring).
 
 pairclean never manages processes itself: torchrun (or SLURM + torchrun) starts one process per
 rank with RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR set, and these helpers join the group.
@@ -24,12 +24,13 @@ def launched_by_torchrun() -> bool:
 def init_from_env(device_type: str | None = None, timeout_minutes: int = 120, share_gpus: bool = False) -> None:
     """Join the process group torchrun describes in the environment (once).
 
-    `share_gpus`: more ranks on a node than it has GPUs are allowed, the ranks sharing them in
-    turn (`gpu_of_rank`) in a gloo group (NCCL refuses two ranks on one GPU; scoring's collectives
-    are a few numbers and pickled objects). A host-bound pipeline - one prefetching thread, one
-    JPEG decoder behind a process-wide lock, one interpreter dispatching the model - then runs once
-    per process, and the GPU takes their kernels in turn. Without it (training: DDP's gradients),
-    such a launch is refused."""
+    `share_gpus` (scoring, whose collectives are a few numbers and pickled objects): the group is
+    gloo on every node, and a node may run more ranks than it has GPUs, the ranks sharing them in
+    turn (`gpu_of_rank`; NCCL refuses two ranks on one GPU, and a choice made per node could
+    differ between nodes). A host-bound pipeline - one prefetching thread, one JPEG decoder behind a
+    process-wide lock, one interpreter dispatching the model - then runs once per process, and the
+    GPU takes their kernels in turn. Without it (training: DDP's gradients go through NCCL), such a
+    launch is refused."""
     if not launched_by_torchrun() or dist.is_initialized():
         return
     if device_type is None:
@@ -41,7 +42,7 @@ def init_from_env(device_type: str | None = None, timeout_minutes: int = 120, sh
             raise UserError(f"{local_world_size()} ranks on this node and {gpus} GPU(s): training runs one rank "
                             f"per GPU (start {gpus} a node)")
         torch.cuda.set_device(gpu_of_rank())
-        backend = "nccl" if local_world_size() <= gpus else "gloo"
+        backend = "gloo" if share_gpus else "nccl"
     dist.init_process_group(backend=backend, timeout=datetime.timedelta(minutes=timeout_minutes))
     atexit.register(leave_group)
 
