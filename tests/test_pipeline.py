@@ -82,10 +82,9 @@ def test_stage_meter_measures_the_steady_state_after_the_first_batch():
 def as_if_the_device_decodes(monkeypatch) -> None:
     """Runs pin what they would pin where the device decoder runs (CUDA and its package here):
     the CPU's workers still decode the pixels, which no pin test looks at."""
-    from pairclean.backends.device_jpeg import DEVICE_DECODERS
-    from pairclean.scoring import model
+    from pairclean.backends import device_jpeg
 
-    monkeypatch.setattr(model, "device_decoder_for", lambda decode, device: DEVICE_DECODERS.get(decode))
+    monkeypatch.setattr(device_jpeg, "device_decoder_for", lambda decode, device: device_jpeg.DEVICE_DECODERS.get(decode))
 
 
 @pytest.fixture

@@ -382,11 +382,11 @@ def test_a_run_directory_is_created_with_its_parents(tmp_path, coco_shards, caps
 
 def _device_decodes_on_the_cpu(monkeypatch) -> None:
     """What `--decode gpu` does on a GPU, here: the torchvision decoder built on the CPU device (its
-    decode is libjpeg's there), and the run pinning it as where the device decodes."""
-    from pairclean.backends.device_jpeg import DEVICE_DECODERS, DeviceJpegDecoder
+    decode is libjpeg's there), and the run pinning it as where the device decodes (`cannot_run`
+    answers both)."""
+    from pairclean.backends.device_jpeg import DeviceJpegDecoder
 
     monkeypatch.setattr(DeviceJpegDecoder, "cannot_run", classmethod(lambda cls, device: None))
-    monkeypatch.setattr(trainer_module, "device_decoder_for", lambda decode, device: DEVICE_DECODERS.get(decode))
 
 
 def test_decode_gpu_leaves_the_training_loops_jpegs_for_the_device_and_pins_its_decoder(tmp_path, coco_shards,

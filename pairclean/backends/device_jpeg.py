@@ -22,6 +22,7 @@ import io
 import os
 import warnings
 from abc import ABC, abstractmethod
+from contextlib import nullcontext
 
 import torch
 from PIL import Image
@@ -67,11 +68,16 @@ def worker_decodes(data: bytes, share: float) -> bool:
     return share > 0 and int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "big") < share * 2**64
 
 
+def check_decode(decode: str) -> None:
+    """`decode` names a way to decode: the workers' PIL (fast, exact) or a registered device decoder."""
+    check_choice(decode, (*WORKER_DECODES, *DEVICE_DECODERS), "decode")
+
+
 def check_cpu_decode_share(share: float, decode: str) -> float:
     """`cpu_decode_share` as a float in [0, 1]; a ConfigError where it is set without a device
     decoder (every image is decoded in the workers then: the share would silently mean nothing)."""
     share = check_value(share, float, SHARE, "cpu_decode_share")
-    check_choice(decode, (*WORKER_DECODES, *DEVICE_DECODERS), "decode")
+    check_decode(decode)
     if share and decode not in DEVICE_DECODERS:
         raise ConfigError(f"`cpu_decode_share` splits the JPEGs between a device decoder and the CPU workers; "
                           f"`decode` {decode} decodes every image in the workers already: use `decode` "
@@ -154,6 +160,16 @@ def device_decoder_for(decode: str, device: str) -> type[DeviceDecoder] | None:
     leaves every image to the workers; a run pins its model, so a resumed run decides alike.)"""
     cls = DEVICE_DECODERS.get(decode)
     return cls if cls is not None and cls.cannot_run(pick_device(device)) is None else None
+
+
+def pinned_decoding(decode: str, device: str, share: float = 0.0) -> dict:
+    """What a run pins of how its JPEGs are decoded: the device decoder's version (and the share the
+    workers keep) where one decodes; nothing where the workers' PIL decodes every image, as in every
+    earlier pairclean. A resumed run decodes alike, or is refused (a missing key compares as None)."""
+    decoder = device_decoder_for(decode, device)
+    if decoder is None:
+        return {}
+    return {"device_decoder": decoder.version, **({"cpu_decode_share": share} if share else {})}
 
 
 def host_threads() -> int:
@@ -243,32 +259,30 @@ class DeviceJpegDecoder(BatchedDeviceDecoder):
         self.decode_stream = None  # CUDA: the stream torchvision's decoded images are allocated on (`decode_crop`)
 
     def decode_crop(self, files: list[torch.Tensor]) -> tuple[torch.Tensor, list[int]]:
-        from torchvision.io import ImageReadMode, decode_jpeg
-
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # torchvision 0.29 deprecates its image decoders
-            if self.device.type != "cuda":
-                images = decode_jpeg(files, mode=ImageReadMode.RGB, device=self.device)
-            else:
-                images = self._decode_on_cuda(files, decode_jpeg, ImageReadMode.RGB)
-        images = images if isinstance(images, list) else [images]
+        images = self._decode(files)
         return resize_many(images, self.transform.resize, self.transform.crop, self.filter), list(range(len(files)))
 
-    def _decode_on_cuda(self, files: list[torch.Tensor], decode_jpeg, mode) -> list[torch.Tensor]:
-        """torchvision allocates the decoded images on the caller's current stream but writes them on a
-        stream of its own, which never waits for the caller's: an image freed while the caller's queued
-        work still reads it (the resize below; nothing waits for the device any more) could be handed
-        to the next decode and overwritten. So the images come from a stream of their own and are
-        recorded on the caller's: the caching allocator reuses their memory only once the caller's
-        work queued before they were freed is done."""
-        consumer = torch.cuda.current_stream(self.device)
-        if self.decode_stream is None:
+    def _decode(self, files: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The files decoded on the device. On CUDA, torchvision allocates the images on the caller's
+        current stream but writes them on a stream of its own, which never waits for the caller's:
+        an image freed while the caller's queued work still reads it (the resize; nothing waits for
+        the device any more) could be handed to the next decode and overwritten. So the images come
+        from a stream of their own and are recorded on the caller's: the caching allocator reuses
+        their memory only once the caller's work queued before they were freed is done."""
+        from torchvision.io import ImageReadMode, decode_jpeg
+
+        cuda = self.device.type == "cuda"
+        consumer = torch.cuda.current_stream(self.device) if cuda else None
+        if cuda and self.decode_stream is None:
             self.decode_stream = torch.cuda.Stream(self.device)
-        with torch.cuda.stream(self.decode_stream):  # torchvision makes this stream wait for its decode
-            images = decode_jpeg(files, mode=mode, device=self.device)
-        consumer.wait_stream(self.decode_stream)
-        for image in images:
-            image.record_stream(consumer)
+        with warnings.catch_warnings(), torch.cuda.stream(self.decode_stream) if cuda else nullcontext():
+            warnings.simplefilter("ignore")  # torchvision 0.29 deprecates its image decoders
+            images = decode_jpeg(files, mode=ImageReadMode.RGB, device=self.device)  # the stream waits for it
+        images = images if isinstance(images, list) else [images]
+        if cuda:
+            consumer.wait_stream(self.decode_stream)
+            for image in images:
+                image.record_stream(consumer)
         return images
 
 

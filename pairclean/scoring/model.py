@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader
 from pairclean import __version__
 from pairclean.backends import BACKENDS, build_estimator, default_model, resolve_backend
 from pairclean.backends.base import file_sha256, resolve_precision
-from pairclean.backends.device_jpeg import check_cpu_decode_share, device_decoder_for
+from pairclean.backends.device_jpeg import check_cpu_decode_share, pinned_decoding
 from pairclean.ops.faults import slow_point
 from pairclean.ops.guard import Output, open_output
 from pairclean.ops import distributed
@@ -152,15 +152,11 @@ class ModelProducer(Producer):
         # A checkpoint replaced at the same path between a kill and the re-run is another model:
         # its hash is pinned, so the resumed run is refused instead of mixing two models' scores.
         weights = file_sha256(pretrained) if pretrained and os.path.isfile(pretrained) else None
-        # What decodes the JPEGs (a device decoder's version and the share the workers keep, or the
-        # workers' PIL where nothing is pinned): a resumed run decodes alike, or is refused
-        decoder = device_decoder_for(self.cfg.decode, self.cfg.device)
         # How bf16/fp16 computes, where not under autocast (absent: autocast, as in every earlier pairclean)
         low = BACKENDS[self.cfg.backend].low_precision
         return {"pair": spec.pair, "format": spec.format, "fields": asdict(spec.fields),
                 "label_template": spec.label_template, "split": spec.split, "image_root": spec.image_root,
-                "weights_sha256": weights, **({"device_decoder": decoder.version} if decoder else {}),
-                **({"cpu_decode_share": self.cfg.cpu_decode_share} if decoder and self.cfg.cpu_decode_share else {}),
+                "weights_sha256": weights, **pinned_decoding(self.cfg.decode, self.cfg.device, self.cfg.cpu_decode_share),
                 **({"low_precision": low} if self.cfg.precision != "fp32" and low != "autocast" else {})}
 
     def input_files(self) -> list[str]:

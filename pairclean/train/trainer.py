@@ -35,7 +35,7 @@ from pairclean.config import check_choice, check_pretrained
 from pairclean.errors import ConfigError, UserError
 from pairclean.backends import load_target
 from pairclean.backends.base import PRECISIONS, autocast_context
-from pairclean.backends.device_jpeg import DEVICE_DECODERS, WORKER_DECODES, device_decoder_for
+from pairclean.backends.device_jpeg import check_decode, pinned_decoding
 from pairclean.backends.feed import DeviceFeed
 from pairclean.backends.inputs import ImageBatch
 from pairclean.backends.oom import take_rows
@@ -87,7 +87,7 @@ class TrainConfig:
         check_settings(self)
         check_pretrained(self.pretrained)
         check_choice(self.precision, PRECISIONS, "precision")
-        check_choice(self.decode, (*WORKER_DECODES, *DEVICE_DECODERS), "decode")
+        check_decode(self.decode)
 
 
 @dataclass
@@ -172,12 +172,10 @@ def _prepare_run_dir(out: Path, cfg: TrainConfig) -> bool:
 
 
 def _settings(cfg: TrainConfig, spec: DatasetSpec, val: DatasetSpec | None) -> dict:
-    # How the loop's images are decoded, where not as every earlier pairclean did (fast): what decodes
-    # them (a device decoder's version; None: the workers' PIL), so a resumed run decodes alike or is refused
+    # How the loop's images are decoded, where not as every earlier pairclean did (fast)
     decoding = {}
     if cfg.decode != "fast" and "image" in modalities(spec.pair):
-        decoder = device_decoder_for(cfg.decode, distributed.default_device_for_rank(cfg.device))
-        decoding = {"decode": cfg.decode, "device_decoder": decoder.version if decoder else None}
+        decoding = {"decode": cfg.decode, **pinned_decoding(cfg.decode, distributed.default_device_for_rank(cfg.device))}
     return {**pinned_settings(cfg), "pair": spec.pair, "train_shards": spec.shards, "fields": asdict(spec.fields),
             "val_shards": val.shards if val else None, **decoding}
 
@@ -416,7 +414,10 @@ class _Loop:
         step only while every rank has a full local batch (DDP needs the same steps everywhere); a rank's
         partial batches are left out and counted as dropped."""
         full = self.cfg.batch_size // distributed.world_size()
-        usable = lambda n: n >= 2 and (n == full or not distributed.is_distributed())  # noqa: E731 - a lone pair has no negatives
+
+        def usable(n: int) -> bool:  # a lone pair has no negatives
+            return n >= 2 and (n == full or not distributed.is_distributed())
+
         it = iter(loader)
         for _ in (range(loader.steps) if loader.steps is not None else itertools.count()):
             batch = next(it, None)
