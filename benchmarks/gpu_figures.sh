@@ -6,18 +6,18 @@
 #      (fetched beforehand by benchmarks/fetch_gpu_wheels.sh: the machine cannot reach PyPI);
 #   3. web-like shards (`synth web-shards`, rendered by every core);
 #   4. `bench score` (model-only ceiling, end to end with its main process metered, pipeline only),
-#      alternating decode gpu|fast x eager|--compile, the first decode with CPU_SHARE of its JPEGs
-#      decoded in the workers (--cpu-decode-share), then each other installed device decoder
-#      (nvimgcodec, with --with-nvimgcodec's wheels) and benchmarks/device_decoders.py on one batch;
+#      alternating decode gpu|fast x eager|--compile, each other installed device decoder (nvimgcodec,
+#      with --with-nvimgcodec's wheels), the first decode with CPU_SHARE of its JPEGs decoded in the
+#      workers (--cpu-decode-share), and benchmarks/device_decoders.py on one batch;
 #   5. a training epoch against the model's own step rate (benchmarks/train_throughput.py), then one
 #      with its JPEGs decoded on the device (TRAIN_DECODE);
 #      `pairclean score` in one process against RANKS ranks sharing the GPU (benchmarks/ranks_per_gpu.py);
 #   6. benchmarks/cuda_paths.sh (every CUDA path);
 #   7. benchmarks/profile_score.py: the main thread's ops, launches and synchronisations, first decode eager;
 #      benchmarks/tower_ops.py: each tower's ops, ms a call and bf16 sims under autocast or not.
-# Steps 4-7 interleave, the issue's first asks first: each decode eager, RANKS ranks, the first with CPU_SHARE, the towers (30 s), training,
-# --compile with the first decode, cuda_paths.sh, the profile, the other device decoders, the other --compile, each decode
-# eager again.
+# Steps 4-7 interleave, the issue's first asks first: each decode eager, the other device decoders eager, RANKS ranks,
+# the first with CPU_SHARE, the towers (30 s), training, --compile with the first decode, cuda_paths.sh, the profile,
+# the decoders on one batch, the other --compile, each decode eager again.
 # One JSON per variant in OUT, a log per step, summary.json and a table at the end. A step that
 # would overrun the time budget is skipped and says so; every step runs under a timeout.
 #     bash benchmarks/fetch_gpu_wheels.sh [3.12 --with-nvimgcodec]   # here, once (28 MB; 57 MB with nvImageCodec)
@@ -147,9 +147,13 @@ print(int(float('$CPU_SHARE') > 0 and first is not None and first.unavailable() 
   || say "the decoder probe failed (no share round, no other decoders): $(tail -n 1 "$OUT/decoders-probe.log")"
 read -r share_round extra_decodes <<< "$probe"
 # in the order of what the issue asks first, so a short budget drops the least: each decode eager,
-# the first with CPU_SHARE of its JPEGs in the workers, the towers, training, --compile with the
-# first decode, every CUDA path, the profile, the other device decoders, the rest
+# the other device decoders, the first with CPU_SHARE of its JPEGs in the workers, the towers,
+# training, --compile with the first decode, every CUDA path, the profile, the rest
 for decode in $DECODES; do score "$decode-eager-1" "$decode"; done
+# the other device decoders next: session 14's H100 figures had the prefetching thread's host CPU
+# (0.148 ms a pair: nvJPEG's Huffman decoding under torchvision's process-wide lock) as the bound,
+# which nvImageCodec's hardware decoder and host threads may lift
+for decode in $extra_decodes; do score "$decode-eager" "$decode"; done
 # the first decode's `pairclean score` in one process, then RANKS ranks sharing the GPU (torchrun)
 [ "$RANKS" -gt 1 ] && step ranks 50 python "$ROOT/benchmarks/ranks_per_gpu.py" "$W/web/manifest.yaml" --model "$MODEL" \
   --device "$DEVICE" --precision "$PRECISION" --batch-size "$BATCH" --workers "$WORKERS" --decode "$first" \
@@ -177,7 +181,6 @@ fi
   --precision "$PRECISION" --batch-size "$BATCH" --workers "$WORKERS" --decode "$first" --device "$DEVICE" \
   --shards 3 --out "$OUT/profile"
 
-for decode in $extra_decodes; do score "$decode-eager" "$decode"; done
 if [ -n "$extra_decodes" ]; then
   step decoders 40 python "$ROOT/benchmarks/device_decoders.py" "$W/web" --device "$DEVICE" --decoders gpu $extra_decodes \
     --repeat 10 --json "$OUT/decoders.json"

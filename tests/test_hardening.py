@@ -151,7 +151,8 @@ def test_filter_out_inside_the_input_directory_is_refused(shards, scores_copy, c
 # -- 4. Numbers are checked at the edge ----------------------------------------------------------
 
 @pytest.mark.parametrize("args, field", [
-    (["--seed", "-1"], "--seed"), (["--workers", "-1"], "--workers"), (["--beta-k", "0"], "--beta-k"),
+    (["--seed", "-1"], "--seed"), (["--workers", "-1"], "--workers"), (["--workers", "two"], "--workers"),
+    (["--workers", "1.5"], "--workers"), (["--beta-k", "0"], "--beta-k"),
     (["--gmm-sample", "0"], "--gmm-sample"), (["--beta-mode", "fixed", "--beta", "nan"], "--beta"),
     (["--beta-mode", "fixed", "--beta", "inf"], "--beta"), (["--pretrained", ""], "--pretrained"),
 ])

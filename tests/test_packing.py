@@ -90,6 +90,28 @@ def test_a_run_packs_its_units_for_its_workers(layouts):
     assert len(ModelProducer(data, replace(CFG, workers=3)).groups(data.units())) == 3
 
 
+def test_workers_left_to_pairclean_are_every_core_but_two_on_a_gpu_and_two_elsewhere(monkeypatch):
+    """On a CUDA device the main thread and the prefetching thread keep a core each and a node's
+    ranks share its cores; a CPU run keeps 2 (the model needs the cores). What the run records
+    and packs for is the number it resolved to."""
+    import os
+
+    import torch
+
+    from pairclean.scoring.model import ScoreConfig, auto_workers
+
+    assert auto_workers("cpu") == 2 and ScoreConfig(device="cpu").resolved("image-text").workers == 2
+    assert ScoreConfig(device="cpu", workers=0).resolved("image-text").workers == 0  # given: kept
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)))
+    assert auto_workers("auto") == auto_workers("cuda:1") == 14 and auto_workers("cpu") == 2
+    assert ScoreConfig(device="cuda").resolved("image-text").workers == 14
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # two ranks on the node: 8 cores each
+    assert auto_workers("cuda") == 6
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    assert auto_workers("cuda") == 2  # never fewer than 2
+
+
 def test_many_small_shards_fill_every_batch_and_match_few_large_shards(layouts, tmp_path):
     small, large = layouts
     a = score(str(small), tmp_path / "small.parquet", CFG)

@@ -19,7 +19,8 @@ from pairclean.backends.inputs import StandardTransform
 from pairclean.cli import main
 from pairclean.errors import UserError
 from pairclean.ops.measure import StageMeter
-from pairclean.scoring.model import score
+from pairclean.scoring.batches import AS_THEY_COME, batch_loader
+from pairclean.scoring.model import ModelProducer, score
 from pairclean.scoring.pipeline import STAGES
 
 pytestmark = pytest.mark.usefixtures("fresh_notices")
@@ -143,6 +144,48 @@ def test_prefetching_thread_gives_the_scores_of_the_inline_pipeline(coco_shards,
             for name in ("inline.parquet", "ahead.parquet"))
     for column in ("key", "sim", "weight", "error"):
         assert a.column(column).to_pylist() == b.column(column).to_pylist()
+
+
+class _FirstWorkerWaits(torch.utils.data.IterableDataset):
+    """Worker 0's one batch is ready only once the main process has taken another worker's (60 s at most)."""
+
+    def __init__(self, taken):
+        self.taken = taken
+
+    def __iter__(self):
+        worker = torch.utils.data.get_worker_info().id
+        yield worker, self.taken.wait(timeout=60) if worker == 0 else True
+
+
+@pytest.mark.skipif(not AS_THEY_COME, reason="torch < 2.6 takes a DataLoader's batches from each worker in turn")
+def test_a_scoring_run_takes_each_batch_as_it_comes_so_a_slow_worker_holds_up_only_its_own():
+    """Taken in turn, worker 0's batch would come first, after its 60 s wait."""
+    import multiprocessing
+
+    taken = multiprocessing.get_context("fork").Event()
+    got = []
+    for batch in batch_loader(_FirstWorkerWaits(taken), workers=2, pin_memory=False):
+        got.append(batch)
+        taken.set()
+    assert got == [[1, True], [0, True]]
+
+
+def test_the_scores_do_not_depend_on_the_order_the_workers_batches_come_in(coco_shards, fast_config, tmp_path,
+                                                                          monkeypatch):
+    """One group a unit, read by 3 workers whose batches come as they are ready, gives every
+    column of the same groups read in order by the main process: the null similarities (the FDR
+    rule's p-values) and the shuffled beta (summed unit by unit) included."""
+    import pyarrow.parquet as pq
+
+    monkeypatch.setattr(ModelProducer, "groups", lambda self, units: [[u] for u in units])
+    cfg = replace(fast_config, batch_size=4, beta_mode="shuffled", rules=("beta", "gmm", "fdr"))
+    first = score(str(coco_shards), tmp_path / "in-order.parquet", cfg)
+    second = score(str(coco_shards), tmp_path / "as-they-come.parquet", replace(cfg, workers=3))
+    assert first.summary.beta == second.summary.beta
+    a, b = (pq.read_table(tmp_path / name) for name in ("in-order.parquet", "as-they-come.parquet"))
+    assert a.num_rows == b.num_rows == 16 and a.column_names == b.column_names and "p_null" in a.column_names
+    for column in a.column_names:
+        assert a.column(column).to_pylist() == b.column(column).to_pylist(), column
 
 
 def test_prefetcher_raises_the_threads_error_in_order_and_stops_when_the_consumer_does():

@@ -143,7 +143,7 @@ def bench_score_command(
     cpu_decode_share: options.CpuDecodeShare = 0.0,
     compile: options.Compile = False,
     batch_size: int = typer.Option(256, help="Pairs per forward pass (all three measurements)."),
-    workers: int = typer.Option(2, help="DataLoader workers for the end-to-end run."),
+    workers: options.Workers = "auto",
     beta_mode: options.BetaMode = "random-inputs",
     beta_k: options.BetaK = 1024,
     beta_cache: options.BetaCache = True,
@@ -165,7 +165,7 @@ def bench_score_command(
     data = dataset.open(source)
     target = open_output(json_out, [*source, *data.spec.shards, *_files(pretrained)], "json", overwrite=overwrite) if json_out is not None else None
     cfg = ScoreConfig(model=model, pretrained=pretrained, backend=backend, device=device, precision=precision,
-                      decode=decode, cpu_decode_share=cpu_decode_share, compile=compile, batch_size=batch_size, workers=workers, beta_mode=beta_mode,
+                      decode=decode, cpu_decode_share=cpu_decode_share, compile=compile, batch_size=batch_size, workers=options.workers_given(workers), beta_mode=beta_mode,
                       beta_k=beta_k, beta_cache=beta_cache)
     report = bench_score(data, cfg, naive_pairs=naive_pairs, min_seconds=min_seconds, repeat=repeat,
                          progress=RichProgress(err_console), pipeline_only=pipeline_only)

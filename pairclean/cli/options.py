@@ -52,6 +52,19 @@ Backend = Annotated[str, typer.Option(
 Decode = Annotated[str, typer.Option(
     help="fast (JPEG draft decode at model size), exact, or a decoder on the CUDA device (CPU workers otherwise): "
          "gpu (torchvision nvJPEG), nvimgcodec or dali (NVIDIA's libraries: pip install 'pairclean[gpu]').")]
+Workers = Annotated[str, typer.Option(
+    help="DataLoader workers decoding and tokenising: a number, or auto (on a CUDA device every usable core but two, "
+         "shared among a node's ranks; elsewhere 2).")]
+
+
+def workers_given(text: str) -> int | None:
+    """--workers as the config takes it: auto -> None (the run decides: `scoring.model.auto_workers`),
+    else a whole number >= 0."""
+    from pairclean.config import Declared, at_least, parse_value
+
+    return None if text.strip().lower() == "auto" else parse_value(text, Declared(int, at_least(0)), "workers")
+
+
 CpuDecodeShare = Annotated[float, typer.Option(
     help="With a device decoder (--decode gpu, nvimgcodec, dali): the share of the JPEGs, 0-1, that the CPU workers "
          "decode instead, picked by each file's content so a file always takes the same way; where the device's "

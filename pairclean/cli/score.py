@@ -165,7 +165,7 @@ def score_command(
     compile: options.Compile = False,
     beta_cache: options.BetaCache = True,
     batch_size: int = typer.Option(256, help="Pairs per forward pass."),
-    workers: int = typer.Option(2, help="DataLoader workers decoding and tokenising."),
+    workers: options.Workers = "auto",
     beta_mode: options.BetaMode = "random-inputs",
     beta: BetaValue = None,
     beta_k: options.BetaK = 1024,
@@ -188,7 +188,7 @@ def score_command(
     data = dataset.open(source)
     cfg = ScoreConfig(model=model, backend=backend, pretrained=pretrained,
                       device=device, precision=precision, decode=decode, cpu_decode_share=cpu_decode_share,
-                      batch_size=batch_size, workers=workers, beta_mode=beta_mode, beta=beta, beta_k=beta_k,
+                      batch_size=batch_size, workers=options.workers_given(workers), beta_mode=beta_mode, beta=beta, beta_k=beta_k,
                       weight_fn=weight_fn, seed=seed, gmm_sample=gmm_sample, rules=(*DEFAULT_RULES, *(rule or ())),
                       max_error_share=max_error_share, overwrite=overwrite, resume=resume,
                       compile=compile, beta_cache=beta_cache, save_embeddings=save_embeddings,

@@ -8,15 +8,23 @@ crosses to the main process. Its rows are columns (lists), its units contiguous 
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.utils.data import IterableDataset
+from torch.utils.data import DataLoader, IterableDataset
 
 from pairclean.backends.base import Preparer
 from pairclean.data.dataset import Dataset
 from pairclean.data.spec import UnitFailure, modalities
+from pairclean.ops.worker_memory import steady_worker_memory
+
+# Batches are taken as they come, not from each worker in turn (torch >= 2.6; older torch takes
+# them in turn). A worker reads whole groups and builds whole batches, so its own batches keep
+# their order and every batch its rows whoever takes it first: the scores cannot depend on the
+# order, and a worker slowed by one shard (larger images, a slow disk) holds up only its own.
+AS_THEY_COME = {"in_order": False} if "in_order" in inspect.signature(DataLoader).parameters else {}
 
 
 @dataclass(frozen=True)
@@ -165,3 +173,12 @@ class PreparedBatches(IterableDataset):
                     rows.done.append(UnitEnd(unit, failure, count))
             if (batch := self._prepared(rows)) is not None:
                 yield batch
+
+
+def batch_loader(batches: IterableDataset, workers: int, pin_memory: bool) -> DataLoader:
+    """The DataLoader a scoring run takes its batches from: `workers` processes (0: this one),
+    two ready batches a worker (they hide decoding without holding more than 2 x workers
+    batches of pixels in page-locked memory), each batch taken as soon as it is ready."""
+    return DataLoader(batches, batch_size=None, num_workers=workers, pin_memory=pin_memory,
+                      prefetch_factor=2 if workers else None, persistent_workers=False,
+                      worker_init_fn=steady_worker_memory, **(AS_THEY_COME if workers else {}))
