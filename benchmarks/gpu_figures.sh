@@ -15,7 +15,8 @@
 #   6. benchmarks/cuda_paths.sh (every CUDA path);
 #   7. benchmarks/profile_score.py: the main thread's ops, launches and synchronisations, first decode eager;
 #      benchmarks/tower_ops.py: each tower's ops, ms a call and bf16 sims under autocast or not.
-# Steps 4-7 interleave, the issue's first asks first: each decode eager, the other device decoders eager, RANKS ranks,
+# Steps 4-7 interleave, the issue's first asks first: each decode eager, the other device decoders eager, the first
+# with --workers auto, RANKS ranks,
 # the first with CPU_SHARE, the towers (30 s), training, --compile with the first decode, cuda_paths.sh, the profile,
 # the decoders on one batch, the other --compile, each decode eager again.
 # One JSON per variant in OUT, a log per step, summary.json and a table at the end. A step that
@@ -24,7 +25,7 @@
 #     bash benchmarks/gpu_figures.sh [OUT]                  # there (the device call carries benchmarks/wheels)
 # Knobs (environment): BUDGET=480 (seconds) SHARDS=14 PAIRS_PER_SHARD=2500 PROGRESSIVE=0 MODEL=ViT-B-32
 #   PRECISION=bf16 BATCH=1024 TRAIN_BATCH=512 WORKERS=(cores - 2) DEVICE=cuda DECODES="gpu fast" CPU_SHARE=0.3 (0: none)
-#   COMPILE=1 CUDA_PATHS=1 TRAIN=1 TRAIN_DECODE=gpu PROFILE=1 TOWERS=1 RANKS=2 MIN_SECONDS=8 (a CPU dry run: DEVICE=cpu MODEL=pairclean-tiny SHARDS=2 PAIRS_PER_SHARD=64
+#   COMPILE=1 CUDA_PATHS=1 TRAIN=1 TRAIN_DECODE=gpu AUTO_WORKERS=1 PROFILE=1 TOWERS=1 RANKS=2 MIN_SECONDS=8 (a CPU dry run: DEVICE=cpu MODEL=pairclean-tiny SHARDS=2 PAIRS_PER_SHARD=64
 #   BATCH=32 TRAIN_BATCH=32 COMPILE=0 CUDA_PATHS=0)
 set -u
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -50,6 +51,7 @@ CUDA_PATHS=${CUDA_PATHS:-1}
 TRAIN=${TRAIN:-1}
 PROFILE=${PROFILE:-1}
 TOWERS=${TOWERS:-1}
+AUTO_WORKERS=${AUTO_WORKERS:-1}  # a round of the first decode with --workers auto
 TRAIN_DECODE=${TRAIN_DECODE:-gpu}  # a second training epoch with --decode TRAIN_DECODE (fast: none)
 RANKS=${RANKS:-2}  # ranks sharing the GPU in benchmarks/ranks_per_gpu.py (0 or 1: skipped)
 MIN_SECONDS=${MIN_SECONDS:-8}
@@ -154,6 +156,9 @@ for decode in $DECODES; do score "$decode-eager-1" "$decode"; done
 # (0.148 ms a pair: nvJPEG's Huffman decoding under torchvision's process-wide lock) as the bound,
 # which nvImageCodec's hardware decoder and host threads may lift
 for decode in $extra_decodes; do score "$decode-eager" "$decode"; done
+# the first decode with the workers pairclean picks (--workers auto: at most 6 where the device decodes
+# every JPEG, each worker less is one fork less at the start)
+[ "$AUTO_WORKERS" = 1 ] && score "$first-auto-workers" "$first" --workers auto
 # the first decode's `pairclean score` in one process, then RANKS ranks sharing the GPU (torchrun)
 [ "$RANKS" -gt 1 ] && step ranks 50 python "$ROOT/benchmarks/ranks_per_gpu.py" "$W/web/manifest.yaml" --model "$MODEL" \
   --device "$DEVICE" --precision "$PRECISION" --batch-size "$BATCH" --workers "$WORKERS" --decode "$first" \

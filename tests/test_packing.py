@@ -92,8 +92,8 @@ def test_a_run_packs_its_units_for_its_workers(layouts):
 
 def test_workers_left_to_pairclean_are_every_core_but_two_on_a_gpu_and_two_elsewhere(monkeypatch):
     """On a CUDA device the main thread and the prefetching thread keep a core each and a node's
-    ranks share its cores; a CPU run keeps 2 (the model needs the cores). What the run records
-    and packs for is the number it resolved to."""
+    ranks share its cores (6 at most where the device decodes the JPEGs); a CPU run keeps 2 (the
+    model needs the cores). What the run records and packs for is the number it resolved to."""
     import os
 
     import torch
@@ -106,8 +106,16 @@ def test_workers_left_to_pairclean_are_every_core_but_two_on_a_gpu_and_two_elsew
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)))
     assert auto_workers("auto") == auto_workers("cuda:1") == 14 and auto_workers("cpu") == 2
     assert ScoreConfig(device="cuda").resolved("image-text").workers == 14
+    # A device decoder that runs here takes every JPEG: the workers only read and tokenise.
+    import pairclean.scoring.model as model
+
+    monkeypatch.setattr(model, "device_decoder_for", lambda decode, device: object() if decode == "gpu" else None)
+    assert auto_workers("cuda", "gpu") == model.DEVICE_DECODE_WORKERS == 6
+    assert auto_workers("cuda", "gpu", cpu_decode_share=0.3) == 14  # the workers decode a share: every core
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # two ranks on the node: 8 cores each
-    assert auto_workers("cuda") == 6
+    assert auto_workers("cuda") == 6 and auto_workers("cuda", "gpu") == 6
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert auto_workers("cuda") == auto_workers("cuda", "gpu") == 2
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
     assert auto_workers("cuda") == 2  # never fewer than 2
 

@@ -188,6 +188,83 @@ def test_the_scores_do_not_depend_on_the_order_the_workers_batches_come_in(coco_
         assert a.column(column).to_pylist() == b.column(column).to_pylist(), column
 
 
+class _FlagOnFirstPair:
+    """A preparer that touches `flag` when it prepares its first pair (then prepares as `inner`)."""
+
+    def __init__(self, inner, flag):
+        self.inner, self.flag = inner, flag
+
+    def prepare(self, modality, value):
+        self.flag.touch()
+        return self.inner.prepare(modality, value)
+
+    def collate(self, modality, items):
+        return self.inner.collate(modality, items)
+
+
+def test_a_worker_starts_on_its_first_batch_before_the_loader_has_started_the_others(coco_shards, tiny_estimator,
+                                                                                      tmp_path):
+    """The DataLoader asks its workers for batches only once it has started them all (a fork each,
+    tens of ms from a large main process): here the second worker is started only once the first
+    has begun preparing pairs (30 s at most), which it does unasked; then every pair comes through."""
+    import multiprocessing.context
+
+    from pairclean.data.dataset import as_dataset
+    from pairclean.runs.claims import GroupClaims
+    from pairclean.scoring.batches import PreparedBatches
+    from pairclean.scoring.run import Work
+
+    flag = tmp_path / "preparing"
+
+    class LaterWorkersWait(multiprocessing.context.ForkContext):
+        made, waited = 0, []
+
+        def Process(self, *args, **kwargs):
+            process = super().Process(*args, **kwargs)
+            LaterWorkersWait.made += 1
+            if LaterWorkersWait.made > 1:  # every worker but the first
+                deadline = time.monotonic() + 30
+                while not flag.exists() and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                self.waited.append(flag.exists())
+            return process
+
+    data = as_dataset(str(coco_shards))
+    (tmp_path / "claims").mkdir()
+    work = Work([(i, [u]) for i, u in enumerate(data.units())], frozenset(), GroupClaims(tmp_path / "claims"))
+    batches = PreparedBatches(data, work, _FlagOnFirstPair(tiny_estimator.preparer, flag), batch_size=4)
+    loader = torch.utils.data.DataLoader(batches, batch_size=None, num_workers=2, multiprocessing_context=LaterWorkersWait())
+    assert sum(len(batch) for batch in loader) == 16
+    assert LaterWorkersWait.waited == [True]
+
+
+class _Batches(torch.utils.data.IterableDataset):
+    def __init__(self, count, fail_at=None):
+        self.count, self.fail_at = count, fail_at
+
+    def _batches(self):
+        for i in range(self.count):
+            if i == self.fail_at:
+                raise ValueError(f"batch {i} is bad")
+            yield i
+
+    def __iter__(self):
+        from pairclean.ops.worker_start import first_batch_at_once
+
+        return first_batch_at_once(self._batches())
+
+
+@pytest.mark.parametrize("count, fail_at, expected", [(3, None, [0, 1, 2]), (0, None, []), (3, 0, "batch 0 is bad"),
+                                                      (3, 2, "batch 2 is bad")])
+def test_a_first_batch_built_at_once_keeps_the_order_the_end_and_the_errors(count, fail_at, expected):
+    loader = torch.utils.data.DataLoader(_Batches(count, fail_at), batch_size=None, num_workers=1)
+    if isinstance(expected, str):
+        with pytest.raises(ValueError, match=expected):
+            list(loader)
+    else:
+        assert [int(b) for b in loader] == expected
+
+
 def test_prefetcher_raises_the_threads_error_in_order_and_stops_when_the_consumer_does():
     import threading
 

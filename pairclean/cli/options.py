@@ -54,7 +54,7 @@ Decode = Annotated[str, typer.Option(
          "gpu (torchvision nvJPEG), nvimgcodec or dali (NVIDIA's libraries: pip install 'pairclean[gpu]').")]
 Workers = Annotated[str, typer.Option(
     help="DataLoader workers decoding and tokenising: a number, or auto (on a CUDA device every usable core but two, "
-         "shared among a node's ranks; elsewhere 2).")]
+         "shared among a node's ranks, 6 at most where a device decoder takes every JPEG; elsewhere 2).")]
 
 
 def workers_given(text: str) -> int | None:

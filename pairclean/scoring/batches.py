@@ -19,6 +19,7 @@ from pairclean.backends.base import Preparer
 from pairclean.data.dataset import Dataset
 from pairclean.data.spec import UnitFailure, modalities
 from pairclean.ops.worker_memory import steady_worker_memory
+from pairclean.ops.worker_start import first_batch_at_once
 
 # Batches are taken as they come, not from each worker in turn (torch >= 2.6; older torch takes
 # them in turn). A worker reads whole groups and builds whole batches, so its own batches keep
@@ -154,6 +155,9 @@ class PreparedBatches(IterableDataset):
                          self.preparer.collate(self.right, prepared_right) if prepared_right else None, rows.done)
 
     def __iter__(self):
+        return first_batch_at_once(self._batches())
+
+    def _batches(self):
         for group in self.work.claimed():
             rows = _Rows()
             for unit in group:

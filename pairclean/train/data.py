@@ -28,6 +28,7 @@ from pairclean.data.dataset import Dataset
 from pairclean.data.spec import UnitFailure, modalities
 from pairclean.data.units import unit_shard
 from pairclean.ops.urls import is_local
+from pairclean.ops.worker_start import first_batch_at_once
 
 DROPPED = -1.0  # weight-array value of a pair the method leaves out (filtered); NaN = not in the scores
 
@@ -190,6 +191,9 @@ class TrainBatches(IterableDataset):
         return batch
 
     def __iter__(self):
+        return first_batch_at_once(self._batches())
+
+    def _batches(self):
         rank, _, worker, _ = wds.utils.pytorch_worker_info()
         units = wds.split_by_worker(wds.split_by_node(self._unit_order(self.epoch, self.repeat)))
         stats = self._new_stats()
