@@ -1,6 +1,6 @@
 """The main process of a scoring run, batch after batch:
 
-    receive (a PairBatch from a worker, page-locked by the DataLoader's pin thread)
+    receive (a PairBatch from whichever worker has one ready, page-locked by the DataLoader's pin thread)
     -> to device (asynchronous copies, on a side stream: they overlap the previous batch's model)
     -> device preprocessing (`estimator.finish_batch`: JPEGs decoded, resized, cropped)
        (on CUDA these three run one batch ahead in a thread of their own: `DevicePrefetcher`)
