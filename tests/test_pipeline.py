@@ -63,21 +63,33 @@ def test_pipeline_only_runs_the_device_decoder_on_a_cpu(coco_shards, tmp_path):
 
 
 def test_stage_meter_measures_the_steady_state_after_the_first_batch():
+    def loader():  # iter() takes 20 ms (a DataLoader forking its workers), its first batch 10 ms more
+        time.sleep(0.02)
+        return iter(slow_batches())
+
+    def slow_batches():
+        for size in (100, 10, 10):
+            time.sleep(0.01)
+            yield size
+
+    class Loader:
+        __iter__ = staticmethod(loader)
+
     meter = StageMeter()
     meter.start()
-    time.sleep(0.02)
-    meter.mark("receive")
-    meter.batch(100, 1000)  # the start-up batch: not counted
-    for _ in range(2):
-        time.sleep(0.01)
+    for size in meter.timed(Loader()):
         meter.mark("receive")
         meter.mark("sink")
-        meter.batch(10, 500)
+        meter.batch(size, 50 * size)  # the first (start-up) batch is not counted
     meter.stop()
     summary = meter.summary()
     assert summary["pairs"] == 20 and summary["worker_bytes_per_pair"] == 50
-    assert summary["startup_seconds"] >= 0.02 and summary["seconds"] >= 0.02  # sleeps: lower bounds only
+    assert summary["startup_seconds"] >= 0.03 and summary["seconds"] >= 0.02  # sleeps: lower bounds only
     assert summary["stage_wall_ms_per_pair"]["receive"] >= 1.0  # 2 x 10 ms over 20 pairs
+    steps = summary["startup_milestones"]
+    assert list(steps) == ["loader started", "first batch received", "first batch through"]
+    assert 0.02 <= steps["loader started"] <= steps["first batch received"] <= steps["first batch through"]
+    assert steps["first batch received"] >= 0.03 and steps["first batch through"] == summary["startup_seconds"]
 
 
 def as_if_the_device_decodes(monkeypatch) -> None:
@@ -182,6 +194,7 @@ def test_the_scores_do_not_depend_on_the_order_the_workers_batches_come_in(coco_
     first = score(str(coco_shards), tmp_path / "in-order.parquet", cfg)
     second = score(str(coco_shards), tmp_path / "as-they-come.parquet", replace(cfg, workers=3))
     assert first.summary.beta == second.summary.beta
+    assert (first.summary.workers, second.summary.workers) == (0, 3)  # the workers started, reported
     a, b = (pq.read_table(tmp_path / name) for name in ("in-order.parquet", "as-they-come.parquet"))
     assert a.num_rows == b.num_rows == 16 and a.column_names == b.column_names and "p_null" in a.column_names
     for column in a.column_names:

@@ -80,7 +80,14 @@ def pipeline_lines(report) -> list[str]:
                      f"pair from the workers; {p.workers} worker(s) at {p.worker_ms_per_pair:.2f} ms per pair can prepare "
                      f"{p.worker_capacity:,.1f} pairs/s" + (f" ({over:.2f} of it reached)" if over is not None else "")
                      + f"; load {p.load[0]:.1f} -> {p.load[1]:.1f}")
+        lines.append(startup_line(m))
     return lines
+
+
+def startup_line(meter: dict) -> str:
+    """The start-up (until the first batch was through) and its milestones, in seconds."""
+    steps = ", ".join(f"{name} {seconds:.2f}" for name, seconds in meter.get("startup_milestones", {}).items())
+    return f"start-up {meter['startup_seconds']:.2f} s ({steps}), then {meter['pairs_per_second']:,.1f} pairs/s"
 
 
 def summary_lines(report) -> list[str]:
@@ -100,7 +107,7 @@ def summary_lines(report) -> list[str]:
             f"{name} {value:.0f}%" if value is not None else f"{name} n/a (no NVML)" for name, value in busy))
     if e2e.get("batches"):
         lines.append(f"end to end: {e2e['batches']:,} batches, {e2e['full_batches']:,} full, mean fill "
-                     f"{e2e['mean_batch_fill']:.1%} of --batch-size {c['batch_size']}")
+                     f"{e2e['mean_batch_fill']:.1%} of --batch-size {c['batch_size']}; {startup_line(e2e['meter'])}")
     last = report.rounds[-1].ceiling.extra
     if "text_tokens_trimmed" in last:
         lines.append(f"text tower: {last['text_tokens_trimmed']:.1f} of {last['text_tokens_full']} positions per caption "

@@ -65,7 +65,8 @@ def summary_table(result) -> Table:
             table.add_row("embeddings saved", f"{s.embeddings_saved:,} pairs, {s.embedding_bytes / 1e6:,.1f} MB "
                                               f"-> {s.embeddings_dir}")
         if s.batches:
-            table.add_row("batches", f"{s.batches:,} ({s.full_batches:,} full, mean fill {s.mean_batch_fill:.0%})")
+            workers = f"; {s.workers} DataLoader workers" if s.workers is not None else ""
+            table.add_row("batches", f"{s.batches:,} ({s.full_batches:,} full, mean fill {s.mean_batch_fill:.0%}){workers}")
         if len(by_rank := result.provenance.units_by_rank or {}) > 1:
             table.add_row("units scored by rank", ", ".join(f"{r}: {n}" for r, n in by_rank.items()))
     return table

@@ -13,6 +13,7 @@ import statistics
 import threading
 import time
 import traceback
+from typing import Iterable, Iterator
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -194,9 +195,10 @@ class StageMeter:
     workers.
 
     The steady state is what is measured: everything up to the end of the first batch (forking
-    the workers, their first batch, first-call costs) is `startup`, reported apart, and the per-pair
-    figures count the later batches' pairs only. A mark costs two clock reads (about a
-    microsecond); a pipeline without a meter skips them.
+    the workers, their first batch, first-call costs) is `startup`, reported apart with its
+    milestones (`timed`: when the loader had started its workers, when the first batch came), and
+    the per-pair figures count the later batches' pairs only. A mark costs two clock reads (about
+    a microsecond); a pipeline without a meter skips them.
     """
 
     def __init__(self):
@@ -208,12 +210,24 @@ class StageMeter:
         self.seconds = 0.0
         self.startup = (0.0, 0.0)  # wall, process CPU seconds until the first batch was through
         self.steady = False
+        self.milestones: dict[str, float] = {}  # start-up milestone -> seconds after `start`
         self._last = (0.0, 0.0)
         self._began = (0.0, 0.0)
+        self._started = 0.0
 
     def start(self) -> None:
         self._last = (time.perf_counter(), time.thread_time())
         self._began = (self._last[0], time.process_time())
+        self._started = self._last[0]
+
+    def timed(self, batches: Iterable) -> Iterator:
+        """`batches`, with two start-up milestones noted from whichever thread takes them: `loader
+        started` once `iter()` returned (a DataLoader's forks its workers), `first batch received`."""
+        items = iter(batches)
+        self.milestones.setdefault("loader started", time.perf_counter() - self._started)
+        for item in items:
+            self.milestones.setdefault("first batch received", time.perf_counter() - self._started)
+            yield item
 
     def mark(self, stage: str) -> None:
         now = (time.perf_counter(), time.thread_time())
@@ -252,7 +266,8 @@ class StageMeter:
                 "stages": {**self.per_pair_ms(self.cpu), "other threads": 1000 * threads / pairs},
                 "stage_wall_ms_per_pair": self.per_pair_ms(self.wall),
                 "worker_bytes_per_pair": self.worker_bytes / pairs,
-                "startup_seconds": self.startup[0], "startup_cpu_seconds": self.startup[1]}
+                "startup_seconds": self.startup[0], "startup_cpu_seconds": self.startup[1],
+                "startup_milestones": {**self.milestones, "first batch through": self.startup[0]}}
 
 
 def _blocking_cuda_copy(func, args: tuple, kwargs: dict) -> bool:

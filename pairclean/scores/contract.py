@@ -221,8 +221,9 @@ class Summary(Record):
     scoring_cpu_seconds: float | None = None
     beta_seconds: float | None = None
     beta_source: str | None = None
-    # the model producer's batches, and what it saved (`save_embeddings`)
+    # the model producer's batches and the DataLoader workers it started (all processes), and what it saved (`save_embeddings`)
     batches: int | None = None
+    workers: int | None = None
     full_batches: int | None = None
     mean_batch_fill: float | None = None
     embeddings_saved: int | None = None

@@ -228,12 +228,14 @@ class ModelProducer(Producer):
     def score(self, work: Work, commit: Commit, task) -> dict[str, int]:
         spec, cfg, estimator = self.spec, self.cfg, self.estimator
         left, right = modalities(spec.pair)
-        loader = batch_loader(PreparedBatches(self.dataset, work, estimator.preparer, cfg.batch_size),
-                              workers=min(cfg.workers, len(work.groups)), pin_memory=estimator.device.type == "cuda")
+        workers = min(cfg.workers, len(work.groups))
+        loader = batch_loader(PreparedBatches(self.dataset, work, estimator.preparer, cfg.batch_size), workers=workers,
+                              pin_memory=estimator.device.type == "cuda")
         sink = PartSink(work.done, commit, accumulate=cfg.beta_mode == "shuffled",
                         save_block=self._save_block if self.embeddings is not None else None,
                         save_dtype=getattr(torch, cfg.embeddings_dtype))
-        return run_pipeline(loader, estimator, left, right, sink, cfg.batch_size, self.meter, after_batch=slow_point)
+        counters = run_pipeline(loader, estimator, left, right, sink, cfg.batch_size, self.meter, after_batch=slow_point)
+        return {**counters, "workers": workers}
 
     def _save_block(self, unit: str, block: UnitEmbeddings | None) -> dict:
         """Write the unit's embeddings as block N (N: the unit's place in the run) and return what
@@ -252,7 +254,8 @@ class ModelProducer(Producer):
         fill = counters["batch_rows"] / (batches * self.cfg.batch_size) if batches else 0.0
         if notice := small_shards_notice(counters["pairs"], todo, self.cfg.batch_size, fill):
             notice_once("small-shards", notice, "batch_size")
-        extra = {"batches": batches, "full_batches": counters["full_batches"], "mean_batch_fill": fill}
+        extra = {"batches": batches, "full_batches": counters["full_batches"], "mean_batch_fill": fill,
+                 "workers": counters["workers"]}
         if self.embeddings is not None and beta is not None:
             extra.update(self._saved_provenance(records, beta))
         return Finishing({"estimator": self.estimator.provenance(), "pair": self.spec.pair,

@@ -246,6 +246,7 @@ def run_pipeline(batches: Iterable[PairBatch], estimator: Estimator, left: str, 
 
     if meter is not None:
         meter.start()
+        batches = meter.timed(batches)
     prepared = DevicePrefetcher(batches, prepare, estimator.device, threaded=threaded,
                                 held=lambda item: device_tensors((item[0].left, item[0].right)),
                                 warm_up=getattr(estimator, "warm_up", None))
