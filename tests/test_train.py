@@ -107,6 +107,29 @@ def test_resumed_run_ends_with_the_same_weights(tmp_path, coco_shards, monkeypat
         train(str(coco_shards), tmp_path / "killed", tiny(epochs=2, workers=1, resume=True, lr=0.5))
 
 
+def test_workers_left_to_pairclean_resume_with_the_number_the_run_began_with(tmp_path, coco_shards, monkeypatch):
+    """`workers` auto is this machine's number when a run starts, pinned (the data order depends on
+    it); a resumed run reads as it began, though the machine it resumes on would pick another."""
+    monkeypatch.setattr(trainer_module, "auto_workers", lambda device, decode: 1)
+    real_save = trainer_module.save_state
+
+    def killed_after_first_epoch(run_dir, state):
+        real_save(run_dir, state)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(trainer_module, "save_state", killed_after_first_epoch)
+    with pytest.raises(KeyboardInterrupt):
+        train(str(coco_shards), tmp_path / "run", tiny(epochs=2, workers=None))
+    monkeypatch.setattr(trainer_module, "save_state", real_save)
+    settings = lambda: json.loads((tmp_path / "run" / trainer_module.RUN_FILE).read_text())["settings"]  # noqa: E731
+    assert settings()["workers"] == 1
+    monkeypatch.setattr(trainer_module, "auto_workers", lambda device, decode: 3)
+    assert train(str(coco_shards), tmp_path / "run", tiny(epochs=2, workers=None, resume=True)).resumed_from == 1
+    assert settings()["workers"] == 1
+    with pytest.raises(UserError, match="different settings"):
+        train(str(coco_shards), tmp_path / "run", tiny(epochs=2, workers=2, resume=True))
+
+
 class _CountingProgress(Progress):
     """Records each epoch bar's total and how far it advanced."""
 

@@ -54,11 +54,12 @@ Decode = Annotated[str, typer.Option(
          "gpu (torchvision nvJPEG), nvimgcodec or dali (NVIDIA's libraries: pip install 'pairclean[gpu]').")]
 Workers = Annotated[str, typer.Option(
     help="DataLoader workers decoding and tokenising: a number, or auto (on a CUDA device every usable core but two, "
-         "shared among a node's ranks, 6 at most where a device decoder takes every JPEG; elsewhere 2).")]
+         "shared among a node's ranks, 6 at most where a device decoder takes every JPEG; elsewhere 2; a resumed "
+         "training run keeps its number).")]
 
 
 def workers_given(text: str) -> int | None:
-    """--workers as the config takes it: auto -> None (the run decides: `scoring.model.auto_workers`),
+    """--workers as the config takes it: auto -> None (the run decides: `backends.feed.auto_workers`),
     else a whole number >= 0."""
     from pairclean.config import Declared, at_least, parse_value
 

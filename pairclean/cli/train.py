@@ -206,7 +206,7 @@ def train_command(
     device: options.Device = "auto",
     precision: options.Precision = "fp32",
     decode: options.Decode = "fast",
-    workers: int = typer.Option(2, help="DataLoader workers reading, decoding and tokenising."),
+    workers: options.Workers = "auto",
     shuffle_buffer: int = typer.Option(1000, help="Pairs in each worker's shuffle buffer."),
     val_batch_size: int = typer.Option(256, help="Pairs per forward pass during validation."),
     log_every: int = typer.Option(10, help="Write a step line to metrics.jsonl every N steps."),
@@ -226,7 +226,7 @@ def train_command(
         cfg = TrainConfig(model=model, pretrained=pretrained, backend=backend, device=device, precision=precision,
                           decode=decode, epochs=epochs, batch_size=batch_size, lr=lr, weight_decay=weight_decay,
                           warmup_steps=warmup_steps, min_lr_ratio=min_lr_ratio, grad_clip=grad_clip or None,
-                          temperature=temperature, method=name, method_options=method_options, workers=workers,
+                          temperature=temperature, method=name, method_options=method_options, workers=options.workers_given(workers),
                           shuffle_buffer=shuffle_buffer, val_batch_size=val_batch_size, log_every=log_every,
                           diagnostics=diagnostics, seed=seed, resume=resume, overwrite=overwrite,
                           progress=RichProgress(console))

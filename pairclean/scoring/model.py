@@ -21,7 +21,8 @@ import torch
 from pairclean import __version__
 from pairclean.backends import BACKENDS, build_estimator, default_model, resolve_backend
 from pairclean.backends.base import file_sha256, resolve_precision
-from pairclean.backends.device_jpeg import check_cpu_decode_share, device_decoder_for, pinned_decoding
+from pairclean.backends.device_jpeg import check_cpu_decode_share, pinned_decoding
+from pairclean.backends.feed import auto_workers
 from pairclean.ops.faults import slow_point
 from pairclean.ops.guard import Output, open_output
 from pairclean.ops import distributed
@@ -74,28 +75,6 @@ class ScoreConfig(RunConfig):
         backend = resolve_backend(self.backend, self.model, modalities(pair))
         workers = self.workers if self.workers is not None else auto_workers(self.device, self.decode, self.cpu_decode_share)
         return replace(self, backend=backend, model=self.model or default_model(backend), workers=workers)
-
-
-# `workers` auto where the device decodes every JPEG: a worker then reads and tokenises only (0.126 ms
-# a pair on session 14's H100 machine), so 6 prepare ~47,000 pairs/s, 2.8x ViT-B-32's compiled ceiling
-# there, and each further worker would only add its fork to the start (~40 ms from a large main process).
-DEVICE_DECODE_WORKERS = 6
-
-
-def auto_workers(device: str, decode: str = "fast", cpu_decode_share: float = 0.0) -> int:
-    """`workers` left to pairclean. On a CUDA device, where the workers decode, every usable core of
-    this rank's share of the node but two (the main thread, and the prefetching thread that feeds
-    the device), at least 2: a worker decodes ~420 web pairs/s at `--decode fast` (session 14's
-    H100 machine), a fortieth of what the GPU encodes; where a device decoder takes every JPEG,
-    DEVICE_DECODE_WORKERS at most. Elsewhere 2: the model itself needs the cores, and a worker
-    prepares pairs far faster than a CPU encodes them."""
-    if not ((device == "auto" or device.startswith("cuda")) and torch.cuda.is_available()):
-        return 2
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    free = cores // distributed.local_world_size() - 2
-    if device_decoder_for(decode, device) is not None and not cpu_decode_share:
-        free = min(free, DEVICE_DECODE_WORKERS)
-    return max(2, free)
 
 
 EMBEDDING_DTYPES = ("float16", "float32")

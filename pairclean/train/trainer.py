@@ -15,7 +15,7 @@ import os
 import random
 import shutil
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -36,7 +36,7 @@ from pairclean.errors import ConfigError, UserError
 from pairclean.backends import load_target
 from pairclean.backends.base import PRECISIONS, autocast_context
 from pairclean.backends.device_jpeg import check_decode, pinned_decoding
-from pairclean.backends.feed import DeviceFeed
+from pairclean.backends.feed import DeviceFeed, auto_workers
 from pairclean.backends.inputs import ImageBatch
 from pairclean.backends.oom import take_rows
 from pairclean.data.dataset import Dataset, as_dataset
@@ -70,7 +70,7 @@ class TrainConfig:
     temperature: float | None = setting(None, above(0))  # None: open_clip learns it, sentence-transformers uses 0.05
     method: str = "plain"
     method_options: dict = field(default_factory=dict)
-    workers: int = setting(2, at_least(0))
+    workers: int | None = setting(None, at_least(0))  # None: auto (a resumed run: the number it began with)
     shuffle_buffer: int = setting(1000, at_least(0))
     val_batch_size: int = setting(256, COUNT, pinned=False)
     log_every: int = setting(10, COUNT)
@@ -199,6 +199,9 @@ def train(source: str | list[str] | DatasetSpec | Dataset, out: str | Path | Out
     out = open_output(out, [*spec.shards, *(val_spec.shards if val_spec else []), *method.input_files(), *pretrained],
                       "out", kind="directory", overwrite=None, parents=True).path
     resuming = distributed.on_main(lambda: _prepare_run_dir(out, cfg))  # rank 0 owns the run directory
+    if cfg.workers is None:  # auto: the data order depends on it, so a resumed run reads as it began
+        began = read_run(out).get("settings", {}).get("workers") if resuming else None
+        cfg = replace(cfg, workers=began if began is not None else auto_workers(cfg.device, cfg.decode))
     settings = _settings(cfg, spec, val_spec)
     state = None
     if resuming:
