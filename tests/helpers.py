@@ -111,3 +111,22 @@ def killed_after_first_unit(run) -> None:
     import signal
 
     assert forked(run, "part-written:2") == -signal.SIGKILL
+
+
+def trained_and_killed_after_first_epoch(monkeypatch, *args) -> None:
+    """`train(*args)` stopped (KeyboardInterrupt) right after its first epoch's state is saved."""
+    import pytest
+
+    from pairclean.train import train
+    from pairclean.train import trainer
+
+    real_save = trainer.save_state
+
+    def killed_after_first_epoch(run_dir, state):
+        real_save(run_dir, state)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(trainer, "save_state", killed_after_first_epoch)
+    with pytest.raises(KeyboardInterrupt):
+        train(*args)
+    monkeypatch.setattr(trainer, "save_state", real_save)

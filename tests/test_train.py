@@ -17,6 +17,7 @@ import torch
 
 from helpers import text_pairs as _text_pairs
 from helpers import tiny_train_config as tiny
+from helpers import trained_and_killed_after_first_epoch
 from pairclean.lab.coco import build_shards
 from pairclean.errors import UserError
 from pairclean.data.dataset import open_dataset
@@ -83,16 +84,7 @@ def test_plain_run_writes_a_checkpoint_open_clip_loads(tmp_path, coco_shards):
 def test_resumed_run_ends_with_the_same_weights(tmp_path, coco_shards, monkeypatch):
     cfg = tiny(epochs=2, workers=1)
     straight = train(str(coco_shards), tmp_path / "straight", cfg)
-    real_save = trainer_module.save_state
-
-    def killed_after_first_epoch(run_dir, state):
-        real_save(run_dir, state)
-        raise KeyboardInterrupt
-
-    monkeypatch.setattr(trainer_module, "save_state", killed_after_first_epoch)
-    with pytest.raises(KeyboardInterrupt):
-        train(str(coco_shards), tmp_path / "killed", cfg)
-    monkeypatch.setattr(trainer_module, "save_state", real_save)
+    trained_and_killed_after_first_epoch(monkeypatch, str(coco_shards), tmp_path / "killed", cfg)
     with pytest.raises(UserError, match="set resume"):
         train(str(coco_shards), tmp_path / "killed", cfg)
     resumed = train(str(coco_shards), tmp_path / "killed", tiny(epochs=2, workers=1, resume=True))
@@ -111,16 +103,7 @@ def test_workers_left_to_pairclean_resume_with_the_number_the_run_began_with(tmp
     """`workers` auto is this machine's number when a run starts, pinned (the data order depends on
     it); a resumed run reads as it began, though the machine it resumes on would pick another."""
     monkeypatch.setattr(trainer_module, "auto_workers", lambda device, decode: 1)
-    real_save = trainer_module.save_state
-
-    def killed_after_first_epoch(run_dir, state):
-        real_save(run_dir, state)
-        raise KeyboardInterrupt
-
-    monkeypatch.setattr(trainer_module, "save_state", killed_after_first_epoch)
-    with pytest.raises(KeyboardInterrupt):
-        train(str(coco_shards), tmp_path / "run", tiny(epochs=2, workers=None))
-    monkeypatch.setattr(trainer_module, "save_state", real_save)
+    trained_and_killed_after_first_epoch(monkeypatch, str(coco_shards), tmp_path / "run", tiny(epochs=2, workers=None))
     settings = lambda: json.loads((tmp_path / "run" / trainer_module.RUN_FILE).read_text())["settings"]  # noqa: E731
     assert settings()["workers"] == 1
     monkeypatch.setattr(trainer_module, "auto_workers", lambda device, decode: 3)

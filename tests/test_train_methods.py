@@ -10,11 +10,10 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 import torch
-from helpers import tiny_train_config
+from helpers import tiny_train_config, trained_and_killed_after_first_epoch
 
 from pairclean.errors import UserError
 from pairclean.train import build_method, train
-from pairclean.train import trainer as trainer_module
 from pairclean.train.methods.gsc import (calibrated_indicator, cross_modal_indicator, intra_modal_loss,
                                         intra_modal_similarity, momentum, structure_rows)
 from pairclean.train.retrieval import evaluate_retrieval
@@ -149,16 +148,7 @@ RESUMED = [("sdd", SDD_ANY, ["model-epoch-002.pt"]),
 def test_killed_and_resumed_run_ends_with_the_same_weights(tmp_path, coco_shards, monkeypatch, method, options, models):
     cfg = tiny(method=method, method_options=options)
     straight = train(str(coco_shards), tmp_path / "straight", cfg)
-    real_save = trainer_module.save_state
-
-    def killed_after_first_epoch(run_dir, state):
-        real_save(run_dir, state)
-        raise KeyboardInterrupt
-
-    monkeypatch.setattr(trainer_module, "save_state", killed_after_first_epoch)
-    with pytest.raises(KeyboardInterrupt):
-        train(str(coco_shards), tmp_path / "killed", cfg)
-    monkeypatch.setattr(trainer_module, "save_state", real_save)
+    trained_and_killed_after_first_epoch(monkeypatch, str(coco_shards), tmp_path / "killed", cfg)
     resumed = train(str(coco_shards), tmp_path / "killed", tiny(method=method, method_options=options, resume=True))
     assert resumed.resumed_from == 1
     for name in models:
