@@ -169,10 +169,11 @@ DEVICE_DECODE_WORKERS = 6
 def auto_workers(device: str, decode: str = "fast", cpu_decode_share: float = 0.0) -> int:
     """`workers` left to pairclean. On a CUDA device, where the workers decode, every usable core of
     this rank's share of the node but two (the main thread, and the thread that feeds the device:
-    scoring's prefetching thread, the DataLoader's pin thread in training), at least 2: a worker decodes ~420 web pairs/s at `--decode fast` (session 14's
-    H100 machine), a fortieth of what the GPU encodes; where a device decoder takes every JPEG,
-    DEVICE_DECODE_WORKERS at most. Elsewhere 2: the model itself needs the cores, and a worker
-    prepares pairs far faster than a CPU encodes them."""
+    scoring's prefetching thread, the DataLoader's pin thread in training), at least 2: a worker
+    decodes ~420 web pairs/s at `--decode fast` (session 14's H100 machine), a fortieth of what the
+    GPU encodes; where a device decoder takes every JPEG, DEVICE_DECODE_WORKERS at most. Elsewhere
+    2: the model itself needs the cores, and a worker prepares pairs far faster than a CPU encodes
+    them."""
     if not ((device == "auto" or device.startswith("cuda")) and torch.cuda.is_available()):
         return 2
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1

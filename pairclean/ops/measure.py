@@ -222,7 +222,7 @@ class StageMeter:
 
     def timed(self, batches: Iterable) -> Iterator:
         """`batches`, with two start-up milestones noted from whichever thread takes them: `loader
-        started` once `iter()` returned (a DataLoader's forks its workers), `first batch received`."""
+        started` once `iter()` returned (where a DataLoader forks its workers), `first batch received`."""
         items = iter(batches)
         self.milestones.setdefault("loader started", time.perf_counter() - self._started)
         for item in items:
