@@ -98,7 +98,7 @@ def test_workers_left_to_pairclean_are_every_core_but_two_on_a_gpu_and_two_elsew
 
     import torch
 
-    from pairclean.backends.feed import auto_workers
+    from pairclean.backends.device_jpeg import auto_workers
     from pairclean.scoring.model import ScoreConfig
 
     assert auto_workers("cpu") == 2 and ScoreConfig(device="cpu").resolved("image-text").workers == 2
@@ -108,10 +108,10 @@ def test_workers_left_to_pairclean_are_every_core_but_two_on_a_gpu_and_two_elsew
     assert auto_workers("auto") == auto_workers("cuda:1") == 14 and auto_workers("cpu") == 2
     assert ScoreConfig(device="cuda").resolved("image-text").workers == 14
     # A device decoder that runs here takes every JPEG: the workers only read and tokenise.
-    import pairclean.backends.feed as feed
+    import pairclean.backends.device_jpeg as device_jpeg
 
-    monkeypatch.setattr(feed, "device_decoder_for", lambda decode, device: object() if decode == "gpu" else None)
-    assert auto_workers("cuda", "gpu") == feed.DEVICE_DECODE_WORKERS == 6
+    monkeypatch.setattr(device_jpeg, "device_decoder_for", lambda decode, device: object() if decode == "gpu" else None)
+    assert auto_workers("cuda", "gpu") == device_jpeg.DEVICE_DECODE_WORKERS == 6
     assert auto_workers("cuda", "gpu", cpu_decode_share=0.3) == 14  # the workers decode a share: every core
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # two ranks on the node: 8 cores each
     assert auto_workers("cuda") == 6 and auto_workers("cuda", "gpu") == 6

@@ -22,17 +22,18 @@ import io
 import os
 import warnings
 from abc import ABC, abstractmethod
-from contextlib import nullcontext
 
 import torch
 from PIL import Image
 
 from pairclean.backends.base import host_values, pick_device
+from pairclean.backends.feed import DeviceFeed
 from pairclean.backends.inputs import ImageBatch, JpegBlob, StandardTransform
 from pairclean.backends.resample import FILTERS, resize_crop
 from pairclean.config import SHARE, check_choice, check_value
 from pairclean.data.decode import MAX_PIXELS, DecodeError, decode_image
 from pairclean.errors import ConfigError
+from pairclean.ops import distributed
 
 WORKER_DECODES = ("fast", "exact")  # PIL in the workers; every other `decode` is a registered device decoder
 PAD_BUDGET = 48 << 20  # padded input pixels per resize call (x 3 bytes as uint8, x 12 as float32)
@@ -172,11 +173,38 @@ def pinned_decoding(decode: str, device: str, share: float = 0.0) -> dict:
     return {"device_decoder": decoder.version, **({"cpu_decode_share": share} if share else {})}
 
 
+def usable_cores() -> int:
+    """The cores this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def host_threads() -> int:
     """CPU threads a device decoder's library may use for its host work (JPEG headers, Huffman
     decoding of small images, the images the device cannot take): half the cores this process
     may run on, at most 8; the DataLoader workers have the rest."""
-    return max(1, min(8, len(os.sched_getaffinity(0)) // 2))
+    return max(1, min(8, usable_cores() // 2))
+
+
+# `workers` auto where the device decodes every JPEG: a worker then reads and tokenises only (0.126 ms
+# a pair on session 14's H100 machine), so 6 prepare ~47,000 pairs/s, 2.8x ViT-B-32's compiled ceiling
+# there, and each further worker would only add its fork to the start (~40 ms from a large main process).
+DEVICE_DECODE_WORKERS = 6
+
+
+def auto_workers(device: str, decode: str = "fast", cpu_decode_share: float = 0.0) -> int:
+    """`workers` left to pairclean. On a CUDA device, where the workers decode, every usable core of
+    this rank's share of the node but two (the main thread, and the thread that feeds the device:
+    scoring's prefetching thread, the DataLoader's pin thread in training), at least 2: a worker
+    decodes ~420 web pairs/s at `--decode fast` (session 14's H100 machine), a fortieth of what the
+    GPU encodes; where a device decoder takes every JPEG, DEVICE_DECODE_WORKERS at most. Elsewhere
+    2: the model itself needs the cores, and a worker prepares pairs far faster than a CPU encodes
+    them."""
+    if pick_device(device).type != "cuda":
+        return 2
+    free = usable_cores() // distributed.local_world_size() - 2
+    if device_decoder_for(decode, device) is not None and not cpu_decode_share:
+        free = min(free, DEVICE_DECODE_WORKERS)
+    return max(2, free)
 
 
 class BatchedDeviceDecoder(DeviceDecoder):
@@ -256,7 +284,7 @@ class DeviceJpegDecoder(BatchedDeviceDecoder):
 
     def __init__(self, transform: StandardTransform, device: torch.device, preprocess):
         super().__init__(transform, device, preprocess)
-        self.decode_stream = None  # CUDA: the stream torchvision's decoded images are allocated on (`decode_crop`)
+        self.feed = DeviceFeed(device)  # CUDA: the side stream torchvision's images are allocated on (`_decode`)
 
     def decode_crop(self, files: list[torch.Tensor]) -> tuple[torch.Tensor, list[int]]:
         images = self._decode(files)
@@ -266,24 +294,15 @@ class DeviceJpegDecoder(BatchedDeviceDecoder):
         """The files decoded on the device. On CUDA, torchvision allocates the images on the caller's
         current stream but writes them on a stream of its own, which never waits for the caller's:
         an image freed while the caller's queued work still reads it (the resize; nothing waits for
-        the device any more) could be handed to the next decode and overwritten. So the images come
-        from a stream of their own and are recorded on the caller's: the caching allocator reuses
-        their memory only once the caller's work queued before they were freed is done."""
+        the device any more) could be handed to the next decode and overwritten. So they are decoded
+        on a side stream and handed to the caller's as a `DeviceFeed` hands its copies: the caller's
+        stream waits for them, and their memory is reused only once its queued work is done."""
         from torchvision.io import ImageReadMode, decode_jpeg
 
-        cuda = self.device.type == "cuda"
-        consumer = torch.cuda.current_stream(self.device) if cuda else None
-        if cuda and self.decode_stream is None:
-            self.decode_stream = torch.cuda.Stream(self.device)
-        with warnings.catch_warnings(), torch.cuda.stream(self.decode_stream) if cuda else nullcontext():
+        with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # torchvision 0.29 deprecates its image decoders
-            images = decode_jpeg(files, mode=ImageReadMode.RGB, device=self.device)  # the stream waits for it
-        images = images if isinstance(images, list) else [images]
-        if cuda:
-            consumer.wait_stream(self.decode_stream)
-            for image in images:
-                image.record_stream(consumer)
-        return images
+            images = self.feed.run(lambda: decode_jpeg(files, mode=ImageReadMode.RGB, device=self.device))
+        return images if isinstance(images, list) else [images]
 
 
 def resize_many(images: list[torch.Tensor], resize: int, crop: int, filter_name: str) -> torch.Tensor:

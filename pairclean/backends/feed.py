@@ -14,7 +14,6 @@ decoded) in a thread of its own, on a side stream, while the main thread queues 
 
 from __future__ import annotations
 
-import os
 import queue
 import threading
 from contextlib import nullcontext
@@ -23,8 +22,6 @@ from typing import Any, Callable, Iterable, Iterator
 import torch
 
 from pairclean.backends.base import move_batch
-from pairclean.backends.device_jpeg import device_decoder_for
-from pairclean.ops import distributed
 
 
 def device_tensors(value: Any) -> Iterator[torch.Tensor]:
@@ -159,25 +156,3 @@ class DevicePrefetcher:
             stop.set()
             thread.join(timeout=5)  # a thread still waiting for its source ends with the process (daemon)
 
-
-# `workers` auto where the device decodes every JPEG: a worker then reads and tokenises only (0.126 ms
-# a pair on session 14's H100 machine), so 6 prepare ~47,000 pairs/s, 2.8x ViT-B-32's compiled ceiling
-# there, and each further worker would only add its fork to the start (~40 ms from a large main process).
-DEVICE_DECODE_WORKERS = 6
-
-
-def auto_workers(device: str, decode: str = "fast", cpu_decode_share: float = 0.0) -> int:
-    """`workers` left to pairclean. On a CUDA device, where the workers decode, every usable core of
-    this rank's share of the node but two (the main thread, and the thread that feeds the device:
-    scoring's prefetching thread, the DataLoader's pin thread in training), at least 2: a worker
-    decodes ~420 web pairs/s at `--decode fast` (session 14's H100 machine), a fortieth of what the
-    GPU encodes; where a device decoder takes every JPEG, DEVICE_DECODE_WORKERS at most. Elsewhere
-    2: the model itself needs the cores, and a worker prepares pairs far faster than a CPU encodes
-    them."""
-    if not ((device == "auto" or device.startswith("cuda")) and torch.cuda.is_available()):
-        return 2
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    free = cores // distributed.local_world_size() - 2
-    if device_decoder_for(decode, device) is not None and not cpu_decode_share:
-        free = min(free, DEVICE_DECODE_WORKERS)
-    return max(2, free)

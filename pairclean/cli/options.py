@@ -59,7 +59,7 @@ Workers = Annotated[str, typer.Option(
 
 
 def workers_given(text: str) -> int | None:
-    """--workers as the config takes it: auto -> None (the run decides: `backends.feed.auto_workers`),
+    """--workers as the config takes it: auto -> None (the run decides: `backends.device_jpeg.auto_workers`),
     else a whole number >= 0."""
     from pairclean.config import Declared, at_least, parse_value
 

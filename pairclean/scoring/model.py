@@ -21,8 +21,7 @@ import torch
 from pairclean import __version__
 from pairclean.backends import BACKENDS, build_estimator, default_model, resolve_backend
 from pairclean.backends.base import file_sha256, resolve_precision
-from pairclean.backends.device_jpeg import check_cpu_decode_share, pinned_decoding
-from pairclean.backends.feed import auto_workers
+from pairclean.backends.device_jpeg import auto_workers, check_cpu_decode_share, pinned_decoding
 from pairclean.ops.faults import slow_point
 from pairclean.ops.guard import Output, open_output
 from pairclean.ops import distributed

@@ -98,7 +98,7 @@ class Producer(ABC):
     then `finish(records, counters, todo, beta)` on rank 0."""
 
     beta_modes: ClassVar[tuple[str, ...]] = BETA_MODES
-    device_type: str = "cpu"  # torch.distributed backend choice: "cuda" -> NCCL (gloo where ranks share a GPU), else gloo
+    device_type: str = "cpu"  # "cuda": each rank is set to its GPU (`gpu_of_rank`); the group is gloo either way
 
     @abstractmethod
     def units(self) -> list[str]:

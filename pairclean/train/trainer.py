@@ -35,8 +35,8 @@ from pairclean.config import check_choice, check_pretrained
 from pairclean.errors import ConfigError, UserError
 from pairclean.backends import load_target
 from pairclean.backends.base import PRECISIONS, autocast_context
-from pairclean.backends.device_jpeg import check_decode, pinned_decoding
-from pairclean.backends.feed import DeviceFeed, auto_workers
+from pairclean.backends.device_jpeg import auto_workers, check_decode, pinned_decoding
+from pairclean.backends.feed import DeviceFeed
 from pairclean.backends.inputs import ImageBatch
 from pairclean.backends.oom import take_rows
 from pairclean.data.dataset import Dataset, as_dataset
