@@ -17,6 +17,7 @@ from dataclasses import fields, is_dataclass
 import torch
 
 import pairclean.scoring.pipeline as pipeline
+import pairclean.train.trainer as trainer
 from pairclean.backends.feed import DeviceFeed
 from pairclean.backends.inputs import TokenBatch
 from pairclean.ops.measure import DeviceReads
@@ -47,7 +48,7 @@ def main(argv: list[str]) -> None:
             reads.mark(*fed_tensors(value))
             return super().__call__(value)
 
-    pipeline.DeviceFeed = MarkingFeed
+    pipeline.DeviceFeed = trainer.DeviceFeed = MarkingFeed
     from pairclean.cli import main as cli
 
     sys.argv = ["pairclean", *argv]

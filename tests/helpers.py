@@ -130,3 +130,18 @@ def trained_and_killed_after_first_epoch(monkeypatch, *args) -> None:
     with pytest.raises(KeyboardInterrupt):
         train(*args)
     monkeypatch.setattr(trainer, "save_state", real_save)
+
+
+def host_copies_without_a_driver(monkeypatch) -> None:
+    """`HostCopies` on fake CUDA tensors (no GPU): the page-locked copy made as a plain host copy
+    (`to_host`, in kind) and CUDA events that record nothing (what they are for needs a driver)."""
+    import torch
+
+    from pairclean.backends import feed
+
+    class Event:
+        def record(self):
+            pass
+
+    monkeypatch.setattr(feed, "to_host", lambda t: t.to("cpu", non_blocking=True))
+    monkeypatch.setattr(torch.cuda, "Event", Event)

@@ -226,8 +226,10 @@ def test_ranks_beyond_a_nodes_gpus_share_them_for_scoring_in_a_gloo_group_and_tr
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(torch.cuda, "set_device", lambda index: chosen.update(gpu=index))
     monkeypatch.setattr(dist, "init_process_group", lambda backend, timeout: chosen.update(backend=backend))
+    monkeypatch.setattr(dist, "new_group", lambda backend, timeout: chosen.update(host_group=backend) or backend)
     monkeypatch.setattr(dist, "is_initialized", lambda: False)
     monkeypatch.setattr(distributed.atexit, "register", lambda fn: None)
+    monkeypatch.setattr(distributed, "_host_group", None)
     for name, value in {"WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}.items():
         monkeypatch.setenv(name, value)
     distributed.init_from_env(device_type="cuda", share_gpus=True)
@@ -237,7 +239,9 @@ def test_ranks_beyond_a_nodes_gpus_share_them_for_scoring_in_a_gloo_group_and_tr
         distributed.init_from_env(device_type="cuda")
     assert not chosen
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)  # a rank per GPU: each its own
-    distributed.init_from_env(device_type="cuda")  # training: NCCL
-    assert chosen == {"gpu": 1, "backend": "nccl"} and distributed.default_device_for_rank("auto") == "cuda:1"
+    distributed.init_from_env(device_type="cuda")  # training: NCCL, and gloo for the values the host holds
+    assert chosen == {"gpu": 1, "backend": "nccl", "host_group": "gloo"} and distributed._host_group == "gloo"
+    assert distributed.default_device_for_rank("auto") == "cuda:1"
+    chosen.clear()
     distributed.init_from_env(device_type="cuda", share_gpus=True)  # scoring: gloo on every node, whatever its GPUs
     assert chosen == {"gpu": 1, "backend": "gloo"}

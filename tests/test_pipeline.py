@@ -11,7 +11,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from helpers import forked
+from helpers import forked, host_copies_without_a_driver
 from torchvision import transforms as T
 
 from pairclean.backends.device_jpeg import DeviceJpegDecoder
@@ -412,17 +412,13 @@ def test_the_scorer_queues_its_work_without_waiting_for_the_device(monkeypatch):
     from pairclean.scoring import pipeline
     from pairclean.scoring.batches import PairBatch, UnitSpan
 
-    class Event:  # a CUDA event needs a driver; what it is for is not under test here
-        def record(self):
-            pass
-
-    monkeypatch.setattr(pipeline, "_to_host", lambda t: t.to("cpu", non_blocking=True))  # the pinned copy, in kind
-    monkeypatch.setattr(torch.cuda, "Event", Event)
+    host_copies_without_a_driver(monkeypatch)
     batch = PairBatch([UnitSpan("u", 0, 6)], list("abcdef"), ["s"] * 6, list(range(6)), [None] * 6)
     with FakeTensorMode(allow_non_fake_inputs=True), DeviceReads() as waits:
         u = torch.nn.functional.normalize(torch.randn(6, 8, device="cuda"), dim=-1)
         v = torch.nn.functional.normalize(torch.randn(6, 8, device="cuda"), dim=-1)
         scored = pipeline.Scorer(None, "image", "text", keep_embeddings=True).score(batch, u, v)
-    assert scored.sims.shape == scored.nulls.shape == (6,) and scored.sims.device.type == "cpu"
+    results = scored.results.values
+    assert results["sims"].shape == results["nulls"].shape == (6,) and results["sims"].device.type == "cpu"
     assert not waits.sites
 

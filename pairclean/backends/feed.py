@@ -6,6 +6,10 @@ so the model keeps computing the batch before while the next one crosses the bus
 its batches through it, and decodes its JPEGs there with `--decode gpu`). On a CPU device it hands
 batches on unchanged.
 
+`HostCopies` is the way back: results copied to the host as they are queued, read once an event
+says the work before them is done - never a wait for all the device's queued work, which a
+scalar read or a blocking copy is.
+
 `DevicePrefetcher` goes one step further for work the host must wait for: it prepares batch i+1
 (copies and device preprocessing, where torchvision's nvJPEG decode blocks until the batch is
 decoded) in a thread of its own, on a side stream, while the main thread queues batch i's model
@@ -67,6 +71,37 @@ class DeviceFeed:
         for tensor in device_tensors(out):
             tensor.record_stream(compute)
         return out
+
+
+def to_host(tensor: torch.Tensor) -> torch.Tensor:
+    """An asynchronous copy into page-locked host memory (torch's caching host allocator); the
+    tensor itself when it is already on the host."""
+    if not tensor.is_cuda:
+        return tensor
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    return host.copy_(tensor, non_blocking=True)
+
+
+class HostCopies:
+    """Device values on their way to the host: each copied asynchronously as it is queued, read
+    through `wait()`, which waits (a CUDA event) only for the work queued before the copies. A
+    scalar read (`float(loss)`, `.item()`) or a blocking `.cpu()` waits for everything queued on
+    the stream instead - the batch or step queued after it too - and the device then idles until
+    the host has queued the next one. On a CPU device the values are the tensors themselves."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor | None] | None = None):
+        tensors = {name: t for name, t in (tensors or {}).items() if t is not None}
+        self.values = {name: to_host(t.detach()) for name, t in tensors.items()}
+        self.ready = None
+        if any(t.is_cuda for t in tensors.values()):
+            self.ready = torch.cuda.Event()
+            self.ready.record()
+
+    def wait(self) -> dict[str, torch.Tensor]:
+        """The values in host memory, once the device has written them."""
+        if self.ready is not None:
+            self.ready.synchronize()
+        return self.values
 
 
 _DONE = object()

@@ -17,6 +17,12 @@ import torch.distributed as dist
 from pairclean.errors import UserError
 
 
+# Where NCCL is the group (training on GPUs), a gloo group beside it for the values the host holds
+# (a loss, "every rank still has a batch", pickled objects): through NCCL each would be copied to
+# the GPU and back, and each copy waits for every step queued on the device. None: the one group.
+_host_group = None
+
+
 def launched_by_torchrun() -> bool:
     return int(os.environ.get("WORLD_SIZE", "1")) > 1
 
@@ -44,6 +50,9 @@ def init_from_env(device_type: str | None = None, timeout_minutes: int = 120, sh
         torch.cuda.set_device(gpu_of_rank())
         backend = "gloo" if share_gpus else "nccl"
     dist.init_process_group(backend=backend, timeout=datetime.timedelta(minutes=timeout_minutes))
+    global _host_group
+    _host_group = (dist.new_group(backend="gloo", timeout=datetime.timedelta(minutes=timeout_minutes))
+                   if backend == "nccl" else None)
     atexit.register(leave_group)
 
 
@@ -52,8 +61,10 @@ def leave_group() -> None:
     the group alive leaves gloo's worker threads holding tensors; tearing those down during
     interpreter finalisation aborts the process (SIGABRT, "terminate called without an active
     exception"), seen on a rank that finished before rank 0 had written the output."""
+    global _host_group
     if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
+        dist.destroy_process_group()  # every group, the host group too
+    _host_group = None
 
 
 def is_distributed() -> bool:
@@ -98,19 +109,21 @@ def broadcast_object(obj=None, src: int = 0):
     if not is_distributed():
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=src)
+    dist.broadcast_object_list(box, src=src, group=_host_group)
     return box[0]
+
+
+def _host_reduce(value: float, op) -> float:
+    if not is_distributed():
+        return value
+    t = torch.tensor([float(value)], dtype=torch.float64)
+    dist.all_reduce(t, op=op, group=_host_group)
+    return float(t.item())
 
 
 def all_reduce_sum(value: float) -> float:
     """The sum of `value` over all ranks (e.g. pairs scored, for the job's throughput)."""
-    if not is_distributed():
-        return value
-    t = torch.tensor([float(value)], dtype=torch.float64)
-    if dist.get_backend() == "nccl":
-        t = t.cuda()
-    dist.all_reduce(t, op=dist.ReduceOp.SUM)
-    return float(t.item())
+    return _host_reduce(value, dist.ReduceOp.SUM)
 
 
 def on_main(fn):
@@ -132,13 +145,7 @@ def on_main(fn):
 
 def all_reduce_min(value: float) -> float:
     """The minimum of `value` over all ranks (e.g. whether every rank still has a full batch)."""
-    if not is_distributed():
-        return value
-    t = torch.tensor([float(value)], dtype=torch.float64)
-    if dist.get_backend() == "nccl":
-        t = t.cuda()
-    dist.all_reduce(t, op=dist.ReduceOp.MIN)
-    return float(t.item())
+    return _host_reduce(value, dist.ReduceOp.MIN)
 
 
 def all_reduce_mean(value: float) -> float:

@@ -17,13 +17,13 @@ from __future__ import annotations
 from collections import defaultdict
 from contextlib import closing
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from typing import Callable, Iterable
 
 import numpy as np
 import torch
 
 from pairclean.backends.base import Estimator, host_values, move_batch
-from pairclean.backends.feed import DeviceFeed, DevicePrefetcher, device_tensors
+from pairclean.backends.feed import DeviceFeed, DevicePrefetcher, HostCopies, device_tensors
 from pairclean.backends.oom import OomBackoff, take_rows
 from pairclean.core.beta import ShuffledAccumulator
 from pairclean.core.scorer import null_partners
@@ -57,30 +57,16 @@ def finish_on_device(estimator: Estimator, batch: PairBatch, left: str, right: s
 
 @dataclass
 class ScoredBatch:
-    """A batch's rows and what the device computed for its valid rows (`encoded`, in order):
-    similarities, null similarities and, where the sink needs them, the embeddings, all in host
-    memory once `ready` (a CUDA event; None where there is nothing to wait for)."""
+    """A batch's rows and what the device computed for its valid rows (`encoded`, in order) on
+    its way to host memory: similarities (`sims`), null similarities (`nulls`) and, where the sink
+    needs them, the embeddings (`left`, `right`)."""
 
     batch: PairBatch
     encoded: list[int]
-    sims: torch.Tensor | None = None
-    nulls: torch.Tensor | None = None
-    left: torch.Tensor | None = None
-    right: torch.Tensor | None = None
-    ready: Any = None
+    results: HostCopies = field(default_factory=HostCopies)
 
-    def wait(self) -> None:
-        if self.ready is not None:
-            self.ready.synchronize()
-
-
-def _to_host(tensor: torch.Tensor) -> torch.Tensor:
-    """An asynchronous copy into page-locked host memory (torch's caching host allocator); the
-    tensor itself when it is already on the host."""
-    if not tensor.is_cuda:
-        return tensor
-    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-    return host.copy_(tensor, non_blocking=True)
+    def wait(self) -> dict[str, torch.Tensor]:
+        return self.results.wait()
 
 
 class Scorer:
@@ -98,15 +84,11 @@ class Scorer:
         return u, v
 
     def score(self, batch: PairBatch, u: torch.Tensor, v: torch.Tensor) -> ScoredBatch:
-        scored = ScoredBatch(batch, batch.valid_rows())
         partners = host_values(null_partners(len(u)), v.device)
-        scored.sims = _to_host((u * v).sum(-1))
-        scored.nulls = _to_host((u * v[partners]).sum(-1)) if len(partners) else None
-        if self.keep_embeddings:
-            scored.left, scored.right = _to_host(u), _to_host(v)
-        if u.is_cuda:
-            scored.ready = torch.cuda.Event()
-            scored.ready.record()
+        keep = self.keep_embeddings
+        scored = ScoredBatch(batch, batch.valid_rows(), HostCopies({
+            "sims": (u * v).sum(-1), "nulls": (u * v[partners]).sum(-1) if len(partners) else None,
+            "left": u if keep else None, "right": v if keep else None}))
         batch.left = batch.right = None  # the inputs are no longer needed: free them now
         return scored
 
@@ -171,14 +153,14 @@ class PartSink:
             self.pending = None
 
     def _take(self, scored: ScoredBatch) -> None:
-        scored.wait()
+        results = scored.wait()
         batch, n = scored.batch, len(scored.batch)
         sims = np.full(n, np.nan, dtype=np.float32)
         nulls = np.full(n, np.nan, dtype=np.float32)
         if scored.encoded:
-            sims[scored.encoded] = scored.sims.numpy()
-            if scored.nulls is not None:
-                nulls[scored.encoded] = scored.nulls.numpy()
+            sims[scored.encoded] = results["sims"].numpy()
+            if "nulls" in results:
+                nulls[scored.encoded] = results["nulls"].numpy()
         # Position of each row among the encoded ones: a span's encoded rows are contiguous in u, v.
         first_encoded = np.searchsorted(np.asarray(scored.encoded, dtype=np.int64), np.arange(n + 1))
         for span in batch.spans:
@@ -192,13 +174,13 @@ class PartSink:
             part.sim.append(sims[rows])
             part.null.append(nulls[rows])
             lo, hi = int(first_encoded[span.start]), int(first_encoded[span.stop])
-            if hi > lo and scored.left is not None:
-                self._keep_embeddings(span.unit, scored, lo, hi)
+            if hi > lo and "left" in results:
+                self._keep_embeddings(span.unit, scored, results, lo, hi)
         for end in batch.done:
             self._commit(end)
 
-    def _keep_embeddings(self, unit: str, scored: ScoredBatch, lo: int, hi: int) -> None:
-        u, v = scored.left[lo:hi], scored.right[lo:hi]
+    def _keep_embeddings(self, unit: str, scored: ScoredBatch, results: dict, lo: int, hi: int) -> None:
+        u, v = results["left"][lo:hi], results["right"][lo:hi]
         if self.accumulate:
             self.sums[unit].add(u, v)
         if self.save_block is not None:

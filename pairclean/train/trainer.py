@@ -36,7 +36,7 @@ from pairclean.errors import ConfigError, UserError
 from pairclean.backends import load_target
 from pairclean.backends.base import PRECISIONS, autocast_context
 from pairclean.backends.device_jpeg import auto_workers, check_decode, pinned_decoding
-from pairclean.backends.feed import DeviceFeed
+from pairclean.backends.feed import DeviceFeed, HostCopies
 from pairclean.backends.inputs import ImageBatch
 from pairclean.backends.oom import take_rows
 from pairclean.data.dataset import Dataset, as_dataset
@@ -314,18 +314,22 @@ class _Towers(torch.nn.Module):
         return self.target.encode(self.left, left_batch), self.target.encode(self.right, right_batch)
 
 
-FED = ("left", "right")  # a batch's inputs end so: both sides, and an extra preparer's (`estimator_left`)
+# A batch's values the feed moves to the device: both sides' inputs, an extra preparer's
+# (`estimator_left`), and the pairs' loss weights (copied with the inputs, not when the loss needs them).
+FED = ("left", "right", "weight")
 
 
 @dataclass
 class _Settled:
-    """What a step leaves to be read once the next one is queued (`_Loop._settle`)."""
+    """What a step leaves to be read once the next one is queued (`_Loop._settle`): its values
+    on their way to the host (`results`: the loss, the logit scale, tensor metrics as `metric:NAME`
+    and, when diagnostics are written, the per-pair columns as `pair:NAME`)."""
 
     out: object  # the method's StepOutput
     batch: dict
     lr: float
     step: int
-    logit_scale: torch.Tensor
+    results: HostCopies
 
 
 class _Loop:
@@ -456,10 +460,20 @@ class _Loop:
             batch = {k: v if k == "stats" else take_rows(v, keep) for k, v in batch.items()}
         return batch
 
+    def _results(self, out) -> HostCopies:
+        """What `_settle` reads of a step, copied to the host as soon as the step is queued."""
+        tensors = {"loss": out.loss, "logit_scale": self.target.logit_scale(),
+                   **{f"metric:{k}": v for k, v in out.metrics.items() if isinstance(v, torch.Tensor)}}
+        if self.diag is not None:
+            tensors.update({f"pair:{k}": v for k, v in out.per_pair.items()})
+        return HostCopies(tensors)
+
     def _settle(self, done: "_Settled", epoch: int, totals: dict, task, epoch_start: float) -> None:
-        """A step's loss, diagnostics, log line and progress, read one step late: reading a loss
-        waits for the device, and by then the next step is queued, so the device never idles on it."""
-        loss, n = distributed.all_reduce_mean(float(done.out.loss.detach())), len(done.batch["key"])
+        """A step's loss, diagnostics, log line and progress, read one step late, once its values
+        have reached the host: reading a device value (`float(loss)`) would wait for every step
+        queued, the one after it too, and the device would idle while the host fetched the next batch."""
+        results = done.results.wait()
+        loss, n = distributed.all_reduce_mean(float(results["loss"].numpy())), len(done.batch["key"])
         if not math.isfinite(loss):  # every rank sees the same mean: all stop, none saves a checkpoint
             raise ConfigError(f"the training loss became {loss} at step {done.step}: stopped before saving a "
                               "checkpoint (check the loss weights, or lower lr)", "lr")
@@ -469,10 +483,13 @@ class _Loop:
         batch = done.batch
         if self.diag is not None:
             self.diag.add({"key": batch["key"], "shard": batch["shard"], "index": batch["index"].numpy(),
-                           "epoch": [epoch] * n, **{k: v.float().cpu().numpy() for k, v in done.out.per_pair.items()}})
+                           "epoch": [epoch] * n, **{name.removeprefix("pair:"): v.float().numpy()
+                                                    for name, v in results.items() if name.startswith("pair:")}})
         if done.step % self.cfg.log_every == 0 and distributed.is_main():
+            metrics = {k: results[f"metric:{k}"].numpy().item() if isinstance(v, torch.Tensor) else v
+                       for k, v in done.out.metrics.items()}
             self.metrics.write({"event": "step", "epoch": epoch, "step": done.step, "loss": loss, "lr": done.lr,
-                                "logit_scale": float(done.logit_scale), **done.out.metrics})
+                                "logit_scale": float(results["logit_scale"].numpy()), **metrics})
         elapsed = time.perf_counter() - epoch_start
         task.update(advance=1, loss=loss, lr=done.lr, rate=totals["pairs"] / elapsed if elapsed else 0.0)
 
@@ -495,7 +512,7 @@ class _Loop:
             out = self._step(batch)
             if pending is not None:  # the step before's figures: the device is on this step already
                 self._settle(pending, epoch, totals, task, epoch_start)
-            pending = _Settled(out, batch, lr, self.step, self.target.logit_scale().detach())
+            pending = _Settled(out, batch, lr, self.step, self._results(out))
             ready = time.perf_counter()
             totals["compute_s"] += ready - began
         if pending is not None:

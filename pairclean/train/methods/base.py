@@ -91,7 +91,9 @@ class FollowUp:
 class LossOutput:
     loss: torch.Tensor
     per_pair: dict[str, torch.Tensor] = field(default_factory=dict)  # diagnostics columns, detached
-    metrics: dict[str, float] = field(default_factory=dict)  # batch-level values for the step log
+    # Batch-level values for the step log: numbers, or 0-d tensors left on the device (the trainer
+    # reads them a step late, without waiting for the device: `float(t)` here would wait for it)
+    metrics: dict[str, float | torch.Tensor] = field(default_factory=dict)
     follow_ups: list[FollowUp] = field(default_factory=list)  # every rank must return as many
 
 
@@ -155,8 +157,8 @@ class Method:
         diag = {"loss": per_pair, **extra}
         metrics = {}
         if weights is not None:
-            diag["weight"] = weights.detach().float().cpu()
-            metrics["mean_weight"] = float(weights.float().mean())
+            diag["weight"] = weights.detach().float()
+            metrics["mean_weight"] = weights.detach().float().mean()
         return LossOutput(loss, diag, metrics)
 
     def after_backward(self, ctx: MethodContext) -> None:

@@ -341,7 +341,7 @@ class Diffncl(Method):
         parts = weak_pair_losses(left, right, denoiser, o.steps, self._scale(net), o.shared_noise, o.cross_detach,
                                  o.cross, o.denoise_from)
         term = o.intra_weight * parts["intra"] + o.cross_weight * parts["cross"] + o.robust_weight * parts["robust"]
-        return term, {f"l_{k}": float(v.detach()) for k, v in parts.items()}
+        return term, {f"l_{k}": v.detach() for k, v in parts.items()}
 
     def _rows_loss(self, emb: Embeddings, ids: np.ndarray, net, denoiser: Denoiser) -> tuple[torch.Tensor, dict]:
         """loops=rows: plain InfoNCE on the batch's clean rows + the weak-pair losses on its weak rows."""
@@ -359,7 +359,7 @@ class Diffncl(Method):
                 term, parts = self._weak_loss(left, right, net, denoiser)
                 metrics.update(parts)
             loss = loss + term
-            metrics[f"l_{name}"] = float(term.detach())
+            metrics[f"l_{name}"] = term.detach()
         return loss, metrics
 
     def _weak_step(self, k: int, net) -> tuple | None:
@@ -375,7 +375,7 @@ class Diffncl(Method):
             denoiser.zero_grad()
             self.denoise = denoiser if k == 0 else None
             term, parts = self._weak_loss(emb.left, emb.right, net, denoiser.module)
-            self.weak_metrics[k] = {**parts, "l_weak": float(term.detach())}
+            self.weak_metrics[k] = {**parts, "l_weak": term.detach()}
             return term + every_parameter(emb)
         return batch, loss
 
@@ -397,7 +397,7 @@ class Diffncl(Method):
         weak = self._weak_step(0, ctx.target)
         if weak is not None:
             follow_ups.append(FollowUp(weak[0]["left"], weak[0]["right"], weak[1]))
-        return LossOutput(loss, diag, {"l_clean": float(loss.detach()), **self.weak_metrics.get(0, {}), **peer_metrics},
+        return LossOutput(loss, diag, {"l_clean": loss.detach(), **self.weak_metrics.get(0, {}), **peer_metrics},
                           follow_ups)
 
     def after_backward(self, ctx: MethodContext) -> None:
@@ -413,14 +413,14 @@ class Diffncl(Method):
         if self.partition is None:
             loss = infonce_terms(emb.left, emb.right, emb.logit_scale).per_sample.mean()
             self.peer.step(loss)
-            return {"peer_loss": float(loss.detach())}
+            return {"peer_loss": loss.detach()}
         target, denoiser = self.peer.target, self.denoisers[1]
         if not self.loops:
             denoiser.zero_grad()
             loss, _ = self._rows_loss(emb, self.index.ids(batch["shard"], batch["index"]), target, denoiser.module)
             self.peer.step(loss)
             denoiser.step()
-            return {"peer_loss": float(loss.detach())}
+            return {"peer_loss": loss.detach()}
         loss = infonce_terms(emb.left, emb.right, emb.logit_scale).per_sample.mean()
         self.peer.step(loss)
         weak = self._weak_step(1, target)
@@ -428,7 +428,7 @@ class Diffncl(Method):
             weak_emb = self.peer.embed(ctx, weak[0])
             self.peer.step(weak[1](weak_emb))
             denoiser.step()
-        return {"peer_loss": float(loss.detach())}
+        return {"peer_loss": loss.detach()}
 
     def on_epoch_end(self, epoch: int, ctx: MethodContext) -> dict:
         self.peer.close()

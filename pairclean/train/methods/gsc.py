@@ -37,6 +37,8 @@ import torch
 import torch.nn.functional as F
 
 from pairclean.config import COUNT, SHARE, above, at_least, check_choice, setting, within
+from pairclean.backends.base import host_values
+from pairclean.backends.feed import HostCopies
 from pairclean.core.mixture import clean_posterior
 from pairclean.train.loss import infonce_terms, weighted_infonce
 from pairclean.train.methods.base import Embeddings, LossOutput, Method, MethodContext, register_method, too_short
@@ -143,12 +145,12 @@ class _Labels:
         return np.minimum(self.y_cm, self.y_im)
 
     def new_epoch(self) -> None:
-        self.ids, self.cm, self.sim = [], [], []
+        self.ids, self.steps = [], []
 
     def record(self, ids: np.ndarray, cm: torch.Tensor, sim: torch.Tensor) -> None:
+        """A step's values, on their way to the host (read at the epoch's end: a step never waits for them)."""
         self.ids.append(ids)
-        self.cm.append(cm.detach().float().cpu().numpy())
-        self.sim.append(sim.detach().float().cpu().numpy())
+        self.steps.append(HostCopies({"cm": cm.float(), "sim": sim.float()}))
 
     @staticmethod
     def estimates(cm: np.ndarray, sim: np.ndarray, seen: np.ndarray, o: GscOptions, seed: int) -> tuple:
@@ -171,8 +173,9 @@ class _Labels:
         """End of an epoch: gather every rank's values, this epoch's estimates, ensemble; pairs no step
         saw keep their labels."""
         cat = (lambda xs, dtype: np.concatenate(xs) if xs else np.zeros(0, dtype=dtype))
-        table = gather_pairs(size, cat(self.ids, np.int64), {"cm": cat(self.cm, np.float32),
-                                                             "sim": cat(self.sim, np.float32)})
+        steps = [step.wait() for step in self.steps]
+        table = gather_pairs(size, cat(self.ids, np.int64), {name: cat([v[name].numpy() for v in steps], np.float32)
+                                                             for name in ("cm", "sim")})
         seen = table.seen
         y_cm_now, y_im_now = self.estimates(table["cm"], table["sim"], seen, o, seed)
         self.y_cm[seen] = momentum(self.y_cm[seen], y_cm_now[seen], o.beta1)
@@ -202,6 +205,7 @@ class Gsc(Method):
         super().__init__(options)
         self.saved = None  # a resumed run's method state, applied in setup and at the first epoch
         self.peer = None
+        self.labels_on_device: dict[int, torch.Tensor] = {}  # this epoch's training labels, by network
 
     def setup(self, ctx: MethodContext):
         self.index = PairIndex(ctx.shards)
@@ -235,19 +239,25 @@ class Gsc(Method):
         return pair_pass(ctx, target, columns, self.index)
 
     def on_epoch_start(self, epoch: int, ctx: MethodContext) -> None:
+        self.labels_on_device.clear()  # the labels changed at the last epoch's end (or in setup)
         if self.peer is not None:
             self.peer.start_epoch(epoch, ctx, self.saved and self.saved["peer"])
         self.saved = None
 
-    def _training_labels(self, network: int) -> np.ndarray:
-        """The labels network k trains with: its own with one network, the other's with two."""
-        return self.labels[(network + 1) % len(self.labels)].y
+    def _training_labels(self, network: int, device: torch.device) -> torch.Tensor:
+        """The labels network k trains with (its own with one network, the other's with two) on the
+        device: copied once an epoch - they change only at an epoch's end - not every step (the
+        whole dataset's labels, with a wait for the device each time)."""
+        if network not in self.labels_on_device:
+            labels = torch.from_numpy(self.labels[(network + 1) % len(self.labels)].y)
+            self.labels_on_device[network] = labels.to(device)
+        return self.labels_on_device[network]
 
     def _network_loss(self, network: int, ids: np.ndarray, emb: Embeddings):
         o = self.options
         device = emb.left.device
-        labels = torch.from_numpy(self._training_labels(network)).to(device)
-        own_ids = torch.from_numpy(ids).to(device)
+        labels = self._training_labels(network, device)
+        own_ids = host_values(ids, device)
         y_all, y_own = labels[gather_batch_ids(own_ids)], labels[own_ids]
         scale = emb.logit_scale.detach() if o.tau1 is None else 1.0 / o.tau1
         centred = o.structure == "centred"
@@ -258,9 +268,8 @@ class Gsc(Method):
                                           all_right=emb.all_right, offset=emb.offset)
         l_im = intra_modal_loss(emb.left, emb.right, y_all, y_own, o.tau2, emb.all_left, emb.all_right, emb.offset,
                                 centred)
-        diag = {"loss": per_pair, "y": y_own.detach().cpu(), "y_cm_step": y_cm.detach().cpu(),
-                "s_im_step": s_im.detach().cpu()}
-        return l_cm + o.gamma * l_im, diag, {"l_cm": float(l_cm.detach()), "l_im": float(l_im.detach())}
+        diag = {"loss": per_pair, "y": y_own.detach(), "y_cm_step": y_cm.detach(), "s_im_step": s_im.detach()}
+        return l_cm + o.gamma * l_im, diag, {"l_cm": l_cm.detach(), "l_im": l_im.detach()}
 
     def loss(self, batch: dict, emb: Embeddings, ctx: MethodContext) -> LossOutput:
         ids = self.index.ids(batch["shard"], batch["index"])

@@ -104,7 +104,7 @@ class OsaOnline(Method):
         w = cone_weight(debias(sim, self.beta), self.options.weight_fn)  # official: scale = the batch max
         if self.options.normalise:
             w = normalised_weight(w, self.options.weight_fn, self.beta)
-        return w, {"sim": sim.float().cpu()}
+        return w, {"sim": sim.float()}
 
     def state_dict(self) -> dict:
         return {"beta": self.beta}

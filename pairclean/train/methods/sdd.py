@@ -168,9 +168,9 @@ class Sdd(Method):
         weights = w_con * w_sig.to(w_con.device)
         loss, per_pair = weighted_infonce(emb.left, emb.right, emb.logit_scale, weights, all_left=emb.all_left,
                                           all_right=emb.all_right, offset=emb.offset)
-        diag = {"loss": per_pair, "w_con": w_con.detach().cpu(), "c": c.detach().cpu(), "w_sig": w_sig.detach().cpu(),
-                "weight": weights.detach().cpu()}
-        return LossOutput(loss, diag, {"mean_weight": float(weights.mean()), "mean_w_sig": float(w_sig.mean())})
+        diag = {"loss": per_pair, "w_con": w_con.detach(), "c": c.detach(), "w_sig": w_sig.detach(),
+                "weight": weights.detach()}
+        return LossOutput(loss, diag, {"mean_weight": weights.detach().mean(), "mean_w_sig": w_sig.detach().mean()})
 
     def on_epoch_end(self, epoch: int, ctx: MethodContext) -> dict:
         ids = np.concatenate(self.measured_ids) if self.measured_ids else np.zeros(0, dtype=np.int64)

@@ -390,7 +390,7 @@ class Sps(Method):
         if self.partition is None:
             loss = infonce_terms(emb.left, emb.right, emb.logit_scale).per_sample.mean()
             self.peer.step(loss)
-            return {"peer_loss": float(loss.detach())}
+            return {"peer_loss": loss.detach()}
         net = self.networks[1]
         b = self._partitioned(batch, emb, net.trains_on)
         loss = self._reliable_loss(b)
@@ -399,7 +399,7 @@ class Sps(Method):
         for left, right, step_loss in self._sub_batches(b, net, ctx):
             sub = Embeddings(twin.encode(ctx.left, left), twin.encode(ctx.right, right), twin.logit_scale())
             self.peer.step(step_loss(sub))
-        return {"peer_loss": float(loss.detach())}
+        return {"peer_loss": loss.detach()}
 
     def _partitioned(self, batch: dict, emb: Embeddings, trains_on: int) -> _Batch:
         ids = self.index.ids(batch["shard"], batch["index"])
