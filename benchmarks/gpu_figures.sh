@@ -226,7 +226,8 @@ for train in sorted(out.glob("train*.json")):
     summary[train.stem] = t
     print(f"{train.stem}: model only {t['model_only']['pairs_per_second']:,.0f} pairs/s, end to end "
           f"{t['end_to_end']['pairs_per_second']:,.0f} pairs/s, ratio {t['end_to_end_over_model_only']:.2f} "
-          f"(--decode {t['config'].get('decode', 'fast')})")
+          f"(--decode {t['config'].get('decode', 'fast')}); GPU busy {t['model_only'].get('gpu_utilisation')} / "
+          f"{t['end_to_end'].get('gpu_utilisation')} %")
 ranks = out / "ranks.json"
 if ranks.exists():
     r = json.loads(ranks.read_text())
