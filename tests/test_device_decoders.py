@@ -11,14 +11,17 @@ import io
 import logging
 import sys
 
+import numpy as np
+
 import pytest
 import torch
 from PIL import Image
 from torchvision import transforms as T
 
 from pairclean.backends.device_jpeg import DEVICE_DECODERS, BatchedDeviceDecoder, DeviceJpegDecoder
-from pairclean.backends.inputs import ImageBatch, JpegBlob, StandardTransform, stack_pixels
+from pairclean.backends.inputs import DecodedImages, ImageBatch, JpegBlob, StandardTransform, stack_pixels
 from pairclean.backends.open_clip import OpenClipEstimator, OpenClipPreparer
+from pairclean.data.decode import DecodeError
 from pairclean.lab.coco import read_pairs
 
 pytestmark = pytest.mark.usefixtures("fresh_notices")
@@ -140,7 +143,9 @@ def test_the_registry_lists_every_decoder_and_the_package_each_needs():
     assert DEVICE_DECODERS["gpu"].package is None and DEVICE_DECODERS["gpu"].unavailable() is None
     assert DEVICE_DECODERS["nvimgcodec"].package == "nvidia-nvimgcodec-cu13"
     assert DEVICE_DECODERS["dali"].package == "nvidia-dali-cuda130"
-    assert all(issubclass(cls, BatchedDeviceDecoder) for cls in DEVICE_DECODERS.values())
+    assert all(issubclass(cls, BatchedDeviceDecoder) for cls in DEVICE_DECODERS.values() if not cls.workers_decode)
+    assert [name for name, cls in DEVICE_DECODERS.items() if cls.workers_decode] == ["gpu-resize"]
+    assert DEVICE_DECODERS["gpu-resize"].unavailable() is None  # torch alone
 
 
 @pytest.mark.parametrize("name", ["nvimgcodec", "dali"])
@@ -231,6 +236,7 @@ def test_a_fixed_share_of_the_jpegs_is_decoded_in_the_workers_picked_by_content(
     (["--cpu-decode-share", "0.3"], "--decode fast decodes every image in the workers already: use --decode gpu"),
     (["--decode", "gpu", "--cpu-decode-share", "1.5"], "--cpu-decode-share must be within [0, 1], got 1.5"),
     (["--decode", "GPU", "--cpu-decode-share", "0.3"], "unknown decode 'GPU'"),
+    (["--decode", "gpu-resize", "--cpu-decode-share", "0.3"], "--decode gpu-resize decodes every image in the workers already"),
 ])
 def test_a_cpu_decode_share_without_a_device_decoder_or_out_of_range_is_refused(argv, says, coco_shards, tmp_path, capsys):
     from helpers import run_cli
@@ -273,3 +279,38 @@ def test_the_device_path_passes_cudas_device_and_dtype_checks_and_never_waits_fo
         assert model_input.dtype == torch.float32 and model_input.is_contiguous(memory_format=torch.channels_last)
         torch.tensor([0, 1], device=device)  # what such a wait looks like: counted
     assert dict(waits.sites) == {"?": 1}
+
+
+def test_gpu_resize_resizes_the_images_the_workers_decoded_on_the_device(coco_src):
+    """`decode` gpu-resize: the workers decode every image with PIL - a PNG and a greyscale JPEG too -
+    and send it at its own size (one tensor a batch); the device resizes and crops the batch. Its
+    pixels are `decode` gpu's where both decode with libjpeg (here, on a CPU: the same resize), and
+    PIL's (`decode` fast) within `resize_many`'s rounding; a file PIL cannot decode fails in the worker,
+    as with fast."""
+    preprocess = PREPROCESSINGS["bicubic-73-crop-64"]
+    transform = StandardTransform.parse(preprocess)
+    jpegs = [(coco_src / p["image"]).read_bytes() for p in read_pairs(coco_src)[:6]]
+    grey, png = io.BytesIO(), io.BytesIO()
+    Image.open(io.BytesIO(jpegs[0])).convert("L").save(grey, format="JPEG")
+    Image.open(io.BytesIO(jpegs[1])).save(png, format="PNG")
+    items = [*jpegs, grey.getvalue(), png.getvalue()]
+    cls = DEVICE_DECODERS["gpu-resize"]
+    preparer = OpenClipPreparer(preprocess, None, draft_size=None).leaving_to(cls)
+    assert preparer.device_resize and not preparer.device_jpeg
+    batch = preparer.collate("image", [preparer.prepare("image", x) for x in items])
+    opened = [Image.open(io.BytesIO(x)) for x in items]
+    assert isinstance(batch, DecodedImages) and batch.shapes == tuple((im.height, im.width) for im in opened)
+    assert batch.nbytes() == sum(im.height * im.width * 3 for im in opened)
+    assert torch.equal(batch.images()[6][0], torch.from_numpy(np.array(opened[6].convert("RGB"))[:, :, 0]))
+    pixels, failed = cls(transform, torch.device("cpu"), preprocess)(batch)
+    assert not failed and pixels.dtype == torch.uint8 and pixels.shape == (len(items), 3, 64, 64)
+
+    on_device = OpenClipPreparer(preprocess, None, draft_size=None).leaving_to(DeviceJpegDecoder)
+    jpeg_batch = on_device.collate("image", [on_device.prepare("image", x) for x in items[:7]])
+    gpu, _ = DeviceJpegDecoder(transform, torch.device("cpu"), preprocess)(jpeg_batch)
+    assert torch.equal(pixels[:7], gpu)
+    reference = torch.stack([transform.geometry_pixels(im.convert("RGB")) for im in opened]).permute(0, 3, 1, 2)
+    difference = (pixels.int() - reference.int()).abs()
+    assert difference.max() <= TOLERANCE["gpu"][0] and (difference > 0).float().mean() < 0.01
+    with pytest.raises(DecodeError):
+        preparer.prepare("image", jpegs[2][:len(jpegs[2]) // 2])

@@ -110,9 +110,10 @@ def test_workers_left_to_pairclean_are_every_core_but_two_on_a_gpu_and_two_elsew
     # A device decoder that runs here takes every JPEG: the workers only read and tokenise.
     import pairclean.backends.device_jpeg as device_jpeg
 
-    monkeypatch.setattr(device_jpeg, "device_decoder_for", lambda decode, device: object() if decode == "gpu" else None)
+    monkeypatch.setattr(device_jpeg, "device_decoder_for", lambda decode, device: device_jpeg.DEVICE_DECODERS.get(decode))
     assert auto_workers("cuda", "gpu") == device_jpeg.DEVICE_DECODE_WORKERS == 6
     assert auto_workers("cuda", "gpu", cpu_decode_share=0.3) == 14  # the workers decode a share: every core
+    assert auto_workers("cuda", "gpu-resize") == 14  # the workers decode every image, the device only resizes
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # two ranks on the node: 8 cores each
     assert auto_workers("cuda") == 6 and auto_workers("cuda", "gpu") == 6
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")

@@ -9,6 +9,7 @@ import signal
 import time
 from dataclasses import replace
 
+import duckdb
 import pytest
 import torch
 from helpers import forked, host_copies_without_a_driver
@@ -116,6 +117,26 @@ def test_a_device_decoder_of_another_version_does_not_resume_the_run_it_did_not_
         score(str(coco_shards), out, cfg)
     monkeypatch.setattr(DeviceJpegDecoder, "version", version)
     assert score(str(coco_shards), out, cfg).resumed  # the same version goes on
+
+
+def test_gpu_resize_scores_within_the_resizes_rounding_of_fast_and_pins_its_way(coco_shards, fast_config, tmp_path,
+                                                                                 monkeypatch):
+    """A run with `decode` gpu-resize where it runs (forced onto the CPU here): every pair scored,
+    `sim` within the resize's rounding of `decode` fast's (the same PIL decode; PIL's resize there,
+    `resize_many` here), and the way recorded (and pinned, as every device decoder's: a resume
+    cannot mix the two)."""
+    from pairclean.backends.device_jpeg import DeviceResize
+
+    as_if_the_device_decodes(monkeypatch)
+    monkeypatch.setattr(DeviceResize, "cannot_run", classmethod(lambda cls, device: None))
+    fast = score(str(coco_shards), tmp_path / "fast.parquet", fast_config)
+    resized = score(str(coco_shards), tmp_path / "resized.parquet", replace(fast_config, decode="gpu-resize"))
+    assert resized.summary.errors == fast.summary.errors == 0
+    joined = duckdb.sql(f"SELECT max(abs(a.sim - b.sim)), count(*) FROM '{tmp_path / 'fast.parquet'}' a "
+                        f"JOIN '{tmp_path / 'resized.parquet'}' b USING (key)").fetchall()
+    assert joined[0][1] == 16 and 0 < joined[0][0] < 1e-3
+    recorded = resized.provenance.estimator
+    assert recorded["decode"] == "gpu-resize" and recorded["device_decoder_version"] == DeviceResize.version
 
 
 def test_training_batches_carry_uint8_pixels_that_the_target_normalises(coco_shards):

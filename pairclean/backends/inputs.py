@@ -5,7 +5,8 @@ size (150 kB a pair at 224 px, a quarter of float32's 602 kB through shared memo
 copy and the bus); the device turns them into the model's normalised floats as the first step of
 the image tower (`PixelNormalizer`). With JPEGs decoded on the device (`decode` gpu), a batch
 also holds the JPEG files the workers left undecoded, packed into one byte tensor: one shared
-memory segment per batch instead of one per image.
+memory segment per batch instead of one per image. With the resize on the device (`decode`
+gpu-resize), the workers' decoded images travel at their own sizes, packed alike (`DecodedImages`).
 """
 
 from __future__ import annotations
@@ -120,8 +121,52 @@ class JpegBlob:
         return self.data[self.offsets[i]:self.offsets[i + 1]].numpy().tobytes()
 
 
+class DeviceImages:
+    """A batch's images that the device finishes (the estimator's `finish_batch`): decoding,
+    resizing, cropping, whichever the workers left to it."""
+
+
 @dataclass(frozen=True)
-class ImageBatch:
+class DecodedImages(DeviceImages):
+    """A batch's images as the workers decoded them (`decode` gpu-resize), at their own sizes: RGB
+    pixels back to back in one uint8 tensor, image i of `shapes[i]` (height, width) from
+    `offsets[i]`. The device resizes and crops them all (`DeviceResize`)."""
+
+    data: torch.Tensor
+    offsets: tuple[int, ...]
+    shapes: tuple[tuple[int, int], ...]
+
+    @classmethod
+    def pack(cls, images: list) -> "DecodedImages":
+        """PIL RGB images (or uint8 HWC arrays) into one shared-memory tensor."""
+        arrays = [np.asarray(image) for image in images]
+        offsets = np.concatenate([[0], np.cumsum([a.size for a in arrays])]).astype(np.int64)
+        data = new_batch_tensor((int(offsets[-1]),), torch.uint8)
+        view = data.numpy()
+        for array, start, end in zip(arrays, offsets[:-1], offsets[1:]):
+            view[start:end] = array.reshape(-1)
+        return cls(data, tuple(int(o) for o in offsets), tuple((a.shape[0], a.shape[1]) for a in arrays))
+
+    def __len__(self) -> int:
+        return len(self.shapes)
+
+    def images(self) -> list[torch.Tensor]:
+        """Each image as a uint8 (3, H, W) view of the one tensor, wherever it is."""
+        return [self.data[start:start + h * w * 3].view(h, w, 3).permute(2, 0, 1)
+                for start, (h, w) in zip(self.offsets, self.shapes)]
+
+    def pin_memory(self) -> "DecodedImages":
+        return DecodedImages(self.data.pin_memory(), self.offsets, self.shapes)
+
+    def to(self, device: torch.device, non_blocking: bool = False) -> "DecodedImages":
+        return DecodedImages(self.data.to(device, non_blocking=non_blocking), self.offsets, self.shapes)
+
+    def nbytes(self) -> int:
+        return self.data.nbytes
+
+
+@dataclass(frozen=True)
+class ImageBatch(DeviceImages):
     """A batch's images when some are left for the device to decode (`decode` gpu): the pixels
     workers prepared (rows `pixel_rows`: PNGs, CMYK JPEGs ...) and the JPEGs (rows `jpeg_rows`).
     `finish_batch` on the estimator turns it into one pixel tensor of `rows` images."""

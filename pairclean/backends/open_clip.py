@@ -24,8 +24,10 @@ from pairclean.backends.base import (Backend, autocast_context, file_sha256, fro
 from pairclean.backends.compiled import CompiledOrEager, RowPadding, pad_rows
 from pairclean.backends.oom import is_out_of_memory
 from pairclean.backends.checkpoint_model import checkpoint_models
-from pairclean.backends.device_jpeg import DEVICE_DECODERS, check_cpu_decode_share, device_decodable, worker_decodes
-from pairclean.backends.inputs import ImageBatch, JpegBlob, PixelNormalizer, StandardTransform, TokenBatch, stack_pixels
+from pairclean.backends.device_jpeg import (DEVICE_DECODERS, DeviceDecoder, check_cpu_decode_share, device_decodable,
+                                            worker_decodes)
+from pairclean.backends.inputs import (DecodedImages, DeviceImages, ImageBatch, JpegBlob, PixelNormalizer, StandardTransform,
+                                       TokenBatch, stack_pixels)
 from pairclean.backends.hub import check_fetchable
 from pairclean.backends.text_trim import (TextCuts, bucketed_encode_text, clip_text_tower, supports_text_trim, token_ends,
                                           trimmed_encode_text)
@@ -100,22 +102,36 @@ class OpenClipPreparer:
     (resize, crop) and sends uint8 pixels; the device normalises them (`PixelNormalizer`).
     With `device_jpeg`, JPEGs the device can decode are passed on undecoded (progressive ones only
     if `device_progressive`; none of the `cpu_decode_share` the workers keep, `worker_decodes`);
-    with `token_ends`, token ids come with each caption's end (`TokenBatch`), for a text tower
-    that trims."""
+    with `device_resize`, every image is decoded here and sent at its own size, for the device to
+    resize and crop (`DecodedImages`); with `token_ends`, token ids come with each caption's end
+    (`TokenBatch`), for a text tower that trims."""
 
     def __init__(self, preprocess, tokenizer, draft_size: int | None, device_jpeg: bool = False,
-                 token_ends: bool = False, device_progressive: bool = True, cpu_decode_share: float = 0.0):
+                 token_ends: bool = False, device_progressive: bool = True, cpu_decode_share: float = 0.0,
+                 device_resize: bool = False):
         self.preprocess = preprocess
         self.tokenizer = tokenizer
         self.draft_size = draft_size
         self.device_jpeg = device_jpeg
+        self.device_resize = device_resize
         self.device_progressive = device_progressive
         self.cpu_decode_share = cpu_decode_share
         self.token_ends = token_ends
         self.transform = StandardTransform.parse(preprocess)  # None: workers run the whole preprocessing
 
+    def leaving_to(self, decoder: type[DeviceDecoder] | None) -> "OpenClipPreparer":
+        """This preparer leaving what `decoder` takes to the device: its JPEGs, or the resize of
+        the images decoded here (None: nothing, the workers finish every image)."""
+        prepared = copy.copy(self)
+        prepared.device_jpeg = decoder is not None and not decoder.workers_decode
+        prepared.device_resize = decoder is not None and decoder.workers_decode
+        prepared.device_progressive = decoder.progressive if decoder is not None else True
+        return prepared
+
     def prepare(self, modality: str, value: Any) -> Any:
         if modality == "image":
+            if self.device_resize:
+                return decode_image(value, draft_size=self.draft_size)  # resized with its batch on the device
             if (self.device_jpeg and device_decodable(value, progressive=self.device_progressive)
                     and not worker_decodes(value, self.cpu_decode_share)):
                 return bytes(value)  # decoded with the rest of its batch on the device
@@ -127,6 +143,8 @@ class OpenClipPreparer:
         if modality != "image":
             tokens = self.tokenizer(items)
             return TokenBatch(tokens, token_ends(tokens)) if self.token_ends else tokens
+        if self.device_resize:
+            return DecodedImages.pack(items)
         jpeg_rows = tuple(i for i, x in enumerate(items) if isinstance(x, bytes))
         if not jpeg_rows:
             return stack_pixels(items)
@@ -401,9 +419,9 @@ class OpenClipEstimator:
         # cut where the workers' `TokenBatch.ends` say. The towers take the model as an argument: a copy
         # of this estimator with another `.model` (training's frozen online estimator) uses its own weights.
         self.text_trim = supports_text_trim(net)
-        self.preparer = OpenClipPreparer(preprocess, self.tokenizer, draft, device_jpeg=self.device_decoder is not None,
-                                         device_progressive=getattr(self.device_decoder, "progressive", True),
-                                         token_ends=self.text_trim, cpu_decode_share=self.cpu_decode_share)
+        self.preparer = OpenClipPreparer(preprocess, self.tokenizer, draft, token_ends=self.text_trim,
+                                         cpu_decode_share=self.cpu_decode_share
+                                         ).leaving_to(type(self.device_decoder) if self.device_decoder else None)
         self.compile = compile
         # Compiled towers see few shapes: batches padded to the most rows seen, caption cuts in steps of 16.
         self.padding = RowPadding()
@@ -433,8 +451,9 @@ class OpenClipEstimator:
 
     def finish_batch(self, modality: str, inputs: Any) -> tuple[Any, dict[int, str]]:
         """Device preprocessing of one side of a batch already moved to the device: JPEGs left
-        undecoded (`decode` gpu) decoded, resized and cropped; {row: reason} for those that fail."""
-        if isinstance(inputs, ImageBatch):
+        undecoded (`decode` gpu) decoded, resized and cropped, or the workers' decoded images
+        (`decode` gpu-resize) resized and cropped; {row: reason} for those that fail."""
+        if isinstance(inputs, DeviceImages):
             return self.device_decoder(inputs)
         return inputs, {}
 
@@ -548,8 +567,7 @@ class OpenClipTarget:
         # scoring passes, a second network's) hands over pixels, decoded in its workers.
         self.loop_preparer = copy.copy(self.estimator.preparer)
         self.loop_preparer.token_ends = False  # training's methods index and concatenate plain token ids
-        self.preparer = copy.copy(self.loop_preparer)
-        self.preparer.device_jpeg = False
+        self.preparer = self.loop_preparer.leaving_to(None)
         self.temperature = temperature
         if temperature is not None:  # a fixed temperature replaces the learned one
             self.module.logit_scale.requires_grad_(False)

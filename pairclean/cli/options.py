@@ -50,8 +50,9 @@ Backend = Annotated[str, typer.Option(
     help="Encoder backend: open_clip (images and text), sentence-transformers (text-text pairs), or auto "
          "(from the model name; a name open_clip does not know is a sentence-transformers model on text pairs).")]
 Decode = Annotated[str, typer.Option(
-    help="fast (JPEG draft decode at model size), exact, or a decoder on the CUDA device (CPU workers otherwise): "
-         "gpu (torchvision nvJPEG), nvimgcodec or dali (NVIDIA's libraries: pip install 'pairclean[gpu]').")]
+    help="fast (JPEG draft decode at model size), exact, or the CUDA device's part (CPU workers otherwise): "
+         "gpu (torchvision nvJPEG), nvimgcodec or dali (NVIDIA's libraries: pip install 'pairclean[gpu]'), or "
+         "gpu-resize (the workers decode as fast does, the device resizes and crops).")]
 Workers = Annotated[str, typer.Option(
     help="DataLoader workers decoding and tokenising: a number, or auto (on a CUDA device every usable core but two, "
          "shared among a node's ranks, 6 at most where a device decoder takes every JPEG; elsewhere 2; a resumed "

@@ -40,7 +40,7 @@ from PIL import Image
 from pairclean.backends import build_estimator, check_backend
 from pairclean.backends.base import autocast_context, resolve_precision
 from pairclean.backends.device_jpeg import DEVICE_DECODERS
-from pairclean.backends.inputs import ImageBatch, StandardTransform, TokenBatch
+from pairclean.backends.inputs import DeviceImages, StandardTransform, TokenBatch
 from pairclean.backends.oom import OomBackoff, batch_rows
 from pairclean.backends.open_clip import OpenClipEstimator
 from pairclean.backends.text_trim import TextCuts
@@ -464,8 +464,7 @@ class ZeroCostEstimator:
         if device_decode and self.decoder is None and isinstance(estimator, OpenClipEstimator):
             transform, cls = StandardTransform.parse(estimator.preparer.preprocess), DEVICE_DECODERS[device_decode]
             if cls.supports(transform) and cls.unavailable() is None:
-                self.preparer = copy.copy(estimator.preparer)  # the estimator's, leaving JPEGs to the decoder
-                self.preparer.device_jpeg, self.preparer.device_progressive = True, cls.progressive
+                self.preparer = estimator.preparer.leaving_to(cls)  # the estimator's, leaving the decoder its part
                 self.decoder = cls(transform, self.device, estimator.preparer.preprocess)
         self.decode = self.decoder.name if self.decoder is not None else getattr(estimator, "decode", "-")
         generator = torch.Generator().manual_seed(0)
@@ -475,7 +474,7 @@ class ZeroCostEstimator:
         self.offset = 0
 
     def finish_batch(self, modality: str, inputs):
-        if isinstance(inputs, ImageBatch):
+        if isinstance(inputs, DeviceImages):
             return self.decoder(inputs)
         return inputs, {}
 

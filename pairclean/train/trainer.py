@@ -37,7 +37,7 @@ from pairclean.backends import load_target
 from pairclean.backends.base import PRECISIONS, autocast_context
 from pairclean.backends.device_jpeg import auto_workers, check_decode, pinned_decoding
 from pairclean.backends.feed import DeviceFeed, HostCopies
-from pairclean.backends.inputs import ImageBatch
+from pairclean.backends.inputs import DeviceImages
 from pairclean.backends.oom import take_rows
 from pairclean.data.dataset import Dataset, as_dataset
 from pairclean.data.spec import DatasetSpec, modalities
@@ -451,7 +451,7 @@ class _Loop:
         batch = {k: self.feed(v) if k.endswith(FED) else v for k, v in batch.items()}
         failed: dict[int, str] = {}
         for side, modality in (("left", self.ctx.left), ("right", self.ctx.right)):
-            if isinstance(batch[side], ImageBatch):
+            if isinstance(batch[side], DeviceImages):
                 batch[side], bad = self.feed.run(self.target.estimator.finish_batch, modality, batch[side])
                 failed.update(bad)
         if failed:
