@@ -2,7 +2,8 @@
 # Every CUDA path of pairclean end to end on a toy world (a smoke test for a GPU machine; CI has none):
 # estimator training, scoring in fp32 / bf16 / fp16 (sims compared), detection, training with
 # plain / --weights / --online in bf16 and plain in fp16, retrieval evaluation, --decode gpu (and half its
-# JPEGs in the workers: --cpu-decode-share; against PIL's decode), training with --decode gpu.
+# JPEGs in the workers: --cpu-decode-share; against PIL's decode), --decode gpu-resize against PIL's resize,
+# training with --decode gpu and gpu-resize.
 #     bash benchmarks/cuda_paths.sh [WORKDIR]        (needs `pip install -e .` and a CUDA device)
 # A dry run of every command on a CPU (fp16 left out: CUDA only), so the device's minutes are not
 # spent on a broken line:  DEVICE=cpu PAIRS=400 WORKERS=2 bash benchmarks/cuda_paths.sh /tmp/cp
@@ -46,7 +47,14 @@ pc query "$W/coco-gpu.parquet" "SELECT count(*) AS pairs, max(abs(a.sim - b.sim)
 pc score "$W/coco" --out "$W/coco-fast.parquet" --model ViT-B-32 --pretrained none --device "$DEVICE" --precision bf16 --decode fast --beta-mode shuffled
 pc query "$W/coco-gpu.parquet" "SELECT count(*) AS pairs, max(abs(a.sim - b.sim)) AS gpu_vs_fast FROM scores a JOIN fast b USING (key)" \
    --attach fast="$W/coco-fast.parquet"
-# the training loop's JPEGs decoded on the device
+# the workers' PIL decode resized on the device (gpu-resize) against PIL's resize: the resize alone differs
+pc score "$W/coco" --out "$W/coco-resize.parquet" --model ViT-B-32 --pretrained none --device "$DEVICE" --precision bf16 \
+   --decode gpu-resize --beta-mode shuffled
+pc query "$W/coco-resize.parquet" "SELECT count(*) AS pairs, max(abs(a.sim - b.sim)) AS resize_vs_fast FROM scores a JOIN fast b USING (key)" \
+   --attach fast="$W/coco-fast.parquet"
+# the training loop's JPEGs decoded on the device, then resized there
 pc train "$W/coco" --out "$W/run-coco-gpu" --epochs 2 --batch-size 8 --model pairclean-tiny --pretrained none --lr 1e-3 \
    --warmup-steps 1 --device "$DEVICE" --workers 2 --decode gpu
+pc train "$W/coco" --out "$W/run-coco-resize" --epochs 2 --batch-size 8 --model pairclean-tiny --pretrained none --lr 1e-3 \
+   --warmup-steps 1 --device "$DEVICE" --workers 2 --decode gpu-resize
 echo "work directory: $W"; [ "$failed" = 0 ] && echo "all CUDA paths ran" || { echo "some command failed"; exit 1; }

@@ -10,7 +10,7 @@
 #      with --with-nvimgcodec's wheels), the first decode with CPU_SHARE of its JPEGs decoded in the
 #      workers (--cpu-decode-share), and benchmarks/device_decoders.py on one batch;
 #   5. a training epoch against the model's own step rate (benchmarks/train_throughput.py), then one
-#      with its JPEGs decoded on the device (TRAIN_DECODE);
+#      with the device decoding or resizing (each --decode of TRAIN_DECODE);
 #      `pairclean score` in one process against RANKS ranks sharing the GPU (benchmarks/ranks_per_gpu.py);
 #   6. benchmarks/cuda_paths.sh (every CUDA path);
 #   7. benchmarks/profile_score.py: the main thread's ops, launches and synchronisations, first decode eager;
@@ -25,7 +25,7 @@
 #     bash benchmarks/gpu_figures.sh [OUT]                  # there (the device call carries benchmarks/wheels)
 # Knobs (environment): BUDGET=480 (seconds) SHARDS=14 PAIRS_PER_SHARD=2500 PROGRESSIVE=0 MODEL=ViT-B-32
 #   PRECISION=bf16 BATCH=1024 TRAIN_BATCH=512 WORKERS=(cores - 2) DEVICE=cuda DECODES="gpu fast" CPU_SHARE=0.3 (0: none)
-#   COMPILE=1 CUDA_PATHS=1 TRAIN=1 TRAIN_DECODE=gpu AUTO_WORKERS=1 PROFILE=1 TOWERS=1 RANKS=2 MIN_SECONDS=8 (a CPU dry run: DEVICE=cpu MODEL=pairclean-tiny SHARDS=2 PAIRS_PER_SHARD=64
+#   COMPILE=1 CUDA_PATHS=1 TRAIN=1 TRAIN_DECODE="gpu-resize gpu" AUTO_WORKERS=1 PROFILE=1 TOWERS=1 RANKS=2 MIN_SECONDS=8 (a CPU dry run: DEVICE=cpu MODEL=pairclean-tiny SHARDS=2 PAIRS_PER_SHARD=64
 #   BATCH=32 TRAIN_BATCH=32 COMPILE=0 CUDA_PATHS=0)
 set -u
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -52,7 +52,7 @@ TRAIN=${TRAIN:-1}
 PROFILE=${PROFILE:-1}
 TOWERS=${TOWERS:-1}
 AUTO_WORKERS=${AUTO_WORKERS:-1}  # a round of the first decode with --workers auto
-TRAIN_DECODE=${TRAIN_DECODE:-gpu}  # a second training epoch with --decode TRAIN_DECODE (fast: none)
+TRAIN_DECODE=${TRAIN_DECODE:-gpu-resize gpu}  # training epochs with each --decode in TRAIN_DECODE (fast: none)
 RANKS=${RANKS:-2}  # ranks sharing the GPU in benchmarks/ranks_per_gpu.py (0 or 1: skipped)
 MIN_SECONDS=${MIN_SECONDS:-8}
 
@@ -154,7 +154,8 @@ read -r share_round extra_decodes <<< "$probe"
 for decode in $DECODES; do score "$decode-eager-1" "$decode"; done
 # the other device decoders next: session 14's H100 figures had the prefetching thread's host CPU
 # (0.148 ms a pair: nvJPEG's Huffman decoding under torchvision's process-wide lock) as the bound,
-# which nvImageCodec's hardware decoder and host threads may lift
+# which gpu-resize (the workers decode, the device resizes: registered first) takes off every path,
+# and nvImageCodec's hardware decoder and host threads may lift
 for decode in $extra_decodes; do score "$decode-eager" "$decode"; done
 # the first decode with the workers pairclean picks (--workers auto: at most 6 where the device decodes
 # every JPEG, each worker less is one fork less at the start)
@@ -173,10 +174,12 @@ fi
 [ "$TRAIN" = 1 ] && step train 60 python "$ROOT/benchmarks/train_throughput.py" "$W/web/manifest.yaml" --model "$MODEL" \
   --precision "$PRECISION" --batch-size "$TRAIN_BATCH" --workers "$WORKERS" --device "$DEVICE" \
   --min-seconds "$MIN_SECONDS" --json "$OUT/train.json"
-# the same epoch with its JPEGs decoded on the device (TRAIN_DECODE; fast: no such round)
-[ "$TRAIN" = 1 ] && [ "$TRAIN_DECODE" != fast ] && step "train-$TRAIN_DECODE" 60 python "$ROOT/benchmarks/train_throughput.py" \
-  "$W/web/manifest.yaml" --model "$MODEL" --precision "$PRECISION" --batch-size "$TRAIN_BATCH" --workers "$WORKERS" \
-  --device "$DEVICE" --decode "$TRAIN_DECODE" --min-seconds "$MIN_SECONDS" --json "$OUT/train-$TRAIN_DECODE.json"
+# the same epoch with the device's part of each decode in TRAIN_DECODE (fast: no such round)
+for decode in $TRAIN_DECODE; do
+  [ "$TRAIN" = 1 ] && [ "$decode" != fast ] && step "train-$decode" 60 python "$ROOT/benchmarks/train_throughput.py" \
+    "$W/web/manifest.yaml" --model "$MODEL" --precision "$PRECISION" --batch-size "$TRAIN_BATCH" --workers "$WORKERS" \
+    --device "$DEVICE" --decode "$decode" --min-seconds "$MIN_SECONDS" --json "$OUT/train-$decode.json"
+done
 [ "$COMPILE" = 1 ] && score "$first-compile" "$first" --compile
 
 if [ "$CUDA_PATHS" = 1 ]; then

@@ -316,8 +316,8 @@ class DeviceJpegDecoder(BatchedDeviceDecoder):
 class DeviceResize(DeviceDecoder):
     """`decode` gpu-resize: the workers decode every image with PIL, as `decode` fast does (draft
     scaling included), and send it at its own size; the device resizes and crops the whole batch
-    (`resize_many`). The PIL resize, about two thirds of a worker's time at `decode` fast, leaves
-    the workers; nvJPEG's host-side decoding, which bounds `decode` gpu's prefetching thread, is
+    (`resize_many`). The PIL resize, about half a worker's time at `decode` fast, leaves the
+    workers; nvJPEG's host-side decoding, which bounds `decode` gpu's prefetching thread, is
     not on any path. The pixels differ from `fast`'s by the resize alone (PIL's weights and 8-bit
     rounding between the passes, as `resize_many` does for `decode` gpu)."""
 
