@@ -314,3 +314,22 @@ def test_gpu_resize_resizes_the_images_the_workers_decoded_on_the_device(coco_sr
     assert difference.max() <= TOLERANCE["gpu"][0] and (difference > 0).float().mean() < 0.01
     with pytest.raises(DecodeError):
         preparer.prepare("image", jpegs[2][:len(jpegs[2]) // 2])
+
+
+def test_gpu_resize_on_cuda_resizes_the_moved_batch_without_waiting_for_the_device():
+    """`decode` gpu-resize as a GPU runs it, on fake CUDA tensors (CUDA's device checks, no GPU): the
+    workers' images moved to the device in one copy (`DecodedImages.to`, what the feed does), viewed
+    there image by image and resized in one batch; nothing in it waits for the device."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from pairclean.ops.measure import DeviceReads
+
+    preprocess = PREPROCESSINGS["bicubic-73-crop-64"]
+    host = DecodedImages.pack([np.zeros((80 + 9 * i, 70 + 5 * i, 3), dtype=np.uint8) for i in range(5)])
+    with FakeTensorMode(allow_non_fake_inputs=True), DeviceReads() as waits:
+        moved = host.to(torch.device("cuda"), non_blocking=True)
+        assert moved.data.device.type == "cuda" and moved.shapes == host.shapes
+        pixels, failed = DEVICE_DECODERS["gpu-resize"](StandardTransform.parse(preprocess), torch.device("cuda"),
+                                                       preprocess)(moved)
+        assert pixels.device.type == "cuda" and pixels.dtype == torch.uint8 and pixels.shape == (5, 3, 64, 64)
+    assert not failed and not waits.sites
