@@ -126,6 +126,15 @@ def all_reduce_sum(value: float) -> float:
     return _host_reduce(value, dist.ReduceOp.SUM)
 
 
+def gather_objects(obj) -> list:
+    """Every rank's `obj` (pickled), in rank order, on every rank (per-pair arrays at an epoch's end)."""
+    if not is_distributed():
+        return [obj]
+    parts = [None] * world_size()
+    dist.all_gather_object(parts, obj, group=_host_group)
+    return parts
+
+
 def on_main(fn):
     """Run `fn` on rank 0 only and hand its result to every rank; a UserError on rank 0 is
     raised on every rank (so no rank waits forever for a broadcast that never comes)."""

@@ -78,10 +78,7 @@ class PairColumns:
 
 def gather_pairs(size: int, ids: np.ndarray, columns: dict[str, np.ndarray]) -> PairColumns:
     """Every rank's (ids, columns) merged into full arrays on every rank (NaN where unseen)."""
-    parts = [(ids, columns)]
-    if distributed.is_distributed():
-        parts = [None] * distributed.world_size()
-        dist.all_gather_object(parts, (ids, columns))
+    parts = distributed.gather_objects((ids, columns))
     seen = np.zeros(size, dtype=bool)
     full: dict[str, np.ndarray] = {}
     for part_ids, part in parts:
