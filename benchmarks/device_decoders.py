@@ -1,8 +1,8 @@
 """Each device JPEG decoder's call on one batch of web JPEGs: seconds per batch, pixels against PIL.
 
 For every `decode` name given (gpu: torchvision's nvJPEG; gpu-resize: the workers' PIL decode, not
-timed, resized here; nvimgcodec; dali), the decoder is built for the model's preprocessing on `--device` and called on the same batch: the first `--batch-size`
-JPEGs of the shards that the workers would leave to the device (`device_decodable`), `--repeat`
+timed, resized here; nvimgcodec; dali), the decoder is built for the model's preprocessing on
+`--device` and called on the same batch: the first `--batch-size` JPEGs of the shards that the workers would leave to the device (`device_decodable`), `--repeat`
 times after a warm-up call (DALI builds its pipeline there). Per call: wall seconds (the device
 synchronised) and the process's CPU seconds (all its threads: the libraries' own too).
 
