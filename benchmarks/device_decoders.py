@@ -2,8 +2,9 @@
 
 For every `decode` name given (gpu: torchvision's nvJPEG; gpu-resize: the workers' PIL decode, not
 timed, resized here; nvimgcodec; dali), the decoder is built for the model's preprocessing on
-`--device` and called on the same batch: the first `--batch-size` JPEGs of the shards that the workers would leave to the device (`device_decodable`), `--repeat`
-times after a warm-up call (DALI builds its pipeline there). Per call: wall seconds (the device
+`--device` and called on the same batch: the first `--batch-size` JPEGs of the shards that the
+workers would leave to the device (`device_decodable`), `--repeat` times after a warm-up call
+(DALI builds its pipeline there). Per call: wall seconds (the device
 synchronised) and the process's CPU seconds (all its threads: the libraries' own too).
 
 Pixels are compared with PIL's: full decode, then the model's Resize and CenterCrop (what the
