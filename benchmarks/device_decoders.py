@@ -29,7 +29,8 @@ from pathlib import Path
 import torch
 
 from pairclean.backends.device_jpeg import DEVICE_DECODERS, device_decodable
-from pairclean.backends.inputs import DecodedImages, ImageBatch, JpegBlob, StandardTransform
+from pairclean.backends.inputs import ImageBatch, JpegBlob, StandardTransform
+from pairclean.backends.open_clip import OpenClipPreparer
 from pairclean.data.decode import decode_image
 from pairclean.ops.atomic import write_json
 
@@ -133,8 +134,9 @@ def main() -> None:
             continue
         decoder = cls(transform, device, preprocess)
         given = batch
-        if cls.workers_decode:  # the workers' part (PIL's draft decode, as fast) is not timed; the copy is the feed's
-            given = DecodedImages.pack([decode_image(f, draft_size=transform.crop) for f in files]).to(device)
+        if cls.workers_decode:  # the workers' part (their preparer's) is not timed; the copy is the feed's
+            workers = OpenClipPreparer(preprocess, None, draft_size=transform.crop).leaving_to(cls)
+            given = workers.collate("image", [workers.prepare("image", f) for f in files]).to(device)
         (pixels, failed), walls, cpus = timed(lambda: decoder(given), device, args.repeat)
         report["rows"][name] = {"wall_s": min(walls), "cpu_s": min(cpus), "failed_rows": len(failed),
                                 **compare(pixels, reference)}

@@ -110,6 +110,11 @@ class DeviceDecoder(ABC):
 
     def __init__(self, transform: StandardTransform, device: torch.device, preprocess):
         self.transform, self.device, self.preprocess = transform, device, preprocess
+        self.filter = _filter_name(transform)
+
+    def resized(self, images: list[torch.Tensor]) -> torch.Tensor:
+        """uint8 (C, H, W) images of any sizes resized and cropped as the model's preprocessing does."""
+        return resize_many(images, self.transform.resize, self.transform.crop, self.filter)
 
     @classmethod
     def supports(cls, transform: StandardTransform | None) -> bool:
@@ -224,10 +229,6 @@ class BatchedDeviceDecoder(DeviceDecoder):
 
     batch_errors: tuple[type[BaseException], ...] = (RuntimeError,)  # how the library says a call failed
 
-    def __init__(self, transform: StandardTransform, device: torch.device, preprocess):
-        super().__init__(transform, device, preprocess)
-        self.filter = _filter_name(transform)
-
     @abstractmethod
     def decode_crop(self, files: list[torch.Tensor]) -> tuple[torch.Tensor, list[int]]:
         """(uint8 (k, 3, crop, crop) pixels on the device of the k files it decoded, resized and
@@ -295,7 +296,7 @@ class DeviceJpegDecoder(BatchedDeviceDecoder):
 
     def decode_crop(self, files: list[torch.Tensor]) -> tuple[torch.Tensor, list[int]]:
         images = self._decode(files)
-        return resize_many(images, self.transform.resize, self.transform.crop, self.filter), list(range(len(files)))
+        return self.resized(images), list(range(len(files)))
 
     def _decode(self, files: list[torch.Tensor]) -> list[torch.Tensor]:
         """The files decoded on the device. On CUDA, torchvision allocates the images on the caller's
@@ -324,12 +325,8 @@ class DeviceResize(DeviceDecoder):
     name = "gpu-resize"
     workers_decode = True
 
-    def __init__(self, transform: StandardTransform, device: torch.device, preprocess):
-        super().__init__(transform, device, preprocess)
-        self.filter = _filter_name(transform)
-
     def __call__(self, batch: DecodedImages) -> tuple[torch.Tensor, dict[int, str]]:
-        return resize_many(batch.images(), self.transform.resize, self.transform.crop, self.filter), {}
+        return self.resized(batch.images()), {}
 
     def warm_up(self) -> None:
         self(DecodedImages.pack([Image.new("RGB", (48, 40), (90, 140, 200))]).to(self.device))

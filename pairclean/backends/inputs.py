@@ -12,7 +12,7 @@ gpu-resize), the workers' decoded images travel at their own sizes, packed alike
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -94,6 +94,17 @@ class StandardTransform:
         return uint8_hwc(image)
 
 
+def packed(chunks: list[np.ndarray]) -> tuple[torch.Tensor, tuple[int, ...]]:
+    """uint8 arrays back to back in one tensor to collate into (`new_batch_tensor`), and where
+    each starts (chunk i is `offsets[i]:offsets[i + 1]`)."""
+    offsets = np.concatenate([[0], np.cumsum([c.size for c in chunks])]).astype(np.int64)
+    data = new_batch_tensor((int(offsets[-1]),), torch.uint8)
+    view = data.numpy()
+    for chunk, start, end in zip(chunks, offsets[:-1], offsets[1:]):
+        view[start:end] = chunk.reshape(-1)
+    return data, tuple(int(o) for o in offsets)
+
+
 @dataclass(frozen=True)
 class JpegBlob:
     """JPEG files back to back in one uint8 tensor; `offsets[i]:offsets[i + 1]` is file i."""
@@ -103,12 +114,7 @@ class JpegBlob:
 
     @classmethod
     def pack(cls, files: list[bytes]) -> "JpegBlob":
-        offsets = np.concatenate([[0], np.cumsum([len(f) for f in files])]).astype(np.int64)
-        data = new_batch_tensor((int(offsets[-1]),), torch.uint8)
-        view = data.numpy()
-        for data_bytes, start, end in zip(files, offsets[:-1], offsets[1:]):
-            view[start:end] = np.frombuffer(data_bytes, dtype=np.uint8)
-        return cls(data, tuple(int(o) for o in offsets))
+        return cls(*packed([np.frombuffer(f, dtype=np.uint8) for f in files]))
 
     def __len__(self) -> int:
         return len(self.offsets) - 1
@@ -140,12 +146,7 @@ class DecodedImages(DeviceImages):
     def pack(cls, images: list) -> "DecodedImages":
         """PIL RGB images (or uint8 HWC arrays) into one shared-memory tensor."""
         arrays = [np.asarray(image) for image in images]
-        offsets = np.concatenate([[0], np.cumsum([a.size for a in arrays])]).astype(np.int64)
-        data = new_batch_tensor((int(offsets[-1]),), torch.uint8)
-        view = data.numpy()
-        for array, start, end in zip(arrays, offsets[:-1], offsets[1:]):
-            view[start:end] = array.reshape(-1)
-        return cls(data, tuple(int(o) for o in offsets), tuple((a.shape[0], a.shape[1]) for a in arrays))
+        return cls(*packed(arrays), tuple((a.shape[0], a.shape[1]) for a in arrays))
 
     def __len__(self) -> int:
         return len(self.shapes)
@@ -156,10 +157,10 @@ class DecodedImages(DeviceImages):
                 for start, (h, w) in zip(self.offsets, self.shapes)]
 
     def pin_memory(self) -> "DecodedImages":
-        return DecodedImages(self.data.pin_memory(), self.offsets, self.shapes)
+        return replace(self, data=self.data.pin_memory())
 
     def to(self, device: torch.device, non_blocking: bool = False) -> "DecodedImages":
-        return DecodedImages(self.data.to(device, non_blocking=non_blocking), self.offsets, self.shapes)
+        return replace(self, data=self.data.to(device, non_blocking=non_blocking))
 
     def nbytes(self) -> int:
         return self.data.nbytes

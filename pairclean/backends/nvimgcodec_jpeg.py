@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from pairclean.backends.device_jpeg import BatchedDeviceDecoder, host_threads, register_device_decoder, resize_many
+from pairclean.backends.device_jpeg import BatchedDeviceDecoder, host_threads, register_device_decoder
 from pairclean.ops.notices import notice_once
 
 
@@ -103,6 +103,5 @@ class NvImageCodecDecoder(BatchedDeviceDecoder):
         if not decoded:
             crop = self.transform.crop
             return torch.empty((0, 3, crop, crop), dtype=torch.uint8, device=self.device), []
-        pixels = resize_many([self._tensor(image) for _, image in decoded], self.transform.resize,
-                             self.transform.crop, self.filter)
+        pixels = self.resized([self._tensor(image) for _, image in decoded])
         return pixels, [position for position, _ in decoded]

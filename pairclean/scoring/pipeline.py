@@ -65,9 +65,6 @@ class ScoredBatch:
     encoded: list[int]
     results: HostCopies = field(default_factory=HostCopies)
 
-    def wait(self) -> dict[str, torch.Tensor]:
-        return self.results.wait()
-
 
 class Scorer:
     """Encodes a batch's valid rows (each side in chunks that fit: `OomBackoff`) and computes each
@@ -153,7 +150,7 @@ class PartSink:
             self.pending = None
 
     def _take(self, scored: ScoredBatch) -> None:
-        results = scored.wait()
+        results = scored.results.wait()
         batch, n = scored.batch, len(scored.batch)
         sims = np.full(n, np.nan, dtype=np.float32)
         nulls = np.full(n, np.nan, dtype=np.float32)
