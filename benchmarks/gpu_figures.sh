@@ -7,8 +7,8 @@
 #   3. web-like shards (`synth web-shards`, rendered by every core);
 #   4. `bench score` (model-only ceiling, end to end with its main process metered, pipeline only),
 #      alternating decode gpu|fast x eager|--compile, each other installed device decoder (nvimgcodec,
-#      with --with-nvimgcodec's wheels), the first decode with CPU_SHARE of its JPEGs decoded in the
-#      workers (--cpu-decode-share), and benchmarks/device_decoders.py on one batch;
+#      with --with-nvimgcodec's wheels), the first decode with each CPU_SHARE of its JPEGs decoded in
+#      the workers (--cpu-decode-share), and benchmarks/device_decoders.py on one batch;
 #   5. a training epoch against the model's own step rate (benchmarks/train_throughput.py), then one
 #      with the device decoding or resizing (each --decode of TRAIN_DECODE);
 #      `pairclean score` in one process against RANKS ranks sharing the GPU (benchmarks/ranks_per_gpu.py);
@@ -16,15 +16,14 @@
 #   7. benchmarks/profile_score.py: the main thread's ops, launches and synchronisations, first decode eager;
 #      benchmarks/tower_ops.py: each tower's ops, ms a call and bf16 sims under autocast or not.
 # Steps 4-7 interleave, the issue's first asks first: each decode eager, the other device decoders eager, the first
-# with --workers auto, RANKS ranks,
-# the first with CPU_SHARE, the towers (30 s), training, --compile with the first decode, cuda_paths.sh, the profile,
-# the decoders on one batch, the other --compile, each decode eager again.
+# with each CPU_SHARE, the first with --workers auto, RANKS ranks, the towers (30 s), training, --compile with the
+# first decode, cuda_paths.sh, the profile, the decoders on one batch, the other --compile, each decode eager again.
 # One JSON per variant in OUT, a log per step, summary.json and a table at the end. A step that
 # would overrun the time budget is skipped and says so; every step runs under a timeout.
 #     bash benchmarks/fetch_gpu_wheels.sh [3.12 --with-nvimgcodec]   # here, once (28 MB; 57 MB with nvImageCodec)
 #     bash benchmarks/gpu_figures.sh [OUT]                  # there (the device call carries benchmarks/wheels)
 # Knobs (environment): BUDGET=480 (seconds) SHARDS=14 PAIRS_PER_SHARD=2500 PROGRESSIVE=0 MODEL=ViT-B-32
-#   PRECISION=bf16 BATCH=1024 TRAIN_BATCH=512 WORKERS=(cores - 2) DEVICE=cuda DECODES="gpu fast" CPU_SHARE=0.3 (0: none)
+#   PRECISION=bf16 BATCH=1024 TRAIN_BATCH=512 WORKERS=(cores - 2) DEVICE=cuda DECODES="gpu fast" CPU_SHARE="0.5" (a list; 0: none)
 #   COMPILE=1 CUDA_PATHS=1 TRAIN=1 TRAIN_DECODE="gpu-resize gpu" AUTO_WORKERS=1 PROFILE=1 TOWERS=1 RANKS=2 MIN_SECONDS=8 (a CPU dry run: DEVICE=cpu MODEL=pairclean-tiny SHARDS=2 PAIRS_PER_SHARD=64
 #   BATCH=32 TRAIN_BATCH=32 COMPILE=0 CUDA_PATHS=0)
 set -u
@@ -45,7 +44,9 @@ CORES=$(nproc)
 WORKERS=${WORKERS:-$(( CORES > 3 ? CORES - 2 : 1 ))}
 DEVICE=${DEVICE:-cuda}
 DECODES=${DECODES:-gpu fast}
-CPU_SHARE=${CPU_SHARE:-0.3}  # --cpu-decode-share of the extra eager round of the first decode (a device decoder)
+# --cpu-decode-share of the extra eager rounds of the first decode (a device decoder), one round each. 0.5: the share
+# that balanced session 14's H100 figures with the share's images decoded, not resized, in the workers (docs/benchmarks.md)
+CPU_SHARE=${CPU_SHARE:-0.5}
 COMPILE=${COMPILE:-1}
 CUDA_PATHS=${CUDA_PATHS:-1}
 TRAIN=${TRAIN:-1}
@@ -118,7 +119,12 @@ gpu = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_versio
                      capture_output=True, text=True).stdout.strip() if os.path.exists("/usr/bin/nvidia-smi") else None
 print(json.dumps({"gpu": gpu, "cuda_available": torch.cuda.is_available(), "torch": torch.__version__,
                   "torchvision": torchvision.__version__, "python": sys.version.split()[0], "cores": os.cpu_count(),
-                  "platform": platform.platform(), "settings": {"model": "$MODEL", "precision": "$PRECISION",
+                  "platform": platform.platform(),
+                  # 2: the cores are hyperthreads, and a worker beside a busy sibling decodes slower (session 14's
+                  # workers spent 4.2 ms a pair in the run against 2.4 alone)
+                  "threads_per_core": len(open("/sys/devices/system/cpu/cpu0/topology/thread_siblings_list").read().replace("-", ",").split(","))
+                  if os.path.exists("/sys/devices/system/cpu/cpu0/topology/thread_siblings_list") else None,
+                  "settings": {"model": "$MODEL", "precision": "$PRECISION",
                   "batch": $BATCH, "train_batch": $TRAIN_BATCH, "workers": $WORKERS, "device": "$DEVICE",
                   "shards": $SHARDS, "pairs_per_shard": $PAIRS_PER_SHARD, "progressive": $PROGRESSIVE}}, indent=1))
 EOF
@@ -140,16 +146,15 @@ score() {  # NAME DECODE [FLAGS...]
     --beta-mode shuffled --naive-pairs 0 --min-seconds "$MIN_SECONDS" --json "$OUT/score-$name.json" --overwrite
 }
 first=${DECODES%% *}
-# share_round 1: CPU_SHARE > 0 and the first decode a device decoder that can run here; then the
-# other installed device decoders
+# share_round 1: the first decode a device decoder of JPEGs that can run here; then the other installed device decoders
 probe=$(python -c "from pairclean.backends.device_jpeg import DEVICE_DECODERS as D
 first = D.get('$first')
-print(int(float('$CPU_SHARE') > 0 and first is not None and first.unavailable() is None),
+print(int(first is not None and not first.workers_decode and first.unavailable() is None),
       *(n for n, c in D.items() if n not in '$DECODES'.split() and c.unavailable() is None))" 2> "$OUT/decoders-probe.log") \
   || say "the decoder probe failed (no share round, no other decoders): $(tail -n 1 "$OUT/decoders-probe.log")"
 read -r share_round extra_decodes <<< "$probe"
 # in the order of what the issue asks first, so a short budget drops the least: each decode eager,
-# the other device decoders, the first with CPU_SHARE of its JPEGs in the workers, the towers,
+# the other device decoders, the first with each CPU_SHARE of its JPEGs in the workers, the towers,
 # training, --compile with the first decode, every CUDA path, the profile, the rest
 for decode in $DECODES; do score "$decode-eager-1" "$decode"; done
 # the other device decoders next: session 14's H100 figures had the prefetching thread's host CPU
@@ -157,6 +162,15 @@ for decode in $DECODES; do score "$decode-eager-1" "$decode"; done
 # which gpu-resize (the workers decode, the device resizes: registered first) takes off every path,
 # and nvImageCodec's hardware decoder and host threads may lift
 for decode in $extra_decodes; do score "$decode-eager" "$decode"; done
+# the first decode with a share of its JPEGs decoded (not resized) in the workers: the prefetching thread's
+# nvJPEG work falls by the share, the workers' rises by ~0.5 ms a shared JPEG (session 18)
+if [ "${share_round:-0}" = 1 ]; then
+  for share in $CPU_SHARE; do
+    [ "$share" != 0 ] && score "$first-share-$share-eager" "$first" --cpu-decode-share "$share"
+  done
+else
+  say "no --cpu-decode-share round: first decode $first (it needs a device decoder of JPEGs that can run here)"
+fi
 # the first decode with the workers pairclean picks (--workers auto: at most 6 where the device decodes
 # every JPEG, each worker less is one fork less at the start)
 [ "$AUTO_WORKERS" = 1 ] && score "$first-auto-workers" "$first" --workers auto
@@ -164,11 +178,6 @@ for decode in $extra_decodes; do score "$decode-eager" "$decode"; done
 [ "$RANKS" -gt 1 ] && step ranks 50 python "$ROOT/benchmarks/ranks_per_gpu.py" "$W/web/manifest.yaml" --model "$MODEL" \
   --device "$DEVICE" --precision "$PRECISION" --batch-size "$BATCH" --workers "$WORKERS" --decode "$first" \
   --ranks "$RANKS" --json "$OUT/ranks.json"
-if [ "${share_round:-0}" = 1 ]; then
-  score "$first-share-eager" "$first" --cpu-decode-share "$CPU_SHARE"
-else
-  say "no --cpu-decode-share round: CPU_SHARE=$CPU_SHARE, first decode $first (it needs a share > 0 and a device decoder that can run here)"
-fi
 [ "$TOWERS" = 1 ] && step towers 30 python "$ROOT/benchmarks/tower_ops.py" "$W/web/manifest.yaml" --model "$MODEL" \
   --pairs "$BATCH" --device "$DEVICE" --repeat 10 --json "$OUT/towers.json"
 [ "$TRAIN" = 1 ] && step train 60 python "$ROOT/benchmarks/train_throughput.py" "$W/web/manifest.yaml" --model "$MODEL" \
@@ -214,15 +223,18 @@ for path in sorted(out.glob("score-*.json")):
              "end_to_end_stage_wall_ms_per_pair": m.get("stage_wall_ms_per_pair"),
              "pipeline_only_pairs_per_second": p["pairs_per_second"], "pipeline_only_main_cpu_ms_per_pair": p["main_cpu_ms_per_pair"],
              "worker_bytes_per_pair": p["worker_bytes_per_pair"], "worker_capacity_pairs_per_second": p["worker_capacity_pairs_per_second"],
+             "worker_ms_per_pair": p["worker_ms_per_pair"], "worker_cpu_ms_per_pair_in_run": p.get("worker_cpu_ms_per_pair"),
              "decode": report["config"]["decode"], "cpu_decode_share": report["config"].get("cpu_decode_share", 0.0),
              "compile": report["config"]["compile"]}
     summary["scoring"][path.stem] = entry
     util = lambda v: "-" if v is None else f"{v:.0f}%"
-    rows.append(f"{path.stem:22} {entry['ceiling_pairs_per_second']:10,.0f} {util(entry['ceiling_gpu_utilisation']):>5} "
+    rows.append(f"{path.stem:26} {entry['ceiling_pairs_per_second']:10,.0f} {util(entry['ceiling_gpu_utilisation']):>5} "
                 f"{entry['end_to_end_pairs_per_second']:10,.0f} {util(entry['end_to_end_gpu_utilisation']):>5} "
                 f"{entry['end_to_end_over_ceiling']:6.2f} {entry['pipeline_only_pairs_per_second']:10,.0f} "
-                f"{entry['pipeline_only_main_cpu_ms_per_pair']:8.4f} {entry['worker_capacity_pairs_per_second']:10,.0f}")
-print(f"{'variant':22} {'ceiling/s':>10} {'util':>5} {'e2e/s':>10} {'util':>5} {'ratio':>6} {'pipe/s':>10} {'ms/pair':>8} {'workers/s':>10}")
+                f"{entry['pipeline_only_main_cpu_ms_per_pair']:8.4f} {entry['worker_capacity_pairs_per_second']:10,.0f} "
+                f"{entry['worker_ms_per_pair']:6.3f} {entry['worker_cpu_ms_per_pair_in_run'] or 0:6.3f}")
+print(f"{'variant':26} {'ceiling/s':>10} {'util':>5} {'e2e/s':>10} {'util':>5} {'ratio':>6} {'pipe/s':>10} {'ms/pair':>8} {'workers/s':>10} "
+      f"{'w ms':>6} {'in run':>6}")
 print("\n".join(rows))
 for train in sorted(out.glob("train*.json")):
     t = json.loads(train.read_text())

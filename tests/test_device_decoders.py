@@ -19,9 +19,9 @@ from PIL import Image
 from torchvision import transforms as T
 
 from pairclean.backends.device_jpeg import DEVICE_DECODERS, BatchedDeviceDecoder, DeviceJpegDecoder
-from pairclean.backends.inputs import DecodedImages, ImageBatch, JpegBlob, StandardTransform, stack_pixels
+from pairclean.backends.inputs import DecodedImages, ImageBatch, JpegBlob, StandardTransform
 from pairclean.backends.open_clip import OpenClipEstimator, OpenClipPreparer
-from pairclean.data.decode import DecodeError
+from pairclean.data.decode import DecodeError, decode_image
 from pairclean.lab.coco import read_pairs
 
 pytestmark = pytest.mark.usefixtures("fresh_notices")
@@ -61,7 +61,7 @@ def _web_batch(coco_src, preprocess):
     items = jpegs[:3] + [jpegs[3][:len(jpegs[3]) // 2], png.getvalue(), grey.getvalue()] + jpegs[3:]
     preparer = OpenClipPreparer(preprocess, None, draft_size=None, device_jpeg=True)
     batch = preparer.collate("image", [preparer.prepare("image", x) for x in items])
-    assert isinstance(batch, ImageBatch) and batch.pixel_rows == (4,) and len(batch.jpegs) == 8
+    assert isinstance(batch, ImageBatch) and batch.decoded_rows == (4,) and len(batch.jpegs) == 8
     readable = {row: data for row, data in enumerate(items) if row != 3}
     return batch, readable, 4, 3
 
@@ -80,10 +80,14 @@ def test_each_decoder_gives_pils_preprocessing_on_the_cpu(name, preprocessing, c
     assert pixels.dtype == torch.uint8 and pixels.shape == (batch.rows, 3, crop, crop)
     assert list(failed) == [truncated_row] and failed[truncated_row].startswith("cannot decode image")
     assert not pixels[truncated_row].any()
-    assert torch.equal(pixels[png_row], batch.pixels[0])  # the worker's pixels, as they came
+    decoder = cls(transform, torch.device("cpu"), preprocess)
+    assert torch.equal(pixels[png_row], decoder.resized(batch.decoded.images())[0])  # decoded by the worker, resized here
     rows = sorted(readable)
     reference = torch.stack([transform.geometry_pixels(Image.open(io.BytesIO(readable[r])).convert("RGB"))
                              for r in rows]).permute(0, 3, 1, 2)
+    # the 640 x 480 PNG is over SENT_PIXELS_PER_RESIZE times the Resize's square: shrunk by PIL in the
+    # worker, so the device's resize of it is the identity and its pixels are fast's exactly
+    assert torch.equal(pixels[png_row], reference[rows.index(png_row)])
     difference = (pixels[rows].int() - reference.int()).abs()
     largest, share_over_one = TOLERANCE[name]
     assert difference.max() <= largest and (difference > 1).float().mean() <= share_over_one
@@ -96,11 +100,12 @@ def test_a_batch_of_files_no_library_can_read_gives_failed_rows_and_worker_pixel
     preprocess = PREPROCESSINGS["bicubic-64"]
     good = (coco_src / read_pairs(coco_src)[0]["image"]).read_bytes()
     truncated = [good[:600], good[:700]]
-    pixels = stack_pixels([StandardTransform.parse(preprocess).geometry_pixels(Image.open(io.BytesIO(good)).convert("RGB"))])
-    batch = ImageBatch(3, JpegBlob.pack(truncated), (0, 2), pixels, (1,))
+    image = Image.open(io.BytesIO(good)).convert("RGB")
+    batch = ImageBatch(3, JpegBlob.pack(truncated), (0, 2), DecodedImages.pack([image]), (1,))
     out, failed = cls(StandardTransform.parse(preprocess), torch.device("cpu"), preprocess)(batch)
     assert sorted(failed) == [0, 2] and not out[0].any() and not out[2].any()
-    assert torch.equal(out[1], pixels[0])
+    reference = StandardTransform.parse(preprocess).geometry_pixels(image).permute(2, 0, 1)
+    assert (out[1].int() - reference.int()).abs().max() <= TOLERANCE["gpu"][0]  # the worker's image, resized here
 
 
 def test_one_bad_file_costs_a_few_halved_calls_not_one_per_file(coco_src):
@@ -180,10 +185,16 @@ def test_nvimgcodec_backend_the_device_cannot_create_counts_as_not_decoding(monk
     assert decoder._gpu_decodes(0) is False and tried == [0, 0, 0]
 
 
+def _fast_decode(fast, data: bytes):
+    """The image `decode` fast decodes from `data`, as a worker sends it for the device to resize."""
+    return fast.transform.device_sized(decode_image(data, draft_size=fast.draft_size))
+
+
 def test_progressive_jpegs_go_to_the_workers_where_the_decoder_would_take_them_one_at_a_time(coco_src):
     """torchvision's decoder batches baseline JPEGs but decodes progressive ones one by one with a
-    stream synchronisation each: with `gpu` they are decoded in the worker, with PIL, to exactly the
-    pixels `fast` gives; baseline JPEGs still travel undecoded. Decoders that batch them keep them."""
+    stream synchronisation each: with `gpu` they are decoded in the worker, with PIL, as `fast`
+    decodes them (the device resizes them with the batch); baseline JPEGs still travel undecoded.
+    Decoders that batch them keep them."""
     from pairclean.backends.device_jpeg import device_decodable
 
     baseline = (coco_src / read_pairs(coco_src)[0]["image"]).read_bytes()
@@ -199,14 +210,15 @@ def test_progressive_jpegs_go_to_the_workers_where_the_decoder_would_take_them_o
     fast = OpenClipPreparer(preprocess, None, draft_size=64)
     gpu = OpenClipPreparer(preprocess, None, draft_size=64, device_jpeg=True, device_progressive=DeviceJpegDecoder.progressive)
     items = [gpu.prepare("image", x) for x in (baseline, progressive)]
-    assert items[0] == baseline and torch.equal(items[1], fast.prepare("image", progressive))
+    assert items[0] == baseline and np.array_equal(np.asarray(items[1]), np.asarray(_fast_decode(fast, progressive)))
     batch = gpu.collate("image", items)
-    assert isinstance(batch, ImageBatch) and batch.jpeg_rows == (0,) and batch.pixel_rows == (1,)
+    assert isinstance(batch, ImageBatch) and batch.jpeg_rows == (0,) and batch.decoded_rows == (1,)
 
 
 def test_a_fixed_share_of_the_jpegs_is_decoded_in_the_workers_picked_by_content(coco_src):
     """`cpu_decode_share`: the workers decode about that share of the JPEGs a device decoder
-    would take, to exactly the pixels `fast` gives; which ones depends on the file alone (the same
+    would take, decoded as `fast` decodes them and left for the device to resize with the batch;
+    which ones depends on the file alone (the same
     file takes the same way in another run, batch or worker), and the share grows by adding files."""
     from pairclean.backends.device_jpeg import worker_decodes
 
@@ -225,11 +237,12 @@ def test_a_fixed_share_of_the_jpegs_is_decoded_in_the_workers_picked_by_content(
     items = [shared.prepare("image", data) for data in files[:12]]
     for i, item in enumerate(items):
         if i in half:
-            assert torch.equal(item, fast.prepare("image", files[i]))
+            assert np.array_equal(np.asarray(item), np.asarray(_fast_decode(fast, files[i])))
         else:
             assert item == files[i]
     batch = shared.collate("image", items)
-    assert 0 < len(batch.pixel_rows) < 12 and set(batch.pixel_rows) == half & set(range(12)) and set(batch.jpeg_rows).isdisjoint(batch.pixel_rows)
+    assert 0 < len(batch.decoded_rows) < 12 and set(batch.decoded_rows) == half & set(range(12))
+    assert set(batch.jpeg_rows).isdisjoint(batch.decoded_rows)
 
 
 @pytest.mark.parametrize("argv, says", [
@@ -248,9 +261,9 @@ def test_a_cpu_decode_share_without_a_device_decoder_or_out_of_range_is_refused(
 
 
 def test_the_device_path_passes_cudas_device_and_dtype_checks_and_never_waits_for_the_device():
-    """What runs only on a GPU - decoded images resized together (`resize_many`), merged with the
-    workers' pixels by row, normalised channels-last - on fake CUDA tensors, whose ops run CUDA's
-    device checks with no GPU (pixels left in host memory fail the merge). Nothing in it waits for
+    """What runs only on a GPU - decoded images resized together (`resize_many`), the images the
+    workers decoded resized too, merged by row, normalised channels-last - on fake CUDA tensors,
+    whose ops run CUDA's device checks with no GPU (images left in host memory fail them). Nothing in it waits for
     the device: each `torch.tensor(values, device=cuda)` of the sizes and rows was a stream
     synchronisation (11 in this batch, ~30 in a batch of 1,024), the prefetching thread then waiting
     for the decode, the resizes and, beside them, the model's kernels."""
@@ -269,10 +282,11 @@ def test_the_device_path_passes_cudas_device_and_dtype_checks_and_never_waits_fo
             images = [torch.zeros((3, 80 + 9 * i, 70 + 5 * i), dtype=torch.uint8, device=self.device) for i in range(len(files))]
             return resize_many(images, self.transform.resize, self.transform.crop, self.filter), list(range(len(files)))
 
-    workers = stack_pixels([torch.zeros((64, 64, 3), dtype=torch.uint8)] * 2)  # channels-last view, as collated
+    workers = DecodedImages.pack([np.zeros((64 + 7 * i, 90, 3), dtype=np.uint8) for i in range(2)])  # decoded in the workers
     batch = ImageBatch(7, JpegBlob.pack([b"\xff\xd8\xff" + bytes(64)] * 5), (0, 1, 2, 4, 6), workers, (3, 5))
     with FakeTensorMode(allow_non_fake_inputs=True), DeviceReads() as waits:
         device = torch.device("cuda")
+        batch = batch.to(device, non_blocking=True)  # what the feed does
         pixels, failed = Sized(StandardTransform.parse(preprocess), device, preprocess)(batch)
         assert pixels.device.type == "cuda" and pixels.dtype == torch.uint8 and pixels.shape == (7, 3, 64, 64) and not failed
         model_input = PixelNormalizer(list(NORMALIZE.mean), list(NORMALIZE.std))(pixels, torch.channels_last)
@@ -284,34 +298,45 @@ def test_the_device_path_passes_cudas_device_and_dtype_checks_and_never_waits_fo
 def test_gpu_resize_resizes_the_images_the_workers_decoded_on_the_device(coco_src):
     """`decode` gpu-resize: the workers decode every image with PIL - a PNG and a greyscale JPEG too -
     and send it at its own size (one tensor a batch); the device resizes and crops the batch. Its
-    pixels are `decode` gpu's where both decode with libjpeg (here, on a CPU: the same resize), and
-    PIL's (`decode` fast) within `resize_many`'s rounding; a file PIL cannot decode fails in the worker,
-    as with fast."""
+    pixels are PIL's (`decode` fast) within `resize_many`'s rounding, and `decode` gpu's where both
+    decode with libjpeg (here, on a CPU: the same resize). An image of more than
+    SENT_PIXELS_PER_RESIZE times the Resize's square (COCO's 640 x 480 against 73 x 73) is shrunk by
+    PIL in the worker, as fast does: its pixels are exactly fast's (the device's resize of it is the
+    identity). A file PIL cannot decode fails in the worker, as with fast."""
+    from pairclean.backends.inputs import SENT_PIXELS_PER_RESIZE
+    from pairclean.backends.resample import resized_size
+
     preprocess = PREPROCESSINGS["bicubic-73-crop-64"]
     transform = StandardTransform.parse(preprocess)
     jpegs = [(coco_src / p["image"]).read_bytes() for p in read_pairs(coco_src)[:6]]
-    grey, png = io.BytesIO(), io.BytesIO()
-    Image.open(io.BytesIO(jpegs[0])).convert("L").save(grey, format="JPEG")
-    Image.open(io.BytesIO(jpegs[1])).save(png, format="PNG")
-    items = [*jpegs, grey.getvalue(), png.getvalue()]
+    small = [Image.open(io.BytesIO(data)).resize((120, 90)) for data in jpegs[:3]]
+    grey, png, plain = io.BytesIO(), io.BytesIO(), io.BytesIO()
+    small[0].convert("L").save(grey, format="JPEG")
+    small[1].save(png, format="PNG")
+    small[2].save(plain, format="JPEG")
+    items = [*jpegs, grey.getvalue(), png.getvalue(), plain.getvalue()]
+    opened = [Image.open(io.BytesIO(x)).convert("RGB") for x in items]
+    big = [i for i, im in enumerate(opened) if im.width * im.height > SENT_PIXELS_PER_RESIZE * 73 ** 2]
+    assert big == list(range(6))
     cls = DEVICE_DECODERS["gpu-resize"]
     preparer = OpenClipPreparer(preprocess, None, draft_size=None).leaving_to(cls)
     assert preparer.device_resize and not preparer.device_jpeg
     batch = preparer.collate("image", [preparer.prepare("image", x) for x in items])
-    opened = [Image.open(io.BytesIO(x)) for x in items]
-    assert isinstance(batch, DecodedImages) and batch.shapes == tuple((im.height, im.width) for im in opened)
-    assert batch.nbytes() == sum(im.height * im.width * 3 for im in opened)
-    assert torch.equal(batch.images()[6][0], torch.from_numpy(np.array(opened[6].convert("RGB"))[:, :, 0]))
+    assert isinstance(batch, DecodedImages) and batch.shapes == tuple(
+        resized_size(im.height, im.width, 73) if i in big else (im.height, im.width) for i, im in enumerate(opened))
+    assert batch.nbytes() == sum(h * w * 3 for h, w in batch.shapes)
+    assert torch.equal(batch.images()[6][0], torch.from_numpy(np.array(opened[6])[:, :, 0]))
     pixels, failed = cls(transform, torch.device("cpu"), preprocess)(batch)
     assert not failed and pixels.dtype == torch.uint8 and pixels.shape == (len(items), 3, 64, 64)
 
-    on_device = OpenClipPreparer(preprocess, None, draft_size=None).leaving_to(DeviceJpegDecoder)
-    jpeg_batch = on_device.collate("image", [on_device.prepare("image", x) for x in items[:7]])
-    gpu, _ = DeviceJpegDecoder(transform, torch.device("cpu"), preprocess)(jpeg_batch)
-    assert torch.equal(pixels[:7], gpu)
-    reference = torch.stack([transform.geometry_pixels(im.convert("RGB")) for im in opened]).permute(0, 3, 1, 2)
+    reference = torch.stack([transform.geometry_pixels(im) for im in opened]).permute(0, 3, 1, 2)
+    assert torch.equal(pixels[big], reference[big])  # shrunk by PIL in the worker: fast's pixels exactly
     difference = (pixels.int() - reference.int()).abs()
-    assert difference.max() <= TOLERANCE["gpu"][0] and (difference > 0).float().mean() < 0.01
+    assert difference.max() <= TOLERANCE["gpu"][0] and 0 < (difference > 0).float().mean() < 0.01
+    on_device = OpenClipPreparer(preprocess, None, draft_size=None).leaving_to(DeviceJpegDecoder)
+    jpeg_batch = on_device.collate("image", [on_device.prepare("image", items[i]) for i in (6, 8)])
+    gpu, _ = DeviceJpegDecoder(transform, torch.device("cpu"), preprocess)(jpeg_batch)
+    assert jpeg_batch.jpeg_rows == (0, 1) and torch.equal(pixels[[6, 8]], gpu)
     with pytest.raises(DecodeError):
         preparer.prepare("image", jpegs[2][:len(jpegs[2]) // 2])
 

@@ -375,13 +375,18 @@ def test_pipeline_only_round_with_the_prefetching_thread_charges_its_work_to_oth
     assert p["stages"]["other threads"] > 0 and p["stage_wall_ms_per_pair"]["receive"] > 0
 
 
-def test_pipeline_only_with_every_jpeg_left_to_the_workers_sends_pixels(coco_shards, tmp_path, capsys):
+def test_pipeline_only_with_every_jpeg_left_to_the_workers_sends_decoded_images(coco_shards, tmp_path, capsys):
     """--cpu-decode-share 1: the device decoder's round with all JPEGs decoded in the workers
-    crosses uint8 pixels, as --decode fast does; the share is in the config and the summary."""
+    crosses uint8 images at their own sizes for the device to resize, as --decode gpu-resize does:
+    at least the crop's pixels, at most SENT_PIXELS_PER_RESIZE times the Resize's square (COCO's
+    640 x 480 JPEGs draft-decode to 160 x 120 for pairclean-tiny's 64 px, over that: shrunk in the
+    worker); the share is in the config and the summary."""
+    from pairclean.backends.inputs import SENT_PIXELS_PER_RESIZE
+
     report = bench_pipeline_only(coco_shards, tmp_path, "--decode", "gpu", "--cpu-decode-share", "1")
     p = report["pipeline_only"]
     assert p["decode"] == "gpu" and report["config"]["cpu_decode_share"] == 1.0
-    assert 3 * 64 * 64 + 32 * 8 <= p["worker_bytes_per_pair"] < 3 * 64 * 64 + 32 * 8 + 200
+    assert 3 * 64 * 64 + 32 * 8 <= p["worker_bytes_per_pair"] < 3 * SENT_PIXELS_PER_RESIZE * 64 * 64 + 32 * 8 + 200
     assert "pipeline only (decode gpu, 100% of the JPEGs in the workers)" in capsys.readouterr().out
 
 

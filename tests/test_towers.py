@@ -18,7 +18,7 @@ from torchvision.transforms.v2 import functional as F
 from pairclean.backends.base import cpu_bf16_native, resolve_precision
 from pairclean.backends.compiled import CompiledOrEager
 from pairclean.backends.device_jpeg import DeviceJpegDecoder, device_decodable
-from pairclean.backends.inputs import ImageBatch, StandardTransform, TokenBatch, stack_pixels
+from pairclean.backends.inputs import DecodedImages, ImageBatch, StandardTransform, TokenBatch
 from pairclean.backends.oom import OomBackoff, take_rows
 from pairclean.backends.text_trim import TextCuts, supports_text_trim, text_buckets, token_ends, trimmed_encode_text
 from pairclean.ops.measure import DeviceReads
@@ -188,8 +188,8 @@ def test_workers_send_uint8_pixels_that_normalise_on_the_device_to_torchvisions_
 
 def test_device_jpeg_decode_matches_pil_preprocessing(tiny_estimator, coco_src):
     datas = _jpeg_bytes(coco_src, 6)
-    batch = tiny_estimator.preparer.collate("image", datas)  # bytes: JPEGs a worker left for the device
-    assert isinstance(batch, ImageBatch) and batch.jpeg_rows == tuple(range(6)) and batch.pixels is None
+    batch = tiny_estimator.preparer.leaving_to(DeviceJpegDecoder).collate("image", datas)  # JPEGs a worker left for the device
+    assert isinstance(batch, ImageBatch) and batch.jpeg_rows == tuple(range(6)) and batch.decoded is None
     assert [batch.jpegs.file_bytes(i) for i in range(6)] == datas  # one tensor, the files back to back
     pixels, failed = _device_decoder(tiny_estimator)(batch)
     preprocess = tiny_estimator.preparer.preprocess
@@ -258,8 +258,8 @@ def test_finish_on_device_turns_undecodable_jpegs_into_error_rows_and_keeps_side
     assert out.left.shape[0] == len(out.right) == 3
     kept = tiny_estimator.tokenizer(["zero", "two", "three"])
     assert out.right.tokens.tolist() == kept.tolist() and out.right.ends.tolist() == token_ends(kept).tolist()
-    expected_png_row = stack_pixels([preparer.prepare("image", png.getvalue())])[0]
-    assert torch.equal(out.left[1], expected_png_row)
+    decoded_png = DecodedImages.pack([preparer.prepare("image", png.getvalue())])  # decoded in the worker
+    assert torch.equal(out.left[1], OnCpu.device_decoder.resized(decoded_png.images())[0])  # resized with the batch
 
 
 def test_decode_gpu_falls_back_to_worker_decode_without_cuda(caplog):

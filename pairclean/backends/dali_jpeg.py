@@ -44,6 +44,7 @@ class DaliJpegDecoder(BatchedDeviceDecoder):
     """`decode` dali: one DALI pipeline call per batch for decode, resize and crop."""
 
     name = "dali"
+    version = 2  # 2: the images the workers decode (PNGs, the share) resized on the device too
     package = "nvidia-dali-cuda130"
     module = "nvidia.dali"
 

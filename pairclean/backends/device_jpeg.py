@@ -7,12 +7,13 @@ batch, then resize and crop with two batched matmuls (`resample`).
 Per batch, not per image: the decoded images are sorted by size and padded into a few tensors
 (bounded in size, so one huge image does not pad the batch to its size), each resized and
 cropped in one call; the main process spends a few microseconds per image on bookkeeping.
-Everything degrades to the worker path: non-JPEGs, CMYK, EXIF-rotated and oversized JPEGs go
-through PIL in the worker, a JPEG the device cannot decode through PIL here, and a CPU-only
-machine never builds a decoder unless asked to (the pipeline-only benchmark measures this path's
-cost on the CPU). Where the device's decoder, not the CPU, is the bound, a fixed share of the
-JPEGs (`worker_decodes`) can be decoded in the workers too - or every image, with only the resize
-left to the device (`decode` gpu-resize: `DeviceResize`).
+What the device's decoder does not take - non-JPEGs, CMYK, EXIF-rotated and oversized JPEGs -
+PIL decodes in the worker, and the device resizes it with the batch; a JPEG the device cannot
+decode goes through PIL here; a CPU-only machine never builds a decoder unless asked to (the
+pipeline-only benchmark measures this path's cost on the CPU). Where the device's decoder, not
+the CPU, is the bound, a fixed share of the JPEGs (`worker_decodes`) can be decoded in the
+workers too - or every image (`decode` gpu-resize: `DeviceResize`); either way the resize, about
+half of PIL's work, stays on the device.
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ def worker_decodes(data: bytes, share: float) -> bool:
     (`cpu_decode_share`): a hash of its bytes lies in the first `share` of the hash's range, so the
     same file takes the same way in every run, worker and machine, and `share` of the files do
     (BLAKE2b: no structure in the files' bytes can skew the share, as a CRC's linearity may; ~0.1 ms
-    a 100 kB file, beside the 2-4 ms of a worker's decode). It splits the decoding between
+    a 100 kB file, beside the ~0.5 ms of PIL's decode of a web JPEG). It splits the decoding between
     a busy device decoder and idle cores, as DALI's `hw_decoder_load` splits it between the GPU's
     hardware decoder and nvJPEG's hybrid one."""
     return share > 0 and int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "big") < share * 2**64
@@ -254,7 +255,7 @@ class BatchedDeviceDecoder(DeviceDecoder):
         crop = self.transform.crop
         out = torch.zeros((batch.rows, 3, crop, crop), dtype=torch.uint8, device=self.device)
         files = batch.jpegs.files()
-        parts, decoded = self._decode_split(files, list(range(len(files))))
+        parts, decoded = self._decode_split(files, list(range(len(files)))) if files else ([], [])
         if decoded:
             rows = host_values([batch.jpeg_rows[p] for p in decoded], self.device)
             out[rows] = torch.cat(parts) if len(parts) > 1 else parts[0]
@@ -266,8 +267,8 @@ class BatchedDeviceDecoder(DeviceDecoder):
                 out[row] = self.transform.geometry_pixels(image).permute(2, 0, 1).to(self.device, non_blocking=True)
             except DecodeError as exc:
                 failed[row] = str(exc)
-        if batch.pixels is not None:
-            out[host_values(batch.pixel_rows, self.device)] = batch.pixels.to(self.device, non_blocking=True)
+        if batch.decoded is not None:  # what the workers decoded (on the device already: the feed moved it)
+            out[host_values(batch.decoded_rows, self.device)] = self.resized(batch.decoded.images())
         return out, failed
 
 
@@ -283,7 +284,9 @@ class DeviceJpegDecoder(BatchedDeviceDecoder):
     """
 
     name = "gpu"
-    version = 3  # 3: progressive JPEGs decoded in the workers; 2: on the device; 1 (a6e2769): a resize per image
+    # 4: the images the workers decode (PNGs, progressive JPEGs, the share) resized on the device too;
+    # 3: progressive JPEGs decoded in the workers; 2: on the device; 1 (a6e2769): a resize per image
+    version = 4
     # torchvision batches baseline JPEGs to nvJPEG's hardware decoder (A100, H100) but decodes every
     # other JPEG one at a time, Huffman on the host and a stream synchronisation each
     # (decode_jpegs_cuda.cpp, pytorch/vision 156b4ec): in the workers, with PIL, they cost the
@@ -323,6 +326,7 @@ class DeviceResize(DeviceDecoder):
     rounding between the passes, as `resize_many` does for `decode` gpu)."""
 
     name = "gpu-resize"
+    version = 2  # 2: an image over SENT_PIXELS_PER_RESIZE is shrunk in the worker by PIL (`device_sized`)
     workers_decode = True
 
     def __call__(self, batch: DecodedImages) -> tuple[torch.Tensor, dict[int, str]]:

@@ -3,10 +3,11 @@
 Workers hand images over as uint8 RGB pixels, already resized and cropped to the model's input
 size (150 kB a pair at 224 px, a quarter of float32's 602 kB through shared memory, the pin
 copy and the bus); the device turns them into the model's normalised floats as the first step of
-the image tower (`PixelNormalizer`). With JPEGs decoded on the device (`decode` gpu), a batch
-also holds the JPEG files the workers left undecoded, packed into one byte tensor: one shared
-memory segment per batch instead of one per image. With the resize on the device (`decode`
-gpu-resize), the workers' decoded images travel at their own sizes, packed alike (`DecodedImages`).
+the image tower (`PixelNormalizer`). Where the device resizes (`decode` gpu-resize, and with a
+device decoder the images it does not decode), the workers' decoded images travel at their own
+sizes, back to back in one byte tensor (`DecodedImages`); with JPEGs decoded on the device
+(`decode` gpu), a batch holds the JPEG files the workers left undecoded, packed alike: one shared
+memory segment per batch instead of one per image (`ImageBatch`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,11 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
+
+# A decoded image up to this many times the model's Resize square travels to the device at its own
+# size (`StandardTransform.device_sized`): short sides up to twice the size, where JPEG draft
+# decoding leaves them (224 px: 200,704 pixels, 602 kB).
+SENT_PIXELS_PER_RESIZE = 4
 
 
 def uint8_hwc(image) -> torch.Tensor:
@@ -93,6 +99,21 @@ class StandardTransform:
             image = t(image)
         return uint8_hwc(image)
 
+    def device_sized(self, image):
+        """What a worker sends of a decoded PIL image for the device to resize and crop: the image
+        at its own size, or - one of more than SENT_PIXELS_PER_RESIZE times the Resize's square (a
+        4,000 x 3,000 PNG: 36 MB) - shrunk here by the model's own Resize, as `fast` does, so a
+        batch's bytes stay bounded; the device's resize of it is then the identity (the short side
+        is already the size: weight 1 on each pixel), its pixels exactly `fast`'s."""
+        if image.width * image.height <= SENT_PIXELS_PER_RESIZE * self.resize ** 2:
+            return image
+        from torchvision.transforms import CenterCrop
+
+        for t in self.geometry:
+            if not isinstance(t, CenterCrop):
+                image = t(image)
+        return image
+
 
 def packed(chunks: list[np.ndarray]) -> tuple[torch.Tensor, tuple[int, ...]]:
     """uint8 arrays back to back in one tensor to collate into (`new_batch_tensor`), and where
@@ -168,33 +189,29 @@ class DecodedImages(DeviceImages):
 
 @dataclass(frozen=True)
 class ImageBatch(DeviceImages):
-    """A batch's images when some are left for the device to decode (`decode` gpu): the pixels
-    workers prepared (rows `pixel_rows`: PNGs, CMYK JPEGs ...) and the JPEGs (rows `jpeg_rows`).
-    `finish_batch` on the estimator turns it into one pixel tensor of `rows` images."""
+    """A batch's images when the device decodes its JPEGs (`decode` gpu, nvimgcodec, dali): the
+    JPEGs (rows `jpeg_rows`) and the images the workers decoded (rows `decoded_rows`: PNGs, CMYK
+    or progressive JPEGs, the `cpu_decode_share`), sent at their own sizes for the device to resize
+    with the rest. `finish_batch` on the estimator turns it into one pixel tensor of `rows` images."""
 
     rows: int
     jpegs: JpegBlob
     jpeg_rows: tuple[int, ...]
-    pixels: torch.Tensor | None = None
-    pixel_rows: tuple[int, ...] = field(default=())
+    decoded: DecodedImages | None = None
+    decoded_rows: tuple[int, ...] = field(default=())
 
     def pin_memory(self) -> "ImageBatch":
-        """Called by the DataLoader's pin thread: the worker-prepared pixels page-locked (the JPEG
+        """Called by the DataLoader's pin thread: the workers' decoded images page-locked (the JPEG
         bytes are read by the decoder from host memory, as they are)."""
-        if self.pixels is None:
-            return self
-        return ImageBatch(self.rows, self.jpegs, self.jpeg_rows, self.pixels.pin_memory(), self.pixel_rows)
+        return self if self.decoded is None else replace(self, decoded=self.decoded.pin_memory())
 
     def to(self, device: torch.device, non_blocking: bool = False) -> "ImageBatch":
-        """The worker-prepared pixels on `device`; the JPEG bytes stay in host memory, where the
+        """The workers' decoded images on `device`; the JPEG bytes stay in host memory, where the
         device's decoder reads them."""
-        if self.pixels is None:
-            return self
-        return ImageBatch(self.rows, self.jpegs, self.jpeg_rows, self.pixels.to(device, non_blocking=non_blocking),
-                          self.pixel_rows)
+        return self if self.decoded is None else replace(self, decoded=self.decoded.to(device, non_blocking))
 
     def nbytes(self) -> int:
-        return self.jpegs.data.nbytes + (self.pixels.nbytes if self.pixels is not None else 0)
+        return self.jpegs.data.nbytes + (self.decoded.nbytes() if self.decoded is not None else 0)
 
 
 @dataclass(frozen=True)

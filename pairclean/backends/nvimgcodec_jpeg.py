@@ -35,6 +35,7 @@ class NvImageCodecDecoder(BatchedDeviceDecoder):
     elsewhere), then `resize_many`."""
 
     name = "nvimgcodec"
+    version = 2  # 2: the images the workers decode (PNGs, the share) resized on the device too
     package = "nvidia-nvimgcodec-cu13"
     module = "nvidia.nvimgcodec"
 

@@ -101,10 +101,10 @@ class OpenClipPreparer:
     Where the model's preprocessing is the standard chain, a worker applies only its geometry
     (resize, crop) and sends uint8 pixels; the device normalises them (`PixelNormalizer`).
     With `device_jpeg`, JPEGs the device can decode are passed on undecoded (progressive ones only
-    if `device_progressive`; none of the `cpu_decode_share` the workers keep, `worker_decodes`);
-    with `device_resize`, every image is decoded here and sent at its own size, for the device to
-    resize and crop (`DecodedImages`); with `token_ends`, token ids come with each caption's end
-    (`TokenBatch`), for a text tower that trims."""
+    if `device_progressive`; none of the `cpu_decode_share` the workers keep, `worker_decodes`), and
+    the other images are decoded here and sent at their own sizes, for the device to resize and
+    crop with the rest (`ImageBatch`); with `device_resize`, every image is (`DecodedImages`); with
+    `token_ends`, token ids come with each caption's end (`TokenBatch`), for a text tower that trims."""
 
     def __init__(self, preprocess, tokenizer, draft_size: int | None, device_jpeg: bool = False,
                  token_ends: bool = False, device_progressive: bool = True, cpu_decode_share: float = 0.0,
@@ -130,12 +130,12 @@ class OpenClipPreparer:
 
     def prepare(self, modality: str, value: Any) -> Any:
         if modality == "image":
-            if self.device_resize:
-                return decode_image(value, draft_size=self.draft_size)  # resized with its batch on the device
             if (self.device_jpeg and device_decodable(value, progressive=self.device_progressive)
                     and not worker_decodes(value, self.cpu_decode_share)):
                 return bytes(value)  # decoded with the rest of its batch on the device
             image = decode_image(value, draft_size=self.draft_size)
+            if self.device_jpeg or self.device_resize:
+                return self.transform.device_sized(image)  # resized with its batch on the device
             return self.transform.geometry_pixels(image) if self.transform else self.preprocess(image)
         return value
 
@@ -145,12 +145,12 @@ class OpenClipPreparer:
             return TokenBatch(tokens, token_ends(tokens)) if self.token_ends else tokens
         if self.device_resize:
             return DecodedImages.pack(items)
-        jpeg_rows = tuple(i for i, x in enumerate(items) if isinstance(x, bytes))
-        if not jpeg_rows:
+        if not self.device_jpeg:
             return stack_pixels(items)
-        pixel_rows = tuple(i for i, x in enumerate(items) if not isinstance(x, bytes))
+        jpeg_rows = tuple(i for i, x in enumerate(items) if isinstance(x, bytes))
+        decoded_rows = tuple(i for i, x in enumerate(items) if not isinstance(x, bytes))
         return ImageBatch(len(items), JpegBlob.pack([items[i] for i in jpeg_rows]), jpeg_rows,
-                          stack_pixels([items[i] for i in pixel_rows]) if pixel_rows else None, pixel_rows)
+                          DecodedImages.pack([items[i] for i in decoded_rows]) if decoded_rows else None, decoded_rows)
 
 
 def _normalize_params(preprocess) -> tuple[list[float], list[float], int]:

@@ -18,8 +18,11 @@ MAX_PIXELS = 178_956_970  # PIL's own hard limit (2x its warning threshold)
 Image.MAX_IMAGE_PIXELS = MAX_PIXELS
 ImageFile.LOAD_TRUNCATED_IMAGES = False
 Image.init()
-# Every format PIL reads, except EPS: PIL hands EPS data to an external Ghostscript process.
-FORMATS = tuple(f for f in Image.OPEN if f != "EPS")
+# Every format PIL reads, except EPS: PIL hands EPS data to an external Ghostscript process. The web's
+# formats first: PIL tries each format in this order, and JPEG was 16th (0.035 ms of opening a file
+# against 0.018, beside PIL's ~0.45 ms decode of a web JPEG); each one's magic bytes are its own.
+WEB_FORMATS = tuple(f for f in ("JPEG", "PNG", "WEBP") if f in Image.OPEN)  # a Pillow without WebP has no WEBP
+FORMATS = WEB_FORMATS + tuple(f for f in Image.OPEN if f != "EPS" and f not in WEB_FORMATS)
 _OBJECT_REPR = re.compile(r"\s*<[^>]* at 0x[0-9a-f]+>")  # "<_io.BytesIO object at 0x7f..>": not a stable reason
 
 
