@@ -4,6 +4,7 @@ fallback, precision resolution."""
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import logging
@@ -370,9 +371,58 @@ def test_towers_in_their_stored_dtype_pass_cudas_dtype_checks(monkeypatch):
                 out = est.encode("image", batch)
             assert out.device.type == "cuda" and out.dtype == torch.float32 and out.shape == (batch.shape[0], 64)
             assert not waits.sites  # nothing the host waits for (the normaliser's constants went without a wait)
-        # The text tower as CUDA runs it; `encode`'s grouping computes on host tensors, which a fake mode fakes too.
-        text = trimmed_encode_text(est.model, tokens.to("cuda"), cut)
+        # The text tower as CUDA runs it, fused attention and all; `encode`'s grouping computes on host
+        # tensors, which a fake mode fakes too.
+        with torch.no_grad(), _counted_fused_attention(monkeypatch) as fused:
+            text = trimmed_encode_text(est.model, tokens.to("cuda"), cut)
         assert text.device.type == "cuda" and text.dtype == torch.bfloat16 and text.shape == (4, 64)
+        assert fused == [len(est.model.transformer.resblocks)]
+
+
+@contextlib.contextmanager
+def _counted_fused_attention(monkeypatch):
+    """Counts MultiheadAttention's fused calls (`torch._native_multi_head_attention`) in a one-item list."""
+    calls = [0]
+    native = torch._native_multi_head_attention
+
+    def counted(*args, **kwargs):
+        calls[0] += 1
+        return native(*args, **kwargs)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(torch, "_native_multi_head_attention", counted)
+        yield calls
+
+
+@pytest.mark.parametrize("precision, tolerance", [("fp32", 1e-5), ("bf16", 2 ** -5)])
+def test_the_fused_text_attention_is_open_clips_within_rounding_and_runs_only_on_cuda(precision, tolerance, monkeypatch):
+    """On CUDA the text tower gives MultiheadAttention its causal mask as booleans, so that it takes its
+    fused path (`causal_blocks`: 12 fused calls instead of ~37 ops a block): the same attention by
+    other kernels, within float rounding of open_clip's float mask (bf16: an ulp or two of the
+    projection's outputs, |x| < 8). A CPU, a tower with gradients, keep open_clip's path."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from pairclean.backends.text_trim import fused_attention
+
+    torch.manual_seed(0)
+    est = OpenClipEstimator("pairclean-tiny", pretrained="none", device="cpu", precision=precision)
+    tokens = est.tokenizer(["a dog on a beach", "two people riding horses along a beach at sunset", "x", "a red car"])
+    cut = int(token_ends(tokens).max())
+    with torch.no_grad(), est.tower_context("text"):
+        with _counted_fused_attention(monkeypatch) as calls:
+            plain = trimmed_encode_text(est.model, tokens, cut, fused=False)
+        assert calls == [0]
+        with _counted_fused_attention(monkeypatch) as calls:
+            fused = trimmed_encode_text(est.model, tokens, cut, fused=True)
+        assert calls == [len(est.model.transformer.resblocks)]
+        torch.testing.assert_close(fused.float(), plain.float(), atol=tolerance, rtol=0)
+        x = torch.zeros((1, cut, est.model.transformer.width))
+        assert not fused_attention(est.model, x) and torch.equal(trimmed_encode_text(est.model, tokens, cut), plain)
+    with FakeTensorMode() as mode:
+        on_cuda = mode.from_tensor(x).to("cuda")
+        with torch.no_grad():
+            assert fused_attention(est.model, on_cuda)
+        assert not fused_attention(est.model, on_cuda)  # gradients: MultiheadAttention has no fused path for them
 
 
 def test_towers_that_keep_fp32_parameters_stay_under_autocast(tmp_path):

@@ -37,16 +37,47 @@ def token_ends(tokens: torch.Tensor) -> torch.Tensor:
     return tokens.argmax(dim=-1) + 1
 
 
-def trimmed_encode_text(model: torch.nn.Module, text: torch.Tensor, length: int) -> torch.Tensor:
-    """open_clip CLIP.encode_text over the first `length` positions (at least the batch's last EOT + 1)."""
+def causal_blocks(transformer: torch.nn.Module, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """open_clip's text transformer (`Transformer.forward` and each `ResidualAttentionBlock`'s) with
+    the causal mask given to MultiheadAttention as booleans (True: not attended), so that in
+    inference it takes its fused path (`_native_multi_head_attention`: ViT-B-32's text tower 209
+    aten ops a call instead of 597, counted on the CPU): open_clip casts its mask to the
+    activations' dtype, and MultiheadAttention takes no float mask on that path. The same
+    attention, computed by other kernels: outputs within float rounding of the float mask's."""
+    for block in transformer.resblocks:
+        q = block.ln_1(x)
+        x = x + block.ls_1(block.attn(q, q, q, need_weights=False, attn_mask=mask)[0])
+        x = x + block.ls_2(block.mlp(block.ln_2(x)))
+    return x
+
+
+def fused_attention(model: torch.nn.Module, x: torch.Tensor) -> bool:
+    """Whether the text tower runs `causal_blocks`: on CUDA, where each of the float mask's ~50 ops a
+    block is a kernel launch the host pays for (on the H100 the eager text tower took 17.9 ms a call
+    of 1,024 captions for some 3 ms of arithmetic), in inference, for open_clip's own batch-first
+    blocks. A CPU keeps open_clip's path: its fp32 scores are pinned bit for bit."""
+    from open_clip.transformer import ResidualAttentionBlock
+
+    transformer = model.transformer
+    return (x.is_cuda and not torch.is_grad_enabled() and getattr(transformer, "batch_first", False)
+            and not getattr(transformer, "grad_checkpointing", False)
+            and all(type(b) is ResidualAttentionBlock and not hasattr(b, "ln_1_kv") for b in transformer.resblocks))
+
+
+def trimmed_encode_text(model: torch.nn.Module, text: torch.Tensor, length: int, fused: bool | None = None) -> torch.Tensor:
+    """open_clip CLIP.encode_text over the first `length` positions (at least the batch's last EOT + 1).
+    `fused`: through `causal_blocks` (None: where `fused_attention` says)."""
     from open_clip.transformer import text_global_pool
 
     text = text[:, :length]
     cast_dtype = model.transformer.get_cast_dtype()
     x = model.token_embedding(text).to(cast_dtype)
     x = x + model.positional_embedding[:length].to(cast_dtype)
-    # the mask in the activations' dtype once, not cast again by each block (12 kernels fewer on CUDA)
-    x = model.transformer(x, attn_mask=model.attn_mask[:length, :length].to(x.dtype))
+    mask = model.attn_mask[:length, :length]
+    if fused if fused is not None else fused_attention(model, x):
+        x = causal_blocks(model.transformer, x, mask < 0)
+    else:  # the mask in the activations' dtype once, not cast again by each block (12 kernels fewer on CUDA)
+        x = model.transformer(x, attn_mask=mask.to(x.dtype))
     x = model.ln_final(x)
     x = text_global_pool(x, text, model.text_pool_type)
     if model.text_projection is not None:
@@ -72,7 +103,8 @@ class TextCuts:
     compiled tower then sees few lengths).
 
     Buckets save arithmetic but multiply the ops: ViT-B-32's text tower is 612 aten ops a call in
-    bf16, 2,435 for four buckets (counted on the CPU). Where each op costs the host a dispatch and a
+    bf16, 2,435 for four buckets (counted on the CPU; 230 a call with CUDA's fused attention,
+    `causal_blocks`). Where each op costs the host a dispatch and a
     kernel launch (eager CUDA: on the H100 the encode stage held the main thread 62 ms a batch
     of 1,024, about 3,000 ops at some 20 us), that host time, not the GPU's, bounds the run; CPUs and
     CUDA graphs (`--compile`) pay per op far less (`for_device`)."""
