@@ -5,14 +5,17 @@
     python benchmarks/tower_ops.py SHARDS/manifest.yaml --pairs 1024 --device cuda   # gpu_figures.sh runs it
 
 On eager CUDA every aten op costs the host a dispatch and a kernel launch, so the ops a batch
-bound the main thread (docs/benchmarks.md, "After the H100 call"). Three ways, on this CPU, with
+bound the main thread (docs/benchmarks.md, "After the H100 call"). Four ways, on this CPU, with
 the same weights:
   autocast, fused MHA off  - what CUDA ran before: `nn.MultiheadAttention` leaves its fused path
                              whenever CUDA autocast is on (`torch.is_autocast_enabled()`)
   autocast                 - what ran before where it runs (on a CPU, whose autocast leaves the
                              fused path alone; on CUDA the same computation as the row above)
-  as built                 - what `OpenClipEstimator` runs now: open_clip's own transformer towers
-                             in their stored bf16 weights, autocast off (`estimator.autocast`)
+  stored dtype, text float mask - open_clip's own transformer towers in their stored bf16
+                             weights, autocast off (`estimator.autocast`), the text tower's causal
+                             mask in floats as open_clip gives it (session 17)
+  as built                 - what `OpenClipEstimator` runs now: the same, the text tower's mask as
+                             booleans on CUDA, for MHA's fused path (`text_trim.causal_blocks`)
 Each way's sims (image . caption, L2-normalised) are compared with an fp32 copy of the model and
 with each other: the rounding a change of way brings; and each tower call is timed (median of
 `--repeat`, the device synchronised). SOURCE: a COCO-mini directory (pairs.jsonl + images) or any
@@ -31,6 +34,7 @@ from pathlib import Path
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from pairclean.backends import text_trim
 from pairclean.backends.inputs import TokenBatch
 from pairclean.backends.open_clip import OpenClipEstimator, _matmul_weights_to
 from pairclean.data.dataset import as_dataset
@@ -53,16 +57,21 @@ class OpCounter(TorchDispatchMode):
 
 
 @contextmanager
-def way(estimator: OpenClipEstimator, autocast: dict[str, bool] | None, fused_attention: bool):
-    """`estimator` run another way for a while: towers under autocast or not, MHA's fused path on or off."""
-    built, fused = estimator.autocast, torch.backends.mha.get_fastpath_enabled()
+def way(estimator: OpenClipEstimator, autocast: dict[str, bool] | None, fused_attention: bool, text_fused: bool = True):
+    """`estimator` run another way for a while: towers under autocast or not, MHA's fused path on or
+    off, the text tower's causal mask as booleans where `text_trim.fused_attention` says (session 18)
+    or always open_clip's float mask (`text_fused` False)."""
+    built, fused, chooser = estimator.autocast, torch.backends.mha.get_fastpath_enabled(), text_trim.fused_attention
     estimator.autocast = autocast or built
     torch.backends.mha.set_fastpath_enabled(fused_attention)
+    if not text_fused:
+        text_trim.fused_attention = lambda model, x: False
     try:
         yield
     finally:
         estimator.autocast = built
         torch.backends.mha.set_fastpath_enabled(fused)
+        text_trim.fused_attention = chooser
 
 
 def synchronize(device: torch.device) -> None:
@@ -122,13 +131,14 @@ def main() -> None:
     pixels, tokens = pixels.to(reference.device), TokenBatch(tokens.tokens.to(reference.device), tokens.ends)
 
     fp32, fp32_ops, fp32_ms = encode(reference, pixels, tokens, args.repeat)
-    ways = {"autocast, fused MHA off (before, CUDA)": ({"image": True, "text": True}, False),
-            "autocast (before)": ({"image": True, "text": True}, True),
-            "as built (now)": (None, True)}
+    ways = {"autocast, fused MHA off (before, CUDA)": ({"image": True, "text": True}, False, True),
+            "autocast (before)": ({"image": True, "text": True}, True, True),
+            "stored dtype, text float mask (session 17)": (None, True, False),
+            "as built (now)": (None, True, True)}
     sims, rows = {}, []
-    for name, (autocast, fused) in ways.items():
+    for name, (autocast, fused, text_fused) in ways.items():
         try:  # a way that fails (on a device, say) is reported as such; the others still are
-            with way(bf16, autocast, fused):
+            with way(bf16, autocast, fused, text_fused):
                 sims[name], ops, ms = encode(bf16, pixels, tokens, args.repeat)
         except Exception as exc:  # any failure of a way is its result
             rows.append({"way": name, "error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"})
