@@ -159,9 +159,9 @@ def main() -> None:
           f"{shown(fp32_ms['text'])} ms a call")
     for r in rows:
         if "error" in r:
-            print(f"{r['way']:40s} failed: {r['error']}")
+            print(f"{r['way']:44s} failed: {r['error']}")
             continue
-        print(f"{r['way']:40s} image {r['image_ops']:4d} ops {shown(r['image_ms']):>7s} ms  text {r['text_ops']:4d} ops "
+        print(f"{r['way']:44s} image {r['image_ops']:4d} ops {shown(r['image_ms']):>7s} ms  text {r['text_ops']:4d} ops "
               f"{shown(r['text_ms']):>7s} ms  max |dsim| vs fp32 {r['max_abs_dsim_vs_fp32']:.2e} "
               f"(mean {r['mean_abs_dsim_vs_fp32']:.1e})")
     for pair, value in between.items():
