@@ -341,6 +341,38 @@ def test_gpu_resize_resizes_the_images_the_workers_decoded_on_the_device(coco_sr
         preparer.prepare("image", jpegs[2][:len(jpegs[2]) // 2])
 
 
+@pytest.mark.parametrize("preprocessing", sorted(PREPROCESSINGS))
+def test_a_sliver_is_resized_over_its_crop_alone_to_resize_and_crops_pixels(preprocessing, monkeypatch):
+    """An image whose shortest-side Resize is mostly cut away (1,200 x 3 noise: 25,600 x 64 before
+    the crop) is resized over the crop's window only, in PIL's own order of its passes: `fast`'s
+    pixels are Resize + CenterCrop's within PIL's float32 box coordinates (a rare grey level; one
+    call of both passes: 24 levels off), PIL is never asked for the whole Resize, and with a device
+    resize the worker sends the Resize's square window, which the device resizes by the identity
+    and crops to the same pixels."""
+    from pairclean.backends.inputs import uint8_hwc
+
+    preprocess = PREPROCESSINGS[preprocessing]
+    transform = StandardTransform.parse(preprocess)
+    rng = np.random.default_rng(0)
+    for size in [(1200, 3), (3, 1200)]:
+        image = Image.fromarray(rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8))
+        assert transform.resizes_to_sliver(*size)
+        reference = image
+        for t in transform.geometry:
+            reference = t(reference)
+        asked, resize = [], Image.Image.resize
+        monkeypatch.setattr(Image.Image, "resize", lambda im, to, *a, **k: asked.append(to) or resize(im, to, *a, **k))
+        pixels = transform.geometry_pixels(image)
+        sent = transform.device_sized(image)
+        monkeypatch.undo()
+        assert max(w * h for w, h in asked) <= transform.resize * max(size)  # never the 25,600 x 64 Resize
+        assert sent.size == (transform.resize, transform.resize)
+        on_device = DeviceJpegDecoder(transform, torch.device("cpu"), preprocess).resized([uint8_hwc(sent).permute(2, 0, 1)])
+        for got in (pixels, on_device[0].permute(1, 2, 0)):
+            difference = (got.int() - uint8_hwc(reference).int()).abs()  # PIL's float32 box: a rare grey level
+            assert difference.max() <= 2 and (difference > 0).float().mean() < 0.01
+
+
 def test_gpu_resize_on_cuda_resizes_the_moved_batch_without_waiting_for_the_device():
     """`decode` gpu-resize as a GPU runs it, on fake CUDA tensors (CUDA's device checks, no GPU): the
     workers' images moved to the device in one copy (`DecodedImages.to`, what the feed does), viewed

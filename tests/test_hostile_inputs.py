@@ -182,6 +182,34 @@ print(json.dumps({{"reason": reason, "grew_kb": after - before}}))
     assert result["grew_kb"] < 32 * 1024, result
 
 
+def test_a_sliver_image_is_resized_over_its_crop_without_gigabytes(tmp_path):
+    """A 20,000 x 1 PNG (a few hundred bytes: a web page's rule line) resized to ViT-B-32's 224 on
+    its short side is a 4,480,000 x 224 image before its centre is cut: 4 GB as PIL holds it and 6 s
+    of a worker, more in every worker that meets one. The workers resize the crop's window only
+    (`StandardTransform.resized_window`); measured in a fresh interpreter, as the bomb above."""
+    sliver = tmp_path / "sliver.png"
+    Image.new("RGB", (20_000, 1), (200, 30, 30)).save(sliver, format="PNG")
+    code = f"""
+import json, resource
+from torchvision import transforms as T
+from pairclean.backends.inputs import StandardTransform
+from pairclean.data.decode import decode_image
+transform = StandardTransform.parse(T.Compose([T.Resize(224, interpolation=T.InterpolationMode.BICUBIC), T.CenterCrop(224),
+                                               T.ToTensor(), T.Normalize((0.5, 0.5, 0.5), (0.5, 0.5, 0.5))]))
+image = decode_image(open({str(sliver)!r}, "rb").read(), draft_size=224)
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+pixels = transform.geometry_pixels(image)
+sent = transform.device_sized(image)
+after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+print(json.dumps({{"shape": list(pixels.shape), "colours": pixels.reshape(-1, 3).unique(dim=0).tolist(),
+                  "sent": list(sent.size), "grew_kb": after - before}}))
+"""
+    result = json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                                       check=True).stdout)
+    assert result["shape"] == [224, 224, 3] and result["colours"] == [[200, 30, 30]] and result["sent"] == [224, 224]
+    assert result["grew_kb"] < 64 * 1024, result
+
+
 # -- tar reading ----------------------------------------------------------------------------
 
 def _read(path: Path) -> tuple[list, list[UnitFailure]]:
