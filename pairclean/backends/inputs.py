@@ -111,7 +111,8 @@ class StandardTransform:
         4,000 x 3,000 PNG: 36 MB) - shrunk here by the model's own Resize, as `fast` does, so a
         batch's bytes stay bounded (a sliver: the Resize's square window around the crop,
         `resized_window`); the device's resize of it is then the identity (the short side is
-        already the size: weight 1 on each pixel), its pixels exactly `fast`'s."""
+        already the size: weight 1 on each pixel), its pixels `fast`'s (exactly, but for a sliver's
+        float32 box)."""
         if self.resizes_to_sliver(image.width, image.height):
             return self.resized_window(image, self.resize)
         if image.width * image.height <= SENT_PIXELS_PER_RESIZE * self.resize ** 2:
@@ -152,10 +153,17 @@ class StandardTransform:
         inset = crop_start(size, self.crop)  # where the crop starts in the window
         top, left = crop_start(height, self.crop) - inset, crop_start(width, self.crop) - inset
         sy, sx = image.height / height, image.width / width
+        # The source rows the vertical pass reads, with the widest PIL filter's reach (Lanczos: 3) to
+        # spare: a 1 x 10,000,000 sliver's horizontal pass then runs over a few rows, not all of them.
+        reach = 3 * max(sy, 1.0) + 2
+        first = max(0, math.floor(top * sy - reach))
+        last = min(image.height, math.ceil((top + size) * sy + reach))
+        image = image.crop((0, first, image.width, last))
         flt = pil_modes_mapping[self.interpolation]
         rows = image.resize((size, image.height), flt,
                             box=(left * sx, 0, min((left + size) * sx, image.width), image.height))
-        return rows.resize((size, size), flt, box=(0, top * sy, size, min((top + size) * sy, image.height)))
+        return rows.resize((size, size), flt,
+                           box=(0, top * sy - first, size, min((top + size) * sy - first, image.height)))
 
 
 def packed(chunks: list[np.ndarray]) -> tuple[torch.Tensor, tuple[int, ...]]:
