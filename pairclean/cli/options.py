@@ -69,8 +69,9 @@ def workers_given(text: str) -> int | None:
 
 CpuDecodeShare = Annotated[float, typer.Option(
     help="With a device decoder (--decode gpu, nvimgcodec, dali): the share of the JPEGs, 0-1, that the CPU workers "
-         "decode instead, picked by each file's content so a file always takes the same way; where the device's "
-         "decoder is the bound and cores are idle. Pinned by a run (the two ways' pixels differ slightly).")]
+         "decode instead (the GPU still resizes them), picked by each file's content so a file always takes the same "
+         "way; where the device's decoder is the bound and cores are idle. Pinned by a run (the two ways' pixels "
+         "differ slightly).")]
 Compile = Annotated[bool, typer.Option("--compile", help="torch.compile the model: one shape a tower, CUDA graphs on CUDA (first batches slower; eager if compiling fails).")]
 BetaMode = Annotated[str, typer.Option(help="random-inputs, shuffled, or fixed.")]
 BetaK = Annotated[int, typer.Option(help="K random inputs per side for --beta-mode random-inputs.")]
