@@ -108,6 +108,26 @@ def test_a_batch_of_files_no_library_can_read_gives_failed_rows_and_worker_pixel
     assert (out[1].int() - reference.int()).abs().max() <= TOLERANCE["gpu"][0]  # the worker's image, resized here
 
 
+@pytest.mark.parametrize("name", ["gpu", "nvimgcodec", "dali"])
+def test_a_batch_with_no_jpeg_for_the_device_is_resized_from_the_workers_images(name, coco_src):
+    """A batch of PNGs only (or of JPEGs the share gave the workers): the decoder gets no file, calls
+    its library with none, and resizes what the workers decoded."""
+    cls = _decoder_class(name)
+    preprocess = PREPROCESSINGS["bicubic-64"]
+    transform = StandardTransform.parse(preprocess)
+    pngs = []
+    for p in read_pairs(coco_src)[:3]:
+        buffer = io.BytesIO()
+        Image.open(coco_src / p["image"]).save(buffer, format="PNG")
+        pngs.append(buffer.getvalue())
+    preparer = OpenClipPreparer(preprocess, None, draft_size=None).leaving_to(cls)
+    batch = preparer.collate("image", [preparer.prepare("image", x) for x in pngs])
+    assert isinstance(batch, ImageBatch) and len(batch.jpegs) == 0 and batch.decoded_rows == (0, 1, 2)
+    pixels, failed = cls(transform, torch.device("cpu"), preprocess)(batch)
+    reference = torch.stack([transform.geometry_pixels(Image.open(io.BytesIO(x)).convert("RGB")) for x in pngs])
+    assert not failed and torch.equal(pixels, reference.permute(0, 3, 1, 2))  # shrunk by PIL in the workers: fast's
+
+
 def test_one_bad_file_costs_a_few_halved_calls_not_one_per_file(coco_src):
     """A library that fails the whole batch for one bad file (torchvision's, DALI's): halves are
     retried, so 1 bad file in 16 costs 1 + 2 * 4 calls, and every good file is still decoded."""
