@@ -63,7 +63,7 @@ def step(message: str) -> None:
 def with_scene_content(truth: Path, dataset: Path) -> Path:
     """The truth plus `content`: a hash of each toy scene's objects (its json member)."""
     content = {}
-    for shard in open_dataset(str(dataset)).shards:
+    for shard in open_dataset(str(dataset)).spec.shards:
         for sample in read_samples(shard, raise_failure):
             content[(os.path.basename(shard), sample.index)] = hashlib.sha1(sample.members["json"]).hexdigest()
     table = pq.read_table(truth)

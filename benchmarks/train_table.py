@@ -34,6 +34,7 @@ from rich.console import Console
 from rich.table import Table
 from sklearn.metrics import roc_auc_score
 
+from pairclean.errors import UserError
 from pairclean.ops.atomic import atomic_path, write_json
 from pairclean.lab.corrupt import corrupt
 from pairclean.data.manifest import write_manifest
@@ -108,8 +109,20 @@ def run_row(name: str, data: Path, out: Path, cfg: TrainConfig, val: Path, valid
     return row
 
 
+def table_row(name: str, data: Path, out: Path, cfg: TrainConfig, val: Path) -> dict:
+    """`run_row`, or - where the run is refused before its first step (a filter that keeps no pair,
+    its rule abstaining on a small world) - a row that says why, so one such row does not cost the table."""
+    try:
+        return run_row(name, data, out, cfg, val)
+    except UserError as exc:
+        console.print(f"{name}: not run: {exc}")
+        return {"run": name, "not_run": str(exc)}
+
+
 def rows_with_share(rows: list[dict], clean: float) -> list[list]:
-    return [[r["run"], r["rsum"], 100.0 * r["rsum"] / clean, r["best_rsum"], r["i2t_r1"], r["t2i_r1"], r["epochs"],
+    """The table's rows; a row that could not run says why, its figures "-"."""
+    return [[f"{r['run']} (not run: {r['not_run']})", "-", "-", "-", "-", "-", 0, 0.0] if r.get("not_run") else
+            [r["run"], r["rsum"], 100.0 * r["rsum"] / clean, r["best_rsum"], r["i2t_r1"], r["t2i_r1"], r["epochs"],
              r["minutes"]] for r in rows]
 
 
@@ -209,7 +222,7 @@ def toy(args) -> None:
                                                                     method_options={"scores": str(oracle),
                                                                                     "filter": "NOT noisy"}))]
     chosen = range(len(runs)) if args.rows is None else [int(r) for r in args.rows.split(",") if r]
-    rows = [run_row(name, data, out / f"run-{args.init}-{i}", c, val) for i, (name, data, c) in enumerate(runs)
+    rows = [table_row(name, data, out / f"run-{args.init}-{i}", c, val) for i, (name, data, c) in enumerate(runs)
             if i in chosen]
     if len(rows) < len(runs):  # a partial table (--rows): the rows are printed, no table is written
         return
