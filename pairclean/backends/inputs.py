@@ -18,6 +18,8 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import torch
 
+from pairclean.backends.resample import crop_start, resized_size
+
 # A decoded image up to this many times the model's Resize square travels to the device at its own
 # size (`StandardTransform.device_sized`): short sides up to twice the size, where JPEG draft
 # decoding leaves them (224 px: 200,704 pixels, 602 kB).
@@ -101,9 +103,14 @@ class StandardTransform:
         (`resizes_to_sliver`) is resized over the crop alone (`resized_window`)."""
         if self.resizes_to_sliver(image.width, image.height):
             return uint8_hwc(self.resized_window(image, self.crop))
+        return uint8_hwc(self._geometry(image))
+
+    def _geometry(self, image, *skip: type):
+        """A PIL image through the geometry's transforms, but those of the types in `skip`."""
         for t in self.geometry:
-            image = t(image)
-        return uint8_hwc(image)
+            if not isinstance(t, skip):
+                image = t(image)
+        return image
 
     def device_sized(self, image):
         """What a worker sends of a decoded PIL image for the device to resize and crop: the image
@@ -119,17 +126,12 @@ class StandardTransform:
             return image
         from torchvision.transforms import CenterCrop
 
-        for t in self.geometry:
-            if not isinstance(t, CenterCrop):
-                image = t(image)
-        return image
+        return self._geometry(image, CenterCrop)
 
     def resizes_to_sliver(self, width: int, height: int) -> bool:
         """Whether the shortest-side Resize would make more than SLIVER_PIXELS_PER_CROP crops' worth
         of pixels, nearly all cropped away: a 20,000 x 1 PNG of a few hundred bytes becomes a
         4,480,000 x 224 image (4 GB as PIL holds it, 6 s of a worker) before its centre is cut."""
-        from pairclean.backends.resample import resized_size
-
         return self.resize >= self.crop and math.prod(resized_size(height, width, self.resize)) > \
             SLIVER_PIXELS_PER_CROP * self.crop ** 2
 
@@ -144,11 +146,7 @@ class StandardTransform:
         from torchvision.transforms import CenterCrop, Resize
         from torchvision.transforms.functional import pil_modes_mapping
 
-        from pairclean.backends.resample import crop_start, resized_size
-
-        for t in self.geometry:
-            if not isinstance(t, (Resize, CenterCrop)):
-                image = t(image)  # the conversion to RGB
+        image = self._geometry(image, Resize, CenterCrop)  # the conversion to RGB
         height, width = resized_size(image.height, image.width, self.resize)
         inset = crop_start(size, self.crop)  # where the crop starts in the window
         top, left = crop_start(height, self.crop) - inset, crop_start(width, self.crop) - inset
