@@ -2,7 +2,7 @@
 # Every CUDA path of pairclean end to end on a toy world (a smoke test for a GPU machine; CI has none):
 # estimator training, scoring in fp32 / bf16 / fp16 (sims compared), detection, training with
 # plain / --weights / --online in bf16 and plain in fp16, retrieval evaluation, --decode gpu (and half its
-# JPEGs in the workers: --cpu-decode-share; against PIL's decode), --decode gpu-resize against PIL's resize,
+# JPEGs in the workers: --cpu-decode-share; against PIL's decode: --decode exact), --decode gpu-resize and fast against PIL's resize,
 # training with --decode gpu and gpu-resize.
 #     bash benchmarks/cuda_paths.sh [WORKDIR]        (needs `pip install -e .` and a CUDA device)
 # A dry run of every command on a CPU (fp16 left out: CUDA only), so the device's minutes are not
@@ -25,16 +25,20 @@ pc score "$W/coco" --out "$W/coco-share.parquet" --model ViT-B-32 --pretrained n
    --cpu-decode-share 0.5 --beta-mode shuffled
 pc query "$W/coco-gpu.parquet" "SELECT count(*) AS pairs, max(abs(a.sim - b.sim)) AS gpu_vs_share FROM scores a JOIN share b USING (key)" \
    --attach share="$W/coco-share.parquet"
-# every JPEG decoded by the workers (PIL): the device's pixels against PIL's, through the model (a decode
-# that wrote over images still being resized would show here as a far larger difference)
+# every JPEG decoded and resized by the workers' PIL (exact: the model's own pixels): the device's pixels against
+# PIL's, through the model (a decode that wrote over images still being resized would show here as a far larger
+# difference); and fast, the workers' PIL decode resized by torch
+pc score "$W/coco" --out "$W/coco-exact.parquet" --model ViT-B-32 --pretrained none --device "$DEVICE" --precision bf16 --decode exact --beta-mode shuffled
+pc query "$W/coco-gpu.parquet" "SELECT count(*) AS pairs, max(abs(a.sim - b.sim)) AS gpu_vs_exact FROM scores a JOIN exact b USING (key)" \
+   --attach exact="$W/coco-exact.parquet"
 pc score "$W/coco" --out "$W/coco-fast.parquet" --model ViT-B-32 --pretrained none --device "$DEVICE" --precision bf16 --decode fast --beta-mode shuffled
-pc query "$W/coco-gpu.parquet" "SELECT count(*) AS pairs, max(abs(a.sim - b.sim)) AS gpu_vs_fast FROM scores a JOIN fast b USING (key)" \
-   --attach fast="$W/coco-fast.parquet"
+pc query "$W/coco-fast.parquet" "SELECT count(*) AS pairs, max(abs(a.sim - b.sim)) AS fast_vs_exact FROM scores a JOIN exact b USING (key)" \
+   --attach exact="$W/coco-exact.parquet"
 # the workers' PIL decode resized on the device (gpu-resize) against PIL's resize: the resize alone differs
 pc score "$W/coco" --out "$W/coco-resize.parquet" --model ViT-B-32 --pretrained none --device "$DEVICE" --precision bf16 \
    --decode gpu-resize --beta-mode shuffled
-pc query "$W/coco-resize.parquet" "SELECT count(*) AS pairs, max(abs(a.sim - b.sim)) AS resize_vs_fast FROM scores a JOIN fast b USING (key)" \
-   --attach fast="$W/coco-fast.parquet"
+pc query "$W/coco-resize.parquet" "SELECT count(*) AS pairs, max(abs(a.sim - b.sim)) AS resize_vs_exact FROM scores a JOIN exact b USING (key)" \
+   --attach exact="$W/coco-exact.parquet"
 # the training loop's JPEGs decoded on the device, then resized there
 pc train "$W/coco" --out "$W/run-coco-gpu" --epochs 2 --batch-size 8 --model pairclean-tiny --pretrained none --lr 1e-3 \
    --warmup-steps 1 --device "$DEVICE" --workers 2 --decode gpu

@@ -86,7 +86,7 @@ def test_each_decoder_gives_pils_preprocessing_on_the_cpu(name, preprocessing, c
     reference = torch.stack([transform.geometry_pixels(Image.open(io.BytesIO(readable[r])).convert("RGB"))
                              for r in rows]).permute(0, 3, 1, 2)
     # the 640 x 480 PNG is over SENT_PIXELS_PER_RESIZE times the Resize's square: shrunk by PIL in the
-    # worker, so the device's resize of it is the identity and its pixels are fast's exactly
+    # worker, so the device's resize of it is the identity and its pixels are PIL's (exact's) exactly
     assert torch.equal(pixels[png_row], reference[rows.index(png_row)])
     difference = (pixels[rows].int() - reference.int()).abs()
     largest, share_over_one = TOLERANCE[name]
@@ -318,11 +318,11 @@ def test_the_device_path_passes_cudas_device_and_dtype_checks_and_never_waits_fo
 def test_gpu_resize_resizes_the_images_the_workers_decoded_on_the_device(coco_src):
     """`decode` gpu-resize: the workers decode every image with PIL - a PNG and a greyscale JPEG too -
     and send it at its own size (one tensor a batch); the device resizes and crops the batch. Its
-    pixels are PIL's (`decode` fast) within `resize_many`'s rounding, and `decode` gpu's where both
+    pixels are PIL's (`decode` exact) within `resize_many`'s rounding, and `decode` gpu's where both
     decode with libjpeg (here, on a CPU: the same resize). An image of more than
     SENT_PIXELS_PER_RESIZE times the Resize's square (COCO's 640 x 480 against 73 x 73) is shrunk by
-    PIL in the worker, as fast does: its pixels are exactly fast's (the device's resize of it is the
-    identity). A file PIL cannot decode fails in the worker, as with fast."""
+    PIL in the worker: its pixels are exactly PIL's (the device's resize of it is the identity). A
+    file PIL cannot decode fails in the worker, as with fast."""
     from pairclean.backends.inputs import SENT_PIXELS_PER_RESIZE
     from pairclean.backends.resample import resized_size
 
@@ -350,7 +350,7 @@ def test_gpu_resize_resizes_the_images_the_workers_decoded_on_the_device(coco_sr
     assert not failed and pixels.dtype == torch.uint8 and pixels.shape == (len(items), 3, 64, 64)
 
     reference = torch.stack([transform.geometry_pixels(im) for im in opened]).permute(0, 3, 1, 2)
-    assert torch.equal(pixels[big], reference[big])  # shrunk by PIL in the worker: fast's pixels exactly
+    assert torch.equal(pixels[big], reference[big])  # shrunk by PIL in the worker: its pixels exactly
     difference = (pixels.int() - reference.int()).abs()
     assert difference.max() <= TOLERANCE["gpu"][0] and 0 < (difference > 0).float().mean() < 0.01
     on_device = OpenClipPreparer(preprocess, None, draft_size=None).leaving_to(DeviceJpegDecoder)

@@ -426,6 +426,24 @@ def test_a_run_where_the_device_cannot_decode_pins_the_workers_and_is_not_resume
         score(str(coco_shards), out, cfg)
 
 
+def test_a_run_pins_how_its_workers_resize_and_a_run_begun_before_is_not_resumed_with_other_pixels(
+        coco_shards, fast_config, tmp_path):
+    """`decode` fast resizes with torch, exact with PIL (the resize of every earlier pairclean): a fast
+    run pins it, so an unfinished fast run begun by an earlier pairclean (no such key) is refused
+    instead of mixing two resizes' pixels; exact pins nothing new, so a run begun with it resumes."""
+    out = tmp_path / "s.parquet"
+    assert forked(lambda: score(str(coco_shards), out, fast_config), "committed:1") == -signal.SIGKILL
+    assert _pinned(out)["worker_resize"] == "torch"
+    earlier = {k: v for k, v in _pinned(out).items() if k != "worker_resize"}
+    (out.parent / f"{out.name}.parts" / "settings.json").write_text(json.dumps(earlier))
+    with pytest.raises(UserError, match="worker_resize: None -> 'torch'"):
+        score(str(coco_shards), out, fast_config)
+    exact, began = replace(fast_config, decode="exact"), tmp_path / "e.parquet"
+    assert forked(lambda: score(str(coco_shards), began, exact), "committed:1") == -signal.SIGKILL
+    assert "worker_resize" not in _pinned(began)
+    assert score(str(coco_shards), began, exact).resumed
+
+
 def test_the_scorer_queues_its_work_without_waiting_for_the_device(monkeypatch):
     """Scoring a batch on CUDA queues the sims and null sims and their copies to the host; the
     host waits only when the sink takes the batch, one batch later. Its null partners were a

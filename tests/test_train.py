@@ -424,7 +424,8 @@ def test_decode_gpu_leaves_the_training_loops_jpegs_for_the_device_and_pins_its_
     assert rec["pairs"] == fast.epochs[0]["pairs"] == 16 and rec["skipped_errors"] == 0 and math.isfinite(rec["train_loss"])
     settings = json.loads((tmp_path / "gpu" / "run.json").read_text())["settings"]
     assert settings["decode"] == "gpu" and settings["device_decoder"] == DeviceJpegDecoder.version
-    assert "decode" not in json.loads((tmp_path / "fast" / "run.json").read_text())["settings"]  # as earlier runs
+    fast_settings = json.loads((tmp_path / "fast" / "run.json").read_text())["settings"]
+    assert "decode" not in fast_settings and fast_settings["worker_resize"] == "torch"  # decode as earlier runs
     monkeypatch.undo()  # no device decodes here now: the run's settings differ
     with pytest.raises(UserError, match=f"device_decoder: {DeviceJpegDecoder.version} -> None"):
         train(str(coco_shards), tmp_path / "gpu", tiny(workers=1, decode="gpu", epochs=2, resume=True))

@@ -31,13 +31,14 @@ from PIL import Image
 from pairclean.backends.base import host_values, pick_device
 from pairclean.backends.feed import DeviceFeed
 from pairclean.backends.inputs import DecodedImages, DeviceImages, ImageBatch, JpegBlob, StandardTransform
-from pairclean.backends.resample import FILTERS, resize_crop
+from pairclean.backends.resample import resize_crop
 from pairclean.config import SHARE, check_choice, check_value
 from pairclean.data.decode import MAX_PIXELS, DecodeError, decode_image
 from pairclean.errors import ConfigError
 from pairclean.ops import distributed
 
-WORKER_DECODES = ("fast", "exact")  # PIL in the workers; every other `decode` is a registered device decoder
+WORKER_DECODES = ("fast", "exact")  # PIL decodes in the workers; every other `decode` is a registered device decoder
+FAST_RESIZE = "torch"  # how `decode` fast's workers resize (pinned by a run: `pinned_decoding`)
 PAD_BUDGET = 48 << 20  # padded input pixels per resize call (x 3 bytes as uint8, x 12 as float32)
 EXIF_ORIENTATION = 0x0112
 
@@ -72,7 +73,7 @@ def worker_decodes(data: bytes, share: float) -> bool:
 
 
 def check_decode(decode: str) -> None:
-    """`decode` names a way to decode: the workers' PIL (fast, exact) or a registered device decoder."""
+    """`decode` names a way to decode: in the workers (fast, exact) or a registered device decoder."""
     check_choice(decode, (*WORKER_DECODES, *DEVICE_DECODERS), "decode")
 
 
@@ -87,11 +88,6 @@ def check_cpu_decode_share(share: float, decode: str) -> float:
                           f"`decode` {decode} decodes every image in the workers already: use `decode` "
                           f"{' or '.join(jpeg_decoders)}, or leave the share at 0", "cpu_decode_share", "decode")
     return share
-
-
-def _filter_name(transform: StandardTransform) -> str | None:
-    name = getattr(transform.interpolation, "value", str(transform.interpolation))
-    return name if name in FILTERS else None
 
 
 class DeviceDecoder(ABC):
@@ -111,7 +107,7 @@ class DeviceDecoder(ABC):
 
     def __init__(self, transform: StandardTransform, device: torch.device, preprocess):
         self.transform, self.device, self.preprocess = transform, device, preprocess
-        self.filter = _filter_name(transform)
+        self.filter = transform.filter_name
 
     def resized(self, images: list[torch.Tensor]) -> torch.Tensor:
         """uint8 (C, H, W) images of any sizes resized and cropped as the model's preprocessing does."""
@@ -120,7 +116,7 @@ class DeviceDecoder(ABC):
     @classmethod
     def supports(cls, transform: StandardTransform | None) -> bool:
         """Whether it reproduces this preprocessing (checked before it is built)."""
-        return transform is not None and _filter_name(transform) is not None and transform.resize >= transform.crop
+        return transform is not None and transform.resamplable
 
     @classmethod
     def load(cls):
@@ -176,12 +172,13 @@ def device_decoder_for(decode: str, device: str) -> type[DeviceDecoder] | None:
 
 
 def pinned_decoding(decode: str, device: str, share: float = 0.0) -> dict:
-    """What a run pins of how its JPEGs are decoded: the device decoder's version (and the share the
-    workers keep) where one decodes; nothing where the workers' PIL decodes every image, as in every
-    earlier pairclean. A resumed run decodes alike, or is refused (a missing key compares as None)."""
+    """What a run pins of how its images are decoded: the device decoder's version (and the share the
+    workers keep) where one decodes; where the workers decode every image, how they resize: torch's
+    resize for `fast` (`StandardTransform.fast_pixels`), nothing for `exact` (PIL's, as every
+    earlier pairclean). A resumed run decodes alike, or is refused (a missing key compares as None)."""
     decoder = device_decoder_for(decode, device)
     if decoder is None:
-        return {}
+        return {} if decode == "exact" else {"worker_resize": FAST_RESIZE}
     return {"device_decoder": decoder.version, **({"cpu_decode_share": share} if share else {})}
 
 
@@ -320,10 +317,11 @@ class DeviceJpegDecoder(BatchedDeviceDecoder):
 class DeviceResize(DeviceDecoder):
     """`decode` gpu-resize: the workers decode every image with PIL, as `decode` fast does (draft
     scaling included), and send it at its own size; the device resizes and crops the whole batch
-    (`resize_many`). The PIL resize, about half a worker's time at `decode` fast, leaves the
-    workers; nvJPEG's host-side decoding, which bounds `decode` gpu's prefetching thread, is
-    not on any path. The pixels differ from `fast`'s by the resize alone (PIL's weights and 8-bit
-    rounding between the passes, as `resize_many` does for `decode` gpu)."""
+    (`resize_many`). The resize, about half a worker's time with PIL (`decode` exact), a third
+    with torch's (`decode` fast), leaves the workers; nvJPEG's host-side decoding, which bounds
+    `decode` gpu's prefetching thread, is not on any path. The pixels differ from `exact`'s by the
+    resize alone (PIL's weights and 8-bit rounding between the passes, as `resize_many` does for
+    `decode` gpu)."""
 
     name = "gpu-resize"
     version = 2  # 2: an image over SENT_PIXELS_PER_RESIZE is shrunk in the worker by PIL (`device_sized`)

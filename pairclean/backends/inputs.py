@@ -18,14 +18,14 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import torch
 
-from pairclean.backends.resample import crop_start, resized_size
+from pairclean.backends.resample import FILTERS, crop_start, resized_size
 
 # A decoded image up to this many times the model's Resize square travels to the device at its own
 # size (`StandardTransform.device_sized`): short sides up to twice the size, where JPEG draft
 # decoding leaves them (224 px: 200,704 pixels, 602 kB).
 SENT_PIXELS_PER_RESIZE = 4
 # A Resize to more than this many crops' worth of pixels (an aspect ratio over 16:1) is computed over
-# the crop alone (`StandardTransform.cropped_resize`): a sliver must not cost a worker gigabytes.
+# the crop alone (`StandardTransform.resized_window`): a sliver must not cost a worker gigabytes.
 SLIVER_PIXELS_PER_CROP = 16
 
 
@@ -98,12 +98,42 @@ class StandardTransform:
             return None
         return cls(resize, crop, interpolation, mean, std, tuple(geometry))
 
+    @property
+    def filter_name(self) -> str | None:
+        """The Resize's filter where torch's antialiased resize and the device's (`resample`) have it
+        (bicubic, bilinear); None for the others."""
+        name = getattr(self.interpolation, "value", str(self.interpolation))
+        return name if name in FILTERS else None
+
+    @property
+    def resamplable(self) -> bool:
+        """Whether a resize outside PIL can stand in for this geometry: a filter it has, and a
+        Resize at least the crop (a smaller one leaves CenterCrop padding)."""
+        return self.filter_name is not None and self.resize >= self.crop
+
     def geometry_pixels(self, image) -> torch.Tensor:
-        """What a worker sends for a decoded PIL image: the geometry applied, as uint8 HWC. A sliver
-        (`resizes_to_sliver`) is resized over the crop alone (`resized_window`)."""
+        """What a worker sends for a decoded PIL image with `decode` exact: the geometry applied by
+        PIL (the model's own pixels), as uint8 HWC. A sliver (`resizes_to_sliver`) is resized over
+        the crop alone (`resized_window`)."""
         if self.resizes_to_sliver(image.width, image.height):
             return uint8_hwc(self.resized_window(image, self.crop))
         return uint8_hwc(self._geometry(image))
+
+    def fast_pixels(self, image) -> torch.Tensor:
+        """What a worker sends for a decoded PIL image with `decode` fast: `geometry_pixels` with
+        torch's antialiased uint8 resize in place of PIL's (its AVX2 kernel: 0.31 ms against 0.93 for
+        a web JPEG, the larger part of a worker's 1.5 ms a pair), within 2 grey levels of PIL's
+        where their fixed-point weights round otherwise (0.3% of values; docs/benchmarks.md). PIL's
+        where torch cannot stand in (`resamplable`), for slivers and images not RGB."""
+        if (not self.resamplable or image.mode != "RGB" or self.resizes_to_sliver(image.width, image.height)):
+            return self.geometry_pixels(image)
+        height, width = resized_size(image.height, image.width, self.resize)
+        pixels = uint8_hwc(image).permute(2, 0, 1)[None]  # (1, 3, H, W) in channels-last memory: no copy
+        if (height, width) != (image.height, image.width):
+            pixels = torch.nn.functional.interpolate(pixels, size=(height, width), mode=self.filter_name,
+                                                     antialias=True)
+        top, left = crop_start(height, self.crop), crop_start(width, self.crop)
+        return pixels[0, :, top:top + self.crop, left:left + self.crop].permute(1, 2, 0).contiguous()
 
     def _geometry(self, image, *skip: type):
         """A PIL image through the geometry's transforms, but those of the types in `skip`."""
@@ -115,10 +145,10 @@ class StandardTransform:
     def device_sized(self, image):
         """What a worker sends of a decoded PIL image for the device to resize and crop: the image
         at its own size, or - one of more than SENT_PIXELS_PER_RESIZE times the Resize's square (a
-        4,000 x 3,000 PNG: 36 MB) - shrunk here by the model's own Resize, as `fast` does, so a
-        batch's bytes stay bounded (a sliver: the Resize's square window around the crop,
+        4,000 x 3,000 PNG: 36 MB) - shrunk here by the model's own Resize (PIL's, as `exact` does),
+        so a batch's bytes stay bounded (a sliver: the Resize's square window around the crop,
         `resized_window`); the device's resize of it is then the identity (the short side is
-        already the size: weight 1 on each pixel), its pixels `fast`'s (exactly, but for a sliver's
+        already the size: weight 1 on each pixel), its pixels PIL's (exactly, but for a sliver's
         float32 box)."""
         if self.resizes_to_sliver(image.width, image.height):
             return self.resized_window(image, self.resize)

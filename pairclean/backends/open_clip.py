@@ -99,7 +99,8 @@ class OpenClipPreparer:
     """Decode images and tokenise texts in DataLoader workers, with the model's own transforms.
 
     Where the model's preprocessing is the standard chain, a worker applies only its geometry
-    (resize, crop) and sends uint8 pixels; the device normalises them (`PixelNormalizer`).
+    (resize, crop) and sends uint8 pixels; the device normalises them (`PixelNormalizer`). The
+    resize is torch's (`StandardTransform.fast_pixels`) unless `exact` (PIL's, the model's own).
     With `device_jpeg`, JPEGs the device can decode are passed on undecoded (progressive ones only
     if `device_progressive`; none of the `cpu_decode_share` the workers keep, `worker_decodes`), and
     the other images are decoded here and sent at their own sizes, for the device to resize and
@@ -108,16 +109,25 @@ class OpenClipPreparer:
 
     def __init__(self, preprocess, tokenizer, draft_size: int | None, device_jpeg: bool = False,
                  token_ends: bool = False, device_progressive: bool = True, cpu_decode_share: float = 0.0,
-                 device_resize: bool = False):
+                 device_resize: bool = False, exact: bool = False):
         self.preprocess = preprocess
         self.tokenizer = tokenizer
         self.draft_size = draft_size
+        self.exact = exact
         self.device_jpeg = device_jpeg
         self.device_resize = device_resize
         self.device_progressive = device_progressive
         self.cpu_decode_share = cpu_decode_share
         self.token_ends = token_ends
         self.transform = StandardTransform.parse(preprocess)  # None: workers run the whole preprocessing
+
+    @property
+    def worker_resize(self) -> str | None:
+        """Who resizes the images the workers finish: torch (`fast_pixels`), PIL (`exact`, or a
+        preprocessing torch's resize cannot reproduce), or None where the device resizes."""
+        if self.device_jpeg or self.device_resize:
+            return None
+        return "pil" if self.exact or self.transform is None or not self.transform.resamplable else "torch"
 
     def leaving_to(self, decoder: type[DeviceDecoder] | None) -> "OpenClipPreparer":
         """This preparer leaving what `decoder` takes to the device: its JPEGs, or the resize of
@@ -136,7 +146,9 @@ class OpenClipPreparer:
             image = decode_image(value, draft_size=self.draft_size)
             if self.device_jpeg or self.device_resize:
                 return self.transform.device_sized(image)  # resized with its batch on the device
-            return self.transform.geometry_pixels(image) if self.transform else self.preprocess(image)
+            if self.transform is None:
+                return self.preprocess(image)
+            return self.transform.geometry_pixels(image) if self.exact else self.transform.fast_pixels(image)
         return value
 
     def collate(self, modality: str, items: list) -> Any:
@@ -420,7 +432,7 @@ class OpenClipEstimator:
         # of this estimator with another `.model` (training's frozen online estimator) uses its own weights.
         self.text_trim = supports_text_trim(net)
         self.preparer = OpenClipPreparer(preprocess, self.tokenizer, draft, token_ends=self.text_trim,
-                                         cpu_decode_share=self.cpu_decode_share
+                                         cpu_decode_share=self.cpu_decode_share, exact=decode == "exact"
                                          ).leaving_to(type(self.device_decoder) if self.device_decoder else None)
         self.compile = compile
         # Compiled towers see few shapes: batches padded to the most rows seen, caption cuts in steps of 16.
@@ -538,7 +550,8 @@ class OpenClipEstimator:
     def provenance(self) -> dict:
         return {"backend": "open_clip", "model": self.model_name, "pretrained": self.pretrained,
                 "checkpoint_sha256": self.checkpoint_sha256, "precision": self.precision,
-                "device": str(self.device), "decode": self.decode, "image_size": self.image_size,
+                "device": str(self.device), "decode": self.decode, "worker_resize": self.preparer.worker_resize,
+                "image_size": self.image_size,
                 "image_mean": self.mean, "image_std": self.std,
                 **({"autocast": self.autocast} if self.precision != "fp32" else {}),
                 **({"device_decoder_version": self.device_decoder.version} if self.device_decoder else {}),

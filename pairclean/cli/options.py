@@ -50,7 +50,8 @@ Backend = Annotated[str, typer.Option(
     help="Encoder backend: open_clip (images and text), sentence-transformers (text-text pairs), or auto "
          "(from the model name; a name open_clip does not know is a sentence-transformers model on text pairs).")]
 Decode = Annotated[str, typer.Option(
-    help="fast (JPEG draft decode at model size), exact, or the CUDA device's part (CPU workers otherwise): "
+    help="fast (JPEG draft decode at model size, torch's resize: within 2 grey levels of the model's own), exact "
+         "(the model's own preprocessing: PIL's full decode and resize), or the CUDA device's part (CPU workers otherwise): "
          "gpu (torchvision nvJPEG), nvimgcodec or dali (NVIDIA's libraries: pip install 'pairclean[gpu]'), or "
          "gpu-resize (the workers decode as fast does, the device resizes and crops).")]
 Workers = Annotated[str, typer.Option(

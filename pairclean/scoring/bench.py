@@ -340,7 +340,7 @@ def measure_prepare_cost(estimator, data: Dataset, max_items: int = 256, prepare
         preparers = {"": estimator.preparer}
         if isinstance(estimator, OpenClipEstimator) and "image" in (left, right) and estimator.preparer.draft_size:
             p = estimator.preparer
-            preparers["exact "] = type(p)(p.preprocess, p.tokenizer, None)
+            preparers["exact "] = type(p)(p.preprocess, p.tokenizer, None, exact=True)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     cost: dict[str, float] = {}

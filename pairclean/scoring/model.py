@@ -153,9 +153,11 @@ class ModelProducer(Producer):
         weights = file_sha256(pretrained) if pretrained and os.path.isfile(pretrained) else None
         # How bf16/fp16 computes, where not under autocast (absent: autocast, as in every earlier pairclean)
         low = BACKENDS[self.cfg.backend].low_precision
+        decoding = pinned_decoding(self.cfg.decode, self.cfg.device, self.cfg.cpu_decode_share) \
+            if "image" in modalities(spec.pair) else {}
         return {"pair": spec.pair, "format": spec.format, "fields": asdict(spec.fields),
                 "label_template": spec.label_template, "split": spec.split, "image_root": spec.image_root,
-                "weights_sha256": weights, **pinned_decoding(self.cfg.decode, self.cfg.device, self.cfg.cpu_decode_share),
+                "weights_sha256": weights, **decoding,
                 **({"low_precision": low} if self.cfg.precision != "fp32" and low != "autocast" else {})}
 
     def input_files(self) -> list[str]:

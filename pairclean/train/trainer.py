@@ -172,10 +172,11 @@ def _prepare_run_dir(out: Path, cfg: TrainConfig) -> bool:
 
 
 def _settings(cfg: TrainConfig, spec: DatasetSpec, val: DatasetSpec | None) -> dict:
-    # How the loop's images are decoded, where not as every earlier pairclean did (fast)
+    # How the loop's images are decoded: `decode` where not fast (every earlier pairclean's), and how
     decoding = {}
-    if cfg.decode != "fast" and "image" in modalities(spec.pair):
-        decoding = {"decode": cfg.decode, **pinned_decoding(cfg.decode, distributed.default_device_for_rank(cfg.device))}
+    if "image" in modalities(spec.pair):
+        decoding = {**({"decode": cfg.decode} if cfg.decode != "fast" else {}),
+                    **pinned_decoding(cfg.decode, distributed.default_device_for_rank(cfg.device))}
     return {**pinned_settings(cfg), "pair": spec.pair, "train_shards": spec.shards, "fields": asdict(spec.fields),
             "val_shards": val.shards if val else None, **decoding}
 
