@@ -215,14 +215,14 @@ def test_progressive_jpegs_go_to_the_workers_where_the_decoder_would_take_them_o
     stream synchronisation each: with `gpu` they are decoded in the worker, with PIL, as `fast`
     decodes them (the device resizes them with the batch); baseline JPEGs still travel undecoded.
     Decoders that batch them keep them."""
-    from pairclean.backends.device_jpeg import device_decodable
+    from pairclean.data.decode import plain_jpeg
 
     baseline = (coco_src / read_pairs(coco_src)[0]["image"]).read_bytes()
     buffer = io.BytesIO()
     Image.open(io.BytesIO(baseline)).save(buffer, format="JPEG", quality=90, progressive=True)
     progressive = buffer.getvalue()
-    assert device_decodable(progressive) and not device_decodable(progressive, progressive=False)
-    assert device_decodable(baseline, progressive=False)
+    assert plain_jpeg(progressive) and not plain_jpeg(progressive, progressive=False)
+    assert plain_jpeg(baseline, progressive=False)
     assert DeviceJpegDecoder.progressive is False
     assert all(DEVICE_DECODERS[name].progressive for name in DEVICE_DECODERS if name != "gpu")
 

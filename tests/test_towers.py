@@ -5,6 +5,7 @@ fallback, precision resolution."""
 from __future__ import annotations
 
 import contextlib
+import copy
 import io
 import json
 import logging
@@ -18,12 +19,12 @@ from torchvision.transforms.v2 import functional as F
 
 from pairclean.backends.base import cpu_bf16_native, resolve_precision
 from pairclean.backends.compiled import CompiledOrEager
-from pairclean.backends.device_jpeg import DeviceJpegDecoder, device_decodable
+from pairclean.backends.device_jpeg import DeviceJpegDecoder
 from pairclean.backends.inputs import DecodedImages, ImageBatch, StandardTransform, TokenBatch
 from pairclean.backends.oom import OomBackoff, take_rows
 from pairclean.backends.text_trim import TextCuts, supports_text_trim, text_buckets, token_ends, trimmed_encode_text
 from pairclean.ops.measure import DeviceReads
-from pairclean.data.decode import decode_image
+from pairclean.data.decode import DecodeError, decode_image, decode_plain_jpeg, plain_jpeg
 from pairclean.lab.coco import read_pairs
 from pairclean.errors import UserError
 from pairclean.backends.open_clip import OpenClipEstimator, OpenClipPreparer
@@ -280,17 +281,118 @@ def test_batched_resize_crop_matches_pil_on_every_kind_of_size():
         assert (got.int() - expected.int()).abs().max() <= 1
 
 
-def test_device_decodable_leaves_rotated_cmyk_and_other_images_to_the_workers(coco_src):
+def test_plain_jpeg_leaves_rotated_cmyk_draft_scaled_and_other_images_to_pil(coco_src):
     jpeg = _jpeg_bytes(coco_src, 1)[0]
-    assert device_decodable(jpeg)
     image = Image.open(io.BytesIO(jpeg))
+    assert plain_jpeg(jpeg) and min(image.size) >= 128
+    assert plain_jpeg(jpeg, draft_size=min(image.size) // 2 + 1) and not plain_jpeg(jpeg, draft_size=min(image.size) // 2)
     exif = image.getexif()
     exif[0x0112] = 6  # rotate 90: PIL's path applies it, nvjpeg would not
     rotated, cmyk, png = io.BytesIO(), io.BytesIO(), io.BytesIO()
     image.save(rotated, format="JPEG", exif=exif)
     image.convert("CMYK").save(cmyk, format="JPEG")
     image.save(png, format="PNG")
-    assert not any(device_decodable(x.getvalue()) for x in (rotated, cmyk, png))
+    assert not any(plain_jpeg(x.getvalue()) for x in (rotated, cmyk, png))
+    assert not plain_jpeg(jpeg, max_pixels=image.width * image.height - 1) and not plain_jpeg(jpeg[:2] + b"x" * 50)
+
+
+class _InWorker(torch.utils.data.Dataset):
+    def __init__(self, fn, items):
+        self.fn, self.items = fn, items
+
+    def __len__(self):
+        return len(self.items)
+
+    def __getitem__(self, i):
+        return self.fn(self.items[i])
+
+
+def _in_a_worker(fn, items: list) -> list:
+    """fn over items in a real DataLoader worker process."""
+    return list(torch.utils.data.DataLoader(_InWorker(fn, items), batch_size=None, num_workers=1))
+
+
+def _small_jpegs(coco_src) -> dict[str, bytes]:
+    """Web-sized JPEGs (no draft scaling at 64 px) of several kinds, and broken ones."""
+    image = Image.open(io.BytesIO(_jpeg_bytes(coco_src, 1)[0])).resize((120, 90))
+    made = {}
+    for name, kwargs in {"baseline": {}, "progressive": {"progressive": True}, "444": {"subsampling": 0},
+                         "low": {"quality": 20}}.items():
+        buffer = io.BytesIO()
+        image.save(buffer, format="JPEG", **kwargs)
+        made[name] = buffer.getvalue()
+    buffer = io.BytesIO()
+    image.convert("L").save(buffer, format="JPEG")
+    made["grey"] = buffer.getvalue()
+    data = made["baseline"]
+    made["extraneous"] = data[:-2] + b"\x00" * 64 + data[-2:]  # libjpeg warns and decodes; so does PIL
+    made["truncated"] = data[:len(data) // 2]
+    return made
+
+
+def test_a_worker_decodes_plain_jpegs_with_libjpeg_to_pils_pixels_and_keeps_its_warnings_quiet(coco_src, capfd):
+    """`decode_plain_jpeg` in a DataLoader worker: PIL's pixels exactly (baseline, progressive,
+    4:4:4, greyscale, a file with stray bytes), None for a file libjpeg refuses (PIL then says why),
+    and nothing on stderr, which libjpeg writes to otherwise; outside a worker, None (PIL decodes)."""
+    jpegs = _small_jpegs(coco_src)
+    assert decode_plain_jpeg(jpegs["baseline"]) is None  # the main process
+    decoded = _in_a_worker(decode_plain_jpeg, list(jpegs.values()))
+    for (name, data), pixels in zip(jpegs.items(), decoded):
+        if name == "truncated":
+            assert pixels is None
+            with pytest.raises(DecodeError, match="truncated"):
+                decode_image(data)
+            continue
+        assert torch.equal(pixels, torch.from_numpy(np.array(decode_image(data))).permute(2, 0, 1)), name
+    assert "Corrupt JPEG" not in capfd.readouterr().err
+
+    def loud(data):
+        from torchvision.io import decode_jpeg
+
+        return decode_jpeg(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+
+    _in_a_worker(loud, [jpegs["extraneous"]])  # libjpeg unsilenced: what the quiet call keeps off the terminal
+    assert "Corrupt JPEG data" in capfd.readouterr().err
+
+
+@pytest.mark.parametrize("way", ["fast", "gpu-resize", "gpu-share"])
+def test_workers_send_the_main_processs_pixels(way, coco_src):
+    """A preparer in a worker (libjpeg's decode) and in the main process (PIL's) sends the same
+    batch - `fast`'s resized pixels, or the decoded images a device resizes (gpu-resize; gpu's
+    share of the JPEGs) - and the same refusal."""
+    from pairclean.backends.device_jpeg import DEVICE_DECODERS
+
+    torch.manual_seed(0)
+    preparer = OpenClipEstimator("pairclean-tiny", pretrained="none", device="cpu", decode="fast").preparer
+    if way == "gpu-resize":
+        preparer = preparer.leaving_to(DEVICE_DECODERS["gpu-resize"])
+    elif way == "gpu-share":
+        preparer = copy.copy(preparer.leaving_to(DeviceJpegDecoder))
+        preparer.cpu_decode_share = 1.0  # every JPEG decoded in the workers, resized on the device
+    jpegs = _small_jpegs(coco_src)
+    readable = [data for name, data in jpegs.items() if name != "truncated"]
+    assert all(plain_jpeg(data, preparer.draft_size) for data in readable)
+    assert preparer.worker_resize == ("torch" if way == "fast" else None)
+    in_worker = _in_a_worker(lambda data: preparer.prepare("image", data), readable)
+    here = [preparer.prepare("image", data) for data in readable]
+    if way != "fast":  # PIL's images here, libjpeg's pixels there
+        assert all(isinstance(x, Image.Image) for x in here) and all(isinstance(x, torch.Tensor) for x in in_worker)
+    batches = [preparer.collate("image", items) for items in (in_worker, here)]
+    if way == "fast":
+        assert torch.equal(*batches)
+    else:
+        decoded = [b if way == "gpu-resize" else b.decoded for b in batches]
+        assert decoded[0].shapes == decoded[1].shapes and torch.equal(decoded[0].data, decoded[1].data)
+    refused = _in_a_worker(lambda data: _refusal(preparer, data), [jpegs["truncated"]])
+    assert refused == [_refusal(preparer, jpegs["truncated"])] and "truncated" in refused[0]
+
+
+def _refusal(preparer, data) -> str | None:
+    try:
+        preparer.prepare("image", data)
+    except DecodeError as exc:
+        return str(exc)
+    return None
 
 
 def test_finish_on_device_turns_undecodable_jpegs_into_error_rows_and_keeps_sides_aligned(tiny_estimator, coco_src):

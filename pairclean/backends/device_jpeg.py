@@ -33,32 +33,13 @@ from pairclean.backends.feed import DeviceFeed
 from pairclean.backends.inputs import DecodedImages, DeviceImages, ImageBatch, JpegBlob, StandardTransform
 from pairclean.backends.resample import resize_crop
 from pairclean.config import SHARE, check_choice, check_value
-from pairclean.data.decode import MAX_PIXELS, DecodeError, decode_image
+from pairclean.data.decode import DecodeError, decode_image
 from pairclean.errors import ConfigError
 from pairclean.ops import distributed
 
 WORKER_DECODES = ("fast", "exact")  # PIL decodes in the workers; every other `decode` is a registered device decoder
 FAST_RESIZE = "torch"  # how `decode` fast's workers resize (pinned by a run: `pinned_decoding`)
 PAD_BUDGET = 48 << 20  # padded input pixels per resize call (x 3 bytes as uint8, x 12 as float32)
-EXIF_ORIENTATION = 0x0112
-
-
-def device_decodable(data: bytes, max_pixels: int = MAX_PIXELS, progressive: bool = True) -> bool:
-    """A JPEG whose header says the device decoder gives the pixels PIL would: RGB or greyscale,
-    within the pixel limit, not rotated by an EXIF tag (PIL's path applies the rotation), and not
-    progressive unless the decoder takes `progressive` JPEGs in its batch.
-
-    Reads the header only; every other image goes through PIL in the worker.
-    """
-    if not isinstance(data, (bytes, bytearray)) or data[:3] != b"\xff\xd8\xff":
-        return False
-    try:
-        with Image.open(io.BytesIO(data), formats=["JPEG"]) as img:
-            return (img.mode in ("RGB", "L") and img.size[0] * img.size[1] <= max_pixels
-                    and (progressive or not img.info.get("progressive"))
-                    and img.getexif().get(EXIF_ORIENTATION, 1) == 1)
-    except Exception:  # any header PIL cannot parse: the worker's decode reports why
-        return False
 
 
 def worker_decodes(data: bytes, share: float) -> bool:

@@ -35,6 +35,13 @@ def uint8_hwc(image) -> torch.Tensor:
     return torch.from_numpy(np.array(image, dtype=np.uint8, copy=True))
 
 
+def pil_image(pixels: torch.Tensor):
+    """uint8 (3, H, W) pixels as a PIL RGB image (for a path only PIL takes)."""
+    from PIL import Image
+
+    return Image.fromarray(pixels.permute(1, 2, 0).numpy())
+
+
 def new_batch_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """An empty tensor to collate into: in shared memory when built in a DataLoader worker, so
     handing it to the main process copies nothing. Allocated there at once, as torch's
@@ -120,16 +127,21 @@ class StandardTransform:
         return uint8_hwc(self._geometry(image))
 
     def fast_pixels(self, image) -> torch.Tensor:
-        """What a worker sends for a decoded PIL image with `decode` fast: `geometry_pixels` with
-        torch's antialiased uint8 resize in place of PIL's (its AVX2 kernel: 0.31 ms against 0.93 for
-        a web JPEG, the larger part of a worker's 1.5 ms a pair), within 2 grey levels of PIL's
+        """What a worker sends with `decode` fast for a decoded PIL image, or uint8 (3, H, W) pixels
+        (`decode_plain_jpeg`): `geometry_pixels` with torch's antialiased uint8 resize in place of
+        PIL's (its AVX2 kernel: 0.31 ms against 0.80 for a web JPEG), within 2 grey levels of PIL's
         where their fixed-point weights round otherwise (0.3% of values; docs/benchmarks.md). PIL's
-        where torch cannot stand in (`resamplable`), for slivers and images not RGB."""
-        if (not self.resamplable or image.mode != "RGB" or self.resizes_to_sliver(image.width, image.height)):
+        where torch cannot stand in (`resamplable`): for slivers and images not RGB."""
+        if isinstance(image, torch.Tensor):
+            if not self.resamplable or self.resizes_to_sliver(image.shape[2], image.shape[1]):
+                return self.geometry_pixels(pil_image(image))
+            pixels = image[None]
+        elif not self.resamplable or image.mode != "RGB" or self.resizes_to_sliver(image.width, image.height):
             return self.geometry_pixels(image)
-        height, width = resized_size(image.height, image.width, self.resize)
-        pixels = uint8_hwc(image).permute(2, 0, 1)[None]  # (1, 3, H, W) in channels-last memory: no copy
-        if (height, width) != (image.height, image.width):
+        else:
+            pixels = uint8_hwc(image).permute(2, 0, 1)[None]  # (1, 3, H, W) in channels-last memory: no copy
+        height, width = resized_size(pixels.shape[2], pixels.shape[3], self.resize)
+        if (height, width) != tuple(pixels.shape[2:]):
             pixels = torch.nn.functional.interpolate(pixels, size=(height, width), mode=self.filter_name,
                                                      antialias=True)
         top, left = crop_start(height, self.crop), crop_start(width, self.crop)
@@ -143,13 +155,19 @@ class StandardTransform:
         return image
 
     def device_sized(self, image):
-        """What a worker sends of a decoded PIL image for the device to resize and crop: the image
-        at its own size, or - one of more than SENT_PIXELS_PER_RESIZE times the Resize's square (a
+        """What a worker sends of a decoded image (PIL's, or libjpeg's (3, H, W) pixels) for the
+        device to resize and crop: the image at its own size (pixels as an HWC view), or - one of more than SENT_PIXELS_PER_RESIZE times the Resize's square (a
         4,000 x 3,000 PNG: 36 MB) - shrunk here by the model's own Resize (PIL's, as `exact` does),
         so a batch's bytes stay bounded (a sliver: the Resize's square window around the crop,
         `resized_window`); the device's resize of it is then the identity (the short side is
         already the size: weight 1 on each pixel), its pixels PIL's (exactly, but for a sliver's
         float32 box)."""
+        if isinstance(image, torch.Tensor):  # libjpeg's (3, H, W) pixels: sent as HWC
+            height, width = image.shape[1:]
+            if (not self.resizes_to_sliver(width, height)
+                    and width * height <= SENT_PIXELS_PER_RESIZE * self.resize ** 2):
+                return image.permute(1, 2, 0)
+            image = pil_image(image)
         if self.resizes_to_sliver(image.width, image.height):
             return self.resized_window(image, self.resize)
         if image.width * image.height <= SENT_PIXELS_PER_RESIZE * self.resize ** 2:

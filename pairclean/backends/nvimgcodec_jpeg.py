@@ -48,7 +48,7 @@ class NvImageCodecDecoder(BatchedDeviceDecoder):
     def __init__(self, transform, device: torch.device, preprocess):
         super().__init__(transform, device, preprocess)
         nvimgcodec = self.library = self.load()
-        # EXIF-rotated JPEGs never get here (`device_decodable`); greyscale ones come out as RGB, as PIL converts them.
+        # EXIF-rotated JPEGs never get here (`plain_jpeg`); greyscale ones come out as RGB, as PIL converts them.
         self.params = nvimgcodec.DecodeParams(apply_exif_orientation=False, color_spec=nvimgcodec.ColorSpec.SRGB,
                                               sample_format=nvimgcodec.SampleFormat.P_RGB)
         if device.type == "cuda":

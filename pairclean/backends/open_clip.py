@@ -24,14 +24,13 @@ from pairclean.backends.base import (Backend, autocast_context, file_sha256, fro
 from pairclean.backends.compiled import CompiledOrEager, RowPadding, pad_rows
 from pairclean.backends.oom import is_out_of_memory
 from pairclean.backends.checkpoint_model import checkpoint_models
-from pairclean.backends.device_jpeg import (DEVICE_DECODERS, DeviceDecoder, check_cpu_decode_share, device_decodable,
-                                            worker_decodes)
+from pairclean.backends.device_jpeg import DEVICE_DECODERS, DeviceDecoder, check_cpu_decode_share, worker_decodes
 from pairclean.backends.inputs import (DecodedImages, DeviceImages, ImageBatch, JpegBlob, PixelNormalizer, StandardTransform,
                                        TokenBatch, stack_pixels)
 from pairclean.backends.hub import check_fetchable
 from pairclean.backends.text_trim import (TextCuts, bucketed_encode_text, clip_text_tower, supports_text_trim, token_ends,
                                           trimmed_encode_text)
-from pairclean.data.decode import decode_image
+from pairclean.data.decode import decode_image, decode_plain_jpeg, plain_jpeg
 from pairclean.errors import ConfigError, UserError
 from pairclean.ops.atomic import atomic_path
 from pairclean.ops.notices import notice_once
@@ -140,16 +139,26 @@ class OpenClipPreparer:
 
     def prepare(self, modality: str, value: Any) -> Any:
         if modality == "image":
-            if (self.device_jpeg and device_decodable(value, progressive=self.device_progressive)
+            if (self.device_jpeg and plain_jpeg(value, progressive=self.device_progressive)
                     and not worker_decodes(value, self.cpu_decode_share)):
                 return bytes(value)  # decoded with the rest of its batch on the device
-            image = decode_image(value, draft_size=self.draft_size)
+            image = self._decoded(value)
             if self.device_jpeg or self.device_resize:
                 return self.transform.device_sized(image)  # resized with its batch on the device
             if self.transform is None:
                 return self.preprocess(image)
             return self.transform.geometry_pixels(image) if self.exact else self.transform.fast_pixels(image)
         return value
+
+    def _decoded(self, value):
+        """A worker's decode of an image: a plain JPEG by libjpeg as uint8 (3, H, W) pixels where
+        torch or the device resizes (`decode_plain_jpeg`: PIL's pixels, a third sooner), a PIL
+        image otherwise (and always for `exact`: PIL throughout)."""
+        if self.worker_resize != "pil" and plain_jpeg(value, self.draft_size):
+            pixels = decode_plain_jpeg(value)
+            if pixels is not None:
+                return pixels
+        return decode_image(value, draft_size=self.draft_size)
 
     def collate(self, modality: str, items: list) -> Any:
         if modality != "image":

@@ -49,6 +49,7 @@ from pairclean.data.spec import DatasetSpec, UnitFailure, modalities
 from pairclean.config import COUNT, at_least, declare
 from pairclean.errors import UserError
 from pairclean.ops.guard import Output, open_output
+from pairclean.ops.worker_memory import steady_worker_memory
 from pairclean.ops.measure import GpuBusy, PeakMemory, StageMeter, cpu_seconds, gpu_peak_mib, gpu_peak_reset
 from pairclean.ops.progress import SILENT, Progress
 from pairclean.scoring.model import ModelProducer, ScoreConfig, score
@@ -326,8 +327,9 @@ def sample_items(data: Dataset, max_items: int) -> list:
 def measure_prepare_cost(estimator, data: Dataset, max_items: int = 256, preparers: dict | None = None,
                          repeats: int = 3) -> dict[str, float]:
     """CPU milliseconds a DataLoader worker spends per pair on each side (decode + preprocess for
-    images, tokenising for texts, collation), on this thread's CPU clock with one torch thread as
-    in a worker, so a busy machine does not inflate it; the best of `repeats` passes (one pass
+    images, tokenising for texts, collation), measured in a DataLoader worker (what a worker
+    does differs from the main process's: `decode_plain_jpeg`), on its thread's CPU clock and its
+    one torch thread, so a busy machine does not inflate it; the best of `repeats` passes (one pass
     read 417-623 pairs/s of capacity on the same quiet machine: the first pass pays cold caches)
     over the first `max_items` pairs (64 web pairs cost 1.52 ms an image, 256 of them 1.65: too few
     make the capacity an overestimate).
@@ -341,26 +343,31 @@ def measure_prepare_cost(estimator, data: Dataset, max_items: int = 256, prepare
         if isinstance(estimator, OpenClipEstimator) and "image" in (left, right) and estimator.preparer.draft_size:
             p = estimator.preparer
             preparers["exact "] = type(p)(p.preprocess, p.tokenizer, None, exact=True)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    cost: dict[str, float] = {}
-    try:
-        for label, prep in preparers.items():
-            for side, modality in (("left", left), ("right", right)):
-                name = f"{label}{side} {modality}"
-                if label and modality != "image":
-                    continue
-                values = [getattr(it, side) for it in items]
-                passes = []
-                for _ in range(max(1, repeats)):
-                    started = time.thread_time()
-                    prep.collate(modality, [prep.prepare(modality, v) for v in values])
-                    passes.append((time.thread_time() - started) * 1000 / len(values))
-                cost[name] = min(passes)
-    finally:
-        torch.set_num_threads(threads)
-    cost["items"] = len(items)
-    return cost
+    jobs = [(f"{label}{side} {modality}", prep, modality, [getattr(it, side) for it in items])
+            for label, prep in preparers.items() for side, modality in (("left", left), ("right", right))
+            if not (label and modality != "image")]
+    loader = torch.utils.data.DataLoader(_PrepareCost(jobs, repeats), batch_size=None, num_workers=1,
+                                         worker_init_fn=steady_worker_memory)
+    return {**dict(loader), "items": len(items)}
+
+
+class _PrepareCost(torch.utils.data.Dataset):
+    """`measure_prepare_cost`'s jobs, each timed where it runs: in a DataLoader worker."""
+
+    def __init__(self, jobs: list, repeats: int):
+        self.jobs, self.repeats = jobs, max(1, repeats)
+
+    def __len__(self) -> int:
+        return len(self.jobs)
+
+    def __getitem__(self, index: int) -> tuple[str, float]:
+        name, prep, modality, values = self.jobs[index]
+        passes = []
+        for _ in range(self.repeats):
+            started = time.thread_time()
+            prep.collate(modality, [prep.prepare(modality, v) for v in values])
+            passes.append((time.thread_time() - started) * 1000 / len(values))
+        return name, min(passes)
 
 
 # ---------------------------------------------------------------- (b) end to end

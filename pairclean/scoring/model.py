@@ -48,7 +48,7 @@ class ScoreConfig(RunConfig):
     backend: str = "auto"  # auto: from the model name and the pair kind (`resolved`)
     device: str = unpinned("auto")
     precision: str = "fp32"  # fp32 | bf16 | fp16 | auto (resolved before anything is pinned)
-    decode: str = "fast"  # fast (JPEG draft decode) | exact | gpu (JPEGs decoded on the CUDA device)
+    decode: str = "fast"  # fast (draft decode, torch's resize) | exact (PIL's: the model's pixels) | a device decoder (gpu ...)
     # with a device decoder: the share of the JPEGs the CPU workers decode instead (pinned in `settings` where it applies)
     cpu_decode_share: float = setting(0.0, SHARE, pinned=False)
     compile: bool = unpinned(False)  # torch.compile the towers (eager fallback if compiling fails)
