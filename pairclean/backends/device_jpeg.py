@@ -8,7 +8,7 @@ Per batch, not per image: the decoded images are sorted by size and padded into 
 (bounded in size, so one huge image does not pad the batch to its size), each resized and
 cropped in one call; the main process spends a few microseconds per image on bookkeeping.
 What the device's decoder does not take - non-JPEGs, CMYK, EXIF-rotated and oversized JPEGs -
-PIL decodes in the worker, and the device resizes it with the batch; a JPEG the device cannot
+the worker decodes, and the device resizes it with the batch; a JPEG the device cannot
 decode goes through PIL here; a CPU-only machine never builds a decoder unless asked to (the
 pipeline-only benchmark measures this path's cost on the CPU). Where the device's decoder, not
 the CPU, is the bound, a fixed share of the JPEGs (`worker_decodes`) can be decoded in the
@@ -37,7 +37,7 @@ from pairclean.data.decode import DecodeError, decode_image
 from pairclean.errors import ConfigError
 from pairclean.ops import distributed
 
-WORKER_DECODES = ("fast", "exact")  # PIL decodes in the workers; every other `decode` is a registered device decoder
+WORKER_DECODES = ("fast", "exact")  # decoded in the workers; every other `decode` is a registered device decoder
 FAST_RESIZE = "torch"  # how `decode` fast's workers resize (pinned by a run: `pinned_decoding`)
 PAD_BUDGET = 48 << 20  # padded input pixels per resize call (x 3 bytes as uint8, x 12 as float32)
 
@@ -296,8 +296,8 @@ class DeviceJpegDecoder(BatchedDeviceDecoder):
 
 @register_device_decoder
 class DeviceResize(DeviceDecoder):
-    """`decode` gpu-resize: the workers decode every image with PIL, as `decode` fast does (draft
-    scaling included), and send it at its own size; the device resizes and crops the whole batch
+    """`decode` gpu-resize: the workers decode every image as `decode` fast does (plain JPEGs by
+    libjpeg, the rest by PIL, draft scaling included), and send it at its own size; the device resizes and crops the whole batch
     (`resize_many`). The resize, about half a worker's time with PIL (`decode` exact), a third
     with torch's (`decode` fast), leaves the workers; nvJPEG's host-side decoding, which bounds
     `decode` gpu's prefetching thread, is not on any path. The pixels differ from `exact`'s by the
