@@ -6,6 +6,7 @@ import json
 import shutil
 
 import duckdb
+import pyarrow.parquet as pq
 import pytest
 
 from pairclean.cli import main
@@ -42,6 +43,11 @@ def test_demo_writes_every_stage(first_run):
     summary = json.loads(result.files["summary"].read_text())
     assert set(summary["seconds"]) == {"estimator", "world", "corrupt", "score", "evaluate", "total"}
     assert summary["estimator_cached"] is False
+    # PIL's pixels, the same on every CPU (torch's resize follows the instruction set): trained and scored alike
+    scored = json.loads(pq.read_schema(result.files["scores"]).metadata[b"pairclean"])["estimator"]
+    assert scored["decode"] == "exact" and scored["worker_resize"] == "pil"
+    trained = json.loads((cfg.out / "estimator" / "run" / "run.json").read_text())["settings"]
+    assert trained["decode"] == "exact" and "worker_resize" not in trained
 
 
 def test_demo_refuses_a_directory_that_is_not_its_own(tmp_path):

@@ -29,7 +29,7 @@ from pairclean.ops.notices import notice
 from pairclean.errors import ConfigError
 from pairclean.scores.evaluation import evaluate_detection
 from pairclean.scoring.model import ScoreConfig, score
-from pairclean.lab.synth.estimator import TOY_MODEL, EstimatorRecipe, cached_checkpoint, train_estimator
+from pairclean.lab.synth.estimator import LAB_DECODE, TOY_MODEL, EstimatorRecipe, cached_checkpoint, train_estimator
 from pairclean.lab.synth.world import build_world
 
 MARKER = "demo.json"
@@ -147,7 +147,7 @@ def _run_demo(cfg: DemoConfig) -> DemoResult:
     scores = out / "scores.parquet"
     score(str(noisy.manifest), scores, ScoreConfig(model=TOY_MODEL, pretrained=str(checkpoint), device=cfg.device,
                                                    workers=cfg.workers, beta_k=cfg.beta_k, seed=cfg.noise_seed,
-                                                   overwrite=True, progress=cfg.progress))
+                                                   decode=LAB_DECODE, overwrite=True, progress=cfg.progress))
     lap("score")
 
     metrics = evaluate_detection(scores, noisy.manifest)

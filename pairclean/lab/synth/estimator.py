@@ -28,6 +28,10 @@ from pairclean.lab.numerics import cpu_numerics, torch_threads
 from pairclean.lab.synth.world import WORLD_VERSION, build_world
 
 TOY_MODEL = "pairclean-toy"
+# The lab decodes and resizes with PIL (`decode` exact): integer arithmetic alike on every CPU, as
+# the estimator's and the demo's were before `fast` resized with torch (whose kernel follows the CPU's
+# instruction set), so their documented figures and the cached estimators stay what they were.
+LAB_DECODE = "exact"
 CHECKPOINT = "estimator.pt"
 RECORD = "estimator.json"
 
@@ -92,7 +96,7 @@ def train_estimator(out: Path, recipe: EstimatorRecipe | None = None, world: Pat
     config = TrainConfig(model=TOY_MODEL, pretrained="none", backend="open_clip", device=device,
                          epochs=recipe.epochs, batch_size=recipe.batch_size, lr=recipe.lr,
                          weight_decay=recipe.weight_decay, warmup_steps=recipe.warmup_steps,
-                         temperature=recipe.temperature, seed=recipe.seed,
+                         temperature=recipe.temperature, seed=recipe.seed, decode=LAB_DECODE,
                          workers=workers, diagnostics=False, overwrite=True, progress=progress)
     progress.note(f"training {TOY_MODEL} for {recipe.epochs} epochs (batch {recipe.batch_size}) -> {out / 'run'}")
     manifest = world / "manifest.yaml"
