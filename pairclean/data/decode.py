@@ -135,7 +135,7 @@ def _libjpeg_decoder():
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", DeprecationWarning)  # superseded by TorchCodec, still shipped
             from torchvision.io import ImageReadMode, decode_jpeg
-    except Exception:
+    except Exception:  # a torchvision without its image codecs: PIL decodes every image
         return None
     return lambda raw: decode_jpeg(raw, mode=ImageReadMode.RGB)
 
