@@ -23,7 +23,7 @@ from pairclean.backends.device_jpeg import DeviceJpegDecoder
 from pairclean.backends.inputs import DecodedImages, ImageBatch, StandardTransform, TokenBatch
 from pairclean.backends.oom import OomBackoff, take_rows
 from pairclean.backends.text_trim import TextCuts, supports_text_trim, text_buckets, token_ends, trimmed_encode_text
-from pairclean.ops.measure import DeviceReads
+from pairclean.ops.measure import DeviceReads, in_a_worker
 from pairclean.data.decode import DecodeError, decode_image, decode_plain_jpeg, plain_jpeg
 from pairclean.lab.coco import read_pairs
 from pairclean.errors import UserError
@@ -296,22 +296,6 @@ def test_plain_jpeg_leaves_rotated_cmyk_draft_scaled_and_other_images_to_pil(coc
     assert not plain_jpeg(jpeg, max_pixels=image.width * image.height - 1) and not plain_jpeg(jpeg[:2] + b"x" * 50)
 
 
-class _InWorker(torch.utils.data.Dataset):
-    def __init__(self, fn, items):
-        self.fn, self.items = fn, items
-
-    def __len__(self):
-        return len(self.items)
-
-    def __getitem__(self, i):
-        return self.fn(self.items[i])
-
-
-def _in_a_worker(fn, items: list) -> list:
-    """fn over items in a real DataLoader worker process."""
-    return list(torch.utils.data.DataLoader(_InWorker(fn, items), batch_size=None, num_workers=1))
-
-
 def _small_jpegs(coco_src) -> dict[str, bytes]:
     """Web-sized JPEGs (no draft scaling at 64 px) of several kinds, and broken ones."""
     image = Image.open(io.BytesIO(_jpeg_bytes(coco_src, 1)[0])).resize((120, 90))
@@ -336,7 +320,7 @@ def test_a_worker_decodes_plain_jpegs_with_libjpeg_to_pils_pixels_and_keeps_its_
     and nothing on stderr, which libjpeg writes to otherwise; outside a worker, None (PIL decodes)."""
     jpegs = _small_jpegs(coco_src)
     assert decode_plain_jpeg(jpegs["baseline"]) is None  # the main process
-    decoded = _in_a_worker(decode_plain_jpeg, list(jpegs.values()))
+    decoded = in_a_worker(decode_plain_jpeg, list(jpegs.values()))
     for (name, data), pixels in zip(jpegs.items(), decoded):
         if name == "truncated":
             assert pixels is None
@@ -351,7 +335,7 @@ def test_a_worker_decodes_plain_jpegs_with_libjpeg_to_pils_pixels_and_keeps_its_
 
         return decode_jpeg(torch.frombuffer(bytearray(data), dtype=torch.uint8))
 
-    _in_a_worker(loud, [jpegs["extraneous"]])  # libjpeg unsilenced: what the quiet call keeps off the terminal
+    in_a_worker(loud, [jpegs["extraneous"]])  # libjpeg unsilenced: what the quiet call keeps off the terminal
     assert "Corrupt JPEG data" in capfd.readouterr().err
 
 
@@ -373,7 +357,7 @@ def test_workers_send_the_main_processs_pixels(way, coco_src):
     readable = [data for name, data in jpegs.items() if name != "truncated"]
     assert all(plain_jpeg(data, preparer.draft_size) for data in readable)
     assert preparer.worker_resize == ("torch" if way == "fast" else None)
-    in_worker = _in_a_worker(lambda data: preparer.prepare("image", data), readable)
+    in_worker = in_a_worker(lambda data: preparer.prepare("image", data), readable)
     here = [preparer.prepare("image", data) for data in readable]
     if way != "fast":  # PIL's images here, libjpeg's pixels there
         assert all(isinstance(x, Image.Image) for x in here) and all(isinstance(x, torch.Tensor) for x in in_worker)
@@ -383,7 +367,7 @@ def test_workers_send_the_main_processs_pixels(way, coco_src):
     else:
         decoded = [b if way == "gpu-resize" else b.decoded for b in batches]
         assert decoded[0].shapes == decoded[1].shapes and torch.equal(decoded[0].data, decoded[1].data)
-    refused = _in_a_worker(lambda data: _refusal(preparer, data), [jpegs["truncated"]])
+    refused = in_a_worker(lambda data: _refusal(preparer, data), [jpegs["truncated"]])
     assert refused == [_refusal(preparer, jpegs["truncated"])] and "truncated" in refused[0]
 
 

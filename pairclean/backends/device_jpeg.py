@@ -296,13 +296,12 @@ class DeviceJpegDecoder(BatchedDeviceDecoder):
 
 @register_device_decoder
 class DeviceResize(DeviceDecoder):
-    """`decode` gpu-resize: the workers decode every image as `decode` fast does (plain JPEGs by
-    libjpeg, the rest by PIL, draft scaling included), and send it at its own size; the device resizes and crops the whole batch
-    (`resize_many`). The resize, about half a worker's time with PIL (`decode` exact), a third
-    with torch's (`decode` fast), leaves the workers; nvJPEG's host-side decoding, which bounds
-    `decode` gpu's prefetching thread, is not on any path. The pixels differ from `exact`'s by the
-    resize alone (PIL's weights and 8-bit rounding between the passes, as `resize_many` does for
-    `decode` gpu)."""
+    """`decode` gpu-resize: the workers decode every image as `decode` fast does (plain JPEGs by libjpeg, the
+    rest by PIL, draft scaling included) and send it at its own size; the device resizes and crops the whole
+    batch (`resize_many`). The resize, about half a worker's time with PIL (`decode` exact), a third with
+    torch's (`decode` fast), leaves the workers; nvJPEG's host-side decoding, which bounds `decode` gpu's
+    prefetching thread, is not on any path. The pixels differ from `exact`'s by the resize alone (PIL's
+    weights and 8-bit rounding between the passes, as `resize_many` does for `decode` gpu)."""
 
     name = "gpu-resize"
     version = 2  # 2: an image over SENT_PIXELS_PER_RESIZE is shrunk in the worker by PIL (`device_sized`)

@@ -155,13 +155,13 @@ class StandardTransform:
         return image
 
     def device_sized(self, image):
-        """What a worker sends of a decoded image (PIL's, or libjpeg's (3, H, W) pixels) for the
-        device to resize and crop: the image at its own size (pixels as an HWC view), or - one of
-        more than SENT_PIXELS_PER_RESIZE times the Resize's square (a 4,000 x 3,000 PNG: 36 MB) -
-        shrunk here by the model's own Resize (PIL's, as `exact` does), so a batch's bytes stay bounded (a sliver: the Resize's square window around the crop,
-        `resized_window`); the device's resize of it is then the identity (the short side is
-        already the size: weight 1 on each pixel), its pixels PIL's (exactly, but for a sliver's
-        float32 box)."""
+        """What a worker sends of a decoded image (PIL's, or libjpeg's (3, H, W) pixels) for the device to resize
+        and crop: the image at its own size (pixels as an HWC view), or - one of more than
+        SENT_PIXELS_PER_RESIZE times the Resize's square (a 4,000 x 3,000 PNG: 36 MB) - shrunk here by the
+        model's own Resize (PIL's, as `exact` does), so a batch's bytes stay bounded (a sliver: the Resize's
+        square window around the crop, `resized_window`); the device's resize of it is then the identity
+        (the short side is already the size: weight 1 on each pixel), its pixels PIL's (exactly, but for a
+        sliver's float32 box)."""
         if isinstance(image, torch.Tensor):  # libjpeg's (3, H, W) pixels: sent as HWC
             height, width = image.shape[1:]
             if (not self.resizes_to_sliver(width, height)

@@ -92,15 +92,24 @@ def plain_jpeg(data, draft_size: int | None = None, max_pixels: int = MAX_PIXELS
     unless `progressive`. Reads the header only (0.02 ms); every other image goes through PIL."""
     if not isinstance(data, (bytes, bytearray)) or data[:3] != b"\xff\xd8\xff":
         return False
+    header = _plain_header(bytes(data))
+    return (header is not None and header[0] * header[1] <= max_pixels
+            and not (draft_size and min(header[0], header[1]) >= 2 * draft_size)
+            and (progressive or not header[2]))
+
+
+@functools.lru_cache(maxsize=1)
+def _plain_header(data: bytes) -> tuple[int, int, bool] | None:
+    """(width, height, progressive) of an RGB or greyscale JPEG no EXIF tag rotates, else None. The
+    last file's is kept: a worker with a device decoder asks twice of a JPEG it decodes itself (the
+    device's rule, then its own)."""
     try:
         with Image.open(io.BytesIO(data), formats=["JPEG"]) as img:
-            width, height = img.size
-            return (img.mode in ("RGB", "L") and width * height <= max_pixels
-                    and not (draft_size and min(width, height) >= 2 * draft_size)
-                    and (progressive or not img.info.get("progressive"))
-                    and img.getexif().get(EXIF_ORIENTATION, 1) == 1)
+            if img.mode not in ("RGB", "L") or img.getexif().get(EXIF_ORIENTATION, 1) != 1:
+                return None
+            return img.size[0], img.size[1], bool(img.info.get("progressive"))
     except Exception:  # any header PIL cannot parse: PIL's decode reports why
-        return False
+        return None
 
 
 def decode_plain_jpeg(data: bytes):

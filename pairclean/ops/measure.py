@@ -321,3 +321,24 @@ class DeviceReads(TorchDispatchMode):
         if derived:
             self.mark(*(o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor)))
         return out
+
+
+class _Mapped(torch.utils.data.Dataset):
+    def __init__(self, fn, items: list):
+        self.fn, self.items = fn, items
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, index: int):
+        return self.fn(self.items[index])
+
+
+def in_a_worker(fn, items: list) -> list:
+    """fn over items in one DataLoader worker process, set up as the runs' workers are: where a
+    worker's path differs from the main process's (`data.decode.decode_plain_jpeg`), what a worker
+    does, measured or checked."""
+    from pairclean.ops.worker_memory import steady_worker_memory
+
+    return list(torch.utils.data.DataLoader(_Mapped(fn, items), batch_size=None, num_workers=1,
+                                            worker_init_fn=steady_worker_memory))

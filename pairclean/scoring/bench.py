@@ -25,6 +25,7 @@ Peak memory, GPU use and CPU seconds per phase are measured by `ops.measure`.
 from __future__ import annotations
 
 import copy
+import functools
 import io
 import os
 import statistics
@@ -49,8 +50,8 @@ from pairclean.data.spec import DatasetSpec, UnitFailure, modalities
 from pairclean.config import COUNT, at_least, declare
 from pairclean.errors import UserError
 from pairclean.ops.guard import Output, open_output
-from pairclean.ops.worker_memory import steady_worker_memory
-from pairclean.ops.measure import GpuBusy, PeakMemory, StageMeter, cpu_seconds, gpu_peak_mib, gpu_peak_reset
+from pairclean.ops.measure import (GpuBusy, PeakMemory, StageMeter, cpu_seconds, gpu_peak_mib, gpu_peak_reset,
+                                  in_a_worker)
 from pairclean.ops.progress import SILENT, Progress
 from pairclean.scoring.model import ModelProducer, ScoreConfig, score
 
@@ -346,28 +347,18 @@ def measure_prepare_cost(estimator, data: Dataset, max_items: int = 256, prepare
     jobs = [(f"{label}{side} {modality}", prep, modality, [getattr(it, side) for it in items])
             for label, prep in preparers.items() for side, modality in (("left", left), ("right", right))
             if not (label and modality != "image")]
-    loader = torch.utils.data.DataLoader(_PrepareCost(jobs, repeats), batch_size=None, num_workers=1,
-                                         worker_init_fn=steady_worker_memory)
-    return {**dict(loader), "items": len(items)}
+    return {**dict(in_a_worker(functools.partial(_best_pass, repeats=max(1, repeats)), jobs)), "items": len(items)}
 
 
-class _PrepareCost(torch.utils.data.Dataset):
-    """`measure_prepare_cost`'s jobs, each timed where it runs: in a DataLoader worker."""
-
-    def __init__(self, jobs: list, repeats: int):
-        self.jobs, self.repeats = jobs, max(1, repeats)
-
-    def __len__(self) -> int:
-        return len(self.jobs)
-
-    def __getitem__(self, index: int) -> tuple[str, float]:
-        name, prep, modality, values = self.jobs[index]
-        passes = []
-        for _ in range(self.repeats):
-            started = time.thread_time()
-            prep.collate(modality, [prep.prepare(modality, v) for v in values])
-            passes.append((time.thread_time() - started) * 1000 / len(values))
-        return name, min(passes)
+def _best_pass(job: tuple, repeats: int) -> tuple[str, float]:
+    """One of `measure_prepare_cost`'s jobs, timed where it runs: its best pass, ms a pair."""
+    name, prep, modality, values = job
+    passes = []
+    for _ in range(repeats):
+        started = time.thread_time()
+        prep.collate(modality, [prep.prepare(modality, v) for v in values])
+        passes.append((time.thread_time() - started) * 1000 / len(values))
+    return name, min(passes)
 
 
 # ---------------------------------------------------------------- (b) end to end
