@@ -20,7 +20,7 @@ from torchvision.transforms.v2 import functional as F
 from pairclean.backends.base import cpu_bf16_native, resolve_precision
 from pairclean.backends.compiled import CompiledOrEager
 from pairclean.backends.device_jpeg import DeviceJpegDecoder
-from pairclean.backends.inputs import DecodedImages, ImageBatch, StandardTransform, TokenBatch
+from pairclean.backends.inputs import DecodedImages, ImageBatch, StandardTransform, TokenBatch, stack_pixels
 from pairclean.backends.oom import OomBackoff, take_rows
 from pairclean.backends.text_trim import TextCuts, supports_text_trim, text_buckets, token_ends, trimmed_encode_text
 from pairclean.ops.measure import DeviceReads, in_a_worker
@@ -185,7 +185,8 @@ def test_workers_send_uint8_pixels_that_normalise_on_the_device_to_torchvisions_
     prepared = [estimator.preparer.prepare("image", d) for d in datas]
     batch = estimator.preparer.collate("image", prepared)
     assert batch.dtype == torch.uint8 and batch.shape == (4, 3, 64, 64)
-    assert batch.is_contiguous(memory_format=torch.channels_last)  # HWC images stacked: no transpose copied
+    # stacked in the layout the worker's images have, no transpose copied: PIL's HWC, torch's resize planar
+    assert batch.is_contiguous(memory_format=torch.channels_last if decode == "exact" else torch.contiguous_format)
     draft = estimator.preparer.draft_size
     assert draft == (None if decode == "exact" else 64)
     reference = torch.stack([estimator.preparer.preprocess(decode_image(d, draft_size=draft)) for d in datas])
@@ -197,6 +198,19 @@ def test_workers_send_uint8_pixels_that_normalise_on_the_device_to_torchvisions_
     else:
         levels = (normalised - reference) * torch.tensor(estimator.std).view(1, 3, 1, 1) * 255
         assert 0 < levels.abs().max() <= 2 + 1e-4  # torch's fixed point rounds otherwise in places, never far
+
+
+def test_a_batch_keeps_the_layout_most_of_its_images_have():
+    """PIL's HWC images stack channels-last, torch's planar crops planar, a mixed batch as most of
+    its images are: the same values every way, no transpose copied for the majority."""
+    generator = torch.Generator().manual_seed(0)
+    hwc = [torch.randint(0, 256, (8, 8, 3), dtype=torch.uint8, generator=generator) for _ in range(3)]
+    planar = [torch.randint(0, 256, (3, 8, 8), dtype=torch.uint8, generator=generator).permute(1, 2, 0) for _ in range(3)]
+    for items, layout in ((hwc, torch.channels_last), (planar, torch.contiguous_format),
+                          (hwc[:1] + planar, torch.contiguous_format), (planar[:1] + hwc, torch.channels_last)):
+        batch = stack_pixels(items)
+        assert batch.shape == (len(items), 3, 8, 8) and batch.is_contiguous(memory_format=layout)
+        assert torch.equal(batch, torch.stack([item.permute(2, 0, 1) for item in items]))
 
 
 def test_fast_pixels_are_pils_within_two_grey_levels_and_pils_where_torch_cannot_stand_in(coco_src):
@@ -235,7 +249,10 @@ def test_fast_pixels_are_pils_within_two_grey_levels_and_pils_where_torch_cannot
             assert t.resamplable and t.filter_name == interpolation.value
             for image, photo in [(p, True) for p in photos] + [(n, False) for n in noise]:
                 fast = t.fast_pixels(image)
-                assert fast.shape == (crop, crop, 3) and fast.dtype == torch.uint8 and fast.is_contiguous()
+                assert fast.shape == (crop, crop, 3) and fast.dtype == torch.uint8
+                # the crop alone is kept (HWC, or planar where torch resized), not the whole resized image
+                assert fast.untyped_storage().nbytes() == crop * crop * 3
+                assert fast.is_contiguous() or fast.permute(2, 0, 1).is_contiguous()
                 if t.resizes_to_sliver(*image.size):
                     assert torch.equal(fast, t.geometry_pixels(image))  # resized over the crop's window, by PIL
                     continue

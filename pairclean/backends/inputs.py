@@ -54,13 +54,22 @@ def new_batch_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor
 
 
 def stack_pixels(items: list[torch.Tensor]) -> torch.Tensor:
-    """One batch tensor of same-sized images, shaped (N, 3, H, W). uint8 HWC images are stacked as
-    they are and seen through a transposed view: channels-last memory, the layout the GPU's
-    convolutions take, so no transpose is ever copied. Float CHW images (a preprocessing the
-    workers ran whole) are stacked as they are."""
-    out = new_batch_tensor((len(items), *items[0].shape), items[0].dtype)
+    """One batch tensor of same-sized images, shaped (N, 3, H, W), in the memory layout most of
+    the images have, so that no transpose is copied for them: uint8 HWC images (PIL's) are
+    stacked as they are and seen through a transposed view (channels-last memory); uint8 images
+    in planar memory (`fast_pixels` where torch resized) are stacked planar. The device's
+    normaliser writes the model's input in the layout the tower wants either way
+    (`PixelNormalizer`). Float CHW images (a preprocessing the workers ran whole) are stacked as
+    they are."""
+    first = items[0]
+    if first.dtype != torch.uint8:
+        return torch.stack(items, out=new_batch_tensor((len(items), *first.shape), first.dtype))
+    if 2 * sum(item.stride(-1) != 1 for item in items) > len(items):  # mostly planar
+        planar = [item.permute(2, 0, 1) for item in items]
+        return torch.stack(planar, out=new_batch_tensor((len(items), *planar[0].shape), torch.uint8))
+    out = new_batch_tensor((len(items), *first.shape), torch.uint8)
     torch.stack(items, out=out)
-    return out.permute(0, 3, 1, 2) if items[0].dtype == torch.uint8 else out
+    return out.permute(0, 3, 1, 2)
 
 
 @dataclass(frozen=True)
@@ -131,7 +140,8 @@ class StandardTransform:
         (`decode_plain_jpeg`): `geometry_pixels` with torch's antialiased uint8 resize in place of
         PIL's (its AVX2 kernel: 0.31 ms against 0.80 for a web JPEG), within 2 grey levels of PIL's
         where their fixed-point weights round otherwise (0.3% of values; docs/benchmarks.md). PIL's
-        where torch cannot stand in (`resamplable`): for slivers and images not RGB."""
+        where torch cannot stand in (`resamplable`): for slivers and images not RGB. HWC-shaped like
+        `geometry_pixels`, but planar in memory where torch resized (`stack_pixels` keeps it so)."""
         if isinstance(image, torch.Tensor):
             if not self.resamplable or self.resizes_to_sliver(image.shape[2], image.shape[1]):
                 return self.geometry_pixels(pil_image(image))
@@ -145,7 +155,10 @@ class StandardTransform:
             pixels = torch.nn.functional.interpolate(pixels, size=(height, width), mode=self.filter_name,
                                                      antialias=True)
         top, left = crop_start(height, self.crop), crop_start(width, self.crop)
-        return pixels[0, :, top:top + self.crop, left:left + self.crop].permute(1, 2, 0).contiguous()
+        # The crop copied out in the memory layout it has (torch's resize gives planar images, an
+        # image it did not resize is HWC): copying planar rows costs 0.03 ms, transposing them 0.09.
+        crop = pixels[:, :, top:top + self.crop, left:left + self.crop].clone(memory_format=torch.preserve_format)
+        return crop[0].permute(1, 2, 0)
 
     def _geometry(self, image, *skip: type):
         """A PIL image through the geometry's transforms, but those of the types in `skip`."""

@@ -201,13 +201,16 @@ def _batch_plan(data: Dataset, groups: list[list[str]], batch_size: int, max_pai
 
 
 def ceiling_pixels(estimator, n: int, generator: torch.Generator) -> torch.Tensor:
-    """Random pixels as the pipeline hands them to the estimator: uint8, channels last (normalised
-    in `encode`, as the pipeline's are) where workers send uint8; the estimator's own random
-    images otherwise."""
-    transform = getattr(getattr(estimator, "preparer", None), "transform", None)
+    """Random pixels as the pipeline hands them to the estimator: uint8 (normalised in `encode`, as
+    the pipeline's are) where workers send uint8, in their layout (planar where torch resizes in the
+    workers, channels last otherwise: `stack_pixels`); the estimator's own random images otherwise."""
+    preparer = getattr(estimator, "preparer", None)
+    transform = getattr(preparer, "transform", None)
     if transform is None:
         return estimator.random_batch("image", n, generator)
     size = transform.crop
+    if getattr(preparer, "worker_resize", None) == "torch":
+        return torch.randint(0, 256, (n, 3, size, size), dtype=torch.uint8, generator=generator)
     return torch.randint(0, 256, (n, size, size, 3), dtype=torch.uint8, generator=generator).permute(0, 3, 1, 2)
 
 
