@@ -71,6 +71,17 @@ def test_filter_keeps_exactly_the_duckdb_result_byte_identical(tmp_path, coco_sh
     assert {name.split(".", 1)[1] for name, _ in written} == {"jpg", "txt"}
 
 
+def test_written_shards_carry_one_header_a_member(tmp_path, coco_shards, coco_scores):
+    """webdataset 1.0's TarWriter writes PAX tars (its `format` is not passed on), where a fractional
+    mtime costs each member a PAX header block: pairclean's shards stamp whole seconds, so a member's
+    data follows its one 512-byte header (1 kB less a member, half the headers for readers to parse)."""
+    out = tmp_path / "clean"
+    filter_dataset(open_dataset(str(coco_shards)), coco_scores, out, where=["sim > -1"])
+    members = [m for shard in sorted(out.glob("*.tar")) for m in tarfile.open(shard).getmembers()]
+    assert len(members) == 2 * 16
+    assert all(m.offset_data - m.offset == tarfile.BLOCKSIZE and not m.pax_headers for m in members)
+
+
 def test_top_fraction_is_the_top_of_duckdbs_ranking(tmp_path, coco_shards, coco_scores):
     expected = duckdb_rows(coco_scores, "ORDER BY sim DESC, shard, \"index\" LIMIT 8")
     result = filter_dataset(open_dataset(str(coco_shards)), coco_scores, tmp_path / "top", top_fraction=0.5)

@@ -40,7 +40,6 @@ from typing import Callable
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
-import webdataset as wds
 from PIL import Image
 
 from pairclean.config import SEED, SHARE, check_choice, declare
@@ -51,7 +50,7 @@ from pairclean.data.reading.tar import read_samples
 from pairclean.data.rewriting import rewriter_for
 from pairclean.data.rewriting.tar import member_named
 from pairclean.data.spec import DatasetSpec, raise_failure
-from pairclean.data.writer import write_shards
+from pairclean.data.writer import shard_writer, write_shards
 from pairclean.errors import ConfigError, UserError
 from pairclean.lab.corrupt import TRUTH_NAME, CorruptResult, _check_source, _records, _spill_rows, caption_field
 from pairclean.ops.atomic import write_json
@@ -176,8 +175,8 @@ class _Copies:
         self.out, self.tmp = out, tmp
         self.truth = pq.ParquetWriter(tmp / TRUTH_NAME, TRUTH_SCHEMA)
         self.buf: dict[str, list] = {name: [] for name in TRUTH_SCHEMA.names}
-        self.copies = wds.ShardWriter(str(tmp / f"{DUPLICATES_PREFIX}-%06d.tar"), maxcount=_SHARD_COPIES,
-                                      maxsize=float("inf"), verbose=0, encoder=False)
+        self.copies = shard_writer(str(tmp / f"{DUPLICATES_PREFIX}-%06d.tar"), maxcount=_SHARD_COPIES,
+                                   maxsize=float("inf"), encoder=False)
         self.count: dict[str, int] = {}
 
     def _image(self, members: dict) -> tuple[str | None, bytes | None]:
