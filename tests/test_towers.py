@@ -205,7 +205,8 @@ def test_a_batch_keeps_the_layout_most_of_its_images_have():
     its images are: the same values every way, no transpose copied for the majority."""
     generator = torch.Generator().manual_seed(0)
     hwc = [torch.randint(0, 256, (8, 8, 3), dtype=torch.uint8, generator=generator) for _ in range(3)]
-    planar = [torch.randint(0, 256, (3, 8, 8), dtype=torch.uint8, generator=generator).permute(1, 2, 0) for _ in range(3)]
+    planar = [torch.randint(0, 256, (3, 8, 8), dtype=torch.uint8, generator=generator).permute(1, 2, 0)
+              for _ in range(3)]
     for items, layout in ((hwc, torch.channels_last), (planar, torch.contiguous_format),
                           (hwc[:1] + planar, torch.contiguous_format), (planar[:1] + hwc, torch.channels_last)):
         batch = stack_pixels(items)
