@@ -42,6 +42,11 @@ def pil_image(pixels: torch.Tensor):
     return Image.fromarray(pixels.permute(1, 2, 0).numpy())
 
 
+def _size(image) -> tuple[int, int]:
+    """(width, height) of a PIL image or of uint8 (3, H, W) pixels."""
+    return (image.shape[2], image.shape[1]) if isinstance(image, torch.Tensor) else image.size
+
+
 def new_batch_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """An empty tensor to collate into: in shared memory when built in a DataLoader worker, so
     handing it to the main process copies nothing. Allocated there at once, as torch's
@@ -142,14 +147,12 @@ class StandardTransform:
         where their fixed-point weights round otherwise (0.3% of values; docs/benchmarks.md). PIL's
         where torch cannot stand in (`resamplable`): for slivers and images not RGB. HWC-shaped like
         `geometry_pixels`, but planar in memory where torch resized (`stack_pixels` keeps it so)."""
-        if isinstance(image, torch.Tensor):
-            if not self.resamplable or self.resizes_to_sliver(image.shape[2], image.shape[1]):
-                return self.geometry_pixels(pil_image(image))
-            pixels = image[None]
-        elif not self.resamplable or image.mode != "RGB" or self.resizes_to_sliver(image.width, image.height):
-            return self.geometry_pixels(image)
-        else:
-            pixels = uint8_hwc(image).permute(2, 0, 1)[None]  # (1, 3, H, W) in channels-last memory: no copy
+        decoded = isinstance(image, torch.Tensor)
+        if (not self.resamplable or self.resizes_to_sliver(*_size(image))
+                or not decoded and image.mode != "RGB"):
+            return self.geometry_pixels(pil_image(image) if decoded else image)
+        # (1, 3, H, W); PIL's pixels in channels-last memory: no copy
+        pixels = image[None] if decoded else uint8_hwc(image).permute(2, 0, 1)[None]
         height, width = resized_size(pixels.shape[2], pixels.shape[3], self.resize)
         if (height, width) != tuple(pixels.shape[2:]):
             pixels = torch.nn.functional.interpolate(pixels, size=(height, width), mode=self.filter_name,
@@ -175,16 +178,15 @@ class StandardTransform:
         square window around the crop, `resized_window`); the device's resize of it is then the identity
         (the short side is already the size: weight 1 on each pixel), its pixels PIL's (exactly, but for a
         sliver's float32 box)."""
-        if isinstance(image, torch.Tensor):  # libjpeg's (3, H, W) pixels: sent as HWC
-            height, width = image.shape[1:]
-            if (not self.resizes_to_sliver(width, height)
-                    and width * height <= SENT_PIXELS_PER_RESIZE * self.resize ** 2):
-                return image.permute(1, 2, 0)
+        decoded = isinstance(image, torch.Tensor)
+        width, height = _size(image)
+        sliver = self.resizes_to_sliver(width, height)
+        if not sliver and width * height <= SENT_PIXELS_PER_RESIZE * self.resize ** 2:
+            return image.permute(1, 2, 0) if decoded else image  # libjpeg's (3, H, W) pixels sent as HWC
+        if decoded:
             image = pil_image(image)
-        if self.resizes_to_sliver(image.width, image.height):
+        if sliver:
             return self.resized_window(image, self.resize)
-        if image.width * image.height <= SENT_PIXELS_PER_RESIZE * self.resize ** 2:
-            return image
         from torchvision.transforms import CenterCrop
 
         return self._geometry(image, CenterCrop)

@@ -172,7 +172,8 @@ def _prepare_run_dir(out: Path, cfg: TrainConfig) -> bool:
 
 
 def _settings(cfg: TrainConfig, spec: DatasetSpec, val: DatasetSpec | None) -> dict:
-    # How the loop's images are decoded: `decode` where not fast (every earlier pairclean's), and how
+    # How the loop's images are decoded: `decode` where not fast (every earlier pairclean's), and how the
+    # workers resize or which device decoder decodes (`pinned_decoding`)
     decoding = {}
     if "image" in modalities(spec.pair):
         decoding = {**({"decode": cfg.decode} if cfg.decode != "fast" else {}),
