@@ -9,6 +9,7 @@ import copy
 import io
 import json
 import logging
+import random
 
 import numpy as np
 import pytest
@@ -312,6 +313,86 @@ def test_plain_jpeg_leaves_rotated_cmyk_draft_scaled_and_other_images_to_pil(coc
     image.save(png, format="PNG")
     assert not any(plain_jpeg(x.getvalue()) for x in (rotated, cmyk, png))
     assert not plain_jpeg(jpeg, max_pixels=image.width * image.height - 1) and not plain_jpeg(jpeg[:2] + b"x" * 50)
+
+
+def _header_segments(jpeg: bytes) -> list[int]:
+    """Where each segment of a JPEG's header starts, its scan's last."""
+    at, starts = 2, []
+    while at + 4 <= len(jpeg):
+        starts.append(at)
+        if jpeg[at + 1] == 0xDA:
+            break
+        at += 2 + int.from_bytes(jpeg[at + 2:at + 4], "big")
+    return starts
+
+
+def test_the_header_scan_answers_as_pil_does_or_leaves_the_header_to_pil(coco_src):
+    """`_ordinary_header` (no PIL) answers for ordinary JPEG headers, and only where its answer is
+    PIL's: real JPEGs, the ways PIL writes them, and thousands of their headers corrupted (bytes
+    changed, segments cut, lengths wrong)."""
+    from pairclean.data.decode import _ordinary_header, _pil_header
+
+    real = _jpeg_bytes(coco_src, 16)
+    image = Image.open(io.BytesIO(real[0])).convert("RGB").resize((160, 120))
+    rotated, upright = Image.Exif(), Image.Exif()
+    rotated[0x0112], upright[0x0112] = 6, 1
+    xmp = b'<x:xmpmeta><rdf:Description tiff:Orientation="6"/></x:xmpmeta>'
+    ways = {"baseline": {}, "progressive": {"progressive": True}, "optimized": {"optimize": True},
+            "444": {"subsampling": 0}, "comment": {"comment": b"<script>x</script>"},
+            "restarts": {"restart_marker_blocks": 4}, "icc": {"icc_profile": b"\0" * 128}, "dpi": {"dpi": (300, 300)},
+            "exif-rotated": {"exif": rotated.tobytes()}, "exif-upright": {"exif": upright.tobytes()}, "xmp": {"xmp": xmp}}
+    made = {}
+    for name, kwargs in ways.items():
+        buffer = io.BytesIO()
+        image.save(buffer, format="JPEG", **kwargs)
+        made[name] = buffer.getvalue()
+    for mode in ("L", "CMYK"):
+        buffer = io.BytesIO()
+        image.convert(mode).save(buffer, format="JPEG")
+        made[mode] = buffer.getvalue()
+    buffer = io.BytesIO()
+    image.save(buffer, format="MPO", save_all=True, append_images=[image.rotate(90)])  # a phone's two pictures
+    made["mpo"] = buffer.getvalue()
+    # What it answers itself, and what it leaves to PIL: EXIF and XMP (orientation), CMYK, MPO
+    answered = {name for name, jpeg in made.items() if _ordinary_header(jpeg) is not None}
+    assert answered == set(ways) - {"exif-rotated", "exif-upright", "xmp"} | {"L"}
+    assert _pil_header(made["mpo"]) == (160, 120, False)
+    assert _pil_header(made["exif-rotated"]) is None and _pil_header(made["xmp"]) is None
+    assert _ordinary_header(made["progressive"]) == (160, 120, True) == _pil_header(made["progressive"])
+    # Headers PIL refuses, each whole and well chained: left to PIL, which says why
+    jpeg = made["baseline"]
+    frame = next(at for at in _header_segments(jpeg) if jpeg[at + 1] == 0xC0)
+    length = int.from_bytes(jpeg[frame + 2:frame + 4], "big")
+    # two bytes more in the frame segment: its components' list ends in a torn entry
+    torn_frame = (jpeg[:frame + 2] + (length + 2).to_bytes(2, "big") + jpeg[frame + 4:frame + 2 + length]
+                  + b"\0\0" + jpeg[frame + 2 + length:])
+    height_width = frame + 5
+    bomb = jpeg[:height_width] + (20_000).to_bytes(2, "big") * 2 + jpeg[height_width + 4:]  # 400 Mpixels
+    after_soi = lambda segment: jpeg[:2] + segment + jpeg[2:]
+    refused = {"torn frame": torn_frame, "bomb": bomb, "short JFIF": after_soi(b"\xff\xe0\x00\x07JFIF\x00"),
+               "short Adobe": after_soi(b"\xff\xee\x00\x07Adobe"),
+               "short ICC": after_soi(b"\xff\xe2\x00\x0fICC_PROFILE\x00\x01")}
+    for name, data in refused.items():
+        assert _pil_header(data) is None and _ordinary_header(data) is None, name
+
+    rng = random.Random(0)
+    cases = answers = 0
+    for jpeg in real + list(made.values()):
+        starts = _header_segments(jpeg)
+        header_end = starts[-1] + 14
+        mutants = [jpeg[:rng.randrange(2, header_end)] for _ in range(10)]
+        for _ in range(60):  # a byte of the header changed, most often a marker, a length or a segment's first bytes
+            data = bytearray(jpeg)
+            at = rng.choice(starts) + rng.randrange(1, 11) if rng.random() < 0.7 else rng.randrange(2, header_end)
+            data[at] = rng.choice([0, 1, 2, 7, 8, 0xC0, 0xC2, 0xDA, 0xE1, 0xFF, rng.randrange(256)])
+            mutants.append(bytes(data))
+        for data in [jpeg] + mutants:
+            ordinary = _ordinary_header(data)
+            cases += 1
+            if ordinary is not None:
+                answers += 1
+                assert ordinary == _pil_header(data), (ordinary, _pil_header(data))
+    assert answers > cases // 3  # it answers: a scan that never did would pass the rest
 
 
 def _small_jpegs(coco_src) -> dict[str, bytes]:

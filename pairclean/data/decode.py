@@ -89,7 +89,8 @@ def plain_jpeg(data, draft_size: int | None = None, max_pixels: int = MAX_PIXELS
     device decoders on a GPU) gives the pixels `decode_image` would: RGB or greyscale, within the
     pixel limit, not rotated by an EXIF tag (PIL's path applies the rotation), not one `draft_size`
     would have PIL decode at a reduced DCT scale (both sides at least twice it), and not progressive
-    unless `progressive`. Reads the header only (0.02 ms); every other image goes through PIL."""
+    unless `progressive`. Reads the header only (0.004 ms, 0.02 where PIL parses it); every other
+    image goes through PIL."""
     if not isinstance(data, (bytes, bytearray)) or data[:3] != b"\xff\xd8\xff":
         return False
     header = _plain_header(bytes(data))
@@ -100,9 +101,14 @@ def plain_jpeg(data, draft_size: int | None = None, max_pixels: int = MAX_PIXELS
 
 @functools.lru_cache(maxsize=1)
 def _plain_header(data: bytes) -> tuple[int, int, bool] | None:
-    """(width, height, progressive) of an RGB or greyscale JPEG no EXIF tag rotates, else None. The
-    last file's is kept: a worker with a device decoder asks twice of a JPEG it decodes itself (the
-    device's rule, then its own)."""
+    """(width, height, progressive) of an RGB or greyscale JPEG no EXIF tag rotates, else None: from
+    `_ordinary_header` where it can tell, else from PIL's parse. The last file's is kept: a worker
+    with a device decoder asks twice of a JPEG it decodes itself (the device's rule, then its own)."""
+    return _ordinary_header(data) or _pil_header(data)
+
+
+def _pil_header(data: bytes) -> tuple[int, int, bool] | None:
+    """`_plain_header` as PIL parses the header."""
     try:
         with Image.open(io.BytesIO(data), formats=["JPEG"]) as img:
             if img.mode not in ("RGB", "L") or img.getexif().get(EXIF_ORIENTATION, 1) != 1:
@@ -110,6 +116,57 @@ def _plain_header(data: bytes) -> tuple[int, int, bool] | None:
             return img.size[0], img.size[1], bool(img.info.get("progressive"))
     except Exception:  # any header PIL cannot parse: PIL's decode reports why
         return None
+
+
+# Segments an ordinary JPEG header holds before its scan, whose parsing by PIL cannot fail once the
+# whole segment is in the file and `_ordinary_header`'s checks pass: Huffman tables, quantisation
+# tables (checked as PIL reads them), the restart interval, a comment, APP0 and APP2-APP15 but
+# APP13 (Photoshop's resource blocks, which PIL parses). APP1 holds EXIF and XMP - an orientation
+# tag - and is PIL's to read.
+_ORDINARY_SEGMENTS = frozenset({0xC4, 0xDB, 0xDD, 0xFE, 0xE0, *range(0xE2, 0xED), 0xEE, 0xEF})
+_ORDINARY_FRAMES = {0xC0: False, 0xC1: False, 0xC2: True}  # baseline, extended, progressive Huffman DCT
+
+
+def _ordinary_header(data: bytes) -> tuple[int, int, bool] | None:
+    """`_plain_header`'s answer without PIL, for the header web JPEGs have: back-to-back segments up to
+    the scan, one 8-bit Huffman DCT frame of 1 or 3 components, no APP1 (so no EXIF or XMP
+    orientation), nothing PIL's parse would refuse or warn about; None for any other header (PIL's
+    parse answers then). Where it answers, its answer is PIL's (tested on real, rewritten and
+    corrupted JPEGs), in a fifth of the time (0.004 ms against 0.02 alone; in a `fast` worker, between
+    libjpeg's decode and torch's resize, PIL's parse costs more than alone: docs/benchmarks.md)."""
+    size, at, end = None, 2, len(data)
+    while at + 4 <= end:
+        marker, length = data[at + 1], (data[at + 2] << 8) | data[at + 3]
+        if data[at] != 0xFF or length < 2 or at + 2 + length > end:
+            return None
+        if marker == 0xDA:  # the scan: the header is over
+            return size
+        body = data[at + 4:at + 2 + length]
+        if marker in _ORDINARY_FRAMES:
+            if size is not None or length < 8 or body[0] != 8 or body[5] not in (1, 3) or length != 8 + 3 * body[5]:
+                return None
+            width, height = (body[3] << 8) | body[4], (body[1] << 8) | body[2]
+            if not width or not height or width * height > Image.MAX_IMAGE_PIXELS:  # PIL's bomb check warns
+                return None
+            size = (width, height, _ORDINARY_FRAMES[marker])
+        elif marker not in _ORDINARY_SEGMENTS or not _parses(marker, body):
+            return None
+        at += 2 + length
+    return None
+
+
+def _parses(marker: int, body: bytes) -> bool:
+    """Whether PIL reads this segment without an error (JpegImagePlugin's `DQT` and `APP`)."""
+    if marker == 0xDB:  # one or more tables of 64 one- or two-byte values, each after its id byte
+        at = 0
+        while at < len(body):
+            at += 65 if body[at] < 16 else 129
+        return at == len(body)
+    if marker == 0xE0 and body.startswith(b"JFIF") or marker == 0xEE and body.startswith(b"Adobe"):
+        return len(body) >= 7  # the version word PIL reads at bytes 5-6
+    if marker == 0xE2:  # PIL reads an ICC fragment's sequence byte; MPF has PIL read the file as an MPO
+        return not body.startswith(b"MPF\0") and (not body.startswith(b"ICC_PROFILE\0") or len(body) >= 14)
+    return True
 
 
 def decode_plain_jpeg(data: bytes):
