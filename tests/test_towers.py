@@ -201,6 +201,71 @@ def test_workers_send_uint8_pixels_that_normalise_on_the_device_to_torchvisions_
         assert 0 < levels.abs().max() <= 2 + 1e-4  # torch's fixed point rounds otherwise in places, never far
 
 
+@pytest.mark.parametrize("way", ["fast", "exact", "device_jpeg", "device_resize"])
+def test_a_list_of_images_is_prepared_as_each_one_alone_its_decodes_a_run_ahead_of_its_resizes(
+        way, tiny_estimator, coco_src, monkeypatch):
+    """`prepare_many` (the workers' way) gives `prepare`'s item for each value, in order, and the
+    exception `prepare` raises for one that fails; a run's images are decoded before any is
+    finished, a run ending at IMAGE_RUN images or once its images hold IMAGE_RUN_BYTES."""
+    import pairclean.backends.open_clip as oc
+    from pairclean.backends.base import prepare_each
+
+    base = tiny_estimator.preparer
+    preparer = {"fast": base, "exact": type(base)(base.preprocess, base.tokenizer, base.draft_size, exact=True),
+                "device_jpeg": copy.copy(base), "device_resize": copy.copy(base)}[way]
+    if way.startswith("device"):
+        setattr(preparer, way, True)
+    image = Image.open(io.BytesIO(_jpeg_bytes(coco_src, 1)[0])).convert("RGB")
+    encoded = {}
+    for name, (picture, fmt, kwargs) in {"small": (image.resize((90, 70)), "JPEG", {}),
+                                         "progressive": (image.resize((80, 100)), "JPEG", {"progressive": True}),
+                                         "cmyk": (image.resize((70, 70)).convert("CMYK"), "JPEG", {}),
+                                         "png": (image.resize((64, 96)), "PNG", {}),
+                                         "big": (image.resize((1200, 900)), "JPEG", {})}.items():
+        buffer = io.BytesIO()
+        picture.save(buffer, format=fmt, **kwargs)
+        encoded[name] = buffer.getvalue()
+    values = [encoded[n] for n in ("small", "progressive", "cmyk", "png", "big", "small", "png", "progressive")]
+    values[2:2] = [b"\xff\xd8\xff" + b"x" * 40]  # a JPEG that is not one
+    values[6:6] = [encoded["small"][:200]]  # cut short
+    alone = []
+    for value in values:
+        try:
+            alone.append(preparer.prepare("image", value))
+        except Exception as exc:
+            alone.append(exc)
+    steps = []
+    for step in ("_opened", "_finished"):
+        original = getattr(type(preparer), step)
+        monkeypatch.setattr(type(preparer), step, lambda self, x, _step=step, _original=original:
+                            steps.append(_step[1]) or _original(self, x))
+    for run, run_bytes in ((3, 1 << 30), (3, 1)):
+        monkeypatch.setattr(oc, "IMAGE_RUN", run)
+        monkeypatch.setattr(oc, "IMAGE_RUN_BYTES", run_bytes)
+        steps.clear()
+        prepared = prepare_each(preparer, "image", values)
+        assert [i for i, item in enumerate(prepared) if isinstance(item, Exception)] == [2, 6]
+        for item, expected in zip(prepared, alone, strict=True):
+            assert type(item) is type(expected)
+            if isinstance(item, Exception):
+                assert str(item) == str(expected)
+            elif isinstance(item, bytes):
+                assert item == expected
+            else:
+                assert torch.equal(torch.as_tensor(np.asarray(item)), torch.as_tensor(np.asarray(expected)))
+        # decodes ("o"), then the finishing of those that decoded ("f"), a run at a time; with a bound
+        # of one byte a run ends at each image decoded here (a JPEG left to the device holds no pixels)
+        expected_steps, run_opened, run_finished = "", 0, 0
+        for i, item in enumerate(alone):
+            run_opened += 1
+            run_finished += not isinstance(item, Exception)
+            holds = not isinstance(item, (Exception, bytes))
+            if run_opened == run or run_bytes == 1 and holds or i == len(alone) - 1:
+                expected_steps += "o" * run_opened + "f" * run_finished
+                run_opened = run_finished = 0
+        assert "".join(steps) == expected_steps
+
+
 def test_a_batch_keeps_the_layout_most_of_its_images_have():
     """PIL's HWC images stack channels-last, torch's planar crops planar, a mixed batch as most of
     its images are: the same values every way, no transpose copied for the majority."""

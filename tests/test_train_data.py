@@ -67,3 +67,30 @@ def test_workers_split_the_units_without_overlap(coco_shards, preparer):
     spec = open_dataset(str(coco_shards))
     pairs = _order(spec, preparer, epoch=1, workers=2)
     assert len(pairs) == 16 and len(set(pairs)) == 16
+
+
+def test_batches_are_the_pairs_that_prepare_in_stream_order_cut_at_the_batch_size(tmp_path, coco_src, preparer):
+    """Pairs are prepared as many at a time as the batch still needs (their images a run at a
+    time): the batches are those of one pair at a time - the pairs that prepare, in the stream's
+    order, every `batch_size` of them - and each batch counts the failures read before it."""
+    from pairclean.lab.coco import read_pairs
+
+    pairs = read_pairs(coco_src)[:12]
+    broken = {1, 4, 5, 9}  # JPEGs that are not: `prepare` raises
+    shard = tmp_path / "mixed-000000.tar"
+    _tar(shard, [member for i, p in enumerate(pairs) for member in (
+        (f"k{i:02d}.jpg", b"\xff\xd8\xff" + b"x" * 50 if i in broken else (coco_src / p["image"]).read_bytes()),
+        (f"k{i:02d}.txt", p["caption"].encode()))])
+    batches = list(TrainBatches(open_dataset(str(shard)), preparer, batch_size=3, seed=0, shuffle=False))
+    expected, errors, rows = [], 0, []
+    for i in range(len(pairs)):
+        if i in broken:
+            errors += 1
+            continue
+        rows.append(f"k{i:02d}")
+        if len(rows) == 3:
+            expected.append((rows, errors))
+            rows, errors = [], 0
+    expected.append((rows, errors))  # the last, short batch
+    assert [(b["key"], b["stats"]["errors"]) for b in batches] == expected  # [k00 k02 k03] 1, [k06 k07 k08] 2, ...
+    assert [b["left"].shape[0] for b in batches] == [3, 3, 2]

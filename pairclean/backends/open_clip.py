@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
-from pairclean.backends.base import (Backend, autocast_context, file_sha256, frozen_copy, move_batch, pick_device,
-                                     random_vocabulary_texts, register_backend, resolve_precision)
+from pairclean.backends.base import (Backend, attempted, autocast_context, file_sha256, frozen_copy, move_batch,
+                                     pick_device, random_vocabulary_texts, register_backend, resolve_precision)
 from pairclean.backends.compiled import CompiledOrEager, RowPadding, pad_rows
 from pairclean.backends.oom import is_out_of_memory
 from pairclean.backends.checkpoint_model import checkpoint_models
@@ -39,6 +39,9 @@ CONFIG_DIR = Path(__file__).parent / "model_configs"
 SCHEMAS = ("hf-hub:", "local-dir:")  # open_clip's model names that carry their own config and weights
 DEFAULT_TAG = "openai"  # the weights of an architecture name when `pretrained` is not given
 COMPILED_LENGTH_STEP = 16  # compiled text tower: caption cuts in steps of 16 tokens, 5 lengths up to CLIP's 77
+# A worker decodes up to this many images (or images of this many bytes: a 30,000 x 440 panorama is 40 MB)
+# before it resizes them (`OpenClipPreparer.prepare_many`).
+IMAGE_RUN, IMAGE_RUN_BYTES = 16, 16 << 20
 
 
 def register_model_configs() -> None:
@@ -138,17 +141,40 @@ class OpenClipPreparer:
         return prepared
 
     def prepare(self, modality: str, value: Any) -> Any:
-        if modality == "image":
-            if (self.device_jpeg and plain_jpeg(value, progressive=self.device_progressive)
-                    and not worker_decodes(value, self.cpu_decode_share)):
-                return bytes(value)  # decoded with the rest of its batch on the device
-            image = self._decoded(value)
-            if self.device_jpeg or self.device_resize:
-                return self.transform.device_sized(image)  # resized with its batch on the device
-            if self.transform is None:
-                return self.preprocess(image)
-            return self.transform.geometry_pixels(image) if self.exact else self.transform.fast_pixels(image)
-        return value
+        return self._finished(self._opened(value)) if modality == "image" else value
+
+    def prepare_many(self, modality: str, values: list) -> list:
+        """`prepare` of each value, in order, with the exception it raised in place of a failed one's
+        item. Images a run at a time (`IMAGE_RUN`): the run's decodes back to back, then their
+        resizes - in a worker 0.06-0.14 ms an image less than alternating the two (docs/benchmarks.md)."""
+        if modality != "image":
+            return list(values)
+        prepared, run, held = [], [], 0
+        for value in values:
+            run.append(attempted(self._opened, value))
+            held += _held_bytes(run[-1])
+            if len(run) == IMAGE_RUN or held >= IMAGE_RUN_BYTES or len(prepared) + len(run) == len(values):
+                prepared.extend(item if isinstance(item, Exception) else attempted(self._finished, item) for item in run)
+                run, held = [], 0
+        return prepared
+
+    def _opened(self, value):
+        """An image as far as a worker takes it before its geometry: the JPEG's bytes where the device
+        decodes it, else the decoded image (`_decoded`)."""
+        if (self.device_jpeg and plain_jpeg(value, progressive=self.device_progressive)
+                and not worker_decodes(value, self.cpu_decode_share)):
+            return bytes(value)  # decoded with the rest of its batch on the device
+        return self._decoded(value)
+
+    def _finished(self, image):
+        """What the worker sends of an `_opened` image."""
+        if isinstance(image, bytes):
+            return image
+        if self.device_jpeg or self.device_resize:
+            return self.transform.device_sized(image)  # resized with its batch on the device
+        if self.transform is None:
+            return self.preprocess(image)
+        return self.transform.geometry_pixels(image) if self.exact else self.transform.fast_pixels(image)
 
     def _decoded(self, value):
         """A worker's decode of an image: a plain JPEG by libjpeg as uint8 (3, H, W) pixels where
@@ -172,6 +198,13 @@ class OpenClipPreparer:
         decoded_rows = tuple(i for i, x in enumerate(items) if not isinstance(x, bytes))
         return ImageBatch(len(items), JpegBlob.pack([items[i] for i in jpeg_rows]), jpeg_rows,
                           DecodedImages.pack([items[i] for i in decoded_rows]) if decoded_rows else None, decoded_rows)
+
+
+def _held_bytes(image) -> int:
+    """What an `_opened` image holds in memory until its run is finished."""
+    if isinstance(image, torch.Tensor):
+        return image.numel()
+    return image.width * image.height * len(image.getbands()) if hasattr(image, "getbands") else 0
 
 
 def _normalize_params(preprocess) -> tuple[list[float], list[float], int]:

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
-from pairclean.backends.base import Preparer
+from pairclean.backends.base import Preparer, prepare_each
 from pairclean.data.dataset import Dataset
 from pairclean.data.spec import UnitFailure, modalities
 from pairclean.ops.worker_memory import steady_worker_memory
@@ -140,16 +140,17 @@ class PreparedBatches(IterableDataset):
         """The batch with its pairs decoded and collated; None when it holds nothing to score or commit."""
         if not rows.done and all(span.unit in self.work.done for span in rows.spans):
             return None
+        valid = [i for i, error in enumerate(rows.error) if error is None]
+        lefts = prepare_each(self.preparer, self.left, [rows.left[i] for i in valid])
+        rights = prepare_each(self.preparer, self.right, [rows.right[i] for i in valid])
         prepared_left, prepared_right = [], []
-        for i, (left, right) in enumerate(zip(rows.left, rows.right)):
-            if rows.error[i] is None:
-                try:
-                    prepared = (self.preparer.prepare(self.left, left), self.preparer.prepare(self.right, right))
-                except Exception as exc:  # a bad item becomes an error row, never a dead worker
-                    rows.error[i] = str(exc).splitlines()[0][:300] if str(exc) else type(exc).__name__
-                    continue
-                prepared_left.append(prepared[0])
-                prepared_right.append(prepared[1])
+        for i, left, right in zip(valid, lefts, rights):
+            failed = left if isinstance(left, Exception) else right if isinstance(right, Exception) else None
+            if failed is not None:  # a bad item becomes an error row, never a dead worker
+                rows.error[i] = str(failed).splitlines()[0][:300] if str(failed) else type(failed).__name__
+                continue
+            prepared_left.append(left)
+            prepared_right.append(right)
         return PairBatch(rows.spans, rows.key, rows.shard, rows.index, rows.error,
                          self.preparer.collate(self.left, prepared_left) if prepared_left else None,
                          self.preparer.collate(self.right, prepared_right) if prepared_right else None, rows.done)

@@ -39,7 +39,7 @@ import torch
 from PIL import Image
 
 from pairclean.backends import build_estimator, check_backend
-from pairclean.backends.base import autocast_context, resolve_precision
+from pairclean.backends.base import autocast_context, prepare_each, resolve_precision
 from pairclean.backends.device_jpeg import DEVICE_DECODERS
 from pairclean.backends.inputs import DeviceImages, StandardTransform, TokenBatch
 from pairclean.backends.oom import OomBackoff, batch_rows
@@ -359,7 +359,7 @@ def _best_pass(job: tuple, repeats: int) -> tuple[str, float]:
     passes = []
     for _ in range(repeats):
         started = time.thread_time()
-        prep.collate(modality, [prep.prepare(modality, v) for v in values])
+        prep.collate(modality, [x for x in prepare_each(prep, modality, values) if not isinstance(x, Exception)])
         passes.append((time.thread_time() - started) * 1000 / len(values))
     return name, min(passes)
 

@@ -13,6 +13,7 @@ sees the same batches.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import os
 import random
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ import torch
 import webdataset as wds
 from torch.utils.data import IterableDataset
 
+from pairclean.backends.base import prepare_each
 from pairclean.errors import UserError
 from pairclean.data.dataset import Dataset
 from pairclean.data.spec import UnitFailure, modalities
@@ -190,6 +192,21 @@ class TrainBatches(IterableDataset):
             batch[f"{name}_right"] = preparer.collate(self.right, [r[4][name][1] for r in rows])
         return batch
 
+    def _prepared(self, items: list) -> list[tuple | None]:
+        """(left, right, {extra preparer: (left, right)}) of each item, None for one that failed."""
+        preparers = {"": self.preparer, **(self.plan.extra_preparers or {})}
+        sides = {name: (prepare_each(p, self.left, [item.left for item in items]),
+                        prepare_each(p, self.right, [item.right for item in items])) for name, p in preparers.items()}
+        prepared = []
+        for i in range(len(items)):
+            pairs = {name: (left[i], right[i]) for name, (left, right) in sides.items()}
+            if any(isinstance(value, Exception) for pair in pairs.values() for value in pair):
+                prepared.append(None)
+                continue
+            left, right = pairs.pop("")
+            prepared.append((left, right, pairs))
+        return prepared
+
     def __iter__(self):
         return first_batch_at_once(self._batches())
 
@@ -202,16 +219,15 @@ class TrainBatches(IterableDataset):
             rng = random.Random(f"pairs-{self._order_key(self.epoch, self.repeat)}-{rank}-{worker}")
             pairs = wds.filters.shuffle(bufsize=self.shuffle_buffer, initial=self.shuffle_buffer, rng=rng)(pairs)
         rows: list[tuple] = []
-        for item, weight in pairs:
-            try:
-                left = self.preparer.prepare(self.left, item.left)
-                right = self.preparer.prepare(self.right, item.right)
-                extra = {name: (p.prepare(self.left, item.left), p.prepare(self.right, item.right))
-                         for name, p in (self.plan.extra_preparers or {}).items()}
-            except Exception:  # an undecodable pair is skipped, never a dead worker
-                stats["errors"] += 1
-                continue
-            rows.append((item, weight, left, right, extra))
+        pairs = iter(pairs)
+        # As many pairs at a time as the batch still needs: the same batches as one pair at a time,
+        # their images decoded a run at a time (`prepare_each`).
+        while chunk := list(itertools.islice(pairs, self.batch_size - len(rows))):
+            for (item, weight), prepared in zip(chunk, self._prepared([item for item, _ in chunk])):
+                if prepared is None:  # an undecodable pair is skipped, never a dead worker
+                    stats["errors"] += 1
+                    continue
+                rows.append((item, weight, *prepared))
             if len(rows) == self.batch_size:
                 yield self._emit(rows, self._take(stats))
                 rows = []
