@@ -146,7 +146,7 @@ class OpenClipPreparer:
     def prepare_many(self, modality: str, values: list) -> list:
         """`prepare` of each value, in order, with the exception it raised in place of a failed one's
         item. Images a run at a time (`IMAGE_RUN`): the run's decodes back to back, then their
-        resizes - in a worker 0.06-0.14 ms an image less than alternating the two (docs/benchmarks.md)."""
+        resizes - in a worker 0.05-0.11 ms an image less than alternating the two (docs/benchmarks.md)."""
         if modality != "image":
             return list(values)
         prepared, run, held = [], [], 0
