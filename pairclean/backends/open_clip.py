@@ -150,12 +150,18 @@ class OpenClipPreparer:
         if modality != "image":
             return list(values)
         prepared, run, held = [], [], 0
+
+        def finish_run() -> None:
+            prepared.extend(item if isinstance(item, Exception) else attempted(self._finished, item) for item in run)
+            run.clear()
+
         for value in values:
             run.append(attempted(self._opened, value))
             held += _held_bytes(run[-1])
-            if len(run) == IMAGE_RUN or held >= IMAGE_RUN_BYTES or len(prepared) + len(run) == len(values):
-                prepared.extend(item if isinstance(item, Exception) else attempted(self._finished, item) for item in run)
-                run, held = [], 0
+            if len(run) == IMAGE_RUN or held >= IMAGE_RUN_BYTES:
+                finish_run()
+                held = 0
+        finish_run()
         return prepared
 
     def _opened(self, value):

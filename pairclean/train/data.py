@@ -199,12 +199,12 @@ class TrainBatches(IterableDataset):
                         prepare_each(p, self.right, [item.right for item in items])) for name, p in preparers.items()}
         prepared = []
         for i in range(len(items)):
-            pairs = {name: (left[i], right[i]) for name, (left, right) in sides.items()}
-            if any(isinstance(value, Exception) for pair in pairs.values() for value in pair):
+            by_preparer = {name: (left[i], right[i]) for name, (left, right) in sides.items()}
+            if any(isinstance(value, Exception) for pair in by_preparer.values() for value in pair):
                 prepared.append(None)
                 continue
-            left, right = pairs.pop("")
-            prepared.append((left, right, pairs))
+            left, right = by_preparer.pop("")
+            prepared.append((left, right, by_preparer))
         return prepared
 
     def __iter__(self):
