@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import gzip
 import io
+import shutil
+import subprocess
 import tarfile
 from pathlib import Path
 
@@ -128,6 +130,52 @@ def test_every_mode_yields_the_same_rows_on_every_hostile_shard(tmp_path, jpeg, 
     assert keys["mixed-case-suffixes"] == ["a", "a", "b", "b"]
     assert keys["no-suffix-and-dirs"] == ["d/x", "e/x"]
     assert keys["cut-in-padding"] == ["k0"] and keys["cut-in-the-third-jpg"] == ["k0", "k1"]
+
+
+@pytest.mark.skipif(shutil.which("tar") is None, reason="GNU tar writes the sparse and long-named members")
+@pytest.mark.parametrize("writer", ["gnu", "posix", "webdataset"])
+def test_every_mode_reads_the_bytes_stored_by_gnu_tar_and_webdataset(tmp_path, jpeg, writer):
+    """Members are read from where their data lies: the bytes as stored, through GNU tar's sparse
+    members (holes read as zeros), names too long for a ustar header (GNU's long-name members,
+    PAX's path records) and webdataset's PAX header before each member; compressed shards too."""
+    import webdataset as wds
+
+    stem = "d" * 120 + "/k1"  # a name no ustar header holds
+    files = {"k0.jpg": jpeg, "k0.txt": b"a caption", f"{stem}.jpg": jpeg + bytes(300_000) + b"end",
+             f"{stem}.txt": b"the second caption"}
+    src = tmp_path / "src"
+    for name, data in files.items():
+        path = src / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "wb") as f:
+            if data.startswith(jpeg) and len(data) > len(jpeg):  # written with a hole, for tar --sparse
+                f.write(jpeg)
+                f.seek(len(data) - 3)
+                f.write(b"end")
+            else:
+                f.write(data)
+    shard = tmp_path / "shard.tar"
+    if writer == "webdataset":
+        with wds.TarWriter(str(shard)) as sink:
+            for key in ("k0", stem):
+                sink.write({"__key__": key, "jpg": files[f"{key}.jpg"], "txt": files[f"{key}.txt"]})
+    else:
+        subprocess.run(["tar", "--sparse", f"--format={writer}", "-cf", str(shard), "-C", str(src), *files],
+                       check=True)
+    holes = (src / f"{stem}.jpg").stat().st_blocks * 512 < len(files[f"{stem}.jpg"])  # as the filesystem keeps it
+    with tarfile.open(shard) as archive:
+        sparse = [m.name for m in archive.getmembers() if m.issparse()]
+    assert sparse == ([f"{stem}.jpg"] if holes and writer != "webdataset" else [])  # the case is the one meant
+    gz = tmp_path / "shard.tar.gz"
+    gz.write_bytes(gzip.compress(shard.read_bytes()))
+    for path in (str(shard), str(gz)):
+        stored = [{f"{s.key}.{suffix}": data for suffix, data in s.members.items()} for s in read_samples(path, raise_failure)]
+        assert stored == [{n: files[n] for n in files if n.startswith(key + ".")} for key in ("k0", stem)]
+        listed = [s.members for s in list_samples(path, raise_failure)]
+        assert listed == [{"jpg": len(files[f"{key}.jpg"]), "txt": len(files[f"{key}.txt"])} for key in ("k0", stem)]
+        pairs = list(Dataset(DatasetSpec("webdataset", [path])).read(path))
+        assert [(p.key, p.left, p.right) for p in pairs] == [
+            (key, files[f"{key}.jpg"], files[f"{key}.txt"].decode()) for key in ("k0", stem)]
 
 
 def test_raw_samples_are_the_members_as_stored_and_listing_their_sizes(tmp_path, jpeg):

@@ -110,12 +110,27 @@ def _skipped(info: tarfile.TarInfo) -> bool:
 
 def present_size(archive: tarfile.TarFile, info: tarfile.TarInfo) -> int:
     """Header mode: the member's size once its last byte is known to be in the file, so that a
-    member whose data is cut off ends the listing where reading it ends the other modes."""
-    if info.size:
-        archive.fileobj.seek(info.offset_data + info.size - 1)
+    member whose data is cut off ends the listing where reading it ends the other modes. A sparse
+    member (GNU tar's `--sparse`) stores only its chunks, back to back: `size` counts its holes too."""
+    stored = sum(chunk for _, chunk in info.sparse) if info.issparse() else info.size
+    if stored:
+        archive.fileobj.seek(info.offset_data + stored - 1)
         if not archive.fileobj.read(1):
             raise tarfile.ReadError("unexpected end of data")
     return info.size
+
+
+def member_data(archive: tarfile.TarFile, info: tarfile.TarInfo) -> bytes:
+    """The member's bytes, read from the archive's file where its data starts; a sparse member's
+    through tarfile's file object (`extractfile`), which maps its holes. That object and the
+    buffered reader over it were a fifth of a worker's tar reading (docs/benchmarks.md)."""
+    if info.issparse():
+        return archive.extractfile(info).read()
+    archive.fileobj.seek(info.offset_data)
+    data = archive.fileobj.read(info.size)
+    if len(data) != info.size:
+        raise tarfile.ReadError("unexpected end of data")  # tarfile's own words for a cut member
+    return data
 
 
 def capped_bytes(archive: tarfile.TarFile, info: tarfile.TarInfo) -> bytes | Oversized:
@@ -123,23 +138,23 @@ def capped_bytes(archive: tarfile.TarFile, info: tarfile.TarInfo) -> bytes | Ove
     if info.size > values.MAX_MEMBER_BYTES:
         present_size(archive, info)
         return Oversized(info.name, info.size)
-    return archive.extractfile(info).read()
+    return member_data(archive, info)
 
 
 def whole_bytes(archive: tarfile.TarFile, info: tarfile.TarInfo) -> bytes:
     """Raw mode: the member's bytes whatever their size, since a copy must be complete."""
-    return archive.extractfile(info).read()
+    return member_data(archive, info)
 
 
 ReadMember = Callable[[tarfile.TarFile, tarfile.TarInfo], object]
 Member = tuple[str, object]  # (member name, what ReadMember made of it)
 
 
-def tar_members(url: str, member: ReadMember, allow_pipe: bool, seek: bool = False) -> Iterator[Member | UnitFailure]:
+def tar_members(url: str, member: ReadMember, allow_pipe: bool) -> Iterator[Member | UnitFailure]:
     """(name, member(archive, info)) of the shard's members in archive order, less the skipped
     ones; then, last, a UnitFailure for whatever ended the shard early (a vanished file, an
-    unreadable stream, a truncated or corrupt tar, a failing `pipe:`/curl). `seek` opens a local
-    shard for random access, so data that is not read is seeked over."""
+    unreadable stream, a truncated or corrupt tar, a failing `pipe:`/curl). A local shard is opened
+    for random access where it can be (`_opened_archive`)."""
     problem = _refusal(url, allow_pipe)
     if problem:
         yield problem
@@ -150,8 +165,7 @@ def tar_members(url: str, member: ReadMember, allow_pipe: bool, seek: bool = Fal
     reason = None
     try:
         stream = open_input(url)
-        mode = "r:*" if seek and is_local(url) else "r|*"
-        with tarfile.open(fileobj=stream, mode=mode, tarinfo=watch) as archive:
+        with _opened_archive(stream, is_local(url), watch) as archive:
             for info in archive:
                 archive.members = []  # tarfile keeps every TarInfo otherwise
                 if _skipped(info):
@@ -173,6 +187,20 @@ def tar_members(url: str, member: ReadMember, allow_pipe: bool, seek: bool = Fal
                 reason = reason or error_line(exc)
     if reason:
         yield UnitFailure(url, reason)
+
+
+def _opened_archive(stream, seekable: bool, tarinfo: type[tarfile.TarInfo]) -> tarfile.TarFile:
+    """The archive over `stream`: a seekable, uncompressed tar for random access - its members'
+    data read where it lies (`member_data`) or seeked over (`present_size`), not copied through
+    tarfile's stream buffer; else, and for a compressed or unreadable file, as a stream, whose
+    compression tarfile detects and whose errors say what is wrong with the file."""
+    if seekable:
+        try:
+            return tarfile.open(fileobj=stream, mode="r:", tarinfo=tarinfo)
+        except tarfile.ReadError:  # compressed, or not a tar: its first header did not parse
+            stream.seek(0)
+            tarinfo.stop = None
+    return tarfile.open(fileobj=stream, mode="r|*", tarinfo=tarinfo)
 
 
 # -- stage 2: samples ----------------------------------------------------------------------------
@@ -228,8 +256,7 @@ def list_samples(url: str, on_failure: OnFailure, allow_pipe: bool = False,
         suffix = base_plus_ext(info.name)[1]
         return capped_bytes(archive, info) if suffix and suffix.lower() in wanted else present_size(archive, info)
 
-    return applying(on_failure, samples(url, tar_members(url, member if wanted else present_size, allow_pipe,
-                                                         seek=True)))
+    return applying(on_failure, samples(url, tar_members(url, member if wanted else present_size, allow_pipe)))
 
 
 # -- stage 3: pairs ------------------------------------------------------------------------------
