@@ -135,6 +135,30 @@ def test_text_trim_is_refused_where_it_would_not_be_exact(tiny_estimator):
     assert not supports_text_trim(net)
 
 
+def test_the_tokenizers_word_memo_is_bounded_and_its_tokens_the_same(tiny_estimator):
+    """open_clip's tokenizer remembers the BPE of every word it meets; the estimator's forgets all but
+    its special tokens on reaching its limit (also after a trip to a spawned worker), tokens unchanged."""
+    import pickle
+
+    from pairclean.backends.open_clip import WORD_MEMO_LIMIT, BoundedWordMemo
+
+    assert isinstance(tiny_estimator.tokenizer.cache, BoundedWordMemo)
+    assert tiny_estimator.tokenizer.cache.limit == WORD_MEMO_LIMIT
+    tokenizer = pickle.loads(pickle.dumps(tiny_estimator.tokenizer))
+    tokenizer.cache = BoundedWordMemo(tokenizer.cache.kept, limit=50)
+    tokenizer = pickle.loads(pickle.dumps(tokenizer))
+    unbounded = copy.deepcopy(tokenizer)
+    unbounded.cache = dict(tokenizer.cache.kept)  # open_clip's own memo
+    rng = random.Random(0)
+    captions = [" ".join("".join(rng.choice("abcdefghij") for _ in range(6)) for _ in range(5)) + " 一張照片"
+                for _ in range(40)] + ["a photo of a cat"] * 3
+    for caption in captions:
+        assert torch.equal(tokenizer([caption]), unbounded([caption]))
+        assert len(tokenizer.cache) <= 50
+    assert tokenizer.cache.limit == 50 and len(unbounded.cache) > 200
+    assert tokenizer.cache.kept.items() <= tokenizer.cache.items() and tokenizer.cache["cat"] == "cat</w>"
+
+
 def test_oom_backoff_halves_once_keeps_the_size_and_reports_once(caplog):
     calls = []
 

@@ -206,6 +206,41 @@ class OpenClipPreparer:
                           DecodedImages.pack([items[i] for i in decoded_rows]) if decoded_rows else None, decoded_rows)
 
 
+# Words open_clip's tokenizer remembers the BPE of: 230-290 bytes each (under 30 MB a worker), 14x the
+# 7,119 words of COCO val2017's 25,014 captions.
+WORD_MEMO_LIMIT = 100_000
+
+
+class BoundedWordMemo(dict):
+    """open_clip's `SimpleTokenizer.cache` - every word it has split into BPE tokens, kept forever -
+    emptied back to its special tokens whenever it holds `limit` words. A memo only: the tokens are
+    the same. Unbounded, it grows with every new word a worker meets: 300,000 captions, each a COCO
+    caption with a new CJK phrase and a new word, left 607,119 words and 138 MB more resident;
+    bounded, 24 MB, at the same speed (docs/benchmarks.md). Web captions (names, typos, URLs, text
+    without spaces) bring new words without end."""
+
+    def __init__(self, words: dict, limit: int = WORD_MEMO_LIMIT):
+        super().__init__(words)
+        self.kept, self.limit = dict(words), limit
+
+    def __setitem__(self, word, tokens) -> None:
+        if len(self) >= self.limit:
+            self.clear()
+            self.update(self.kept)
+        super().__setitem__(word, tokens)
+
+    def __reduce__(self):
+        return type(self), (self.kept, self.limit)  # a worker starts from the special tokens
+
+
+def with_bounded_word_memo(tokenizer):
+    """`tokenizer` with its word memo bounded (`BoundedWordMemo`) where it is open_clip's own BPE
+    tokenizer; any other (a Hugging Face tokenizer bounds its own) as it is."""
+    if isinstance(getattr(tokenizer, "cache", None), dict) and hasattr(tokenizer, "bpe"):
+        tokenizer.cache = BoundedWordMemo(tokenizer.cache)
+    return tokenizer
+
+
 def _held_bytes(image) -> int:
     """What an `_opened` image holds in memory until its run is finished."""
     if isinstance(image, torch.Tensor):
@@ -465,7 +500,7 @@ class OpenClipEstimator:
         if self.device.type == "cuda":
             _for_cuda(net, self.stored_towers)
         self.model = net
-        self.tokenizer = open_clip.get_tokenizer(model)
+        self.tokenizer = with_bounded_word_memo(open_clip.get_tokenizer(model))
         self.mean, self.std, self.image_size = _normalize_params(preprocess)
         self.normalize = PixelNormalizer(self.mean, self.std)
         self.device_decoder = None
