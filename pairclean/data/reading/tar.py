@@ -62,6 +62,11 @@ class _HeaderWatch(tarfile.TarInfo):
     stop: Exception | None = None
 
     @classmethod
+    def fresh(cls) -> type["_HeaderWatch"]:
+        """A watch for one archive, its `stop` its own."""
+        return type("_Watch", (cls,), {})
+
+    @classmethod
     def fromtarfile(cls, tarfile_):
         try:
             return super().fromtarfile(tarfile_)
@@ -120,10 +125,11 @@ def present_size(archive: tarfile.TarFile, info: tarfile.TarInfo) -> int:
     return info.size
 
 
-def member_data(archive: tarfile.TarFile, info: tarfile.TarInfo) -> bytes:
-    """The member's bytes, read from the archive's file where its data starts; a sparse member's
-    through tarfile's file object (`extractfile`), which maps its holes. That object and the
-    buffered reader over it were a fifth of a worker's tar reading (docs/benchmarks.md)."""
+def whole_bytes(archive: tarfile.TarFile, info: tarfile.TarInfo) -> bytes:
+    """Raw mode: the member's bytes whatever their size, since a copy must be complete (pairs mode's
+    below its cap). Read from the archive's file where its data starts; a sparse member's through
+    tarfile's file object (`extractfile`), which maps its holes - that object and the buffered
+    reader over it were a fifth of a worker's tar reading (docs/benchmarks.md)."""
     if info.issparse():
         return archive.extractfile(info).read()
     archive.fileobj.seek(info.offset_data)
@@ -138,12 +144,7 @@ def capped_bytes(archive: tarfile.TarFile, info: tarfile.TarInfo) -> bytes | Ove
     if info.size > values.MAX_MEMBER_BYTES:
         present_size(archive, info)
         return Oversized(info.name, info.size)
-    return member_data(archive, info)
-
-
-def whole_bytes(archive: tarfile.TarFile, info: tarfile.TarInfo) -> bytes:
-    """Raw mode: the member's bytes whatever their size, since a copy must be complete."""
-    return member_data(archive, info)
+    return whole_bytes(archive, info)
 
 
 ReadMember = Callable[[tarfile.TarFile, tarfile.TarInfo], object]
@@ -159,24 +160,22 @@ def tar_members(url: str, member: ReadMember, allow_pipe: bool) -> Iterator[Memb
     if problem:
         yield problem
         return
-    watch = type("_Watch", (_HeaderWatch,), {})
     members = 0
     stream = None
     reason = None
     try:
         stream = open_input(url)
-        with _opened_archive(stream, is_local(url), watch) as archive:
+        with _opened_archive(stream, is_local(url)) as archive:
             for info in archive:
                 archive.members = []  # tarfile keeps every TarInfo otherwise
                 if _skipped(info):
                     continue
                 members += 1
                 yield info.name, member(archive, info)
-        reason = _end_of_archive_problem(watch.stop, members)
-    except (tarfile.ReadError, EOFError) as exc:  # EOFError: a cut .tar.gz opened for random access
-        cut = isinstance(exc, EOFError) or "unexpected end" in str(exc)
-        reason = (f"truncated tar: the file ends inside member data after {members} member(s)" if cut
-                  else f"unreadable tar: {error_line(exc)}")
+        reason = _end_of_archive_problem(archive.tarinfo.stop, members)
+    except tarfile.ReadError as exc:
+        reason = (f"truncated tar: the file ends inside member data after {members} member(s)"
+                  if "unexpected end" in str(exc) else f"unreadable tar: {error_line(exc)}")
     except Exception as exc:  # any way a shard can break (gopen, fsspec, gzip, a pipe): the rows read so far are kept
         reason = error_line(exc)
     finally:
@@ -189,18 +188,18 @@ def tar_members(url: str, member: ReadMember, allow_pipe: bool) -> Iterator[Memb
         yield UnitFailure(url, reason)
 
 
-def _opened_archive(stream, seekable: bool, tarinfo: type[tarfile.TarInfo]) -> tarfile.TarFile:
-    """The archive over `stream`: a seekable, uncompressed tar for random access - its members'
-    data read where it lies (`member_data`) or seeked over (`present_size`), not copied through
-    tarfile's stream buffer; else, and for a compressed or unreadable file, as a stream, whose
-    compression tarfile detects and whose errors say what is wrong with the file."""
+def _opened_archive(stream, seekable: bool) -> tarfile.TarFile:
+    """The archive over `stream`, its headers read by a `_HeaderWatch` of its own (`archive.tarinfo`):
+    a seekable, uncompressed tar for random access - its members' data read where it lies
+    (`whole_bytes`) or seeked over (`present_size`), not copied through tarfile's stream buffer;
+    else, and for a compressed or unreadable file, as a stream, whose compression tarfile detects
+    and whose errors say what is wrong with the file."""
     if seekable:
         try:
-            return tarfile.open(fileobj=stream, mode="r:", tarinfo=tarinfo)
+            return tarfile.open(fileobj=stream, mode="r:", tarinfo=_HeaderWatch.fresh())
         except tarfile.ReadError:  # compressed, or not a tar: its first header did not parse
             stream.seek(0)
-            tarinfo.stop = None
-    return tarfile.open(fileobj=stream, mode="r|*", tarinfo=tarinfo)
+    return tarfile.open(fileobj=stream, mode="r|*", tarinfo=_HeaderWatch.fresh())
 
 
 # -- stage 2: samples ----------------------------------------------------------------------------
