@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gzip
 import io
+import re
 import shutil
 import subprocess
 import tarfile
@@ -16,6 +17,7 @@ from pathlib import Path
 
 import duckdb
 import pytest
+from helpers import run_cli
 from test_hostile_inputs import _four_pairs, write_tar
 
 from pairclean.cli import main
@@ -94,6 +96,10 @@ def hostile_shards(root: Path, jpeg: bytes) -> dict[str, Path]:
     for name, members in built.items():
         shards[name] = write_tar(root / f"{name}.tar", members)
     shards["symlink-member"] = _with_symlink(root / "symlink.tar", four)
+    claim = tarfile.TarInfo("k1.jpg")
+    claim.size = 40 << 30  # the header claims 40 GB, the file ends 1,000 bytes into the data
+    shards["cut-claiming-40-gb"] = root / "cut-claiming-40-gb.tar"
+    shards["cut-claiming-40-gb"].write_bytes(full[:member + 1024] + claim.tobuf(tarfile.GNU_FORMAT) + jpeg[:1000])
     compressed = gzip.compress(full)
     for name, data in (("gzip-whole", compressed), ("gzip-cut", compressed[:len(compressed) * 2 // 3])):
         shards[name] = root / f"{name}.tar.gz"
@@ -117,7 +123,8 @@ def test_every_mode_yields_the_same_rows_on_every_hostile_shard(tmp_path, jpeg, 
     monkeypatch.setattr(values, "MAX_MEMBER_BYTES", 1000)  # every jpg is "oversized" for the pairs mode
     shards = hostile_shards(tmp_path, jpeg)
     broken = {"cut-in-member-data", "cut-in-a-header", "cut-at-a-member-boundary", "cut-in-the-third-jpg",
-              "cut-in-padding", "corrupt-header", "empty-file", "not-a-tar", "vanished", "gzip-cut"}
+              "cut-in-padding", "corrupt-header", "empty-file", "not-a-tar", "vanished", "gzip-cut",
+              "cut-claiming-40-gb"}
     for name, path in shards.items():
         modes = rows_by_mode(str(path))
         pairs = modes.pop("pairs")
@@ -176,6 +183,54 @@ def test_every_mode_reads_the_bytes_stored_by_gnu_tar_and_webdataset(tmp_path, j
         pairs = list(Dataset(DatasetSpec("webdataset", [path])).read(path))
         assert [(p.key, p.left, p.right) for p in pairs] == [
             (key, files[f"{key}.jpg"], files[f"{key}.txt"].decode()) for key in ("k0", stem)]
+
+
+def test_a_copy_allocates_no_more_than_a_member_holds(tmp_path, jpeg):
+    """A cut member whose header claims 40 GB: raw mode reads what is there (before, it asked for a
+    40 GB buffer and the shard failed as "MemoryError") and ends the shard as the other modes do."""
+    shard = str(hostile_shards(tmp_path, jpeg)["cut-claiming-40-gb"])
+    for read in (read_samples, list_samples):
+        failures: list[UnitFailure] = []
+        assert [s.key for s in read(shard, failures.append)] == ["k0"]
+        assert [f.reason for f in failures] == ["truncated tar: the file ends inside member data after 3 member(s)"]
+
+
+@pytest.mark.skipif(shutil.which("tar") is None, reason="GNU tar writes the sparse member")
+def test_a_sparse_member_a_copy_would_expand_past_the_cap_is_refused(tmp_path, jpeg, coco_src, monkeypatch,
+                                                                       capsys):
+    """A GNU sparse member stores a few bytes and declares any size, and a copy writes it out whole
+    (holes as zeros): over the cap raw mode refuses it - one line, the shard's rows before it kept -
+    where it used to fill memory. Scoring reads the pairs (the member is neither side); filter
+    stops with that reason, not "changed since it was scored"."""
+    src = tmp_path / "src"
+    src.mkdir()
+    captions = [b"a photo", b"another photo"]
+    for i, caption in enumerate(captions):
+        (src / f"k{i}.jpg").write_bytes(jpeg)
+        (src / f"k{i}.txt").write_bytes(caption)
+    with open(src / "k0.bin", "wb") as f:  # 3 MiB declared, 5 bytes written
+        f.write(b"hello")
+        f.truncate(3 << 20)
+    if (src / "k0.bin").stat().st_blocks * 512 >= 3 << 20:
+        pytest.skip("this filesystem keeps no holes")
+    shard = tmp_path / "sparse-000000.tar"
+    subprocess.run(["tar", "--sparse", "-cf", str(shard), "-C", str(src), "k0.bin", "k0.jpg", "k0.txt",
+                    "k1.jpg", "k1.txt"], check=True)
+    monkeypatch.setattr(values, "MAX_MEMBER_BYTES", 1 << 20)
+    failures: list[UnitFailure] = []
+    assert list(read_samples(str(shard), failures.append)) == []
+    reason = (r"member k0.bin is a sparse file of 3,145,728 bytes \([\d,]+ stored\), over the 1,048,576-byte "
+              r"limit of a copy; the rest of the shard was not read")
+    assert len(failures) == 1 and re.fullmatch(reason, failures[0].reason)
+    pairs = list(Dataset(DatasetSpec("webdataset", [str(shard)])).read(str(shard)))
+    assert [(p.key, p.right, p.error) for p in pairs] == [("k0", "a photo", None), ("k1", "another photo", None)]
+
+    scores = tmp_path / "scores.parquet"
+    main(["score", str(shard), "--out", str(scores), *TINY])
+    code, out, err = run_cli(["filter", str(scores), "--where", "sim > -2", "--out", str(tmp_path / "kept")], capsys)
+    assert code == 2 and "Traceback" not in err
+    assert re.search(f"cannot copy {shard}, read 0 of its 2 scored samples: {reason}", " ".join(err.split()))
+    assert not (tmp_path / "kept").exists()
 
 
 def test_raw_samples_are_the_members_as_stored_and_listing_their_sizes(tmp_path, jpeg):

@@ -125,15 +125,38 @@ def present_size(archive: tarfile.TarFile, info: tarfile.TarInfo) -> int:
     return info.size
 
 
+class RefusedMember(Exception):
+    """A member raw mode will not copy; its message is the shard's failure reason (`tar_members`)."""
+
+
+# Raw mode reads a member bigger than this in pieces of this size, so a header's claim allocates
+# nothing beyond the bytes that are there (a cut member claiming 40 GB failed as "MemoryError").
+RAW_READ_PIECE = 64 << 20
+
+
 def whole_bytes(archive: tarfile.TarFile, info: tarfile.TarInfo) -> bytes:
     """Raw mode: the member's bytes whatever their size, since a copy must be complete (pairs mode's
     below its cap). Read from the archive's file where its data starts; a sparse member's through
     tarfile's file object (`extractfile`), which maps its holes - that object and the buffered
-    reader over it were a fifth of a worker's tar reading (docs/benchmarks.md)."""
+    reader over it were a fifth of a worker's tar reading (docs/benchmarks.md). A sparse member
+    over the pairs mode's cap is refused: its copy is its full size, holes written out, and a
+    few stored bytes can declare terabytes."""
     if info.issparse():
+        if info.size > values.MAX_MEMBER_BYTES:
+            stored = sum(chunk for _, chunk in info.sparse)
+            raise RefusedMember(f"member {info.name} is a sparse file of {info.size:,} bytes ({stored:,} stored), "
+                                f"over the {values.MAX_MEMBER_BYTES:,}-byte limit of a copy; the rest of the shard "
+                                "was not read")
         return archive.extractfile(info).read()
     archive.fileobj.seek(info.offset_data)
-    data = archive.fileobj.read(info.size)
+    if info.size <= RAW_READ_PIECE:
+        data = archive.fileobj.read(info.size)
+    else:
+        pieces, left = [], info.size
+        while left and (piece := archive.fileobj.read(min(left, RAW_READ_PIECE))):
+            pieces.append(piece)
+            left -= len(piece)
+        data = b"".join(pieces)
     if len(data) != info.size:
         raise tarfile.ReadError("unexpected end of data")  # tarfile's own words for a cut member
     return data
@@ -173,6 +196,8 @@ def tar_members(url: str, member: ReadMember, allow_pipe: bool) -> Iterator[Memb
                 members += 1
                 yield info.name, member(archive, info)
         reason = _end_of_archive_problem(archive.tarinfo.stop, members)
+    except RefusedMember as exc:
+        reason = str(exc)
     except tarfile.ReadError as exc:
         reason = (f"truncated tar: the file ends inside member data after {members} member(s)"
                   if "unexpected end" in str(exc) else f"unreadable tar: {error_line(exc)}")

@@ -49,7 +49,7 @@ class TarRewriter(Rewriter):
 
     def kept_samples(self, shard: str, dec: Decisions, written: Written) -> Iterator[Sample]:
         """The kept samples of one shard, members exactly as stored."""
-        i = -1
+        i, failed = -1, len(written.read_failures)
         for i, sample in enumerate(read_samples(shard, _recorder(written.read_failures), self.spec.allow_pipe)):
             check_key(shard, dec, i, sample_key(self.spec.fields.key, sample))
             if i < len(dec.keep) and dec.keep[i]:
@@ -57,6 +57,9 @@ class TarRewriter(Rewriter):
                 written.bytes += sum(len(data) for data in sample.members.values())
                 yield sample
         if i + 1 < len(dec.scored):
+            if len(written.read_failures) > failed:  # the copy broke where scoring read on
+                raise UserError(f"cannot copy {shard}, read {i + 1} of its {len(dec.scored)} scored samples: "
+                                f"{written.read_failures[-1]['reason']}")
             raise changed(shard, f"it has {i + 1} samples, the scores have index {len(dec.scored) - 1}")
 
     def on_kept(self, shard: str, sample: Sample) -> None:
