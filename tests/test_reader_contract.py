@@ -25,6 +25,7 @@ from pairclean.curate.filter import filter_dataset
 from pairclean.data.dataset import Dataset, open_dataset
 from pairclean.data.manifest import load_manifest
 from pairclean.data.reading import values
+from pairclean.data.reading import tar as tar_reading
 from pairclean.data.reading.tar import list_samples, read_samples
 from pairclean.data.spec import DatasetSpec, UnitFailure, raise_failure
 from pairclean.data.units import Unit, UnitKind, unit_shard
@@ -185,14 +186,23 @@ def test_every_mode_reads_the_bytes_stored_by_gnu_tar_and_webdataset(tmp_path, j
             (key, files[f"{key}.jpg"], files[f"{key}.txt"].decode()) for key in ("k0", stem)]
 
 
-def test_a_copy_allocates_no_more_than_a_member_holds(tmp_path, jpeg):
+def test_a_copy_allocates_no_more_than_a_member_holds(tmp_path, jpeg, monkeypatch):
     """A cut member whose header claims 40 GB: raw mode reads what is there (before, it asked for a
-    40 GB buffer and the shard failed as "MemoryError") and ends the shard as the other modes do."""
-    shard = str(hostile_shards(tmp_path, jpeg)["cut-claiming-40-gb"])
+    40 GB buffer and the shard failed as "MemoryError") and ends the shard as the other modes do.
+    A whole member read in pieces is the member's bytes, plain and gzipped."""
+    shards = hostile_shards(tmp_path, jpeg)
+    shard = str(shards["cut-claiming-40-gb"])
     for read in (read_samples, list_samples):
         failures: list[UnitFailure] = []
         assert [s.key for s in read(shard, failures.append)] == ["k0"]
         assert [f.reason for f in failures] == ["truncated tar: the file ends inside member data after 3 member(s)"]
+    whole = [[(s.key, s.members) for s in read_samples(str(shards[name]), raise_failure)]
+             for name in ("whole", "gzip-whole")]
+    monkeypatch.setattr(tar_reading, "RAW_READ_PIECE", 1000)  # every jpg in pieces
+    assert len(jpeg) > 2000
+    assert [[(s.key, s.members) for s in read_samples(str(shards[name]), raise_failure)]
+            for name in ("whole", "gzip-whole")] == whole == [
+        [(f"k{i}", {"jpg": jpeg, "txt": f"caption {i}".encode()}) for i in range(4)]] * 2
 
 
 @pytest.mark.skipif(shutil.which("tar") is None, reason="GNU tar writes the sparse member")
