@@ -7,6 +7,7 @@ then cut or corrupted); the filter case runs `pairclean score` and `pairclean fi
 
 from __future__ import annotations
 
+import functools
 import gzip
 import io
 import re
@@ -113,7 +114,8 @@ def rows_by_mode(shard: str) -> dict[str, tuple[list[tuple[str, int, str]], bool
     items = list(Dataset(DatasetSpec("webdataset", [shard])).read(shard))
     out = {"pairs": ([(p.shard, p.index, p.key) for p in items if not isinstance(p, UnitFailure)],
                      any(isinstance(p, UnitFailure) for p in items))}
-    for mode, read in (("raw samples", read_samples), ("header listing", list_samples)):
+    for mode, read in (("raw samples", read_samples), ("header listing", list_samples),
+                       ("the copy's listing", functools.partial(list_samples, copy=True))):
         failures: list[UnitFailure] = []
         rows = [(s.shard, s.index, s.key) for s in read(shard, failures.append)]
         out[mode] = (rows, bool(failures))
@@ -210,8 +212,8 @@ def test_a_sparse_member_a_copy_would_expand_past_the_cap_is_refused(tmp_path, j
                                                                        capsys):
     """A GNU sparse member stores a few bytes and declares any size, and a copy writes it out whole
     (holes as zeros): over the cap raw mode refuses it - one line, the shard's rows before it kept -
-    where it used to fill memory. Scoring reads the pairs (the member is neither side); filter
-    stops with that reason, not "changed since it was scored"."""
+    where it used to fill memory. Scoring reads the pairs (the member is neither side); filter and
+    its dry run stop with that reason, not "changed since it was scored" or a 3 MiB dry run."""
     src = tmp_path / "src"
     src.mkdir()
     captions = [b"a photo", b"another photo"]
@@ -235,12 +237,18 @@ def test_a_sparse_member_a_copy_would_expand_past_the_cap_is_refused(tmp_path, j
     pairs = list(Dataset(DatasetSpec("webdataset", [str(shard)])).read(str(shard)))
     assert [(p.key, p.right, p.error) for p in pairs] == [("k0", "a photo", None), ("k1", "another photo", None)]
 
+    listed: list[UnitFailure] = []
+    assert list(list_samples(str(shard), listed.append)) != [] and listed == []  # counts and keys list it
+    assert list(list_samples(str(shard), listed.append, copy=True)) == [] and listed == failures
+
     scores = tmp_path / "scores.parquet"
     main(["score", str(shard), "--out", str(scores), *TINY])
-    code, out, err = run_cli(["filter", str(scores), "--where", "sim > -2", "--out", str(tmp_path / "kept")], capsys)
-    assert code == 2 and "Traceback" not in err
-    assert re.search(f"cannot copy {shard}, read 0 of its 2 scored samples: {reason}", " ".join(err.split()))
-    assert not (tmp_path / "kept").exists()
+    for dry in ([], ["--dry-run"]):  # the dry run foretells the run
+        code, out, err = run_cli(["filter", str(scores), "--where", "sim > -2", "--out", str(tmp_path / "kept"),
+                                  *dry], capsys)
+        assert code == 2 and "Traceback" not in err
+        assert re.search(f"cannot copy {shard}, read 0 of its 2 scored samples: {reason}", " ".join(err.split()))
+        assert not (tmp_path / "kept").exists()
 
 
 def test_raw_samples_are_the_members_as_stored_and_listing_their_sizes(tmp_path, jpeg):

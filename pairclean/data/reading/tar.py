@@ -129,6 +129,17 @@ class RefusedMember(Exception):
     """A member raw mode will not copy; its message is the shard's failure reason (`tar_members`)."""
 
 
+def refuse_uncopyable(info: tarfile.TarInfo) -> None:
+    """The copy's rule (raw mode, and filter's dry run that foretells it): a sparse member over the
+    pairs mode's cap is refused, since its copy is its full size, holes written out, and a few
+    stored bytes can declare terabytes."""
+    if info.issparse() and info.size > values.MAX_MEMBER_BYTES:
+        stored = sum(chunk for _, chunk in info.sparse)
+        raise RefusedMember(f"member {info.name} is a sparse file of {info.size:,} bytes ({stored:,} stored), "
+                            f"over the {values.MAX_MEMBER_BYTES:,}-byte limit of a copy; the rest of the shard "
+                            "was not read")
+
+
 # Raw mode reads a member bigger than this in pieces of this size, so a header's claim allocates
 # nothing beyond the bytes that are there (a cut member claiming 40 GB failed as "MemoryError").
 RAW_READ_PIECE = 64 << 20
@@ -138,15 +149,10 @@ def whole_bytes(archive: tarfile.TarFile, info: tarfile.TarInfo) -> bytes:
     """Raw mode: the member's bytes whatever their size, since a copy must be complete (pairs mode's
     below its cap). Read from the archive's file where its data starts; a sparse member's through
     tarfile's file object (`extractfile`), which maps its holes - that object and the buffered
-    reader over it were a fifth of a worker's tar reading (docs/benchmarks.md). A sparse member
-    over the pairs mode's cap is refused: its copy is its full size, holes written out, and a
-    few stored bytes can declare terabytes."""
+    reader over it were a fifth of a worker's tar reading (docs/benchmarks.md); one the copy's rule
+    refuses is not read (`refuse_uncopyable`)."""
     if info.issparse():
-        if info.size > values.MAX_MEMBER_BYTES:
-            stored = sum(chunk for _, chunk in info.sparse)
-            raise RefusedMember(f"member {info.name} is a sparse file of {info.size:,} bytes ({stored:,} stored), "
-                                f"over the {values.MAX_MEMBER_BYTES:,}-byte limit of a copy; the rest of the shard "
-                                "was not read")
+        refuse_uncopyable(info)
         return archive.extractfile(info).read()
     archive.fileobj.seek(info.offset_data)
     if info.size <= RAW_READ_PIECE:
@@ -270,17 +276,20 @@ def read_samples(url: str, on_failure: OnFailure, allow_pipe: bool = False) -> I
 
 
 def list_samples(url: str, on_failure: OnFailure, allow_pipe: bool = False,
-                 read: tuple[str, ...] = ()) -> Iterator[Sample]:
+                 read: tuple[str, ...] = (), copy: bool = False) -> Iterator[Sample]:
     """Header mode: the tar shard's samples with each member's size in bytes; a local shard's
     member data is seeked over, not read, except members with a suffix in `read` (e.g. `json`,
-    to take a key from it), whose bytes are given (capped like pairs mode)."""
+    to take a key from it), whose bytes are given (capped like pairs mode). `copy`: the listing
+    ends where raw mode's copy would (`refuse_uncopyable`), for a dry run that foretells it."""
     wanted = {suffix.lower() for suffix in read}
 
     def member(archive: tarfile.TarFile, info: tarfile.TarInfo):
+        if copy:
+            refuse_uncopyable(info)
         suffix = base_plus_ext(info.name)[1]
         return capped_bytes(archive, info) if suffix and suffix.lower() in wanted else present_size(archive, info)
 
-    return applying(on_failure, samples(url, tar_members(url, member if wanted else present_size, allow_pipe)))
+    return applying(on_failure, samples(url, tar_members(url, member if wanted or copy else present_size, allow_pipe)))
 
 
 # -- stage 3: pairs ------------------------------------------------------------------------------

@@ -35,6 +35,15 @@ def member_named(members: dict, ext: str) -> str | None:
     return next((k for k in members if k.lower() == ext.lower()), None)
 
 
+def _short_of_scores(shard: str, dec: Decisions, read: int, failures: list[dict]) -> UserError:
+    """Why a shard gave fewer samples than were scored: where its read broke (`failures`, this
+    shard's), the copy cannot be complete, for that reason; else it changed since it was scored."""
+    if failures:
+        return UserError(f"cannot copy {shard}, read {read} of its {len(dec.scored)} scored samples: "
+                         f"{failures[-1]['reason']}")
+    return changed(shard, f"it has {read} samples, the scores have index {len(dec.scored) - 1}")
+
+
 @rewrites(WebDatasetFormat)
 class TarRewriter(Rewriter):
     format: WebDatasetFormat
@@ -57,10 +66,7 @@ class TarRewriter(Rewriter):
                 written.bytes += sum(len(data) for data in sample.members.values())
                 yield sample
         if i + 1 < len(dec.scored):
-            if len(written.read_failures) > failed:  # the copy broke where scoring read on
-                raise UserError(f"cannot copy {shard}, read {i + 1} of its {len(dec.scored)} scored samples: "
-                                f"{written.read_failures[-1]['reason']}")
-            raise changed(shard, f"it has {i + 1} samples, the scores have index {len(dec.scored) - 1}")
+            raise _short_of_scores(shard, dec, i + 1, written.read_failures[failed:])
 
     def on_kept(self, shard: str, sample: Sample) -> None:
         """A kept sample is about to be written (a layout with per-shard metadata takes its row)."""
@@ -88,17 +94,17 @@ class TarRewriter(Rewriter):
     def kept_bytes(self, kept: KeptRows, shard: str, failures: list[dict]) -> tuple[int, np.ndarray]:
         """Dry run: (bytes of the scored samples, bytes each rule keeps) from the headers."""
         dec = kept.decisions(shard)
-        total, per_rule, i = 0, np.zeros(len(dec.flags), np.int64), -1
+        total, per_rule, i, failed = 0, np.zeros(len(dec.flags), np.int64), -1, len(failures)
         key = self.spec.fields.key
         for i, sample in enumerate(list_samples(shard, _recorder(failures), self.spec.allow_pipe,
-                                                read=self.format.key_members())):
+                                                read=self.format.key_members(), copy=True)):
             check_key(shard, dec, i, sample_key(key, sample))
             size = sum(len(v) if isinstance(v, bytes) else v for v in sample.members.values())
             if i < len(dec.scored) and dec.scored[i]:
                 total += size
                 per_rule += size * dec.flags[:, i]
         if i + 1 < len(dec.scored):
-            raise changed(shard, f"it has {i + 1} samples, the scores have index {len(dec.scored) - 1}")
+            raise _short_of_scores(shard, dec, i + 1, failures[failed:])
         return total, per_rule
 
     # -- corrupt -----------------------------------------------------------------------------
