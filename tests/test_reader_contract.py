@@ -208,8 +208,7 @@ def test_a_copy_allocates_no_more_than_a_member_holds(tmp_path, jpeg, monkeypatc
 
 
 @pytest.mark.skipif(shutil.which("tar") is None, reason="GNU tar writes the sparse member")
-def test_a_sparse_member_a_copy_would_expand_past_the_cap_is_refused(tmp_path, jpeg, coco_src, monkeypatch,
-                                                                       capsys):
+def test_a_sparse_member_a_copy_would_expand_past_the_cap_is_refused(tmp_path, jpeg, monkeypatch, capsys):
     """A GNU sparse member stores a few bytes and declares any size, and a copy writes it out whole
     (holes as zeros): over the cap raw mode refuses it - one line, the shard's rows before it kept -
     where it used to fill memory. Scoring reads the pairs (the member is neither side); filter and

@@ -113,11 +113,16 @@ def _skipped(info: tarfile.TarInfo) -> bool:
         "/" not in name and name.startswith(meta_prefix) and name.endswith(meta_suffix))
 
 
+def stored_size(info: tarfile.TarInfo) -> int:
+    """The bytes a member's data takes in the archive: its size, or a sparse member's chunks."""
+    return sum(chunk for _, chunk in info.sparse) if info.issparse() else info.size
+
+
 def present_size(archive: tarfile.TarFile, info: tarfile.TarInfo) -> int:
     """Header mode: the member's size once its last byte is known to be in the file, so that a
     member whose data is cut off ends the listing where reading it ends the other modes. A sparse
     member (GNU tar's `--sparse`) stores only its chunks, back to back: `size` counts its holes too."""
-    stored = sum(chunk for _, chunk in info.sparse) if info.issparse() else info.size
+    stored = stored_size(info)
     if stored:
         archive.fileobj.seek(info.offset_data + stored - 1)
         if not archive.fileobj.read(1):
@@ -134,14 +139,13 @@ def refuse_uncopyable(info: tarfile.TarInfo) -> None:
     pairs mode's cap is refused, since its copy is its full size, holes written out, and a few
     stored bytes can declare terabytes."""
     if info.issparse() and info.size > values.MAX_MEMBER_BYTES:
-        stored = sum(chunk for _, chunk in info.sparse)
-        raise RefusedMember(f"member {info.name} is a sparse file of {info.size:,} bytes ({stored:,} stored), "
-                            f"over the {values.MAX_MEMBER_BYTES:,}-byte limit of a copy; the rest of the shard "
-                            "was not read")
+        raise RefusedMember(f"member {info.name} is a sparse file of {info.size:,} bytes "
+                            f"({stored_size(info):,} stored), over the {values.MAX_MEMBER_BYTES:,}-byte limit of "
+                            "a copy; the rest of the shard was not read")
 
 
-# Raw mode reads a member bigger than this in pieces of this size, so a header's claim allocates
-# nothing beyond the bytes that are there (a cut member claiming 40 GB failed as "MemoryError").
+# Members are read in pieces of at most this size, so a header's claim allocates nothing beyond the
+# bytes that are there (a cut member claiming 40 GB failed as "MemoryError").
 RAW_READ_PIECE = 64 << 20
 
 
@@ -155,14 +159,11 @@ def whole_bytes(archive: tarfile.TarFile, info: tarfile.TarInfo) -> bytes:
         refuse_uncopyable(info)
         return archive.extractfile(info).read()
     archive.fileobj.seek(info.offset_data)
-    if info.size <= RAW_READ_PIECE:
-        data = archive.fileobj.read(info.size)
-    else:
-        pieces, left = [], info.size
-        while left and (piece := archive.fileobj.read(min(left, RAW_READ_PIECE))):
-            pieces.append(piece)
-            left -= len(piece)
-        data = b"".join(pieces)
+    pieces, left = [], info.size
+    while left and (piece := archive.fileobj.read(min(left, RAW_READ_PIECE))):
+        pieces.append(piece)
+        left -= len(piece)
+    data = b"".join(pieces)  # one piece: that piece, not a copy
     if len(data) != info.size:
         raise tarfile.ReadError("unexpected end of data")  # tarfile's own words for a cut member
     return data
@@ -286,10 +287,11 @@ def list_samples(url: str, on_failure: OnFailure, allow_pipe: bool = False,
     def member(archive: tarfile.TarFile, info: tarfile.TarInfo):
         if copy:
             refuse_uncopyable(info)
-        suffix = base_plus_ext(info.name)[1]
-        return capped_bytes(archive, info) if suffix and suffix.lower() in wanted else present_size(archive, info)
+        if wanted and (suffix := base_plus_ext(info.name)[1]) and suffix.lower() in wanted:
+            return capped_bytes(archive, info)
+        return present_size(archive, info)
 
-    return applying(on_failure, samples(url, tar_members(url, member if wanted or copy else present_size, allow_pipe)))
+    return applying(on_failure, samples(url, tar_members(url, member, allow_pipe)))
 
 
 # -- stage 3: pairs ------------------------------------------------------------------------------
