@@ -27,7 +27,7 @@ from pairclean.scores.contract import run_manifest_path
 from pairclean.scoring.model import score
 from pairclean.runs import PartStore, parts_dir_for
 from pairclean.scores.contract import READ_BACK
-from pairclean.scoring.parts import NON_FINITE, part_table
+from pairclean.scoring.parts import NON_FINITE, ScoredUnit, part_table
 
 SETTINGS = {"model": "m", "beta_mode": "random-inputs", "weight_fn": "cubic", "units_sha1": "x", "n_units": 2}
 
@@ -197,13 +197,13 @@ def test_resume_keeps_the_pinned_units_when_a_shard_vanished(tmp_path):
 
 def test_commit_counts_rows_and_turns_non_finite_similarities_into_errors(tmp_path):
     out = tmp_path / "s.parquet"
-    store = PartStore(parts_dir_for(out))
+    store = PartStore(parts_dir_for(out), record=ScoredUnit)
     store.begin(out, SETTINGS, ["u"])
     part = part_table({"key": ["a", "b", "c", "d"], "shard": ["u"] * 4, "index": [0, 1, 2, 3],
                        "sim": [0.5, float("nan"), None, float("inf")], "error": [None, None, "bad image", None]})
     store.commit_table("u", part.table, {"failure": None, "errors": part.errors, "null_rows": part.null_rows})
     record = store.committed()["u"]
-    assert record["rows"] == 4 and record["errors"] == 3
+    assert (record.rows, record.errors, record.null_rows) == (4, 3, 0)
     part = pq.read_table(store.part_path("u")).to_pylist()
     assert [r["error"] for r in part] == [None, NON_FINITE, "bad image", NON_FINITE]
     assert part[1]["sim"] is None

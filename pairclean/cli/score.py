@@ -72,7 +72,8 @@ def summary_table(result) -> Table:
     return table
 
 
-ScoresOut = Annotated[Path, typer.Option("--out", "-o", help="Scores Parquet to write.")]
+ScoresOut = Annotated[str, typer.Option("--out", "-o", metavar="PATH", help="Scores Parquet to write: a path, or an "
+                                        "object-store URL (s3://BUCKET/run/scores.parquet, gs://..., any fsspec URL).")]
 BetaValue = Annotated[Optional[float], typer.Option("--beta", help="beta value for --beta-mode fixed.")]
 WeightFn = Annotated[str, typer.Option(help="cubic, linear, cosine, official.")]
 Seed = Annotated[int, typer.Option(help="Seed for beta's random inputs and the GMM.")]
@@ -175,10 +176,21 @@ def score_command(
     gmm_sample: GmmSample = 1_000_000,
     rule: Rules = None,
     max_error_share: MaxErrorShare = None,
-    save_embeddings: Optional[Path] = typer.Option(None, help="Also write every pair's embeddings to this directory in clip-retrieval's "
+    save_embeddings: Optional[str] = typer.Option(None, metavar="DIR", help="Also write every pair's embeddings to this directory (or object-store URL) in clip-retrieval's "
                                                    "layout (img_emb/, text_emb/, metadata/ with key, shard, index) with the model's provenance: "
                                                    "`pairclean dedup` and `score --from-embeddings` read it."),
     embeddings_dtype: str = typer.Option("float16", help="--save-embeddings: float16 or float32."),
+    engine: str = typer.Option("local", help="Where the units are scored: local (this process, or torchrun's ranks) "
+                               "or ray (the workers of a Ray cluster; pip install 'pairclean[ray]'; docs/distributed.md)."),
+    ray_address: Optional[str] = typer.Option(None, metavar="HOST:PORT", help="--engine ray: the cluster (default: "
+                                              "$RAY_ADDRESS, else a Ray instance started on this machine)."),
+    ray_workers: Optional[int] = typer.Option(None, metavar="N", help="--engine ray: scoring workers (default: one per "
+                                              "GPU, or one per node on a cluster without GPUs)."),
+    ray_gpus: Optional[float] = typer.Option(None, metavar="F", help="--engine ray: GPUs per worker, a fraction of one "
+                                             "for small models (default: 1 where the cluster has GPUs)."),
+    group_units: Optional[int] = typer.Option(None, metavar="N", help="Units (shards, row groups) per group of "
+                                              "consecutive units whose pairs share batches (default: packed from "
+                                              "--batch-size and the readers); pinned by the run."),
     overwrite: Overwrite = False,
     resume: Resume = False,
 ) -> None:
@@ -193,7 +205,9 @@ def score_command(
                       weight_fn=weight_fn, seed=seed, gmm_sample=gmm_sample, rules=(*DEFAULT_RULES, *(rule or ())),
                       max_error_share=max_error_share, overwrite=overwrite, resume=resume,
                       compile=compile, beta_cache=beta_cache, save_embeddings=save_embeddings,
-                      embeddings_dtype=embeddings_dtype, progress=RichProgress(console))
+                      embeddings_dtype=embeddings_dtype, engine=engine, ray_address=ray_address,
+                      ray_workers=ray_workers, ray_gpus=ray_gpus, group_units=group_units,
+                      progress=RichProgress(console))
     announce(data)
     result = score(data, out, cfg)  # the run guards `out` against every input, the names given included
     if result.summary:  # under torchrun only rank 0 finalizes and reports

@@ -66,7 +66,7 @@ from pairclean.ops.records import Record
 from pairclean.scores.contract import (READ_BACK, provenance_metadata, read_metadata, scored_pairs, summary_metadata,
                                        write_run_manifest)
 from pairclean.scores.sql import duckdb_message, sandboxed_connection, sql_string
-from pairclean.runs import GroupClaims, PartStore, Run, by_rank, open_run
+from pairclean.runs import CommitRecord, GroupClaims, PartStore, Run, by_rank, open_run
 
 KEEP_ORDERS = ("cleanest", "semdedup", "random")
 DUCKDB_MEMORY = "512MB"  # the index and finalize queries spill above this, with one DuckDB thread. At
@@ -117,6 +117,16 @@ class DedupConfig:
         check_choice(self.side, SIDES, "side")
         check_choice(self.keep, KEEP_ORDERS, "keep", "keep order")
         check_choice(self.backend, BACKENDS, "backend", "k-means backend")
+
+
+@dataclass(frozen=True)
+class DedupUnit(CommitRecord):
+    """A dedup part's commit record: which stage committed it, the rows with a cluster (assign), the
+    rows removed (clusters)."""
+
+    stage: str = "assign"
+    usable: int | None = None
+    removed: int | None = None
 
 
 @dataclass(frozen=True)
@@ -231,8 +241,9 @@ def dedup(source: str | list[str] | EmbeddingSource, out: str | Path | Output, s
     settings = {**pinned_settings(cfg), "backend": backend, "layout": spec.layout, "rows": vectors.rows,
                 "dim": vectors.dim, "scores": _identity(scores)}
     # The output (with its parts directory and run manifest beside it) may touch no input.
+    # On an object store the output is uploaded at the end; the parts stay on this machine (dedup runs on one).
     run = open_run(out, [*spec.sources, *spec.inputs(), scores], settings, units, READ_BACK, unit_shard,
-                   overwrite=cfg.overwrite, resume=cfg.resume)
+                   overwrite=cfg.overwrite, resume=cfg.resume, record=DedupUnit, local_parts=True)
     out, store = run.out, run.store
     finished = distributed.on_main(run.finished)
     if finished:
@@ -269,7 +280,7 @@ def dedup(source: str | list[str] | EmbeddingSource, out: str | Path | Output, s
         embeddings=spec.record(), embedding_dim=spec.dim, side=cfg.side, threshold=cfg.threshold,
         eps=1 - cfg.threshold, keep=cfg.keep, scores=str(scores) if scores else None, seed=cfg.seed, backend=backend,
         kmeans=kmeans, scores_join=index.scores_join, world_size=distributed.world_size(),
-        work_by_rank={stage: by_rank(r for r in records if r.get("stage") == stage) for stage in ("assign", "clusters")})
+        work_by_rank={stage: by_rank(r for r in records if r.stage == stage) for stage in ("assign", "clusters")})
     summary = _finalize(run, units, index, provenance, seconds, progress)
     run.close()
     if summary.share_removed > CROWDED:

@@ -2,7 +2,9 @@
 
 Every output is written under a temp name (dot-prefixed, `.tmp-` infix, so no reader globbing
 `*.parquet` or `*.json` ever picks it up), fsynced, renamed into place, and the directory
-fsynced so the rename itself survives a power cut.
+fsynced so the rename itself survives a power cut. On an object store (`ops.places.RemotePath`)
+the temp is a local file uploaded as one object, which appears whole or not at all; a folder
+written whole is marked unfinished (`places.UNFINISHED`) until its last object is in.
 """
 
 from __future__ import annotations
@@ -13,11 +15,13 @@ import os
 import secrets
 import shutil
 import socket
+import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 
 from pairclean.errors import ConfigError, UserError
 from pairclean.ops.faults import fault_point
+from pairclean.ops.places import UNFINISHED, RemotePath
 
 TEMP_INFIX = ".tmp-"
 
@@ -80,6 +84,10 @@ def atomic_path(path: str | os.PathLike, temp_dir: str | os.PathLike | None = No
     so that a killed run's leftovers go away with it. `no_clobber`: refuse to replace a file
     that appeared at `path` in the meantime.
     """
+    if isinstance(path, RemotePath):
+        with _uploaded(path, no_clobber) as tmp:
+            yield tmp
+        return
     path = Path(path)
     tmp = temp_name(path, Path(temp_dir) if temp_dir is not None else None)
     try:
@@ -97,9 +105,41 @@ def atomic_path(path: str | os.PathLike, temp_dir: str | os.PathLike | None = No
 
 
 @contextmanager
+def _uploaded(path: RemotePath, no_clobber: bool):
+    """A local temp for an object: uploaded whole when the block ends without error."""
+    with tempfile.TemporaryDirectory(prefix="pairclean-upload-") as folder:
+        tmp = Path(folder) / f".{path.name}{TEMP_INFIX}upload"
+        yield tmp
+        fault_point("before-rename")
+        if no_clobber and path.exists():
+            raise ConfigError(f"{path} appeared while this run was writing it; pass `overwrite` to replace it",
+                              "overwrite")
+        if tmp.is_dir():
+            path.upload_tree(tmp)
+        else:
+            path.upload(tmp)
+
+
+@contextmanager
 def atomic_directory(path: str | os.PathLike, overwrite: bool = False):
     """Yield a temp sibling directory to fill; on success it replaces `path` (an existing non-empty
-    directory only with `overwrite`); on failure it is removed and `path` is left as it was."""
+    directory only with `overwrite`); on failure it is removed and `path` is left as it was.
+    On an object store the folder holds `UNFINISHED` from before its first object is replaced
+    until its last is in: readers refuse it meanwhile (a killed upload stays refused)."""
+    if isinstance(path, RemotePath):
+        if path.is_dir() and not overwrite:
+            raise ConfigError(f"{path} exists and is not empty; pass `overwrite` to replace it", "overwrite")
+        with tempfile.TemporaryDirectory(prefix="pairclean-stage-") as tmp:
+            yield Path(tmp)
+            marker = path / UNFINISHED
+            marker.write_text('{"written_by": "pairclean"}')
+            for entry in path.iterdir():
+                if entry != marker:
+                    entry.remove_tree()
+            fault_point("before-rename")
+            path.upload_tree(tmp)
+            marker.unlink()
+        return
     path = Path(path)
     if path.exists() and (not path.is_dir() or any(path.iterdir())) and not overwrite:
         raise ConfigError(f"{path} exists and is not empty; pass `overwrite` to replace it", "overwrite")
@@ -135,6 +175,6 @@ def remove_stale_temps(directory: Path) -> int:
     return removed
 
 
-def write_json(path: str | os.PathLike, obj, temp_dir: str | os.PathLike | None = None) -> None:
+def write_json(path: str | os.PathLike | RemotePath, obj, temp_dir: str | os.PathLike | None = None) -> None:
     with atomic_path(path, temp_dir=temp_dir) as tmp:
         tmp.write_text(json.dumps(obj, indent=2, sort_keys=True, default=str))

@@ -17,7 +17,9 @@ and its `file://` URL are one file. Refused, in either direction:
   front ends pass the directories the user named along with the files read from them.
 
 The same holds for an output's companions (files or directories written beside it: a scoring
-run's `<out>.parts/` and `<stem>.run.json`). `tests/test_outputs.py` walks every command's output
+run's `<out>.parts/` and `<stem>.run.json`). An output on an object store (`s3://`, `gs://`, any
+fsspec URL: `ops.places.RemotePath`) is compared with the inputs in the same store by URL, and the
+store is checked before anything is written (credentials, the bucket). `tests/test_outputs.py` walks every command's output
 options and proves each is refused this way.
 """
 
@@ -32,6 +34,7 @@ from typing import Iterable, Iterator
 
 from pairclean.errors import ConfigError, UserError
 from pairclean.ops.atomic import atomic_directory, atomic_path, write_json
+from pairclean.ops.places import RemotePath, is_remote, reachable
 from pairclean.ops.urls import local_path
 
 KINDS = ("file", "directory")
@@ -43,7 +46,7 @@ class Output:
     non-empty one (False), or leave that to the command that owns it (None: run directories that
     resume)."""
 
-    path: Path
+    path: Path | RemotePath
     field: str
     kind: str
     overwrite: bool | None
@@ -71,22 +74,26 @@ class Output:
             yield tmp
 
 
-def _resolved(path: str | Path) -> Path:
+def _resolved(path: str | Path | RemotePath) -> Path | RemotePath:
+    if isinstance(path, RemotePath):
+        return path
     return Path(os.path.realpath(os.path.expanduser(str(path))))
 
 
-def _within(path: Path, directory: Path) -> bool:
+def _within(path: Path | RemotePath, directory: Path | RemotePath) -> bool:
+    if isinstance(path, RemotePath) or isinstance(directory, RemotePath):
+        return isinstance(path, RemotePath) and isinstance(directory, RemotePath) and path.within(directory)
     return path == directory or directory in path.parents
 
 
-def _overlap(target: Path, source: Path) -> int:
+def _overlap(target: Path | RemotePath, source: Path | RemotePath) -> int:
     """How `target` (written) overlaps `source` (read): 3 it is the input, 2 it contains it, 1 it lies
     inside the input directory, 0 not at all."""
     if target == source:
         return 3
     if _within(source, target):
         return 2
-    return 1 if source.is_dir() and _within(target, source) else 0
+    return 1 if _within(target, source) and source.is_dir() else 0
 
 
 def _apart(output: Output, other: Output) -> None:
@@ -116,7 +123,9 @@ def _guard(output: Output, inputs: Iterable) -> tuple[str, ...]:
             _apart(output, given)
             continue
         path = local_path(str(given)) if given is not None else None
-        if path is None:  # none, a remote URL or a command: nothing here can overwrite it
+        if path is None and isinstance(output.path, RemotePath) and is_remote(given):
+            path = given if isinstance(given, RemotePath) else RemotePath(str(given), output.path.fs)
+        if path is None:  # none, a command, or a URL in another place than the output: nothing here can overwrite it
             continue
         source = _resolved(path)
         for written in (output.path, *output.companions):
@@ -147,13 +156,20 @@ def open_output(out: str | os.PathLike | Output, inputs: Iterable = (), field: s
     (by a front end that knows the directories the user named) is checked against these inputs
     too, and its companions with them."""
     if isinstance(out, Output):
-        more = dataclasses.replace(out, companions=out.companions + tuple(Path(c) for c in companions))
+        more = dataclasses.replace(out, companions=out.companions + tuple(
+            c if isinstance(c, RemotePath) else Path(c) for c in companions))
         return dataclasses.replace(more, inputs=_guard(more, [*out.inputs, *inputs]))
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+    if is_remote(out):
+        return _open_remote(out if isinstance(out, RemotePath) else RemotePath(str(out)), inputs, field, kind,
+                            overwrite, companions)
     path = local_path(str(out))
     if path is None:
-        raise ConfigError(f"`{field}` {out} is not a local path: pairclean writes its outputs on this machine", field)
+        raise ConfigError(f"`{field}` {out} is a command, not a place to write: give a path or an object-store URL",
+                          field)
+    if not path.strip():
+        raise ConfigError(f"`{field}` is empty: give the path to write", field)
     path = Path(os.path.expanduser(path))
     output = Output(path, field, kind, overwrite, companions=tuple(Path(c) for c in companions))
     output = dataclasses.replace(output, inputs=_guard(output, inputs))
@@ -169,6 +185,19 @@ def open_output(out: str | os.PathLike | Output, inputs: Iterable = (), field: s
         raise UserError(f"directory {path.parent} does not exist (to write {path} in)")
     if parents and not (ancestor := next(p for p in path.parents if p.exists())).is_dir():
         raise UserError(f"{ancestor} is a file: {path} cannot be created in it")
+    return output
+
+
+def _open_remote(path: RemotePath, inputs: Iterable, field: str, kind: str, overwrite: bool | None,
+                 companions: Iterable) -> Output:
+    """`open_output` for an object store: the store checked first (credentials, the bucket), then
+    the same guard as on disk, compared by URL."""
+    reachable(path, field)
+    output = Output(path, field, kind, overwrite,
+                    companions=tuple(c if isinstance(c, RemotePath) else RemotePath(str(c), path.fs) for c in companions))
+    output = dataclasses.replace(output, inputs=_guard(output, inputs))
+    if overwrite is False and path.exists():
+        raise ConfigError(f"{path} exists; pass `overwrite` to replace it", "overwrite")
     return output
 
 

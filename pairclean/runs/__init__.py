@@ -18,8 +18,9 @@ before torch starts).
 from importlib import import_module
 
 _EXPORTS = {"GroupClaims": "pairclean.runs.claims", **dict.fromkeys(
-    ("Run", "RunIdentity", "Started", "by_rank", "open_run"), "pairclean.runs.engine"), **dict.fromkeys(
-    ("PartStore", "ReadBack", "RunStart", "WrittenBy", "parts_dir_for", "settings_changes", "settings_digest"),
+    ("NODE_ENV", "Run", "RunIdentity", "Started", "by_node", "by_rank", "open_run"), "pairclean.runs.engine"),
+    **dict.fromkeys(("CommitRecord", "PartStore", "ReadBack", "RunStart", "WrittenBy", "parts_dir_for",
+                     "settings_changes", "settings_digest"),
     "pairclean.runs.store")}
 __all__ = list(_EXPORTS)
 

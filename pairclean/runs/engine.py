@@ -15,6 +15,7 @@ replaced only with `overwrite`.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import time
 from contextlib import contextmanager
@@ -26,10 +27,13 @@ import pyarrow as pa
 
 from pairclean.errors import ConfigError
 from pairclean.ops import distributed
+from pairclean.ops.cache import cache_dir
 from pairclean.ops.guard import Output, open_output
+from pairclean.ops.places import RemotePath, is_remote
 from pairclean.ops.urls import local_path
 from pairclean.runs.claims import GroupClaims
-from pairclean.runs.store import ReadBack, PartStore, file_fingerprint, parts_dir_for, units_settings
+from pairclean.runs.store import (NODE_ENV, CommitRecord, PartStore, ReadBack, file_fingerprint, parts_dir_for,
+                                  units_settings)
 
 
 @dataclass(frozen=True)
@@ -55,9 +59,10 @@ class Run:
     """One resumable run writing one output (`target`, already guarded) through a part store."""
 
     def __init__(self, target: Output, settings: dict, units: list[str], read_back: ReadBack,
-                 file_of: Callable[[str], str], overwrite: bool, resume: bool):
+                 file_of: Callable[[str], str], overwrite: bool, resume: bool,
+                 record: type[CommitRecord] = CommitRecord, parts: Path | RemotePath | None = None):
         self.target, self.out = target, target.path
-        self.store = PartStore(parts_dir_for(target.path), file_of)
+        self.store = PartStore(parts or parts_dir_for(target.path), file_of, record)
         self.settings = {**settings, **units_settings(units)}
         self.units, self.read_back, self.file_of = units, read_back, file_of
         self.overwrite, self.resume = overwrite, resume
@@ -71,16 +76,17 @@ class Run:
 
     def begin(self) -> Started:
         """Start the run or resume the unfinished one (rank 0). A committed unit whose file changed
-        since is refused: its rows would describe data that is no longer there."""
+        since is refused: its rows would describe data that is no longer there; one whose part
+        does not hold what its record says is scored again (`PartStore.verified`)."""
         start = self.store.begin(self.out, self.settings, self.units, overwrite=self.overwrite, resume=self.resume)
         units = set(start.units)
-        done = {u: r for u, r in self.store.committed().items() if u in units}
+        done = self.store.verified({u: r for u, r in self.store.committed().items() if u in units})
         self._check_unchanged(done)
         return Started(start.resumed, start.units, frozenset(done))
 
-    def _check_unchanged(self, records: dict[str, dict]) -> None:
-        changed = [u for u, rec in records.items() if rec.get("fingerprint") is not None
-                   and file_fingerprint(self.file_of(u)) not in (None, rec["fingerprint"])]
+    def _check_unchanged(self, records: dict[str, CommitRecord]) -> None:
+        changed = [u for u, rec in records.items() if rec.fingerprint is not None
+                   and file_fingerprint(self.file_of(u)) not in (None, rec.fingerprint)]
         if changed:
             raise ConfigError(f"{self.file_of(changed[0])} changed since the unfinished run scored it "
                               f"({len(changed)} unit(s) changed): pass `overwrite` to score the inputs again",
@@ -90,15 +96,12 @@ class Run:
         """Fresh claims (rank 0, after `begin`: those of a dead run are cleared)."""
         return self.store.fresh_claims(name)
 
-    def commit(self, unit: str, table: pa.Table, record: dict, fingerprint: bool = True, **write_options) -> None:
-        """Commit one unit's part (any rank): its record carries the rank and, for a unit read from
-        a file, that file's fingerprint."""
-        extra = {"rank": distributed.rank()}
-        if fingerprint:
-            extra["fingerprint"] = file_fingerprint(self.file_of(unit))
-        self.store.commit_table(unit, table, {**record, **extra}, **write_options)
+    def commit(self, unit: str, table: pa.Table, record: dict, fingerprint: bool = True,
+               **write_options) -> CommitRecord:
+        """Commit one unit's part (any rank, any Ray worker: `PartStore.commit_table`)."""
+        return self.store.commit_table(unit, table, record, fingerprint, **write_options)
 
-    def committed(self) -> dict[str, dict]:
+    def committed(self) -> dict[str, CommitRecord]:
         return self.store.committed()
 
     def identity(self) -> RunIdentity:
@@ -113,7 +116,7 @@ class Run:
         output), renamed into place when complete; an existing output is replaced only by a run
         started with `overwrite`."""
         run = self.store.run_info()
-        with self.target.write(temp_dir=self.store.dir, no_clobber=not (run and run.replaces_output)) as tmp:
+        with self.target.write(temp_dir=self.store._temps(), no_clobber=not (run and run.replaces_output)) as tmp:
             yield tmp
 
     def close(self) -> None:
@@ -121,21 +124,44 @@ class Run:
         self.store.remove()
 
 
-def by_rank(records: Iterable[dict]) -> dict[str, int]:
+def by_rank(records: Iterable[CommitRecord]) -> dict[str, int]:
     """How many of these commit records each torchrun rank wrote."""
-    ranks = [r["rank"] for r in records if "rank" in r]
+    ranks = [r.rank for r in records if r.rank is not None and r.node is None]
     return {str(r): ranks.count(r) for r in sorted(set(ranks))}
+
+
+def by_node(records: Iterable[CommitRecord]) -> dict[str, int]:
+    """How many of these commit records each Ray node wrote."""
+    nodes = [r.node for r in records if r.node is not None]
+    return {n: nodes.count(n) for n in sorted(set(nodes))}
 
 
 def open_run(out: str | os.PathLike | Output, inputs: Iterable, settings: dict, units: list[str],
              read_back: ReadBack, file_of: Callable[[str], str] = str, overwrite: bool = False,
-             resume: bool = False) -> Run:
-    """Open the run that writes `out` from `units`: the one output guard of the run, against
-    every input (files read and directories named) for the output and its companions (the parts
-    directory, the run manifest). `settings`: what a resumed run must share (the units are added);
-    `file_of`: the file a unit is read from (its fingerprint is committed with it)."""
-    local = out.path if isinstance(out, Output) else local_path(str(out))
-    path = Path(os.path.expanduser(local)) if local is not None else None  # None: open_output names the problem
-    companions = [parts_dir_for(path), read_back.manifest(path)] if path is not None else []
-    target = open_output(out, inputs, "out", overwrite=None, companions=companions)
-    return Run(target, settings, units, read_back, file_of, overwrite, resume)
+             resume: bool = False, record: type[CommitRecord] = CommitRecord, local_parts: bool = False) -> Run:
+    """Open the run that writes `out` (on disk or on an object store) from `units`: the one output
+    guard of the run, against every input (files read and directories named) for the output and
+    its companions (the parts directory, the run manifest). `settings`: what a resumed run must
+    share (the units are added); `file_of`: the file a unit is read from (its fingerprint is
+    committed with it); `record`: the owner's commit record type; `local_parts`: an output on an
+    object store keeps its parts on this machine (`local_parts_dir`: a run that works on one
+    machine, dedup, resumes there), not beside it."""
+    if isinstance(out, Output):
+        path = out.path
+    elif is_remote(out):
+        path = RemotePath(str(out))
+    else:
+        local = local_path(str(out))
+        path = Path(os.path.expanduser(local)) if local is not None and local.strip() else None  # None: open_output says why
+    parts = local_parts_dir(path) if local_parts and isinstance(path, RemotePath) else None
+    companions = [parts or parts_dir_for(path), read_back.manifest(path)] if path is not None else []
+    target = open_output(path if isinstance(path, RemotePath) else out, inputs, "out", overwrite=None,
+                         companions=[c for c in companions if c is not parts])
+    return Run(target, settings, units, read_back, file_of, overwrite, resume, record, parts)
+
+
+def local_parts_dir(out: RemotePath) -> Path:
+    """Where a run on one machine keeps the parts of an output on an object store: in the cache,
+    named after the output's URL (the same command resumes there)."""
+    digest = hashlib.sha1(out.url.encode()).hexdigest()[:16]
+    return cache_dir() / "runs" / f"{out.name}-{digest}.parts"

@@ -12,7 +12,14 @@ lock so that two processes never write the same run. Its owner keeps its own rec
     <out>.parts/run.json        run id; whether the run replaces an existing output (overwrite)
     <out>.parts/claims/N.json   who does item N (created exclusively; cleared when a run starts)
     <out>.parts/part-*.parquet + part-*.done.json   one part + commit record per unit
-    <out>.parts/lock            locked (lockf) by the live run
+    <out>.parts/lock            locked (lockf) by the live run (on disk)
+
+The parts directory lies where the output does: on disk, or on an object store
+(`ops.places.RemotePath`: `score --out s3://...`). There an object appears whole or not at all, so a
+part is uploaded whole and then its commit record; there is no lock (one driver per output: the
+Ray driver, or rank 0, hands out the work) and claims stay on the machine that makes them.
+Whatever a commit record says is checked against its part when a run resumes (the part's footer:
+its unit and its row count): a part truncated, replaced or miscounted since is scored again.
 """
 
 from __future__ import annotations
@@ -34,15 +41,19 @@ import pyarrow.parquet as pq
 from pairclean.errors import ConfigError, UserError
 from pairclean.ops.atomic import atomic_path, remove_stale_temps, write_json
 from pairclean.ops.faults import fault_point
+from pairclean.ops.notices import notice
+from pairclean.ops.places import RemotePath
 from pairclean.ops.records import Record, RecordError
 from pairclean.ops.urls import is_local
 from pairclean.runs.claims import GroupClaims
 
+NODE_ENV = "PAIRCLEAN_NODE"  # set in a Ray worker: the node its commits name
+UNIT_METADATA = b"pairclean.unit"  # a part's footer names its unit: a part copied over another unit's is caught
 UNIT_KEYS = ("units_sha1", "n_units")  # settings that describe the unit list (compared separately)
 _HELD: dict[str, int] = {}  # parts directories whose run lock this process holds -> descriptor
 
 
-def parts_dir_for(out: Path) -> Path:
+def parts_dir_for(out: Path | RemotePath) -> Path | RemotePath:
     return out.with_name(out.name + ".parts")
 
 
@@ -80,11 +91,23 @@ def file_fingerprint(path: str) -> dict | None:
     return {"size": info.st_size, "mtime_ns": info.st_mtime_ns}
 
 
-def _is_record(record) -> bool:
-    """A commit record as `PartStore.commit_table` writes it: its unit and its row counts."""
-    counts = [record.get(k) for k in ("rows", "errors")] if isinstance(record, dict) else [None]
-    return isinstance(record.get("unit") if isinstance(record, dict) else None, str) and all(
-        isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in counts)
+@dataclass(frozen=True)
+class CommitRecord(Record):
+    """part-*.done.json, written after its part: the unit is done, with these rows (`errors` of
+    them error rows), by this torchrun rank or Ray node, from a file of this fingerprint. A run's
+    owner subclasses it with its own counts (`scoring.parts.ScoredUnit`, `dedup.run.DedupUnit`)."""
+
+    what = "commit record"
+    unit: str
+    rows: int
+    errors: int = 0
+    rank: int | None = None
+    node: str | None = None
+    fingerprint: dict[str, int] | None = None
+
+    def problems(self):
+        if self.rows < 0 or not 0 <= self.errors <= self.rows:
+            yield "errors", f"{self.errors} error rows of {self.rows} rows"
 
 
 @dataclass(frozen=True)
@@ -122,10 +145,30 @@ class RunStart:
     units: list[str]
 
 
+def part_problem(source, unit: str, rows: int) -> str | None:
+    """Why a part does not hold what its commit record says (None: it does): unreadable or cut
+    short, another unit's, or another row count; read from its footer only."""
+    try:
+        meta = pq.read_metadata(source)
+    except Exception as exc:  # noqa: BLE001 - whatever a truncated or foreign file raises
+        return f"unreadable ({' '.join(str(exc).split())[:120]})"
+    written_for = (meta.metadata or {}).get(UNIT_METADATA)
+    if written_for is None or written_for.decode(errors="replace") != unit:
+        return "written for another unit" if written_for is not None else "not a part of this run"
+    if meta.num_rows != rows:
+        return f"{meta.num_rows} rows where its commit record says {rows}"
+    return None
+
+
 class PartStore:
-    def __init__(self, directory: Path, file_of: Callable[[str], str] = str):
-        self.dir = Path(directory)
+    """The parts directory of one run (see the module); `record`: the commit record type its owner reads."""
+
+    def __init__(self, directory: Path | RemotePath, file_of: Callable[[str], str] = str,
+                 record: type[CommitRecord] = CommitRecord):
+        self.dir = directory if isinstance(directory, RemotePath) else Path(directory)
+        self.remote = isinstance(self.dir, RemotePath)
         self.file_of = file_of  # a unit -> the file it is read from (a vanished one is only a failed unit)
+        self.record_type = record
         self._lock_fd: int | None = None
         self._lock_key = ""
 
@@ -133,38 +176,82 @@ class PartStore:
     def _stem(unit: str) -> str:
         return "part-" + hashlib.sha1(unit.encode()).hexdigest()[:20]
 
-    def part_path(self, unit: str) -> Path:
+    def part_path(self, unit: str) -> Path | RemotePath:
         return self.dir / f"{self._stem(unit)}.parquet"
 
-    def record_path(self, unit: str) -> Path:
+    def record_path(self, unit: str) -> Path | RemotePath:
         return self.dir / f"{self._stem(unit)}.done.json"
 
-    def committed(self) -> dict[str, dict]:
+    def open_part(self, unit: str) -> pq.ParquetFile:
+        """A committed unit's part, for reading (on disk or in the store)."""
+        path = self.part_path(unit)
+        return pq.ParquetFile(path.open() if self.remote else path)
+
+    def part_source(self, unit: str) -> str:
+        """What DuckDB reads a part from: its path on disk (parts on an object store are read with pyarrow)."""
+        if self.remote:
+            raise TypeError("parts on an object store are read through open_part")
+        return str(self.part_path(unit))
+
+    def committed(self) -> dict[str, CommitRecord]:
         """Commit records of finished units, keyed by unit (only those whose part file exists)."""
         records = {}
         if not self.dir.is_dir():
             return records
+        parts = {path.name for path in self.dir.glob("part-*.parquet")}
         for path in self.dir.glob("part-*.done.json"):
             try:
-                record = json.loads(path.read_text())
-            except (OSError, ValueError):
+                record = self.record_type.from_json(json.loads(path.read_text()), path)
+            except (OSError, ValueError, RecordError):
                 continue  # an unreadable record means the unit is redone
-            if not _is_record(record) or path != self.record_path(record["unit"]):
+            if path != self.record_path(record.unit):
                 continue  # so does one that is not a commit record of its own unit
-            if self.part_path(record["unit"]).is_file():
-                records[record["unit"]] = record
+            if self.part_path(record.unit).name in parts:
+                records[record.unit] = record
         return records
 
-    def commit_table(self, unit: str, table: pa.Table, record: dict, **write_options) -> None:
-        """Write any part (a table of rows) and then its commit record (`rows` added, and `errors`
-        0 unless the record counts error rows): the commit protocol of every run that keeps parts
-        here (scoring's scores, dedup's assignments and clusters)."""
-        with atomic_path(self.part_path(unit), temp_dir=self.dir) as tmp:
+    def verified(self, records: dict[str, CommitRecord]) -> dict[str, CommitRecord]:
+        """The records whose parts hold what they say (footers read): the others are withdrawn, so
+        their units are scored again, and named in a warning. Call before a resumed run trusts them."""
+        bad = {}
+        for unit, record in records.items():
+            path = self.part_path(unit)
+            if self.remote:
+                with path.open() as fh:
+                    problem = part_problem(fh, unit, record.rows)
+            else:
+                problem = part_problem(path, unit, record.rows)
+            if problem:
+                bad[unit] = problem
+        for unit in bad:
+            self.record_path(unit).unlink(missing_ok=True)
+        if bad:
+            first = next(iter(bad))
+            notice(f"{len(bad)} committed part(s) in {self.dir} do not hold what their commit records say (first: "
+                   f"{first}: {bad[first]}); their units are scored again")
+        return {u: r for u, r in records.items() if u not in bad}
+
+    def commit_table(self, unit: str, table: pa.Table, record: dict, fingerprint: bool = True,
+                     **write_options) -> CommitRecord:
+        """Write any part (a table of rows, its footer naming the unit) and then its commit record
+        (`rows` added, and `errors` 0 unless the record counts error rows): the commit protocol of
+        every run that keeps parts here (scoring's scores, dedup's assignments and clusters). The
+        record names who committed it (the torchrun rank, or the Ray node) and, for a unit read
+        from a file (`fingerprint`), that file's fingerprint."""
+        record = {**record, "rank": int(os.environ.get("RANK", "0")), "node": os.environ.get(NODE_ENV),
+                  "fingerprint": file_fingerprint(self.file_of(unit)) if fingerprint else None}
+        table = table.replace_schema_metadata({**(table.schema.metadata or {}), UNIT_METADATA: unit.encode()})
+        with atomic_path(self.part_path(unit), temp_dir=self._temps()) as tmp:
             pq.write_table(table, tmp, **write_options)
         fault_point("part-written")
-        write_json(self.record_path(unit), {"errors": 0, **record, "unit": unit, "rows": table.num_rows},
-                   temp_dir=self.dir)
+        committed = self.record_type(**{**record, "unit": unit, "rows": table.num_rows})
+        write_json(self.record_path(unit), committed.to_json(), temp_dir=self._temps())
         fault_point("committed")
+        return committed
+
+    def _temps(self) -> Path | None:
+        """Where a write's temp lives: the parts directory on disk (a killed run's leftovers go with it)."""
+        return None if self.remote else self.dir
 
     # -- starting, resuming, finishing ------------------------------------------------------
 
@@ -177,7 +264,7 @@ class PartStore:
         directory per process (closing any descriptor of the file drops a POSIX lock), so a
         retry in the same process after an exception takes the lock over.
         """
-        if self._lock_fd is not None:
+        if self._lock_fd is not None or self.remote:
             return
         key = str(self.dir.resolve())
         fd = _HELD.get(key)
@@ -198,14 +285,27 @@ class PartStore:
             self._lock_fd = None
 
     def _clear(self) -> None:
-        """Empty the directory except the lock file we hold."""
+        """Empty the directory except the lock file we hold (a link inside is removed, never followed)."""
         for entry in self.dir.iterdir():
             if entry.name == "lock":
                 continue
-            if entry.is_dir():
+            if self.remote:
+                entry.remove_tree()
+            elif entry.is_dir() and not entry.is_symlink():
                 shutil.rmtree(entry)
             else:
                 entry.unlink()
+
+    def check_place(self) -> None:
+        """The parts directory is a directory of the run's own: a link (to a folder the user keeps) or a
+        file is refused before anything in it is read, cleared or removed."""
+        if self.remote:
+            return
+        if self.dir.is_symlink():
+            raise ConfigError(f"{self.dir} is a symbolic link: a run keeps its parts in a directory of its own "
+                              "(it empties it when the run starts over); remove the link", "out")
+        if self.dir.exists() and not self.dir.is_dir():
+            raise ConfigError(f"{self.dir} is not a directory: a run keeps its parts there; move it away", "out")
 
     def read_record(self, name: str, kind: type | None = None) -> dict | list | None:
         """A run file as JSON (None when absent); `kind`: the type it must be. A file that is not
@@ -239,11 +339,11 @@ class PartStore:
 
     def _start(self, settings: dict, units: list[str], replaces_output: bool) -> RunStart:
         self._clear()
-        write_json(self.dir / "units.json", units, temp_dir=self.dir)
+        write_json(self.dir / "units.json", units, temp_dir=self._temps())
         write_json(self.dir / "run.json", RunInfo(uuid.uuid4().hex, replaces_output,
                                                   time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())).to_json(),
-                   temp_dir=self.dir)
-        write_json(self.dir / "settings.json", settings, temp_dir=self.dir)  # last: marks a usable run
+                   temp_dir=self._temps())
+        write_json(self.dir / "settings.json", settings, temp_dir=self._temps())  # last: marks a usable run
         return RunStart(resumed=False, units=units)
 
     def _resume(self, settings: dict, units: list[str], earlier: dict) -> RunStart:
@@ -278,6 +378,7 @@ class PartStore:
         rename and the cleanup left behind is removed here."""
         if overwrite and resume:
             raise ConfigError("resume and overwrite contradict each other: overwrite discards the unfinished run", "resume", "overwrite")
+        self.check_place()
         if overwrite:
             return False
         unfinished = (self.dir / "settings.json").is_file()
@@ -311,6 +412,7 @@ class PartStore:
         """
         if overwrite and resume:
             raise ConfigError("resume and overwrite contradict each other: overwrite discards the unfinished run", "resume", "overwrite")
+        self.check_place()
         existed = self.dir.is_dir()
         if existed:
             self._lock()
@@ -341,7 +443,7 @@ class PartStore:
                 self._unlock()
             raise
         finally:
-            if self._lock_fd is not None:
+            if self._lock_fd is not None and not self.remote:
                 remove_stale_temps(self.dir)
 
     def run_info(self) -> RunInfo | None:
@@ -354,7 +456,11 @@ class PartStore:
 
     def fresh_claims(self, name: str = "claims") -> GroupClaims:
         """The claims `name` of this run, with those of earlier (dead) runs cleared: call with the
-        run lock held."""
+        run lock held. Beside parts on an object store (no exclusive create there) the claims are
+        on this machine, among this process and its DataLoader workers, and each rank takes its own
+        share of the items (`GroupClaims.share`)."""
+        if self.remote:
+            return GroupClaims.on_this_machine()
         claims = self.dir / name
         if claims.is_symlink() or (claims.exists() and not claims.is_dir()):
             raise self.invalid(name, "not a directory")
@@ -364,8 +470,13 @@ class PartStore:
 
     def write_record(self, name: str, obj) -> None:
         """A run file of the owner's (beta, packing, a stage's result), written atomically."""
-        write_json(self.dir / name, obj, temp_dir=self.dir)
+        write_json(self.dir / name, obj, temp_dir=self._temps())
 
     def remove(self) -> None:
-        shutil.rmtree(self.dir, ignore_errors=True)
+        if self.remote:
+            self.dir.remove_tree()
+        elif self.dir.is_symlink():
+            self.dir.unlink()  # never the folder it points to
+        else:
+            shutil.rmtree(self.dir, ignore_errors=True)
         self._unlock()

@@ -24,6 +24,7 @@ from pairclean.data.spec import PAIR_KINDS
 from pairclean.data.record import DatasetRecord
 from pairclean.errors import UserError
 from pairclean.ops.atomic import write_json
+from pairclean.ops.places import RemotePath
 from pairclean.ops.records import Json, Record
 from pairclean.runs.store import ReadBack, WrittenBy
 from pairclean.scores.rules import DEFAULT_RULES, REGISTRY, DecisionRule, RuleRecord, recorded_rules
@@ -126,6 +127,8 @@ class Provenance(Record):
     renormalised: Renormalised | None = None  # scores from embeddings
     world_size: int | None = None
     units_by_rank: dict[str, int] | None = None  # units this run scored, by the torchrun rank that claimed them
+    engine: str | None = None  # where the units were scored: local (this process or torchrun ranks) or ray
+    units_by_node: dict[str, int] | None = None  # units this run scored, by the Ray node that scored them
     pairclean_version: str | None = None
     beta: float | None = None
     beta_std: float | None = None
@@ -261,7 +264,7 @@ def flagged_summary(records: list[RuleRecord], flagged: dict[str, int], scored: 
             "flagged": dict(flagged), "share_flagged": share}
 
 
-def run_manifest_path(out: Path) -> Path:
+def run_manifest_path(out: Path | RemotePath) -> Path | RemotePath:
     return out.with_name(out.stem + ".run.json")
 
 
@@ -281,8 +284,12 @@ def write_run_manifest(out: Path, summary: Record, provenance: Record, temp_dir:
                                         "provenance": provenance.to_json()}, temp_dir=temp_dir)
 
 
-def _metadata(scores: str | Path) -> tuple[dict, dict]:
-    meta = pq.read_metadata(scores)
+def _metadata(scores: str | Path | RemotePath) -> tuple[dict, dict]:
+    if isinstance(scores, RemotePath):
+        with scores.open() as fh:
+            meta = pq.read_metadata(fh)
+    else:
+        meta = pq.read_metadata(scores)
     return meta.schema.to_arrow_schema().metadata or {}, meta.metadata or {}  # schema metadata: written first
 
 

@@ -32,6 +32,7 @@ from pairclean.errors import ConfigError, UserError
 from pairclean.ops.guard import Output
 from pairclean.ops.notices import notice
 from pairclean.scores.contract import Renormalised
+from pairclean.scoring.parts import ScoredUnit
 from pairclean.scoring.run import Commit, Finishing, Producer, RunConfig, ScoreResult, Work, run_scoring
 
 UNIT_TOLERANCE = 1e-2  # |norm - 1| above this is "not unit length" (float16 storage rounds to ~1e-3)
@@ -250,7 +251,7 @@ class EmbeddingsProducer(Producer):
         beta = random_embeddings_beta(rand, self.cfg.batch_rows)
         return beta, f"computed from random-input embeddings supplied by the user ({', '.join(rand.sources)})"
 
-    def score(self, work: Work, commit: Commit, task) -> dict[str, int]:
+    def score(self, work: Work, commit: Commit) -> dict[str, int]:
         intra_op = torch.get_num_threads()
         threads = self.cfg.threads or intra_op
         pool = ThreadPoolExecutor(threads) if threads > 1 else None
@@ -278,11 +279,12 @@ class EmbeddingsProducer(Producer):
                 pool.shutdown()
         return {}
 
-    def finish(self, records: dict[str, dict], counters: dict[str, int], todo: int,
+    def finish(self, records: dict[str, ScoredUnit], counters: dict[str, int], todo: int,
                beta: BetaEstimate | None) -> Finishing:
         units = list(records)
-        not_unit = {side: sum(records[u].get(f"not_unit_{side}", 0) for u in units) for side in ("left", "right")}
-        deviation = max((records[u].get("max_norm_deviation", 0.0) for u in units), default=0.0)
+        not_unit = {"left": sum(records[u].not_unit_left for u in units),
+                    "right": sum(records[u].not_unit_right for u in units)}
+        deviation = max((records[u].max_norm_deviation for u in units), default=0.0)
         if not_unit["left"] or not_unit["right"]:
             notice(f"{not_unit['left']:,} left and {not_unit['right']:,} right vectors were not unit length "
                    f"(largest |norm - 1| = {deviation:.3g}); they were re-normalised")

@@ -29,11 +29,12 @@ from pairclean.scores.contract import (FailedUnit, Provenance, Summary, flagged_
                                        scores_schema, summary_metadata, write_run_manifest)
 from pairclean.scores.rules import DEFAULT_RULES, FitContext, build_rules
 from pairclean.runs import PartStore, Run
+from pairclean.scoring.parts import ScoredUnit
 
 
 def _iter_parts(store: PartStore, units: list[str], columns=None, batch_size: int = 65536):
     for unit in units:
-        pf = pq.ParquetFile(store.part_path(unit))
+        pf = store.open_part(unit)
         names = pf.schema_arrow.names
         if columns is not None and not all(c in names for c in columns):  # a part from before null_sim
             for batch in pf.iter_batches(batch_size=batch_size, columns=[c for c in columns if c in names]):
@@ -109,14 +110,14 @@ def weight_columns(sim: np.ndarray, beta: float, weight_fn: str, official_scale:
     return {"sim_debiased": sd, "weight": w, "weight_norm": wn}
 
 
-def failed_units(units: list[str], records: dict[str, dict]) -> list[FailedUnit]:
+def failed_units(units: list[str], records: dict[str, ScoredUnit]) -> list[FailedUnit]:
     """The units that broke, with their reasons and the rows they gave before (from the commit records)."""
-    return [FailedUnit(unit=u, reason=records[u]["failure"], rows=records[u]["rows"])
-            for u in units if records[u].get("failure")]
+    return [FailedUnit(unit=u, reason=records[u].failure, rows=records[u].rows)
+            for u in units if records[u].failure]
 
 
 def finalize(run: Run, units: list[str], beta: BetaEstimate, weight_fn: str, seed: int, gmm_sample: int,
-             provenance: dict, records: dict[str, dict], rules: Sequence[str] = DEFAULT_RULES) -> Summary:
+             provenance: dict, records: dict[str, ScoredUnit], rules: Sequence[str] = DEFAULT_RULES) -> Summary:
     """Write the run's scores Parquet + run manifest; returns the run summary.
 
     `rules` are decision-rule specs (`pairclean.scores.rules`), fitted on the sample and written in
@@ -129,10 +130,10 @@ def finalize(run: Run, units: list[str], beta: BetaEstimate, weight_fn: str, see
     """
     store = run.store
     deciders = build_rules(rules)
-    n_rows = sum(records[u]["rows"] for u in units)
-    n_errors = sum(records[u]["errors"] for u in units)
+    n_rows = sum(records[u].rows for u in units)
+    n_errors = sum(records[u].errors for u in units)
     n_valid = n_rows - n_errors
-    n_null = sum(records[u].get("null_rows", 0) for u in units)
+    n_null = sum(records[u].null_rows for u in units)
     sample, null_sample, max_sim = _samples_and_max(store, units, n_valid, n_null, gmm_sample, seed)
     for rule in deciders:
         rule.fit(sample, FitContext(beta=beta.beta, seed=seed, null_sample=null_sample))

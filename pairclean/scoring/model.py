@@ -24,6 +24,7 @@ from pairclean.backends.base import file_sha256, resolve_precision
 from pairclean.backends.device_jpeg import auto_workers, check_cpu_decode_share, pinned_decoding
 from pairclean.ops.faults import slow_point
 from pairclean.ops.guard import Output, open_output
+from pairclean.ops.places import RemotePath, is_remote
 from pairclean.ops import distributed
 from pairclean.ops.notices import notice_once
 from pairclean.ops.measure import StageMeter
@@ -37,8 +38,26 @@ from pairclean.errors import ConfigError
 from pairclean.ops.atomic import remove_stale_temps, write_json
 from pairclean.scoring.beta_cache import BetaCache, cached_random_input_beta, weights_fingerprint
 from pairclean.scoring.batches import PreparedBatches, batch_loader
+from pairclean.scoring.parts import ScoredUnit
 from pairclean.scoring.pipeline import PartSink, UnitEmbeddings, run_pipeline
+from pairclean.scoring.engines import ENGINE_NAMES, build_engine
 from pairclean.scoring.run import Commit, Finishing, Producer, RunConfig, ScoreResult, Work, run_scoring
+
+
+@dataclass(frozen=True)
+class EstimatorFacts:
+    """What a run records of its estimator, taken where it was built (this process or a Ray worker)."""
+
+    provenance: dict
+    weights_sha1: str | None
+    preprocessing: str | None
+
+    @classmethod
+    def of(cls, estimator) -> EstimatorFacts:
+        model = getattr(estimator, "model", None)
+        return cls(estimator.provenance(),
+                   weights_fingerprint(model) if isinstance(model, torch.nn.Module) else None,
+                   repr(estimator.input_signature()) if hasattr(estimator, "input_signature") else None)
 
 
 @dataclass
@@ -56,15 +75,21 @@ class ScoreConfig(RunConfig):
     batch_size: int = setting(256, COUNT, pinned=False)
     workers: int | None = setting(None, at_least(0), pinned=False)  # None: auto (`auto_workers`)
     beta_k: int = setting(1024, COUNT)
-    save_embeddings: str | None = None  # directory: also write every pair's embeddings in clip-retrieval's layout
+    save_embeddings: str | None = None  # directory or object-store URL: also write every pair's embeddings in clip-retrieval's layout
     embeddings_dtype: str = "float16"  # what they are stored as
+    engine: str = unpinned("local")  # where the units are scored (`scoring.engines`): local or ray
+    ray_address: str | None = unpinned(None)  # ray: the cluster (None: RAY_ADDRESS, else a Ray started here)
+    ray_workers: int | None = setting(None, COUNT, pinned=False)  # ray: scoring workers (None: as many as the cluster fits)
+    ray_gpus: float | None = setting(None, SHARE, pinned=False)  # ray: GPUs per worker (None: 1 where the cluster has GPUs)
 
     def __post_init__(self):
         super().__post_init__()
         check_pretrained(self.pretrained)
         check_cpu_decode_share(self.cpu_decode_share, self.decode)
         check_choice(self.embeddings_dtype, EMBEDDING_DTYPES, "embeddings_dtype")
-        if self.save_embeddings is not None:  # pinned as the directory it names: a resume from elsewhere is refused
+        check_choice(self.engine, ENGINE_NAMES, "engine")
+        if self.save_embeddings is not None and not is_remote(self.save_embeddings):
+            # pinned as the directory it names: a resume from elsewhere is refused
             self.save_embeddings = os.path.abspath(str(self.save_embeddings))
 
     def resolved(self, pair: str) -> ScoreConfig:
@@ -118,6 +143,7 @@ class ModelProducer(Producer):
         self.meter = meter  # where the main process's time goes (`pairclean bench score`)
         self.embeddings = embeddings  # save_embeddings, opened through the output guard
         self._dataset = None  # the dataset's record, its files fingerprinted once (`dataset_record`)
+        self._facts = None  # the estimator's, from a Ray worker (`adopt`)
         self.built_from_config = estimator is None
         self.device_type = "cuda" if cfg.device in ("auto", "cuda") and torch.cuda.is_available() else "cpu"
 
@@ -139,10 +165,14 @@ class ModelProducer(Producer):
                 raise ConfigError(f"`save_embeddings` {directory} already holds embeddings; pass `overwrite` to "
                                   "replace them, or give another directory", "save_embeddings", "overwrite")
             for path in found:
-                shutil.rmtree(path) if path.is_dir() else path.unlink()
+                if isinstance(path, RemotePath):
+                    path.remove_tree()
+                else:
+                    shutil.rmtree(path) if path.is_dir() else path.unlink()
         directory.mkdir(exist_ok=True)
-        for folder in (directory, *(directory / name for name in LAYOUT_ENTRIES)):
-            remove_stale_temps(folder)  # a killed run's half-written block files (this run holds the lock)
+        if not isinstance(directory, RemotePath):  # an object store keeps no half-written objects
+            for folder in (directory, *(directory / name for name in LAYOUT_ENTRIES)):
+                remove_stale_temps(folder)  # a killed run's half-written block files (this run holds the lock)
         (directory / SAVED_PROVENANCE).unlink(missing_ok=True)  # a resumed run's directory is complete only at its end
         write_json(directory / UNFINISHED, {"written_by": "pairclean score"})
 
@@ -175,12 +205,23 @@ class ModelProducer(Producer):
                                              precision=cfg.precision, decode=cfg.decode, compile=cfg.compile,
                                              cpu_decode_share=cfg.cpu_decode_share)
 
-    def groups(self, units: list[str]) -> list[list[str]]:
+    def groups(self, units: list[str], processes: int) -> list[list[str]]:
         """Small units packed so that batches span them (sized from the leading units' pair counts),
         in enough groups for every DataLoader worker of every process to read one."""
         sample = units[:PACKING_SAMPLE]
         pairs = sum(self.dataset.count(unit) for unit in sample) / len(sample) if sample else 0.0
-        return pack_units(units, pairs, self.cfg.batch_size, readers=max(1, self.cfg.workers) * distributed.world_size())
+        return pack_units(units, pairs, self.cfg.batch_size, readers=max(1, self.cfg.workers) * processes)
+
+    def prepared(self) -> EstimatorFacts:
+        return EstimatorFacts.of(self.estimator)
+
+    def adopt(self, prepared: EstimatorFacts) -> None:
+        self._facts = prepared
+
+    @property
+    def facts(self) -> EstimatorFacts:
+        """What the scores and the saved embeddings record of the estimator (built here or in a worker)."""
+        return self._facts if self.estimator is None else EstimatorFacts.of(self.estimator)
 
     def random_beta(self) -> tuple[BetaEstimate, str]:
         """K random inputs per side through the estimator (cached across runs of the same weights).
@@ -205,7 +246,7 @@ class ModelProducer(Producer):
                                              cache=BetaCache() if cfg.beta_cache else None, weights_id=weights_id)
         return beta, "cache" if hit else "computed"
 
-    def score(self, work: Work, commit: Commit, task) -> dict[str, int]:
+    def score(self, work: Work, commit: Commit) -> dict[str, int]:
         spec, cfg, estimator = self.spec, self.cfg, self.estimator
         left, right = modalities(spec.pair)
         workers = min(cfg.workers, len(work.groups))
@@ -228,7 +269,7 @@ class ModelProducer(Producer):
         written = write_embedding_block(self.embeddings.path, self.block_of[unit], left, right, metadata)
         return {"embeddings": len(left), "embedding_bytes": written}
 
-    def finish(self, records: dict[str, dict], counters: dict[str, int], todo: int,
+    def finish(self, records: dict[str, ScoredUnit], counters: dict[str, int], todo: int,
                beta: BetaEstimate | None) -> Finishing:
         batches = counters["batches"]
         fill = counters["batch_rows"] / (batches * self.cfg.batch_size) if batches else 0.0
@@ -238,7 +279,7 @@ class ModelProducer(Producer):
                  "workers": counters["workers"]}
         if self.embeddings is not None and beta is not None:
             extra.update(self._saved_provenance(records, beta))
-        return Finishing({"estimator": self.estimator.provenance(), "pair": self.spec.pair,
+        return Finishing({"estimator": self.facts.provenance, "pair": self.spec.pair,
                           "input_shards": self.spec.shards, "dataset": self.dataset_record()}, extra)
 
     def dataset_record(self):
@@ -247,23 +288,21 @@ class ModelProducer(Producer):
             self._dataset = self.dataset.record(fingerprint=True)
         return self._dataset
 
-    def _saved_provenance(self, records: dict[str, dict], beta: BetaEstimate) -> dict:
+    def _saved_provenance(self, records: dict[str, ScoredUnit], beta: BetaEstimate) -> dict:
         """DIR/provenance.json, written when every unit is committed (its presence marks the
         directory complete): the model, its weights' hash, the preprocessing, the run's beta."""
-        estimator, cfg = self.estimator, self.cfg
-        rows = sum(r.get("embeddings", 0) for r in records.values())
-        written = sum(r.get("embedding_bytes", 0) for r in records.values())
-        model = getattr(estimator, "model", None)
+        facts, cfg = self.facts, self.cfg
+        rows = sum(r.embeddings for r in records.values())
+        written = sum(r.embedding_bytes for r in records.values())
         left, right = modalities(self.spec.pair)
         provenance = SavedEmbeddings(
-            written_by="pairclean score", pairclean_version=__version__, estimator=estimator.provenance(),
-            weights_sha1=weights_fingerprint(model) if isinstance(model, torch.nn.Module) else None,
-            preprocessing=repr(estimator.input_signature()) if hasattr(estimator, "input_signature") else None,
+            written_by="pairclean score", pairclean_version=__version__, estimator=facts.provenance,
+            weights_sha1=facts.weights_sha1, preprocessing=facts.preprocessing,
             pair=self.spec.pair, img_emb=left, text_emb=right, dtype=cfg.embeddings_dtype,
             normalised=True, rows=rows, bytes=written, dataset=self.dataset_record(),
             input_shards=self.spec.shards, beta=SavedBeta(**beta.as_dict()),
-            blocks={str(self.block_of[u]): SavedBlock(unit=u, rows=r.get("embeddings", 0))
-                    for u, r in records.items() if r.get("embeddings")})
+            blocks={str(self.block_of[u]): SavedBlock(unit=u, rows=r.embeddings)
+                    for u, r in records.items() if r.embeddings})
         write_json(self.embeddings.path / SAVED_PROVENANCE, provenance.to_json())
         (self.embeddings.path / UNFINISHED).unlink(missing_ok=True)  # the directory is complete
         return {"embeddings_saved": rows, "embedding_bytes": written, "embeddings_dir": str(self.embeddings.path)}
@@ -281,4 +320,6 @@ def score(source: str | list[str] | DatasetSpec | Dataset, out: str | Path | Out
     if cfg.precision == "auto":  # pinned in the settings as what it means on this machine
         cfg = replace(cfg, precision=resolve_precision(cfg.device, "auto"))
     producer = ModelProducer(dataset, cfg, estimator, embeddings, meter)
-    return run_scoring(producer, out, producer.cfg)
+    engine = build_engine(cfg.engine, **({"address": cfg.ray_address, "workers": cfg.ray_workers, "gpus": cfg.ray_gpus}
+                                         if cfg.engine == "ray" else {}))
+    return run_scoring(producer, out, producer.cfg, engine)

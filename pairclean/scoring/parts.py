@@ -17,8 +17,8 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from pairclean.core.beta import BetaEstimate
-from pairclean.ops.records import Problem, RecordError, convert
-from pairclean.runs.store import PartStore
+from pairclean.ops.records import Json, Problem, RecordError, convert
+from pairclean.runs.store import CommitRecord, PartStore
 
 PART_SCHEMA = pa.schema([
     ("key", pa.string()),
@@ -39,6 +39,22 @@ def float32_values(column) -> np.ndarray:
     if isinstance(column, np.ndarray):
         return column.astype(np.float32, copy=False)
     return np.array([np.nan if v is None else v for v in column], dtype=np.float32)
+
+
+@dataclass(frozen=True)
+class ScoredUnit(CommitRecord):
+    """A scored unit's commit record: its rows (errors among them, those that drew a null
+    partner), why the unit broke if it did (the rows read before count), its shuffled-beta sums,
+    the embeddings it saved, and what precomputed embeddings held that were not unit length."""
+
+    null_rows: int = 0
+    failure: str | None = None
+    shuffled: Json = None  # core.beta.ShuffledAccumulator.state()
+    embeddings: int = 0
+    embedding_bytes: int = 0
+    not_unit_left: int = 0
+    not_unit_right: int = 0
+    max_norm_deviation: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -73,7 +89,7 @@ def error_counts(store: PartStore, units: list[str], top: int = 5) -> list[dict]
     """The commonest error reasons of the committed parts, most frequent first."""
     counts: dict[str, int] = {}
     for unit in units:
-        column = pq.read_table(store.part_path(unit), columns=["error"]).column("error")
+        column = store.open_part(unit).read(columns=["error"]).column("error")
         for item in pc.value_counts(pc.drop_null(column.combine_chunks())).to_pylist():
             counts[item["values"]] = counts.get(item["values"], 0) + item["counts"]
     ranked = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))[:top]

@@ -16,11 +16,11 @@ from pairclean.data.record import DatasetRecord
 from pairclean.data.spec import PAIR_KINDS
 from pairclean.errors import UserError
 from pairclean.ops.atomic import atomic_path
+from pairclean.ops.places import UNFINISHED  # beside img_emb/ while a `score --save-embeddings` run writes the directory
 from pairclean.ops.records import Json, Record
 
 CLIP_RETRIEVAL = {"img_emb": "img_emb_", "text_emb": "text_emb_", "metadata": "metadata_"}  # folder -> file prefix
 SAVED_PROVENANCE = "provenance.json"  # beside img_emb/ when `score --save-embeddings` wrote the directory
-UNFINISHED = "unfinished.json"  # beside img_emb/ while a `score --save-embeddings` run is writing the directory
 
 
 @dataclass(frozen=True)
