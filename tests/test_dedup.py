@@ -5,6 +5,7 @@ search against a brute-force matrix, k-means, the whole run on real .npy files a
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -13,7 +14,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from helpers import run_cli
+from helpers import forked, run_cli
 
 from pairclean.data.embeddings import write_embeddings
 from pairclean.dedup import DedupConfig, dedup
@@ -312,3 +313,33 @@ def test_a_scores_file_given_for_the_embeddings_points_at_save_embeddings(coco_s
         f"error: {coco_scores} is a scores file: dedup reads the embeddings a scoring run saved. Score with "
         f"`pairclean score ... --save-embeddings emb/`, then `pairclean dedup emb/ --scores {coco_scores} "
         "--out dedup.parquet`")
+
+
+@pytest.mark.parametrize("damage", ["truncated", "swapped"])
+def test_dedup_parts_damaged_after_a_kill_are_redone(world, tmp_path, damage):
+    """dedup's parts go through the same engine: a damaged part is redone on resume, the rows exact."""
+    _, emb, _, scores = world
+    cfg = DedupConfig(threads=1, group_rows=100)
+    dedup(str(emb), tmp_path / "ref.parquet", scores, cfg)
+    out = tmp_path / "out.parquet"
+    assert forked(lambda: dedup(str(emb), out, scores, cfg), "committed:2") == -9  # both assignment parts in
+    parts = sorted(Path(str(out) + ".parts").glob("part-*.parquet"))
+    assert len(parts) == 2
+    if damage == "truncated":
+        parts[0].write_bytes(parts[0].read_bytes()[:-64])
+    else:
+        shutil.copyfile(parts[1], parts[0])
+    dedup(str(emb), out, scores, cfg)
+    assert pq.read_table(out).to_pylist() == pq.read_table(tmp_path / "ref.parquet").to_pylist()
+
+
+def test_dedup_refuses_a_linked_parts_directory(world, tmp_path):
+    _, emb, _, scores = world
+    keep = tmp_path / "mine"
+    keep.mkdir()
+    (keep / "a.txt").write_text("mine")
+    out = tmp_path / "d.parquet"
+    Path(str(out) + ".parts").symlink_to(keep, target_is_directory=True)
+    with pytest.raises(ConfigError, match="symbolic link"):
+        dedup(str(emb), out, scores, DedupConfig(threads=1))
+    assert (keep / "a.txt").read_text() == "mine"

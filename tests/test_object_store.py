@@ -105,3 +105,99 @@ def test_a_vanished_and_a_truncated_object_are_failed_units_with_nothing_lost(s3
     shards = [r["shard"] for r in rows]
     assert shards.count("coco-mini-000000.tar") == 6 and shards.count("coco-mini-000001.tar") == 0
     assert 0 < shards.count("coco-mini-000002.tar") < 4  # the rows before the cut are kept, and scored
+
+
+# -- outputs on the object store ------------------------------------------------------------------
+
+def _store():
+    import s3fs
+
+    return s3fs.S3FileSystem(use_listings_cache=False)
+
+
+def _local_rows(coco_shards, tmp_path) -> list[dict]:
+    out = tmp_path / "local.parquet"
+    score(str(coco_shards), out, _tiny())
+    return pq.read_table(out).to_pylist()
+
+
+def _tiny(**extra) -> ScoreConfig:
+    return ScoreConfig(model="pairclean-tiny", pretrained="none", beta_k=64, workers=0, batch_size=4, seed=0,
+                       group_units=1, **extra)
+
+
+def _remote_rows(url: str) -> list[dict]:
+    with _store().open(url.removeprefix("s3://")) as fh:
+        return pq.read_table(fh).to_pylist()
+
+
+def test_scores_written_to_the_store_resume_after_a_kill_and_match_the_disk(s3, coco_shards, tmp_path):
+    from tests.helpers import forked
+
+    fs, out = _store(), f"s3://{BUCKET}/runs/killed/scores.parquet"
+    local = _local_rows(coco_shards, tmp_path)
+    assert forked(lambda: score(str(coco_shards), out, _tiny()), "committed:2") == -9  # SIGKILL after 2 commits
+    parts = fs.ls(f"{BUCKET}/runs/killed/scores.parquet.parts", detail=False)
+    assert sum(p.endswith(".done.json") for p in parts) == 2 and not fs.exists(out)
+    assert forked(lambda: score(str(coco_shards), out, _tiny()), "finalize-batch:1") == -9  # killed while finalizing
+    assert not fs.exists(out)  # an object appears whole or not at all: nothing half-written looks complete
+    result = score(str(coco_shards), out, _tiny())  # the same command: resumes
+    assert result.resumed and _remote_rows(out) == local
+    assert not fs.exists(f"{BUCKET}/runs/killed/scores.parquet.parts") and fs.exists(f"{BUCKET}/runs/killed/scores.run.json")
+    assert score(str(coco_shards), out, _tiny()).already_complete  # and re-running it does nothing
+
+
+def test_embeddings_filter_and_dedup_on_the_store(s3, coco_shards, tmp_path):
+    from pairclean.dedup.run import DedupConfig, dedup
+    from tests.helpers import forked
+
+    fs, root = _store(), f"s3://{BUCKET}/flow"
+    score(str(coco_shards), f"{root}/scores.parquet", _tiny(save_embeddings=f"{root}/emb"))
+    score(str(coco_shards), tmp_path / "scores.parquet", _tiny(save_embeddings=str(tmp_path / "emb")))
+    for sub in ("img_emb/img_emb_0.npy", "text_emb/text_emb_2.npy", "metadata/metadata_1.parquet"):
+        assert fs.cat_file(f"{BUCKET}/flow/emb/{sub}") == (tmp_path / "emb" / sub).read_bytes()
+    assert fs.exists(f"{BUCKET}/flow/emb/provenance.json") and not fs.exists(f"{BUCKET}/flow/emb/unfinished.json")
+
+    # filter: the kept shards land whole; a killed upload leaves the folder marked unfinished, and refused
+    where = ["--where", "sim > 0"]
+    assert forked(lambda: main(["filter", f"{root}/scores.parquet", *where, "--out", f"{root}/kept"]),
+                  "uploaded:1") == -9  # killed after the first object
+    with pytest.raises(UserError, match="still being written"):
+        open_dataset(f"{root}/kept")
+    main(["filter", f"{root}/scores.parquet", *where, "--out", f"{root}/kept", "--overwrite"])
+    main(["filter", str(tmp_path / "scores.parquet"), *where, "--out", str(tmp_path / "kept")])
+    local_kept = sorted(p.name for p in (tmp_path / "kept").glob("*.tar"))
+    assert local_kept and [fs.cat_file(f"{BUCKET}/flow/kept/{n}") for n in local_kept] == \
+        [(tmp_path / "kept" / n).read_bytes() for n in local_kept]  # byte for byte
+    assert not fs.exists(f"{BUCKET}/flow/kept/unfinished.json")
+    assert len(open_dataset(f"{root}/kept").spec.shards) == len(local_kept)
+
+    # dedup: embeddings and scores read from the store, its output written there
+    cfg = DedupConfig(keep="cleanest", seed=0)
+    dedup(f"{root}/emb", f"{root}/dedup.parquet", f"{root}/scores.parquet", cfg)
+    dedup(str(tmp_path / "emb"), tmp_path / "dedup.parquet", tmp_path / "scores.parquet", cfg)
+    remote, disk = _remote_rows(f"{root}/dedup.parquet"), pq.read_table(tmp_path / "dedup.parquet").to_pylist()
+    strip = lambda rows: [{**r, "shard": r["shard"].rsplit("/", 1)[-1],  # noqa: E731
+                           "nearest_shard": (r["nearest_shard"] or "").rsplit("/", 1)[-1]} for r in rows]
+    assert len(disk) == 16 and strip(remote) == strip(disk)
+
+
+def test_a_store_that_cannot_be_written_is_refused_before_any_work(s3, coco_shards, tmp_path, monkeypatch, capsys):
+    from tests.helpers import run_cli
+
+    argv = ["score", str(coco_shards), *TINY]
+    code, _, err = run_cli([*argv, "--out", "s3://no-such-bucket-here/s.parquet"], capsys)
+    assert code == 2 and "the bucket 'no-such-bucket-here' does not exist" in err and "--out" in err
+    assert len(err.strip().splitlines()) == 1
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    import fsspec
+
+    fsspec.filesystem("s3").clear_instance_cache()
+    code, _, err = run_cli([*argv, "--out", f"s3://{BUCKET}/nocreds/s.parquet"], capsys)
+    assert code == 2 and "cannot reach the object store" in err and len(err.strip().splitlines()) == 1, err
+    code, _, err = run_cli([*argv, "--out", str(tmp_path / "s.parquet"), "--save-embeddings", f"s3://{BUCKET}/e"], capsys)
+    assert code == 2 and "--save-embeddings" in err and "cannot reach the object store" in err, err
+    assert not list(tmp_path.glob("*.parquet*"))

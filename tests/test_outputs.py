@@ -63,7 +63,7 @@ def output_options() -> set[tuple[str, str]]:
             if param.param_type_name != "option":
                 continue
             long = max(param.opts, key=len)
-            is_path = annotation(param) is Path
+            is_path = annotation(param) is Path or param.metavar in ("PATH", "DIR")  # a str option: a URL too
             if OUTPUT_FLAGS & set(param.opts) or (is_path and WRITES.search(param.help or "")):
                 found.add((" ".join(path), long))
 

@@ -93,3 +93,53 @@ def test_a_damaged_commit_record_only_redoes_its_unit(damaged, capsys):
     assert snapshot(parts) != before
     assert run_cli(argv, capsys)[0] == 0
     assert pq.read_metadata(argv[-1]).num_rows == 16
+
+
+def _parts_by_unit(parts: Path) -> dict[str, Path]:
+    """Each committed unit's part file, by unit (from its commit record)."""
+    return {json.loads(r.read_text())["unit"]: r.with_name(r.name.replace(".done.json", ".parquet"))
+            for r in sorted(parts.glob("part-*.done.json"))}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, coco_shards):
+    out = tmp_path_factory.mktemp("uninterrupted") / "scores.parquet"
+    main(["score", str(coco_shards), *TINY, "--out", str(out)])
+    return pq.read_table(out).to_pylist()
+
+
+@pytest.mark.parametrize("damage", ["truncated", "miscounted", "swapped"])
+def test_parts_that_do_not_hold_what_their_records_say_are_scored_again(damaged, reference, capsys, damage):
+    """A committed part cut short, a commit record whose row count is off, a part replaced by another
+    unit's: each unit is scored again (a warning says so), never trusted, never a crash."""
+    argv, parts = damaged
+    by_unit = _parts_by_unit(parts)  # the killed run committed one unit and wrote another's part
+    assert len(by_unit) == 1
+    (first, first_part), = by_unit.items()
+    second_part, = [p for p in parts.glob("part-*.parquet") if p != first_part]
+    if damage == "truncated":
+        first_part.write_bytes(first_part.read_bytes()[:-100])
+    elif damage == "miscounted":
+        record = first_part.with_name(first_part.name.replace(".parquet", ".done.json"))
+        value = json.loads(record.read_text())
+        record.write_text(json.dumps({**value, "rows": value["rows"] - 1}))
+    else:
+        shutil.copyfile(second_part, first_part)  # a part of the right shape, of another unit
+    code, _, err = run_cli(argv, capsys)
+    assert code == 0, err
+    assert "1 committed part(s)" in err and "scored again" in err, err
+    assert pq.read_table(argv[-1]).to_pylist() == reference  # no row lost, none twice
+
+
+def test_a_parts_directory_that_is_a_link_is_refused_and_its_target_left_alone(coco_shards, tmp_path, capsys):
+    keep = tmp_path / "my-folder"
+    (keep / "sub").mkdir(parents=True)
+    (keep / "notes.txt").write_text("mine")
+    (keep / "sub" / "data.bin").write_bytes(b"\x00" * 10)
+    out = tmp_path / "scores.parquet"
+    parts_dir_for(out).symlink_to(keep, target_is_directory=True)
+    err = refused(["score", str(coco_shards), *TINY, "--out", str(out)], capsys, keep, message="symbolic link")
+    assert "--out" in err and not out.exists()
+    err = refused(["score", str(coco_shards), *TINY, "--out", str(out), "--overwrite"], capsys, keep,
+                  message="symbolic link")
+    assert (keep / "notes.txt").read_text() == "mine"

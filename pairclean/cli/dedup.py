@@ -40,9 +40,9 @@ def dedup_command(
     source: List[str] = typer.Argument(..., metavar="EMBEDDINGS", help="Saved embeddings: a clip-retrieval layout directory "
                                        "(img_emb/, text_emb/, metadata/; `pairclean score --save-embeddings` writes one), "
                                        "LEFT.npy RIGHT.npy, or DataComp's metadata/ (.npz beside .parquet)."),
-    out: Path = typer.Option(..., "--out", "-o", help="Dedup Parquet to write: key, shard, index, cluster, group_id, "
+    out: str = typer.Option(..., "--out", "-o", metavar="PATH", help="Dedup Parquet to write (a path or an object-store URL): key, shard, index, cluster, group_id, "
                                                      "group_size, kept, nearest_key/shard/index, nearest_sim."),
-    scores: Optional[Path] = typer.Option(None, "--scores", "-s", help="Scores Parquet of these pairs: --keep cleanest keeps the "
+    scores: Optional[str] = typer.Option(None, "--scores", "-s", metavar="PATH", help="Scores Parquet of these pairs: --keep cleanest keeps the "
                                                                        "copy with the highest sim_debiased."),
     side: str = typer.Option("image", help="Duplicates by the image side (left vectors), the text side (right), or both."),
     threshold: float = typer.Option(DEFAULT_THRESHOLD, help="Duplicates: cosine above this (SemDeDup's eps = 1 - threshold)."),

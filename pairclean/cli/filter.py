@@ -22,6 +22,7 @@ from pairclean.cli.app import announce, app, console
 from pairclean.cli.terminal import literal, print_table
 from pairclean.errors import UserError
 from pairclean.ops.guard import open_output
+from pairclean.ops.places import readable
 from pairclean.scores.contract import columns_phrase
 
 if TYPE_CHECKING:
@@ -79,7 +80,7 @@ WHERE_HELP = (f"Keep pairs where this DuckDB SQL expression over the scores colu
               f"hold). Columns: {columns_phrase()}. `pairclean query SCORES --columns` lists a file's.")
 
 
-def scores_and_shards(source: list[str], scores: Path | None) -> tuple[Path, list[str] | None]:
+def scores_and_shards(source: list[str], scores: str | None) -> tuple[str, list[str] | None]:
     """(the scores file, the shards given or None): `filter scores.parquet` alone reads the
     dataset the scores recorded; `filter SHARDS --scores scores.parquet` reads SHARDS."""
     from pairclean.scores.contract import is_scores_file
@@ -87,7 +88,7 @@ def scores_and_shards(source: list[str], scores: Path | None) -> tuple[Path, lis
     if scores is not None:
         return scores, source or None
     if len(source) == 1 and is_scores_file(source[0]):
-        return Path(source[0]), None
+        return source[0], None
     if len(source) == 1 and not any(c in source[0] for c in "*?[{:") and not Path(source[0]).exists():
         raise UserError(f"{'scores file' if source[0].endswith('.parquet') else 'file or directory'} not found: "
                         f"{source[0]}")
@@ -101,8 +102,8 @@ def filter_command(
     ctx: typer.Context,
     source: List[str] = typer.Argument(..., metavar="SOURCE", help="A scores file (its dataset is read from it), or the "
                                        "shards to filter (directory, glob, list file, Parquet files, manifest) with --scores."),
-    scores: Optional[Path] = typer.Option(None, "--scores", "-s", help="Scores Parquet written by `pairclean score`, "
-                                          "when SOURCE is the shards."),
+    scores: Optional[str] = typer.Option(None, "--scores", "-s", metavar="PATH", help="Scores Parquet written by "
+                                         "`pairclean score`, when SOURCE is the shards (a path or an object-store URL)."),
     where: Optional[List[str]] = typer.Option(None, "--where", "-w", metavar="SQL", help=WHERE_HELP),
     top_fraction: Optional[float] = typer.Option(None, help="Keep this fraction of the scored pairs with the highest --by (DataComp-style)."),
     by: str = typer.Option("sim", help="Score column ranked by --top-fraction."),
@@ -111,7 +112,8 @@ def filter_command(
     keys_out: Optional[Path] = typer.Option(None, help="Also write the kept pairs' keys here: .npy (DataComp's uid "
                                             "array, for their resharder), .parquet or text."),
     attach: options.Attach = None,
-    out: Optional[Path] = typer.Option(None, "--out", "-o", help="Directory for the filtered dataset (with manifest.yaml and filter.json)."),
+    out: Optional[str] = typer.Option(None, "--out", "-o", metavar="DIR", help="Directory (or object-store URL) for the "
+                                      "filtered dataset (with manifest.yaml and filter.json)."),
     dry_run: bool = typer.Option(False, help="Print how many pairs and bytes each rule keeps; write nothing."),
     shard_size: int = typer.Option(10_000, help="WebDataset output: samples per shard at most."),
     shard_bytes: float = typer.Option(1e9, help="WebDataset output: bytes per shard at most."),
@@ -132,6 +134,7 @@ def filter_command(
     scores, shards = scores_and_shards(source, scores)
     if out is not None and not dry_run:  # the names given; filter_dataset checks the files it reads
         out = open_output(out, [*source, scores], "out", kind="directory", overwrite=overwrite)
+    scores = readable(scores)  # a scores file on an object store: its local mirror
     if not scores.is_file():
         raise UserError(f"scores file not found: {scores}")
     provenance = read_metadata(scores)[0]

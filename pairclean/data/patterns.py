@@ -13,9 +13,13 @@ from pathlib import Path
 from pairclean.data.formats import directory_files
 from pairclean.data.units import unique_shards
 from pairclean.errors import ConfigError, UserError
+from pairclean.ops.places import UNFINISHED
 from pairclean.ops.urls import not_regular
 
 MAX_PATTERN_NAMES = 1_000_000  # a brace pattern naming more shards than this is refused, not expanded
+
+
+SHARD_SUFFIXES = (".tar", ".parquet", ".tar.gz", ".tgz")  # a URL ending so names one object
 
 
 def _count_names(pattern: str) -> int:
@@ -105,19 +109,26 @@ def _expand_one(pattern: str, base: Path, allow_pipe: bool) -> list[str]:
 
 
 def _expand_url(url: str) -> list[str]:
-    """An object-store or other fsspec URL: a glob (`s3://b/x/*.tar`) or a prefix ending in `/`
-    listed through fsspec, sorted; any other URL as given (a missing object becomes a failed unit)."""
-    if not (any(ch in url for ch in "*?[") or url.endswith("/")):
+    """An object-store or other fsspec URL: a glob (`s3://b/x/*.tar`) or a prefix (ending in `/`,
+    or naming no file: `s3://b/kept`) listed through fsspec, sorted; any other URL as given (a
+    missing object becomes a failed unit). A prefix an output is still writing is refused."""
+    globbed = any(ch in url for ch in "*?[")
+    if not globbed and url.endswith(SHARD_SUFFIXES):
         return [url]
     import fsspec
 
     try:
         fs, path = fsspec.core.url_to_fs(url)
-        found = fs.glob(path) if any(ch in url for ch in "*?[") else fs.ls(path, detail=False)
+        fs.invalidate_cache()  # listings as they are now (this process may have written there since)
+        if not (globbed or url.endswith("/") or fs.isdir(path)):
+            return [url]
+        found = fs.glob(path) if globbed else fs.ls(path, detail=False)
     except (ImportError, ValueError) as exc:
         raise UserError(f"cannot list {url}: {str(exc).splitlines()[0]}") from None
     except OSError as exc:
         raise UserError(f"cannot list {url}: {exc}") from None
+    if any(p.rstrip("/").rsplit("/", 1)[-1] == UNFINISHED for p in found):
+        raise UserError(f"{url} is still being written (or its writer was stopped): it holds {UNFINISHED}")
     return sorted(fs.unstrip_protocol(p) for p in found if p.endswith((".tar", ".parquet")))
 
 

@@ -56,6 +56,7 @@ from pairclean.dedup.vectors import SIDES, Vectors, joined
 from pairclean.errors import ConfigError, UserError
 from pairclean.ops import distributed
 from pairclean.ops.atomic import atomic_path
+from pairclean.ops.places import readable
 from pairclean.ops.faults import fault_point
 from pairclean.ops.guard import Output
 from pairclean.ops.notices import notice
@@ -230,7 +231,9 @@ def dedup(source: str | list[str] | EmbeddingSource, out: str | Path | Output, s
     spec = source if isinstance(source, EmbeddingSource) else open_embeddings(source)
     distributed.init_from_env(device_type="cpu")
     progress = cfg.progress if distributed.is_main() else SILENT
-    scores = Path(scores) if scores is not None else None
+    named_scores = str(scores) if scores is not None else None
+    # A scores file on an object store is read from a local mirror (DuckDB joins it; the mirror is pinned as it).
+    scores = readable(scores) if scores is not None else None
     _check_scores(scores, cfg.keep)
     if scores is not None:  # the scores must describe the pairs these embeddings describe
         check_same_dataset(scored_pairs(read_metadata(scores)[0]), spec.pairs, f"the scores file {scores}",
@@ -278,7 +281,7 @@ def dedup(source: str | list[str] | EmbeddingSource, out: str | Path | Output, s
     provenance = DedupProvenance(
         kind=DedupProvenance.kind_written, pairclean_version=__version__, input=spec.sources, layout=spec.layout,
         embeddings=spec.record(), embedding_dim=spec.dim, side=cfg.side, threshold=cfg.threshold,
-        eps=1 - cfg.threshold, keep=cfg.keep, scores=str(scores) if scores else None, seed=cfg.seed, backend=backend,
+        eps=1 - cfg.threshold, keep=cfg.keep, scores=named_scores, seed=cfg.seed, backend=backend,
         kmeans=kmeans, scores_join=index.scores_join, world_size=distributed.world_size(),
         work_by_rank={stage: by_rank(r for r in records if r.stage == stage) for stage in ("assign", "clusters")})
     summary = _finalize(run, units, index, provenance, seconds, progress)

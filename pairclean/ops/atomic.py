@@ -114,10 +114,7 @@ def _uploaded(path: RemotePath, no_clobber: bool):
         if no_clobber and path.exists():
             raise ConfigError(f"{path} appeared while this run was writing it; pass `overwrite` to replace it",
                               "overwrite")
-        if tmp.is_dir():
-            path.upload_tree(tmp)
-        else:
-            path.upload(tmp)
+        path.upload(tmp)
 
 
 @contextmanager
@@ -136,8 +133,9 @@ def atomic_directory(path: str | os.PathLike, overwrite: bool = False):
             for entry in path.iterdir():
                 if entry != marker:
                     entry.remove_tree()
-            fault_point("before-rename")
-            path.upload_tree(tmp)
+            for file in sorted(p for p in Path(tmp).rglob("*") if p.is_file()):
+                (path / file.relative_to(tmp).as_posix()).upload(file)
+                fault_point("uploaded")
             marker.unlink()
         return
     path = Path(path)

@@ -5,7 +5,8 @@ the N-th time execution reaches `fault_point(NAME)`. Unset, a fault point is one
 Points: `before-rename` (every atomic write, after the temp is complete), `part-written`
 (a unit's part is in place, its commit record is not), `committed` (after a commit record),
 `finalize-batch` (after each record batch of the final output), `finalize-renamed` (the output
-is in place, the parts directory not yet removed). `PAIRCLEAN_FAULT_RANK=R` limits the kill to
+is in place, the parts directory not yet removed), `uploaded` (after each object of a folder
+written whole to an object store). `PAIRCLEAN_FAULT_RANK=R` limits the kill to
 the torchrun rank R (the others run on), to kill one rank of a job.
 
 `PAIRCLEAN_SLOW=R:SECONDS` makes rank R sleep SECONDS at every `slow_point` (after each scored

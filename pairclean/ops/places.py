@@ -12,8 +12,13 @@ object until after its last (`UNFINISHED`), and readers refuse a folder that hol
 from __future__ import annotations
 
 import fnmatch
+import hashlib
+import json
+import os
 import posixpath
+import shutil
 from functools import cached_property
+from pathlib import Path
 
 from pairclean.errors import UserError
 
@@ -162,9 +167,6 @@ class RemotePath:
         if self.fs.exists(self.key):
             self.fs.rm(self.key, recursive=True)
 
-    def upload_tree(self, local) -> None:
-        self.fs.put(str(local).rstrip("/") + "/", self.key + "/", recursive=True)
-
 
 def reachable(path: RemotePath, field: str) -> None:
     """Refuse, before any work starts, an object store that cannot be written: missing credentials,
@@ -172,16 +174,52 @@ def reachable(path: RemotePath, field: str) -> None:
     from pairclean.errors import ConfigError
 
     try:
-        found = path.fs.exists(path.bucket)
-    except (PermissionError, OSError, ValueError) as exc:
-        raise ConfigError(f"`{field}` {path}: cannot reach the object store ({_reason(exc)})", field) from None
-    except Exception as exc:  # noqa: BLE001 - botocore's NoCredentialsError and kin derive from none of these
-        raise ConfigError(f"`{field}` {path}: cannot reach the object store ({_reason(exc)})", field) from None
-    if not found:
+        path.fs.info(path.bucket)
+    except FileNotFoundError:
         raise ConfigError(f"`{field}` {path}: the bucket {path.bucket!r} does not exist (or these credentials "
-                          "cannot see it); create it first", field)
+                          "cannot see it); create it first", field) from None
+    except Exception as exc:  # noqa: BLE001 - botocore's NoCredentialsError, gcsfs's and fsspec's errors share no base
+        raise ConfigError(f"`{field}` {path}: cannot reach the object store ({_reason(exc)})", field) from None
 
 
 def _reason(exc: Exception) -> str:
     text = " ".join(str(exc).split()) or type(exc).__name__
     return text if len(text) <= 200 else text[:197] + "..."
+
+
+def readable(path) -> Path:
+    """A local path to read `path` from: itself, or for a file or folder on an object store its
+    mirror in pairclean's cache (what reads it needs local files: DuckDB without its network
+    extensions, memory-mapped arrays read by position)."""
+    from pairclean.ops.cache import cache_dir
+
+    return local_mirror(path, cache_dir() / "mirrors") if is_remote(path) else Path(path)
+
+
+def local_mirror(url, root: Path) -> Path:
+    """A folder on an object store mirrored under `root` (saved embeddings: memory-mapped, read by
+    position), named after the URL and what it holds (names, sizes, ETags): a folder changed since
+    is mirrored afresh, an unchanged one is reused. A folder still being written is refused."""
+    remote = url if isinstance(url, RemotePath) else RemotePath(str(url))
+    try:
+        listing = remote.fs.find(remote.key, detail=True)
+    except Exception as exc:  # noqa: BLE001 - fsspec's, botocore's and gcsfs's errors share no base
+        raise UserError(f"cannot read {remote}: {_reason(exc)}") from None
+    if not listing:
+        raise UserError(f"path not found: {remote}")
+    if f"{remote.key}/{UNFINISHED}" in listing:
+        raise UserError(f"{remote} is still being written (or its writer was stopped): it holds {UNFINISHED}")
+    held = sorted((name, info.get("size"), str(info.get("ETag") or info.get("etag") or info.get("mtime") or ""))
+                  for name, info in listing.items())
+    digest = hashlib.sha1(json.dumps([remote.url, held]).encode()).hexdigest()[:16]
+    target = root / f"{remote.name or 'mirror'}-{digest}"
+    if not target.is_dir():
+        partial = root / f".{target.name}.partial-{os.getpid()}"
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir(parents=True)
+        for name in listing:
+            local = partial / (name[len(remote.key):].lstrip("/") or remote.name)
+            local.parent.mkdir(parents=True, exist_ok=True)
+            remote.fs.get_file(name, str(local))
+        os.replace(partial, target)
+    return target / remote.name if list(listing) == [remote.key] else target

@@ -301,11 +301,12 @@ class PartStore:
         file is refused before anything in it is read, cleared or removed."""
         if self.remote:
             return
-        if self.dir.is_symlink():
-            raise ConfigError(f"{self.dir} is a symbolic link: a run keeps its parts in a directory of its own "
-                              "(it empties it when the run starts over); remove the link", "out")
-        if self.dir.exists() and not self.dir.is_dir():
-            raise ConfigError(f"{self.dir} is not a directory: a run keeps its parts there; move it away", "out")
+        if os.path.islink(self.dir):
+            raise ConfigError(f"{self.dir}, the parts directory of `out`, is a symbolic link: a run keeps its parts in "
+                              "a directory of its own (it empties it when the run starts over); remove the link", "out")
+        if os.path.lexists(self.dir) and not os.path.isdir(self.dir):
+            raise ConfigError(f"{self.dir}, the parts directory of `out`, is not a directory: a run keeps its parts "
+                              "there; move it away", "out")
 
     def read_record(self, name: str, kind: type | None = None) -> dict | list | None:
         """A run file as JSON (None when absent); `kind`: the type it must be. A file that is not

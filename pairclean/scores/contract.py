@@ -24,7 +24,7 @@ from pairclean.data.spec import PAIR_KINDS
 from pairclean.data.record import DatasetRecord
 from pairclean.errors import UserError
 from pairclean.ops.atomic import write_json
-from pairclean.ops.places import RemotePath
+from pairclean.ops.places import RemotePath, is_remote
 from pairclean.ops.records import Json, Record
 from pairclean.runs.store import ReadBack, WrittenBy
 from pairclean.scores.rules import DEFAULT_RULES, REGISTRY, DecisionRule, RuleRecord, recorded_rules
@@ -337,11 +337,17 @@ def written_by(out: Path) -> WrittenBy | None:
 # How a resumable run (`runs.open_run`) reads back the outputs written with this footer.
 READ_BACK = ReadBack(written_by, run_manifest_path)
 
+def path_is_file(path: str | Path | RemotePath) -> bool:
+    return path.is_file() if isinstance(path, RemotePath) else Path(path).is_file()
+
+
 def is_scores_file(path: str | Path) -> bool:
     """A Parquet file `pairclean score` wrote (it carries a provenance; whether that is valid is
     checked when it is read)."""
     try:
-        if not (str(path).endswith(".parquet") and Path(path).is_file()):
+        if is_remote(path):
+            path = path if isinstance(path, RemotePath) else RemotePath(str(path))
+        if not (str(path).endswith(".parquet") and path_is_file(path)):
             return False
         raw = _metadata(path)[0].get(METADATA_KEY)
         return raw is not None and _kind(json.loads(raw)) is None

@@ -30,6 +30,7 @@ import duckdb
 import pyarrow as pa
 
 from pairclean.errors import ConfigError, UserError
+from pairclean.ops.places import readable
 from pairclean.scores.contract import Provenance, Summary, read_metadata
 from pairclean.scores.sql import duckdb_message, sandboxed_connection, sql_identifier, sql_string
 
@@ -126,9 +127,6 @@ class ScoresDB:
 
     def __init__(self, scores: str | Path, truth: str | Path | None = None, truth_key: str | None = None,
                  attach: Mapping[str, list[str]] | None = None):
-        self.path = Path(scores)
-        if not self.path.is_file():
-            raise UserError(f"scores file not found: {self.path}")
         truth = resolve_truth(truth) if truth is not None else None
         attach = dict(attach or {})
         for name in attach:
@@ -136,8 +134,16 @@ class ScoresDB:
         tables = {name: files for name, files in attach.items() if all(f.endswith(".parquet") for f in files)}
         # Sorts and joins larger than memory spill here, not into a `.tmp` in the working directory.
         self._tmp = tempfile.mkdtemp(prefix="pairclean-duckdb-")
-        readable = [self.path] + ([Path(truth)] if truth is not None else []) + [Path(f) for fs in tables.values() for f in fs]
-        self.con = sandboxed_connection(self._tmp, readable)
+        try:  # a scores file on an object store is read from its local mirror (DuckDB reads local files)
+            self.path = readable(scores)
+        except UserError:
+            shutil.rmtree(self._tmp, ignore_errors=True)
+            raise
+        if not self.path.is_file():
+            shutil.rmtree(self._tmp, ignore_errors=True)
+            raise UserError(f"scores file not found: {self.path}")
+        allowed = [self.path] + ([Path(truth)] if truth is not None else []) + [Path(f) for fs in tables.values() for f in fs]
+        self.con = sandboxed_connection(self._tmp, allowed)
         self.base = "scores_file"  # what `scores` selects from: the file, or its rows joined by key to a dataset
         try:
             self.con.execute(f"CREATE VIEW scores_file AS SELECT * FROM read_parquet({sql_string(self.path)})")

@@ -57,8 +57,8 @@ def check_address(address: str | None) -> None:
     try:
         socket.create_connection((host, port), timeout=CONNECT_SECONDS).close()
     except OSError as exc:
-        raise ConfigError(f"`ray_address` {address}: no Ray cluster answers there ({exc.strerror or exc}); start one "
-                          "with `ray start --head`, or leave it unset to start Ray on this machine", "ray_address") from None
+        raise ConfigError(f"`ray_address` {address}: no Ray cluster answers there ({exc.strerror or exc}); start its "
+                          "head node (Ray's `ray start`), or leave it unset to start Ray on this machine", "ray_address") from None
 
 
 class ScoringWorker:

@@ -46,6 +46,7 @@ from pairclean.data.record import DatasetRecord
 from pairclean.data.spec import PAIR_KINDS
 from pairclean.data.units import Unit
 from pairclean.errors import ConfigError, UserError
+from pairclean.ops.places import readable
 from pairclean.ops.notices import notice
 
 
@@ -337,7 +338,9 @@ def open_embeddings(sources: str | list[str], layout: str = "auto", pair: str | 
                     left_field: str | None = None, right_field: str | None = None, key_field: str | None = None,
                     keys: str | None = None) -> EmbeddingSource:
     """Resolve and check an embeddings input once; every structural problem is a UserError here."""
-    sources = [sources] if isinstance(sources, str) else list(sources)
+    named = [sources] if isinstance(sources, str) else [str(s) for s in sources]
+    # Embeddings on an object store are read from a local mirror (memory-mapped, read by position).
+    sources = [str(readable(s)) for s in named]
     for s in sources:
         if not Path(s).exists():
             raise UserError(f"path not found: {s}")
@@ -358,7 +361,7 @@ def open_embeddings(sources: str | list[str], layout: str = "auto", pair: str | 
         raise UserError(f"the embedding files have different dimensions: {sorted(dims)}")
     return EmbeddingSource(
         layout=layout, pair=pair or found.pair or "image-text",  # else the kind the files record
-        sources=request.sources, left_field=request.left_field, right_field=request.right_field,
+        sources=tuple(named), left_field=request.left_field, right_field=request.right_field,
         key_field=key_field or next((n.key_column for n in found.npy if n.key_column), None),
         dim=dims.pop() if dims else None, reader=cls, npy=found.npy, parquet=found.parquet, keys_file=keys,
         pairs=found.pairs, saved=found.saved)

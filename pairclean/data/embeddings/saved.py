@@ -16,7 +16,7 @@ from pairclean.data.record import DatasetRecord
 from pairclean.data.spec import PAIR_KINDS
 from pairclean.errors import UserError
 from pairclean.ops.atomic import atomic_path
-from pairclean.ops.places import UNFINISHED  # beside img_emb/ while a `score --save-embeddings` run writes the directory
+from pairclean.ops.places import UNFINISHED, RemotePath  # beside img_emb/ while a `score --save-embeddings` run writes the directory
 from pairclean.ops.records import Json, Record
 
 CLIP_RETRIEVAL = {"img_emb": "img_emb_", "text_emb": "text_emb_", "metadata": "metadata_"}  # folder -> file prefix
@@ -98,14 +98,15 @@ def read_saved_provenance(directory: str | Path) -> SavedEmbeddings | None:
     return SavedEmbeddings.read(path) if path.is_file() else None
 
 
-def write_embedding_block(directory: str | Path, number: int, left: np.ndarray, right: np.ndarray,
+def write_embedding_block(directory: str | Path | RemotePath, number: int, left: np.ndarray, right: np.ndarray,
                           metadata: pa.Table | None = None, temp_dir: str | Path | None = None) -> int:
     """Write block `number` of clip-retrieval's layout under `directory` (img_emb/img_emb_N.npy,
     text_emb/text_emb_N.npy, metadata/metadata_N.parquet): row-aligned left / right vectors and
     their metadata (key, and `shard`, `index` where the pairs' dataset is known). Each file is
     written under a temp name and renamed into place, so a block is rewritten whole or not at all;
-    the bytes written. The one writer of the layout (`write_embeddings`, `score --save-embeddings`)."""
-    directory = Path(directory)
+    the bytes written (on an object store each file is one object, uploaded whole). The one writer
+    of the layout (`write_embeddings`, `score --save-embeddings`)."""
+    directory = directory if isinstance(directory, RemotePath) else Path(directory)
     if left.shape != right.shape or left.ndim != 2:
         raise UserError(f"left {left.shape} and right {right.shape} must be the same 2-D shape")
     if metadata is not None and metadata.num_rows != len(left):

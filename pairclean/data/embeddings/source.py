@@ -80,6 +80,6 @@ class EmbeddingSource:
 
     def record(self) -> DatasetRecord:
         """What a scores file records about the embeddings it scored (and the pairs they describe)."""
-        return DatasetRecord(format=self.layout, sources=[os.path.abspath(s) for s in self.sources], pair=self.pair,
+        return DatasetRecord(format=self.layout, sources=[s if "://" in s else os.path.abspath(s) for s in self.sources], pair=self.pair,
                              fields={"left": self.left_field, "right": self.right_field, "key": self.key_field},
                              key=self.key_field, pairs=self.pairs)
