@@ -118,6 +118,7 @@ def test_a_worker_node_removed_mid_run_loses_and_repeats_nothing(cluster, web, w
     try:
         _finished(proc)
         assert pq.read_table(out).to_pylist() == web_local  # every pair once, same values
+        assert read_provenance(out).workers_lost == 1
         by_node = read_provenance(out).units_by_node
         assert by_node[node] >= 2 and sum(by_node.values()) == 8 and len(by_node) == 3  # all three nodes worked
     finally:

@@ -69,6 +69,11 @@ def summary_table(result) -> Table:
             table.add_row("batches", f"{s.batches:,} ({s.full_batches:,} full, mean fill {s.mean_batch_fill:.0%}){workers}")
         if len(by_rank := result.provenance.units_by_rank or {}) > 1:
             table.add_row("units scored by rank", ", ".join(f"{r}: {n}" for r, n in by_rank.items()))
+        if by_node := result.provenance.units_by_node:
+            lost = f"; {result.provenance.workers_lost} worker(s) lost" if result.provenance.workers_lost else ""
+            counts = sorted(by_node.values())
+            spread = f"{counts[0]:,}" if counts[0] == counts[-1] else f"{counts[0]:,} to {counts[-1]:,}"
+            table.add_row("units scored on Ray", f"{len(counts)} node(s), {spread} units each{lost}")
     return table
 
 

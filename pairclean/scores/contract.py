@@ -129,6 +129,7 @@ class Provenance(Record):
     units_by_rank: dict[str, int] | None = None  # units this run scored, by the torchrun rank that claimed them
     engine: str | None = None  # where the units were scored: local (this process or torchrun ranks) or ray
     units_by_node: dict[str, int] | None = None  # units this run scored, by the Ray node that scored them
+    workers_lost: int | None = None  # ray: workers lost mid-run (their groups were handed to others)
     pairclean_version: str | None = None
     beta: float | None = None
     beta_std: float | None = None

@@ -212,6 +212,9 @@ class ModelProducer(Producer):
         pairs = sum(self.dataset.count(unit) for unit in sample) / len(sample) if sample else 0.0
         return pack_units(units, pairs, self.cfg.batch_size, readers=max(1, self.cfg.workers) * processes)
 
+    def readers(self) -> int:
+        return max(1, self.cfg.workers)
+
     def prepared(self) -> EstimatorFacts:
         return EstimatorFacts.of(self.estimator)
 

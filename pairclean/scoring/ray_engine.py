@@ -29,7 +29,7 @@ from pairclean.errors import ConfigError, UserError
 from pairclean.runs import NODE_ENV, GroupClaims, PartStore
 from pairclean.scoring.engines import Engine, OnCommit, register_engine, unit_committer
 
-CHUNKS_PER_WORKER = 4  # groups are handed out in about this many chunks per worker: balance vs restarts
+CHUNK_SHARE = 2  # a chunk is 1/(this x workers) of the groups left (guided self-scheduling: large first, small last)
 CONNECT_SECONDS = 10  # an address that does not answer within this is refused
 LOST_SECONDS = 600  # with no live worker for this long (none can be placed), the run stops
 FORWARDED_ENV = ("PAIRCLEAN_", "HF_HUB_OFFLINE", "HF_HOME", "TRANSFORMERS_OFFLINE")  # the driver's, to every worker
@@ -118,11 +118,16 @@ class RayEngine(Engine):
         return max(1, len(self.workers))
 
     def _worker_options(self) -> dict:
+        """How many workers, and what each asks Ray for: a GPU (or `gpus` of one) and a CPU where the
+        cluster has GPUs (its DataLoader workers use the node's other cores); on a cluster without
+        GPUs a node's CPUs each (the smallest node's count), so one worker a node runs the towers
+        on all its cores (Ray sets a worker's threads to the CPUs it asked for)."""
         resources = self.ray.cluster_resources()
         gpus = self.gpus if self.gpus is not None else (1.0 if resources.get("GPU", 0) >= 1 else 0.0)
         nodes = [n for n in self.ray.nodes() if n.get("Alive")]
+        cpus = 1 if gpus else max(1, int(min((n["Resources"].get("CPU", 1) for n in nodes), default=1)))
         count = self.wanted or (int(resources.get("GPU", 0) // gpus) if gpus else len(nodes)) or 1
-        return {"count": count, "options": {"num_cpus": 1, "num_gpus": gpus, "max_restarts": 0,
+        return {"count": count, "options": {"num_cpus": cpus, "num_gpus": gpus, "max_restarts": 0,
                                              "scheduling_strategy": "SPREAD"}}
 
     def _worker(self, producer, store: PartStore):
@@ -154,17 +159,19 @@ class RayEngine(Engine):
         return self._first_ready([self.workers[0].random_beta.remote()])
 
     def score(self, producer, store: PartStore, work, on_commit: OnCommit) -> dict[str, int]:
-        """Hand the groups out in chunks, a chunk per idle worker; a chunk whose worker died goes
-        back to the queue (a replacement worker is asked for)."""
+        """Hand the groups out in chunks, a chunk per idle worker - large first, smaller as the
+        queue empties, never fewer groups than a worker's DataLoader workers; a chunk whose worker
+        died goes back to the front of the queue (a replacement worker is asked for)."""
         ray = self.ray
-        size = max(1, -(-len(work.groups) // (len(self.workers) * CHUNKS_PER_WORKER)))
-        queue = deque(work.groups[i:i + size] for i in range(0, len(work.groups), size))
+        queue = deque(work.groups)
+        readers = producer.readers()
         starting = {w.prepared.remote(): w for w in self.workers}
         idle, running, totals = [], {}, {}
         lonely_since = None
         while queue or running:
             while idle and queue:
-                worker, chunk = idle.pop(), queue.popleft()
+                size = max(readers, -(-len(queue) // (CHUNK_SHARE * len(self.workers))))
+                worker, chunk = idle.pop(), [queue.popleft() for _ in range(min(size, len(queue)))]
                 running[worker.score.remote(chunk, work.done)] = (worker, chunk)
             if not running and not starting:
                 raise UserError("every Ray worker was lost and none can be started; the committed units are kept: "
@@ -187,7 +194,7 @@ class RayEngine(Engine):
                     counters, units, pairs = ray.get(ref)
                 except ray.exceptions.RayActorError:
                     self.lost += 1
-                    queue.appendleft(chunk)  # its committed units are skipped when it runs again
+                    queue.extendleft(reversed(chunk))  # its committed units are skipped when they run again
                     self.workers.remove(worker)
                     replacement = self._worker(producer, store)
                     self.workers.append(replacement)
@@ -211,7 +218,7 @@ class RayEngine(Engine):
             raise _cause(exc) from None
 
     def provenance(self) -> dict:
-        return {"engine": self.name}
+        return {"engine": self.name, "workers_lost": self.lost}
 
     def close(self) -> None:
         for worker in self.workers:

@@ -137,6 +137,11 @@ class Producer(ABC):
     def random_beta(self) -> tuple[BetaEstimate, str]:
         """beta from random inputs (beta mode random-inputs) and where it came from."""
 
+    def readers(self) -> int:
+        """How many groups one process reads at once (its DataLoader workers): a Ray worker is handed
+        at least this many."""
+        return 1
+
     def prepared(self):
         """What the driver needs of what `prepare` built where the units are scored (a Ray worker):
         handed to `adopt` on the driver. Nothing, unless the producer builds something."""
