@@ -281,7 +281,9 @@ def write_run_manifest(out: Path, summary: Record, provenance: Record, temp_dir:
                                         "provenance": provenance.to_json()}, temp_dir=temp_dir)
 
 
-def _metadata(scores: str | Path) -> tuple[dict, dict]:
+def _metadata(scores: str | Path | pa.Table) -> tuple[dict, dict]:
+    if isinstance(scores, pa.Table):  # `pairclean.score_embeddings`' table: both in its schema's metadata
+        return scores.schema.metadata or {}, scores.schema.metadata or {}
     meta = pq.read_metadata(scores)
     return meta.schema.to_arrow_schema().metadata or {}, meta.metadata or {}  # schema metadata: written first
 
@@ -291,13 +293,20 @@ def _kind(raw) -> str | None:
     return raw.get("kind") if isinstance(raw, dict) else None
 
 
-def read_metadata(scores: str | Path, provenance_type: type[Record] = Provenance,
+def _named(scores: str | Path | pa.Table) -> str | Path:
+    """How messages name where the records were read from."""
+    return "the scored table" if isinstance(scores, pa.Table) else scores
+
+
+def read_metadata(scores: str | Path | pa.Table, provenance_type: type[Record] = Provenance,
                   summary_type: type[Record] = Summary) -> tuple:
     """The provenance and the summary of a scores file (or of another output pairclean writes the
-    same way: dedup's, with its own records) from one read of its footer, each checked as strictly
-    as a flag (a `RecordError` naming the file and the field); None where absent (a Parquet file
-    not written by `pairclean score`, or an output of another kind)."""
+    same way: dedup's, with its own records; or of the table `pairclean.score_embeddings` returns)
+    from one read of its footer, each checked as strictly as a flag (a `RecordError` naming the
+    file and the field); None where absent (a Parquet file not written by `pairclean score`, or an
+    output of another kind)."""
     schema, added = _metadata(scores)  # file key-value metadata, added at close
+    scores = _named(scores)
     raw = provenance_type.parse(schema[METADATA_KEY], scores) if METADATA_KEY in schema else None
     if raw is None or _kind(raw) != getattr(provenance_type, "kind_written", None):
         return None, None
@@ -342,17 +351,19 @@ def is_scores_file(path: str | Path) -> bool:
         return False
 
 
-def read_provenance(scores: str | Path) -> Provenance:
-    """The provenance stored in a scores file's Parquet key-value metadata."""
+def read_provenance(scores: str | Path | pa.Table) -> Provenance:
+    """The provenance stored in a scores file's Parquet key-value metadata (or in the table
+    `pairclean.score_embeddings` returns)."""
     provenance = read_metadata(scores)[0]
     if provenance is None:
-        raise UserError(f"{scores} has no pairclean provenance (not written by pairclean score?)")
+        raise UserError(f"{_named(scores)} has no pairclean provenance (not written by pairclean score?)")
     return provenance
 
 
-def read_summary(scores: str | Path) -> Summary:
-    """The run summary stored in a scores file (the same one its run manifest holds)."""
+def read_summary(scores: str | Path | pa.Table) -> Summary:
+    """The run summary stored in a scores file (the same one its run manifest holds), or in the
+    table `pairclean.score_embeddings` returns."""
     summary = read_metadata(scores)[1]
     if summary is None:
-        raise UserError(f"{scores} has no pairclean summary (not written by pairclean score?)")
+        raise UserError(f"{_named(scores)} has no pairclean summary (not written by pairclean score?)")
     return summary
