@@ -4,8 +4,11 @@ and the package's public names."""
 
 from __future__ import annotations
 
+import re
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -46,6 +49,15 @@ def test_dir_lists_the_public_names_and_import_stays_light():
     printed = subprocess.run([sys.executable, "-c", "import sys, pairclean; dir(pairclean); "
                               "print('torch' in sys.modules)"], capture_output=True, text=True, check=True).stdout
     assert printed.strip() == "False"
+
+
+def test_train_stays_callable_once_its_package_is_imported():
+    """`pairclean.train` is the function on first use; afterwards Python binds the package
+    `pairclean.train` there (before: `TypeError: 'module' object is not callable`)."""
+    printed = subprocess.run([sys.executable, "-c", "import pairclean, pairclean.train.trainer; "
+                              "print(callable(pairclean.train), pairclean.train.TrainConfig.__name__)"],
+                             capture_output=True, text=True, check=True).stdout
+    assert printed.split() == ["True", "TrainConfig"]
 
 
 @pytest.mark.parametrize("beta", [0.1, None], ids=["fixed", "shuffled"])
@@ -128,3 +140,35 @@ def test_open_scores_queries_filters_and_reads_the_records(tmp_path, coco_scores
         assert written.kept_pairs == kept.num_rows and (tmp_path / "kept" / "manifest.yaml").is_file()
         # the filter ran in a session of its own: this one still sees every row
         assert scores.to_arrow().num_rows == 16
+
+
+REPO = Path(__file__).resolve().parents[1]
+IMG2DATASET = REPO / "tests" / "data" / "ecosystem" / "img2dataset" / "webdataset"
+PYTHON_BLOCK = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
+
+
+def python_blocks(doc: Path) -> list[str]:
+    return PYTHON_BLOCK.findall(doc.read_text())
+
+
+@pytest.mark.parametrize("doc", ["README.md", "docs/api.md"])
+def test_every_python_block_of_the_docs_runs(doc, tmp_path, monkeypatch):
+    """Each fenced python block, in order, in a fresh namespace, in a directory holding img2dataset's
+    own output as `img2dataset-out/`. The model is swapped for the tiny offline one (the blocks'
+    code runs as written; their figures are the tiny model's)."""
+    import pairclean.scoring.model as model
+    import pairclean.train as training
+
+    score_config, train_config = model.ScoreConfig, training.TrainConfig
+    monkeypatch.setattr(model, "ScoreConfig", lambda **given: score_config(**{
+        **given, "model": "pairclean-tiny", "pretrained": "none", "beta_k": 64, "batch_size": 8, "workers": 0}))
+    monkeypatch.setattr(training, "TrainConfig", lambda **given: train_config(**{
+        **given, "model": "pairclean-tiny", "pretrained": "none", "workers": 0, "warmup_steps": 1,
+        "shuffle_buffer": 8}))
+    shutil.copytree(IMG2DATASET, tmp_path / "img2dataset-out")
+    monkeypatch.chdir(tmp_path)
+    blocks = python_blocks(REPO / doc)
+    assert len(blocks) >= 2
+    for number, block in enumerate(blocks, 1):
+        exec(compile(block, f"{doc}, python block {number}", "exec"), {"__name__": "__main__"})
+    assert (tmp_path / "scores.parquet").is_file() and (tmp_path / "clean" / "manifest.yaml").is_file()
