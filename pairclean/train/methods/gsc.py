@@ -197,9 +197,8 @@ class Gsc(Method):
 
     name = "gsc"
     Options = GscOptions
-    pays = ("real text (COCO, MiniLM, 3 seeds): +13.7 over plain (one network), +14.9 (two) at 40% shuffle; "
-            "+7.8 / +9.5 at 30% shuffle + 30% weak (two networks: the best row); toy world: +109 / +116 at 40% "
-            "shuffle, +100 / +106 mixed (3 seeds)")
+    pays = ("the best with weak captions mixed in (two networks: +9.5 rSum over plain at 30% shuffle + 30% weak); "
+            "+14 at 40% shuffle (docs/methods.md)")
 
     def __init__(self, options):
         super().__init__(options)
