@@ -24,7 +24,7 @@ from pairclean.data.spec import PAIR_KINDS
 from pairclean.data.record import DatasetRecord
 from pairclean.errors import UserError
 from pairclean.ops.atomic import write_json
-from pairclean.ops.records import Json, Record
+from pairclean.ops.records import Json, JsonObject, Keyed, Record
 from pairclean.runs.store import ReadBack, WrittenBy
 from pairclean.scores.rules import DEFAULT_RULES, REGISTRY, DecisionRule, RuleRecord, recorded_rules
 
@@ -70,7 +70,7 @@ def columns_phrase() -> str:
     return ", ".join(SCORES_SCHEMA.names) + (f"; a rule enabled when scoring adds its own ({others})" if others else "")
 
 
-def column_meanings(provenance: "Provenance | None", columns) -> dict[str, str]:
+def column_meanings(provenance: "Provenance | None", columns) -> Keyed[str, str]:
     """What each of `columns` of a scores file means: the contract's columns, then each rule's."""
     meanings = {column: COLUMN_MEANINGS[column] for column in columns if column in COLUMN_MEANINGS}
     for record in recorded_rules(provenance, columns):
@@ -181,12 +181,12 @@ class RuleCount(Record):
     notes: dict[str, Json] = field(default_factory=dict)
 
     @classmethod
-    def upgraded(cls, value: dict) -> dict:
+    def upgraded(cls, value: dict) -> JsonObject:
         known = {f.name for f in fields(cls)} - {"notes"}
         return {**{k: v for k, v in value.items() if k in known},
                 "notes": {k: v for k, v in value.items() if k not in known}}
 
-    def to_json(self) -> dict:
+    def to_json(self) -> JsonObject:
         written = super().to_json()
         return {**{k: v for k, v in written.items() if k != "notes"}, **written.get("notes", {})}
 
@@ -237,7 +237,7 @@ class Summary(Record):
     error_reasons: list[ErrorCount] | None = None
 
     @classmethod
-    def upgraded(cls, value: dict) -> dict:
+    def upgraded(cls, value: dict) -> JsonObject:
         """`flagged_NAME` / `share_flagged_NAME` keys into the two maps."""
         flat = {k: v for k, v in value.items() if not k.startswith((FLAGGED, SHARE_FLAGGED))}
         flat.setdefault("flagged", {k[len(FLAGGED):]: v for k, v in value.items() if k.startswith(FLAGGED)})
@@ -245,14 +245,14 @@ class Summary(Record):
                                           if k.startswith(SHARE_FLAGGED)})
         return flat
 
-    def to_json(self) -> dict:
+    def to_json(self) -> JsonObject:
         written = super().to_json()
         flagged, share = written.pop("flagged", {}), written.pop("share_flagged", {})
         return {**written, **{FLAGGED + k: v for k, v in flagged.items()},
                 **{SHARE_FLAGGED + k: v for k, v in share.items()}}
 
 
-def flagged_summary(records: list[RuleRecord], flagged: dict[str, int], scored: int) -> dict:
+def flagged_summary(records: list[RuleRecord], flagged: dict[str, int], scored: int) -> Keyed:
     """The summary's per-rule entries (`Summary` fields): flagged counts and shares among the scored pairs."""
     share = {name: count / scored if scored else 0.0 for name, count in flagged.items()}
     return {"rules": [RuleCount(name=r.name, label=r.label, decision=r.decision, noisy_if=r.noisy_if,
@@ -265,12 +265,12 @@ def run_manifest_path(out: Path) -> Path:
     return out.with_name(out.stem + ".run.json")
 
 
-def provenance_metadata(provenance: Record) -> dict[bytes, bytes]:
+def provenance_metadata(provenance: Record) -> Keyed[bytes, bytes]:
     """The schema metadata holding a provenance (a scores file's, or another output's: dedup's)."""
     return {METADATA_KEY: provenance.dumps().encode()}
 
 
-def summary_metadata(summary: Record) -> dict[bytes, bytes]:
+def summary_metadata(summary: Record) -> Keyed[bytes, bytes]:
     return {SUMMARY_KEY: summary.dumps().encode()}
 
 
@@ -281,7 +281,7 @@ def write_run_manifest(out: Path, summary: Record, provenance: Record, temp_dir:
                                         "provenance": provenance.to_json()}, temp_dir=temp_dir)
 
 
-def _metadata(scores: str | Path | pa.Table) -> tuple[dict, dict]:
+def _metadata(scores: str | Path | pa.Table) -> tuple[Keyed, Keyed]:
     if isinstance(scores, pa.Table):  # `pairclean.score_embeddings`' table: both in its schema's metadata
         return scores.schema.metadata or {}, scores.schema.metadata or {}
     meta = pq.read_metadata(scores)

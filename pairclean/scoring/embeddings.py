@@ -31,6 +31,7 @@ from pairclean.data.embeddings.batches import block_buffer
 from pairclean.errors import ConfigError, UserError
 from pairclean.ops.guard import Output
 from pairclean.ops.notices import notice
+from pairclean.ops.records import JsonObject
 from pairclean.scores.contract import Renormalised
 from pairclean.scoring.run import Commit, Finishing, Producer, RunConfig, ScoreResult, Work, run_scoring
 
@@ -231,7 +232,7 @@ class EmbeddingsProducer(Producer):
     def units(self) -> list[str]:
         return self.spec.units(self.cfg.unit_rows)
 
-    def settings(self) -> dict:
+    def settings(self) -> JsonObject:
         spec, rand = self.spec, self.cfg.random_embeddings
         return {"source": "embeddings", "layout": spec.layout, "pair": spec.pair, "left_field": spec.left_field,
                 "right_field": spec.right_field, "key_field": spec.key_field,

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from pairclean.config import check_choice
+from pairclean.ops.records import Keyed
 from pairclean.train.loss import REDUCTIONS
 from pairclean.train.methods.base import MethodContext, Shortcut, register_method
 from pairclean.train.methods.scored import FILTER_SHORTCUT, SCORES_SHORTCUTS, ScoredMethod, ScoresOptions, needs_scores
@@ -47,5 +48,5 @@ class OsaWeights(ScoredMethod):
     def weight_column(self) -> str | None:
         return self.options.column
 
-    def batch_weights(self, batch: dict, ctx: MethodContext) -> tuple[torch.Tensor, dict]:
+    def batch_weights(self, batch: dict, ctx: MethodContext) -> tuple[torch.Tensor, Keyed]:
         return batch["weight"], {}
