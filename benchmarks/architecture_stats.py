@@ -20,7 +20,7 @@ from collections import Counter
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from conventions import (dict_returns, flag_messages, flag_strings, import_cycles, imports_of, library,  # noqa: E402
+from conventions import (dict_kinds, dict_returns, flag_messages, flag_strings, import_cycles, imports_of, library,  # noqa: E402
                          part_of, silent_broad_handlers, upward_imports)
 
 # Where each module of the flat layout (before issue 14) lives now.
@@ -124,6 +124,11 @@ def main() -> None:
             print(f"{label} ({name}): {len(found)}")
             if listing:
                 print("".join(f"    {item}\n" for item in found), end="")
+        kinds = dict_kinds(files)
+        print(f"dict returns named by kind ({name}): " + ", ".join(f"{kind} {len(found)}" for kind, found in kinds.items()))
+        if listing:
+            for kind, found in kinds.items():
+                print("".join(f"    {kind}: {item}\n" for item in found), end="")
 
 
 if __name__ == "__main__":

@@ -221,6 +221,39 @@ class Found:
         return f"{self.path}:{self.line} {self.name}"
 
 
+DICT_KINDS = ("Keyed", "JsonObject", "StateDict")  # ops.records: the dicts that are what they are
+
+
+def _named_kind(annotation: ast.expr) -> str | None:
+    """The kind (`DICT_KINDS`) a return annotation names, itself or in a tuple."""
+    if isinstance(annotation, ast.Constant) and isinstance(annotation.value, str):
+        try:
+            annotation = ast.parse(annotation.value, mode="eval").body
+        except SyntaxError:
+            return None
+    items = [annotation]
+    if isinstance(annotation, ast.Subscript) and getattr(annotation.value, "id", None) in ("tuple", "Tuple"):
+        items = annotation.slice.elts if isinstance(annotation.slice, ast.Tuple) else [annotation.slice]
+    for item in items:
+        name = item.value if isinstance(item, ast.Subscript) else item
+        if getattr(name, "id", None) in DICT_KINDS:
+            return name.id
+    return None
+
+
+def dict_kinds(files: dict[str, str]) -> dict[str, list[Found]]:
+    """Functions returning a dict that is what it is, by kind (`ops.records.Keyed`, `JsonObject`,
+    `StateDict`): named where they are defined, so a reader (and this count) tells them from records."""
+    found: dict[str, list[Found]] = {kind: [] for kind in DICT_KINDS}
+    for path, source in sorted(files.items()):
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.returns is not None:
+                kind = _named_kind(node.returns)
+                if kind is not None:
+                    found[kind].append(Found(path, node.lineno, node.name))
+    return found
+
+
 def dict_returns(files: dict[str, str]) -> list[Found]:
     """Functions annotated to return a bare dict, or a tuple holding one: a record whose shape
     only its readers know (issue 32 counted them)."""

@@ -24,6 +24,7 @@ import torch
 from pairclean.config import check_choice
 from pairclean.errors import ConfigError, UserError
 from pairclean.ops.notices import notice_once
+from pairclean.ops.records import JsonObject, Keyed
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 FALLBACK_BACKEND = "open_clip"  # what `auto` picks when no backend recognises the model (and the pairs hold images)
@@ -65,7 +66,7 @@ class Estimator(Protocol):
     model: torch.nn.Module  # the weights: the beta cache fingerprints them, training copies them
     random_init: bool  # the weights were drawn at random (`pretrained` none), not learned
 
-    def finish_batch(self, modality: str, inputs: Any) -> tuple[Any, dict[int, str]]:
+    def finish_batch(self, modality: str, inputs: Any) -> tuple[Any, Keyed[int, str]]:
         """Device preprocessing of one side of a collated batch on the device (JPEGs left for the
         device decoded, resized, cropped); {row: reason} for rows that could not be."""
         ...
@@ -74,7 +75,7 @@ class Estimator(Protocol):
         """Unit vectors of a batch (uint8 pixels are normalised on the device first)."""
         ...
     def random_batch(self, modality: str, n: int, generator: torch.Generator) -> Any: ...
-    def provenance(self) -> dict: ...
+    def provenance(self) -> JsonObject: ...
 
     def input_signature(self) -> tuple | None:
         """What the prepared inputs depend on; two estimators with the same signature (not None)
@@ -97,7 +98,7 @@ class Target(Protocol):
     def logit_scale(self) -> torch.Tensor: ...
     def frozen_estimator(self) -> Estimator: ...
     def export(self, path: Path) -> Path: ...
-    def describe(self) -> dict: ...
+    def describe(self) -> JsonObject: ...
 
 
 class Backend:

@@ -176,8 +176,9 @@ def host_threads() -> int:
 
 
 # `workers` auto where the device decodes every JPEG: a worker then reads and tokenises only (0.126 ms
-# a pair on session 14's H100 machine), so 6 prepare ~47,000 pairs/s, 2.8x ViT-B-32's compiled ceiling
-# there, and each further worker would only add its fork to the start (~40 ms from a large main process).
+# a pair on an H100 machine's cores: docs/benchmarks.md), so 6 prepare ~47,000 pairs/s, 2.8x ViT-B-32's
+# compiled ceiling there, and each further worker would only add its fork to the start (~40 ms from a
+# large main process).
 DEVICE_DECODE_WORKERS = 6
 
 
@@ -185,8 +186,9 @@ def auto_workers(device: str, decode: str = "fast", cpu_decode_share: float = 0.
     """`workers` left to pairclean. On a CUDA device, where the workers decode, every usable core of
     this rank's share of the node but two (the main thread, and the thread that feeds the device:
     scoring's prefetching thread, the DataLoader's pin thread in training), at least 2: a worker
-    decodes ~420 web pairs/s at `--decode fast` (session 14's H100 machine), a fortieth of what the
-    GPU encodes; where a device decoder takes every JPEG, DEVICE_DECODE_WORKERS at most. Elsewhere
+    decodes ~420 web pairs/s at `--decode fast` (an H100 machine's cores: docs/benchmarks.md), a
+    fortieth of what the GPU encodes; where a device decoder takes every JPEG, DEVICE_DECODE_WORKERS
+    at most. Elsewhere
     2: the model itself needs the cores, and a worker prepares pairs far faster than a CPU encodes
     them."""
     if pick_device(device).type != "cuda":

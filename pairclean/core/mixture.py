@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from pairclean.ops.records import JsonObject
+
 if TYPE_CHECKING:  # sklearn loads when a mixture is fitted: the scores contract names FittedMixture, and
     from sklearn.mixture import GaussianMixture  # the CLI starts without sklearn (tests/test_demo.py)
 
@@ -33,7 +35,7 @@ class FittedMixture:
         p = np.exp(log_p)
         return p[:, self.clean_component] / p.sum(axis=1)
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> JsonObject:
         return asdict(self)
 
 
@@ -94,7 +96,7 @@ ASHMAN_D_MIN = 2.0  # Ashman's D above 2: the two components are separated (Ashm
 NULL_DISTANCE_MAX = 1.0  # the noisy component's mean within this many null standard deviations of the null mean
 
 
-def mixture_separation(mixture: FittedMixture, null_sample=None) -> tuple[dict, str | None]:
+def mixture_separation(mixture: FittedMixture, null_sample=None) -> tuple[JsonObject, str | None]:
     """Does the mixture separate noise from clean pairs? (measures, None or why it does not).
 
     Two checks: Ashman's D = sqrt(2) |mu1 - mu2| / sqrt(var1 + var2) >= 2 (otherwise the data is

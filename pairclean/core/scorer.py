@@ -26,13 +26,27 @@ def _back(t: torch.Tensor, was_numpy: bool):
     return t.numpy() if was_numpy else t
 
 
+def cosine_from_products(dot, left_sq, right_sq):
+    """The cosine from the row products u.v, u.u and v.v: u.v / (|u| |v|), NaN where either
+    vector is zero or not finite (a pair with no cosine: the scores file's error row). The one
+    division every scorer of stored vectors makes, in the products' own dtype (float32 there)."""
+    if isinstance(dot, torch.Tensor):
+        sim = dot / (left_sq.sqrt() * right_sq.sqrt())
+        return torch.where(torch.isfinite(sim), sim, torch.full_like(sim, math.nan))
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        sim = dot / (np.sqrt(left_sq) * np.sqrt(right_sq))
+    return np.where(np.isfinite(sim), sim, np.nan).astype(np.asarray(dot).dtype, copy=False)
+
+
 def cosine_similarity(left, right):
-    """Row-wise cosine of paired embeddings (Eq. 3); inputs need not be normalised."""
-    a, was_np = _as_tensor(left)
-    b, _ = _as_tensor(right)
-    a = torch.nn.functional.normalize(a.to(torch.float64 if was_np else a.dtype), dim=-1)
-    b = torch.nn.functional.normalize(b.to(a.dtype), dim=-1)
-    return _back((a * b).sum(-1), was_np)
+    """Row-wise cosine of paired embeddings (Eq. 3, broadcasting over leading axes); inputs need
+    not be normalised. numpy in (as float64), numpy out; a torch tensor stays a tensor. NaN where
+    a vector is zero or not finite (`cosine_from_products`)."""
+    if isinstance(left, torch.Tensor):
+        a, b = left, right.to(left.dtype)
+    else:
+        a, b = np.asarray(left, dtype=np.float64), np.asarray(right, dtype=np.float64)
+    return cosine_from_products((a * b).sum(-1), (a * a).sum(-1), (b * b).sum(-1))
 
 
 def null_partners(n: int) -> np.ndarray:

@@ -39,6 +39,7 @@ from pairclean.data.spec import DatasetSpec
 from pairclean.errors import ConfigError, UserError
 from pairclean.ops.atomic import write_json
 from pairclean.ops.guard import Output, check_file_prefix, open_output
+from pairclean.ops.records import Keyed
 from pairclean.scores.contract import from_embeddings, scored_pairs
 from pairclean.scores.db import NUMERIC_TYPES, ScoresDB, compile_predicate, match_shards
 from pairclean.scores.rules import TopFractionRule
@@ -172,7 +173,7 @@ def _dataset_keys(dataset: Dataset) -> pa.Table:
                      "key": pa.array(keys, pa.string())})
 
 
-def match_dataset(db: ScoresDB, dataset: Dataset, result: FilterResult) -> dict[str, str]:
+def match_dataset(db: ScoresDB, dataset: Dataset, result: FilterResult) -> Keyed[str, str]:
     """Given shard -> its name in `scores`, narrowed to those shards. Scores made from these shards
     meet them by (shard, index); scores made elsewhere (precomputed embeddings) by key."""
     spec = dataset.spec
@@ -192,7 +193,7 @@ def match_dataset(db: ScoresDB, dataset: Dataset, result: FilterResult) -> dict[
     return mapping  # type: ignore[return-value]
 
 
-def attachments(dataset: Dataset | None, attach: dict[str, list[str]] | None) -> dict[str, list[str]]:
+def attachments(dataset: Dataset | None, attach: dict[str, list[str]] | None) -> Keyed[str, list[str]]:
     """The tables filter's predicates may read: the user's, and the dataset's own metadata sidecars
     as `metadata` (img2dataset's per-shard Parquet: width, status, url, ...) unless a user table has the name."""
     attach = dict(attach or {})

@@ -22,7 +22,7 @@ from typing import Iterable, Iterator
 
 from pairclean.data.spec import PAIR_KINDS, Fields
 from pairclean.errors import ConfigError
-from pairclean.ops.records import Record
+from pairclean.ops.records import Keyed, Record
 from pairclean.ops.urls import is_local
 
 HEAD_BYTES = 64 << 10  # the bytes of a file's start its fingerprint hashes
@@ -115,7 +115,7 @@ class DatasetRecord(Record):
         return _conflict(self.files, other.files)
 
 
-def _by_name(files: Iterable[FileFingerprint]) -> dict[str, FileFingerprint]:
+def _by_name(files: Iterable[FileFingerprint]) -> Keyed[str, FileFingerprint]:
     """File name -> fingerprint, for the names that occur once."""
     named: dict[str, list[FileFingerprint]] = {}
     for f in files:

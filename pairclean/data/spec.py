@@ -17,6 +17,7 @@ from typing import Callable
 
 from pairclean.config import check_choice
 from pairclean.errors import ConfigError, UserError
+from pairclean.ops.records import Keyed
 
 PAIR_KINDS = ("image-text", "text-text", "image-label", "image-image")
 MANIFEST_NAME = "manifest.yaml"  # what a directory written by pairclean describes itself with
@@ -52,7 +53,7 @@ class Fields:
         """These fields, each one not given taken from `defaults`."""
         return Fields(**{k: (v if v is not None else defaults.get(k)) for k, v in asdict(self).items()})
 
-    def given(self) -> dict[str, str]:
+    def given(self) -> Keyed[str, str]:
         """The fields that are set, by name (what a manifest or a record writes)."""
         return {k: v for k, v in asdict(self).items() if v is not None}
 

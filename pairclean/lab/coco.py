@@ -20,6 +20,7 @@ from pairclean.data.manifest import write_manifest
 from pairclean.data.spec import DatasetSpec
 from pairclean.data.writer import write_shards
 from pairclean.ops.guard import open_output
+from pairclean.ops.records import Keyed
 
 
 @declare(limit=COUNT)
@@ -72,7 +73,7 @@ def build_parquet(src: Path, out_file: Path, by_path: bool = False, all_captions
 WEB_SIDE = (256, 384)  # img2dataset's usual download sizes: the longer side, in pixels
 
 
-def web_pair(src: Path, record: dict, seed: int, i: int, progressive: float = 0.0) -> dict:
+def web_pair(src: Path, record: dict, seed: int, i: int, progressive: float = 0.0) -> Keyed:
     """Pair `i` of a web-style dataset: the COCO image cropped (70-100% of each side, position and
     mirror drawn from (seed, i)), resized so its longer side is 256-384 px, re-encoded as a JPEG
     at quality 80-95 (a progressive one with probability `progressive`, as web crawls hold some),
@@ -107,7 +108,7 @@ class _WebPairs:
     def __init__(self, src: Path, records: list[dict], seed: int, progressive: float):
         self.src, self.records, self.seed, self.progressive = src, records, seed, progressive
 
-    def __call__(self, i: int) -> dict:
+    def __call__(self, i: int) -> Keyed:
         return web_pair(self.src, self.records[i % len(self.records)], self.seed, i, self.progressive)
 
 

@@ -44,6 +44,7 @@ from pairclean.errors import ConfigError, UserError
 from pairclean.data.dataset import Dataset, as_dataset
 from pairclean.data.manifest import write_manifest
 from pairclean.ops.guard import Output, open_output
+from pairclean.ops.records import JsonObject
 from pairclean.scores.sql import sandboxed_connection, sql_string
 from pairclean.data.rewriting import rewriter_for
 from pairclean.data.spec import DatasetSpec, UnitFailure
@@ -83,7 +84,7 @@ class CorruptResult:
     noisy: int
     weak_ratio: float | None = None  # mixed mode: the share weakened beside the `ratio` shuffled
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> JsonObject:
         return {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(self).items()}
 
 

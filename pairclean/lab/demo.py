@@ -27,6 +27,7 @@ from pairclean.lab.corrupt import corrupt
 from pairclean.lab.numerics import cpu_numerics, numerics_pinned, torch_threads
 from pairclean.ops.notices import notice
 from pairclean.errors import ConfigError
+from pairclean.ops.records import Keyed
 from pairclean.scores.evaluation import evaluate_detection
 from pairclean.scoring.model import ScoreConfig, score
 from pairclean.lab.synth.estimator import LAB_DECODE, TOY_MODEL, EstimatorRecipe, cached_checkpoint, train_estimator
@@ -80,7 +81,7 @@ class DemoResult:
     band: dict | None = None  # figure -> (value, low, high) against README's band; None: other settings
 
 
-def band_figures(metrics: dict) -> dict[str, float | None]:
+def band_figures(metrics: dict) -> Keyed[str, float | None]:
     """The figures of the demo's table that README states a band for."""
     rules = metrics["rules"]
     return {"beta": rules["beta"]["threshold"], "beta_caught": rules["beta"]["noise_caught"],
@@ -88,7 +89,7 @@ def band_figures(metrics: dict) -> dict[str, float | None]:
             "roc_auc": metrics["roc_auc"]}
 
 
-def band_check(metrics: dict) -> dict[str, tuple[float | None, float, float]]:
+def band_check(metrics: dict) -> Keyed[str, tuple[float | None, float, float]]:
     """Each banded figure as the table prints it, with README's band: (value, low, high)."""
     return {name: (None if value is None else round(value, BAND_DIGITS[name]), *BAND[name])
             for name, value in band_figures(metrics).items()}

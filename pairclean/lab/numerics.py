@@ -18,6 +18,8 @@ import contextlib
 import os
 import sys
 
+from pairclean.ops.records import JsonObject
+
 # ATen's dispatch, oneDNN's and MKL's (conditional numerical reproducibility) instruction sets.
 CPU_NUMERICS = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_CBWR": "AVX2"}
 
@@ -40,7 +42,7 @@ def numerics_pinned() -> bool:
         all(os.environ.get(name) == value for name, value in CPU_NUMERICS.items())
 
 
-def cpu_numerics() -> dict:
+def cpu_numerics() -> JsonObject:
     """What decides this process's CPU arithmetic: recorded beside a trained estimator, and part of its cache key."""
     import torch
 

@@ -32,6 +32,13 @@ from typing import Any, ClassVar, Union
 from pairclean.errors import UserError
 
 Json = Any  # any JSON value whose numbers are finite (an open map: its keys are not known here)
+
+# What a function returns when a dict is what it is, not a record whose shape only its readers know
+# (docs/architecture.md, "A record"); `benchmarks/architecture_stats.py` counts each kind, and every
+# other function annotated to return a dict as a bare one. Each is `dict`, subscripted as one.
+Keyed = dict  # a mapping keyed by data: units, names, columns, files, rows (`Keyed[str, Path]`)
+JsonObject = dict  # JSON written, sent or compared as it is: a provenance entry, a metrics line, pinned settings
+StateDict = dict  # torch's convention: state saved with `torch.save` and loaded back for an exact resume
 MAX_SHOWN = 60  # characters of a wrong value an error quotes
 
 
@@ -68,7 +75,7 @@ def _join(path: str, name) -> str:
 
 
 @cache
-def _hints(cls: type) -> dict[str, Any]:
+def _hints(cls: type) -> Keyed[str, Any]:
     return typing.get_type_hints(cls)
 
 
@@ -159,7 +166,7 @@ def _from_fields(cls: type, value, path: str):
     return record
 
 
-def _written(value) -> dict:
+def _written(value) -> JsonObject:
     """A dataclass's fields as JSON, less those that are None by default and None now (absent
     reads back as None; a field without a default is always written)."""
     return {f.name: _as_json(getattr(value, f.name)) for f in dataclasses.fields(value)
@@ -217,7 +224,7 @@ class Record:
             raise RecordError(source, cls.what, "", f"not JSON: {str(exc)[:120]}") from None
 
     @classmethod
-    def upgraded(cls, value: dict) -> dict:
+    def upgraded(cls, value: dict) -> JsonObject:
         """An older shape of this record's JSON in today's (the identity unless a record changed shape)."""
         return value
 
@@ -225,7 +232,7 @@ class Record:
         """(field, why) for values that each fit their type but not together or not their range."""
         return iter(())
 
-    def to_json(self) -> dict:
+    def to_json(self) -> JsonObject:
         return _written(self)
 
     def dumps(self) -> str:

@@ -25,7 +25,7 @@ from pairclean.data.record import DatasetRecord
 from pairclean.errors import UserError
 from pairclean.ops.atomic import write_json
 from pairclean.ops.places import RemotePath, is_remote
-from pairclean.ops.records import Json, Record
+from pairclean.ops.records import Json, JsonObject, Keyed, Record
 from pairclean.runs.store import ReadBack, WrittenBy
 from pairclean.scores.rules import DEFAULT_RULES, REGISTRY, DecisionRule, RuleRecord, recorded_rules
 
@@ -71,7 +71,7 @@ def columns_phrase() -> str:
     return ", ".join(SCORES_SCHEMA.names) + (f"; a rule enabled when scoring adds its own ({others})" if others else "")
 
 
-def column_meanings(provenance: "Provenance | None", columns) -> dict[str, str]:
+def column_meanings(provenance: "Provenance | None", columns) -> Keyed[str, str]:
     """What each of `columns` of a scores file means: the contract's columns, then each rule's."""
     meanings = {column: COLUMN_MEANINGS[column] for column in columns if column in COLUMN_MEANINGS}
     for record in recorded_rules(provenance, columns):
@@ -185,12 +185,12 @@ class RuleCount(Record):
     notes: dict[str, Json] = field(default_factory=dict)
 
     @classmethod
-    def upgraded(cls, value: dict) -> dict:
+    def upgraded(cls, value: dict) -> JsonObject:
         known = {f.name for f in fields(cls)} - {"notes"}
         return {**{k: v for k, v in value.items() if k in known},
                 "notes": {k: v for k, v in value.items() if k not in known}}
 
-    def to_json(self) -> dict:
+    def to_json(self) -> JsonObject:
         written = super().to_json()
         return {**{k: v for k, v in written.items() if k != "notes"}, **written.get("notes", {})}
 
@@ -241,7 +241,7 @@ class Summary(Record):
     error_reasons: list[ErrorCount] | None = None
 
     @classmethod
-    def upgraded(cls, value: dict) -> dict:
+    def upgraded(cls, value: dict) -> JsonObject:
         """`flagged_NAME` / `share_flagged_NAME` keys into the two maps."""
         flat = {k: v for k, v in value.items() if not k.startswith((FLAGGED, SHARE_FLAGGED))}
         flat.setdefault("flagged", {k[len(FLAGGED):]: v for k, v in value.items() if k.startswith(FLAGGED)})
@@ -249,14 +249,14 @@ class Summary(Record):
                                           if k.startswith(SHARE_FLAGGED)})
         return flat
 
-    def to_json(self) -> dict:
+    def to_json(self) -> JsonObject:
         written = super().to_json()
         flagged, share = written.pop("flagged", {}), written.pop("share_flagged", {})
         return {**written, **{FLAGGED + k: v for k, v in flagged.items()},
                 **{SHARE_FLAGGED + k: v for k, v in share.items()}}
 
 
-def flagged_summary(records: list[RuleRecord], flagged: dict[str, int], scored: int) -> dict:
+def flagged_summary(records: list[RuleRecord], flagged: dict[str, int], scored: int) -> Keyed:
     """The summary's per-rule entries (`Summary` fields): flagged counts and shares among the scored pairs."""
     share = {name: count / scored if scored else 0.0 for name, count in flagged.items()}
     return {"rules": [RuleCount(name=r.name, label=r.label, decision=r.decision, noisy_if=r.noisy_if,
@@ -269,12 +269,12 @@ def run_manifest_path(out: Path | RemotePath) -> Path | RemotePath:
     return out.with_name(out.stem + ".run.json")
 
 
-def provenance_metadata(provenance: Record) -> dict[bytes, bytes]:
+def provenance_metadata(provenance: Record) -> Keyed[bytes, bytes]:
     """The schema metadata holding a provenance (a scores file's, or another output's: dedup's)."""
     return {METADATA_KEY: provenance.dumps().encode()}
 
 
-def summary_metadata(summary: Record) -> dict[bytes, bytes]:
+def summary_metadata(summary: Record) -> Keyed[bytes, bytes]:
     return {SUMMARY_KEY: summary.dumps().encode()}
 
 
@@ -285,7 +285,9 @@ def write_run_manifest(out: Path, summary: Record, provenance: Record, temp_dir:
                                         "provenance": provenance.to_json()}, temp_dir=temp_dir)
 
 
-def _metadata(scores: str | Path | RemotePath) -> tuple[dict, dict]:
+def _metadata(scores: str | Path | RemotePath | pa.Table) -> tuple[Keyed, Keyed]:
+    if isinstance(scores, pa.Table):  # `pairclean.score_embeddings`' table: both in its schema's metadata
+        return scores.schema.metadata or {}, scores.schema.metadata or {}
     if isinstance(scores, RemotePath):
         with scores.open() as fh:
             meta = pq.read_metadata(fh)
@@ -299,13 +301,20 @@ def _kind(raw) -> str | None:
     return raw.get("kind") if isinstance(raw, dict) else None
 
 
-def read_metadata(scores: str | Path, provenance_type: type[Record] = Provenance,
+def _named(scores: str | Path | pa.Table) -> str | Path:
+    """How messages name where the records were read from."""
+    return "the scored table" if isinstance(scores, pa.Table) else scores
+
+
+def read_metadata(scores: str | Path | pa.Table, provenance_type: type[Record] = Provenance,
                   summary_type: type[Record] = Summary) -> tuple:
     """The provenance and the summary of a scores file (or of another output pairclean writes the
-    same way: dedup's, with its own records) from one read of its footer, each checked as strictly
-    as a flag (a `RecordError` naming the file and the field); None where absent (a Parquet file
-    not written by `pairclean score`, or an output of another kind)."""
+    same way: dedup's, with its own records; or of the table `pairclean.score_embeddings` returns)
+    from one read of its footer, each checked as strictly as a flag (a `RecordError` naming the
+    file and the field); None where absent (a Parquet file not written by `pairclean score`, or an
+    output of another kind)."""
     schema, added = _metadata(scores)  # file key-value metadata, added at close
+    scores = _named(scores)
     raw = provenance_type.parse(schema[METADATA_KEY], scores) if METADATA_KEY in schema else None
     if raw is None or _kind(raw) != getattr(provenance_type, "kind_written", None):
         return None, None
@@ -356,17 +365,19 @@ def is_scores_file(path: str | Path) -> bool:
         return False
 
 
-def read_provenance(scores: str | Path) -> Provenance:
-    """The provenance stored in a scores file's Parquet key-value metadata."""
+def read_provenance(scores: str | Path | pa.Table) -> Provenance:
+    """The provenance stored in a scores file's Parquet key-value metadata (or in the table
+    `pairclean.score_embeddings` returns)."""
     provenance = read_metadata(scores)[0]
     if provenance is None:
-        raise UserError(f"{scores} has no pairclean provenance (not written by pairclean score?)")
+        raise UserError(f"{_named(scores)} has no pairclean provenance (not written by pairclean score?)")
     return provenance
 
 
-def read_summary(scores: str | Path) -> Summary:
-    """The run summary stored in a scores file (the same one its run manifest holds)."""
+def read_summary(scores: str | Path | pa.Table) -> Summary:
+    """The run summary stored in a scores file (the same one its run manifest holds), or in the
+    table `pairclean.score_embeddings` returns."""
     summary = read_metadata(scores)[1]
     if summary is None:
-        raise UserError(f"{scores} has no pairclean summary (not written by pairclean score?)")
+        raise UserError(f"{_named(scores)} has no pairclean summary (not written by pairclean score?)")
     return summary

@@ -31,6 +31,7 @@ import pyarrow as pa
 
 from pairclean.errors import ConfigError, UserError
 from pairclean.ops.places import readable
+from pairclean.ops.records import Keyed
 from pairclean.scores.contract import Provenance, Summary, read_metadata
 from pairclean.scores.sql import duckdb_message, sandboxed_connection, sql_identifier, sql_string
 
@@ -249,7 +250,7 @@ class ScoresDB:
         self.con.close()
         shutil.rmtree(self._tmp, ignore_errors=True)
 
-    def columns(self, view: str = "scores") -> dict[str, str]:
+    def columns(self, view: str = "scores") -> Keyed[str, str]:
         """Column name -> DuckDB type of a view."""
         return {name: str(kind) for name, kind in zip(*self.describe(f"SELECT * FROM {view}"))}
 
@@ -339,7 +340,7 @@ class ScoresDB:
         return [r[0] for r in self.con.sql(f"SELECT DISTINCT shard FROM {view} ORDER BY shard").fetchall()]
 
 
-def match_shards(given: list[str], scored: list[str]) -> dict[str, str | None]:
+def match_shards(given: list[str], scored: list[str]) -> Keyed[str, str | None]:
     """Map each given shard path to the name it has in the scores file.
 
     Exact string first, then the same real path, then the same file name when that name is

@@ -40,7 +40,7 @@ from scipy.stats import norm
 
 from pairclean.config import INT64_MAX
 from pairclean.core.null import wilson
-from pairclean.ops.records import Record
+from pairclean.ops.records import JsonObject, Record
 
 CONFIDENCE = 0.95
 DESIGN_KEY = b"pairclean_audit"  # a blind audit's design, in its truth Parquet's key-value metadata
@@ -57,7 +57,7 @@ class Estimate:
     effective_n: float | None
     sampled: int
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> JsonObject:
         return {"value": self.value, "low": self.low, "high": self.high, "effective_n": self.effective_n,
                 "sampled": self.sampled}
 

@@ -5,9 +5,9 @@ The layouts (clip-retrieval, two .npy files, Parquet embedding columns, DataComp
 block by block (`EmbeddingSource.batches`) in reused per-thread buffers, and a block is scored here
 while it is in cache.
 
-The similarity is the cosine: the row-wise dot divided by both norms, which are computed anyway
-to check that the vectors are unit length (a user may hand over unnormalised ones) and to turn
-zero or non-finite vectors into error rows. beta cannot come from a model here: it is given
+The similarity is the cosine from three row-wise dot products (`core.scorer.cosine_from_products`):
+the norms are computed anyway to check that the vectors are unit length (a user may hand over
+unnormalised ones), and a zero or non-finite vector becomes an error row. beta cannot come from a model here: it is given
 (`fixed`), computed from embeddings of random inputs that the user supplies (`random-inputs`),
 or the shuffled-pairs diagnostic.
 """
@@ -17,7 +17,7 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Iterable, Iterator
 
 import numpy as np
 import pyarrow as pa
@@ -25,12 +25,13 @@ import torch
 
 from pairclean.config import COUNT, at_least, setting, unpinned
 from pairclean.core.beta import BETA_MODES, BetaEstimate, ShuffledAccumulator
-from pairclean.core.scorer import null_partners
+from pairclean.core.scorer import cosine_from_products, null_partners
 from pairclean.data.embeddings import BLOCK_ROWS, SAVED_PROVENANCE, ArrayRows, EmbeddingBatch, EmbeddingSource, NpyRows
 from pairclean.data.embeddings.batches import block_buffer
 from pairclean.errors import ConfigError, UserError
 from pairclean.ops.guard import Output
 from pairclean.ops.notices import notice
+from pairclean.ops.records import JsonObject
 from pairclean.scores.contract import Renormalised
 from pairclean.scoring.parts import ScoredUnit
 from pairclean.scoring.run import Commit, Finishing, Producer, RunConfig, ScoreResult, Work, run_scoring
@@ -91,10 +92,9 @@ def score_batch(batch: EmbeddingBatch, pool: ThreadPoolExecutor | None,
                 accumulator: ShuffledAccumulator | None = None) -> BatchScores:
     """Cosine of each row pair; zero, non-finite or missing vectors become error rows."""
     dot, nu2, nv2 = row_products(batch.rows, pool)
+    sim = cosine_from_products(dot, nu2, nv2)
     nu, nv = np.sqrt(nu2), np.sqrt(nv2)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        sim = dot / (nu * nv)
-    usable = np.isfinite(sim) & (nu > 0) & (nv > 0)
+    usable = np.isfinite(sim)
     if batch.bad:
         usable[list(batch.bad)] = False
     sim = np.where(usable, sim, np.nan).astype(np.float32)
@@ -179,9 +179,9 @@ class EmbeddingScoreConfig(RunConfig):
                               "random_embeddings", "beta_mode")
 
 
-def _score_unit(unit: str, spec: EmbeddingSource, batch_rows: int, pool: ThreadPoolExecutor | None,
-                shuffled: bool) -> tuple[dict, dict]:
-    """Score one unit batch by batch: (its part's columns, its commit record). A unit that breaks
+def score_unit(batches: Iterable[EmbeddingBatch], pool: ThreadPoolExecutor | None,
+               shuffled: bool) -> tuple[dict, dict]:
+    """Score one unit's batches: (its part's columns, its commit record). A unit that breaks
     keeps its rows so far and says why in the record."""
     keys, shards, index, sims, nulls, errors = [], [], [], [], [], []
     not_unit = [0, 0]
@@ -189,7 +189,7 @@ def _score_unit(unit: str, spec: EmbeddingSource, batch_rows: int, pool: ThreadP
     accumulator = ShuffledAccumulator() if shuffled else None
     failure = None
     try:
-        for batch in spec.batches(unit, batch_rows):
+        for batch in batches:
             scores = score_batch(batch, pool, accumulator)
             batch_keys, batch_shards, batch_index = batch.identity()
             keys.append(batch_keys)
@@ -233,7 +233,7 @@ class EmbeddingsProducer(Producer):
     def units(self) -> list[str]:
         return self.spec.units(self.cfg.unit_rows)
 
-    def settings(self) -> dict:
+    def settings(self) -> JsonObject:
         spec, rand = self.spec, self.cfg.random_embeddings
         return {"source": "embeddings", "layout": spec.layout, "pair": spec.pair, "left_field": spec.left_field,
                 "right_field": spec.right_field, "key_field": spec.key_field,
@@ -265,8 +265,8 @@ class EmbeddingsProducer(Producer):
         torch.set_num_threads(1)
         try:
             for unit in (u for group in work.claimed() for u in group if u not in work.done):
-                columns, record = _score_unit(unit, self.spec, self.cfg.batch_rows, pool,
-                                              shuffled=self.cfg.beta_mode == "shuffled")
+                columns, record = score_unit(self.spec.batches(unit, self.cfg.batch_rows), pool,
+                                             shuffled=self.cfg.beta_mode == "shuffled")
                 if pending is not None:
                     pending.result()
                 pending = writer.submit(commit, unit, columns, record)

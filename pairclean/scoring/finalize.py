@@ -13,11 +13,12 @@ Two streaming passes over the parts (pyarrow record batches, memory bounded by a
 
 from __future__ import annotations
 
-from dataclasses import asdict
-from typing import Sequence
+from dataclasses import asdict, dataclass
+from typing import Iterable, Sequence
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from pairclean import __version__
@@ -27,7 +28,7 @@ from pairclean.core.scorer import cone_weight, debias, normalised_weight
 from pairclean.ops.faults import fault_point
 from pairclean.scores.contract import (FailedUnit, Provenance, Summary, flagged_summary, provenance_metadata,
                                        scores_schema, summary_metadata, write_run_manifest)
-from pairclean.scores.rules import DEFAULT_RULES, FitContext, build_rules
+from pairclean.scores.rules import DEFAULT_RULES, DecisionRule, FitContext, build_rules
 from pairclean.runs import PartStore, Run
 from pairclean.scoring.parts import ScoredUnit
 
@@ -68,10 +69,18 @@ def _finite(column) -> np.ndarray:
 
 def _samples_and_max(store: PartStore, units: list[str], n_valid: int, n_null: int, size: int, seed: int):
     """(uniform sample of the similarities, uniform sample of the null similarities, the maximum)."""
+    return similarity_samples(_iter_parts(store, units, columns=["sim", "null_sim"]), n_valid, n_null, size, seed)
+
+
+def similarity_samples(batches: Iterable[pa.RecordBatch], n_valid: int, n_null: int, size: int,
+                       seed: int) -> tuple[np.ndarray, np.ndarray, float]:
+    """What the rules are fitted on, from batches of (`sim`, `null_sim`) in output order holding
+    `n_valid` similarities and `n_null` null ones: (a uniform sample of at most `size` of each, the
+    largest similarity). The same seed and values give the same samples however they are batched."""
     rng = np.random.default_rng(seed)
     sample, null = _UniformSample(n_valid, size, rng), _UniformSample(n_null, size, rng)
     maximum = -np.inf
-    for batch in _iter_parts(store, units, columns=["sim", "null_sim"]):
+    for batch in batches:
         valid = _finite(batch.column(0))
         if len(valid):
             maximum = max(maximum, float(valid.max()))
@@ -101,13 +110,46 @@ def random_pairing_share(sample: np.ndarray, null_sample: np.ndarray) -> dict:
     return {"random_pairing_share": estimate, "random_pairing_share_low": low, "random_pairing_share_high": high}
 
 
-def weight_columns(sim: np.ndarray, beta: float, weight_fn: str, official_scale: float | None) -> dict[str, np.ndarray]:
-    """The scorer's per-pair columns computed from the similarity (NaN for error rows)."""
-    valid = ~np.isnan(sim)
-    sd = debias(sim.astype(np.float64), beta)
-    w = np.where(valid, cone_weight(np.nan_to_num(sd, nan=-1.0), weight_fn, scale=official_scale), 0.0)
-    wn = np.where(valid, normalised_weight(w, weight_fn, beta), 0.0)
-    return {"sim_debiased": sd, "weight": w, "weight_norm": wn}
+@dataclass(frozen=True)
+class PairColumns:
+    """What turns similarities into a scores file's per-pair columns once the rules are fitted:
+    finalize calls it on every batch it writes, `pairclean.score_embeddings` on the arrays it is
+    handed, so both give the same columns for the same similarities."""
+
+    beta: float
+    weight_fn: str
+    official_scale: float | None  # the `official` weight function's max(sim) - beta over the data
+    rules: tuple[DecisionRule, ...]
+
+    @classmethod
+    def fit(cls, rules: Sequence[DecisionRule], sample: np.ndarray, null_sample: np.ndarray, max_sim: float,
+            beta: float, weight_fn: str, seed: int) -> "PairColumns":
+        """Fit each rule on the samples (`similarity_samples`); `max_sim`: the largest similarity."""
+        for rule in rules:
+            rule.fit(sample, FitContext(beta=beta, seed=seed, null_sample=null_sample))
+        official_scale = max(max_sim - beta, 0.0) if weight_fn == "official" and len(sample) else None
+        return cls(beta, weight_fn, official_scale, tuple(rules))
+
+    def table(self, sim: np.ndarray) -> pa.Table:
+        """`sim_debiased`, `weight`, `weight_norm`, then each rule's columns, for float64
+        similarities (NaN: the pair has no score; its columns are NULL, its weights 0)."""
+        valid = ~np.isnan(sim)
+        sd = debias(sim, self.beta)
+        w = np.where(valid, cone_weight(np.nan_to_num(sd, nan=-1.0), self.weight_fn, scale=self.official_scale), 0.0)
+        wn = np.where(valid, normalised_weight(w, self.weight_fn, self.beta), 0.0)
+        columns = {"sim_debiased": pa.array(sd, type=pa.float32(), mask=~valid),
+                   "weight": pa.array(w, type=pa.float32()), "weight_norm": pa.array(wn, type=pa.float32())}
+        for rule in self.rules:
+            derived = rule.derive(sim)
+            for name, dtype in rule.columns:  # a rule's NaN (no value: it abstains) is NULL, never a number
+                values = np.asarray(derived[name])
+                missing = ~valid | np.isnan(values) if pa.types.is_floating(dtype) else ~valid
+                columns[name] = pa.array(values, type=dtype, mask=missing)
+        return pa.table(columns)
+
+    def flagged(self, table: pa.Table) -> tuple[int, ...]:
+        """Pairs each rule flags in `table` (a scored pair whose decision is true), in rule order."""
+        return tuple(int(pc.sum(table.column(rule.decision)).as_py() or 0) for rule in self.rules)
 
 
 def failed_units(units: list[str], records: dict[str, ScoredUnit]) -> list[FailedUnit]:
@@ -135,10 +177,9 @@ def finalize(run: Run, units: list[str], beta: BetaEstimate, weight_fn: str, see
     n_valid = n_rows - n_errors
     n_null = sum(records[u].null_rows for u in units)
     sample, null_sample, max_sim = _samples_and_max(store, units, n_valid, n_null, gmm_sample, seed)
-    for rule in deciders:
-        rule.fit(sample, FitContext(beta=beta.beta, seed=seed, null_sample=null_sample))
+    scorer = PairColumns.fit(deciders, sample, null_sample, max_sim, beta.beta, weight_fn, seed)
     rule_records = [rule.record() for rule in deciders]
-    official_scale = max(max_sim - beta.beta, 0.0) if weight_fn == "official" and n_valid else None
+    official_scale = scorer.official_scale
 
     unit_failures = failed_units(units, records)
     provenance = Provenance(**{
@@ -161,18 +202,11 @@ def finalize(run: Run, units: list[str], beta: BetaEstimate, weight_fn: str, see
                 written += batch.num_rows
                 scored += int((valid & ~has_error).sum())
                 errored += int((has_error & ~valid).sum())
-                weights = weight_columns(sim, beta.beta, weight_fn, official_scale)
+                derived = scorer.table(sim)
+                for rule, count in zip(deciders, scorer.flagged(derived)):
+                    flagged[rule.name] += count
                 columns = {name: batch.column(name) for name in ("key", "shard", "index", "sim")}
-                columns["sim_debiased"] = pa.array(weights["sim_debiased"], type=pa.float32(), mask=~valid)
-                columns["weight"] = pa.array(weights["weight"], type=pa.float32())
-                columns["weight_norm"] = pa.array(weights["weight_norm"], type=pa.float32())
-                for rule in deciders:
-                    derived = rule.derive(sim)
-                    flagged[rule.name] += int((derived[rule.decision] & valid).sum())
-                    for name, dtype in rule.columns:  # a rule's NaN (no value: it abstains) is NULL, never a number
-                        values = np.asarray(derived[name])
-                        missing = ~valid | np.isnan(values) if pa.types.is_floating(dtype) else ~valid
-                        columns[name] = pa.array(values, type=dtype, mask=missing)
+                columns.update(zip(derived.column_names, derived.columns))
                 columns["error"] = batch.column("error")
                 writer.write_table(pa.table(columns, schema=schema))
                 fault_point("finalize-batch")

@@ -36,6 +36,7 @@ from pairclean.data.embeddings import (SAVED_PROVENANCE, UNFINISHED, SavedBeta, 
 from pairclean.data.spec import DatasetSpec, modalities
 from pairclean.errors import ConfigError
 from pairclean.ops.atomic import remove_stale_temps, write_json
+from pairclean.ops.records import JsonObject
 from pairclean.scoring.beta_cache import BetaCache, cached_random_input_beta, weights_fingerprint
 from pairclean.scoring.batches import PreparedBatches, batch_loader
 from pairclean.scoring.parts import ScoredUnit
@@ -176,7 +177,7 @@ class ModelProducer(Producer):
         (directory / SAVED_PROVENANCE).unlink(missing_ok=True)  # a resumed run's directory is complete only at its end
         write_json(directory / UNFINISHED, {"written_by": "pairclean score"})
 
-    def settings(self) -> dict:
+    def settings(self) -> JsonObject:
         spec, pretrained = self.spec, self.cfg.pretrained
         # A checkpoint replaced at the same path between a kill and the re-run is another model:
         # its hash is pinned, so the resumed run is refused instead of mixing two models' scores.

@@ -28,6 +28,7 @@ from pairclean.backends.oom import OomBackoff, take_rows
 from pairclean.core.beta import ShuffledAccumulator
 from pairclean.core.scorer import null_partners
 from pairclean.ops.measure import StageMeter
+from pairclean.ops.records import Keyed
 from pairclean.scoring.batches import PairBatch, UnitEnd
 
 # Device types whose batches are prepared one ahead in a thread of their own (`run_pipeline`).
@@ -101,7 +102,7 @@ class _UnitRows:
     sim: list[np.ndarray] = field(default_factory=list)
     null: list[np.ndarray] = field(default_factory=list)
 
-    def columns(self) -> dict:
+    def columns(self) -> Keyed:
         empty = np.zeros(0, dtype=np.float32)
         return {"key": self.key, "shard": self.shard, "index": self.index, "error": self.error,
                 "sim": np.concatenate(self.sim) if self.sim else empty,

@@ -22,9 +22,25 @@
 Evaluate with `pairclean.train.retrieval.evaluate_retrieval(run_dir_or_model, val_shards)`.
 """
 
+import sys
+from types import ModuleType
+
 from pairclean.train.methods import (METHODS, Embeddings, LossOutput, Method, MethodContext, Shortcut, build_method,
                                      register_method)
 from pairclean.train.trainer import TrainConfig, TrainResult, train
 
 __all__ = ["TrainConfig", "TrainResult", "train", "METHODS", "Method", "MethodContext", "Embeddings", "LossOutput",
            "Shortcut", "build_method", "register_method"]
+
+
+class _TrainPackage(ModuleType):
+    """`pairclean.train` names both this package and the public function `train`: once the package
+    is imported, Python binds the package on `pairclean` under that name, so the package itself
+    answers a call as the function does (`pairclean.train(source, out, config)` works whichever
+    of the two it finds)."""
+
+    def __call__(self, *args, **kwargs) -> TrainResult:
+        return train(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _TrainPackage

@@ -24,6 +24,7 @@ import torch
 from pairclean.backends import export_name
 from pairclean.ops.atomic import atomic_path
 from pairclean.errors import ConfigError, UserError
+from pairclean.ops.records import JsonObject, StateDict
 
 RUN_FILE = "run.json"
 STATE_FILE = "state.pt"
@@ -39,7 +40,7 @@ def model_path(run_dir: Path, stem: str, backend: str) -> Path:
     return Path(run_dir) / export_name(stem, backend)
 
 
-def rng_state() -> dict:
+def rng_state() -> StateDict:
     """RNG states as tensors and plain Python values, so state.pt loads with weights_only=True."""
     name, keys, pos, has_gauss, gauss = np.random.get_state()
     numpy_state = [name, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(gauss)]
@@ -63,14 +64,14 @@ def save_state(run_dir: Path, state: dict) -> None:
         torch.save({**state, "rng": rng_state()}, tmp)
 
 
-def load_state(run_dir: Path) -> dict:
+def load_state(run_dir: Path) -> StateDict:
     try:
         return torch.load(Path(run_dir) / STATE_FILE, map_location="cpu", weights_only=True)
     except Exception as exc:  # a corrupt or foreign file: one line, never arbitrary unpickling
         raise UserError(f"cannot load {Path(run_dir) / STATE_FILE} safely: {str(exc).splitlines()[0][:200]}") from None
 
 
-def read_run(run_dir: Path) -> dict:
+def read_run(run_dir: Path) -> JsonObject:
     path = Path(run_dir) / RUN_FILE
     try:
         return json.loads(path.read_text())
@@ -88,7 +89,7 @@ def is_training_run(run_dir: Path) -> bool:
     return isinstance(run, dict) and isinstance(run.get("settings"), dict) and isinstance(run.get("target"), dict)
 
 
-def resolve_trained_model(path: Path) -> tuple[dict, Path]:
+def resolve_trained_model(path: Path) -> tuple[JsonObject, Path]:
     """(target description, model file or directory) for a run directory or a model inside one."""
     path = Path(path)
     if not path.exists():

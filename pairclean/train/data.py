@@ -29,6 +29,7 @@ from pairclean.errors import UserError
 from pairclean.data.dataset import Dataset
 from pairclean.data.spec import UnitFailure, modalities
 from pairclean.data.units import unit_shard
+from pairclean.ops.records import Keyed
 from pairclean.ops.urls import is_local
 from pairclean.ops.worker_start import first_batch_at_once
 
@@ -67,7 +68,7 @@ class UnitSpan:
     rows: int
 
 
-def unit_spans(dataset: Dataset, units: list[str], shards: list[ShardInfo]) -> dict[str, UnitSpan]:
+def unit_spans(dataset: Dataset, units: list[str], shards: list[ShardInfo]) -> Keyed[str, UnitSpan]:
     """Each unit's span: a whole shard's from the shard index, a part's (a Parquet row group) as the
     dataset's format counts it (file metadata)."""
     rows = {s.shard: s.rows for s in shards}
@@ -118,7 +119,7 @@ class TrainBatches(IterableDataset):
             random.Random(f"units-{self._order_key(epoch, repeat)}").shuffle(units)
         return units
 
-    def kept_pairs(self, spans: dict[str, UnitSpan]) -> dict[str, float]:
+    def kept_pairs(self, spans: dict[str, UnitSpan]) -> Keyed[str, float]:
         """The pairs each unit gives as far as is known before reading it: its rows less those the
         plan's weight arrays drop or, where the arrays are not written yet, its rows times the plan's
         share of kept pairs. Pairs found unusable only when read (a missing caption, an undecodable
@@ -178,7 +179,7 @@ class TrainBatches(IterableDataset):
         stats.update(self._new_stats())
         return taken
 
-    def _emit(self, rows: list[tuple], stats: dict) -> dict:
+    def _emit(self, rows: list[tuple], stats: dict) -> Keyed:
         batch = {"key": [r[0].key for r in rows], "shard": [r[0].shard for r in rows],
                  "index": torch.tensor([r[0].index for r in rows], dtype=torch.long),
                  "weight": torch.tensor([r[1] for r in rows], dtype=torch.float32),

@@ -36,6 +36,7 @@ from pairclean.data.spec import UnitFailure
 from pairclean.errors import ConfigError, UserError
 from pairclean.ops import distributed
 from pairclean.ops.atomic import atomic_path
+from pairclean.ops.records import Keyed, StateDict
 from pairclean.ops.worker_memory import steady_worker_memory
 from pairclean.train.data import DROPPED, BatchPlan, ShardInfo, TrainBatches
 from pairclean.train.logs import DiagnosticsWriter
@@ -126,12 +127,12 @@ def pair_pass(ctx, target, columns: Callable[[dict, torch.Tensor, torch.Tensor],
     return gather_pairs(index.size, _cat(ids).astype(np.int64), {k: _cat(v) for k, v in values.items()})
 
 
-def pair_similarity(batch: dict, left: torch.Tensor, right: torch.Tensor) -> dict[str, torch.Tensor]:
+def pair_similarity(batch: dict, left: torch.Tensor, right: torch.Tensor) -> Keyed[str, torch.Tensor]:
     """The cosine of each pair (embeddings are L2-normalised)."""
     return {"sim": (left * right).sum(-1)}
 
 
-def pair_embeddings(batch: dict, left: torch.Tensor, right: torch.Tensor) -> dict[str, torch.Tensor]:
+def pair_embeddings(batch: dict, left: torch.Tensor, right: torch.Tensor) -> Keyed[str, torch.Tensor]:
     return {"left": left, "right": right, "sim": (left * right).sum(-1)}
 
 
@@ -186,7 +187,7 @@ class EpochWeights:
         distributed.on_main(write)
 
 
-def read_pairs(dataset, wanted: set[int], index: PairIndex) -> dict[int, object]:
+def read_pairs(dataset, wanted: set[int], index: PairIndex) -> Keyed[int, object]:
     """The raw pairs (RawPair) with these global ids, read once in file order (for a memory bank)."""
     found = {}
     for unit in dataset.units():
@@ -249,7 +250,7 @@ class OwnModule:
     def step(self) -> None:
         apply_gradients(self.module, self.optimizer, self.scheduler, self.grad_clip)
 
-    def state_dict(self) -> dict:
+    def state_dict(self) -> StateDict:
         return {"module": self.module.state_dict(), "optimizer": self.optimizer.state_dict(),
                 "scheduler": self.scheduler.state_dict()}
 
@@ -293,7 +294,7 @@ class Network:
         loss.backward()
         apply_gradients(self.target.module, self.optimizer, self.scheduler, self.grad_clip)
 
-    def state_dict(self) -> dict:
+    def state_dict(self) -> StateDict:
         return {"model": self.target.module.state_dict(), "optimizer": self.optimizer.state_dict(),
                 "scheduler": self.scheduler.state_dict()}
 
@@ -400,5 +401,5 @@ class Peer:
     def close(self) -> None:
         self.batches.close()
 
-    def state_dict(self) -> dict:
+    def state_dict(self) -> StateDict:
         return self.network.state_dict()

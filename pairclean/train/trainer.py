@@ -23,6 +23,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from pairclean.ops.guard import Output, open_output
+from pairclean.ops.records import JsonObject, Keyed
 from pairclean.runs import settings_changes
 from pairclean.config import (COUNT, SEED, SHARE, above, at_least, check_settings, pinned_settings, setting,
                               unpinned)
@@ -171,7 +172,7 @@ def _prepare_run_dir(out: Path, cfg: TrainConfig) -> bool:
     return False
 
 
-def _settings(cfg: TrainConfig, spec: DatasetSpec, val: DatasetSpec | None) -> dict:
+def _settings(cfg: TrainConfig, spec: DatasetSpec, val: DatasetSpec | None) -> JsonObject:
     # How the loop's images are decoded: `decode` where not fast (every earlier pairclean's), and how the
     # workers resize or which device decoder decodes (`pinned_decoding`)
     decoding = {}
@@ -446,7 +447,7 @@ class _Loop:
                 return
             yield batch
 
-    def _on_device(self, batch: dict, totals: dict) -> dict:
+    def _on_device(self, batch: dict, totals: dict) -> Keyed:
         """The batch's inputs on the device, copied on the feed's side stream; JPEGs the loader left
         for the device (`decode` gpu ...) decoded there too, overlapping the step before. A row
         neither the device nor PIL can decode leaves the batch, counted as an error."""
@@ -495,7 +496,7 @@ class _Loop:
         elapsed = time.perf_counter() - epoch_start
         task.update(advance=1, loss=loss, lr=done.lr, rate=totals["pairs"] / elapsed if elapsed else 0.0)
 
-    def run_epoch(self, epoch: int, loader: _Passes, task) -> dict:
+    def run_epoch(self, epoch: int, loader: _Passes, task) -> JsonObject:
         """One pass over the training data; returns the epoch's metrics record so far."""
         cfg = self.cfg
         if cfg.diagnostics:

@@ -35,6 +35,7 @@ from pairclean.config import check_choice
 from pairclean.errors import ConfigError, UserError
 from pairclean.data.dataset import Dataset
 from pairclean.ops.atomic import atomic_directory
+from pairclean.ops.records import JsonObject, Keyed
 from pairclean.scores.db import NUMERIC_TYPES, ScoresDB, compile_predicate
 from pairclean.scores.sql import duckdb_message
 from pairclean.train.data import DROPPED, ShardInfo
@@ -55,7 +56,7 @@ class WeightJoin:
     missing: int
     mean_weight: float  # over kept pairs
 
-    def summary(self) -> dict:
+    def summary(self) -> JsonObject:
         d = asdict(self)
         d.pop("shard_files")
         return d
@@ -94,7 +95,7 @@ class _Scores:
             if lowest is not None and lowest < 0:
                 raise UserError(f"column {column!r} has negative values (min {lowest:.4g}); loss weights must be >= 0")
 
-    def shard_map(self, shards: list[ShardInfo]) -> dict[str, int]:
+    def shard_map(self, shards: list[ShardInfo]) -> Keyed[str, int]:
         """Scored shard name -> training shard id, by real path, else by unique file name."""
         scored = [row[0] for row in self.con.execute("SELECT DISTINCT shard FROM scores WHERE shard IS NOT NULL").fetchall()]
         by_path = {os.path.realpath(s.shard): i for i, s in enumerate(shards)}
@@ -185,7 +186,7 @@ def _write_train_keys(dataset: Dataset, shards: list[ShardInfo], path: Path) -> 
                                          "idx": pa.array(range(len(keys)), pa.int64()), "key": keys}, schema=schema))
 
 
-def _write_arrays(reader, shards: list[ShardInfo], out: Path, on_missing: str) -> tuple[dict[int, str], dict]:
+def _write_arrays(reader, shards: list[ShardInfo], out: Path, on_missing: str) -> tuple[Keyed[int, str], Keyed]:
     """Cut the ordered (shard_id, idx, w, keep) stream into per-shard arrays and save them."""
     files: dict[int, str] = {}
     totals = {"rows": 0, "kept": 0, "dropped": 0, "missing": 0, "weight_sum": 0.0}

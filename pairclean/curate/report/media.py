@@ -24,6 +24,7 @@ from pairclean.data.record import DatasetRecord, check_same_dataset
 from pairclean.data.rewriting.base import changed
 from pairclean.data.spec import Fields, RawPair
 from pairclean.errors import UserError
+from pairclean.ops.records import Keyed
 from pairclean.scores.contract import Provenance, from_embeddings, scored_pairs
 from pairclean.scores.db import match_shards
 
@@ -70,7 +71,7 @@ def media_dataset(provenance: Provenance, shards: list[str] | None = None, field
     return open_dataset(present, pair=options["pair"]), None
 
 
-def _units_for(dataset: Dataset, path: str, indices: set[int]) -> dict[str, set[int]]:
+def _units_for(dataset: Dataset, path: str, indices: set[int]) -> Keyed[str, set[int]]:
     """The units of the file `path` holding these row indices: a file read as one unit holds them
     all; a file read in several (Parquet row groups) is walked by each unit's row count."""
     units = Dataset(replace(dataset.spec, shards=[path])).units()
@@ -87,7 +88,7 @@ def _units_for(dataset: Dataset, path: str, indices: set[int]) -> dict[str, set[
     return found
 
 
-def _read_pairs(dataset: Dataset, wanted: dict[str, dict[int, str | None]]) -> dict[tuple[str, int], RawPair]:
+def _read_pairs(dataset: Dataset, wanted: dict[str, dict[int, str | None]]) -> Keyed[tuple[str, int], RawPair]:
     """RawPairs at the wanted (shard path -> index -> the key the scores have there, None: any);
     stops reading a unit once all are found. A pair whose key is not the scored one means the
     shard is not what was scored: a UserError."""
@@ -114,7 +115,7 @@ def _thumb(data, size: int) -> str | None:
         return None
 
 
-def locate_keys(dataset: Dataset, keys: set[str]) -> dict[str, tuple[str, int]]:
+def locate_keys(dataset: Dataset, keys: set[str]) -> Keyed[str, tuple[str, int]]:
     """Where each key is in the dataset: key -> (shard, index), from the format's key listing of
     every shard. A wanted key found twice is refused: a pair matched by key must be one pair."""
     found: dict[str, tuple[str, int]] = {}
@@ -130,7 +131,7 @@ def locate_keys(dataset: Dataset, keys: set[str]) -> dict[str, tuple[str, int]]:
 
 def fetch_media(dataset: Dataset, rows: list[dict], thumb: int, by_key: bool = False,
                 recorded: DatasetRecord | None = None,
-                allow_other_dataset: bool = False) -> dict[tuple[str, int], Media]:
+                allow_other_dataset: bool = False) -> Keyed[tuple[str, int], Media]:
     """Thumbnails and texts for gallery rows (keyed by the scored (shard, index)). `by_key`: the
     scores' rows are not the dataset's (precomputed embeddings), so each is found by its key.
     `recorded`: the dataset the scores recorded; the files read must be its files."""

@@ -10,6 +10,7 @@ import numpy as np
 
 from pairclean.curate.sweep import Sweep, threshold_sweep
 from pairclean.errors import UserError
+from pairclean.ops.records import Keyed
 from pairclean.scores.contract import Provenance
 from pairclean.scores.db import ScoresDB
 from pairclean.scores.evaluation import truth_metrics
@@ -92,7 +93,7 @@ def truth_by_rule(db: ScoresDB, rules: list[RuleRecord]) -> dict:
     return out
 
 
-def histogram(db: ScoresDB, view: str, lo: float, hi: float, bins: int, split: bool) -> tuple[np.ndarray, dict]:
+def histogram(db: ScoresDB, view: str, lo: float, hi: float, bins: int, split: bool) -> tuple[np.ndarray, Keyed]:
     """Bin edges and counts per label (all | clean | noisy | unlabelled), counted by DuckDB."""
     width = (hi - lo) / bins
     label = "CASE WHEN noisy IS NULL THEN 'unlabelled' WHEN noisy THEN 'noisy' ELSE 'clean' END" if split else "'all'"

@@ -14,6 +14,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from pairclean.data.embeddings.npy import ORIGIN_COLUMNS, NpyFiles, NpyPair
+from pairclean.ops.records import Keyed
 
 BLOCK_ROWS = 2048  # rows read at a time into a per-thread buffer (see docs/pair-kinds.md for the measurement)
 
@@ -118,7 +119,7 @@ def read_metadata(pair: NpyPair, start: int, stop: int) -> pa.Table | None:
                     names=["key", *(ORIGIN_COLUMNS if pair.origin else ())])
 
 
-def list_column(column: pa.Array, dim: int, what: str) -> tuple[np.ndarray, dict[int, str]]:
+def list_column(column: pa.Array, dim: int, what: str) -> tuple[np.ndarray, Keyed[int, str]]:
     """(rows x dim float array, bad rows) from a list<float> column; a null or wrongly sized list
     becomes a bad row (zeros in the array)."""
     if isinstance(column, pa.ChunkedArray):

@@ -48,6 +48,7 @@ from pairclean.data.units import Unit
 from pairclean.errors import ConfigError, UserError
 from pairclean.ops.places import readable
 from pairclean.ops.notices import notice
+from pairclean.ops.records import Keyed
 
 
 @dataclass(frozen=True)
@@ -127,7 +128,7 @@ class EmbeddingLayout(ABC):
             files.close()
 
 
-def _numbered(directory: Path, prefix: str, suffix: str) -> dict[str, Path]:
+def _numbered(directory: Path, prefix: str, suffix: str) -> Keyed[str, Path]:
     pattern = re.compile(re.escape(prefix) + r"(\d+)" + re.escape(suffix) + "$")
     found = {}
     for path in directory.iterdir() if directory.is_dir() else []:

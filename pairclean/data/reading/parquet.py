@@ -16,6 +16,7 @@ from pairclean.data.reading.inputs import parquet_file
 from pairclean.data.reading.values import decode_text, fill, image_value, read_image_path
 from pairclean.data.spec import PAIR_KINDS, DatasetSpec, Fields, RawPair, UnitFailure
 from pairclean.data.units import Unit, unique_shards
+from pairclean.ops.records import Keyed
 
 
 def row_groups(shards: list[str]) -> list[str]:
@@ -41,7 +42,7 @@ def row_group_rows(unit: str) -> int:
         return 0
 
 
-def columns(spec: DatasetSpec) -> dict[str, str | None]:
+def columns(spec: DatasetSpec) -> Keyed[str, str | None]:
     """role (`key`, `left_image`, `right_text`, ...) -> the column that holds it for this pair kind."""
     f = spec.fields
     cols = {"key": f.key}

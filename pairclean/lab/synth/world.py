@@ -30,6 +30,7 @@ from pairclean.data.manifest import write_manifest
 from pairclean.data.spec import DatasetSpec, Fields
 from pairclean.data.writer import write_shards
 from pairclean.ops.guard import open_output
+from pairclean.ops.records import JsonObject
 
 WORLD_VERSION = 1  # bump when rendering or captions change: cached estimators are then retrained
 IMAGE_SIZE = 64
@@ -85,7 +86,7 @@ class Scene:
         chosen = (variants[j % len(variants)] for j in range(n))
         return [prefix + describe([self.objects[k] for k in order]) for order, prefix in chosen]
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> JsonObject:
         return {"objects": [asdict(o) for o in self.objects]}
 
 

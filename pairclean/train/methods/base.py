@@ -36,6 +36,7 @@ from pairclean.config import check_choice, check_value, field_types, parse_value
 from pairclean.data.dataset import Dataset
 from pairclean.errors import UserError
 from pairclean.ops.notices import notice
+from pairclean.ops.records import JsonObject, Keyed, StateDict
 from pairclean.train.data import BatchPlan, ShardInfo
 from pairclean.train.loss import weighted_infonce
 
@@ -141,12 +142,12 @@ class Method:
         one pass over `span` pairs); None: one pass over the chosen pairs."""
         return None
 
-    def schedule(self, epochs: int) -> dict:
+    def schedule(self, epochs: int) -> Keyed:
         """The method's epoch schedule (warm-up, phases) for a run of `epochs` epochs, as it will run;
         empty for a method without one. Shown by `pairclean train --method-option help`."""
         return {}
 
-    def batch_weights(self, batch: dict, ctx: MethodContext) -> tuple[torch.Tensor | None, dict]:
+    def batch_weights(self, batch: dict, ctx: MethodContext) -> tuple[torch.Tensor | None, Keyed]:
         """(per-pair loss weights or None for unweighted, extra per-pair diagnostics columns)."""
         return None, {}
 
@@ -165,21 +166,21 @@ class Method:
         """Called after each backward of the main network's loss, before its optimiser step: a method
         whose loss also trains modules of its own (DiffNCL's denoisers) steps them here."""
 
-    def on_epoch_end(self, epoch: int, ctx: MethodContext) -> dict:
+    def on_epoch_end(self, epoch: int, ctx: MethodContext) -> JsonObject:
         return {}
 
-    def state_dict(self) -> dict:
+    def state_dict(self) -> StateDict:
         return {}
 
     def load_state_dict(self, state: dict) -> None:
         """A fixed weighting has no state beyond its options."""
 
-    def extra_networks(self) -> dict:
+    def extra_networks(self) -> Keyed:
         """name -> target of networks trained beside the main one that are part of the result
         (exported per epoch as model-...-NAME, evaluated with the main one by averaged similarity)."""
         return {}
 
-    def describe(self) -> dict:
+    def describe(self) -> JsonObject:
         return {"method": self.name, **dataclasses.asdict(self.options)}
 
 

@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from pairclean.core.mixture import clean_posterior, minmax
 from pairclean.config import COUNT, above, at_least, check_choice, setting, within
 from pairclean.errors import ConfigError, UserError
+from pairclean.ops.records import JsonObject, Keyed, StateDict
 from pairclean.train.loss import infonce_terms
 from pairclean.train.methods.base import (EPOCH_LENGTHS, Embeddings, FollowUp, LossOutput, Method, MethodContext,
                                           every_parameter, register_method, scaled_epoch, too_short)
@@ -168,7 +169,7 @@ def cross_consistency(f_hat: torch.Tensor, g_hat: torch.Tensor, f: torch.Tensor,
 
 def weak_pair_losses(f: torch.Tensor, g: torch.Tensor, denoiser: Denoiser, steps: int, logit_scale,
                      shared_noise: bool = True, cross_detach: bool = False, cross_form: str = "prose",
-                     start: int | None = None) -> dict[str, torch.Tensor]:
+                     start: int | None = None) -> Keyed[str, torch.Tensor]:
     """L_intra, L_cross, L_robust (Eq. 14, 15, 17) of weakly-noisy pairs with unit embeddings f, g; the
     reverse diffusion runs `start` steps from the step-`start` noised embeddings (None: T, the paper)."""
     scale = math.sqrt(f.shape[-1])
@@ -233,9 +234,7 @@ class Diffncl(Method):
 
     name = "diffncl"
     Options = DiffnclOptions
-    pays = ("real text (COCO, MiniLM, 3 seeds): +7.9 over plain at 40% shuffle, +4.3 at 30% shuffle + 30% weak, "
-            "the least (its weak-pair loop: weak_loop=once 409.9 at seed 0, 40% shuffle); toy world: +100 at 40% "
-            "shuffle, +101 mixed (3 seeds)")
+    pays = "+8 rSum over plain on real text at 40% shuffle, +4 with weak captions: the least of these (docs/methods.md)"
 
     def __init__(self, options):
         super().__init__(options)
@@ -244,7 +243,7 @@ class Diffncl(Method):
         self.denoise = None  # the denoiser the main network's current backward trains (after_backward steps it)
         self.weak_metrics: dict = {}  # the last weak step's losses per network, for the step log
 
-    def schedule(self, epochs: int) -> dict:
+    def schedule(self, epochs: int) -> Keyed:
         o = self.options
         return {"warmup_epochs": o.warmup_epochs if o.warmup_epochs is not None else
                 scaled_epoch(epochs, PAPER_WARMUP, PAPER_EPOCHS)}
@@ -336,14 +335,14 @@ class Diffncl(Method):
         self.partition = consensus(*self.labels)
         self.passes, self.seen, self.zeta = passes, seen, zeta
 
-    def _weak_loss(self, left: torch.Tensor, right: torch.Tensor, net, denoiser: Denoiser) -> tuple[torch.Tensor, dict]:
+    def _weak_loss(self, left: torch.Tensor, right: torch.Tensor, net, denoiser: Denoiser) -> tuple[torch.Tensor, Keyed]:
         o = self.options
         parts = weak_pair_losses(left, right, denoiser, o.steps, self._scale(net), o.shared_noise, o.cross_detach,
                                  o.cross, o.denoise_from)
         term = o.intra_weight * parts["intra"] + o.cross_weight * parts["cross"] + o.robust_weight * parts["robust"]
         return term, {f"l_{k}": v.detach() for k, v in parts.items()}
 
-    def _rows_loss(self, emb: Embeddings, ids: np.ndarray, net, denoiser: Denoiser) -> tuple[torch.Tensor, dict]:
+    def _rows_loss(self, emb: Embeddings, ids: np.ndarray, net, denoiser: Denoiser) -> tuple[torch.Tensor, Keyed]:
         """loops=rows: plain InfoNCE on the batch's clean rows + the weak-pair losses on its weak rows."""
         part = self.partition[ids]
         loss = every_parameter(emb)
@@ -405,7 +404,7 @@ class Diffncl(Method):
             self.denoise.step()
             self.denoise = None
 
-    def _peer_step(self, ctx: MethodContext) -> dict:
+    def _peer_step(self, ctx: MethodContext) -> Keyed:
         batch = self.peer.next_batch()
         if batch is None:  # its subset holds no batch on some rank: the peer skips this iteration
             return {}
@@ -430,7 +429,7 @@ class Diffncl(Method):
             denoiser.step()
         return {"peer_loss": loss.detach()}
 
-    def on_epoch_end(self, epoch: int, ctx: MethodContext) -> dict:
+    def on_epoch_end(self, epoch: int, ctx: MethodContext) -> JsonObject:
         self.peer.close()
         for loader in getattr(self, "weak_batches", ()):
             loader.close()
@@ -447,11 +446,11 @@ class Diffncl(Method):
         return {"diffncl_clean": int(counts[CLEAN]), "diffncl_weak": int(counts[WEAK]),
                 "diffncl_noisy": int(counts[NOISY]), "diffncl_zeta": self.zeta}
 
-    def state_dict(self) -> dict:
+    def state_dict(self) -> StateDict:
         return {"peer": self.peer.state_dict(), "denoisers": [d.state_dict() for d in self.denoisers]}
 
     def load_state_dict(self, state: dict) -> None:
         self.saved = state
 
-    def extra_networks(self) -> dict:
+    def extra_networks(self) -> Keyed:
         return {"peer": self.peer.target}

@@ -40,6 +40,7 @@ from pairclean.config import COUNT, SHARE, above, at_least, check_choice, settin
 from pairclean.backends.base import host_values
 from pairclean.backends.feed import HostCopies
 from pairclean.core.mixture import clean_posterior
+from pairclean.ops.records import JsonObject, Keyed, StateDict
 from pairclean.train.loss import infonce_terms, weighted_infonce
 from pairclean.train.methods.base import Embeddings, LossOutput, Method, MethodContext, register_method, too_short
 from pairclean.train.robust import PairIndex, Peer, gather_batch_ids, gather_pairs, pair_pass, write_pair_table
@@ -169,7 +170,7 @@ class _Labels:
         y_cm, y_im = self.estimates(table["cm"], table["sim"], table.seen, o, seed)
         self.y_cm[table.seen], self.y_im[table.seen] = y_cm[table.seen], y_im[table.seen]
 
-    def update(self, size: int, o: GscOptions, seed: int) -> dict[str, np.ndarray]:
+    def update(self, size: int, o: GscOptions, seed: int) -> Keyed[str, np.ndarray]:
         """End of an epoch: gather every rank's values, this epoch's estimates, ensemble; pairs no step
         saw keep their labels."""
         cat = (lambda xs, dtype: np.concatenate(xs) if xs else np.zeros(0, dtype=dtype))
@@ -184,7 +185,7 @@ class _Labels:
         return {"seen": seen, "softmax_now": table["cm"], "s_im": table["sim"], "y_cm_now": y_cm_now,
                 "y_im_now": y_im_now}
 
-    def state_dict(self) -> dict:
+    def state_dict(self) -> StateDict:
         return {"y_cm": torch.from_numpy(self.y_cm), "y_im": torch.from_numpy(self.y_im)}
 
     def load_state_dict(self, state: dict) -> None:
@@ -197,9 +198,8 @@ class Gsc(Method):
 
     name = "gsc"
     Options = GscOptions
-    pays = ("real text (COCO, MiniLM, 3 seeds): +13.7 over plain (one network), +14.9 (two) at 40% shuffle; "
-            "+7.8 / +9.5 at 30% shuffle + 30% weak (two networks: the best row); toy world: +109 / +116 at 40% "
-            "shuffle, +100 / +106 mixed (3 seeds)")
+    pays = ("the best with weak captions mixed in (two networks: +9.5 rSum over plain at 30% shuffle + 30% weak); "
+            "+14 at 40% shuffle (docs/methods.md)")
 
     def __init__(self, options):
         super().__init__(options)
@@ -283,7 +283,7 @@ class Gsc(Method):
             metrics.update({f"peer_{k}": v for k, v in peer_metrics.items()})
         return LossOutput(loss, diag, metrics)
 
-    def on_epoch_end(self, epoch: int, ctx: MethodContext) -> dict:
+    def on_epoch_end(self, epoch: int, ctx: MethodContext) -> JsonObject:
         if self.peer is not None:
             self.peer.close()
         columns, seen = {}, np.zeros(self.index.size, dtype=bool)
@@ -300,7 +300,7 @@ class Gsc(Method):
         return {"gsc_clean": int(np.sum(clean & seen)), "gsc_noisy": int(np.sum(~clean & seen)),
                 "gsc_mean_y": float(y[seen].mean()) if seen.any() else None}
 
-    def state_dict(self) -> dict:
+    def state_dict(self) -> StateDict:
         state = {"labels": [labels.state_dict() for labels in self.labels]}
         if self.peer is not None:
             state["peer"] = self.peer.state_dict()
@@ -309,5 +309,5 @@ class Gsc(Method):
     def load_state_dict(self, state: dict) -> None:
         self.saved = state
 
-    def extra_networks(self) -> dict:
+    def extra_networks(self) -> Keyed:
         return {"peer": self.peer.target} if self.peer is not None else {}

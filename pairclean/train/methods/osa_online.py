@@ -11,6 +11,7 @@ from pairclean.config import COUNT, FINITE, check_choice, setting
 from pairclean.errors import ConfigError
 from pairclean.core.beta import check_beta_mode, random_input_beta, resolve_beta
 from pairclean.core.scorer import WEIGHT_FUNCTIONS, cone_weight, debias, normalised_weight
+from pairclean.ops.records import JsonObject, Keyed, StateDict
 from pairclean.train.data import BatchPlan
 from pairclean.train.loss import REDUCTIONS
 from pairclean.train.methods.base import Method, MethodContext, Shortcut, register_method
@@ -97,7 +98,7 @@ class OsaOnline(Method):
             return BatchPlan()
         return BatchPlan(extra_preparers={"estimator": self.estimator.preparer})
 
-    def batch_weights(self, batch: dict, ctx: MethodContext) -> tuple[torch.Tensor, dict]:
+    def batch_weights(self, batch: dict, ctx: MethodContext) -> tuple[torch.Tensor, Keyed]:
         left = batch.get("estimator_left", batch["left"])
         right = batch.get("estimator_right", batch["right"])
         sim = (self.estimator.encode(ctx.left, left) * self.estimator.encode(ctx.right, right)).sum(-1)
@@ -106,12 +107,12 @@ class OsaOnline(Method):
             w = normalised_weight(w, self.options.weight_fn, self.beta)
         return w, {"sim": sim.float()}
 
-    def state_dict(self) -> dict:
+    def state_dict(self) -> StateDict:
         return {"beta": self.beta}
 
     def load_state_dict(self, state: dict) -> None:
         self.beta = state.get("beta")
 
-    def describe(self) -> dict:
+    def describe(self) -> JsonObject:
         return {**super().describe(), "beta": self.beta,
                 "estimator": self.estimator.provenance() if self.estimator is not None else None}

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pairclean.config import check_choice, parse_attachments
 from pairclean.errors import ConfigError
 from pairclean.ops import distributed
+from pairclean.ops.records import JsonObject, Keyed
 from pairclean.scores.contract import columns_phrase
 from pairclean.scores.db import check_attach_name
 from pairclean.train.data import BatchPlan
@@ -28,7 +29,7 @@ class ScoresOptions:
         check_choice(self.on_missing, ON_MISSING, "on_missing")
         self.attachments()  # a malformed NAME=FILE fails with the other settings
 
-    def attachments(self) -> dict[str, list[str]]:
+    def attachments(self) -> Keyed[str, list[str]]:
         """{NAME: files} of `attach` (NAME=FILE, a glob naming several Parquet files)."""
         return parse_attachments([self.attach] if self.attach else [], check_name=check_attach_name)
 
@@ -77,5 +78,5 @@ class ScoredMethod(Method):
     def weight_column(self) -> str | None:
         return None
 
-    def describe(self) -> dict:
+    def describe(self) -> JsonObject:
         return {**super().describe(), "join_summary": self.join.summary() if self.join else None}
