@@ -11,6 +11,8 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+from pairclean.ops.records import JsonObject, Keyed
+
 
 @dataclass(frozen=True)
 class GroupClaims:
@@ -50,7 +52,7 @@ class GroupClaims:
     def _path(self, group: int) -> Path:
         return (self.dir / os.environ.get("RANK", "0") if self.share else self.dir) / f"{group}.json"
 
-    def holders(self) -> dict[int, dict]:
+    def holders(self) -> Keyed[int, JsonObject]:
         """The claims on disk, by group (unreadable ones, being written, as {})."""
         found = {}
         for path in self.dir.glob("*.json"):

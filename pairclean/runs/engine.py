@@ -30,6 +30,7 @@ from pairclean.ops import distributed
 from pairclean.ops.cache import cache_dir
 from pairclean.ops.guard import Output, open_output
 from pairclean.ops.places import RemotePath, is_remote
+from pairclean.ops.records import Keyed
 from pairclean.ops.urls import local_path
 from pairclean.runs.claims import GroupClaims
 from pairclean.runs.store import (NODE_ENV, CommitRecord, PartStore, ReadBack, file_fingerprint, parts_dir_for,
@@ -101,7 +102,7 @@ class Run:
         """Commit one unit's part (any rank, any Ray worker: `PartStore.commit_table`)."""
         return self.store.commit_table(unit, table, record, fingerprint, **write_options)
 
-    def committed(self) -> dict[str, CommitRecord]:
+    def committed(self) -> Keyed[str, CommitRecord]:
         return self.store.committed()
 
     def identity(self) -> RunIdentity:
@@ -124,13 +125,13 @@ class Run:
         self.store.remove()
 
 
-def by_rank(records: Iterable[CommitRecord]) -> dict[str, int]:
+def by_rank(records: Iterable[CommitRecord]) -> Keyed[str, int]:
     """How many of these commit records each torchrun rank wrote."""
     ranks = [r.rank for r in records if r.rank is not None and r.node is None]
     return {str(r): ranks.count(r) for r in sorted(set(ranks))}
 
 
-def by_node(records: Iterable[CommitRecord]) -> dict[str, int]:
+def by_node(records: Iterable[CommitRecord]) -> Keyed[str, int]:
     """How many of these commit records each Ray node wrote."""
     nodes = [r.node for r in records if r.node is not None]
     return {n: nodes.count(n) for n in sorted(set(nodes))}

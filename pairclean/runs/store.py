@@ -43,7 +43,7 @@ from pairclean.ops.atomic import atomic_path, remove_stale_temps, write_json
 from pairclean.ops.faults import fault_point
 from pairclean.ops.notices import notice
 from pairclean.ops.places import RemotePath
-from pairclean.ops.records import Record, RecordError
+from pairclean.ops.records import JsonObject, Keyed, Record, RecordError
 from pairclean.ops.urls import is_local
 from pairclean.runs.claims import GroupClaims
 
@@ -62,12 +62,12 @@ def settings_digest(settings: dict) -> str:
     return hashlib.sha1(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()
 
 
-def units_settings(units: list[str]) -> dict:
+def units_settings(units: list[str]) -> JsonObject:
     """What pins a run's unit list: its digest and its length."""
     return {"units_sha1": hashlib.sha1(json.dumps(units).encode()).hexdigest(), "n_units": len(units)}
 
 
-def _canonical(obj) -> dict:
+def _canonical(obj) -> JsonObject:
     return json.loads(json.dumps(obj, default=str))
 
 
@@ -193,7 +193,7 @@ class PartStore:
             raise TypeError("parts on an object store are read through open_part")
         return str(self.part_path(unit))
 
-    def committed(self) -> dict[str, CommitRecord]:
+    def committed(self) -> Keyed[str, CommitRecord]:
         """Commit records of finished units, keyed by unit (only those whose part file exists)."""
         records = {}
         if not self.dir.is_dir():
@@ -210,7 +210,7 @@ class PartStore:
                 records[record.unit] = record
         return records
 
-    def verified(self, records: dict[str, CommitRecord]) -> dict[str, CommitRecord]:
+    def verified(self, records: Keyed[str, CommitRecord]) -> Keyed[str, CommitRecord]:
         """The records whose parts hold what they say (footers read): the others are withdrawn, so
         their units are scored again, and named in a warning. Call before a resumed run trusts them."""
         bad = {}

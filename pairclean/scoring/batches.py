@@ -29,6 +29,23 @@ AS_THEY_COME = {"in_order": False} if "in_order" in inspect.signature(DataLoader
 
 
 @dataclass(frozen=True)
+class ScoringCounts:
+    """What a scoring process counts of its batches (how full they were), its DataLoader workers and
+    the pairs it committed: summed over torchrun ranks and Ray calls (workers: the most any had)."""
+
+    batches: int = 0
+    full_batches: int = 0
+    batch_rows: int = 0
+    workers: int = 0
+    pairs: int = 0
+
+    def __add__(self, other: ScoringCounts) -> ScoringCounts:
+        return ScoringCounts(self.batches + other.batches, self.full_batches + other.full_batches,
+                             self.batch_rows + other.batch_rows, max(self.workers, other.workers),
+                             self.pairs + other.pairs)
+
+
+@dataclass(frozen=True)
 class UnitSpan:
     """Rows `start:stop` of a batch belong to `unit`."""
 

@@ -33,6 +33,7 @@ from pairclean.ops.guard import Output
 from pairclean.ops.notices import notice
 from pairclean.ops.records import JsonObject
 from pairclean.scores.contract import Renormalised
+from pairclean.scoring.batches import ScoringCounts
 from pairclean.scoring.parts import ScoredUnit
 from pairclean.scoring.run import Commit, Finishing, Producer, RunConfig, ScoreResult, Work, run_scoring
 
@@ -251,7 +252,7 @@ class EmbeddingsProducer(Producer):
         beta = random_embeddings_beta(rand, self.cfg.batch_rows)
         return beta, f"computed from random-input embeddings supplied by the user ({', '.join(rand.sources)})"
 
-    def score(self, work: Work, commit: Commit) -> dict[str, int]:
+    def score(self, work: Work, commit: Commit) -> ScoringCounts:
         intra_op = torch.get_num_threads()
         threads = self.cfg.threads or intra_op
         pool = ThreadPoolExecutor(threads) if threads > 1 else None
@@ -277,9 +278,9 @@ class EmbeddingsProducer(Producer):
             torch.set_num_threads(intra_op)
             if pool is not None:
                 pool.shutdown()
-        return {}
+        return ScoringCounts()
 
-    def finish(self, records: dict[str, ScoredUnit], counters: dict[str, int], todo: int,
+    def finish(self, records: dict[str, ScoredUnit], counts: ScoringCounts, todo: int,
                beta: BetaEstimate | None) -> Finishing:
         units = list(records)
         not_unit = {"left": sum(records[u].not_unit_left for u in units),

@@ -22,6 +22,8 @@ from pairclean.config import check_choice
 from pairclean.core.beta import BetaEstimate
 from pairclean.ops import distributed
 from pairclean.runs import PartStore
+from pairclean.ops.records import JsonObject
+from pairclean.scoring.batches import ScoringCounts
 from pairclean.scoring.parts import PART_WRITE_OPTIONS, part_table
 
 ENGINES: dict[str, type[Engine]] = {}
@@ -67,11 +69,11 @@ class Engine(ABC):
         """beta from random inputs through the estimator, and where it came from."""
 
     @abstractmethod
-    def score(self, producer, store: PartStore, work, on_commit: OnCommit) -> dict[str, int]:
+    def score(self, producer, store: PartStore, work, on_commit: OnCommit) -> ScoringCounts:
         """Score `work` (`scoring.run.Work`), committing each unit into `store`; the producer's
-        counters of this process (summed over ranks by the run)."""
+        counts of this process (summed over ranks by the run)."""
 
-    def provenance(self) -> dict:
+    def provenance(self) -> JsonObject:
         """The engine's entries in the scores file's provenance."""
         return {"engine": self.name}
 
@@ -91,7 +93,7 @@ class LocalEngine(Engine):
     def random_beta(self, producer) -> tuple[BetaEstimate, str]:
         return producer.random_beta()
 
-    def score(self, producer, store: PartStore, work, on_commit: OnCommit) -> dict[str, int]:
+    def score(self, producer, store: PartStore, work, on_commit: OnCommit) -> ScoringCounts:
         commit = unit_committer(store)
 
         def committing(unit: str, columns: dict, record: dict) -> None:

@@ -38,7 +38,7 @@ from pairclean.errors import ConfigError
 from pairclean.ops.atomic import remove_stale_temps, write_json
 from pairclean.ops.records import JsonObject
 from pairclean.scoring.beta_cache import BetaCache, cached_random_input_beta, weights_fingerprint
-from pairclean.scoring.batches import PreparedBatches, batch_loader
+from pairclean.scoring.batches import PreparedBatches, ScoringCounts, batch_loader
 from pairclean.scoring.parts import ScoredUnit
 from pairclean.scoring.pipeline import PartSink, UnitEmbeddings, run_pipeline
 from pairclean.scoring.engines import ENGINE_NAMES, build_engine
@@ -250,7 +250,7 @@ class ModelProducer(Producer):
                                              cache=BetaCache() if cfg.beta_cache else None, weights_id=weights_id)
         return beta, "cache" if hit else "computed"
 
-    def score(self, work: Work, commit: Commit) -> dict[str, int]:
+    def score(self, work: Work, commit: Commit) -> ScoringCounts:
         spec, cfg, estimator = self.spec, self.cfg, self.estimator
         left, right = modalities(spec.pair)
         workers = min(cfg.workers, len(work.groups))
@@ -259,8 +259,8 @@ class ModelProducer(Producer):
         sink = PartSink(work.done, commit, accumulate=cfg.beta_mode == "shuffled",
                         save_block=self._save_block if self.embeddings is not None else None,
                         save_dtype=getattr(torch, cfg.embeddings_dtype))
-        counters = run_pipeline(loader, estimator, left, right, sink, cfg.batch_size, self.meter, after_batch=slow_point)
-        return {**counters, "workers": workers}
+        counts = run_pipeline(loader, estimator, left, right, sink, cfg.batch_size, self.meter, after_batch=slow_point)
+        return replace(counts, workers=workers)
 
     def _save_block(self, unit: str, block: UnitEmbeddings | None) -> dict:
         """Write the unit's embeddings as block N (N: the unit's place in the run) and return what
@@ -273,14 +273,14 @@ class ModelProducer(Producer):
         written = write_embedding_block(self.embeddings.path, self.block_of[unit], left, right, metadata)
         return {"embeddings": len(left), "embedding_bytes": written}
 
-    def finish(self, records: dict[str, ScoredUnit], counters: dict[str, int], todo: int,
+    def finish(self, records: dict[str, ScoredUnit], counts: ScoringCounts, todo: int,
                beta: BetaEstimate | None) -> Finishing:
-        batches = counters["batches"]
-        fill = counters["batch_rows"] / (batches * self.cfg.batch_size) if batches else 0.0
-        if notice := small_shards_notice(counters["pairs"], todo, self.cfg.batch_size, fill):
+        batches = counts.batches
+        fill = counts.batch_rows / (batches * self.cfg.batch_size) if batches else 0.0
+        if notice := small_shards_notice(counts.pairs, todo, self.cfg.batch_size, fill):
             notice_once("small-shards", notice, "batch_size")
-        extra = {"batches": batches, "full_batches": counters["full_batches"], "mean_batch_fill": fill,
-                 "workers": counters["workers"]}
+        extra = {"batches": batches, "full_batches": counts.full_batches, "mean_batch_fill": fill,
+                 "workers": counts.workers}
         if self.embeddings is not None and beta is not None:
             extra.update(self._saved_provenance(records, beta))
         return Finishing({"estimator": self.facts.provenance, "pair": self.spec.pair,

@@ -29,7 +29,7 @@ from pairclean.core.beta import ShuffledAccumulator
 from pairclean.core.scorer import null_partners
 from pairclean.ops.measure import StageMeter
 from pairclean.ops.records import Keyed
-from pairclean.scoring.batches import PairBatch, UnitEnd
+from pairclean.scoring.batches import PairBatch, ScoringCounts, UnitEnd
 
 # Device types whose batches are prepared one ahead in a thread of their own (`run_pipeline`).
 PREFETCH_DEVICES = ("cuda",)
@@ -200,14 +200,14 @@ class PartSink:
 
 def run_pipeline(batches: Iterable[PairBatch], estimator: Estimator, left: str, right: str, sink: PartSink,
                  batch_size: int, meter: StageMeter | None = None,
-                 after_batch: Callable[[], None] | None = None) -> dict[str, int]:
-    """Drive every batch through the stages; counters of the batches seen (how full they were).
+                 after_batch: Callable[[], None] | None = None) -> ScoringCounts:
+    """Drive every batch through the stages; the counts of the batches seen (how full they were).
     `meter`: where the main process's time goes, stage by stage (STAGES). On PREFETCH_DEVICES batch
     i+1 is received, copied and preprocessed in a thread of its own while the main thread runs batch
     i (`DevicePrefetcher`: nvJPEG's decode blocks the thread calling it); the main thread's `receive`
     is then its wait for a prepared batch."""
     scorer = Scorer(estimator, left, right, keep_embeddings=sink.accumulate or sink.save_block is not None)
-    counters = {"batches": 0, "full_batches": 0, "batch_rows": 0}
+    seen = full = rows = 0
     mark = meter.mark if meter is not None else (lambda stage: None)
     threaded = estimator.device.type in PREFETCH_DEVICES
     # The prefetching thread copies on its own side stream, which the compute stream waits for
@@ -237,9 +237,9 @@ def run_pipeline(batches: Iterable[PairBatch], estimator: Estimator, left: str, 
                     mark(stage)
             pairs = sum(s.stop - s.start for s in batch.spans if s.unit not in sink.done)
             if len(batch):
-                counters["batches"] += 1
-                counters["full_batches"] += len(batch) == batch_size
-                counters["batch_rows"] += len(batch)
+                seen += 1
+                full += len(batch) == batch_size
+                rows += len(batch)
             if batch.left is not None:
                 u, v = scorer.encode(batch)
                 mark("encode")
@@ -257,4 +257,4 @@ def run_pipeline(batches: Iterable[PairBatch], estimator: Estimator, left: str, 
     mark("sink")
     if meter is not None:
         meter.stop()
-    return counters
+    return ScoringCounts(batches=seen, full_batches=full, batch_rows=rows)

@@ -22,11 +22,14 @@ import os
 import socket
 import time
 from collections import deque
+from dataclasses import dataclass, replace
 from urllib.parse import urlsplit
 
 from pairclean.core.beta import BetaEstimate
 from pairclean.errors import ConfigError, UserError
 from pairclean.runs import NODE_ENV, GroupClaims, PartStore
+from pairclean.ops.records import JsonObject
+from pairclean.scoring.batches import ScoringCounts
 from pairclean.scoring.engines import Engine, OnCommit, register_engine, unit_committer
 
 CHUNK_SHARE = 2  # a chunk is 1/(this x workers) of the groups left (guided self-scheduling: large first, small last)
@@ -61,6 +64,14 @@ def check_address(address: str | None) -> None:
                           "head node (Ray's `ray start`), or leave it unset to start Ray on this machine", "ray_address") from None
 
 
+@dataclass(frozen=True)
+class WorkerPlan:
+    """How many scoring workers to start, and what each asks Ray for (`ray.remote(...).options(**options)`)."""
+
+    count: int
+    options: JsonObject
+
+
 class ScoringWorker:
     """A Ray actor: the producer prepared once (its estimator built here), then chunks of groups
     scored through the pipeline and committed into the run's part store."""
@@ -79,8 +90,8 @@ class ScoringWorker:
     def random_beta(self) -> tuple[BetaEstimate, str]:
         return self.producer.random_beta()
 
-    def score(self, groups: list[tuple[int, list[str]]], done: frozenset[str]) -> tuple[dict[str, int], int, int]:
-        """Score these groups; (the producer's counters, units committed, pairs committed). A unit
+    def score(self, groups: list[tuple[int, list[str]]], done: frozenset[str]) -> tuple[ScoringCounts, int]:
+        """Score these groups; (the producer's counts, the units committed). A unit
         already committed (by an earlier attempt at this chunk) only fills its batches."""
         from pairclean.scoring.run import Work
 
@@ -92,8 +103,8 @@ class ScoringWorker:
             committed[0] += 1
             committed[1] += len(columns["key"])
 
-        counters = self.producer.score(Work(groups, done, GroupClaims.on_this_machine()), counting)
-        return counters, committed[0], committed[1]
+        counts = self.producer.score(Work(groups, done, GroupClaims.on_this_machine()), counting)
+        return replace(counts, pairs=committed[1]), committed[0]
 
 
 @register_engine
@@ -117,7 +128,7 @@ class RayEngine(Engine):
     def processes(self) -> int:
         return max(1, len(self.workers))
 
-    def _worker_options(self) -> dict:
+    def _worker_options(self) -> WorkerPlan:
         """How many workers, and what each asks Ray for: a GPU (or `gpus` of one) and a CPU where the
         cluster has GPUs (its DataLoader workers use the node's other cores); on a cluster without
         GPUs a node's CPUs each (the smallest node's count), so one worker a node runs the towers
@@ -127,17 +138,17 @@ class RayEngine(Engine):
         nodes = [n for n in self.ray.nodes() if n.get("Alive")]
         cpus = 1 if gpus else max(1, int(min((n["Resources"].get("CPU", 1) for n in nodes), default=1)))
         count = self.wanted or (int(resources.get("GPU", 0) // gpus) if gpus else len(nodes)) or 1
-        return {"count": count, "options": {"num_cpus": cpus, "num_gpus": gpus, "max_restarts": 0,
-                                             "scheduling_strategy": "SPREAD"}}
+        return WorkerPlan(count, {"num_cpus": cpus, "num_gpus": gpus, "max_restarts": 0,
+                                  "scheduling_strategy": "SPREAD"})
 
     def _worker(self, producer, store: PartStore):
-        return self.ray.remote(ScoringWorker).options(**self.plan["options"]).remote(producer, store)
+        return self.ray.remote(ScoringWorker).options(**self.plan.options).remote(producer, store)
 
     def prepare(self, producer, store: PartStore) -> None:
         """Start the workers (each builds the estimator: a model that cannot be built fails here,
         before anything is written) and adopt what the first one built."""
         self.plan = self._worker_options()
-        self.workers = [self._worker(producer, store) for _ in range(self.plan["count"])]
+        self.workers = [self._worker(producer, store) for _ in range(self.plan.count)]
         producer.adopt(self._first_ready([w.prepared.remote() for w in self.workers]))
 
     def _first_ready(self, refs: list):
@@ -146,7 +157,8 @@ class RayEngine(Engine):
             done, refs = self.ray.wait(refs, num_returns=1, timeout=LOST_SECONDS)
             if not done:
                 raise UserError(f"no Ray worker started within {LOST_SECONDS} s: does the cluster have "
-                                f"{self.plan['options']['num_gpus']:g} GPU(s) and a CPU free per worker?")
+                                f"{self.plan.options['num_gpus']:g} GPU(s) and {self.plan.options['num_cpus']} "
+                                "CPU(s) free per worker?")
             try:
                 return self.ray.get(done[0])
             except self.ray.exceptions.RayActorError:
@@ -158,7 +170,7 @@ class RayEngine(Engine):
     def random_beta(self, producer) -> tuple[BetaEstimate, str]:
         return self._first_ready([self.workers[0].random_beta.remote()])
 
-    def score(self, producer, store: PartStore, work, on_commit: OnCommit) -> dict[str, int]:
+    def score(self, producer, store: PartStore, work, on_commit: OnCommit) -> ScoringCounts:
         """Hand the groups out in chunks, a chunk per idle worker - large first, smaller as the
         queue empties, never fewer groups than a worker's DataLoader workers; a chunk whose worker
         died goes back to the front of the queue (a replacement worker is asked for)."""
@@ -166,7 +178,7 @@ class RayEngine(Engine):
         queue = deque(work.groups)
         readers = producer.readers()
         starting = {w.prepared.remote(): w for w in self.workers}
-        idle, running, totals = [], {}, {}
+        idle, running, totals = [], {}, ScoringCounts()
         lonely_since = None
         while queue or running:
             while idle and queue:
@@ -191,7 +203,7 @@ class RayEngine(Engine):
                     continue
                 worker, chunk = running.pop(ref)
                 try:
-                    counters, units, pairs = ray.get(ref)
+                    counts, units = ray.get(ref)
                 except ray.exceptions.RayActorError:
                     self.lost += 1
                     queue.extendleft(reversed(chunk))  # its committed units are skipped when they run again
@@ -202,9 +214,8 @@ class RayEngine(Engine):
                     continue
                 except ray.exceptions.RayTaskError as exc:
                     raise _cause(exc) from None
-                for name, value in counters.items():
-                    totals[name] = max(totals.get(name, 0), value) if name == "workers" else totals.get(name, 0) + value
-                on_commit(units, pairs)
+                totals += counts
+                on_commit(units, counts.pairs)
                 idle.append(worker)
         return totals
 
@@ -217,7 +228,7 @@ class RayEngine(Engine):
         except self.ray.exceptions.RayTaskError as exc:
             raise _cause(exc) from None
 
-    def provenance(self) -> dict:
+    def provenance(self) -> JsonObject:
         return {"engine": self.name, "workers_lost": self.lost}
 
     def close(self) -> None:

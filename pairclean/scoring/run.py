@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Callable, ClassVar, Iterator
 
@@ -28,10 +28,12 @@ from pairclean.errors import ConfigError, UserError
 from pairclean.ops import distributed
 from pairclean.ops.guard import Output
 from pairclean.ops.progress import SILENT, Progress
+from pairclean.ops.records import StateDict
 from pairclean.runs import GroupClaims, PartStore, Run, by_node, by_rank, open_run
 from pairclean.scores.contract import (READ_BACK, ErrorCount, Provenance, Summary, read_provenance, read_summary,
                                        run_manifest_path, write_run_manifest)
 from pairclean.scores.rules import DEFAULT_RULES, build_rules
+from pairclean.scoring.batches import ScoringCounts
 from pairclean.scoring.engines import Engine, LocalEngine
 from pairclean.scoring.finalize import failed_units, finalize
 from pairclean.scoring.parts import (GROUPS_RECORD, ScoredUnit, common_errors, error_counts, load_beta,
@@ -97,12 +99,12 @@ class Producer(ABC):
     validate a model; on a Ray cluster in each worker, whose `prepared()` the driver `adopt`s),
     `started(resumed)` (rank 0, once the run is pinned: a fresh run or a resumed one), `groups(units, processes)` (once, when a run starts: the packing is then pinned),
     `random_beta()` (beta mode random-inputs only), `score(work, commit)` wherever the engine scores,
-    then `finish(records, counters, todo, beta)` on rank 0."""
+    then `finish(records, counts, todo, beta)` on rank 0."""
 
     beta_modes: ClassVar[tuple[str, ...]] = BETA_MODES
     device_type: str = "cpu"  # "cuda": each rank is set to its GPU (`gpu_of_rank`); the group is gloo either way
 
-    def __getstate__(self) -> dict:
+    def __getstate__(self) -> StateDict:
         """What a Ray worker receives: the producer without the driver's progress display."""
         state = dict(vars(self))
         if isinstance(state.get("cfg"), RunConfig):
@@ -155,15 +157,15 @@ class Producer(ABC):
         return None
 
     @abstractmethod
-    def score(self, work: Work, commit: Commit) -> dict[str, int]:
+    def score(self, work: Work, commit: Commit) -> ScoringCounts:
         """Score the groups this process claims from `work`, `commit` each unit not yet done as soon
-        as its last row is scored; extra counters (the same names on every rank, summed over ranks;
-        `pairs` is counted from the commits)."""
+        as its last row is scored; this process's counts (summed over ranks by the run; `pairs` is
+        counted from the commits)."""
 
     @abstractmethod
-    def finish(self, records: dict[str, ScoredUnit], counters: dict[str, int], todo: int,
+    def finish(self, records: dict[str, ScoredUnit], counts: ScoringCounts, todo: int,
                beta: BetaEstimate | None) -> Finishing:
-        """The producer's provenance entries and extra summary entries (`Finishing`). `counters`:
+        """The producer's provenance entries and extra summary entries (`Finishing`). `counts`:
         `score`'s, summed over ranks, with `pairs` (scored by this run);
         `beta`: the run's, None when the run gives no scores file (nothing is to be marked complete)."""
 
@@ -292,12 +294,12 @@ def _run_scoring(producer: Producer, out: str | Path | Output, cfg: RunConfig, e
             elapsed = time.perf_counter() - started
             task.update(advance=units_now, pairs=scored["pairs"], rate=scored["pairs"] / elapsed if elapsed else 0.0)
 
-        counters = engine.score(producer, run.store, work, on_commit)
+        counts = engine.score(producer, run.store, work, on_commit)
     elapsed, cpu = time.perf_counter() - started, time.process_time() - cpu_started
-    # The whole job's counters (also a barrier); every rank reports the same names, in the same order.
-    counters = {name: int(distributed.all_reduce_sum(value)) for name, value in
-                sorted({**counters, "pairs": scored["pairs"]}.items())}
-    scored_now = counters["pairs"]
+    # The whole job's counts (also a barrier); every rank reduces the same fields, in the same order.
+    counts = replace(counts, pairs=scored["pairs"])
+    counts = ScoringCounts(**{name: int(distributed.all_reduce_sum(value)) for name, value in asdict(counts).items()})
+    scored_now = counts.pairs
     elapsed = distributed.all_reduce_sum(elapsed) / distributed.world_size()
     if not distributed.is_main():
         return ScoreResult(out, None, elapsed, scored_now, begun.resumed)
@@ -309,7 +311,7 @@ def _run_scoring(producer: Producer, out: str | Path | Output, cfg: RunConfig, e
     reason = unusable_run(units, records, run.store, cfg.max_error_share)
     if beta is None and reason is None:
         beta = shuffled_beta([records[u].shuffled for u in units])
-    produced = producer.finish(records, counters, todo, None if reason else beta)
+    produced = producer.finish(records, counts, todo, None if reason else beta)
     scored_here = [records[u] for u in units if u not in work.done]
     provenance = {**produced.provenance, "seed": cfg.seed, "beta_mode": cfg.beta_mode, "beta_source": begun.beta_source,
                   "world_size": distributed.world_size(), "units_by_rank": by_rank(scored_here),
