@@ -86,8 +86,8 @@ def test_a_run_packs_its_units_for_its_workers(layouts):
 
     small, _ = layouts
     data = open_dataset(str(small))
-    assert len(ModelProducer(data, replace(CFG, workers=0)).groups(data.units())) == 1
-    assert len(ModelProducer(data, replace(CFG, workers=3)).groups(data.units())) == 3
+    assert len(ModelProducer(data, replace(CFG, workers=0)).groups(data.units(), 1)) == 1
+    assert len(ModelProducer(data, replace(CFG, workers=3)).groups(data.units(), 1)) == 3
 
 
 def test_workers_left_to_pairclean_are_every_core_but_two_on_a_gpu_and_two_elsewhere(monkeypatch):

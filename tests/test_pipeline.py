@@ -210,7 +210,7 @@ def test_the_scores_do_not_depend_on_the_order_the_workers_batches_come_in(coco_
     rule's p-values) and the shuffled beta (summed unit by unit) included."""
     import pyarrow.parquet as pq
 
-    monkeypatch.setattr(ModelProducer, "groups", lambda self, units: [[u] for u in units])
+    monkeypatch.setattr(ModelProducer, "groups", lambda self, units, processes: [[u] for u in units])
     cfg = replace(fast_config, batch_size=4, beta_mode="shuffled", rules=("beta", "gmm", "fdr"))
     first = score(str(coco_shards), tmp_path / "in-order.parquet", cfg)
     second = score(str(coco_shards), tmp_path / "as-they-come.parquet", replace(cfg, workers=3))

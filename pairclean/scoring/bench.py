@@ -549,7 +549,7 @@ def bench_score(source: str | list[str] | DatasetSpec | Dataset, cfg: ScoreConfi
     if cfg.beta_mode == "random-inputs" and cfg.beta_cache and not pipeline_only:
         say("beta (once; the measured runs read it from the beta cache) ...")
         ModelProducer(data, cfg, estimator).random_beta()
-    groups = ModelProducer(data, cfg, estimator).groups(data.units())  # as the scoring run packs them
+    groups = ModelProducer(data, cfg, estimator).groups(data.units(), 1)  # as a scoring run of one process packs them
     rounds = []
     with tempfile.TemporaryDirectory(prefix="pairclean-bench-") as tmp:
         for i in range(repeat):
