@@ -24,7 +24,12 @@ With `--save-embeddings` every run also writes its embeddings (`score --save-emb
 and each trial's directory is compared with the uninterrupted run's the same way: embeddings
 lost, written twice, extra, or with other values, and temp files left in it.
 
-    python benchmarks/fault_injection.py --trials 24 [--spawn] [--save-embeddings]
+With `--damage`, after every kill one committed part is also damaged before the run resumes, as
+a disk, a copy or a hand might: cut short (its last 100 bytes gone), replaced by another unit's
+part, or its commit record's row count off by one. The resumed run must score that unit again
+(`runs.store.PartStore.verified`) and still give the uninterrupted rows, none lost or twice.
+
+    python benchmarks/fault_injection.py --trials 24 [--spawn] [--save-embeddings] [--damage]
 """
 
 from __future__ import annotations
@@ -187,6 +192,29 @@ def left_on_disk(out: Path, n_units: int) -> tuple[str, str]:
     return "scoring", detail
 
 
+DAMAGES = ("truncated", "swapped", "miscounted")
+
+
+def damage(out: Path, rng: random.Random) -> str | None:
+    """Damage one committed part of the killed run writing `out` (None: nothing committed to damage)."""
+    parts = parts_dir_for(out)
+    records = sorted(parts.glob("part-*.done.json")) if parts.is_dir() else []
+    if not records:
+        return None
+    record = rng.choice(records)
+    part = record.with_name(record.name.replace(".done.json", ".parquet"))
+    others = [p for p in parts.glob("part-*.parquet") if p != part]
+    how = rng.choice([d for d in DAMAGES if d != "swapped" or others])
+    if how == "truncated":
+        part.write_bytes(part.read_bytes()[:-100])
+    elif how == "swapped":
+        shutil.copyfile(rng.choice(others), part)
+    else:
+        value = json.loads(record.read_text())
+        record.write_text(json.dumps({**value, "rows": value["rows"] + rng.choice((-1, 1))}))
+    return how
+
+
 def fault_for(mode: str, rng: random.Random, n_units: int, saving: bool = False) -> str | None:
     if mode == "timer":
         return None
@@ -245,7 +273,8 @@ def trial(i: int, mode: str, rng: random.Random, world: Path, work: Path, n_unit
                 missed += 1  # the run finished before its timer fired
             break
         phase, detail = left_on_disk(out, n_units)
-        kills.append({"point": fault or f"timer:{kill_after:.2f}s", "phase": phase, "left": detail})
+        kills.append({"point": fault or f"timer:{kill_after:.2f}s", "phase": phase, "left": detail,
+                      **({"damaged": damage(out, rng)} if args.damage else {})})
     got = pq.read_table(out).to_pylist()
     summary = json.loads(run_manifest_path(out).read_text())["summary"]
     result = compare(reference, got)
@@ -269,6 +298,8 @@ def main() -> None:
     parser.add_argument("--spawn", action="store_true", help="a fresh interpreter per run instead of a fork")
     parser.add_argument("--save-embeddings", action="store_true", help="every run also saves its embeddings; "
                         "compare each trial's directory with the uninterrupted run's")
+    parser.add_argument("--damage", action="store_true", help="after each kill, damage one committed part "
+                                                               "(cut short, swapped, miscounted) before resuming")
     parser.add_argument("--workdir", type=Path, default=None, help="kept if given; a temp dir otherwise")
     parser.add_argument("--json", type=Path, default=None, help="write every trial's result here")
     args = parser.parse_args()
@@ -307,7 +338,8 @@ def main() -> None:
         if args.save_embeddings and not r["embeddings_complete"]:
             flags.append("embeddings_incomplete")
         print(f"trial {i:2d} {mode:17s} runs={r['runs']} kills: "
-              + " | ".join(f"{k['point']} -> {k['phase']} ({k['left']})" for k in r["kills"])
+              + " | ".join(f"{k['point']} -> {k['phase']} ({k['left']})"
+                           + (f", then {k['damaged']}" if k.get("damaged") else "") for k in r["kills"])
               + (f"  PROBLEMS: {flags}" if flags or r["leftovers"] or r["order_differs"] else ""), flush=True)
 
     kills = [k for r in results for k in r["kills"]]
@@ -315,6 +347,7 @@ def main() -> None:
         "trials": len(results), "runs": sum(r["runs"] for r in results), "sigkills": len(kills),
         "kills_by_point": dict(collections.Counter(k["point"].split(":")[0] for k in kills)),
         "kills_by_phase": dict(collections.Counter(k["phase"] for k in kills)),
+        "parts_damaged": dict(collections.Counter(k["damaged"] for k in kills if k.get("damaged"))),
         "timer_kills_missed": sum(r["timer_missed"] for r in results),
         "rows_per_run": len(reference),
         "lost": sum(r["lost"] for r in results), "duplicated": sum(r["duplicated"] for r in results),

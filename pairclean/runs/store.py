@@ -31,6 +31,7 @@ import os
 import shutil
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -49,6 +50,7 @@ from pairclean.runs.claims import GroupClaims
 
 NODE_ENV = "PAIRCLEAN_NODE"  # set in a Ray worker: the node its commits name
 UNIT_METADATA = b"pairclean.unit"  # a part's footer names its unit: a part copied over another unit's is caught
+FOOTER_READERS = 16  # parts whose footers a resumed run reads at once
 UNIT_KEYS = ("units_sha1", "n_units")  # settings that describe the unit list (compared separately)
 _HELD: dict[str, int] = {}  # parts directories whose run lock this process holds -> descriptor
 
@@ -187,12 +189,6 @@ class PartStore:
         path = self.part_path(unit)
         return pq.ParquetFile(path.open() if self.remote else path)
 
-    def part_source(self, unit: str) -> str:
-        """What DuckDB reads a part from: its path on disk (parts on an object store are read with pyarrow)."""
-        if self.remote:
-            raise TypeError("parts on an object store are read through open_part")
-        return str(self.part_path(unit))
-
     def committed(self) -> Keyed[str, CommitRecord]:
         """Commit records of finished units, keyed by unit (only those whose part file exists)."""
         records = {}
@@ -213,16 +209,16 @@ class PartStore:
     def verified(self, records: Keyed[str, CommitRecord]) -> Keyed[str, CommitRecord]:
         """The records whose parts hold what they say (footers read): the others are withdrawn, so
         their units are scored again, and named in a warning. Call before a resumed run trusts them."""
-        bad = {}
-        for unit, record in records.items():
-            path = self.part_path(unit)
-            if self.remote:
-                with path.open() as fh:
-                    problem = part_problem(fh, unit, record.rows)
-            else:
-                problem = part_problem(path, unit, record.rows)
-            if problem:
-                bad[unit] = problem
+        def problem(unit: str) -> str | None:
+            path, rows = self.part_path(unit), records[unit].rows
+            if not self.remote:
+                return part_problem(path, unit, rows)
+            with path.open() as fh:
+                return part_problem(fh, unit, rows)
+
+        with ThreadPoolExecutor(FOOTER_READERS) as pool:  # on an object store each footer is a request or two
+            found = dict(zip(records, pool.map(problem, records)))
+        bad = {unit: why for unit, why in found.items() if why}
         for unit in bad:
             self.record_path(unit).unlink(missing_ok=True)
         if bad:
