@@ -60,6 +60,15 @@ Workers = Annotated[str, typer.Option(
          "training run keeps its number).")]
 
 
+def file_named(value: Path | None) -> Path | None:
+    """An option that names a file to write: refused, before anything runs, when it names none
+    (`--out ''` or `--out .`: the current directory)."""
+    if value is not None and (value.name in ("", ".", "..") or value.is_dir()):
+        raise typer.BadParameter(f"names no file ({str(value)!r} is a directory): give the file to write, "
+                                 "e.g. scores.parquet")
+    return value
+
+
 def workers_given(text: str) -> int | None:
     """--workers as the config takes it: auto -> None (the run decides: `backends.device_jpeg.auto_workers`),
     else a whole number >= 0."""

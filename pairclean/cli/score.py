@@ -30,6 +30,16 @@ def beta_source_line(result) -> str | None:
     return None if result.already_complete or len(source) <= SHORT_SOURCE else f"beta: {source}"
 
 
+def beta_label(summary) -> str:
+    """How beta was had, in the summary's words: `beta (random-inputs, K=1024)`, `beta (shuffled,
+    16 pairs)`, `beta (fixed)`."""
+    if summary.beta_mode == "random-inputs":
+        return f"beta (random-inputs, K={summary.beta_k})"
+    if summary.beta_mode == "shuffled" and summary.beta_k:
+        return f"beta (shuffled, {summary.beta_k:,} pairs)"
+    return f"beta ({summary.beta_mode})"
+
+
 def print_summary(result) -> None:
     print_table(console, summary_table(result))
     if line := beta_source_line(result):
@@ -48,7 +58,7 @@ def summary_table(result) -> Table:
         table.add_row("failed shards", f"{len(s.unit_failures)} (their rows read before the failure are counted; "
                                        f"reasons in {result.out.stem}.run.json)")
     std = f" ± {s.beta_std:.4f}" if s.beta_std is not None else ""
-    table.add_row(f"beta ({s.beta_mode}, K={s.beta_k})", f"{s.beta:.4f}{std}")
+    table.add_row(beta_label(s), f"{s.beta:.4f}{std}")
     if s.random_pairing_share is not None:  # not all noise: a caption of a similar item is not counted
         table.add_row("pairs like random pairings (est., 95%)",
                       f"{s.random_pairing_share:.1%} [{s.random_pairing_share_low:.1%}, "
@@ -72,7 +82,7 @@ def summary_table(result) -> Table:
     return table
 
 
-ScoresOut = Annotated[Path, typer.Option("--out", "-o", help="Scores Parquet to write.")]
+ScoresOut = Annotated[Path, typer.Option("--out", "-o", callback=options.file_named, help="Scores Parquet to write.")]
 BetaValue = Annotated[Optional[float], typer.Option("--beta", help="beta value for --beta-mode fixed.")]
 WeightFn = Annotated[str, typer.Option(help="cubic, linear, cosine, official.")]
 Seed = Annotated[int, typer.Option(help="Seed for beta's random inputs and the GMM.")]
@@ -183,10 +193,10 @@ def score_command(
     resume: Resume = False,
 ) -> None:
     """Score every pair: cosine, cone bias beta, OSA weight, GMM p_clean -> Parquet."""
-    dataset = options.dataset_given(ctx)
+    data = options.dataset_given(ctx).open(source)
+    data.check_fields()  # before torch loads: a column or member the data do not hold is named in a second or two
     from pairclean.scoring.model import ScoreConfig, score
 
-    data = dataset.open(source)
     cfg = ScoreConfig(model=model, backend=backend, pretrained=pretrained,
                       device=device, precision=precision, decode=decode, cpu_decode_share=cpu_decode_share,
                       batch_size=batch_size, workers=options.workers_given(workers), beta_mode=beta_mode, beta=beta, beta_k=beta_k,

@@ -25,6 +25,7 @@ from pairclean.core.beta import BetaEstimate
 from pairclean.core.null import NullCalibration
 from pairclean.core.scorer import cone_weight, debias, normalised_weight
 from pairclean.ops.faults import fault_point
+from pairclean.ops.progress import SILENT, Progress
 from pairclean.scores.contract import (FailedUnit, Provenance, Summary, flagged_summary, provenance_metadata,
                                        scores_schema, summary_metadata, write_run_manifest)
 from pairclean.scores.rules import DEFAULT_RULES, FitContext, build_rules
@@ -65,12 +66,15 @@ def _finite(column) -> np.ndarray:
     return values[np.isfinite(values)]
 
 
-def _samples_and_max(store: PartStore, units: list[str], n_valid: int, n_null: int, size: int, seed: int):
+def _samples_and_max(store: PartStore, units: list[str], n_valid: int, n_null: int, size: int, seed: int,
+                     task=None):
     """(uniform sample of the similarities, uniform sample of the null similarities, the maximum)."""
     rng = np.random.default_rng(seed)
     sample, null = _UniformSample(n_valid, size, rng), _UniformSample(n_null, size, rng)
     maximum = -np.inf
     for batch in _iter_parts(store, units, columns=["sim", "null_sim"]):
+        if task is not None:
+            task.update(advance=batch.num_rows)
         valid = _finite(batch.column(0))
         if len(valid):
             maximum = max(maximum, float(valid.max()))
@@ -116,8 +120,10 @@ def failed_units(units: list[str], records: dict[str, dict]) -> list[FailedUnit]
 
 
 def finalize(run: Run, units: list[str], beta: BetaEstimate, weight_fn: str, seed: int, gmm_sample: int,
-             provenance: dict, records: dict[str, dict], rules: Sequence[str] = DEFAULT_RULES) -> Summary:
-    """Write the run's scores Parquet + run manifest; returns the run summary.
+             provenance: dict, records: dict[str, dict], rules: Sequence[str] = DEFAULT_RULES,
+             progress: Progress = SILENT) -> Summary:
+    """Write the run's scores Parquet + run manifest; returns the run summary (`progress`: one
+    task over both passes, each row counted once in each).
 
     `rules` are decision-rule specs (`pairclean.scores.rules`), fitted on the sample and written in
     this order. Reconciliation: every row of the output is either scored (`sim` set) or an error row
@@ -127,15 +133,26 @@ def finalize(run: Run, units: list[str], beta: BetaEstimate, weight_fn: str, see
     The counts are taken again from the rows as they are written and checked against the
     commit records before the output is renamed into place.
     """
-    store = run.store
     deciders = build_rules(rules)
+    n_rows = sum(records[u]["rows"] for u in units)
+    n_valid = n_rows - sum(records[u]["errors"] for u in units)
+    n_null = sum(records[u].get("null_rows", 0) for u in units)
+    with progress.task("finalize (2 passes)", total=2 * n_rows) as task:
+        sample, null_sample, max_sim = _samples_and_max(run.store, units, n_valid, n_null, gmm_sample, seed, task)
+        for rule in deciders:
+            rule.fit(sample, FitContext(beta=beta.beta, seed=seed, null_sample=null_sample))
+        return _write(run, units, beta, weight_fn, provenance, records, deciders, (sample, null_sample, max_sim), task)
+
+
+def _write(run: Run, units: list[str], beta: BetaEstimate, weight_fn: str, provenance: dict,
+           records: dict[str, dict], deciders, fitted: tuple[np.ndarray, np.ndarray, float], task) -> Summary:
+    """Finalize's second pass: every row with its weights and each rule's columns (fitted on the
+    first pass's samples), then the run manifest."""
+    sample, null_sample, max_sim = fitted
+    store = run.store
     n_rows = sum(records[u]["rows"] for u in units)
     n_errors = sum(records[u]["errors"] for u in units)
     n_valid = n_rows - n_errors
-    n_null = sum(records[u].get("null_rows", 0) for u in units)
-    sample, null_sample, max_sim = _samples_and_max(store, units, n_valid, n_null, gmm_sample, seed)
-    for rule in deciders:
-        rule.fit(sample, FitContext(beta=beta.beta, seed=seed, null_sample=null_sample))
     rule_records = [rule.record() for rule in deciders]
     official_scale = max(max_sim - beta.beta, 0.0) if weight_fn == "official" and n_valid else None
 
@@ -174,6 +191,7 @@ def finalize(run: Run, units: list[str], beta: BetaEstimate, weight_fn: str, see
                         columns[name] = pa.array(values, type=dtype, mask=missing)
                 columns["error"] = batch.column("error")
                 writer.write_table(pa.table(columns, schema=schema))
+                task.update(advance=batch.num_rows)
                 fault_point("finalize-batch")
             if (written, scored, errored) != (n_rows, n_valid, n_errors):
                 raise RuntimeError(f"parts do not reconcile with their commit records: rows {written} vs {n_rows}, "
