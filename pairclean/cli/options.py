@@ -61,9 +61,10 @@ Workers = Annotated[str, typer.Option(
 
 
 def file_named(value: Path | None) -> Path | None:
-    """An option that names a file to write: refused, before anything runs, when it names none
-    (`--out ''` or `--out .`: the current directory)."""
-    if value is not None and (value.name in ("", ".", "..") or value.is_dir()):
+    """An option that names a file to write: refused, before anything runs, when its path has no
+    file name (`--out ''`, `--out .`, `--out ..`: a directory; a named directory is the output
+    guard's to refuse, saying which input it would contain)."""
+    if value is not None and value.name in ("", ".", ".."):
         raise typer.BadParameter(f"names no file ({str(value)!r} is a directory): give the file to write, "
                                  "e.g. scores.parquet")
     return value

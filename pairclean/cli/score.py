@@ -12,7 +12,7 @@ from rich.table import Table
 from typing_extensions import Annotated
 
 import pairclean.cli.options as options
-from pairclean.cli.app import App, ModalCommand, Mode, announce, app, console
+from pairclean.cli.app import App, ModalCommand, Mode, announce, app, console, panels
 from pairclean.cli.progress import RichProgress
 from pairclean.cli.terminal import print_table
 from pairclean.scores.rules import DEFAULT_RULES, REGISTRY
@@ -158,7 +158,26 @@ class _ScoreCommand(ModalCommand):
                      "columns): no model is run."),)
 
 
+# `score --help` in the order of the work: what is scored, by which model, into what; then the
+# decisions; then how fast; then reading data detection does not take as it should.
+SCORE_PANELS = (
+    ("What to score, with which model, into what", ("--out", "--pair", "--model", "--pretrained", "--backend",
+                                                    "--overwrite", "--resume")),
+    ("beta and the decisions", ("--beta-mode", "--beta-k", "--beta", "--beta-cache", "--rule", "--weight-fn",
+                                "--seed", "--gmm-sample", "--max-error-share")),
+    ("Performance", ("--device", "--batch-size", "--workers", "--precision", "--decode", "--cpu-decode-share",
+                     "--compile")),
+    ("Reading the data (where detection needs help)", ("--input-format", "--split", "--image-root", "--image-field",
+                                                       "--image-path-field", "--text-field", "--json-text-key",
+                                                       "--key-field", "--text2-field", "--image2-field",
+                                                       "--image2-path-field", "--label-field", "--label-template",
+                                                       "--allow-pipe")),
+    ("Embeddings for dedup and rescoring", ("--save-embeddings", "--embeddings-dtype")),
+)
+
+
 @app.command("score", cls=_ScoreCommand)
+@panels(*SCORE_PANELS)
 @options.dataset_options
 def score_command(
     ctx: typer.Context,
