@@ -163,7 +163,7 @@ class _ScoreCommand(ModalCommand):
 SCORE_PANELS = (
     ("What to score, with which model, into what", ("--out", "--pair", "--model", "--pretrained", "--backend",
                                                     "--overwrite", "--resume")),
-    ("beta and the decisions", ("--beta-mode", "--beta-k", "--beta", "--beta-cache", "--rule", "--weight-fn",
+    ("Decisions: beta, the rules, the weights", ("--beta-mode", "--beta-k", "--beta", "--beta-cache", "--rule", "--weight-fn",
                                 "--seed", "--gmm-sample", "--max-error-share")),
     ("Performance", ("--device", "--batch-size", "--workers", "--precision", "--decode", "--cpu-decode-share",
                      "--compile")),
