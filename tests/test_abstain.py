@@ -117,7 +117,7 @@ def test_evaluate_reports_no_calibration_for_an_abstaining_rule(abstaining, caps
     scores, truth, _ = abstaining
     code, out, _ = run_cli(["evaluate", "detection", scores, "--truth", truth], capsys)
     assert code == 0 and "none: the rule abstains" in out
-    result = json.loads(scores.with_name("s.detection.json").read_text())
+    result = json.loads(scores.with_name(f"s.detection.{truth.stem}.json").read_text())
     assert result["rules"]["gmm"]["ece"] is None and result["rules"]["gmm"]["abstains"]
 
 
@@ -154,7 +154,7 @@ def test_evaluate_detection_replaces_its_metrics_only_with_overwrite(abstaining,
     """README: an existing output is replaced only with --overwrite. Before: SCORES.detection.json
     was replaced by every run."""
     scores, truth, _ = abstaining
-    metrics = scores.with_name("s.detection.json")
+    metrics = scores.with_name(f"s.detection.{truth.stem}.json")
     assert run_cli(["evaluate", "detection", scores, "--truth", truth], capsys)[0] == 0
     metrics.write_text("{}")  # an earlier result, kept by a run without --overwrite
     code, _, err = run_cli(["evaluate", "detection", scores, "--truth", truth], capsys)

@@ -1,6 +1,6 @@
 """The random-inputs beta (`core/beta.py`) and its cache (`scoring/beta_cache.py`): the inputs depend
 on the seed and K, never on the batch size; the cache is keyed by the weights (a checkpoint by its
-hash), K, the seed, the draw and the encoding chunk; reused by later runs, ignored when unreadable."""
+hash), K, the seed and the draw, never the batch size; reused by later runs, ignored when unreadable."""
 
 from __future__ import annotations
 
@@ -14,7 +14,6 @@ import torch
 from helpers import run_cli
 
 from pairclean.core import beta as beta_module
-from pairclean.core.beta import random_input_beta
 from pairclean.scores.contract import read_provenance
 from pairclean.scoring.beta_cache import BetaCache, cached_random_input_beta, weights_fingerprint
 from pairclean.backends.open_clip import OpenClipEstimator
@@ -65,9 +64,9 @@ def test_beta_cache_reuses_beta_for_the_same_weights_only(coco_shards, fast_conf
 
 def test_beta_without_cache_is_computed_every_time(tiny_estimator, tmp_path):
     cache = BetaCache(tmp_path)
-    computed, hit = cached_random_input_beta(tiny_estimator, "image", "text", k=16, seed=0, batch_size=8, cache=cache)
-    again, hit_again = cached_random_input_beta(tiny_estimator, "image", "text", k=16, seed=0, batch_size=8, cache=cache)
-    uncached, hit_none = cached_random_input_beta(tiny_estimator, "image", "text", k=16, seed=0, batch_size=8, cache=None)
+    computed, hit = cached_random_input_beta(tiny_estimator, "image", "text", k=16, seed=0, cache=cache)
+    again, hit_again = cached_random_input_beta(tiny_estimator, "image", "text", k=16, seed=0, cache=cache)
+    uncached, hit_none = cached_random_input_beta(tiny_estimator, "image", "text", k=16, seed=0, cache=None)
     assert (hit, hit_again, hit_none) == (False, True, False)
     assert computed == again == uncached
 
@@ -84,36 +83,37 @@ def test_beta_cache_names_a_checkpoint_by_its_hash_not_its_path(tiny_estimator, 
     torch.save(tiny_estimator.model.state_dict(), ckpt)
     monkeypatch.chdir(tmp_path)
     cache = BetaCache(tmp_path / "cache")
-    keys = [cache.key(OpenClipEstimator("pairclean-tiny", pretrained=path, device="cpu"), "image", "text", 16, 0, 8)
+    keys = [cache.key(OpenClipEstimator("pairclean-tiny", pretrained=path, device="cpu"), "image", "text", 16, 0)
             for path in ("tiny.pt", str(ckpt))]
     assert keys[0] == keys[1]
 
 
-def test_beta_does_not_move_with_the_batch_size(tiny_estimator, coco_shards, tmp_path, capsys):
-    """The same seed and K draw the same inputs at any batch size: beta is equal to the bit from the
-    draw block's size up, and to float rounding below it. Before: -0.0650 at batch 256 and -0.0666 at
-    32 (K 1024), -0.0756 at 8 and -0.0691 at 24 (K 256), with the tiny model on a toy world."""
-    betas = {b: random_input_beta(tiny_estimator, "image", "text", k=200, seed=0, batch_size=b).beta
-             for b in (256, 64, 32, 24, 8)}
-    assert betas[256] == betas[64]
-    assert all(abs(b - betas[256]) < 1e-6 for b in betas.values()), betas
-    assert random_input_beta(tiny_estimator, "image", "text", k=200, seed=1).beta != betas[256]
+def test_beta_does_not_move_with_the_batch_size_and_a_second_run_reads_it_from_the_cache(coco_shards, tmp_path, capsys,
+                                                                                          monkeypatch):
+    """The same seed and K draw and encode the same inputs at any batch size: beta is equal to the
+    bit, so its cache entry names no batch size and a run at another `--batch-size` reads it (issue
+    56: a second run at another batch size paid beta's 262 s again, the batch size being in the key;
+    before issue 46 the inputs themselves moved: -0.0650 at batch 256, -0.0666 at 32, K 1024)."""
+    monkeypatch.setenv("PAIRCLEAN_CACHE_DIR", str(tmp_path / "cache"))
     found = {}
-    for batch in ("256", "24"):
+    for batch in ("256", "24", "8"):
         out = tmp_path / f"b{batch}.parquet"
-        code, _, _ = run_cli(["score", coco_shards, "--out", out, "--model", "pairclean-tiny", "--pretrained", "none",
-                              "--workers", "0", "--beta-k", "96", "--batch-size", batch, "--no-beta-cache"], capsys)
-        assert code == 0
-        found[batch] = read_provenance(out).beta
-    assert found["256"] == pytest.approx(found["24"], abs=1e-6)
+        code, stdout, err = run_cli(["score", coco_shards, "--out", out, "--model", "pairclean-tiny", "--pretrained",
+                                     "none", "--workers", "0", "--beta-k", "96", "--batch-size", batch], capsys)
+        assert code == 0, err
+        found[batch] = (read_provenance(out).beta, read_provenance(out).beta_source)
+    assert found["256"] == (found["24"][0], "computed") and found["24"][1] == found["8"][1] == "cache"
+    code, _, err = run_cli(["score", coco_shards, "--out", tmp_path / "nc.parquet", "--model", "pairclean-tiny",
+                            "--pretrained", "none", "--workers", "0", "--beta-k", "96", "--batch-size", "8",
+                            "--no-beta-cache"], capsys)
+    assert code == 0 and read_provenance(tmp_path / "nc.parquet").beta == found["256"][0], err  # to the bit
+    assert len(list((tmp_path / "cache" / "beta").glob("*.json"))) == 1
 
 
 def test_a_beta_drawn_another_way_is_never_served(tiny_estimator, tmp_path, monkeypatch):
     cache = BetaCache(tmp_path)
-    key = cache.key(tiny_estimator, "image", "text", 16, 0, 8)
-    assert cache.key(tiny_estimator, "image", "text", 16, 0, 8) == key
-    assert cache.key(tiny_estimator, "image", "text", 16, 0, 64) != key  # another encoding chunk
-    assert cache.key(tiny_estimator, "image", "text", 16, 0, 256) == cache.key(tiny_estimator, "image", "text", 16, 0,
-                                                                                 64)  # the same chunks
+    key = cache.key(tiny_estimator, "image", "text", 16, 0)
+    assert cache.key(tiny_estimator, "image", "text", 16, 0) == key
+    assert cache.key(tiny_estimator, "image", "text", 32, 0) != key and cache.key(tiny_estimator, "image", "text", 16, 1) != key
     monkeypatch.setattr("pairclean.scoring.beta_cache.RANDOM_INPUTS_VERSION", beta_module.RANDOM_INPUTS_VERSION - 1)
-    assert cache.key(tiny_estimator, "image", "text", 16, 0, 8) != key
+    assert cache.key(tiny_estimator, "image", "text", 16, 0) != key

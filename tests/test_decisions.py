@@ -169,7 +169,7 @@ def test_evaluate_detection_prints_the_ece_of_p_clean(tmp_path, capsys):
     capsys.readouterr()
     main(["evaluate", "detection", str(scores), "--truth", str(truth)])
     out = capsys.readouterr().out
-    result = json.loads(scores.with_name("s.detection.json").read_text())
+    result = json.loads(scores.with_name("s.detection.truth.json").read_text())
     p_clean = np.array(pq.read_table(scores).column("p_clean").to_pylist())
     ece = result["rules"]["gmm"]["ece"]
     assert ece == pytest.approx(expected_calibration_error(~noisy, p_clean))

@@ -114,8 +114,10 @@ def test_2_failed_downloads_are_error_rows_with_img2datasets_reason(i2d_wds_scor
 def test_3_img2dataset_parquet_needs_no_flags_and_a_failed_run_blocks_nothing(tmp_path, capsys):
     out = tmp_path / "s.parquet"
     code, _, err = run_cli(["score", I2D_PQ, "--input-format", "parquet", "--out", out, *TINY], capsys)
-    assert code == 2 and "no scores file was written" in err and "column(s) ['image']" in err
-    assert not out.exists() and (tmp_path / "s.run.json").is_file()
+    # refused before a model is built (issue 56: before, after the run, "column(s) ['image'] not in ...")
+    assert code == 2 and "no column 'image' for the images: name it with --image-field" in err, err
+    assert "its image columns: jpg" in err
+    assert not out.exists() and not (tmp_path / "s.run.json").exists()
     code, out_text, err = run_cli(["score", I2D_PQ, "--out", out, *TINY], capsys)  # the corrected command
     assert code == 0, err
     assert "reading img2dataset Parquet output: image=jpg, text=caption, key=key" in out_text

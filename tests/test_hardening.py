@@ -404,6 +404,10 @@ def test_a_run_where_every_unit_failed_says_why_on_stderr(tmp_path, capsys):
     data = tmp_path / "pairs.parquet"
     pq.write_table(pa.table({"id": ["a", "b"], "sentence": ["x", "y"]}), data)  # not the expected columns
     code, _, err = run_cli(["score", data, *TINY, "--out", tmp_path / "scores.parquet"], capsys)
+    # named before any model is built since issue 56 (its columns and the flags to name them)
+    assert code == 2 and "error: pairs.parquet has no column 'image'" in err and "--text-field" in err, err
+    data.write_bytes(data.read_bytes()[:-20])  # no footer: every unit fails when it is read
+    code, _, err = run_cli(["score", data, *TINY, "--out", tmp_path / "scores.parquet"], capsys)
     assert code == 2 and "error: every input unit failed" in err and "pairs.parquet" in err, err
 
 

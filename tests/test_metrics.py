@@ -111,11 +111,11 @@ def test_evaluate_detection_cli_writes_json_and_rejects_unmatched_truth(tmp_path
     main(["evaluate", "detection", str(scores), "--truth", str(truth)])  # returns normally on success
     out = capsys.readouterr().out
     assert "oracle" in out and "ROC-AUC" in out
-    saved = json.loads((tmp_path / "s.detection.json").read_text())
+    saved = json.loads((tmp_path / "s.detection.t.json").read_text())
     assert saved["roc_auc"] == pytest.approx(5 / 6)
     other = tmp_path / "other.parquet"
     pq.write_table(pa.table({"key": ["zz"], "noisy": [True]}), other)
     with pytest.raises(SystemExit) as exit_info:
-        main(["evaluate", "detection", str(scores), "--truth", str(other), "--overwrite"])  # s.detection.json exists
+        main(["evaluate", "detection", str(scores), "--truth", str(other), "--overwrite"])
     assert exit_info.value.code == 2
     assert "matches no scored pair" in capsys.readouterr().err

@@ -121,7 +121,7 @@ def test_an_enabled_rule_reaches_the_file_the_summary_evaluate_and_the_report(tm
     main(["evaluate", "detection", str(scores), "--truth", str(truth)])
     out = capsys.readouterr().out
     assert re.search(rf"top-fraction\s+sim <= {cut:.4f}", out)
-    result = json.loads(scores.with_name("scores.detection.json").read_text())
+    result = json.loads(scores.with_name(f"scores.detection.{truth.stem}.json").read_text())
     truth_noisy = np.array(noisy)
     assert result["rules"]["top-fraction"]["noise_caught"] == pytest.approx(
         100 * (flagged & truth_noisy).sum() / truth_noisy.sum())

@@ -119,14 +119,21 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(coco_shards, tmp_path, 
 
 
 def test_unreadable_parquet_columns_are_reported(coco_parquet, tmp_path, capsys):
+    """A column the first file lacks is named before any model is built (issue 56); one that a later
+    file lacks fails that file's units with the column named, and the run reports them (issue 15)."""
     out = tmp_path / "s.parquet"
-    code = _cli(["score", str(coco_parquet), "--out", str(out), *TINY, "--text-field", "nope"])
-    err = capsys.readouterr().err
-    # Every row group fails with the column named; the run finishes, reports them, and fails (issue 15).
-    assert code == 2 and "every input unit failed" in err and "nope" in err, err
-    manifest = json.loads(run_manifest_path(out).read_text())
-    failures = manifest["summary"]["unit_failures"]
-    assert failures and "nope" in failures[0]["reason"]
+    err = _one_line_error(capsys, ["score", str(coco_parquet), "--out", str(out), *TINY, "--text-field", "nope"],
+                          "no column 'nope' for the captions (name it with --text-field; its text columns: caption)")
+    assert not run_manifest_path(out).exists()
+    data = tmp_path / "data"
+    data.mkdir()
+    shutil.copy(coco_parquet, data / "a.parquet")
+    table = pq.read_table(coco_parquet)
+    pq.write_table(table.rename_columns(["key", "text", "image"]), data / "b.parquet")
+    code = _cli(["score", str(data), "--out", str(out), *TINY])
+    assert code == 0, capsys.readouterr().err
+    failures = json.loads(run_manifest_path(out).read_text())["summary"]["unit_failures"]
+    assert len(failures) == 1 and "column(s) ['caption'] not in" in failures[0]["reason"], failures
 
 
 def test_pretrained_tag_without_network_suggests_local_path(coco_shards, tmp_path, capsys, monkeypatch):

@@ -109,7 +109,7 @@ def test_evaluate_detection_at_80_columns_keeps_every_number_whole(tmp_path, cap
     assert code == 0 and "abstains" in text, err
     assert "…" not in text and "..." not in text
     assert max(len(line.rstrip()) for line in text.splitlines() if re.search("[\u2500-\u257f]", line)) <= 80
-    result = json.loads((tmp_path / "s.detection.json").read_text())
+    result = json.loads((tmp_path / "s.detection.truth.json").read_text())
     for m in result["rules"].values():  # each rule's row holds its four shares, whole
         (row,) = [line for line in text.splitlines() if line.startswith(f"│ {m['label']} ")]
         values = [f"{m[k]:.2f}" if m[k] is not None else "n/a"

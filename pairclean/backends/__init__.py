@@ -9,8 +9,8 @@ one is chosen).
 from pairclean.backends import open_clip, sentence_transformers  # noqa: F401  (registers the built-in backends)
 from pairclean.backends import dali_jpeg, nvimgcodec_jpeg  # noqa: F401  (registers the `decode` dali and nvimgcodec)
 from pairclean.backends.base import (BACKENDS, Backend, Estimator, Target, build_estimator, check_backend,
-                                     default_model, detect_backend, export_name, load_exported, load_target,
+                                     check_model, default_model, detect_backend, export_name, load_exported, load_target,
                                      register_backend, resolve_backend)
 
-__all__ = ["BACKENDS", "Backend", "Estimator", "Target", "build_estimator", "check_backend", "default_model",
-           "detect_backend", "export_name", "load_exported", "load_target", "register_backend", "resolve_backend"]
+__all__ = ["BACKENDS", "Backend", "Estimator", "Target", "build_estimator", "check_backend", "check_model",
+           "default_model", "detect_backend", "export_name", "load_exported", "load_target", "register_backend", "resolve_backend"]

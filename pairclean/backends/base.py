@@ -120,6 +120,11 @@ class Backend:
         return False
 
     @classmethod
+    def check_model(cls, model: str, pretrained: str | None) -> None:
+        """Refuse, before anything loads, a model or weights this backend cannot have (the cheap
+        checks: names it knows; nothing is fetched). Nothing to check by default."""
+
+    @classmethod
     def estimator(cls, model: str, **options) -> Estimator:
         """The frozen estimator; options: pretrained, device, precision, decode, compile, cpu_decode_share."""
         raise UserError(f"the {cls.name} backend builds no estimator (it cannot score)")
@@ -186,6 +191,12 @@ def resolve_backend(backend: str, model: str | None, needed: tuple[str, ...] = (
 
 def default_model(backend: str) -> str:
     return BACKENDS[check_backend(backend)].default_model
+
+
+def check_model(backend: str, model: str | None, pretrained: str | None = None) -> None:
+    """The backend's `check_model` for `model` (None: its default model)."""
+    cls = BACKENDS[check_backend(backend)]
+    cls.check_model(model or cls.default_model, pretrained)
 
 
 def build_estimator(backend: str = FALLBACK_BACKEND, model: str | None = None, **options) -> Estimator:

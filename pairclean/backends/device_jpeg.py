@@ -28,6 +28,7 @@ from abc import ABC, abstractmethod
 import torch
 from PIL import Image
 
+from pairclean.ops.extras import install_line
 from pairclean.backends.base import host_values, pick_device
 from pairclean.backends.feed import DeviceFeed
 from pairclean.backends.inputs import DecodedImages, DeviceImages, ImageBatch, JpegBlob, StandardTransform
@@ -113,7 +114,7 @@ class DeviceDecoder(ABC):
             cls.load()
         except (ImportError, OSError) as exc:  # OSError: a shared library it loads is missing
             first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-            return f"needs the {cls.package} package ({first}): pip install 'pairclean[gpu]'"
+            return f"needs the {cls.package} package ({first}): {install_line('gpu')}"
         return None
 
     @classmethod

@@ -10,6 +10,7 @@ Hugging Face Hub) or `local-dir:PATH` (a directory holding them), whose weights 
 from __future__ import annotations
 
 import copy
+import difflib
 import logging
 import math
 import os
@@ -435,6 +436,34 @@ def _text_inputs(batch: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
     return (batch.tokens, batch.ends) if isinstance(batch, TokenBatch) else (batch, None)
 
 
+def _close(name: str, known: list[str]) -> str:
+    """`did you mean ...?` naming the known names closest to `name` (case-blind), or ""."""
+    lowered = {k.lower(): k for k in known}
+    close = [lowered[m] for m in difflib.get_close_matches(name.lower(), lowered, 3, 0.6)]
+    return f"did you mean {' or '.join(close)}? " if close else ""
+
+
+def check_model(model: str, pretrained: str | None) -> None:
+    """Refuse a model name open_clip does not know, or weights that are neither a file nor one of
+    its tags, before anything loads: one line with the names it may have meant."""
+    import open_clip
+
+    register_model_configs()
+    if model.startswith(SCHEMAS):
+        return
+    if model not in open_clip.list_models():
+        raise ConfigError(f"unknown model {model!r}: {_close(model, open_clip.list_models())}open_clip has no such "
+                          "model (see `python -c 'import open_clip; print(open_clip.list_models())'`, or name a "
+                          "Hugging Face repository as hf-hub:ORG/REPO); a sentence-transformers model, for text-text "
+                          "pairs, needs `backend` sentence-transformers", "backend")
+    weights = DEFAULT_TAG if pretrained is None else pretrained
+    tags = open_clip.list_pretrained_tags_by_model(model)
+    if weights not in ("", "none") and not os.path.isfile(weights) and weights not in tags:
+        hint = _close(weights, tags) or f"its tags: {', '.join(tags) or 'none'}; "
+        raise ConfigError(f"`pretrained` {weights!r} is neither a file nor a tag of {model}: {hint}use a checkpoint "
+                          "path or `none`", "pretrained")
+
+
 class OpenClipEstimator:
     """Any open_clip model: a pretrained tag, a local checkpoint file, or `none` (random init); None:
     the model's own weights (DEFAULT_TAG for an architecture name, its repository's for hf-hub:)."""
@@ -448,12 +477,8 @@ class OpenClipEstimator:
         self.device = pick_device(device)
         self.precision = resolve_precision(self.device, precision)
         self.cpu_decode_share = check_cpu_decode_share(cpu_decode_share, decode)  # and `decode`
+        check_model(model, pretrained)
         schema_name = model.startswith(SCHEMAS)
-        if not schema_name and model not in open_clip.list_models():
-            raise ConfigError(f"unknown model {model!r}: open_clip has no such model (see `python -c 'import "
-                              "open_clip; print(open_clip.list_models())'`, or name a Hugging Face repository as "
-                              "hf-hub:ORG/REPO); a sentence-transformers model, for text-text pairs, needs `backend` "
-                              "sentence-transformers", "backend")
         pretrained = (model if schema_name else DEFAULT_TAG) if pretrained is None else pretrained
         self.model_name = model
         self.pretrained = pretrained
@@ -463,10 +488,6 @@ class OpenClipEstimator:
             weights = model if _schema_weights(model, pretrained) else None
         elif weights is not None and os.path.isfile(weights):
             self.checkpoint_sha256 = file_sha256(weights)
-        elif weights is not None and weights not in open_clip.list_pretrained_tags_by_model(model):
-            tags = ", ".join(open_clip.list_pretrained_tags_by_model(model)) or "none"
-            raise ConfigError(f"`pretrained` {weights!r} is neither a file nor a tag of {model} (tags: {tags}); "
-                              "use a checkpoint path or `none`", "pretrained")
         elif weights is not None and (hub := _hub_files(open_clip.get_pretrained_cfg(model, weights))):
             # in seconds, not after a minute of download retries
             check_fetchable(f"the weights {weights!r} of {model}", *hub)
@@ -716,6 +737,10 @@ class OpenClipBackend(Backend):
 
         register_model_configs()
         return model.startswith(SCHEMAS) or model in open_clip.list_models()
+
+    @classmethod
+    def check_model(cls, model: str, pretrained: str | None) -> None:
+        check_model(model, pretrained)
 
     @classmethod
     def estimator(cls, model: str, **options) -> OpenClipEstimator:

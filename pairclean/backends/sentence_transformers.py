@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from pairclean.ops.extras import optional
 from pairclean.backends.base import (Backend, autocast_context, file_sha256, frozen_copy, move_batch, pick_device,
                                      random_vocabulary_texts, register_backend)
 from pairclean.backends.hub import hub_cache, hub_unreachable, quiet_progress_bars
@@ -79,7 +80,7 @@ class SentenceTransformerEstimator:
     random_init = False  # a sentence encoder loads its own trained weights
 
     def __init__(self, model: str = "all-MiniLM-L6-v2", device: str = "auto", precision: str = "fp32"):
-        from sentence_transformers import SentenceTransformer
+        SentenceTransformer = optional("sentence_transformers", "text").SentenceTransformer
 
         self.device = pick_device(device)
         self.precision = precision
@@ -200,6 +201,11 @@ class SentenceTransformersBackend(Backend):
     def detects(cls, model: str) -> bool:
         """A sentence-transformers directory, or a model a bundled offline package ships."""
         return os.path.isfile(os.path.join(model, "modules.json")) or resolve_model(model)[1] not in ("local", "hub")
+
+    @classmethod
+    def check_model(cls, model: str, pretrained: str | None) -> None:
+        """The package first: without the text extra, one line naming it before anything loads."""
+        optional("sentence_transformers", "text")
 
     @classmethod
     def estimator(cls, model: str, device: str = "auto", precision: str = "fp32", **open_clip_options) -> SentenceTransformerEstimator:

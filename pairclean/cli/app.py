@@ -7,6 +7,12 @@ columns), a usage line such as `pairclean score [OPTIONS] SHARDS...`, and metava
 what a value is (`PATH`, `TEXT`, `N`, `NUMBER`, or one a command declares, e.g. `SQL`) instead
 of a Python type (`<list[str]>`); a flag has none. Every command and command group is made with
 `App`, so a new command gets the same help.
+
+Help is in the order of the work: a command's options stand in sections (`panels`: what to run on
+and where the output goes first, then the decisions, the performance, the rarer options last;
+an option no section names falls under "Other options"), and `pairclean --help` lists the
+commands as a user meets them (`COMMAND_PANELS`: score, then the commands that look at the
+scores, then those that act on them, then measuring and the lab), not alphabetically.
 """
 
 import typing
@@ -46,6 +52,20 @@ def readable(param) -> None:
         param.metavar = METAVARS.get(_kind(param), "VALUE")
 
 
+PANELS = "__pairclean_panels__"  # a command function's option sections (`panels`)
+OTHER_OPTIONS = "Other options"
+
+
+def panels(*sections: tuple[str, tuple[str, ...]]):
+    """Group a command's options in its help: each (title, flags) is a section, in this order and
+    the flags' order; an option no section names is listed under "Other options", last."""
+    def decorate(command):
+        setattr(command, PANELS, sections)
+        return command
+
+    return decorate
+
+
 class Command(TyperCommand):
     """A command with help a person reads (see the module docstring), and the options its function
     stacks with a decorator (`cli.options.stack`, e.g. `@options.dataset_options`): typer builds
@@ -65,16 +85,29 @@ class Command(TyperCommand):
             readable(param)
         return params
 
-    def format_options(self, ctx, formatter) -> None:
-        """The arguments by their metavars (typer would show their Python type), then the options."""
+    def sections(self, ctx) -> list[tuple[str, list[tuple[str, str]]]]:
+        """The help's sections: the arguments by their metavars (typer would show their Python
+        type), then the options, in the command's `panels` where it has them."""
         params = self.get_params(ctx)
         arguments = [(p.metavar + ("..." if p.nargs != 1 else ""), getattr(p, "help", None) or "")
                      for p in params if p.param_type_name == "argument"]
-        options = [record for p in params if p.param_type_name == "option" and (record := p.get_help_record(ctx))]
-        for title, records in (("Arguments", arguments), ("Options", options)):
+        records = {p.name: record for p in params if p.param_type_name == "option" and (record := p.get_help_record(ctx))}
+        by_flag = {flag: p.name for p in params if p.name in records for flag in p.opts}
+        found = [("Arguments", arguments)]
+        for title, flags in getattr(self.callback, PANELS, ()):
+            names = [name for name in dict.fromkeys(by_flag[f] for f in flags if f in by_flag) if name in records]
+            found.append((title, [records.pop(name) for name in names]))
+        found.append((OTHER_OPTIONS if getattr(self.callback, PANELS, ()) else "Options", list(records.values())))
+        return found
+
+    def format_options(self, ctx, formatter) -> None:
+        """Each section, its first column as wide as in the others (click's limit of 30 kept)."""
+        sections = self.sections(ctx)
+        column = min(max((len(term) for _, records in sections for term, _ in records), default=0), 30)
+        for title, records in sections:
             if records:
                 with formatter.section(title):
-                    formatter.write_dl(records)
+                    formatter.write_dl([(term.ljust(column), text) for term, text in records])
 
     def collect_usage_pieces(self, ctx) -> list[str]:
         """`[OPTIONS] SHARDS...`: an argument by its metavar, `...` when it takes several, in
@@ -118,15 +151,49 @@ class ModalCommand(Command):
     def invoke(self, ctx):
         return super().invoke(ctx) if ctx.command is self else ctx.command.invoke(ctx)
 
-    def format_options(self, ctx, formatter) -> None:
-        super().format_options(ctx, formatter)
-        with formatter.section("Modes"):
-            formatter.write_dl([(mode.flag, f"{mode.line} Its options: {ctx.command_path} {mode.flag} --help.")
-                                for mode in self.modes()])
+    def sections(self, ctx) -> list[tuple[str, list[tuple[str, str]]]]:
+        """The modes right after the arguments: what the command reads is the first thing to know."""
+        arguments, *options = super().sections(ctx)
+        modes = [(mode.flag, f"{mode.line} Its options: {ctx.command_path} {mode.flag} --help.") for mode in self.modes()]
+        return [arguments, ("Modes", modes), *options]
+
+
+# The root's commands as a user meets them: the sections of `pairclean --help`, in order.
+COMMAND_PANELS = (
+    ("Score, then look at the scores", ("score", "query", "report", "audit", "audit-import")),
+    ("Act on the scores", ("filter", "train", "dedup")),
+    ("Measure", ("evaluate", "bench")),
+    ("Lab: data with known noise", ("demo", "corrupt", "synth")),
+)
 
 
 class Group(TyperGroup):
-    """A command group with the same help as `Command`."""
+    """A command group with the same help as `Command`; the root lists its commands in the order
+    of the work (`COMMAND_PANELS`), a group its own in the order they were added."""
+
+    def list_commands(self, ctx) -> list[str]:
+        names = super().list_commands(ctx)
+        if ctx.parent is not None:
+            return names
+        order = [name for _, panel in COMMAND_PANELS for name in panel]
+        return sorted(names, key=lambda name: order.index(name) if name in order else len(order))
+
+    def format_commands(self, ctx, formatter) -> None:
+        """The root's commands in `COMMAND_PANELS`' sections (any other under "Commands")."""
+        if ctx.parent is not None:
+            return super().format_commands(ctx, formatter)
+        listed = {name: self.get_command(ctx, name) for name in self.list_commands(ctx)}
+        shown = {name: command for name, command in listed.items() if command is not None and not command.hidden}
+        longest = max((len(name) for name in shown), default=0)  # one column for every section
+        width = formatter.width - 6 - longest
+        placed = set()
+        for title, names in (*COMMAND_PANELS, ("Commands", tuple(shown))):
+            rows = [(name.ljust(longest), shown[name].get_short_help_str(width)) for name in names
+                    if name in shown and name not in placed]
+            placed.update(name.strip() for name, _ in rows)
+            if rows:
+                with formatter.section(title):
+                    formatter.write_dl(rows)
 
     def get_params(self, ctx):
         params = super().get_params(ctx)

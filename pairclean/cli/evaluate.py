@@ -123,8 +123,10 @@ def detection_command(
                                                             "the dataset the scores recorded)."),
     truth_key: str | None = typer.Option(None, "--truth-key", help="The truth's column holding the pair key "
                                                                    "(joined to the scores' key column)."),
-    json_out: Path | None = typer.Option(None, "--json", help="Metrics JSON to write (default: SCORES.detection.json; "
-                                                              "an existing one is replaced only with --overwrite)."),
+    json_out: Path | None = typer.Option(None, "--json", help="Metrics JSON to write (default: SCORES.detection.TRUTH.json, "
+                                                              "named after the scores and the truth file, so one scores "
+                                                              "file evaluated against two truths keeps both; an existing "
+                                                              "one is replaced only with --overwrite)."),
     overwrite: bool = typer.Option(False, help="Replace an existing output file."),
 ) -> None:
     """Clean kept / noise caught / balanced accuracy / precision per rule in the file and the oracle, ROC-AUC, AP, mean noise rank, ECE of p_clean."""
@@ -135,7 +137,7 @@ def detection_command(
     truth_file = resolve_truth(truth) if truth is not None else recorded_truth(scores)
     if not truth_file.is_file():  # said before an existing metrics file is
         raise UserError(f"truth file not found: {truth_file}")
-    target = open_output(json_out or scores.with_name(scores.stem + ".detection.json"),
+    target = open_output(json_out or scores.with_name(f"{scores.stem}.detection.{truth_file.stem}.json"),
                          [scores, truth, truth_file], "json", overwrite=overwrite)
     result = evaluate_detection(scores, truth_file, truth_key=truth_key)
     for table in detection_tables(result):

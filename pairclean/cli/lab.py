@@ -80,7 +80,9 @@ def band_line(band: dict | None) -> str:
 
 @app.command("demo")
 def demo_command(
-    out: Path = typer.Option(Path("demo-output"), "--out", "-o", help="Directory for everything the demo writes."),
+    out: Path = typer.Option(Path("demo-output"), "--out", "-o", help="Directory for everything the demo writes. An "
+                             "earlier demo's output there is replaced (it needs no --overwrite: the demo is meant to "
+                             "be run again); any other directory that is not empty is refused."),
     pairs: int = typer.Option(2000, help="Evaluation pairs."),
     ratio: float = typer.Option(0.5, help="Share of the pairs whose captions are shuffled."),
     seed: int = typer.Option(0, help="Seed of the evaluation world and of the noise."),

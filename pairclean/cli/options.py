@@ -13,6 +13,8 @@ CLI words the library's config fields.
 
 from __future__ import annotations
 
+import os
+
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
@@ -58,6 +60,17 @@ Workers = Annotated[str, typer.Option(
     help="DataLoader workers decoding and tokenising: a number, or auto (on a CUDA device every usable core but two, "
          "shared among a node's ranks, 6 at most where a device decoder takes every JPEG; elsewhere 2; a resumed "
          "training run keeps its number).")]
+
+
+def file_named(value: Path | str | None) -> Path | str | None:
+    """An option that names a file to write (a path, or an object-store URL): refused, before
+    anything runs, when it has no file name (`--out ''`, `--out .`, `--out ..`, `s3://bucket/`: a
+    directory; a named directory is the output guard's to refuse, saying which input it would contain)."""
+    name = value.name if isinstance(value, Path) else os.path.basename(str(value))
+    if value is not None and name in ("", ".", ".."):
+        raise typer.BadParameter(f"names no file ({str(value)!r} is a directory): give the file to write, "
+                                 "e.g. scores.parquet")
+    return value
 
 
 def workers_given(text: str) -> int | None:

@@ -133,4 +133,6 @@ def query_command(
             print_table(console, table)
             console.print(note, style="dim", highlight=False)
         else:
-            write_result(batches, schema, fmt, target)
+            rows = write_result(batches, schema, fmt, target)
+            if target is not None:  # stdout carries no data then: say what was written
+                console.print(f"{rows:,} rows ({fmt}) written to {target.path}", soft_wrap=True)

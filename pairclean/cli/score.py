@@ -12,7 +12,7 @@ from rich.table import Table
 from typing_extensions import Annotated
 
 import pairclean.cli.options as options
-from pairclean.cli.app import App, ModalCommand, Mode, announce, app, console
+from pairclean.cli.app import App, ModalCommand, Mode, announce, app, console, panels
 from pairclean.cli.progress import RichProgress
 from pairclean.cli.terminal import print_table
 from pairclean.scores.rules import DEFAULT_RULES, REGISTRY
@@ -28,6 +28,16 @@ def beta_source_line(result) -> str | None:
     """Where beta came from, as a line under the summary table when it is too long for a cell."""
     source = (result.summary.beta_source if result.summary else None) or ""
     return None if result.already_complete or len(source) <= SHORT_SOURCE else f"beta: {source}"
+
+
+def beta_label(summary) -> str:
+    """How beta was had, in the summary's words: `beta (random-inputs, K=1024)`, `beta (shuffled,
+    16 pairs)`, `beta (fixed)`."""
+    if summary.beta_mode == "random-inputs":
+        return f"beta (random-inputs, K={summary.beta_k})"
+    if summary.beta_mode == "shuffled" and summary.beta_k:
+        return f"beta (shuffled, {summary.beta_k:,} pairs)"
+    return f"beta ({summary.beta_mode})"
 
 
 def print_summary(result) -> None:
@@ -48,7 +58,7 @@ def summary_table(result) -> Table:
         table.add_row("failed shards", f"{len(s.unit_failures)} (their rows read before the failure are counted; "
                                        f"reasons in {result.out.stem}.run.json)")
     std = f" ± {s.beta_std:.4f}" if s.beta_std is not None else ""
-    table.add_row(f"beta ({s.beta_mode}, K={s.beta_k})", f"{s.beta:.4f}{std}")
+    table.add_row(beta_label(s), f"{s.beta:.4f}{std}")
     if s.random_pairing_share is not None:  # not all noise: a caption of a similar item is not counted
         table.add_row("pairs like random pairings (est., 95%)",
                       f"{s.random_pairing_share:.1%} [{s.random_pairing_share_low:.1%}, "
@@ -77,8 +87,9 @@ def summary_table(result) -> Table:
     return table
 
 
-ScoresOut = Annotated[str, typer.Option("--out", "-o", metavar="PATH", help="Scores Parquet to write: a path, or an "
-                                        "object-store URL (s3://BUCKET/run/scores.parquet, gs://..., any fsspec URL).")]
+ScoresOut = Annotated[str, typer.Option("--out", "-o", metavar="PATH", callback=options.file_named,
+                                        help="Scores Parquet to write: a path, or an object-store URL "
+                                             "(s3://BUCKET/run/scores.parquet, gs://..., any fsspec URL).")]
 BetaValue = Annotated[Optional[float], typer.Option("--beta", help="beta value for --beta-mode fixed.")]
 WeightFn = Annotated[str, typer.Option(help="cubic, linear, cosine, official.")]
 Seed = Annotated[int, typer.Option(help="Seed for beta's random inputs and the GMM.")]
@@ -154,7 +165,27 @@ class _ScoreCommand(ModalCommand):
                      "columns): no model is run."),)
 
 
+# `score --help` in the order of the work: what is scored, by which model, into what; then the
+# decisions; then how fast; then reading data detection does not take as it should.
+SCORE_PANELS = (
+    ("What to score, with which model, into what", ("--out", "--pair", "--model", "--pretrained", "--backend",
+                                                    "--overwrite", "--resume")),
+    ("Decisions: beta, the rules, the weights", ("--beta-mode", "--beta-k", "--beta", "--beta-cache", "--rule", "--weight-fn",
+                                "--seed", "--gmm-sample", "--max-error-share")),
+    ("Performance", ("--device", "--batch-size", "--workers", "--precision", "--decode", "--cpu-decode-share",
+                     "--compile")),
+    ("Past one machine: a Ray cluster", ("--engine", "--ray-address", "--ray-workers", "--ray-gpus", "--group-units")),
+    ("Reading the data (where detection needs help)", ("--input-format", "--split", "--image-root", "--image-field",
+                                                       "--image-path-field", "--text-field", "--json-text-key",
+                                                       "--key-field", "--text2-field", "--image2-field",
+                                                       "--image2-path-field", "--label-field", "--label-template",
+                                                       "--allow-pipe")),
+    ("Embeddings for dedup and rescoring", ("--save-embeddings", "--embeddings-dtype")),
+)
+
+
 @app.command("score", cls=_ScoreCommand)
+@panels(*SCORE_PANELS)
 @options.dataset_options
 def score_command(
     ctx: typer.Context,
@@ -200,10 +231,10 @@ def score_command(
     resume: Resume = False,
 ) -> None:
     """Score every pair: cosine, cone bias beta, OSA weight, GMM p_clean -> Parquet."""
-    dataset = options.dataset_given(ctx)
+    data = options.dataset_given(ctx).open(source)
+    data.check_fields()  # before torch loads: a column or member the data do not hold is named in a second or two
     from pairclean.scoring.model import ScoreConfig, score
 
-    data = dataset.open(source)
     cfg = ScoreConfig(model=model, backend=backend, pretrained=pretrained,
                       device=device, precision=precision, decode=decode, cpu_decode_share=cpu_decode_share,
                       batch_size=batch_size, workers=options.workers_given(workers), beta_mode=beta_mode, beta=beta, beta_k=beta_k,

@@ -13,10 +13,15 @@ here, never markup inside a string.
   column wrapped only at spaces; when it cannot, one block per row (`column  value` lines), so a
   narrow terminal never cuts numbers to "…" or folds cells into columns of a few characters;
 * to anything else (a pipe, a file, CI), plain text: a header and one line per row, columns
-  aligned, nothing wrapped or cut, at whatever width the cells need.
+  aligned, nothing cut. Where the environment says its width (`COLUMNS`: a log, CI), text
+  columns are wrapped at spaces to fit it (numbers stay whole), else each row is one block of
+  `column  value` lines; without `COLUMNS` a line is as wide as its cells need.
 """
 
 from __future__ import annotations
+
+import os
+import textwrap
 
 from rich.cells import cell_len
 from rich.console import Console, RenderableType
@@ -65,24 +70,88 @@ def _longest_word(text: str) -> int:
     return max((cell_len(word) for word in text.split()), default=0)
 
 
-def plain_lines(table: Table) -> list[str]:
-    """The table as plain text: title, header, one line per row (a header cut in lines is joined)."""
+def _wrapped(text: str, width: int) -> list[str]:
+    """`text` in lines of at most `width` cells, cut at spaces only (a longer word stays whole)."""
+    return textwrap.wrap(text, max(width, 1), break_long_words=False, break_on_hyphens=False) or [""]
+
+
+def plain_lines(table: Table, width: int | None = None) -> list[str]:
+    """The table as plain text: title, header, one line per row (a header cut in lines is joined).
+    `width`: the lines fit it, text columns wrapped at spaces (`_narrowed`), else one block per
+    row (`plain_records`)."""
     columns = [(header.replace("\n", " "), justify, [cell.replace("\n", " ") for cell in cells])
                for header, justify, cells in _columns(table)]
     rows = ([[header for header, _, _ in columns]] if table.show_header else []) + \
         [list(row) for row in zip(*(cells for _, _, cells in columns))]
     widths = [max(cell_len(row[i]) for row in rows) if rows else 0 for i in range(len(columns))]
+    if width is not None and sum(widths) + len(GAP) * (len(widths) - 1) > width:
+        narrowed = _narrowed(columns, rows, widths, width)
+        if narrowed is None:
+            return plain_records(table, width)
+        widths = narrowed
 
-    def line(row: list[str]) -> str:
-        cells = [(cell.rjust(w + len(cell) - cell_len(cell)) if columns[i][1] == "right"
-                  else cell.ljust(w + len(cell) - cell_len(cell))) for i, (cell, w) in enumerate(zip(row, widths))]
-        return GAP.join(cells).rstrip()
+    def lines(row: list[str]) -> list[str]:
+        cut = [_wrapped(cell, w) if cell_len(cell) > w else [cell] for cell, w in zip(row, widths)]
+        out = []
+        for depth in range(max(len(c) for c in cut)):
+            cells = [(c[depth] if depth < len(c) else "") for c in cut]
+            out.append(GAP.join(cell.rjust(w + len(cell) - cell_len(cell)) if columns[i][1] == "right"
+                                else cell.ljust(w + len(cell) - cell_len(cell))
+                                for i, (cell, w) in enumerate(zip(cells, widths))).rstrip())
+        return out
 
-    lines = [_plain(table.title)] if table.title else []
-    lines += [line(row) for row in rows]
+    out = [_plain(table.title)] if table.title else []
+    out += [line for row in rows for line in lines(row)]
     if table.caption:
-        lines.append(_plain(table.caption))
-    return lines
+        out.append(_plain(table.caption))
+    return out
+
+
+def _narrowed(columns: list, rows: list[list[str]], widths: list[int], width: int) -> list[int] | None:
+    """Column widths within `width`: the widest text column narrowed first, none below its longest
+    word, numbers (right-aligned columns) whole; None when they cannot fit."""
+    floor = [max((_longest_word(row[i]) for row in rows), default=0) if justify != "right" else widths[i]
+             for i, (_, justify, _) in enumerate(columns)]
+    widths = list(widths)
+    excess = sum(widths) + len(GAP) * (len(widths) - 1) - width
+    while excess > 0:
+        i = max(range(len(widths)), key=lambda j: widths[j] - floor[j])
+        cut = min(excess, widths[i] - floor[i])
+        if cut <= 0:
+            return None
+        widths[i] -= cut
+        excess -= cut
+    return widths
+
+
+def plain_records(table: Table, width: int) -> list[str]:
+    """The table as plain text in `width`: one block per row, each column's name and its value
+    (wrapped at spaces, under the name when the names leave it too little room)."""
+    columns = _columns(table)
+    names = [header.replace("\n", " ") if table.show_header else "" for header, _, _ in columns]
+    label = max(map(cell_len, names), default=0)
+    beside = width - label - len(GAP) >= max(20, width // 2)
+    out = [_plain(table.title)] if table.title else []
+    for number, row in enumerate(zip(*(cells for _, _, cells in columns)), 1):
+        out.append(f"-- row {number} --" if table.show_header else "--")
+        for name, cell in zip(names, row):
+            cell = cell.replace("\n", " ")
+            if beside:
+                for depth, line in enumerate(_wrapped(cell, width - label - len(GAP))):
+                    out.append(f"{(name if depth == 0 else '').ljust(label)}{GAP}{line}".rstrip())
+            else:
+                out += ([name] if name else []) + [f"    {line}" for line in _wrapped(cell, width - 4)]
+    if table.caption:
+        out.append(_plain(table.caption))
+    return out
+
+
+def _given_width() -> int | None:
+    """The width the environment gives output that is not a terminal (`COLUMNS`), or None."""
+    try:
+        return int(os.environ["COLUMNS"]) if int(os.environ.get("COLUMNS", "0")) > 0 else None
+    except ValueError:
+        return None
 
 
 def _fits(table: Table, width: int) -> bool:
@@ -118,7 +187,7 @@ def _records(table: Table) -> list[RenderableType]:
 def print_table(console: Console, table: Table) -> None:
     """Show `table` readably (see the module docstring)."""
     if not console.is_terminal:
-        for line in plain_lines(table):
+        for line in plain_lines(table, _given_width()):
             console.out(line, highlight=False)
         return
     if _fits(table, console.width):

@@ -19,7 +19,7 @@ from rich.table import Table
 
 import pairclean.cli.options as options
 from pairclean.ops.guard import open_output
-from pairclean.cli.app import Command, announce, app, console
+from pairclean.cli.app import Command, announce, app, console, panels
 from pairclean.cli.progress import RichProgress
 from pairclean.cli.terminal import print_table
 from pairclean.config import split_option
@@ -181,7 +181,29 @@ def list_method_options(ctx: typer.Context, param: typer.CallbackParam, value):
     raise typer.Exit()
 
 
+# `train --help` in the order of the work: the data and the run, then what the scores do to it
+# (the method and its shortcut flags), then the optimisation, performance, and reading the data.
+TRAIN_PANELS = (
+    ("What to train, on what, into what", ("--out", "--val", "--model", "--pretrained", "--backend", "--pair",
+                                           "--resume", "--overwrite")),
+    ("The scores: weights, filter, online weights, methods", (
+        "--weights", "--scores", "--filter", "--online", "--attach", "--method", "--method-option", "--weight-column",
+        "--join", "--on-missing", "--estimator-model", "--estimator-pretrained", "--weight-fn", "--beta-k",
+        "--reduction")),
+    ("Optimisation", ("--epochs", "--batch-size", "--lr", "--weight-decay", "--warmup-steps", "--min-lr-ratio",
+                      "--grad-clip", "--temperature", "--seed")),
+    ("Performance and logs", ("--device", "--precision", "--decode", "--workers", "--shuffle-buffer",
+                              "--val-batch-size", "--log-every", "--diagnostics")),
+    ("Reading the data (where detection needs help)", ("--input-format", "--split", "--image-root", "--image-field",
+                                                       "--image-path-field", "--text-field", "--json-text-key",
+                                                       "--key-field", "--text2-field", "--image2-field",
+                                                       "--image2-path-field", "--label-field", "--label-template",
+                                                       "--allow-pipe")),
+)
+
+
 @app.command("train", cls=_TrainCommand)
+@panels(*TRAIN_PANELS)
 @options.dataset_options
 def train_command(
     ctx: typer.Context,

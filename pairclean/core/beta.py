@@ -3,9 +3,9 @@
 `random-inputs` (default) pushes K random left inputs and K random right inputs (noise images,
 random-token texts) through the estimator and averages all K x K cross cosines. The inputs are
 drawn in blocks of DRAW_BLOCK, block b of a side from its own generator seeded by (seed, side, b),
-and encoded in chunks that never span two blocks: which inputs are drawn depends on the seed and
-K alone, never on the batch size (a batch size of DRAW_BLOCK or more encodes the same chunks, so
-beta is the same to the bit; a smaller one differs only in float rounding). `shuffled` is
+and each block is encoded at once: what is drawn and how it is encoded depend on the seed and K
+alone, never on the run's batch size, so beta is the same to the bit at any batch size (and its
+cache needs no batch size). `shuffled` is
 the mean cosine of in-dataset pairs with one side permuted, accumulated while scoring from
 per-part embedding sums (it sits inside the noisy distribution: a diagnostic, not a boundary).
 `fixed` takes the user's value.
@@ -21,6 +21,7 @@ import torch
 
 from pairclean.config import check_choice
 from pairclean.errors import ConfigError
+from pairclean.ops.progress import SILENT, Progress
 from pairclean.ops.records import JsonObject
 
 BETA_MODES = ("random-inputs", "shuffled", "fixed")
@@ -46,35 +47,25 @@ def block_generator(seed: int, side: int, block: int) -> torch.Generator:
     return torch.Generator().manual_seed(int(state))
 
 
-def encoding_chunk(batch_size: int) -> int:
-    """How many random inputs are encoded at once: the batch size, within one draw block."""
-    return min(batch_size, DRAW_BLOCK)
-
-
-def _rows(inputs, start: int, stop: int):
-    """Rows start..stop of a collated batch (a tensor, or a dict of tensors such as a tokenizer's)."""
-    if isinstance(inputs, dict):
-        return {name: value[start:stop] for name, value in inputs.items()}
-    return inputs[start:stop]
-
-
 @torch.no_grad()
 def random_input_beta(estimator, left: str, right: str, k: int = 1024, seed: int = 0,
-                      batch_size: int = 256) -> BetaEstimate:
-    """beta = mean over all K x K cosines between K random left and K random right inputs."""
-    chunk = encoding_chunk(batch_size)
+                      progress: Progress = SILENT) -> BetaEstimate:
+    """beta = mean over all K x K cosines between K random left and K random right inputs
+    (`progress`: a task counting the 2K inputs, block by block)."""
+    sides = f"{left}s" if left == right else f"{left}s and {right}s"
+    with progress.task(f"beta: random {sides}", total=2 * k) as task:
 
-    def embed(side: int, modality: str) -> torch.Tensor:
-        chunks = []
-        for block, start in enumerate(range(0, k, DRAW_BLOCK)):
-            n = min(DRAW_BLOCK, k - start)
-            inputs = estimator.random_batch(modality, n, block_generator(seed, side, block))
-            for first in range(0, n, chunk):
-                chunks.append(estimator.encode(modality, _rows(inputs, first, first + chunk)).double().cpu())
-        return torch.cat(chunks)
+        def embed(side: int, modality: str) -> torch.Tensor:
+            blocks = []
+            for block, start in enumerate(range(0, k, DRAW_BLOCK)):
+                n = min(DRAW_BLOCK, k - start)
+                inputs = estimator.random_batch(modality, n, block_generator(seed, side, block))
+                blocks.append(estimator.encode(modality, inputs).double().cpu())
+                task.update(advance=n)
+            return torch.cat(blocks)
 
-    u = embed(0, left)
-    v = embed(1, right)
+        u = embed(0, left)
+        v = embed(1, right)
     sims = u @ v.T
     return BetaEstimate("random-inputs", float(sims.mean()), float(sims.std()), k, seed)
 

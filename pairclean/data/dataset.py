@@ -77,6 +77,11 @@ class Dataset:
         be read back as part of the data) and every file read, sidecars included."""
         return list(dict.fromkeys([*(self.named or self.spec.sources or ()), *self.files()]))
 
+    def check_fields(self) -> None:
+        """Refuse, before a model is built, fields that the first shard does not hold (one line
+        naming the setting; `InputFormat.check_fields`)."""
+        self.input_format.check_fields()
+
     def describe(self) -> str:
         """The one line a run over the dataset starts with."""
         return self.input_format.describe()

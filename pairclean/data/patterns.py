@@ -11,6 +11,7 @@ import os
 from pathlib import Path
 
 from pairclean.data.formats import directory_files
+from pairclean.data.reading.inputs import check_protocols
 from pairclean.data.units import unique_shards
 from pairclean.errors import ConfigError, UserError
 from pairclean.ops.places import UNFINISHED
@@ -117,6 +118,7 @@ def _expand_url(url: str) -> list[str]:
         return [url]
     import fsspec
 
+    check_protocols([url])  # a missing filesystem package is the extra that brings it
     try:
         fs, path = fsspec.core.url_to_fs(url)
         fs.invalidate_cache()  # listings as they are now (this process may have written there since)

@@ -114,6 +114,9 @@ def run_demo(cfg: DemoConfig | None = None) -> DemoResult:
 def _run_demo(cfg: DemoConfig) -> DemoResult:
     say = cfg.progress.note
     out = _open_out(cfg)
+    if (out / MARKER).is_file():  # the one output replaced without `overwrite`: a rerun of the demo
+        say(f"replacing the earlier demo output in {out} (the demo replaces its own output, and refuses any other "
+            "directory that is not empty)")
     if not numerics_pinned():
         notice("the demo runs with this machine's own CPU arithmetic (torch started before it could be fixed, or "
                "the CPU has no AVX2): its figures may fall outside README's band")

@@ -21,9 +21,9 @@ from functools import cached_property
 from pathlib import Path
 
 from pairclean.errors import UserError
+from pairclean.ops.extras import PROTOCOL_EXTRAS, optional
 
 UNFINISHED = "unfinished.json"  # in a folder an output is still writing (or a killed run left unfinished)
-EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs"}  # pairclean's extra that brings a protocol's fsspec package
 
 
 def is_remote(url) -> bool:
@@ -52,12 +52,13 @@ class RemotePath:
         if self._fs is None:
             import fsspec
 
+            if self.protocol in PROTOCOL_EXTRAS:
+                optional(*PROTOCOL_EXTRAS[self.protocol])  # a missing one is the line naming its extra
             try:
                 cls = fsspec.get_filesystem_class(self.protocol)
             except (ImportError, ValueError) as exc:
-                extra = EXTRAS.get(self.protocol)
-                how = f"pip install 'pairclean[{extra}]'" if extra else f"install fsspec's package for {self.protocol}://"
-                raise UserError(f"cannot use {self.protocol}:// URLs here ({_reason(exc)}): {how}") from None
+                raise UserError(f"cannot use {self.protocol}:// URLs here ({_reason(exc)}): install fsspec's "
+                                f"package for {self.protocol}://") from None
             try:
                 self._fs = cls(use_listings_cache=False)
             except TypeError:  # a filesystem without listing caches

@@ -225,6 +225,7 @@ def recorded_truth(scores: str | Path, required: bool = True) -> Path | None:
     if dataset is None or not dataset.truth:
         if not required:
             return None
-        raise ConfigError(f"the dataset {scores} was scored from names no truth file: give `truth`", "truth")
+        raise ConfigError(f"{scores} names no truth file (the dataset it scored records none, as data `corrupt` wrote "
+                          "would): give `truth`", "truth")
     return Path(dataset.truth)
 

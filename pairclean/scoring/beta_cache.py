@@ -1,9 +1,10 @@
 """The random-inputs beta, computed once per estimator and reused by later runs (a JSON file per key).
 
-beta from random inputs depends on the estimator's weights, K, the seed, how the inputs are drawn
-(`core.beta.RANDOM_INPUTS_VERSION`) and, in its last bits, the encoding chunk (the batch size up to
-`core.beta.DRAW_BLOCK`), never on the data: `BetaCache` names an entry by all of them, `cached_random_input_beta` reads it or computes it
-(`core.beta.random_input_beta`) and stores it. The files live under `ops.cache.cache_dir()/beta`.
+beta from random inputs depends on the estimator's weights, K, the seed and how the inputs are
+drawn and encoded (`core.beta.RANDOM_INPUTS_VERSION`), never on the data nor the run's batch size:
+`BetaCache` names an entry by all of them, `cached_random_input_beta` reads it or computes it
+(`core.beta.random_input_beta`, saying what it does, how to make it shorter, and where it is kept)
+and stores it. The files live under `ops.cache.cache_dir()/beta`.
 """
 
 from __future__ import annotations
@@ -14,9 +15,10 @@ from pathlib import Path
 
 import torch
 
-from pairclean.core.beta import RANDOM_INPUTS_VERSION, BetaEstimate, encoding_chunk, random_input_beta
+from pairclean.core.beta import RANDOM_INPUTS_VERSION, BetaEstimate, random_input_beta
 from pairclean.ops.atomic import write_json
 from pairclean.ops.cache import cache_dir
+from pairclean.ops.progress import SILENT, Progress
 
 
 def weights_fingerprint(module: torch.nn.Module) -> str:
@@ -31,9 +33,9 @@ def weights_fingerprint(module: torch.nn.Module) -> str:
 
 
 class BetaCache:
-    """random-inputs beta depends on the estimator, K, the seed, the draw and the encoding chunk,
-    never on the data: computed once per (weights, provenance, K, seed, draw, chunk) and reused by
-    later runs. An entry computed with an earlier draw (another RANDOM_INPUTS_VERSION) is never served.
+    """random-inputs beta depends on the estimator, K, the seed and the draw, never on the data
+    nor the batch size: computed once per (weights, provenance, K, seed, draw) and reused by later
+    runs. An entry computed with an earlier draw (another RANDOM_INPUTS_VERSION) is never served.
 
     The weights are identified by `weights_id` when the caller built the estimator itself from
     a complete description (provenance + seed + library versions: a checkpoint is named by its
@@ -44,8 +46,7 @@ class BetaCache:
     def __init__(self, directory: Path | None = None):
         self.dir = Path(directory) if directory is not None else cache_dir() / "beta"
 
-    def key(self, estimator, left: str, right: str, k: int, seed: int, batch_size: int,
-            weights_id: str | None = None) -> str | None:
+    def key(self, estimator, left: str, right: str, k: int, seed: int, weights_id: str | None = None) -> str | None:
         model = getattr(estimator, "model", None)
         if not isinstance(model, torch.nn.Module):
             return None
@@ -54,8 +55,7 @@ class BetaCache:
             provenance.pop("pretrained", None)
         weights = weights_id if weights_id is not None else weights_fingerprint(model)
         ident = {"provenance": provenance, "weights": weights, "left": left, "right": right,
-                 "k": k, "seed": seed, "draw": RANDOM_INPUTS_VERSION, "chunk": encoding_chunk(batch_size),
-                 "torch": torch.__version__}
+                 "k": k, "seed": seed, "draw": RANDOM_INPUTS_VERSION, "torch": torch.__version__}
         return hashlib.sha1(json.dumps(ident, sort_keys=True, default=str).encode()).hexdigest()
 
     def get(self, key: str) -> BetaEstimate | None:
@@ -72,15 +72,19 @@ class BetaCache:
             pass  # a read-only home only costs the next run the computation
 
 
-def cached_random_input_beta(estimator, left: str, right: str, k: int, seed: int, batch_size: int,
-                             cache: BetaCache | None, weights_id: str | None = None) -> tuple[BetaEstimate, bool]:
-    """(beta, whether it came from the cache)."""
-    key = cache.key(estimator, left, right, k, seed, batch_size, weights_id) if cache is not None else None
+def cached_random_input_beta(estimator, left: str, right: str, k: int, seed: int, cache: BetaCache | None,
+                             weights_id: str | None = None, progress: Progress = SILENT) -> tuple[BetaEstimate, bool]:
+    """(beta, whether it came from the cache). Computing it says first what it does and what
+    makes it shorter, since on a CPU it takes minutes."""
+    key = cache.key(estimator, left, right, k, seed, weights_id) if cache is not None else None
     if key is not None:
         hit = cache.get(key)
         if hit is not None:
             return hit, True
-    beta = random_input_beta(estimator, left, right, k=k, seed=seed, batch_size=batch_size)
+    kept = f"kept in {cache.dir} for later runs of these weights, K and seed" if key is not None else "not cached"
+    progress.note(f"beta: {2 * k:,} random inputs through the model, once ({kept}); shorter: `beta_k` "
+                  f"{max(k // 4, 1)}, or `beta_mode` shuffled (no extra inputs)", "beta_k", "beta_mode")
+    beta = random_input_beta(estimator, left, right, k=k, seed=seed, progress=progress)
     if key is not None:
         cache.put(key, beta)
     return beta, False

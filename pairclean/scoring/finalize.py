@@ -14,7 +14,7 @@ Two streaming passes over the parts (pyarrow record batches, memory bounded by a
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Iterable, Sequence
+from typing import Iterable, Iterator, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -26,6 +26,7 @@ from pairclean.core.beta import BetaEstimate
 from pairclean.core.null import NullCalibration
 from pairclean.core.scorer import cone_weight, debias, normalised_weight
 from pairclean.ops.faults import fault_point
+from pairclean.ops.progress import SILENT, Progress
 from pairclean.scores.contract import (FailedUnit, Provenance, Summary, flagged_summary, provenance_metadata,
                                        scores_schema, summary_metadata, write_run_manifest)
 from pairclean.scores.rules import DEFAULT_RULES, DecisionRule, FitContext, build_rules
@@ -67,9 +68,18 @@ def _finite(column) -> np.ndarray:
     return values[np.isfinite(values)]
 
 
-def _samples_and_max(store: PartStore, units: list[str], n_valid: int, n_null: int, size: int, seed: int):
+def _samples_and_max(store: PartStore, units: list[str], n_valid: int, n_null: int, size: int, seed: int,
+                     task) -> tuple[np.ndarray, np.ndarray, float]:
     """(uniform sample of the similarities, uniform sample of the null similarities, the maximum)."""
-    return similarity_samples(_iter_parts(store, units, columns=["sim", "null_sim"]), n_valid, n_null, size, seed)
+    return similarity_samples(_counted(_iter_parts(store, units, columns=["sim", "null_sim"]), task),
+                              n_valid, n_null, size, seed)
+
+
+def _counted(batches: Iterable[pa.RecordBatch], task) -> Iterator[pa.RecordBatch]:
+    """The batches, each counted on the progress task as it is read."""
+    for batch in batches:
+        task.update(advance=batch.num_rows)
+        yield batch
 
 
 def similarity_samples(batches: Iterable[pa.RecordBatch], n_valid: int, n_null: int, size: int,
@@ -159,8 +169,10 @@ def failed_units(units: list[str], records: dict[str, ScoredUnit]) -> list[Faile
 
 
 def finalize(run: Run, units: list[str], beta: BetaEstimate, weight_fn: str, seed: int, gmm_sample: int,
-             provenance: dict, records: dict[str, ScoredUnit], rules: Sequence[str] = DEFAULT_RULES) -> Summary:
-    """Write the run's scores Parquet + run manifest; returns the run summary.
+             provenance: dict, records: dict[str, ScoredUnit], rules: Sequence[str] = DEFAULT_RULES,
+             progress: Progress = SILENT) -> Summary:
+    """Write the run's scores Parquet + run manifest; returns the run summary (`progress`: one
+    task over both passes, each row counted once in each).
 
     `rules` are decision-rule specs (`pairclean.scores.rules`), fitted on the sample and written in
     this order. Reconciliation: every row of the output is either scored (`sim` set) or an error row
@@ -170,13 +182,25 @@ def finalize(run: Run, units: list[str], beta: BetaEstimate, weight_fn: str, see
     The counts are taken again from the rows as they are written and checked against the
     commit records before the output is renamed into place.
     """
-    store = run.store
     deciders = build_rules(rules)
+    n_rows = sum(records[u].rows for u in units)
+    n_null = sum(records[u].null_rows for u in units)
+    n_valid = n_rows - sum(records[u].errors for u in units)
+    with progress.task("finalize (2 passes)", total=2 * n_rows) as task:
+        samples = _samples_and_max(run.store, units, n_valid, n_null, gmm_sample, seed, task)
+        return _write(run, units, beta, weight_fn, seed, provenance, records, deciders, samples, task)
+
+
+def _write(run: Run, units: list[str], beta: BetaEstimate, weight_fn: str, seed: int, provenance: dict,
+           records: dict[str, ScoredUnit], deciders: list[DecisionRule],
+           samples: tuple[np.ndarray, np.ndarray, float], task) -> Summary:
+    """Finalize's second pass: every row with its weights and each rule's columns (fitted on the
+    first pass's samples), then the run manifest."""
+    sample, null_sample, max_sim = samples
+    store = run.store
     n_rows = sum(records[u].rows for u in units)
     n_errors = sum(records[u].errors for u in units)
     n_valid = n_rows - n_errors
-    n_null = sum(records[u].null_rows for u in units)
-    sample, null_sample, max_sim = _samples_and_max(store, units, n_valid, n_null, gmm_sample, seed)
     scorer = PairColumns.fit(deciders, sample, null_sample, max_sim, beta.beta, weight_fn, seed)
     rule_records = [rule.record() for rule in deciders]
     official_scale = scorer.official_scale
@@ -195,7 +219,7 @@ def finalize(run: Run, units: list[str], beta: BetaEstimate, weight_fn: str, see
     out = run.out
     with run.write_output() as tmp:
         with pq.ParquetWriter(tmp, schema, compression="zstd") as writer:
-            for batch in _iter_parts(store, units):
+            for batch in _counted(_iter_parts(store, units), task):
                 sim = batch.column("sim").to_numpy(zero_copy_only=False).astype(np.float64)  # nulls -> NaN
                 valid = ~np.isnan(sim)
                 has_error = batch.column("error").is_valid().to_numpy(zero_copy_only=False)

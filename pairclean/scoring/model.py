@@ -19,7 +19,7 @@ import pyarrow as pa
 import torch
 
 from pairclean import __version__
-from pairclean.backends import BACKENDS, build_estimator, default_model, resolve_backend
+from pairclean.backends import BACKENDS, build_estimator, check_model, default_model, resolve_backend
 from pairclean.backends.base import file_sha256, resolve_precision
 from pairclean.backends.device_jpeg import auto_workers, check_cpu_decode_share, pinned_decoding
 from pairclean.ops.faults import slow_point
@@ -140,6 +140,8 @@ class ModelProducer(Producer):
     def __init__(self, dataset: Dataset, cfg: ScoreConfig, estimator=None, embeddings: Output | None = None,
                  meter: StageMeter | None = None):
         cfg = cfg.resolved(dataset.spec.pair)  # before any output exists: a backend that cannot encode the pairs is refused
+        check_model(cfg.backend, cfg.model, cfg.pretrained)  # and a model name or weights tag it does not know,
+        dataset.check_fields()  # and fields the data do not hold: all before the model loads
         self.dataset, self.spec, self.cfg, self.estimator = dataset, dataset.spec, cfg, estimator
         self.meter = meter  # where the main process's time goes (`pairclean bench score`)
         self.embeddings = embeddings  # save_embeddings, opened through the output guard
@@ -200,6 +202,9 @@ class ModelProducer(Producer):
     def prepare(self) -> None:
         if self.estimator is None:  # built (and so validated) before anything is written
             cfg = self.cfg
+            if distributed.is_main():  # a large model takes a while to load, longer on a CPU
+                weights = {None: "its own weights", "none": "random weights"}.get(cfg.pretrained, cfg.pretrained)
+                cfg.progress.note(f"loading {cfg.model} ({cfg.backend}, {weights}) ...")
             torch.manual_seed(cfg.seed)  # a randomly initialised model (--pretrained none) is then reproducible
             self.estimator = build_estimator(cfg.backend, model=cfg.model, pretrained=cfg.pretrained,
                                              device=distributed.default_device_for_rank(cfg.device),
@@ -246,8 +251,8 @@ class ModelProducer(Producer):
             weights_id = json.dumps({"built_with_seed": cfg.seed, **{p: known(p) for p in
                                      ("torch", "open_clip_torch", "sentence-transformers", "transformers")}})
         beta, hit = cached_random_input_beta(self.estimator, left, right, k=cfg.beta_k, seed=cfg.seed,
-                                             batch_size=min(cfg.batch_size, 256),
-                                             cache=BetaCache() if cfg.beta_cache else None, weights_id=weights_id)
+                                             cache=BetaCache() if cfg.beta_cache else None, weights_id=weights_id,
+                                             progress=cfg.progress)
         return beta, "cache" if hit else "computed"
 
     def score(self, work: Work, commit: Commit) -> ScoringCounts:

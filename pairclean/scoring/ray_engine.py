@@ -28,6 +28,7 @@ from urllib.parse import urlsplit
 from pairclean.core.beta import BetaEstimate
 from pairclean.errors import ConfigError, UserError
 from pairclean.runs import NODE_ENV, GroupClaims, PartStore
+from pairclean.ops.extras import optional
 from pairclean.ops.records import JsonObject
 from pairclean.scoring.batches import ScoringCounts
 from pairclean.scoring.engines import Engine, OnCommit, register_engine, unit_committer
@@ -36,14 +37,6 @@ CHUNK_SHARE = 2  # a chunk is 1/(this x workers) of the groups left (guided self
 CONNECT_SECONDS = 10  # an address that does not answer within this is refused
 LOST_SECONDS = 600  # with no live worker for this long (none can be placed), the run stops
 FORWARDED_ENV = ("PAIRCLEAN_", "HF_HUB_OFFLINE", "HF_HOME", "TRANSFORMERS_OFFLINE")  # the driver's, to every worker
-
-
-def import_ray():
-    try:
-        import ray
-    except ImportError:
-        raise UserError("the ray engine needs Ray: pip install 'pairclean[ray]'") from None
-    return ray
 
 
 def check_address(address: str | None) -> None:
@@ -112,7 +105,7 @@ class RayEngine(Engine):
     name = "ray"
 
     def __init__(self, address: str | None = None, workers: int | None = None, gpus: float | None = None):
-        self.ray = import_ray()
+        self.ray = optional("ray", "ray")
         address = address or os.environ.get("RAY_ADDRESS")
         check_address(address)
         env = {k: v for k, v in os.environ.items() if k.startswith(FORWARDED_ENV)}

@@ -318,7 +318,8 @@ def _run_scoring(producer: Producer, out: str | Path | Output, cfg: RunConfig, e
                   **engine.provenance(), **({"units_by_node": nodes} if (nodes := by_node(scored_here)) else {})}
     if reason:
         fail_run(reason, units, records, run, provenance)
-    summary = finalize(run, units, beta, cfg.weight_fn, cfg.seed, cfg.gmm_sample, provenance, records, cfg.rules)
+    summary = finalize(run, units, beta, cfg.weight_fn, cfg.seed, cfg.gmm_sample, provenance, records, cfg.rules,
+                       progress)
     summary = replace(summary, **produced.summary, pairs_per_second=scored_now / elapsed if elapsed > 0 else 0.0,
                       scoring_seconds=elapsed, scoring_cpu_seconds=cpu, beta_seconds=begun.beta_seconds,
                       beta_source=begun.beta_source)

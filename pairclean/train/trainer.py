@@ -221,6 +221,8 @@ def train(source: str | list[str] | DatasetSpec | Dataset, out: str | Path | Out
     np.random.seed(cfg.seed)
     random.seed(cfg.seed)
     left_mod, right_mod = modalities(spec.pair)
+    if distributed.is_main():  # a large model takes a while to load, longer on a CPU
+        cfg.progress.note(f"loading {cfg.model} to train ...")
     target = load_target(cfg.model, cfg.pretrained, backend=cfg.backend, needed=(left_mod, right_mod),
                          device=distributed.default_device_for_rank(cfg.device), temperature=cfg.temperature,
                          decode=cfg.decode)
@@ -274,6 +276,7 @@ def train(source: str | list[str] | DatasetSpec | Dataset, out: str | Path | Out
         with progress.task(f"epoch {epoch}", total=steps, loss=0.0, lr=0.0, rate=0.0) as task:
             record = loop.run_epoch(epoch, _Passes(loader, steps if span else None), task)
         if val_data is not None and distributed.is_main():
+            progress.note(f"epoch {epoch}: retrieval on the validation pairs (R@1/5/10 both ways) ...")
             val_metrics = evaluate_target(JointTarget([target, *method.extra_networks().values()]), val_data,
                                           cfg.val_batch_size, workers, autocast_context(target.device, cfg.precision))
             record.update({f"val_{k}": v for k, v in val_metrics.items()})

@@ -11,13 +11,14 @@ format's job: `data.rewriting` does it, for the formats that can be copied.
 
 from __future__ import annotations
 
+import difflib
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import ClassVar, Iterator
 
 from pairclean.config import check_choice
-from pairclean.data.spec import DatasetSpec, RawPair, UnitFailure
+from pairclean.data.spec import PAIR_KINDS, DatasetSpec, Fields, RawPair, UnitFailure
 from pairclean.errors import ConfigError, UserError
 
 REGISTRY: dict[str, type["InputFormat"]] = {}
@@ -81,6 +82,76 @@ def detect(files: list[str], format: str | None = None, split: str | None = None
     if split is not None:
         claim.shards = cls.select_split(claim.shards, split)
     return claim
+
+
+@dataclass(frozen=True)
+class Need:
+    """What a pair kind reads from each pair: `what` it is (images, captions), its `kind` (image or
+    text), the member or column names that may hold it (`names`: the first present is read), and
+    the settings that name it (`fields`: the first names the stored value, the second a path)."""
+
+    what: str
+    kind: str
+    names: tuple[str, ...]
+    fields: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Found:
+    """What a dataset's first shard holds (`InputFormat.found`): where it looked (`where`: a
+    file, or its first samples), what it calls an entry (`noun`: column or member) and each
+    entry's kind (image, text, or other)."""
+
+    where: str
+    noun: str
+    entries: dict[str, str]
+
+
+def needs_of(spec: DatasetSpec, image_names, text_names) -> list[Need]:
+    """What `spec`'s pair kind reads, by the format's naming (`image_names(second)`,
+    `text_names(field value)`: the member or column names one field looks in)."""
+    f = spec.fields
+    image = Need("images", "image", image_names(False), ("image_field", "image_path_field"))
+    right = {"image-text": Need("captions", "text", text_names(f.text), ("text_field",)),
+             "image-label": Need("labels", "text", text_names(f.label), ("label_field",)),
+             "image-image": Need("second images", "image", image_names(True), ("image2_field", "image2_path_field"))}
+    if spec.pair == "text-text":
+        return [Need("texts", "text", text_names(f.text), ("text_field",)),
+                Need("second texts", "text", text_names(f.text2), ("text2_field",))]
+    return [image, right[spec.pair]]
+
+
+def _suggestion(need: Need, found: Found, taken: set[str]) -> str:
+    """What `need` may have meant, among the entries no other field reads (`taken`): one of its
+    kind with a close name (case-blind), else those of its kind, else (none of its kind) one with a
+    close name."""
+    free = [name for name in found.entries if name not in taken]
+    fitting = [name for name in free if found.entries[name] == need.kind]
+
+    def close(names: list[str]) -> list[str]:
+        lowered = {name.lower(): name for name in names}
+        return [lowered[m] for looked in need.names for m in difflib.get_close_matches(looked.lower(), lowered, 1, 0.6)]
+
+    if near := close(fitting) or ([] if fitting else close(free)):
+        return f"did you mean {near[0]!r}?"
+    return f"its {need.kind} {found.noun}s: {', '.join(fitting)}" if fitting else ""
+
+
+def missing_fields_error(found: Found, missing: list[Need], taken: set[str], fits: list[str]) -> ConfigError:
+    """One line naming each missing entry, the setting that names it with what it may have meant
+    (an entry no other field reads: not one of `taken`), what the shard holds, and the pair kinds
+    its entries fit."""
+    parts = []
+    for need in missing:
+        names = " or ".join(repr(n) for n in need.names[:4])
+        setting = f"`{need.fields[0]}`" + (f", or `{need.fields[1]}` for paths" if len(need.fields) > 1 else "")
+        hint = _suggestion(need, found, taken)
+        parts.append(f"no {found.noun} {names} for the {need.what} (name it with {setting}"
+                     + (f"; {hint})" if hint else ")"))
+    held = f"its {found.noun}s: {', '.join(found.entries)}"
+    fit = f"; they hold {' or '.join(fits)} pairs (`pair` {fits[0]})" if fits else ""
+    fields = [f for need in missing for f in need.fields] + (["pair"] if fits else [])
+    return ConfigError(f"{found.where} has {' and '.join(parts)}; {held}{fit}", *dict.fromkeys(fields))
 
 
 class InputFormat(ABC):
@@ -166,3 +237,31 @@ class InputFormat(ABC):
         """More of the announcement (what the files hold); it reads only what it guards, since a
         broken file is a failed unit when it is read, never a crash of the announcement."""
         return ""
+
+    # -- the fields, checked before a run ------------------------------------------------------
+
+    def found(self) -> Found | None:
+        """What the first shard holds, read cheaply (a schema, a few member headers); None when the
+        format cannot tell, or the shard is not a local file (a run reports it when it reads it)."""
+        return None
+
+    def reads(self, spec: DatasetSpec) -> list[Need]:
+        """What `spec`'s pair kind reads, in this format's names (`needs_of`)."""
+        return []
+
+    def check_fields(self) -> None:
+        """Refuse, before a model is built, a dataset whose first shard holds nothing that one of
+        the pair kind's fields names: one line naming the setting, what the shard holds, and the
+        pair kinds it fits (`missing_fields_error`)."""
+        found = self.found()
+        if found is None:
+            return
+        reads = self.reads(self.spec)
+        missing = [need for need in reads if not any(n in found.entries for n in need.names)]
+        if not missing:
+            return
+        taken = {n for need in reads if need not in missing for n in need.names} | {self.spec.fields.key}
+        fits = [kind for kind in PAIR_KINDS if kind != self.spec.pair and all(
+            any(n in found.entries for n in need.names)
+            for need in self.reads(replace(self.spec, pair=kind, fields=Fields().resolved(self.field_defaults))))]
+        raise missing_fields_error(found, missing, taken, fits)

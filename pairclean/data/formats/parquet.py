@@ -8,11 +8,22 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pairclean.data.formats.base import Claim, InputFormat, register_format
+import pyarrow as pa
+
+from pairclean.data.formats.base import Claim, Found, InputFormat, Need, needs_of, register_format
 from pairclean.data.reading.inputs import parquet_file
 from pairclean.data.reading.parquet import parquet_keys, parquet_pairs, positional_key, row_group_rows, row_groups
+from pairclean.data.spec import DatasetSpec
 from pairclean.data.units import Unit
 from pairclean.errors import UserError
+from pairclean.ops.urls import is_local
+
+
+def _kind(dtype: pa.DataType) -> str:
+    """What a column can hold: image (bytes, or a struct such as Hugging Face's Image), text, other."""
+    if pa.types.is_binary(dtype) or pa.types.is_large_binary(dtype) or pa.types.is_struct(dtype):
+        return "image"
+    return "text" if pa.types.is_string(dtype) or pa.types.is_large_string(dtype) else "other"
 
 
 @register_format
@@ -52,6 +63,23 @@ class ParquetFormat(InputFormat):
         if present:
             return super().describe_key()
         return f"file/row ({positional_key(shards[0], 0)}, {positional_key(shards[0], 1)}, ...: no {key!r} column)"
+
+    def found(self) -> Found | None:
+        """The first file's columns and what each can hold (a string column of paths counts as an
+        image column for `image_path`)."""
+        first = self.spec.shards[0] if self.spec.shards else None
+        if first is None or not is_local(first):
+            return None
+        try:
+            schema = parquet_file(first).schema_arrow
+        except Exception:  # pyarrow or the OS: the run's unit names the failure when it reads the file
+            return None
+        return Found(Path(first).name, "column", {f.name: _kind(f.type) for f in schema})
+
+    def reads(self, spec: DatasetSpec) -> list[Need]:
+        f = spec.fields
+        return needs_of(spec, lambda second: ((f.image2_path or f.image2) if second else (f.image_path or f.image),),
+                     lambda value: (value,))
 
     def count(self, unit: str) -> int:
         return row_group_rows(unit)

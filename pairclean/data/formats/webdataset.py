@@ -6,11 +6,17 @@ Read with the tar stages (`data.reading.tar`): one member-skip rule, one groupin
 
 from __future__ import annotations
 
-from pairclean.data.formats.base import Claim, InputFormat, register_format
+from itertools import islice
+from pathlib import Path
+
+from pairclean.data.formats.base import Claim, Found, InputFormat, Need, needs_of, register_format
 from pairclean.data.reading.tar import list_samples, sample_key, tar_pairs
-from pairclean.data.spec import UnitFailure
+from pairclean.data.spec import DatasetSpec, UnitFailure
+from pairclean.ops.urls import is_local
 
 TAR_SUFFIXES = (".tar", ".tar.gz", ".tgz")
+FIRST_SAMPLES = 16  # samples of the first shard whose members `found` lists
+IMAGE_SUFFIXES = ("jpg", "jpeg", "png", "webp", "gif", "bmp", "tif", "tiff")
 
 
 def is_tar(path: str) -> bool:
@@ -42,6 +48,27 @@ class WebDatasetFormat(InputFormat):
 
     def count(self, unit: str) -> int:
         return sum(1 for _ in list_samples(unit, lambda failure: None, self.spec.allow_pipe))
+
+    def found(self) -> Found | None:
+        """The member suffixes of the first shard's first samples (headers only), each an image
+        or text member by its suffix."""
+        first = self.spec.shards[0] if self.spec.shards else None
+        if first is None or not is_local(first):
+            return None
+        seen = {suffix.lower() for s in islice(list_samples(first, lambda failure: None), FIRST_SAMPLES)
+                for suffix in s.members}
+        if not seen:  # empty or unreadable: the run says so when it reads the shard
+            return None
+        kinds = {suffix: "image" if suffix.rstrip("0123456789") in IMAGE_SUFFIXES else "text" for suffix in sorted(seen)}
+        return Found(f"{Path(first).name} (its first {FIRST_SAMPLES} samples)", "member", kinds)
+
+    def reads(self, spec: DatasetSpec) -> list[Need]:
+        f = spec.fields
+
+        def texts(value: str) -> tuple[str, ...]:  # a caption may stand in the json member
+            return (value.lower(), "json") if value == f.text and f.json_text_key else (value.lower(),)
+
+        return needs_of(spec, lambda second: tuple(e.lower() for e in f.image_candidates(second)), texts)
 
     def key_members(self) -> tuple[str, ...]:
         """The members whose bytes a key is read from (the json member, when the key is one of its keys)."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pyarrow.parquet as pq
 import webdataset as wds
 
+from pairclean.ops.extras import PROTOCOL_EXTRAS, optional
 from pairclean.errors import UserError
 from pairclean.ops.urls import is_local, not_regular
 
@@ -28,6 +29,8 @@ def check_protocols(urls: list[str]) -> None:
     import fsspec
 
     for protocol in sorted({url.split("://", 1)[0] for url in urls if not is_local(url) and "://" in url}):
+        if protocol in PROTOCOL_EXTRAS:
+            optional(*PROTOCOL_EXTRAS[protocol])
         try:
             fsspec.get_filesystem_class(protocol)
         except (ImportError, ValueError) as exc:
