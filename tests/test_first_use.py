@@ -237,7 +237,8 @@ def test_score_help_leads_with_what_a_user_needs_first(capsys):
     """Before: 142 lines in one list, --from-embeddings last, after --help."""
     code, out, _ = run_cli(["score", "--help"], capsys)
     assert _sections(out) == ["Arguments", "Modes", "What to score, with which model, into what",
-                              "Decisions: beta, the rules, the weights", "Performance", "Reading the data (where detection needs help)",
+                              "Decisions: beta, the rules, the weights", "Performance", "Past one machine: a Ray cluster",
+                              "Reading the data (where detection needs help)",
                               "Embeddings for dedup and rescoring", "Other options"]
     flags = re.findall(r"^  (?:-o, )?(--[a-z0-9-]+)", out, re.MULTILINE)
     assert flags[:5] == ["--from-embeddings", "--out", "--pair", "--model", "--pretrained"]

@@ -18,7 +18,7 @@ from helpers import run_cli
 
 from conventions import sources
 
-ANSI = re.compile(r"\x1b\[[0-9;]*m")
+ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")  # colour codes and cursor controls: nothing a person sees
 
 
 @pytest.fixture
