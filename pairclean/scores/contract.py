@@ -19,6 +19,7 @@ from typing import Iterable
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from pairclean.config import COSINE, COSINE_STD, COUNT, setting
 from pairclean.core.mixture import FittedMixture
 from pairclean.data.spec import PAIR_KINDS
 from pairclean.data.record import DatasetRecord
@@ -127,9 +128,9 @@ class Provenance(Record):
     world_size: int | None = None
     units_by_rank: dict[str, int] | None = None  # units this run scored, by the torchrun rank that claimed them
     pairclean_version: str | None = None
-    beta: float | None = None
-    beta_std: float | None = None
-    beta_k: int | None = None
+    beta: float | None = setting(None, COSINE)
+    beta_std: float | None = setting(None, COSINE_STD)
+    beta_k: int | None = setting(None, COUNT)
     beta_mode: str | None = None
     beta_source: str | None = None
     weight_fn: str | None = None
@@ -205,9 +206,9 @@ class Summary(Record):
     unit_failures: list[FailedUnit] = field(default_factory=list)
     failed_units: int | None = None
     units: int | None = None
-    beta: float | None = None
-    beta_std: float | None = None
-    beta_k: int | None = None
+    beta: float | None = setting(None, COSINE)
+    beta_std: float | None = setting(None, COSINE_STD)
+    beta_k: int | None = setting(None, COUNT)
     beta_mode: str | None = None
     random_pairing_share: float | None = None  # share of pairs that look like random pairings (not all noise)
     random_pairing_share_low: float | None = None  # its 95% interval
