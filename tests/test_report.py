@@ -128,7 +128,7 @@ def test_text_pairs_show_the_samples_image_as_context(tmp_path, coco_src):
             sink.write({"__key__": f"k{i}", "jpg": img.read_bytes(), "txt": f"first <b>{i}</b> & co",
                         "txt2": f"second {i}"})
     sims = [0.1, -0.3, 0.5, None]
-    provenance = {"pair": "text-text", "beta": 0.0, "beta_std": 0.01, "beta_mode": "fixed", "beta_k": 0,
+    provenance = {"pair": "text-text", "beta": 0.0, "beta_std": 0.01, "beta_mode": "fixed",
                   "gmm": None, "estimator": {"backend": "sentence-transformers", "model": "all-MiniLM-L6-v2"},
                   "input_shards": [str(shard)]}
     schema = SCORES_SCHEMA.with_metadata({METADATA_KEY: json.dumps(provenance).encode()})

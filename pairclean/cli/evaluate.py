@@ -129,6 +129,7 @@ def detection_command(
 ) -> None:
     """Clean kept / noise caught / balanced accuracy / precision per rule in the file and the oracle, ROC-AUC, AP, mean noise rank, ECE of p_clean."""
     from pairclean.ops.guard import open_output
+    from pairclean.scores.contract import recorded_inputs
     from pairclean.scores.db import resolve_truth
     from pairclean.scores.evaluation import evaluate_detection, recorded_truth
 
@@ -136,7 +137,7 @@ def detection_command(
     if not truth_file.is_file():  # said before an existing metrics file is
         raise UserError(f"truth file not found: {truth_file}")
     target = open_output(json_out or scores.with_name(scores.stem + ".detection.json"),
-                         [scores, truth, truth_file], "json", overwrite=overwrite)
+                         [*recorded_inputs(scores), truth, truth_file], "json", overwrite=overwrite)
     result = evaluate_detection(scores, truth_file, truth_key=truth_key)
     for table in detection_tables(result):
         print_table(console, table)

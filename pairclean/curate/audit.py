@@ -27,7 +27,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from pairclean.scores.contract import Provenance, from_embeddings, scored_pairs
+from pairclean.scores.contract import Provenance, from_embeddings, recorded_inputs, scored_pairs
 from pairclean.scores.db import ScoresDB
 from pairclean.scores.stratified import DESIGN_KEY, DESIGN_VERSION, AuditDesign, Stratum, whole_number
 from pairclean.scores.sql import sql_string
@@ -135,7 +135,7 @@ def build_audit(scores: str | Path, shards: list[str] | None, out: str | Path, p
         design, rows = blind_sample(db, pairs, strata, seed) if blind else (None, stratified_sample(db, per_decile, seed))
     if not rows:
         raise UserError(f"{scores} holds no scored pair to audit")
-    target = open_output(out, [scores, *(shards or []), *dataset.input_paths()], overwrite=overwrite)
+    target = open_output(out, [*recorded_inputs(scores), *(shards or []), *dataset.input_paths()], overwrite=overwrite)
     media = fetch_media(dataset, rows, thumb, from_embeddings(prov), scored_pairs(prov), allow_other_dataset)
     shown = ("key", "shard", "index", "stratum") if blind else ("key", "shard", "index", "sim", "decile")
     items = [{name: (round(float(r[name]), 4) if name == "sim" else int(r[name]) if name in ("index", "decile",

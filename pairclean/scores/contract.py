@@ -308,6 +308,17 @@ def read_metadata(scores: str | Path, provenance_type: type[Record] = Provenance
     return provenance_type.from_json(raw, scores), summary
 
 
+def recorded_inputs(scores: str | Path) -> list[str]:
+    """The scores file and the files of the dataset it recorded: what an output of a command that
+    reads the scores alone (query, evaluate) must stay apart from (`ops.guard.open_output`), as
+    the commands that open the dataset again keep theirs apart from `Dataset.input_paths`."""
+    if not Path(scores).is_file():
+        return [str(scores)]  # the command's reading names what is missing
+    provenance = read_metadata(scores)[0]
+    dataset = provenance.dataset if provenance is not None else None
+    return [str(scores), *(dataset.input_paths() if dataset is not None else [])]
+
+
 def run_identity(out: str | Path) -> tuple[str | None, str | None]:
     """(run id, settings digest) of an output a pairclean run wrote (scores or dedup), or (None,
     None): what tells a finished run's output from another (`runs.store.PartStore.finished`)."""
