@@ -147,11 +147,13 @@ class JudgeError:
 @dataclass(frozen=True)
 class Share:
     """A share of noisy pairs in a set the scores file knows (all, a rule's flagged, its kept),
-    before the judge's correction: the estimate and its interval at `z`."""
+    before the judge's correction: the estimate, its interval at `z` and the effective n of that
+    Wilson interval."""
 
     value: float
     low: float
     high: float
+    effective: float
 
 
 def stratified_share(cells: list[Cell], z: float = Z) -> Share | None:
@@ -178,7 +180,7 @@ def stratified_share(cells: list[Cell], z: float = Z) -> Share | None:
         variance += weight * weight * (1 - cell.marked / cell.pairs) * max(spread, centre * (1 - centre)) / marks
     effective = total if variance <= 0 else min(total, max(1.0, adjusted * (1 - adjusted) / variance))
     low, high = wilson(value, effective, z)
-    return Share(value, low, high)
+    return Share(value, low, high, float(effective))
 
 
 def corrected(marked_share: float, error: float) -> float:
@@ -187,15 +189,11 @@ def corrected(marked_share: float, error: float) -> float:
     return float(np.clip((marked_share - error) / (1 - 2 * min(error, MAX_ERROR)), 0.0, 1.0))
 
 
-def estimate(value: float, ends: list[tuple[float, float]], sampled: int, population: int) -> Estimate:
+def estimate(value: float, ends: list[tuple[float, float]], sampled: int, effective: float) -> Estimate:
     """An Estimate from its value and the interval ends found for each error rate the judge's
-    measure allows (the interval is their union), with Kish's effective n of that interval (the
-    simple random sample whose normal interval is as wide), never above the scored pairs."""
-    low, high = min(e[0] for e in ends), max(e[1] for e in ends)
-    half = (high - low) / (2 * Z)
-    centre = min(max(value, 1 / population), 1 - 1 / population)
-    effective = population if half <= 0 else min(population, centre * (1 - centre) / (half * half))
-    return Estimate(value, low, high, float(effective), sampled)
+    measure allows (the interval is their union); `effective`: the effective n of the Wilson
+    interval the ends came from (before the judge's correction widened it)."""
+    return Estimate(value, min(e[0] for e in ends), max(e[1] for e in ends), effective, sampled)
 
 
 @dataclass(frozen=True)
@@ -218,7 +216,6 @@ def audit_figures(stratum: np.ndarray, noisy: np.ndarray, again: list[bool | Non
     twice = [(first, second) for first, second in zip(noisy.tolist(), again) if second is not None]
     judge = JudgeError(len(twice), sum(first != second for first, second in twice))
     errors = judge.rates()
-    population = sum(pairs.values())
     in_stratum = {h: stratum == h for h in pairs}
     fill = {h: Cell(pairs[h], int(rows.sum()), int((rows & noisy).sum())).centre if rows.any() else None
             for h, rows in in_stratum.items()}
@@ -232,7 +229,7 @@ def audit_figures(stratum: np.ndarray, noisy: np.ndarray, again: list[bool | Non
         if found is None or not sampled:
             return NO_ESTIMATE
         return estimate(corrected(found.value, errors[0]),
-                        [(corrected(found.low, e), corrected(found.high, e)) for e in errors], sampled, population)
+                        [(corrected(found.low, e), corrected(found.high, e)) for e in errors], sampled, found.effective)
 
     rules = {}
     wide = float(norm.ppf(0.5 + (1 + CONFIDENCE) / 4))  # each of two shares at 1 - (1 - CONFIDENCE) / 2
@@ -243,7 +240,7 @@ def audit_figures(stratum: np.ndarray, noisy: np.ndarray, again: list[bool | Non
         caught, left = cells(flag, in_flagged), cells(~flag, in_kept)
         rules[name] = {"precision": linear(stratified_share(caught), int(flag.sum())),
                        "recall": _recall(stratified_share(caught, wide), stratified_share(left, wide), n_flagged,
-                                         n_kept, errors, int(noisy.sum()), population,
+                                         n_kept, errors, int(noisy.sum()),
                                          (stratified_share(caught), stratified_share(left))),
                        "noise_left": linear(stratified_share(left), int((~flag).sum()))}
     return AuditFigures(linear(stratified_share(cells(np.ones(len(noisy), dtype=bool), pairs)), len(noisy)), rules,
@@ -251,10 +248,11 @@ def audit_figures(stratum: np.ndarray, noisy: np.ndarray, again: list[bool | Non
 
 
 def _recall(caught: Share | None, left: Share | None, flagged: int, kept: int, errors: np.ndarray, sampled: int,
-            population: int, point: tuple[Share | None, Share | None]) -> Estimate:
+            point: tuple[Share | None, Share | None]) -> Estimate:
     """Noisy flagged pairs over all noisy pairs, flagged * s_f / (flagged * s_f + kept * s_k): its
     interval from the two shares' (each at the wider level: together they hold at CONFIDENCE),
-    the highest share flagged with the lowest kept and the reverse, at every error rate."""
+    the highest share flagged with the lowest kept and the reverse, at every error rate; its
+    effective n the smaller of the two shares'."""
     if not sampled or (caught is None and flagged) or (left is None and kept):
         return NO_ESTIMATE
 
@@ -262,10 +260,11 @@ def _recall(caught: Share | None, left: Share | None, flagged: int, kept: int, e
         found, missed = flagged * corrected(s_f, e) if flagged else 0.0, kept * corrected(s_k, e) if kept else 0.0
         return found / (found + missed) if found + missed > 0 else 0.0
 
-    f, k = caught or Share(0, 0, 0), left or Share(0, 0, 0)
+    f, k = caught or Share(0, 0, 0, 0), left or Share(0, 0, 0, 0)
     pf, pk = point[0] or f, point[1] or k
+    effective = min(s.effective for s in (caught, left) if s is not None)
     return estimate(ratio(pf.value, pk.value, errors[0]),
-                    [(ratio(f.low, k.high, e), ratio(f.high, k.low, e)) for e in errors], sampled, population)
+                    [(ratio(f.low, k.high, e), ratio(f.high, k.low, e)) for e in errors], sampled, effective)
 
 
 # ---------------------------------------------------------------- the design a blind audit records
