@@ -131,7 +131,6 @@ def mixture_separation(mixture: FittedMixture, null_sample=None, sample=None) ->
             error = np.sqrt(data * (1 - data) / len(values) + chance * (1 - chance) / len(null))
             measures.update(clean_share=data, null_clean_share=chance)
             if data - chance <= CHANCE_Z * max(error, 1e-12):
-                return measures, (f"it calls {100 * data:.1f}% of the pairs clean and {100 * chance:.1f}% of random "
-                                  "pairings of the same data: the estimator tells a pair from a random pairing no "
-                                  "better than chance")
+                return measures, (f"at chance: clean {100 * data:.1f}% of pairs vs {100 * chance:.1f}% of random "
+                                  "pairings")
     return measures, None
