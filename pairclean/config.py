@@ -84,6 +84,8 @@ FINITE = Bounds()  # any finite number
 SEED = within(0, 2**32 - 1)  # what numpy, torch and Python's random all accept
 COUNT = at_least(1)
 SHARE = within(0, 1)
+COSINE = within(-1, 1)  # a cosine, and the cone bias beta (a mean of cosines)
+COSINE_STD = within(0, 1)  # the spread of cosines (beta's std)
 
 
 @dataclass(frozen=True)

@@ -55,7 +55,7 @@ def abstaining_shards(tmp_path, coco_shards, capsys, monkeypatch):
     import pairclean.core.mixture as mixture
 
     shards = Path(shutil.copytree(coco_shards, tmp_path / "shards"))
-    monkeypatch.setattr(mixture, "mixture_separation", lambda m, null=None: ({}, "forced by the test"))
+    monkeypatch.setattr(mixture, "mixture_separation", lambda m, null=None, sample=None: ({}, "forced by the test"))
     scores = tmp_path / "scores.parquet"
     assert run_cli(["score", shards, "--model", "pairclean-tiny", "--pretrained", "none", "--beta-k", "64",
                     "--workers", "0", "--out", scores], capsys)[0] == 0
@@ -161,3 +161,36 @@ def test_evaluate_detection_replaces_its_metrics_only_with_overwrite(abstaining,
     assert code == 2 and "exists; pass --overwrite to replace it" in err and metrics.read_text() == "{}"
     code, _, err = run_cli(["evaluate", "detection", scores, "--truth", truth, "--overwrite"], capsys)
     assert code == 0 and json.loads(metrics.read_text())["rules"]
+
+
+def test_the_gmm_abstains_on_an_estimator_at_chance(tmp_path, capsys):
+    """Issue 55: image-label toy pairs scored by a random model (ROC-AUC about 0.5): the mixture
+    split the similarities' own modes and the GMM rule flagged 83% of the pairs (41% in the
+    issue's run); the null model (random pairings of the same data) says its clean calls are no
+    more frequent among the pairs than among random pairings, and it abstains."""
+    pairs = tmp_path / "pairs"
+    assert run_cli(["synth", "toy-pairs", "image-label", "--out", pairs, "--pairs", "400", "--noise", "0.3"],
+                   capsys)[0] == 0
+    code, out, err = run_cli(["score", pairs, "--out", tmp_path / "s.parquet", "--model", "pairclean-tiny",
+                              "--pretrained", "none", "--workers", "0"], capsys)
+    assert code == 0, err
+    summary = read_summary(tmp_path / "s.parquet")
+    gmm = next(r for r in summary.rules if r.name == "gmm")
+    assert gmm.abstains and gmm.abstains.startswith("at chance: clean") and gmm.flagged == 0
+    assert "of random pairings" in err
+    assert run_cli(["evaluate", "detection", tmp_path / "s.parquet", "--truth", pairs / "truth" / "truth.parquet",
+                    "--json", tmp_path / "d.json"], capsys)[0] == 0
+    assert 0.35 < json.loads((tmp_path / "d.json").read_text())["roc_auc"] < 0.65  # the estimator is at chance
+
+
+def test_the_mixtures_clean_calls_are_weighed_against_random_pairings():
+    """The check itself: the same mixture decides when random pairings sit in the noisy component
+    and abstains when the scored pairs look like random pairings."""
+    from pairclean.core.mixture import fit_similarity_mixture, mixture_separation
+
+    rng = np.random.default_rng(0)
+    data = np.concatenate([rng.normal(0.1, 0.05, 1000), rng.normal(0.6, 0.05, 1000)])
+    mixture = fit_similarity_mixture(data)
+    assert mixture_separation(mixture, rng.normal(0.1, 0.05, 1000), data)[1] is None
+    measures, why = mixture_separation(mixture, rng.choice(data, 1000), data)  # pairings like the pairs
+    assert why and why.startswith("at chance") and abs(measures["clean_share"] - measures["null_clean_share"]) < 0.1

@@ -95,6 +95,16 @@ class World:
         return directory
 
     @property
+    def scored_here(self) -> Path:
+        """Scores of this world's own shards: the dataset they record is `shards`."""
+        scores = self.root / "scored-here.parquet"
+        if not scores.exists():
+            from helpers import tiny_scores
+
+            tiny_scores(self.shards, scores)
+        return scores
+
+    @property
     def shard(self) -> Path:
         return sorted(self.shards.glob("*.tar"))[0]
 
@@ -189,16 +199,23 @@ CASES = {
     ("report", "--out"): lambda w: [
         (["report", w.scores, "--out", w.scores], "is an input"),
         (["report", w.scores, "--truth", w.truth, "--out", w.truth], "is an input"),
+        (["report", w.scored_here, "--out", w.shards / "r.html"], "inside the input directory"),  # its manifest's
     ],
     ("query", "--out"): lambda w: [
         (["query", w.scores, "SELECT 1", "--format", "csv", "--out", w.scores], "is an input"),
         (["query", w.scores, "--file", w.marks, "--format", "csv", "--out", f"file://{w.marks}"], "is an input"),
+        # issue 55: the dataset the scores recorded is an input too (before: a shard replaced, or a
+        # Parquet written among the shards that the next `score` read as one)
+        (["query", w.scored_here, "SELECT 1", "--format", "parquet", "--out", w.shard, "--overwrite"], "is an input"),
+        (["query", w.scored_here, "SELECT 1", "--format", "parquet", "--out", w.shards / "x.parquet"],
+         "inside the input directory"),
     ],
     ("audit", "--out"): lambda w: [
         (["audit", w.scores, "--shards", w.shards, "--out", w.scores], "is an input"),
         (["audit", w.scores, "--shards", w.shards, "--out", w.shard], "is an input"),
         (["audit", w.scores, "--shards", w.shards, "--out", w.shards / "audit.html"], "inside the input directory"),
         (["audit", w.scores, "--shards", w.shards, "--out", w.run], "is a directory"),  # was IsADirectoryError
+        (["audit", w.scored_here, "--out", w.shards / "audit.html"], "inside the input directory"),
     ],
     ("audit-import", "--out"): lambda w: [
         (["audit-import", w.marks, "--out", w.scores], "exists; pass --overwrite"),  # the scores it replaced
@@ -208,6 +225,9 @@ CASES = {
         (["evaluate", "detection", w.scores, "--truth", w.truth, "--json", w.scores], "is an input"),
         (["evaluate", "detection", w.scores, "--truth", w.truth, "--json", w.truth], "is an input"),
         (["evaluate", "detection", w.scores, "--truth", w.truth, "--json", w.marks], "exists; pass --overwrite"),
+        (["evaluate", "detection", w.scored_here, "--truth", w.truth, "--json", w.shard, "--overwrite"], "is an input"),
+        (["evaluate", "detection", w.scored_here, "--truth", w.truth, "--json", w.shards / "d.json"],
+         "inside the input directory"),
     ],
     ("evaluate retrieval", "--json"): lambda w: [
         (["evaluate", "retrieval", w.shards, "--model", w.run, "--json", w.run / "metrics.json"],

@@ -208,6 +208,20 @@ def test_case_6_filter_refuses_the_scores_of_another_download(two_downloads, tmp
     assert exit_code([*argv, "--allow-other-dataset"]) == 0
 
 
+@pytest.mark.parametrize("method", [["--weights"], ["--filter", "sim IS NOT NULL", "--scores"]],
+                         ids=["weights", "filter"])
+def test_train_refuses_the_scores_of_another_download_as_filter_does(two_downloads, tmp_path, capsys, method):
+    """Issue 55: `train --weights S` and `train --scores S --filter` joined the scores of another
+    copy whose keys collide, exit 0 and no word; `filter` refused the same pair of files."""
+    _, second, scores_first, _ = two_downloads
+    argv = ["train", second, *method, scores_first, "--out", tmp_path / "run", "--model", "pairclean-tiny",
+            "--pretrained", "none", "--epochs", "1", "--batch-size", "8", "--workers", "0"]
+    code, _, err = run_cli(argv, capsys)
+    one_line_error(code, err, "--allow-other-dataset", "00000.tar", "the training shards")
+    assert not (tmp_path / "run" / "weights").exists()
+    assert exit_code([*argv, "--allow-other-dataset"]) == 0
+
+
 # -- outputs of one run --------------------------------------------------------------------------
 
 

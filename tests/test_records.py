@@ -91,7 +91,11 @@ def _scores_with(tmp_path: Path, coco_scores: Path, edit) -> Path:
     (lambda p: p["gmm"].update(n_fit=1.5), "gmm.n_fit"),
     (lambda p: p["estimator"].update(image_size=float("nan")), "estimator.image_size"),
     (lambda p: p["dataset"]["files"][0].update(size=-1), "dataset.files[0].size"),
-], ids=["nan", "string", "unknown", "sources", "pair", "threshold-inf", "n_fit", "estimator-nan", "size"])
+    (lambda p: p.update(beta=1.5), "beta"),  # issue 55: in range, not only of their type
+    (lambda p: p.update(beta_k=0), "beta_k"),
+    (lambda p: p.update(beta_std=-0.1), "beta_std"),
+], ids=["nan", "string", "unknown", "sources", "pair", "threshold-inf", "n_fit", "estimator-nan", "size", "beta-1.5",
+        "beta_k-0", "beta_std-negative"])
 def test_a_provenance_is_read_as_strictly_as_a_flag(tmp_path, coco_scores, capsys, edit, field):
     edited = _scores_with(tmp_path, coco_scores, edit)
     with pytest.raises(RecordError) as error:
@@ -136,6 +140,20 @@ def test_saved_embeddings_provenance_written_now_reads_back(tmp_path, coco_shard
     assert SavedEmbeddings.from_json(json.loads((emb / "provenance.json").read_text()), "again") == saved
     assert saved.dataset.files and sum(b.rows for b in saved.blocks.values()) == saved.rows == 16
     assert not (emb / "unfinished.json").exists()
+
+
+@pytest.mark.parametrize("edit, field", [({"k": 0}, "beta.k"), ({"std": -1.0}, "beta.std"), ({"beta": -7.0}, "beta.beta")])
+def test_a_saved_beta_out_of_range_is_refused(tmp_path, capsys, edit, field):
+    """Issue 55: provenance.json's beta, its K and std are held to their ranges where it is read
+    (before: `k` 0 and `std` -1 were taken, and the beta reused by --from-embeddings)."""
+    saved = Path(shutil.copytree(OLD / "saved-embeddings", tmp_path / "emb"))
+    provenance = json.loads((saved / "provenance.json").read_text())
+    provenance["beta"].update(edit)
+    (saved / "provenance.json").write_text(json.dumps(provenance))
+    code, _, err = run_cli(["score", saved, "--from-embeddings", "--out", tmp_path / "s.parquet"], capsys)
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    assert f"{saved / 'provenance.json'} is not a valid saved-embeddings provenance ({field}: must be" in err
+    assert not (tmp_path / "s.parquet").exists()
 
 
 def test_a_saved_directory_without_its_provenance_is_read_with_a_warning(tmp_path, capsys):

@@ -97,10 +97,20 @@ def test_report_is_self_contained_with_the_querys_pairs(report, coco_scores, coc
     assert "Against the truth labels" in text and "truth: noisy" in text
 
 
-def test_histogram_and_gmm_boundary_agree_with_the_rows(coco_scores, truth):
-    prov = read_provenance(coco_scores)
+def test_histogram_and_gmm_boundary_agree_with_the_rows(tmp_path):
+    # embeddings with random-pairing noise, where the GMM decides (on coco_scores, a random model's, it abstains)
+    from test_decisions import _embeddings
+
+    noisy = _embeddings(tmp_path / "emb")
+    truth = tmp_path / "truth.parquet"
+    pq.write_table(pa.table({"key": [f"k{i}" for i in range(len(noisy))], "noisy": noisy}), truth)
+    scores = tmp_path / "s.parquet"
+    main(["score", str(tmp_path / "emb"), "--from-embeddings", "--out", str(scores), "--beta-mode", "fixed",
+          "--beta", "0.1"])
+    prov = read_provenance(scores)
     mixture = prov.gmm
-    with ScoresDB(coco_scores, truth=truth) as db:
+    assert not next(r for r in prov.rules if r.name == "gmm").abstains
+    with ScoresDB(scores, truth=truth) as db:
         rows = db.con.execute("SELECT sim, gmm_noisy, noisy FROM labeled").fetchall()
         sims = np.array([r[0] for r in rows])
         edges, counts = _histogram(db, "labeled", float(sims.min()), float(sims.max()), 10, split=True)
@@ -128,7 +138,7 @@ def test_text_pairs_show_the_samples_image_as_context(tmp_path, coco_src):
             sink.write({"__key__": f"k{i}", "jpg": img.read_bytes(), "txt": f"first <b>{i}</b> & co",
                         "txt2": f"second {i}"})
     sims = [0.1, -0.3, 0.5, None]
-    provenance = {"pair": "text-text", "beta": 0.0, "beta_std": 0.01, "beta_mode": "fixed", "beta_k": 0,
+    provenance = {"pair": "text-text", "beta": 0.0, "beta_std": 0.01, "beta_mode": "fixed",
                   "gmm": None, "estimator": {"backend": "sentence-transformers", "model": "all-MiniLM-L6-v2"},
                   "input_shards": [str(shard)]}
     schema = SCORES_SCHEMA.with_metadata({METADATA_KEY: json.dumps(provenance).encode()})

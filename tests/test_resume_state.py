@@ -59,6 +59,10 @@ CASES = {
     "units: numbers": ("units.json", lambda p: [1, 2]),
     "beta: a string": ("beta.json", lambda p: {"mode": "random-inputs", "beta": "0.2"}),
     "beta: infinite": ("beta.json", lambda p: {"mode": "random-inputs", "beta": float("inf")}),
+    # issue 55: in range, not only of their type (before: accepted, the scores written with them)
+    "beta: above 1": ("beta.json", lambda p: {"mode": "random-inputs", "beta": 3.0, "std": 0.1, "k": 64}),
+    "beta: k 0": ("beta.json", lambda p: {"mode": "random-inputs", "beta": 0.2, "std": 0.1, "k": 0}),
+    "beta: std negative": ("beta.json", lambda p: {"mode": "random-inputs", "beta": 0.2, "std": -0.5, "k": 64}),
     "settings: a list": ("settings.json", lambda p: []),
     "run: a list": ("run.json", lambda p: [1]),
 }

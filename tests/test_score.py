@@ -52,7 +52,7 @@ def test_derived_columns_follow_the_scorer(coco_shards, fast_config, tmp_path):
         assert r["weight"] == pytest.approx(max(s_tilde, 0) ** 2 * (1 - max(s_tilde, 0)), abs=1e-6)
         assert r["weight_norm"] == pytest.approx(min(r["weight"] / (4 / 27), 1.0), abs=1e-5)
         assert r["osa_noisy"] == (s_tilde <= 0)
-        assert r["gmm_noisy"] == (r["p_clean"] < 0.5)
+        assert r["gmm_noisy"] == (r["p_clean"] is not None and r["p_clean"] < 0.5)  # NULL: the rule abstains
     assert prov.estimator["model"] == "pairclean-tiny" and prov.weight_fn == "cubic"
     assert prov.beta_k == 64 and prov.beta_std > 0 and prov.seed == 0
     manifest = json.loads(run_manifest_path(out).read_text())

@@ -186,8 +186,12 @@ def test_osa_weights_are_joined_per_shard_and_index(tmp_path, coco_shards, score
 
 def test_key_join_after_resharding(tmp_path, coco_src, scores):
     resharded = tmp_path / "resharded"
-    build_shards(coco_src, resharded, shard_size=5)  # other shard names and positions, same keys
-    cfg = tiny(method="osa-weights", method_options={"scores": str(scores), "column": "weight"})
+    build_shards(coco_src, resharded, shard_size=5)  # other positions, same keys, the scored shards' file names
+    # other files under the names the scores recorded: refused as filter refuses them, unless taken on purpose
+    with pytest.raises(UserError, match="records another dataset than the training shards"):
+        train(str(resharded), tmp_path / "refused", tiny(method="osa-weights", method_options={"scores": str(scores)}))
+    cfg = tiny(method="osa-weights", method_options={"scores": str(scores), "column": "weight",
+                                                     "allow_other_dataset": True})
     train(str(resharded), tmp_path / "run", cfg)
     expected = {r["key"]: r["weight"] for r in pq.read_table(scores).to_pylist()}
     diag = _diagnostics(tmp_path / "run")
@@ -204,7 +208,9 @@ def test_filter_may_name_key_and_shard_in_either_join(tmp_path, coco_src, scores
     resharded = tmp_path / "resharded"
     build_shards(coco_src, resharded, shard_size=5)
     for name, data in (("by-key", resharded), ("by-shard", Path(first["shard"]).parent)):
-        cfg = tiny(method="filter", method_options={"scores": str(scores), "filter": predicate})
+        # resharded under the scored shards' names: other files than the scores recorded, taken on purpose
+        cfg = tiny(method="filter", method_options={"scores": str(scores), "filter": predicate,
+                                                    "allow_other_dataset": name == "by-key"})
         result = train(str(data), tmp_path / name, cfg)
         assert result.epochs[0]["pairs"] == 15 and first["key"] not in {r["key"] for r in _diagnostics(tmp_path / name)}
 

@@ -25,10 +25,10 @@ def _layers(names, prefix: str) -> int:
 
 def state_signature(state: dict) -> dict | None:
     """The architecture numbers of a standard open_clip CLIP state dict, None for any other."""
-    needed = ("visual.conv1.weight", "visual.positional_embedding", "positional_embedding", "token_embedding.weight",
-              "text_projection")
-    if not all(name in state for name in needed):
-        return None
+    dims = {"visual.conv1.weight": 4, "visual.positional_embedding": 2, "positional_embedding": 2,
+            "token_embedding.weight": 2, "text_projection": 2}  # each tensor read and its dimensions
+    if any(name not in state or len(getattr(state[name], "shape", ())) != ndim for name, ndim in dims.items()):
+        return None  # missing, or a scalar or a vector where a matrix belongs: no architecture to name
     conv = state["visual.conv1.weight"].shape  # (width, 3, patch, patch)
     grid = round((state["visual.positional_embedding"].shape[0] - 1) ** 0.5)
     return {"embed_dim": int(state["text_projection"].shape[1]), "vision_width": int(conv[0]),

@@ -27,6 +27,9 @@ def audit_command(
                                                       "decile; evaluate detection weights the marks back to the whole "
                                                       "dataset, with 95% intervals."),
     pairs: int = typer.Option(200, help="--blind: pairs to draw (spread evenly over the strata)."),
+    repeat: float = typer.Option(0.2, help="--blind: share of the drawn pairs shown a second time at another random "
+                                           "place, unannounced: the two marks measure the judge, and evaluate "
+                                           "detection widens its intervals for the errors they show (0: none)."),
     strata: int = typer.Option(10, help="--blind: sim ranges holding about equally many pairs, drawn from alike."),
     per_decile: int = typer.Option(10, help="Without --blind: pairs drawn from each similarity decile (shown lowest "
                                             "first, with their similarity)."),
@@ -40,7 +43,7 @@ def audit_command(
 
     n = build_audit(scores, shards, out, per_decile=per_decile, seed=seed, fields=dataset.given_fields(),
                     overwrite=overwrite, allow_other_dataset=allow_other_dataset, blind=blind,
-                    pairs=pairs, strata=strata, **dataset.options())
+                    pairs=pairs, strata=strata, repeat=repeat, **dataset.options())
     drawn = f"drawn at random within {strata} sim strata, in random order, no scores shown" if blind else \
         f"{per_decile} per similarity decile"
     console.print(f"{n:,} pairs ({drawn}) -> {out}; mark them with k / d, export, then `pairclean audit-import "
@@ -48,7 +51,20 @@ def audit_command(
                   soft_wrap=True)
 
 
-@app.command("audit-import")
+MARKS_SCHEMA = """marks.json, what the audit page exports. The decile page's: a JSON list of marks,
+{"key": str, "shard": str, "index": int >= 0, "mark": "keep" or "drop"} (drop: the pair is
+noisy). The blind page's: {"audit": "blind", "design": {...}, "marks": [...]}, whose marks also
+carry "stratum" (1.. of the design) and "look" (1, or 2 for the second look at a pair the page
+showed twice, unannounced), and whose design is {"version": 1, "seed": int, "scores": the scores
+file's name, "scored_pairs": int, "repeated": pairs shown twice, "strata": [{"stratum": 1..,
+"sim_above": number or null, "sim_at_most": number or null, "pairs": N_h, "drawn": n_h}]}, each
+stratum's sim range starting where the one before ends. A pair left unmarked is left out. Any other
+field, type or value is refused in one line naming the entry. The truth Parquet: key, shard,
+index, noisy (and for a blind audit stratum and noisy_again, the second look's mark, with the
+design in the file's metadata)."""
+
+
+@app.command("audit-import", epilog=MARKS_SCHEMA)
 def audit_import_command(
     marks: Path = typer.Argument(..., help="The JSON the audit page exported."),
     out: Path = typer.Option(..., "--out", "-o", help="Truth Parquet for `evaluate detection --truth`."),
@@ -57,7 +73,22 @@ def audit_import_command(
     """Turn the audit page's exported marks into a truth Parquet (noisy = marked drop)."""
     from pairclean.curate.audit import import_marks
 
-    n, design = import_marks(marks, out, overwrite=overwrite)
+    imported = import_marks(marks, out, overwrite=overwrite)
+    design, judge = imported.design, imported.judge
     strata = f" (a blind audit: {len(design.strata)} strata of {design.scored_pairs:,} scored pairs, kept with " \
              "the marks)" if design else ""
-    console.print(f"{n:,} marks -> {out}{strata}", soft_wrap=True)
+    console.print(f"{imported.marked:,} marks -> {out}{strata}", soft_wrap=True)
+    if design is not None:
+        console.print(judge_line(judge.as_dict(), design.repeated), soft_wrap=True)
+
+
+def judge_line(judge: dict, repeated: int | None) -> str:
+    """What the pairs shown twice say of the judge, in one line (audit-import and evaluate)."""
+    if not judge["repeated"]:
+        shown = f"{repeated:,} pairs were shown twice but none was marked on both looks" if repeated else \
+            "no pair was shown twice"
+        return f"judge not measured ({shown}): the intervals take every mark as right"
+    e = judge["error_rate"]
+    return (f"judge: {judge['repeated']:,} pairs marked on both looks, {judge['disagreed']:,} differently "
+            f"(agreement {100 * judge['agreement']:.1f}%): an error rate of about {100 * e['value']:.1f}% "
+            f"[{100 * e['low']:.1f}, {100 * e['high']:.1f}], which the intervals account for")

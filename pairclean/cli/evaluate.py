@@ -55,10 +55,13 @@ def audit_tables(audit: dict):
             return "n/a (none marked)"
         return f"{100 * estimate['value']:.1f} [{100 * estimate['low']:.1f}, {100 * estimate['high']:.1f}]"
 
-    pairs = audit["scored_pairs"]
+    pairs, unmarked = audit["scored_pairs"], audit["unmarked_strata"]
+    strata = audit["design"]["strata"]
+    gaps = "" if not unmarked else (
+        f"; no mark in stratum {', '.join(map(str, unmarked))} ({sum(strata[h - 1]['pairs'] for h in unmarked):,} "
+        "pairs: their noise is unknown, taken at the pooled share as if one of them were marked)")
     table = Table(title=f"blind audit: {audit['marked']:,} marked pairs weighted to all {pairs:,} scored pairs "
-                        f"({len(audit['design']['strata'])} sim strata); % [{audit['confidence']:.0%} interval: Wilson at "
-                        "Kish's effective n]")
+                        f"({len(strata)} sim strata{gaps}); % [{audit['confidence']:.0%} interval]")
     for name, justify in (("rule", "left"), ("noisy if", "left"), ("flagged\n% of pairs", "right"),
                           ("precision\n%", "right"), ("recall\n%", "right"), ("noise left\nin kept %", "right")):
         table.add_column(name, justify=justify, no_wrap=True)
@@ -74,6 +77,14 @@ def audit_tables(audit: dict):
         summary.add_row("noisy pairs (estimate)", f"{noise['value'] * pairs:,.0f} [{noise['low'] * pairs:,.0f}, "
                                                   f"{noise['high'] * pairs:,.0f}]")
     return table, summary
+
+
+def audit_notes(audit: dict) -> list[str]:
+    """What a blind audit's intervals rest on, in lines: the judge as the repeats measure it, and
+    what the intervals cover and do not."""
+    from pairclean.cli.audit import judge_line
+
+    return [judge_line(audit["judge"], audit["design"].get("repeated")), f"{audit['covers']}."]
 
 
 def detection_tables(result: dict):
@@ -131,6 +142,7 @@ def detection_command(
 ) -> None:
     """Clean kept / noise caught / balanced accuracy / precision per rule in the file and the oracle, ROC-AUC, AP, mean noise rank, ECE of p_clean."""
     from pairclean.ops.guard import open_output
+    from pairclean.scores.contract import recorded_inputs
     from pairclean.scores.db import resolve_truth
     from pairclean.scores.evaluation import evaluate_detection, recorded_truth
 
@@ -138,10 +150,12 @@ def detection_command(
     if not truth_file.is_file():  # said before an existing metrics file is
         raise UserError(f"truth file not found: {truth_file}")
     target = open_output(json_out or scores.with_name(f"{scores.stem}.detection.{truth_file.stem}.json"),
-                         [scores, truth, truth_file], "json", overwrite=overwrite)
+                         [*recorded_inputs(scores), truth, truth_file], "json", overwrite=overwrite)
     result = evaluate_detection(scores, truth_file, truth_key=truth_key)
     for table in detection_tables(result):
         print_table(console, table)
+    for line in audit_notes(result["audit"]) if "audit" in result else []:
+        console.print(line, soft_wrap=True)
     target.write_json(result)
     console.print(f"metrics written to {target.path}")
 

@@ -91,6 +91,7 @@ def query_command(
     overwrite: bool = typer.Option(False, help="Replace an existing output file."),
 ) -> None:
     """Run SQL through DuckDB over the scores: `pairclean query scores.parquet "SELECT ..."`."""
+    from pairclean.scores.contract import recorded_inputs
     from pairclean.scores.evaluation import recorded_truth
 
     if truth is None and (recorded := recorded_truth(scores, required=False)) is not None and recorded.is_file():
@@ -104,7 +105,7 @@ def query_command(
     if (sql is None) == (file is None):
         raise UserError("give the SQL as an argument or with --file, not both")
     tables = parse_attachments(attach, check_name=check_attach_name)
-    target = open_output(out, [scores, truth, file, *(f for files in tables.values() for f in files)],
+    target = open_output(out, [*recorded_inputs(scores), truth, file, *(f for files in tables.values() for f in files)],
                          overwrite=overwrite) if out is not None else None  # before anything is read
     if file is not None:
         if not file.exists() or file.is_dir():

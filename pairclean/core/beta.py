@@ -19,7 +19,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from pairclean.config import check_choice
+from pairclean.config import COSINE, COSINE_STD, COUNT, check_choice, setting
 from pairclean.errors import ConfigError
 from pairclean.ops.progress import SILENT, Progress
 from pairclean.ops.records import JsonObject
@@ -31,10 +31,13 @@ RANDOM_INPUTS_VERSION = 2  # how the random inputs are drawn: 1 drew them batch 
 
 @dataclass
 class BetaEstimate:
+    """The cone bias and how it was measured; read back (a resumed run's beta.json, the beta
+    cache) by `ops.records.convert`, which holds each number to its declared range."""
+
     mode: str
-    beta: float
-    std: float | None
-    k: int | None
+    beta: float = setting(bounds=COSINE)
+    std: float | None = setting(bounds=COSINE_STD)
+    k: int | None = setting(bounds=COUNT)
     seed: int | None = None
 
     def as_dict(self) -> JsonObject:

@@ -94,16 +94,21 @@ def clean_posterior(values, n_components: int = 2, higher_is_clean: bool = True,
 
 ASHMAN_D_MIN = 2.0  # Ashman's D above 2: the two components are separated (Ashman et al. 1994)
 NULL_DISTANCE_MAX = 1.0  # the noisy component's mean within this many null standard deviations of the null mean
+CHANCE_Z = 3.0  # the pairs called clean must outnumber the random pairings called clean by this many standard errors
 
 
-def mixture_separation(mixture: FittedMixture, null_sample=None) -> tuple[JsonObject, str | None]:
+def mixture_separation(mixture: FittedMixture, null_sample=None, sample=None) -> tuple[JsonObject, str | None]:
     """Does the mixture separate noise from clean pairs? (measures, None or why it does not).
 
-    Two checks: Ashman's D = sqrt(2) |mu1 - mu2| / sqrt(var1 + var2) >= 2 (otherwise the data is
+    Three checks: Ashman's D = sqrt(2) |mu1 - mu2| / sqrt(var1 + var2) >= 2 (otherwise the data is
     one hump the mixture cut in two); and, when there is a null sample (in-data pairs that do not
-    belong together), the noisy component must sit where random pairings sit: its mean within one
+    belong together): the noisy component must sit where random pairings sit, its mean within one
     null standard deviation of the null mean (otherwise it split the clean pairs, e.g. when the
-    noise is captions of similar items, or when there is hardly any noise)."""
+    noise is captions of similar items, or when there is hardly any noise); and the mixture must
+    call clean more of the scored pairs (`sample`) than of the random pairings, by CHANCE_Z
+    standard errors (otherwise the estimator tells a pair from a random pairing no better than
+    chance, as a random model on image-label pairs does, where the similarities have modes of
+    their own that the mixture splits)."""
     clean = mixture.clean_component
     noisy = 1 - clean
     means, variances = np.asarray(mixture.means), np.asarray(mixture.variances)
@@ -121,4 +126,13 @@ def mixture_separation(mixture: FittedMixture, null_sample=None) -> tuple[JsonOb
         if abs(distance) > NULL_DISTANCE_MAX:
             return measures, (f"the noisy component (mean {measures['noisy_mean']:.3f}) is {distance:+.1f} null sd from "
                               f"random pairings (mean {measures['null_mean']:.3f}): it split pairs that are not random noise")
+        values = np.asarray(sample if sample is not None else [], dtype=np.float64)
+        values = values[np.isfinite(values)]
+        if len(values):
+            data, chance = float((mixture.p_clean(values) >= 0.5).mean()), float((mixture.p_clean(null) >= 0.5).mean())
+            error = np.sqrt(data * (1 - data) / len(values) + chance * (1 - chance) / len(null))
+            measures.update(clean_share=data, null_clean_share=chance)
+            if data - chance <= CHANCE_Z * max(error, 1e-12):
+                return measures, (f"at chance: clean {100 * data:.1f}% of pairs vs {100 * chance:.1f}% of random "
+                                  "pairings")
     return measures, None

@@ -20,7 +20,7 @@ import stat
 from dataclasses import dataclass, field
 from typing import Iterable, Iterator
 
-from pairclean.data.spec import PAIR_KINDS, Fields
+from pairclean.data.spec import MANIFEST_NAME, PAIR_KINDS, Fields
 from pairclean.errors import ConfigError
 from pairclean.ops.records import Keyed, Record
 from pairclean.ops.urls import is_local
@@ -106,6 +106,16 @@ class DatasetRecord(Record):
         for name in self.fields:
             if name not in known:
                 yield f"fields.{name}", "unknown field"
+
+    def input_paths(self) -> list[str]:
+        """What an output must stay apart from (`ops.guard`) when the dataset is not opened again
+        (`Dataset.input_paths` when it is): the sources named (a directory holding its manifest as
+        well: what the user named), every file read, the truth file and, for embeddings, the pairs
+        they describe."""
+        folders = [os.path.dirname(s) for s in self.sources if os.path.basename(s) == MANIFEST_NAME]
+        return list(dict.fromkeys([*folders, *self.sources, *(f.path for f in self.files or ()),
+                                   *filter(None, [self.truth]),
+                                   *(self.pairs.input_paths() if self.pairs is not None else [])]))
 
     def conflict(self, other: "DatasetRecord | None") -> str | None:
         """How the files of two recorded datasets disagree (None: no file of one name differs,

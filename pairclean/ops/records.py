@@ -13,9 +13,11 @@ The types come from the dataclass annotations: `str`, `int` (never a bool), `flo
 is taken; finite), `bool`, `None`, unions (`X | None`), `list[T]`, `dict[str, T]`, any
 dataclass (recursively: a record's fields, or a plain dataclass such as
 `core.mixture.FittedMixture`), and `Json` or a bare `dict` (any JSON value with finite numbers:
-the open maps a registry fills, e.g. an encoder backend's own provenance). A record may also
-check values against their range or each other (`problems`) and read an older shape of itself
-(`upgraded`).
+the open maps a registry fills, e.g. an encoder backend's own provenance). A number's range
+is declared at its field as a setting's is (`config.setting(default, bounds)`: beta within
+[-1, 1], its K at least 1) and checked here, for every record and plain dataclass read, in
+one place; a record may also check values against each other (`problems`) and read an older
+shape of itself (`upgraded`).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any, ClassVar, Union
 
+from pairclean.config import Declared, declarations
 from pairclean.errors import UserError
 
 Json = Any  # any JSON value whose numbers are finite (an open map: its keys are not known here)
@@ -77,6 +80,11 @@ def _join(path: str, name) -> str:
 @cache
 def _hints(cls: type) -> Keyed[str, Any]:
     return typing.get_type_hints(cls)
+
+
+@cache
+def _declared(cls: type) -> dict[str, Declared]:
+    return declarations(cls)
 
 
 def _finite_json(value, path: str):
@@ -159,6 +167,9 @@ def _from_fields(cls: type, value, path: str):
             given[name] = convert(value[name], hints[name], _join(path, name))
         elif field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING:
             raise Problem(_join(path, name), "missing")
+    for name, declared in _declared(cls).items():  # a field declared with `config.setting(default, bounds)`
+        if given.get(name) is not None and not declared.bounds.holds(given[name]):
+            raise Problem(_join(path, name), f"must be {declared.bounds.describe()}, got {_shown(given[name])}")
     record = cls(**given)
     if isinstance(record, Record):
         for field, problem in record.problems():

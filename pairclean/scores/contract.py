@@ -19,6 +19,7 @@ from typing import Iterable
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from pairclean.config import COSINE, COSINE_STD, COUNT, setting
 from pairclean.core.mixture import FittedMixture
 from pairclean.data.spec import PAIR_KINDS
 from pairclean.data.record import DatasetRecord
@@ -131,9 +132,9 @@ class Provenance(Record):
     units_by_node: dict[str, int] | None = None  # units this run scored, by the Ray node that scored them
     workers_lost: int | None = None  # ray: workers lost mid-run (their groups were handed to others)
     pairclean_version: str | None = None
-    beta: float | None = None
-    beta_std: float | None = None
-    beta_k: int | None = None
+    beta: float | None = setting(None, COSINE)
+    beta_std: float | None = setting(None, COSINE_STD)
+    beta_k: int | None = setting(None, COUNT)
     beta_mode: str | None = None
     beta_source: str | None = None
     weight_fn: str | None = None
@@ -209,9 +210,9 @@ class Summary(Record):
     unit_failures: list[FailedUnit] = field(default_factory=list)
     failed_units: int | None = None
     units: int | None = None
-    beta: float | None = None
-    beta_std: float | None = None
-    beta_k: int | None = None
+    beta: float | None = setting(None, COSINE)
+    beta_std: float | None = setting(None, COSINE_STD)
+    beta_k: int | None = setting(None, COUNT)
     beta_mode: str | None = None
     random_pairing_share: float | None = None  # share of pairs that look like random pairings (not all noise)
     random_pairing_share_low: float | None = None  # its 95% interval
@@ -322,6 +323,17 @@ def read_metadata(scores: str | Path | pa.Table, provenance_type: type[Record] =
     if SUMMARY_KEY in added:
         summary = summary_type.from_json(summary_type.parse(added[SUMMARY_KEY], scores), scores)
     return provenance_type.from_json(raw, scores), summary
+
+
+def recorded_inputs(scores: str | Path) -> list[str]:
+    """The scores file and the files of the dataset it recorded: what an output of a command that
+    reads the scores alone (query, evaluate) must stay apart from (`ops.guard.open_output`), as
+    the commands that open the dataset again keep theirs apart from `Dataset.input_paths`."""
+    if not Path(scores).is_file():
+        return [str(scores)]  # the command's reading names what is missing
+    provenance = read_metadata(scores)[0]
+    dataset = provenance.dataset if provenance is not None else None
+    return [str(scores), *(dataset.input_paths() if dataset is not None else [])]
 
 
 def run_identity(out: str | Path) -> tuple[str | None, str | None]:

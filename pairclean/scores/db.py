@@ -290,7 +290,11 @@ class ScoresDB:
             matched = self.scalar(f"SELECT count(*) FROM scores s JOIN truth t ON {condition}")
             if matched:
                 self.truth_join = label
-                stratum = ", t.stratum AS audit_stratum" if "stratum" in cols else ""  # a blind audit's marks
+                # a blind audit's marks: the stratum, the key marked (a pair is its key, not only its place)
+                # and the second look's mark
+                stratum = "".join(f", t.{sql_identifier(c)} AS {name}" for c, name in (
+                    ("stratum", "audit_stratum"), ("key", "audit_key"), ("noisy_again", "audit_again"))
+                    if "stratum" in cols and c in cols)
                 self.con.execute(f"CREATE VIEW labeled AS SELECT s.*, t.noisy::BOOLEAN AS noisy{stratum} "
                                  f"FROM scores s LEFT JOIN truth t ON {condition}")
                 return

@@ -34,7 +34,7 @@ from pairclean.errors import ConfigError, UserError
 from pairclean.scores.db import ScoresDB
 from pairclean.scores.rules import REGISTRY, recorded_rules
 from pairclean.scores.sql import sql_identifier
-from pairclean.scores.stratified import CONFIDENCE, AuditDesign, audit_design, ratio_estimate
+from pairclean.scores.stratified import CONFIDENCE, AuditDesign, audit_design, audit_figures
 
 
 def _share(numerator: int, denominator: int) -> float | None:
@@ -172,9 +172,14 @@ def evaluate_detection(scores: str | Path, truth: str | Path | None = None, trut
 
 def audit_estimates(db: ScoresDB, design: AuditDesign, rules) -> dict:
     """The blind audit's marks (`labeled` joined to a truth file carrying `design`) weighted back to
-    every scored pair of the file: the noise share, and per rule the share it flags (exact, from
-    the file), its precision, its recall and the noise left in the pairs it keeps, each a
-    `stratified.Estimate` (share 0..1 with its 95% interval)."""
+    every scored pair of the file (`stratified.audit_figures`): the noise share, and per rule the share
+    it flags (exact, from the file), its precision, its recall and the noise left in the pairs it
+    keeps, each a `stratified.Estimate` (share 0..1 with its 95% interval); the judge as the pairs
+    shown twice measure it; the strata no mark fell in, named.
+
+    The design is recounted in the file first: each stratum's sim range must still hold its N_h
+    pairs, and each marked pair must still be the pair (key) marked: marks of another scores file,
+    or of a shard changed and scored again, would be weighted as pairs they are not."""
     scored = "FROM scores WHERE sim IS NOT NULL AND NOT isnan(sim)"
     pairs = db.scalar(f"SELECT count(*) {scored}")
     if pairs != design.scored_pairs:
@@ -183,7 +188,27 @@ def audit_estimates(db: ScoresDB, design: AuditDesign, rules) -> dict:
     if "audit_stratum" not in db.columns("labeled"):
         raise UserError(f"{db.truth_path} carries an audit design but no stratum column")
     flags = [f"coalesce({sql_identifier(rule.decision)}, false)" for rule in rules]
-    marked = db.con.execute(f"SELECT audit_stratum, sim, noisy{''.join(', ' + f for f in flags)} FROM labeled "
+    counts = db.con.execute("SELECT " + ", ".join(
+        f"count(*) FILTER (WHERE {design.in_stratum(s)}{extra})" for s in design.strata
+        for extra in ["", *(f" AND {flag}" for flag in flags)]) + f" {scored}").fetchall()[0]
+    width = 1 + len(flags)
+    held = {s.stratum: counts[i * width] for i, s in enumerate(design.strata)}
+    flagged = {rule.name: {s.stratum: counts[i * width + 1 + r] for i, s in enumerate(design.strata)}
+               for r, rule in enumerate(rules)}  # per rule, its flagged pairs per stratum
+    for s in design.strata:
+        if held[s.stratum] != s.pairs:
+            raise UserError(f"stratum {s.stratum} of the audit ({s.sim_above} < sim <= {s.sim_at_most}) holds "
+                            f"{held[s.stratum]:,} scored pairs of {db.path}, its design {s.pairs:,}: the sims moved "
+                            f"since the audit was drawn ({design.scores}); draw it again from the file it evaluates")
+    moved = db.con.execute(f"SELECT shard, \"index\", audit_key, key FROM labeled WHERE noisy IS NOT NULL "
+                           "AND audit_key IS DISTINCT FROM key LIMIT 1").fetchall() \
+        if "audit_key" in db.columns("labeled") else []
+    if moved:
+        shard, index, marked_key, key = moved[0]
+        raise UserError(f"{db.truth_path} marks {shard} #{index} as the pair {marked_key!r}, which {db.path} holds as "
+                        f"{key!r}: the shard changed since the audit was drawn; draw the audit again")
+    again = "audit_again" if "audit_again" in db.columns("labeled") else "NULL::BOOLEAN"
+    marked = db.con.execute(f"SELECT audit_stratum, sim, noisy, {again}{''.join(', ' + f for f in flags)} FROM labeled "
                             "WHERE noisy IS NOT NULL AND sim IS NOT NULL AND NOT isnan(sim)").fetchall()
     strata = {s.stratum: s for s in design.strata}
     for h, sim, *_ in marked:
@@ -193,25 +218,27 @@ def audit_estimates(db: ScoresDB, design: AuditDesign, rules) -> dict:
         if (low is not None and not sim > low) or (high is not None and not sim <= high):
             raise UserError(f"a marked pair's sim {sim:.4f} lies outside its audit stratum {h} ({low} < sim <= {high}): "
                             f"{db.path} is not the scores file the audit was drawn from ({design.scores})")
-    columns = list(zip(*marked)) if marked else [[] for _ in range(3 + len(rules))]
-    stratum = np.asarray(columns[0], dtype=np.int64)
-    noisy = np.asarray(columns[2], dtype=bool)
-    population = {h: s.pairs for h, s in strata.items()}
-
-    def share(y, x) -> dict:
-        return ratio_estimate(y, x, stratum, population).as_dict()
-
-    result = {"marked": len(marked), "scored_pairs": pairs, "confidence": CONFIDENCE,
-              "interval": "stratified ratio estimator; Wilson interval at Kish's effective n",
-              "design": design.to_json(), "noise_share": share(noisy, np.ones_like(noisy)), "rules": {}}
-    for i, rule in enumerate(rules):
-        flagged = np.asarray(columns[3 + i], dtype=bool)
+    columns = list(zip(*marked)) if marked else [[] for _ in range(4 + len(rules))]
+    figures = audit_figures(np.asarray(columns[0], dtype=np.int64), np.asarray(columns[2], dtype=bool),
+                            [None if v is None else bool(v) for v in columns[3]],
+                            {rule.name: np.asarray(columns[4 + i], dtype=bool) for i, rule in enumerate(rules)},
+                            held, flagged)
+    result = {"marked": len(marked), "scored_pairs": pairs, "confidence": CONFIDENCE, "interval": INTERVAL,
+              "design": design.to_json(), "unmarked_strata": figures.unmarked, "judge": figures.judge.as_dict(),
+              "covers": COVERS, "noise_share": figures.noise_share.as_dict(), "rules": {}}
+    for rule in rules:
         result["rules"][rule.name] = {
             "label": rule.label, "noisy_if": rule.noisy_if, "abstains": rule.abstains,
-            "flagged_share": db.scalar(f"SELECT avg({flags[i]}::INTEGER) {scored}"),
-            "precision": share(noisy & flagged, flagged), "recall": share(noisy & flagged, noisy),
-            "noise_left": share(noisy & ~flagged, ~flagged)}
+            "flagged_share": sum(flagged[rule.name].values()) / pairs,
+            **{what: estimate.as_dict() for what, estimate in figures.rules[rule.name].items()}}
     return result
+
+
+INTERVAL = ("stratified estimate (each stratum's variance at least Jeffreys'), Wilson at Kish's effective n (at most the "
+            "pairs), corrected for the judge's error rate measured on the pairs shown twice, over its whole interval")
+COVERS = ("the intervals cover which pairs were drawn and the judge's inconsistency as the pairs shown twice measure it; "
+          "not errors the judge makes alike on both looks, errors more frequent on noisy than on clean pairs, nor pairs "
+          "left unmarked for a reason tied to their noise")
 
 
 def recorded_truth(scores: str | Path, required: bool = True) -> Path | None:

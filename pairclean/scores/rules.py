@@ -192,7 +192,7 @@ class GmmRule(DecisionRule):
             if len(sample) >= 2 else None
         self.separation, self.why = {}, None
         if self.mixture is not None:
-            self.separation, self.why = mixture_separation(self.mixture, context.null_sample)
+            self.separation, self.why = mixture_separation(self.mixture, context.null_sample, sample)
         if self.why:
             notice(f"the GMM rule abstains (flags nothing, p_clean is NULL): {self.why}; the noise is not "
                    "separable by this estimator's similarity. Use the null-calibrated rule (`rules` fdr) or an audit",

@@ -17,6 +17,7 @@ import torch
 
 from pairclean.core.beta import RANDOM_INPUTS_VERSION, BetaEstimate, random_input_beta
 from pairclean.ops.atomic import write_json
+from pairclean.ops.records import convert
 from pairclean.ops.cache import cache_dir
 from pairclean.ops.progress import SILENT, Progress
 
@@ -60,7 +61,7 @@ class BetaCache:
 
     def get(self, key: str) -> BetaEstimate | None:
         try:
-            return BetaEstimate(**json.loads((self.dir / f"{key}.json").read_text()))
+            return convert(json.loads((self.dir / f"{key}.json").read_text()), BetaEstimate)
         except (OSError, ValueError, TypeError):
             return None  # absent or unreadable: computed again
 

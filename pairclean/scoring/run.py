@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Callable, ClassVar, Iterator
 
-from pairclean.config import COUNT, FINITE, SEED, SHARE, at_least, check_choice, check_settings, pinned_settings, setting, unpinned
+from pairclean.config import COSINE, COUNT, SEED, SHARE, at_least, check_choice, check_settings, pinned_settings, setting, unpinned
 from pairclean.core.beta import BETA_MODES, BetaEstimate, check_beta_mode, resolve_beta, shuffled_beta
 from pairclean.core.scorer import WEIGHT_FUNCTIONS
 from pairclean.data.units import unit_shard
@@ -48,7 +48,7 @@ class RunConfig:
     """The settings every scoring run shares, whatever produces its similarities."""
 
     beta_mode: str = "random-inputs"
-    beta: float | None = setting(None, FINITE)  # for beta_mode == "fixed"
+    beta: float | None = setting(None, COSINE)  # for beta_mode == "fixed"
     weight_fn: str = "cubic"
     seed: int = setting(0, SEED)
     gmm_sample: int = setting(1_000_000, at_least(2))

@@ -34,8 +34,10 @@ from pairclean.ops.atomic import atomic_path
 from pairclean.config import check_choice
 from pairclean.errors import ConfigError, UserError
 from pairclean.data.dataset import Dataset
+from pairclean.data.record import check_same_dataset
 from pairclean.ops.atomic import atomic_directory
 from pairclean.ops.records import JsonObject, Keyed
+from pairclean.scores.contract import scored_pairs
 from pairclean.scores.db import NUMERIC_TYPES, ScoresDB, compile_predicate
 from pairclean.scores.sql import duckdb_message
 from pairclean.train.data import DROPPED, ShardInfo
@@ -113,14 +115,18 @@ class _Scores:
 def build_weight_arrays(scores: str | Path, dataset: Dataset, shards: list[ShardInfo], run_dir: Path,
                         column: str | None = "weight_norm", predicate: str | None = None, join: str = "auto",
                         on_missing: str = "error", batch_rows: int = 65536,
-                        attach: dict[str, list[str]] | None = None) -> WeightJoin:
-    """Write one weight array per training shard under RUN_DIR/weights and return the join summary."""
+                        attach: dict[str, list[str]] | None = None, allow_other_dataset: bool = False) -> WeightJoin:
+    """Write one weight array per training shard under RUN_DIR/weights and return the join summary.
+    The training shards must be the files the scores recorded, as `filter` requires of the data it
+    copies (`data.record.check_same_dataset`; `allow_other_dataset` waives it)."""
     check_choice(join, JOINS, "join")
     check_choice(on_missing, ON_MISSING, "on_missing")
     src = _Scores(scores, column, predicate, attach)
     con = src.con
     out = Path(run_dir) / WEIGHTS_DIR
     with src.db, atomic_directory(out, overwrite=True) as tmp:
+        check_same_dataset(scored_pairs(src.db.provenance), dataset.files(), f"the scores file {src.path}",
+                           allow_other_dataset, other="the training shards")
         keys_file = tmp / "train-keys.parquet"
         _write_train_keys(dataset, shards, keys_file)
         con.register("train_keys", pads.dataset(keys_file))

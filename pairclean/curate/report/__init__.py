@@ -20,7 +20,7 @@ from pairclean.config import at_least, declare, within
 from pairclean.data.spec import Fields
 from pairclean.errors import UserError
 from pairclean.ops.guard import open_output
-from pairclean.scores.contract import from_embeddings, scored_pairs
+from pairclean.scores.contract import from_embeddings, recorded_inputs, scored_pairs
 from pairclean.scores.db import ScoresDB
 
 MAX_BINS = 1000  # a histogram bar per bin: more is unreadable and grows the page without bound
@@ -45,7 +45,7 @@ def build_report(scores: str | Path, out: str | Path, shards: list[str] | None =
     scores recorded (`fields` and `dataset_options`: format, split, image_root, pair override how it
     is read), which must still be the dataset scored (`allow_other_dataset` waives its fingerprints)."""
     scores = Path(scores)
-    target = open_output(out, [scores, truth, *(shards or [])], overwrite=overwrite)
+    target = open_output(out, [*recorded_inputs(scores), truth, *(shards or [])], overwrite=overwrite)
     out = target.path
     with ScoresDB(scores, truth=truth) as db:
         prov = db.provenance

@@ -12,6 +12,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from pairclean.config import COSINE, COSINE_STD, COUNT, setting
 from pairclean.data.record import DatasetRecord
 from pairclean.data.spec import PAIR_KINDS
 from pairclean.errors import UserError
@@ -29,9 +30,9 @@ class SavedBeta(Record):
 
     what = "saved beta"
     mode: str
-    beta: float
-    std: float | None = None
-    k: int | None = None
+    beta: float = setting(bounds=COSINE)
+    std: float | None = setting(None, COSINE_STD)
+    k: int | None = setting(None, COUNT)
     seed: int | None = None
 
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from pairclean.backends import build_estimator, resolve_backend
-from pairclean.config import COUNT, FINITE, check_choice, setting
+from pairclean.config import COSINE, COUNT, check_choice, setting
 from pairclean.errors import ConfigError
 from pairclean.core.beta import check_beta_mode, random_input_beta, resolve_beta
 from pairclean.core.scorer import WEIGHT_FUNCTIONS, cone_weight, debias, normalised_weight
@@ -29,7 +29,7 @@ class OsaOnlineOptions:
     weight_fn: str = "cubic"
     normalise: bool = True  # weight_norm, as the offline default column
     beta_mode: str = "random-inputs"  # or fixed
-    beta: float | None = setting(None, FINITE)
+    beta: float | None = setting(None, COSINE)
     beta_k: int = setting(1024, COUNT)
     reduction: str = "mean"
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pairclean.config import check_choice, parse_attachments
+from pairclean.config import check_choice, parse_attachments, unpinned
 from pairclean.errors import ConfigError
 from pairclean.ops import distributed
 from pairclean.ops.records import JsonObject, Keyed
@@ -23,6 +23,7 @@ class ScoresOptions:
     attach: str | None = None  # NAME=FILE: a Parquet file the predicate reads as the table NAME (e.g. dedup output)
     join: str = "auto"
     on_missing: str = "error"
+    allow_other_dataset: bool = unpinned(False)  # join scores that recorded other files than the training shards
 
     def __post_init__(self):
         check_choice(self.join, JOINS, "join")
@@ -51,6 +52,9 @@ SCORES_SHORTCUTS = (
                                    "reads as the table NAME."),
     Shortcut("--join", "join", "Join scores to shards by auto, shard-index or key."),
     Shortcut("--on-missing", "on_missing", "Pairs missing from the scores: error (default), drop, or keep (weight 1)."),
+    Shortcut("--allow-other-dataset", "allow_other_dataset", "Use the scores with training shards whose files differ "
+             "from the ones they recorded (another copy, or files changed since scoring: each row must still be the "
+             "pair its key names).", kind=bool),
 )
 
 
@@ -72,7 +76,7 @@ class ScoredMethod(Method):
         o = self.options
         self.join = distributed.on_main(lambda: build_weight_arrays(
             o.scores, ctx.dataset, ctx.shards, ctx.run_dir, column=self.weight_column(), predicate=o.filter, join=o.join,
-            on_missing=o.on_missing, attach=o.attachments()))
+            on_missing=o.on_missing, attach=o.attachments(), allow_other_dataset=o.allow_other_dataset))
         return BatchPlan(weights_dir=self.join.directory, shard_files=self.join.shard_files, pairs=self.join.kept)
 
     def weight_column(self) -> str | None:
