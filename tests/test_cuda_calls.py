@@ -1,0 +1,226 @@
+"""The CUDA call patterns, checked on a CPU (a GPU is lent rarely and briefly): what the host waits
+for in a steady-state batch of scoring and training (a), the order of the streams and events that
+hand batches to the model and results back (b), torch.compile over the padded steady loop and the
+CUDA-only text path (c), and the calls into nvImageCodec and DALI against the installed packages (d).
+Each check has a test of a deliberately broken variant that it fails on.
+
+Fake CUDA: `FakeTensorMode` (CUDA's device and dtype checks, no kernels) with `fake_cuda`'s streams
+and events, which keep the order a device would."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+
+import numpy as np
+import pytest
+import torch
+from fake_cuda import Event, FakeStreams, StreamOrder
+from PIL import Image
+from torch._subclasses.fake_tensor import (DataDependentOutputException, DynamicOutputShapeException, FakeTensorMode,
+                                          unset_fake_temporarily)
+
+from pairclean.backends import feed
+from pairclean.backends.feed import DeviceFeed, DevicePrefetcher, HostCopies
+from pairclean.backends.open_clip import OpenClipEstimator
+from pairclean.backends.text_trim import TextCuts
+from pairclean.ops.measure import DeviceReads
+from pairclean.scoring import pipeline
+from pairclean.scoring.batches import PairBatch, UnitEnd, UnitSpan
+
+pytestmark = pytest.mark.usefixtures("fresh_notices")
+CUDA = torch.device("cuda")
+
+
+# ---------------------------------------------------------------- (b) streams and events
+
+def _fed_and_used(streams: FakeStreams) -> StreamOrder:
+    """A batch through `DeviceFeed` (its copies and a device step queued on its side stream), then
+    used by the compute stream, as training and the CPU-less scoring path do."""
+    with FakeTensorMode(allow_non_fake_inputs=True), StreamOrder(streams) as order:
+        fed = DeviceFeed(CUDA)
+        batch = fed({"left": torch.zeros(4, 3), "right": torch.zeros(4, 5)})
+        decoded = fed.run(lambda: torch.zeros(4, device="cuda") + 1)  # a decode on the side stream
+        (batch["left"].sum() + batch["right"].sum() + decoded.sum()).neg()
+    return order
+
+
+def test_the_feeds_copies_reach_the_compute_stream_in_order(monkeypatch):
+    streams = FakeStreams().install(monkeypatch)
+    assert not _fed_and_used(streams).violations
+
+
+def test_the_stream_check_fails_without_the_feeds_wait_or_its_record_stream(monkeypatch):
+    """Broken variants: the compute stream's `wait_stream` made a no-op (its reads could see memory
+    before the copies wrote it), `record_stream` made a no-op (the copies' memory could be handed out
+    again while the compute stream still reads it)."""
+    streams = FakeStreams().install(monkeypatch)
+    with monkeypatch.context() as patch:
+        patch.setattr(torch.cuda.Stream, "wait_stream", lambda self, other: None)
+        assert any("without a wait" in v for v in _fed_and_used(streams).violations)
+    with monkeypatch.context() as patch:
+        patch.setattr(torch.Tensor, "record_stream", lambda self, stream: None)
+        assert any("without record_stream" in v for v in _fed_and_used(streams).violations)
+
+
+def _prefetched(streams: FakeStreams) -> StreamOrder:
+    """Batches prepared by `DevicePrefetcher`'s thread on its side stream, then used by the
+    consumer's compute stream (host tensors stand for device memory here: the thread has no fake mode)."""
+    order = StreamOrder(streams, devices=("cpu",))
+
+    def prepare(value):
+        with order:
+            return torch.full((3,), float(value)) + 1
+
+    prefetched = DevicePrefetcher(range(3), prepare, CUDA, threaded=True, held=lambda batch: [batch])
+    for batch in prefetched:
+        with order:
+            batch.neg()
+    return order
+
+
+def test_the_prefetching_threads_batches_reach_the_compute_stream_in_order(monkeypatch):
+    assert not _prefetched(FakeStreams().install(monkeypatch)).violations
+
+
+def test_the_stream_check_fails_without_the_prefetchers_wait_or_its_record_stream(monkeypatch):
+    """Broken variants: the consumer's `wait_event` made a no-op, `record_stream` made a no-op."""
+    streams = FakeStreams().install(monkeypatch)
+    with monkeypatch.context() as patch:
+        patch.setattr(torch.cuda.Stream, "wait_event", lambda self, event: None)
+        assert any("without a wait" in v for v in _prefetched(streams).violations)
+    with monkeypatch.context() as patch:
+        patch.setattr(torch.Tensor, "record_stream", lambda self, stream: None)
+        assert any("without record_stream" in v for v in _prefetched(streams).violations)
+
+
+def _copied_back(streams: FakeStreams, monkeypatch) -> tuple[StreamOrder, dict]:
+    """Results through `HostCopies`, read after `wait()`."""
+    monkeypatch.setattr(feed, "to_host", lambda t: t.to("cpu", non_blocking=True))  # page-locked needs a driver
+    with FakeTensorMode(allow_non_fake_inputs=True), StreamOrder(streams) as order:
+        sims = torch.zeros(4, device="cuda") * 2
+        values = HostCopies({"sims": sims, "nulls": sims + 1}).wait()
+    return order, values
+
+
+def test_results_are_read_once_a_blocking_event_says_their_copies_are_done(monkeypatch):
+    streams = FakeStreams().install(monkeypatch)
+    order, values = _copied_back(streams, monkeypatch)
+    assert all(order.host_ready(v) for v in values.values()) and not order.violations
+    assert streams.host_waits and all(e.blocking for e in streams.host_waits)  # the host sleeps, not spins
+
+
+def test_the_host_copy_check_fails_on_a_read_before_the_wait_or_a_spinning_event(monkeypatch):
+    """Broken variants: `HostCopies.wait` without the event's `synchronize` (values read while the
+    copies may still be running), and a default (spinning) event (89907df: a core held for as long as
+    the device computes)."""
+    streams = FakeStreams().install(monkeypatch)
+    with monkeypatch.context() as patch:
+        patch.setattr(HostCopies, "wait", lambda self: self.values)
+        order, values = _copied_back(streams, monkeypatch)
+        assert not any(order.host_ready(v) for v in values.values())
+    with monkeypatch.context() as patch:
+        patch.setattr(torch.cuda, "Event", lambda blocking=False: Event())
+        _copied_back(streams, monkeypatch)
+        assert not all(e.blocking for e in streams.host_waits)
+
+
+# ---------------------------------------------------------------- (a) what the host waits for
+
+def _on_fake_cuda(est, mode):
+    """The tiny open_clip estimator as a CUDA run has it, its weights fake CUDA tensors."""
+    from test_towers import _on_fake_cuda as weights_on_fake_cuda
+
+    est.model, est.device, est.channels_last = weights_on_fake_cuda(est.model, mode), CUDA, True
+    return est
+
+
+def _steady_batches(est, n_batches: int = 4, rows: int = 6) -> list[PairBatch]:
+    captions = ["a dog on a beach", "two people riding horses along a beach at sunset", "x", "a red car", "tea", "a cup"]
+    batches = []
+    for b in range(n_batches):
+        keys = [f"{b}-{i}" for i in range(rows)]
+        batch = PairBatch([UnitSpan(f"u{b}", 0, rows)], keys, ["s"] * rows, list(range(rows)), [None] * rows,
+                          done=[UnitEnd(f"u{b}", None, rows)])
+        batch.left = torch.randint(0, 256, (rows, 3, est.image_size, est.image_size), dtype=torch.uint8)
+        batch.right = est.preparer.collate("text", captions[:rows])
+        batches.append(batch)
+    return batches
+
+
+def _score_steady_state(monkeypatch) -> tuple[DeviceReads, StreamOrder, list]:
+    """`run_pipeline` over four batches on fake CUDA (the prefetching thread's part inline: its
+    stream order is checked above), counting every read the host would wait for (`DeviceReads`: a
+    scalar read, `nonzero`, a copy without `non_blocking`) and checking the streams' order."""
+    streams = FakeStreams().install(monkeypatch)
+    committed = []
+
+    def real_host_copy(t):  # the sink reads numpy: the copy's values made real (numpy's memory: no fake storage)
+        assert t.dtype == torch.float32  # sims and null sims
+        with unset_fake_temporarily():
+            return torch.from_numpy(np.zeros(tuple(t.shape), dtype=np.float32))
+
+    def on_the_host(method):  # host arithmetic on real values (the text tower's cuts, the sink's numpy)
+        def real(self, *args):
+            with unset_fake_temporarily():
+                return method(self, *args)
+        return real
+
+    monkeypatch.setattr(feed, "to_host", real_host_copy)
+    monkeypatch.setattr(TextCuts, "groups", on_the_host(TextCuts.groups))
+    monkeypatch.setattr(pipeline.PartSink, "_take", on_the_host(pipeline.PartSink._take))
+    monkeypatch.setattr(pipeline, "PREFETCH_DEVICES", ())
+    torch.manual_seed(0)
+    est = OpenClipEstimator("pairclean-tiny", pretrained="none", device="cpu")
+    batches = _steady_batches(est)  # as the DataLoader hands them over, in host memory
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        est = _on_fake_cuda(est, mode)
+        sink = pipeline.PartSink(frozenset(), lambda unit, columns, record: committed.append(unit), False, None)
+        with DeviceReads() as reads, StreamOrder(streams) as order:
+            pipeline.run_pipeline(batches, est, "image", "text", sink, batch_size=6)
+    return reads, order, committed
+
+
+def test_a_steady_scoring_batch_waits_for_nothing_and_keeps_the_streams_in_order(monkeypatch):
+    reads, order, committed = _score_steady_state(monkeypatch)
+    assert committed == ["u0", "u1", "u2", "u3"]
+    assert not reads.sites and not order.violations
+
+
+@pytest.mark.parametrize("broken", ["item", "nonzero", "blocking copy"])
+def test_the_wait_check_fails_on_a_scalar_read_a_nonzero_or_a_blocking_copy_in_the_scorer(broken, monkeypatch):
+    """Broken variants: the scorer reading the batch's mean similarity (`.item()`), the rows of
+    positive similarity (`nonzero`), or its sims with a blocking `.cpu()` - each a wait for all the
+    device's queued work."""
+    score = pipeline.Scorer.score
+    reading = {"item": lambda s: s.mean().item(), "nonzero": lambda s: (s > 0).nonzero(), "blocking copy": lambda s: s.cpu()}
+
+    def broken_score(self, batch, u, v):
+        with contextlib.suppress(DataDependentOutputException, DynamicOutputShapeException):  # fake values: none to read
+            reading[broken]((u * v).sum(-1))
+        return score(self, batch, u, v)
+
+    monkeypatch.setattr(pipeline.Scorer, "score", broken_score)
+    reads, _, _ = _score_steady_state(monkeypatch)
+    assert reads.reads >= 4  # one a batch
+
+
+def test_the_wait_check_fails_on_a_scalar_read_in_the_training_loss(tmp_path, coco_shards, monkeypatch):
+    """Training's steady state is checked by `test_train.py`'s `DeviceReads` over whole epochs (no read
+    of a device value a step); broken variant: the plain method's loss read with `.item()` each step."""
+    from helpers import tiny_train_config
+
+    from pairclean.train import trainer
+    from pairclean.train.methods import plain
+
+    loss = plain.Plain.loss
+
+    def reading_loss(self, batch, emb, ctx):
+        out = loss(self, batch, emb, ctx)
+        out.loss.item()
+        return out
+
+    monkeypatch.setattr(plain.Plain, "loss", reading_loss)
+    with DeviceReads() as reads:
+        trainer.train(str(coco_shards), tmp_path / "run", tiny_train_config())
+    assert reads.reads >= 2  # one a step
