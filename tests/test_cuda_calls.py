@@ -224,3 +224,133 @@ def test_the_wait_check_fails_on_a_scalar_read_in_the_training_loss(tmp_path, co
     with DeviceReads() as reads:
         trainer.train(str(coco_shards), tmp_path / "run", tiny_train_config())
     assert reads.reads >= 2  # one a step
+
+
+# ---------------------------------------------------------------- (d) the libraries' calls
+
+def _keywords(doc: str) -> set[str]:
+    """The parameter names of a pybind11 function's signatures, as its docstring states them."""
+    import re
+
+    return {name for line in doc.splitlines() if "(" in line and ")" in line
+            for name in re.findall(r"(\w+): ", line.split("(", 1)[1].rsplit(")", 1)[0])}
+
+
+def test_nvimgcodecs_calls_match_the_installed_package():
+    """Every call `decode` nvimgcodec makes - the CUDA-only ones too (a decoder on a device index,
+    the probe's GPU backends, a device buffer's kind, a decode ordered on a stream) - names keywords
+    and members the installed nvImageCodec has: a rename fails here, not on the device. The CPU path
+    itself runs in test_device_decoders.py."""
+    nvimgcodec = pytest.importorskip("nvidia.nvimgcodec", reason="`decode` nvimgcodec's package (pip install 'pairclean[gpu]')")
+    assert {"device_id", "max_num_cpu_threads", "backends"} <= _keywords(nvimgcodec.Decoder.__init__.__doc__)
+    assert {"params", "cuda_stream"} <= _keywords(nvimgcodec.Decoder.decode.__doc__)
+    assert {"apply_exif_orientation", "color_spec", "sample_format"} <= _keywords(nvimgcodec.DecodeParams.__init__.__doc__)
+    for kind in ("HW_GPU_ONLY", "GPU_ONLY", "HYBRID_CPU_GPU", "CPU_ONLY"):
+        nvimgcodec.Backend(getattr(nvimgcodec.BackendKind, kind))
+    assert nvimgcodec.ImageBufferKind.STRIDED_DEVICE != nvimgcodec.ImageBufferKind.STRIDED_HOST
+    assert isinstance(nvimgcodec.NVIMGCODEC_DEVICE_CPU_ONLY, int)
+    assert nvimgcodec.ColorSpec.SRGB is not None and nvimgcodec.SampleFormat.P_RGB is not None
+
+
+def test_the_signature_check_fails_on_a_renamed_keyword():
+    """Broken variant: a keyword the library does not have (`cuda_streams`) is not among its signatures'."""
+    nvimgcodec = pytest.importorskip("nvidia.nvimgcodec")
+    assert "cuda_streams" not in _keywords(nvimgcodec.Decoder.decode.__doc__)
+    assert {"params", "cuda_stream"} <= _keywords("decode(self: D, srcs: list, *, params: P | None = None, cuda_stream: int = 0) -> object")
+
+
+def test_dalis_calls_match_the_installed_package():
+    """`decode` dali's pipeline keywords, its stream-bound `run` (the dynamic executor's keyword as this
+    DALI spells it) and the operators' arguments, against the installed DALI."""
+    import inspect
+
+    dali = pytest.importorskip("nvidia.dali", reason="`decode` dali's package (pip install 'pairclean[gpu]')")
+    from nvidia.dali import Pipeline, fn
+
+    from pairclean.backends.dali_jpeg import _dynamic
+
+    known = inspect.signature(Pipeline.__init__).parameters
+    assert set(_dynamic()) <= set(known) and {"batch_size", "num_threads", "device_id", "prefetch_queue_depth"} <= set(known)
+    run = list(inspect.signature(Pipeline.run).parameters.values())
+    assert run[1].kind is inspect.Parameter.POSITIONAL_ONLY or run[1].name == "cuda_stream"
+    for op, arguments in ((fn.decoders.image, ("output_type", "adjust_orientation")),
+                          (fn.resize, ("size", "roi_start", "roi_end", "interp_type", "antialias", "dtype")),
+                          (fn.peek_image_shape, ("dtype",)), (fn.external_source, ("name", "dtype", "ndim"))):
+        assert all(a in op.__doc__ for a in arguments), (op, dali.__version__)
+
+
+class _Library:
+    """nvImageCodec stood in for by torchvision's CPU decoder: enough of its API for `decode_crop`,
+    each call's images returned as it would (None for a file it cannot decode); `drop`: a call that
+    leaves out the images of these files (what the row check must not misalign)."""
+
+    class CodeStream:
+        def __init__(self, data):
+            self.data = bytes(data)
+
+    class ImageBufferKind:
+        STRIDED_DEVICE, STRIDED_HOST = "device", "host"
+
+    class Image:
+        buffer_kind = "host"
+
+        def __init__(self, planes):
+            self.planes = planes
+
+        def __array__(self, dtype=None, copy=None):
+            return self.planes
+
+    def __init__(self, drop: set[int]):
+        self.drop, self.calls = drop, []
+
+    def decode(self, streams, params=None, cuda_stream=0):
+        from torchvision.io import decode_jpeg
+
+        self.calls.append(len(streams))
+        images = []
+        for k, stream in enumerate(streams):
+            try:
+                planes = decode_jpeg(torch.frombuffer(bytearray(stream.data), dtype=torch.uint8)).numpy()
+            except RuntimeError:
+                planes = None
+            if not (len(streams) > 1 and k in self.drop):
+                images.append(None if planes is None else self.Image(planes))
+        return images
+
+
+def test_nvimgcodec_rows_stay_aligned_when_a_call_gives_fewer_images(coco_src):
+    """A decode that returns fewer images than files (one left out, not None) cannot say which row is
+    which: it counts as a failed call, each file is then decoded alone, and every row gets its own
+    pixels. Broken variant caught: pairing files and images in order (89907df's zip), which gave row 2
+    row 3's pixels and so on."""
+    from pairclean.backends.device_jpeg import DEVICE_DECODERS
+    from pairclean.backends.inputs import ImageBatch, JpegBlob, StandardTransform
+    from pairclean.lab.coco import read_pairs
+    from test_device_decoders import PREPROCESSINGS
+
+    cls = DEVICE_DECODERS["nvimgcodec"]
+    preprocess = PREPROCESSINGS["bicubic-64"]
+    transform = StandardTransform.parse(preprocess)
+    files = [(coco_src / p["image"]).read_bytes() for p in read_pairs(coco_src)[:5]]
+    decoder = cls.__new__(cls)  # its library stood in for: no package needed
+    super(cls, decoder).__init__(transform, torch.device("cpu"), preprocess)
+    decoder.library = decoder.__dict__["decoder"] = _Library(drop={2})
+    decoder.params = None
+    pixels, failed = decoder(ImageBatch(5, JpegBlob.pack(files), tuple(range(5))))
+    assert not failed and decoder.library.calls == [5, 1, 1, 1, 1, 1]
+    reference = torch.stack([transform.geometry_pixels(Image.open(io.BytesIO(f)).convert("RGB")) for f in files])
+    assert (pixels.int() - reference.permute(0, 3, 1, 2).int()).abs().max() <= 1
+
+
+def test_a_device_decoders_host_threads_are_the_cores_its_workers_leave(monkeypatch):
+    """nvImageCodec's and DALI's host threads: the cores less the live workers and the two threads that
+    feed the device. Broken variant caught: half the cores, at most 8, whatever the workers (89907df:
+    8 threads beside 14 workers on 16 hyperthreads)."""
+    import multiprocessing
+
+    from pairclean.backends import device_jpeg
+
+    monkeypatch.setattr(device_jpeg, "usable_cores", lambda: 16)
+    for workers, threads in ((14, 1), (6, 8), (0, 8), (10, 4)):
+        monkeypatch.setattr(multiprocessing, "active_children", lambda: [object()] * workers)
+        assert device_jpeg.host_threads() == threads
