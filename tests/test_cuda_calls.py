@@ -226,6 +226,124 @@ def test_the_wait_check_fails_on_a_scalar_read_in_the_training_loss(tmp_path, co
     assert reads.reads >= 2  # one a step
 
 
+# ---------------------------------------------------------------- (c) torch.compile
+
+@pytest.fixture
+def strict_compile(monkeypatch):
+    """torch.compile as the towers ask for it, with `fullgraph` (a graph break is an error, so the
+    tower falls back and says why) on the eager backend: dynamo's whole trace and guards, without
+    inductor's minutes of C++ on 2 cores (`test_towers.py`'s slow tests run inductor)."""
+    import torch._dynamo
+
+    real = torch.compile
+
+    def strict(fn, **kwargs):
+        kwargs.pop("mode", None)  # reduce-overhead (CUDA graphs) is inductor's
+        return real(fn, **{**kwargs, "backend": "eager", "fullgraph": True})
+
+    monkeypatch.setattr(torch, "compile", strict)
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+CAPTIONS = "a large red star above a small blue circle on a green background near the top left corner".split()
+
+
+def _padded_steady_loop(coco_src) -> dict[str, str]:
+    """The tiny model compiled, fed as a run feeds it: full batches first (the shapes it compiles
+    for), then partial ones and captions of other lengths, every later call under
+    `error_on_recompile`; how each tower ran at the end (`compiled_towers`)."""
+    import torch._dynamo
+
+    from pairclean.backends.oom import take_rows
+    from test_towers import _coco_pixels
+
+    torch.manual_seed(0)
+    est = OpenClipEstimator("pairclean-tiny", pretrained="none", device="cpu", compile=True)
+    pixels = _coco_pixels(est, coco_src, 6)
+    texts = est.preparer.collate("text", [" ".join(CAPTIONS[: 1 + (i * 5) % len(CAPTIONS)]) for i in range(300)])
+    short = est.preparer.collate("text", ["a dog", "x", "two cats"] * 100)
+    with torch.no_grad():
+        est.encode("image", pixels)
+        est.encode("text", texts)
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            for rows in (5, 2, 6):
+                est.encode("image", pixels[:rows])
+            for batch in (take_rows(texts, slice(0, 200)), short, take_rows(short, slice(0, 40))):
+                est.encode("text", batch)
+    return est.compiled_towers()
+
+
+def test_the_towers_trace_whole_and_compile_once_over_a_padded_steady_loop(strict_compile, coco_src):
+    assert _padded_steady_loop(coco_src) == {"image": "compiled", "text": "compiled"}
+
+
+def _as_on_cuda(monkeypatch) -> list:
+    """The text tower's CUDA path taken here (`FUSED_DEVICES`); a list counting `causal_blocks`' calls."""
+    from pairclean.backends import text_trim
+
+    calls, blocks = [], text_trim.causal_blocks
+    monkeypatch.setattr(text_trim, "FUSED_DEVICES", ("cpu", "cuda"))
+    monkeypatch.setattr(text_trim, "causal_blocks", lambda *args: calls.append(1) or blocks(*args))
+    return calls
+
+
+def test_the_cuda_text_path_compiles_once_and_stays_fused_when_eager(strict_compile, coco_src, monkeypatch):
+    """The text tower as a CUDA run has it: compiled, it is traced with open_clip's float mask and
+    compiles once over the steady loop; eager, it takes the boolean mask (`causal_blocks`)."""
+    calls = _as_on_cuda(monkeypatch)
+    assert _padded_steady_loop(coco_src) == {"image": "compiled", "text": "compiled"} and not calls
+    est = OpenClipEstimator("pairclean-tiny", pretrained="none", device="cpu")
+    with torch.no_grad():
+        est.encode("text", est.tokenizer(["a dog", "x"]))
+    assert calls
+
+
+def test_the_compile_check_fails_on_the_fused_text_path_traced(strict_compile, coco_src, monkeypatch):
+    """Broken variant: the boolean mask's path traced too (the compile test not excluded: 89907df on
+    CUDA). It traces whole, but MultiheadAttention's traced path guards on the cut's length, so a
+    caption cut of another length recompiles (found by this check: on the H100, up to five graphs of
+    the text tower per group size)."""
+    calls = _as_on_cuda(monkeypatch)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: False)
+    state = _padded_steady_loop(coco_src)
+    assert calls and state["image"] == "compiled" and state["text"].startswith("eager after: RecompileError")
+
+
+@pytest.mark.slow
+def test_inductor_compiles_the_cuda_text_path_and_the_image_tower_once(coco_src, monkeypatch):
+    """The same steady loop through inductor itself (this machine's C++ compiler: minutes on 2 cores),
+    every call `fullgraph`: no graph break, no recompilation, no fallback."""
+    import torch._dynamo
+
+    real = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: real(fn, **{**kwargs, "fullgraph": True}))
+    _as_on_cuda(monkeypatch)
+    torch._dynamo.reset()
+    assert _padded_steady_loop(coco_src) == {"image": "compiled", "text": "compiled"}
+
+
+@pytest.mark.parametrize("broken", ["graph break", "recompile"])
+def test_the_compile_check_fails_on_a_graph_break_or_a_recompilation(broken, strict_compile, coco_src, monkeypatch):
+    """Broken variants: a host read inside the image tower (`.item()`: a graph break, so no full
+    graph), and batches no longer padded to the rows seen (each partial batch a new shape to compile)."""
+    from pairclean.backends import compiled, open_clip
+
+    if broken == "graph break":
+        tower = open_clip._plain_encode_image
+        def reading(model, x):
+            if x.float().mean().item() > -1e9:  # a branch on a value read back from the device
+                return tower(model, x)
+            return tower(model, -x)
+
+        monkeypatch.setattr(open_clip, "_plain_encode_image", reading)
+    else:
+        monkeypatch.setattr(compiled.RowPadding, "target", lambda self, name, rows: rows)
+    state = _padded_steady_loop(coco_src)
+    assert state["image"].startswith("eager after:") and state["text"] == "compiled"
+
+
 # ---------------------------------------------------------------- (d) the libraries' calls
 
 def _keywords(doc: str) -> set[str]:
