@@ -3,7 +3,7 @@
 For every `decode` name given (gpu: torchvision's nvJPEG; gpu-resize: the workers' PIL decode, not
 timed, resized here; nvimgcodec; dali), the decoder is built for the model's preprocessing on
 `--device` and called on the same batch: the first `--batch-size` JPEGs of the shards that the
-workers would leave to the device (`plain_jpeg`), `--repeat` times after a warm-up call
+workers would leave to the device (`device_takes`: whole, plain JPEGs), `--repeat` times after a warm-up call
 (DALI builds its pipeline there). Per call: wall seconds (the device
 synchronised) and the process's CPU seconds (all its threads: the libraries' own too).
 
@@ -28,10 +28,10 @@ from pathlib import Path
 
 import torch
 
-from pairclean.backends.device_jpeg import DEVICE_DECODERS
+from pairclean.backends.device_jpeg import DEVICE_DECODERS, device_takes
 from pairclean.backends.inputs import ImageBatch, JpegBlob, StandardTransform
 from pairclean.backends.open_clip import OpenClipPreparer
-from pairclean.data.decode import decode_image, plain_jpeg
+from pairclean.data.decode import decode_image
 from pairclean.ops.atomic import write_json
 
 
@@ -45,7 +45,7 @@ def read_jpegs(source: Path, n: int) -> list[bytes]:
             for member in tar:
                 if member.name.lower().endswith((".jpg", ".jpeg")):
                     data = tar.extractfile(member).read()
-                    if plain_jpeg(data):
+                    if device_takes(data, True, 0.0):
                         found.append(data)
                         if len(found) == n:
                             return found

@@ -140,6 +140,9 @@ def host_copies_without_a_driver(monkeypatch) -> None:
     from pairclean.backends import feed
 
     class Event:
+        def __init__(self, blocking: bool = False):
+            pass
+
         def record(self):
             pass
 

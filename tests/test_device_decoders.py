@@ -41,6 +41,10 @@ PREPROCESSINGS = {
 # torchvision and nvImageCodec decode with libjpeg-turbo on a CPU, as PIL does, and resize with
 # `resample`; DALI resamples in float, without PIL's 8-bit rounding between its passes.
 TOLERANCE = {"gpu": (1, 0.0), "nvimgcodec": (1, 0.0), "dali": (16, 0.01)}
+# Decoders that give pixels for a whole JPEG whose scan is corrupt (nvImageCodec's CPU backend, 0.9:
+# every one of 16 COCO files with a frame marker, a start-of-image or zeros spliced into the scan), where
+# PIL and torchvision refuse it: such a row is scored, not an error row, as `decode` fast would have it.
+LENIENT = {"nvimgcodec"}
 
 
 def _decoder_class(name: str):
@@ -50,15 +54,23 @@ def _decoder_class(name: str):
     return DEVICE_DECODERS[name]
 
 
+def corrupt_scan(data: bytes) -> bytes:
+    """A JPEG whose header and end are whole and whose scan meets a frame marker midway (as in a file
+    spliced from two): the workers' checks (`device_takes`) pass it, PIL, libjpeg and a batched
+    device decode refuse it (every one of 16 COCO files; garbled bytes instead were decoded in 5 of 16)."""
+    middle = len(data) // 2
+    return data[:middle] + b"\xff\xc0" + data[middle + 2:]
+
+
 def _web_batch(coco_src, preprocess):
     """A batch as the workers hand it over with JPEGs left for the device: 6 COCO JPEGs, a
-    greyscale JPEG, a truncated JPEG (its header passes the workers' check), a PNG (decoded in
-    the worker). (batch, the PIL-decodable files by row, the PNG's row, the truncated file's row)."""
+    greyscale JPEG, a JPEG with a corrupt scan (its header and end pass the workers' checks), a PNG
+    (decoded in the worker). (batch, the PIL-decodable files by row, the PNG's row, the corrupt file's row)."""
     jpegs = [(coco_src / p["image"]).read_bytes() for p in read_pairs(coco_src)[:6]]
     grey, png = io.BytesIO(), io.BytesIO()
     Image.open(io.BytesIO(jpegs[0])).convert("L").save(grey, format="JPEG")
     Image.open(io.BytesIO(jpegs[1])).save(png, format="PNG")
-    items = jpegs[:3] + [jpegs[3][:len(jpegs[3]) // 2], png.getvalue(), grey.getvalue()] + jpegs[3:]
+    items = jpegs[:3] + [corrupt_scan(jpegs[3]), png.getvalue(), grey.getvalue()] + jpegs[3:]
     preparer = OpenClipPreparer(preprocess, None, draft_size=None, device_jpeg=True)
     batch = preparer.collate("image", [preparer.prepare("image", x) for x in items])
     assert isinstance(batch, ImageBatch) and batch.decoded_rows == (4,) and len(batch.jpegs) == 8
@@ -73,13 +85,16 @@ def test_each_decoder_gives_pils_preprocessing_on_the_cpu(name, preprocessing, c
     preprocess = PREPROCESSINGS[preprocessing]
     transform = StandardTransform.parse(preprocess)
     assert cls.supports(transform) and cls.unavailable() is None
-    batch, readable, png_row, truncated_row = _web_batch(coco_src, preprocess)
+    batch, readable, png_row, corrupt_row = _web_batch(coco_src, preprocess)
     pixels, failed = cls(transform, torch.device("cpu"), preprocess)(batch)
 
     crop = transform.crop
     assert pixels.dtype == torch.uint8 and pixels.shape == (batch.rows, 3, crop, crop)
-    assert list(failed) == [truncated_row] and failed[truncated_row].startswith("cannot decode image")
-    assert not pixels[truncated_row].any()
+    if name in LENIENT:  # its libjpeg-turbo decodes through a corrupt scan: pixels, where PIL says why not
+        assert not failed and pixels[corrupt_row].any()
+    else:
+        assert list(failed) == [corrupt_row] and failed[corrupt_row].startswith("cannot decode image")
+        assert not pixels[corrupt_row].any()
     decoder = cls(transform, torch.device("cpu"), preprocess)
     assert torch.equal(pixels[png_row], decoder.resized(batch.decoded.images())[0])  # decoded by the worker, resized here
     rows = sorted(readable)
@@ -128,12 +143,14 @@ def test_a_batch_with_no_jpeg_for_the_device_is_resized_from_the_workers_images(
     assert not failed and torch.equal(pixels, reference.permute(0, 3, 1, 2))  # shrunk by PIL in the workers: fast's
 
 
-def test_one_bad_file_costs_a_few_halved_calls_not_one_per_file(coco_src):
-    """A library that fails the whole batch for one bad file (torchvision's, DALI's): halves are
-    retried, so 1 bad file in 16 costs 1 + 2 * 4 calls, and every good file is still decoded."""
+def test_a_bad_file_in_the_batch_costs_one_failed_call_and_one_call_a_file(coco_src):
+    """A library that fails the whole batch for one bad file (torchvision's, DALI's) on a file the
+    workers' checks pass (a corrupt scan): each file is then decoded alone, once - 1 + 16 calls for 1
+    bad file in 16, each good file decoded at most twice (halving the batch made 1 + 2 x 4 calls, and
+    decoded each good file up to 5 times) - and every good file is still decoded, as in a clean batch."""
     preprocess = PREPROCESSINGS["bicubic-64"]
     files = [(coco_src / p["image"]).read_bytes() for p in read_pairs(coco_src)[:16]]
-    files[11] = files[11][:600]
+    files[11] = corrupt_scan(files[11])
     batch = ImageBatch(16, JpegBlob.pack(files), tuple(range(16)))
     calls = []
 
@@ -144,10 +161,31 @@ def test_one_bad_file_costs_a_few_halved_calls_not_one_per_file(coco_src):
 
     counted = Counted(StandardTransform.parse(preprocess), torch.device("cpu"), preprocess)
     out, failed = counted(batch)
-    assert sorted(calls, reverse=True) == [16, 8, 8, 4, 4, 2, 2, 1, 1] and list(failed) == [11]
+    assert calls == [16] + [1] * 16 and list(failed) == [11] and failed[11].startswith("cannot decode image")
     plain, _ = DeviceJpegDecoder(StandardTransform.parse(preprocess), torch.device("cpu"), preprocess)(
         ImageBatch(15, JpegBlob.pack(files[:11] + files[12:]), tuple(range(15))))
-    assert (torch.cat([out[:11], out[12:]]).int() - plain.int()).abs().max() <= 1  # the same files, other padding
+    assert torch.equal(torch.cat([out[:11], out[12:]]), plain) and not out[11].any()
+
+
+def test_a_truncated_jpeg_is_decoded_by_its_worker_and_never_reaches_the_device(coco_src):
+    """A download cut short has a whole header (`plain_jpeg` passes it) but no end-of-image marker:
+    the worker decodes it (`device_takes`), so PIL's reason is its row's error as with `decode`
+    fast, and the device's batch never fails for it. Broken variant caught: the header check alone
+    (89907df), which left it to the device."""
+    from pairclean.backends.device_jpeg import device_takes
+
+    preprocess = PREPROCESSINGS["bicubic-64"]
+    good = (coco_src / read_pairs(coco_src)[0]["image"]).read_bytes()
+    truncated = good[:len(good) // 2]
+    assert device_takes(good, True, 0.0) and not device_takes(truncated, True, 0.0)
+    assert device_takes(corrupt_scan(good), True, 0.0)  # what only the device's decode can find out
+    on_device = OpenClipPreparer(preprocess, None, draft_size=64).leaving_to(DeviceJpegDecoder)
+    fast = OpenClipPreparer(preprocess, None, draft_size=64)
+    with pytest.raises(DecodeError) as device_path:
+        on_device.prepare("image", truncated)
+    with pytest.raises(DecodeError) as worker_path:
+        fast.prepare("image", truncated)
+    assert str(device_path.value) == str(worker_path.value) and "truncated" in str(device_path.value)
 
 
 def test_dali_rebuilds_its_pipeline_for_a_bigger_batch(coco_src):

@@ -93,6 +93,31 @@ def test_stage_meter_measures_the_steady_state_after_the_first_batch():
     assert steps["first batch received"] >= 0.03 and steps["first batch through"] == summary["startup_seconds"]
 
 
+def test_a_metered_loader_starts_in_the_callers_thread_before_the_prefetching_threads_warm_up():
+    """`StageMeter.timed` starts the loader where it is called, as an unmetered run's prefetcher does
+    (`iter()` in the consumer's thread, then the thread's warm-up beside the workers' start). Broken
+    variant caught: `timed` as a generator (89907df), whose `iter()` ran in the prefetching thread
+    after the warm-up - a bench round serialising what `score` overlaps."""
+    import threading
+
+    from pairclean.backends.feed import DevicePrefetcher
+
+    events = []
+
+    class Loader:
+        def __iter__(self):
+            events.append(("loader started", threading.current_thread().name))
+            return iter([1, 2])
+
+    meter = StageMeter()
+    meter.start()
+    prefetched = DevicePrefetcher(meter.timed(Loader()), lambda x: x, torch.device("cpu"), threaded=True,
+                                  warm_up=lambda: events.append(("warm-up", threading.current_thread().name)))
+    assert list(prefetched) == [1, 2]
+    main_thread = threading.current_thread().name
+    assert events == [("loader started", main_thread), ("warm-up", "pairclean-device-prefetch")]
+
+
 def as_if_the_device_decodes(monkeypatch) -> None:
     """Runs pin what they would pin where the device decoder runs (CUDA and its package here):
     the CPU's workers still decode the pixels, which no pin test looks at."""

@@ -200,3 +200,51 @@ def test_web_shards_write_a_share_of_progressive_jpegs_of_the_same_pictures(tmp_
         assert np.array_equal(np.asarray(Image.open(io.BytesIO(a["jpg"]))), np.asarray(Image.open(io.BytesIO(b["jpg"]))))
     with pytest.raises(UserError, match="progressive"):
         build_web_shards(src, tmp_path / "bad", shards=1, pairs_per_shard=4, progressive=1.5)
+
+
+def test_web_shards_hold_a_share_of_a_crawls_other_files_drawn_from_the_seed(tmp_path):
+    """`--bad-share`: that share of the images stored as the files a web crawl also holds (truncated
+    JPEGs, PNG, WebP, CMYK, progressive and greyscale JPEGs, empty files, headers declaring
+    65,000 x 65,000 pixels), each pair's kind drawn from (seed, i); every other pair's bytes are the
+    clean shards'. Each kind reads as its format says, and the broken ones fail `decode_image` with
+    the reason a row's error gives."""
+    import webdataset as wds
+
+    from pairclean.data.decode import DecodeError, decode_image
+    from pairclean.lab.coco import BAD_KINDS, HUGE_SIDE, build_web_shards
+
+    src = Path(__file__).parent / "data" / "coco-mini"
+    clean = build_web_shards(src, tmp_path / "clean", shards=1, pairs_per_shard=48, seed=3)
+    main(["synth", "web-shards", "--src", str(src), "--out", str(tmp_path / "bad"), "--shards", "1",
+          "--pairs-per-shard", "48", "--seed", "3", "--bad-share", "0.5"])
+    again = build_web_shards(src, tmp_path / "again", shards=1, pairs_per_shard=48, seed=3, bad_share=0.5, jobs=2)
+    plain = list(wds.WebDataset(clean.shards, shardshuffle=False))
+    bad = list(wds.WebDataset(load_manifest(tmp_path / "bad" / "manifest.yaml").shards, shardshuffle=False))
+    assert [s["jpg"] for s in wds.WebDataset(again.shards, shardshuffle=False)] == [s["jpg"] for s in bad]
+    kinds = {}
+    for a, b in zip(plain, bad):
+        assert a["__key__"] == b["__key__"] and a["txt"] == b["txt"]
+        if a["jpg"] == b["jpg"]:
+            continue
+        data = b["jpg"]
+        if not data:
+            kind = "empty"
+        elif a["jpg"].startswith(data):
+            kind = "truncated"
+        elif data[:4] == b"\x89PNG" or data[:4] == b"RIFF":
+            kind = Image.open(io.BytesIO(data)).format.lower()
+        elif HUGE_SIDE.to_bytes(2, "big") * 2 in data[:1000]:  # the frame header's height and width
+            kind = "huge"
+        else:
+            with Image.open(io.BytesIO(data)) as img:
+                kind = ("cmyk" if img.mode == "CMYK" else "grayscale" if img.mode == "L"
+                        else "progressive" if img.info.get("progressive") else "?")
+        kinds[kind] = kinds.get(kind, 0) + 1
+        if kind in ("truncated", "empty", "huge"):
+            with pytest.raises(DecodeError):
+                decode_image(data)
+        else:
+            assert decode_image(data).mode == "RGB"
+    assert set(kinds) == set(BAD_KINDS) and 12 <= sum(kinds.values()) <= 36
+    with pytest.raises(UserError, match="bad_share|bad-share"):
+        build_web_shards(src, tmp_path / "x", shards=1, pairs_per_shard=4, bad_share=2.0)

@@ -416,9 +416,9 @@ def test_decode_gpu_leaves_the_training_loops_jpegs_for_the_device_and_pins_its_
     monkeypatch.setattr(DeviceJpegDecoder, "decode_crop", lambda self, files: decoded.append(len(files)) or decode_crop(self, files))
     on_device = trainer_module._Loop._on_device
 
-    def watched(self, batch, totals):
+    def watched(self, batch):
         finished.append(isinstance(batch["left"], ImageBatch))
-        return on_device(self, batch, totals)
+        return on_device(self, batch)
 
     monkeypatch.setattr(trainer_module._Loop, "_on_device", watched)
     fast = train(str(coco_shards), tmp_path / "fast", tiny(workers=1))
@@ -503,7 +503,7 @@ def test_the_loss_weights_cross_with_the_inputs_and_the_weighted_loss_waits_for_
     batch = {"key": list("abcdef"), "index": torch.arange(6), "weight": torch.rand(6),
              "left": torch.zeros(6, 3), "right": torch.zeros(6, 4)}
     loop = SimpleNamespace(feed=lambda value: fed.append(value) or value, ctx=SimpleNamespace(left="image", right="text"))
-    trainer_module._Loop._on_device(loop, batch, {"errors": 0})
+    trainer_module._Loop._on_device(loop, batch)
     assert any(v is batch["weight"] for v in fed) and not any(v is batch["index"] for v in fed)
 
     host_copies_without_a_driver(monkeypatch)
@@ -519,3 +519,54 @@ def test_the_loss_weights_cross_with_the_inputs_and_the_weighted_loss_waits_for_
     assert set(copies.values) == {"loss", "pair:loss", "pair:weight", "metric:mean_weight"}
     assert all(v.device.type == "cpu" for v in copies.values.values())
     assert not waits.sites
+
+
+def test_a_metric_a_method_computes_in_bf16_is_logged(tmp_path, coco_shards, monkeypatch):
+    """A method's metric under autocast is a bf16 tensor, which numpy has no type for: read as
+    float32 on the host. Broken variant caught: `.numpy()` of it (89907df: TypeError at the first log line)."""
+    from pairclean.train.methods import plain
+
+    loss = plain.Plain.loss
+
+    def with_bf16_metric(self, batch, emb, ctx):
+        out = loss(self, batch, emb, ctx)
+        out.metrics["half_loss"] = (out.loss.detach() / 2).to(torch.bfloat16)
+        return out
+
+    monkeypatch.setattr(plain.Plain, "loss", with_bf16_metric)
+    train(str(coco_shards), tmp_path / "run", tiny(log_every=1))
+    steps = [r for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if r["event"] == "step"]
+    assert steps and all(r["half_loss"] == pytest.approx(r["loss"] / 2, rel=1e-2) for r in steps)
+
+
+def test_device_decoded_batches_are_prepared_in_a_thread_of_their_own(monkeypatch):
+    """Where a device decoder finishes the images on CUDA, the loop's batches go to the device (and
+    are decoded: nvJPEG blocks the calling thread) in the prefetching thread, not on the main thread
+    that queues the steps; without a device decoder, or off CUDA, in order as before. Broken variant
+    caught: the decode on the main thread (89907df's `_batches`)."""
+    import threading
+    from types import SimpleNamespace
+
+    from pairclean.backends import feed
+
+    monkeypatch.setattr(feed.torch.cuda, "Stream", lambda device=None: SimpleNamespace(device=device))
+    monkeypatch.setattr(feed.torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    monkeypatch.setattr(feed.torch.cuda, "device", lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(feed.torch.cuda, "Event", lambda: SimpleNamespace(record=lambda stream: None))
+    monkeypatch.setattr(feed.torch.cuda, "current_stream", lambda device=None: SimpleNamespace(wait_event=lambda e: None))
+    stats = {"errors": 0, "dropped": 0, "failures": []}
+    batches = [{"key": list("abcd"), "stats": stats} for _ in range(3)]
+
+    def prepared_in(device: str, decoder) -> set[str]:
+        threads = set()
+        loop = SimpleNamespace(cfg=SimpleNamespace(batch_size=4),
+                               target=SimpleNamespace(device=torch.device(device),
+                                                      estimator=SimpleNamespace(device_decoder=decoder)),
+                               _on_device=lambda batch: threads.add(threading.current_thread().name) or (batch, 0))
+        passes = type("Passes", (), {"__iter__": lambda self: iter(batches), "steps": None})()
+        got = list(trainer_module._Loop._batches(loop, passes, {"errors": 0, "dropped": 0}, []))
+        assert len(got) == 3
+        return threads
+
+    assert prepared_in("cuda", object()) == {"pairclean-device-prefetch"}
+    assert prepared_in("cuda", None) == prepared_in("cpu", object()) == {threading.current_thread().name}

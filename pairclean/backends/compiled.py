@@ -11,7 +11,7 @@ three times the GPU arithmetic ViT-B-32 needs for it (docs/benchmarks.md).
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -49,13 +49,15 @@ class CompiledOrEager:
     On CUDA it runs as CUDA graphs; each call then starts a step of its own and its output is
     copied out before a later call can overwrite it. Compilation happens lazily on the first
     call, so that is where failures show up: a missing C++ compiler on CPU, an unsupported op, an
-    old GPU. `active`: still compiled (not fallen back).
+    old GPU. `active`: still compiled (not fallen back); `fallback`: why it fell back (the error's
+    first line), what a benchmark reports beside a `compile` figure (`state`).
     """
 
     def __init__(self, fn: Callable, name: str, device: torch.device, dynamic: bool | None = None):
         self.eager = fn
         self.name = name
         self.graphs = device.type == "cuda"
+        self.fallback: str | None = None
         try:
             self.compiled = torch.compile(fn, dynamic=dynamic, mode="reduce-overhead" if self.graphs else None)
         except Exception as exc:  # torch.compile itself refuses (e.g. unsupported Python)
@@ -65,9 +67,15 @@ class CompiledOrEager:
     def active(self) -> bool:
         return self.compiled is not None
 
+    @property
+    def state(self) -> str:
+        """`compiled`, or `eager after: <why compiling failed>`."""
+        return "compiled" if self.active else f"eager after: {self.fallback}"
+
     def _give_up(self, exc: BaseException) -> None:
         self.compiled = None
         first = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
+        self.fallback = f"{type(exc).__name__}: {first}"
         notice_once(f"compile-{self.name}", f"torch.compile failed for the {self.name} tower, running it eagerly: {first}")
 
     def __call__(self, *args):
@@ -82,3 +90,8 @@ class CompiledOrEager:
                     raise
                 self._give_up(exc)
         return self.eager(*args)
+
+
+def tower_state(tower: Any) -> str:
+    """How a tower runs: a `CompiledOrEager`'s `state`, else `eager` (compiling not asked)."""
+    return tower.state if isinstance(tower, CompiledOrEager) else "eager"

@@ -14,9 +14,10 @@ replicates the edge where PIL renormalises its weights, so its pixels differ fro
 `decode` gpu's do (measured in docs/benchmarks.md).
 
 One pipeline per decoder, built for the run's batch size at the first batch and rebuilt larger
-if a batch is bigger; outputs reach torch through DLPack, bound to the caller's CUDA stream. One
-bad file fails DALI's whole batch: `BatchedDeviceDecoder` retries halves, then PIL. DALI logs one
-line per bad file on stderr (its level cannot go below errors).
+if a batch is bigger; outputs reach torch through DLPack, bound to the caller's CUDA stream, which
+only DALI's dynamic executor does (`run(stream)` refuses a stream under the others: `_dynamic`).
+One bad file fails DALI's whole batch: `BatchedDeviceDecoder` decodes each file alone, then PIL.
+DALI logs one line per bad file on stderr (its level cannot go below errors).
 """
 
 from __future__ import annotations
@@ -37,6 +38,18 @@ def _crop_start(resized, crop: int):
     d = resized - crop
     half = dmath.floor(d / 2)
     return half + (d - 2 * half) * (half - 2 * dmath.floor(half / 2))
+
+
+def _dynamic() -> dict:
+    """The pipeline keyword of DALI's dynamic executor, the one whose `run(stream)` binds its outputs
+    to a CUDA stream (the others raise for a stream): `exec_dynamic`, or `experimental_exec_dynamic`
+    in the DALI releases that named it so."""
+    import inspect
+
+    from nvidia.dali import Pipeline
+
+    known = inspect.signature(Pipeline.__init__).parameters
+    return {"exec_dynamic" if "exec_dynamic" in known else "experimental_exec_dynamic": True}
 
 
 @register_device_decoder
@@ -63,7 +76,8 @@ class DaliJpegDecoder(BatchedDeviceDecoder):
         interp = getattr(types, INTERPOLATION[self.filter])
 
         @pipeline_def(batch_size=batch_size, num_threads=host_threads(), device_id=self.device_id,
-                      prefetch_queue_depth=1)  # fed and run one batch at a time, by `decode_crop`
+                      prefetch_queue_depth=1,  # fed and run one batch at a time, by `decode_crop`
+                      **(_dynamic() if self.device_id is not None else {}))
         def pipeline():
             jpegs = fn.external_source(name="jpegs", dtype=types.UINT8, ndim=1)
             shape = fn.peek_image_shape(jpegs, dtype=types.FLOAT64)  # (H, W, C) from the header
@@ -94,6 +108,6 @@ class DaliJpegDecoder(BatchedDeviceDecoder):
         stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
         (out,) = self.pipe.run(stream, jpegs=[data.numpy() for data in files])
         # (k, crop, crop, 3): HWC, as DALI's images are. Copied out: the pipeline's output buffer is
-        # reused by its next run, which a batch split in halves (a bad file) makes before the parts are joined.
+        # reused by its next run, which a failed batch's files, decoded one by one, make before they are joined.
         pixels = torch.from_dlpack(out.as_tensor()).clone()
         return pixels.permute(0, 3, 1, 2), list(range(len(files)))

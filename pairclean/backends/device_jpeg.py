@@ -21,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import importlib
 import io
+import multiprocessing
 import os
 import warnings
 from abc import ABC, abstractmethod
@@ -34,7 +35,7 @@ from pairclean.backends.feed import DeviceFeed
 from pairclean.backends.inputs import DecodedImages, DeviceImages, ImageBatch, JpegBlob, StandardTransform
 from pairclean.backends.resample import resize_crop
 from pairclean.config import SHARE, check_choice, check_value
-from pairclean.data.decode import DecodeError, decode_image
+from pairclean.data.decode import DecodeError, decode_image, plain_jpeg
 from pairclean.errors import ConfigError
 from pairclean.ops import distributed
 
@@ -52,6 +53,16 @@ def worker_decodes(data: bytes, share: float) -> bool:
     a busy device decoder and idle cores, as DALI's `hw_decoder_load` splits it between the GPU's
     hardware decoder and nvJPEG's hybrid one."""
     return share > 0 and int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "big") < share * 2**64
+
+
+def device_takes(data, progressive: bool, share: float) -> bool:
+    """Whether a worker leaves this image to a device decoder undecoded: a `plain_jpeg` (a progressive
+    one only where the decoder takes them) that is whole - its last two bytes the end-of-image marker -
+    and not among the `cpu_decode_share` the workers keep (`worker_decodes`). A file cut short (a
+    download that stopped: its header is whole, so `plain_jpeg` passes it) fails a batched decode as a
+    whole (torchvision's, DALI's); checked here, it costs the worker its own decode (PIL then says why
+    it cannot), and its row and error are those the workers' path gives (`decode` fast)."""
+    return plain_jpeg(data, progressive=progressive) and data[-2:] == b"\xff\xd9" and not worker_decodes(data, share)
 
 
 def check_decode(decode: str) -> None:
@@ -171,9 +182,12 @@ def usable_cores() -> int:
 
 def host_threads() -> int:
     """CPU threads a device decoder's library may use for its host work (JPEG headers, Huffman
-    decoding of small images, the images the device cannot take): half the cores this process
-    may run on, at most 8; the DataLoader workers have the rest."""
-    return max(1, min(8, usable_cores() // 2))
+    decoding of small images, the images the device cannot take): the cores this process may run on
+    less its live child processes (the DataLoader's workers, started before a decoder makes its
+    library's handle at its first batch) and the two threads that feed the device (the main one and
+    the prefetching one), at most 8, at least 1. 14 workers on 16 hyperthreads leave it one thread,
+    not 8 more beside them; 6 workers (`DEVICE_DECODE_WORKERS`), 8."""
+    return max(1, min(8, usable_cores() - len(multiprocessing.active_children()) - 2))
 
 
 # `workers` auto where the device decodes every JPEG: a worker then reads and tokenises only (0.126 ms
@@ -203,11 +217,13 @@ def auto_workers(device: str, decode: str = "fast", cpu_decode_share: float = 0.
 
 class BatchedDeviceDecoder(DeviceDecoder):
     """A device decoder made of one batched library call (`decode_crop`), with the failure
-    handling every such decoder needs: when the call fails as a whole (one bad file fails
-    torchvision's or DALI's batch), the batch is split in halves and each retried, down to single
-    files, so k bad files in n cost about 2 k log2(n) calls, not n; a file the library cannot
-    decode goes through PIL, as in the workers, and one PIL cannot decode either becomes a failed
-    row with PIL's reason."""
+    handling every such decoder needs. The workers send only whole, plain JPEGs (`device_takes`), so
+    a call rarely fails; when one fails as a whole (a file whose scan is corrupt fails torchvision's
+    or DALI's batch), each file of the batch is decoded alone, once: a bad file costs its batch one
+    failed call and a call per file, never more (halving the batch down to the bad file cost about
+    2 k log2(n) calls, each a stream synchronisation, and decoded each good file log2(n) times). A file
+    the library cannot decode goes through PIL, as in the workers, and one PIL cannot decode either
+    becomes a failed row with PIL's reason."""
 
     batch_errors: tuple[type[BaseException], ...] = (RuntimeError,)  # how the library says a call failed
 
@@ -217,26 +233,31 @@ class BatchedDeviceDecoder(DeviceDecoder):
         cropped as the model's preprocessing; their positions in `files`). A file it cannot decode
         is left out; a call that fails as a whole raises one of `batch_errors`."""
 
-    def _decode_split(self, files: list[torch.Tensor], positions: list[int]) -> tuple[list[torch.Tensor], list[int]]:
-        """`decode_crop` of these files, halving the batch where a call fails: (pixel tensors, the
-        positions they hold, in order)."""
+    def _decode_all(self, files: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[int]]:
+        """`decode_crop` of the batch; where the call fails as a whole, of each file alone: (pixel
+        tensors, the positions they hold, in order)."""
         try:
-            pixels, decoded = self.decode_crop([files[p] for p in positions])
-            return [pixels], [positions[i] for i in decoded]
+            pixels, decoded = self.decode_crop(files)
+            return [pixels], decoded
         except self.batch_errors:
-            if len(positions) == 1:
-                return [], []
-        middle = len(positions) // 2
-        first, first_at = self._decode_split(files, positions[:middle])
-        second, second_at = self._decode_split(files, positions[middle:])
-        return first + second, first_at + second_at
+            pass
+        parts, decoded = [], []
+        for position, data in enumerate(files):
+            try:
+                pixels, got = self.decode_crop([data])
+            except self.batch_errors:
+                continue
+            if got:
+                parts.append(pixels)
+                decoded.append(position)
+        return parts, decoded
 
     def __call__(self, batch: ImageBatch) -> tuple[torch.Tensor, dict[int, str]]:
         """(uint8 pixels of every row on the device, zeros where decoding failed; {row: reason})."""
         crop = self.transform.crop
         out = torch.zeros((batch.rows, 3, crop, crop), dtype=torch.uint8, device=self.device)
         files = batch.jpegs.files()
-        parts, decoded = self._decode_split(files, list(range(len(files)))) if files else ([], [])
+        parts, decoded = self._decode_all(files) if files else ([], [])
         if decoded:
             rows = host_values([batch.jpeg_rows[p] for p in decoded], self.device)
             out[rows] = torch.cat(parts) if len(parts) > 1 else parts[0]

@@ -87,14 +87,19 @@ class HostCopies:
     through `wait()`, which waits (a CUDA event) only for the work queued before the copies. A
     scalar read (`float(loss)`, `.item()`) or a blocking `.cpu()` waits for everything queued on
     the stream instead - the batch or step queued after it too - and the device then idles until
-    the host has queued the next one. On a CPU device the values are the tensors themselves."""
+    the host has queued the next one. On a CPU device the values are the tensors themselves.
+
+    The event is a blocking one: the waiting thread sleeps until the device signals it. A default
+    event's `synchronize()` spins (CUDA's automatic scheduling spins where the process has fewer
+    contexts than cores), holding a core the DataLoader's workers and the prefetching thread need
+    for as long as the device computes - on the H100 figures, most of each batch."""
 
     def __init__(self, tensors: dict[str, torch.Tensor | None] | None = None):
         tensors = {name: t for name, t in (tensors or {}).items() if t is not None}
         self.values = {name: to_host(t.detach()) for name, t in tensors.items()}
         self.ready = None
         if any(t.is_cuda for t in tensors.values()):
-            self.ready = torch.cuda.Event()
+            self.ready = torch.cuda.Event(blocking=True)
             self.ready.record()
 
     def wait(self) -> dict[str, torch.Tensor]:

@@ -9,7 +9,9 @@ go to `resize_many` as they are, without a copy: planar RGB, seen by torch throu
 memory) or the array interface (host memory). Its CPU backend gives PIL's pixels exactly
 (libjpeg-turbo both); the resize differs from PIL's as `decode` gpu's does (docs/benchmarks.md).
 
-A file it cannot decode comes back as None, not as a failed batch, so a bad file costs no retry.
+A file it cannot decode comes back as None, not as a failed batch, so a bad file costs no retry;
+a call that gave fewer images than files (which row is which could not be told) counts as failed,
+and each file is then decoded alone (`BatchedDeviceDecoder`).
 Its own log line per such file is silenced (PYNVIMGCODEC_VERBOSITY=0 unless set): the row's error
 says what PIL found. Silenced too would be its one line saying its GPU decoders did not load
 (they need libnvjpeg: the `nvjpeg` extra of its package, which pairclean[gpu] installs), after
@@ -18,6 +20,7 @@ which every image quietly takes its CPU decoder; a probe decode on the GPU at st
 
 from __future__ import annotations
 
+import functools
 import io
 import os
 
@@ -51,17 +54,23 @@ class NvImageCodecDecoder(BatchedDeviceDecoder):
         # EXIF-rotated JPEGs never get here (`plain_jpeg`); greyscale ones come out as RGB, as PIL converts them.
         self.params = nvimgcodec.DecodeParams(apply_exif_orientation=False, color_spec=nvimgcodec.ColorSpec.SRGB,
                                               sample_format=nvimgcodec.SampleFormat.P_RGB)
+        self.index = None
         if device.type == "cuda":
-            index = device.index if device.index is not None else torch.cuda.current_device()
-            self.decoder = nvimgcodec.Decoder(device_id=index, max_num_cpu_threads=host_threads())
-            if not self._gpu_decodes(index):
+            self.index = device.index if device.index is not None else torch.cuda.current_device()
+            if not self._gpu_decodes(self.index):
                 notice_once("decode-nvimgcodec-cpu", "`decode` nvimgcodec: nvImageCodec's GPU decoders did not load "
                             "here (no libnvjpeg: pip install 'nvidia-nvimgcodec-cu13[nvjpeg]'); its CPU decoder "
                             "decodes the JPEGs instead", "decode")
-        else:
-            self.decoder = nvimgcodec.Decoder(device_id=nvimgcodec.NVIMGCODEC_DEVICE_CPU_ONLY,
-                                              max_num_cpu_threads=host_threads(),
-                                              backends=[nvimgcodec.Backend(nvimgcodec.BackendKind.CPU_ONLY)])
+
+    @functools.cached_property
+    def decoder(self):
+        """nvImageCodec's decoder, made at the first batch (or the warm-up): the DataLoader has started
+        its workers by then, so its host threads are the cores they leave (`host_threads`)."""
+        nvimgcodec = self.library
+        if self.index is not None:
+            return nvimgcodec.Decoder(device_id=self.index, max_num_cpu_threads=host_threads())
+        return nvimgcodec.Decoder(device_id=nvimgcodec.NVIMGCODEC_DEVICE_CPU_ONLY, max_num_cpu_threads=host_threads(),
+                                  backends=[nvimgcodec.Backend(nvimgcodec.BackendKind.CPU_ONLY)])
 
     def _gpu_decodes(self, index: int) -> bool:
         """Whether a decoder restricted to one of the device's backends (the hardware decoder, the
@@ -100,6 +109,8 @@ class NvImageCodecDecoder(BatchedDeviceDecoder):
             except RuntimeError:  # a header it cannot parse: PIL's turn
                 pass
         images = self.decoder.decode(streams, params=self.params, cuda_stream=self._stream()) if streams else []
+        if len(images) != len(streams):  # no image a stream: which row each one is cannot be told
+            raise RuntimeError(f"nvImageCodec gave {len(images)} images for {len(streams)} files")
         decoded = [(position, image) for position, image in zip(parsed, images) if image is not None]
         if not decoded:
             crop = self.transform.crop

@@ -22,10 +22,10 @@ import torch
 
 from pairclean.backends.base import (Backend, attempted, autocast_context, file_sha256, frozen_copy, move_batch,
                                      pick_device, random_vocabulary_texts, register_backend, resolve_precision)
-from pairclean.backends.compiled import CompiledOrEager, RowPadding, pad_rows
+from pairclean.backends.compiled import CompiledOrEager, RowPadding, pad_rows, tower_state
 from pairclean.backends.oom import is_out_of_memory
 from pairclean.backends.checkpoint_model import checkpoint_models
-from pairclean.backends.device_jpeg import DEVICE_DECODERS, DeviceDecoder, check_cpu_decode_share, worker_decodes
+from pairclean.backends.device_jpeg import DEVICE_DECODERS, DeviceDecoder, check_cpu_decode_share, device_takes
 from pairclean.backends.inputs import (DecodedImages, DeviceImages, ImageBatch, JpegBlob, PixelNormalizer, StandardTransform,
                                        TokenBatch, stack_pixels)
 from pairclean.backends.hub import check_fetchable
@@ -105,8 +105,8 @@ class OpenClipPreparer:
     Where the model's preprocessing is the standard chain, a worker applies only its geometry
     (resize, crop) and sends uint8 pixels; the device normalises them (`PixelNormalizer`). The
     resize is torch's (`StandardTransform.fast_pixels`) unless `exact` (PIL's, the model's own).
-    With `device_jpeg`, JPEGs the device can decode are passed on undecoded (progressive ones only
-    if `device_progressive`; none of the `cpu_decode_share` the workers keep, `worker_decodes`), and
+    With `device_jpeg`, whole JPEGs the device can decode are passed on undecoded (`device_takes`:
+    progressive ones only if `device_progressive`; none of the `cpu_decode_share` the workers keep), and
     the other images are decoded here and sent at their own sizes, for the device to resize and
     crop with the rest (`ImageBatch`); with `device_resize`, every image is (`DecodedImages`); with
     `token_ends`, token ids come with each caption's end (`TokenBatch`), for a text tower that trims."""
@@ -169,8 +169,7 @@ class OpenClipPreparer:
     def _opened(self, value):
         """An image as far as a worker takes it before its geometry: the JPEG's bytes where the device
         decodes it, else the decoded image (`_decoded`)."""
-        if (self.device_jpeg and plain_jpeg(value, progressive=self.device_progressive)
-                and not worker_decodes(value, self.cpu_decode_share)):
+        if self.device_jpeg and device_takes(value, self.device_progressive, self.cpu_decode_share):
             return bytes(value)  # decoded with the rest of its batch on the device
         return self._decoded(value)
 
@@ -549,6 +548,10 @@ class OpenClipEstimator:
         else:
             self._image_tower = _plain_encode_image
             self._text_tower = trimmed_encode_text if self.text_trim else _plain_encode_text
+
+    def compiled_towers(self) -> dict[str, str]:
+        """How each tower runs now (`compiled.tower_state`): a compiled figure is one where both say `compiled`."""
+        return {"image": tower_state(self._image_tower), "text": tower_state(self._text_tower)}
 
     @property
     def text_cuts(self) -> TextCuts:

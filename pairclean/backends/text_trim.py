@@ -51,15 +51,21 @@ def causal_blocks(transformer: torch.nn.Module, x: torch.Tensor, mask: torch.Ten
     return x
 
 
+FUSED_DEVICES = ("cuda",)  # where eager text towers take `causal_blocks` (a test adds "cpu" to run CUDA's path)
+
+
 def fused_attention(model: torch.nn.Module, x: torch.Tensor) -> bool:
     """Whether the text tower runs `causal_blocks`: on CUDA, where each of the float mask's ~50 ops a
     block is a kernel launch the host pays for (on the H100 the eager text tower took 17.9 ms a call
     of 1,024 captions for some 3 ms of arithmetic), in inference, for open_clip's own batch-first
-    blocks. A CPU keeps open_clip's path: its fp32 scores are pinned bit for bit."""
+    blocks, not while torch.compile traces it: a compiled tower launches no op by op (and traced,
+    MultiheadAttention's path guards on the cut's length, a compilation for every cut of the captions:
+    `tests/test_cuda_calls.py`). A CPU keeps open_clip's path: its fp32 scores are pinned bit for bit."""
     from open_clip.transformer import ResidualAttentionBlock
 
     transformer = model.transformer
-    return (x.is_cuda and not torch.is_grad_enabled() and getattr(transformer, "batch_first", False)
+    return (x.device.type in FUSED_DEVICES and not torch.is_grad_enabled() and not torch.compiler.is_compiling()
+            and getattr(transformer, "batch_first", False)
             and not getattr(transformer, "grad_checkpointing", False)
             and all(type(b) is ResidualAttentionBlock and not hasattr(b, "ln_1_kv") for b in transformer.resblocks))
 

@@ -97,6 +97,9 @@ def summary_lines(report) -> list[str]:
     lines = [f"model {c['model']} ({c['pretrained']}) on {c['device']}, {c['precision']}, batch {c['batch_size']}, "
              f"{c['workers']} workers, decode {decode_label(c['decode'], c.get('cpu_decode_share'))}, compile {c['compile']}, "
              f"{c['torch_threads']} torch threads / {c['cpu_count']} CPUs"]
+    eager = {tower: how for tower, how in (c.get("compiled_towers") or {}).items() if how != "compiled"}
+    if c["compile"] and eager:
+        lines.append("compile asked, but " + "; ".join(f"the {tower} tower ran {how}" for tower, how in eager.items()))
     e2e = report.rounds[-1].end_to_end.extra
     if not c["device"].startswith("cuda"):
         lines.append("GPU: no CUDA device (--decode gpu, --compile on a GPU and GPU utilisation not measured here)")
@@ -165,7 +168,7 @@ def bench_score_command(
     """Model-only ceiling vs end-to-end `pairclean score` vs a naive loop vs the pipeline alone: pairs/s,
     ratios, peak memory, the main process's CPU per pair by stage."""
     dataset = options.dataset_given(ctx)
-    from pairclean.scoring.bench import bench_score, write_report
+    from pairclean.scoring.bench import bench_score
     from pairclean.ops.guard import open_output
     from pairclean.scoring.model import ScoreConfig
 
@@ -175,11 +178,10 @@ def bench_score_command(
                       decode=decode, cpu_decode_share=cpu_decode_share, compile=compile, batch_size=batch_size, workers=options.workers_given(workers), beta_mode=beta_mode,
                       beta_k=beta_k, beta_cache=beta_cache)
     report = bench_score(data, cfg, naive_pairs=naive_pairs, min_seconds=min_seconds, repeat=repeat,
-                         progress=RichProgress(err_console), pipeline_only=pipeline_only)
+                         progress=RichProgress(err_console), pipeline_only=pipeline_only, out=target)
     for table in report_tables(report):
         print_table(console, table)
     for line in summary_lines(report):
         console.print(line, highlight=False)
-    if target is not None:
-        write_report(report, target)
+    if target is not None:  # written after each phase
         console.print(f"report: {target.path}", highlight=False)

@@ -64,13 +64,16 @@ def web_shards_command(
     seed: int = typer.Option(0, help="Pair i depends only on (seed, i)."),
     jobs: int = typer.Option(1, help="Processes rendering the pairs (the shards are the same for any number)."),
     progressive: float = typer.Option(0.0, help="Share of the JPEGs written progressive, 0-1 (web crawls hold some)."),
+    bad_share: float = typer.Option(0.0, help="Share of the images stored as a web crawl's other files, 0-1: truncated "
+                                    "JPEGs, PNG, WebP, CMYK, progressive and greyscale JPEGs, empty files, headers "
+                                    "declaring 65,000 x 65,000 pixels (one kind each, drawn from the seed)."),
     overwrite: bool = typer.Option(False, help="Replace an existing directory."),
 ) -> None:
     """Web-style shards for throughput: COCO-mini images cropped, resized to 256-384 px and re-encoded."""
     from pairclean.lab.coco import build_web_shards
 
     spec = build_web_shards(src, out, shards=shards, pairs_per_shard=pairs_per_shard, seed=seed, overwrite=overwrite,
-                            jobs=jobs, progressive=progressive)
+                            jobs=jobs, progressive=progressive, bad_share=bad_share)
     console.print(f"{shards * pairs_per_shard:,} pairs in {len(spec.shards)} shard(s) under {out}; "
                   f"manifest {out / 'manifest.yaml'}")
 

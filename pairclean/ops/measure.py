@@ -221,10 +221,16 @@ class StageMeter:
         self._started = self._last[0]
 
     def timed(self, batches: Iterable) -> Iterator:
-        """`batches`, with two start-up milestones noted from whichever thread takes them: `loader
-        started` once `iter()` returned (where a DataLoader forks its workers), `first batch received`."""
+        """`batches` started here, in the caller's thread (`iter()`: where a DataLoader forks its
+        workers; noted as `loader started`), with `first batch received` noted from whichever thread
+        takes it. Not a generator itself: a generator's body runs at its first `next()`, which the
+        prefetching thread makes after its warm-up, so a metered run would start its loader only
+        then and serialise what an unmetered one overlaps (the warm-up beside the workers' start)."""
         items = iter(batches)
         self.milestones.setdefault("loader started", time.perf_counter() - self._started)
+        return self._received(items)
+
+    def _received(self, items: Iterator) -> Iterator:
         for item in items:
             self.milestones.setdefault("first batch received", time.perf_counter() - self._started)
             yield item

@@ -2,9 +2,11 @@
 
 Three measurements in one process, on one estimator (loaded once), same batch size and precision:
 
-(a) ceiling   - the estimator's encode on batches already in memory: the same rows per batch
+(a) ceiling   - the estimator's encode on batches already on the device: the same rows per batch
                 and the same tokenised captions as the data (so the text tower runs the same
-                lengths), random pixels for images. No reading, no decoding.
+                lengths), random pixels for images. No reading, no decoding, no copies; each
+                batch's sims read back one batch behind, as the pipeline's sink reads them (the
+                host queues batch i+1 while the device computes batch i).
 (b) end-to-end - `pairclean.scoring.model.score` on the given shards: workers, decode, encode, sink,
                 finalize. Its scoring loop is what (b)/(a) compares; the whole call (beta and
                 finalize included) is reported beside it.
@@ -19,7 +21,10 @@ Three measurements in one process, on one estimator (loaded once), same batch si
                 process. With `decode` gpu it runs the device decoder even on a CPU, so its
                 per-batch cost shows on a machine without a GPU too.
 
-Peak memory, GPU use and CPU seconds per phase are measured by `ops.measure`.
+Peak memory, GPU use and CPU seconds per phase are measured by `ops.measure`. The JSON report is
+written after each phase (a run stopped by a timeout keeps what it had measured), and records
+whether each tower ran compiled (`compiled_towers`: a tower that fell back to eager says why), so a
+`compile` figure is never an eager one unawares.
 """
 
 from __future__ import annotations
@@ -39,8 +44,9 @@ import torch
 from PIL import Image
 
 from pairclean.backends import build_estimator, check_backend
-from pairclean.backends.base import autocast_context, prepare_each, resolve_precision
+from pairclean.backends.base import autocast_context, move_batch, prepare_each, resolve_precision
 from pairclean.backends.device_jpeg import DEVICE_DECODERS
+from pairclean.backends.feed import HostCopies
 from pairclean.backends.inputs import DeviceImages, StandardTransform, TokenBatch
 from pairclean.backends.oom import OomBackoff, batch_rows
 from pairclean.backends.open_clip import OpenClipEstimator
@@ -216,8 +222,11 @@ def ceiling_pixels(estimator, n: int, generator: torch.Generator) -> torch.Tenso
 
 def measure_ceiling(estimator, data: Dataset, batch_size: int, min_seconds: float,
                     max_pairs: int = 8192, groups: list[list[str]] | None = None) -> Phase:
-    """Encode in-memory batches shaped like the data's until `min_seconds` have passed (one pass
-    at least); `groups`: the run's packing of the units (default: one unit each)."""
+    """Encode batches shaped like the data's, held on the device, until `min_seconds` have passed
+    (one pass at least), each batch's sims read back after the next batch is queued (`HostCopies`,
+    as the pipeline's sink): a read of each batch as it is queued (`.cpu()`) idled the device while
+    the host queued the next, understating the ceiling. `groups`: the run's packing of the units
+    (default: one unit each)."""
     left, right = modalities(data.spec.pair)
     plan = _batch_plan(data, groups or [[u] for u in data.units()], batch_size, max_pairs)
     if not plan:
@@ -234,15 +243,20 @@ def measure_ceiling(estimator, data: Dataset, batch_size: int, min_seconds: floa
             else:
                 prep = estimator.preparer
                 inputs[side] = prep.collate(modality, [prep.prepare(modality, t) for t in rows[side]])
-            if estimator.device.type == "cuda" and hasattr(inputs[side], "pin_memory"):
-                inputs[side] = inputs[side].pin_memory()  # as the pipeline's DataLoader hands them over
-        batches.append((n, inputs))
+        batches.append((n, move_batch(inputs, estimator.device)))  # once: the model alone is measured
     backoff = {left: OomBackoff(), right: OomBackoff()}
+    behind: list[HostCopies] = []  # the batch queued before, whose sims are read once the next is queued
 
     def step(inputs) -> None:
         u = backoff[left](lambda b: estimator.encode(left, b), inputs["left"])
         v = backoff[right](lambda b: estimator.encode(right, b), inputs["right"])
-        (u * v).sum(-1).cpu()  # the sync the pipeline also pays
+        behind.append(HostCopies({"sims": (u * v).sum(-1)}))
+        if len(behind) > 1:
+            behind.pop(0).wait()
+
+    def drain() -> None:
+        while behind:
+            behind.pop(0).wait()
 
     # Warm-up on every distinct input shape (rows, and trimmed caption length per text bucket):
     # oneDNN/cuDNN build kernels per shape and torch.compile per shape, a one-time cost that a
@@ -253,6 +267,7 @@ def measure_ceiling(estimator, data: Dataset, batch_size: int, min_seconds: floa
         if shape not in seen:
             seen.add(shape)
             step(inputs)
+            drain()
     load0 = os.getloadavg()[0]
     gpu_peak_reset(estimator.device)
     pairs, elapsed, passes = 0, 0.0, 0
@@ -267,11 +282,14 @@ def measure_ceiling(estimator, data: Dataset, batch_size: int, min_seconds: floa
                 if passes > 0 and elapsed >= min_seconds:
                     break
             passes += 1
+        drain()
+        elapsed = time.perf_counter() - started
     cpu = cpu_seconds() - cpu0
     extra = {"batches_per_pass": len(batches), "passes": passes, "warmup_shapes": len(seen),
              "gpu_utilisation": busy.percent,
              "chunk_after_oom": {m: b.chunk for m, b in backoff.items() if b.halvings}}
     extra.update(_text_trim_gain(estimator, left, right, batches))
+    extra["compiled_towers"] = compiled_towers(estimator)
     return Phase("ceiling (model only)", pairs, elapsed, mem.peak_mib, mem.peak_rss_mib,
                  gpu_peak_mib(estimator.device), (load0, os.getloadavg()[0]), cpu, extra)
 
@@ -386,7 +404,7 @@ def measure_end_to_end(estimator, data: Dataset, cfg: ScoreConfig, workdir: Path
              "errors": s.errors, "workers": cfg.workers, "gpu_utilisation": busy.percent,
              "batches": s.batches,
              "full_batches": s.full_batches, "mean_batch_fill": s.mean_batch_fill,
-             "meter": meter.summary()}
+             "meter": meter.summary(), "compiled_towers": compiled_towers(estimator)}
     return Phase("end-to-end scoring loop", result.pairs_scored_now, result.seconds, mem.peak_mib, mem.peak_rss_mib,
                  gpu_peak_mib(estimator.device), (load0, os.getloadavg()[0]), cpu, extra)
 
@@ -526,12 +544,20 @@ def _children_cpu() -> float:
 
 # ---------------------------------------------------------------- all four
 
+def compiled_towers(estimator) -> dict[str, str] | None:
+    """How each tower of the estimator runs now (`compiled`, `eager`, or `eager after: <why>` where
+    compiling failed); None for an estimator that compiles nothing."""
+    state = getattr(estimator, "compiled_towers", None)
+    return state() if state is not None else None
+
+
 @declare(naive_pairs=at_least(0), min_seconds=at_least(0), repeat=COUNT)
 def bench_score(source: str | list[str] | DatasetSpec | Dataset, cfg: ScoreConfig, naive_pairs: int = 512,
                 min_seconds: float = 10.0, repeat: int = 1, estimator=None, progress: Progress = SILENT,
-                pipeline_only: bool = False) -> BenchReport:
+                pipeline_only: bool = False, out: Output | None = None) -> BenchReport:
     """Measure (a), (b), (c), (d) `repeat` times, interleaved, with one estimator; `pipeline_only`:
-    (d) alone (no model arithmetic: quick on any machine)."""
+    (d) alone (no model arithmetic: quick on any machine). `out`: the report, written after each
+    phase, so a run cut short keeps the phases it measured."""
     data = as_dataset(source)
     spec = data.spec
     cfg = cfg.resolved(spec.pair)
@@ -544,37 +570,50 @@ def bench_score(source: str | list[str] | DatasetSpec | Dataset, cfg: ScoreConfi
                                     precision=cfg.precision, decode=cfg.decode, compile=cfg.compile,
                                     cpu_decode_share=cfg.cpu_decode_share)
     say = progress.note
+    report = BenchReport({}, [])
+
+    def keep() -> None:
+        """The report so far, as it stands after a phase (the towers' compile state as of now)."""
+        report.config = {
+            "model": cfg.model, "pretrained": cfg.pretrained, "backend": cfg.backend,
+            "device": str(estimator.device), "precision": estimator.precision,
+            "batch_size": cfg.batch_size, "workers": cfg.workers, "decode": getattr(estimator, "decode", cfg.decode),
+            "cpu_decode_share": cfg.cpu_decode_share,
+            "compile": cfg.compile, "compiled_towers": compiled_towers(estimator),
+            "text_trim": getattr(estimator, "text_trim", False),
+            "text_cuts": asdict(cuts) if (cuts := getattr(estimator, "text_cuts", None)) else None,
+            "autocast": getattr(estimator, "autocast", None),  # the towers under autocast (open_clip)
+            "torch_threads": torch.get_num_threads(), "cpu_count": os.cpu_count(), "torch": torch.__version__,
+            "shards": len(spec.shards), "pair": spec.pair, "pipeline_only": pipeline_only}
+        if out is not None:
+            write_report(report, out)
+
     say("worker cost per pair ...")
-    prepare_ms = measure_prepare_cost(estimator, data)
+    report.prepare_ms = measure_prepare_cost(estimator, data)
+    keep()
     if cfg.beta_mode == "random-inputs" and cfg.beta_cache and not pipeline_only:
         say("beta (once; the measured runs read it from the beta cache) ...")
         ModelProducer(data, cfg, estimator).random_beta()
     groups = ModelProducer(data, cfg, estimator).groups(data.units(), 1)  # as a scoring run of one process packs them
-    rounds = []
     with tempfile.TemporaryDirectory(prefix="pairclean-bench-") as tmp:
         for i in range(repeat):
             tag = f"[{i + 1}/{repeat}] " if repeat > 1 else ""
-            ceiling = e2e = naive = None
+            done = BenchRound(None, None, None)
+            report.rounds.append(done)
             if not pipeline_only:
                 say(f"{tag}(a) model-only ceiling ...")
-                ceiling = measure_ceiling(estimator, data, cfg.batch_size, min_seconds, groups=groups)
+                done.ceiling = measure_ceiling(estimator, data, cfg.batch_size, min_seconds, groups=groups)
+                keep()
                 say(f"{tag}(b) end-to-end pairclean score ...")
-                e2e = measure_end_to_end(estimator, data, cfg, Path(tmp))
+                done.end_to_end = measure_end_to_end(estimator, data, cfg, Path(tmp))
+                keep()
                 say(f"{tag}(c) naive reference loop ...")
-                naive = measure_naive(estimator, data, cfg.batch_size, naive_pairs)
+                done.naive = measure_naive(estimator, data, cfg.batch_size, naive_pairs)
+                keep()
             say(f"{tag}(d) pipeline only (zero-cost model) ...")
-            pipeline = measure_pipeline_only(estimator, data, cfg, Path(tmp))
-            rounds.append(BenchRound(ceiling, e2e, naive, pipeline))
-    config = {"model": cfg.model, "pretrained": cfg.pretrained, "backend": cfg.backend,
-              "device": str(estimator.device), "precision": estimator.precision,
-              "batch_size": cfg.batch_size, "workers": cfg.workers, "decode": getattr(estimator, "decode", cfg.decode),
-              "cpu_decode_share": cfg.cpu_decode_share,
-              "compile": cfg.compile, "text_trim": getattr(estimator, "text_trim", False),
-              "text_cuts": asdict(cuts) if (cuts := getattr(estimator, "text_cuts", None)) else None,
-              "autocast": getattr(estimator, "autocast", None),  # the towers under autocast (open_clip)
-              "torch_threads": torch.get_num_threads(), "cpu_count": os.cpu_count(), "torch": torch.__version__,
-              "shards": len(spec.shards), "pair": spec.pair, "pipeline_only": pipeline_only}
-    return BenchReport(config, rounds, prepare_ms)
+            done.pipeline_only = measure_pipeline_only(estimator, data, cfg, Path(tmp))
+            keep()
+    return report
 
 
 def write_report(report: BenchReport, out: Output | Path) -> None:

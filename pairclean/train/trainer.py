@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from contextlib import closing
 import os
 import random
 import shutil
@@ -37,7 +38,7 @@ from pairclean.errors import ConfigError, UserError
 from pairclean.backends import load_target
 from pairclean.backends.base import PRECISIONS, autocast_context
 from pairclean.backends.device_jpeg import auto_workers, check_decode, pinned_decoding
-from pairclean.backends.feed import DeviceFeed, HostCopies
+from pairclean.backends.feed import DeviceFeed, DevicePrefetcher, HostCopies, device_tensors
 from pairclean.backends.inputs import DeviceImages
 from pairclean.backends.oom import take_rows
 from pairclean.data.dataset import Dataset, as_dataset
@@ -431,29 +432,37 @@ class _Loop:
         def usable(n: int) -> bool:  # a lone pair has no negatives
             return n >= 2 and (n == full or not distributed.is_distributed())
 
-        it = iter(loader)
-        for _ in (range(loader.steps) if loader.steps is not None else itertools.count()):
-            batch = next(it, None)
-            while batch is not None:
-                stats = batch["stats"]
-                totals["errors"] += stats["errors"]
-                totals["dropped"] += stats["dropped"]
-                failures.extend(stats["failures"])
-                if usable(len(batch["key"])):
-                    batch = self._on_device(batch, totals)
+        def prepare(batch: dict) -> tuple[dict, int]:
+            return self._on_device(batch) if usable(len(batch["key"])) else (batch, 0)
+
+        # Where a device decoder finishes the images on CUDA, batch i+1 goes to the device and is decoded
+        # there in a thread of its own (nvJPEG's decode blocks the thread that calls it) while the main
+        # thread queues step i, as scoring's batches are; otherwise in order, its copies on the feed's stream.
+        decoder = getattr(getattr(self.target, "estimator", None), "device_decoder", None)
+        prepared = DevicePrefetcher(loader, prepare, self.target.device, held=lambda item: device_tensors(item[0]),
+                                    threaded=self.target.device.type == "cuda" and decoder is not None)
+        with closing(iter(prepared)) as it:
+            for _ in (range(loader.steps) if loader.steps is not None else itertools.count()):
+                batch = None
+                for batch, errors in it:
+                    stats = batch["stats"]
+                    totals["errors"] += stats["errors"] + errors
+                    totals["dropped"] += stats["dropped"]
+                    failures.extend(stats["failures"])
                     if usable(len(batch["key"])):
                         break
-                if distributed.is_distributed():
-                    totals["dropped"] += len(batch["key"])
-                batch = next(it, None)
-            if not distributed.all_reduce_min(batch is not None):
-                return
-            yield batch
+                    if distributed.is_distributed():
+                        totals["dropped"] += len(batch["key"])
+                    batch = None
+                if not distributed.all_reduce_min(batch is not None):
+                    return
+                yield batch
 
-    def _on_device(self, batch: dict, totals: dict) -> Keyed:
+    def _on_device(self, batch: Keyed) -> tuple[Keyed, int]:
         """The batch's inputs on the device, copied on the feed's side stream; JPEGs the loader left
-        for the device (`decode` gpu ...) decoded there too, overlapping the step before. A row
-        neither the device nor PIL can decode leaves the batch, counted as an error."""
+        for the device (`decode` gpu ...) decoded there too, overlapping the step before; the rows
+        that failed there. A row neither the device nor PIL can decode leaves the batch, counted as
+        an error."""
         batch = {k: self.feed(v) if k.endswith(FED) else v for k, v in batch.items()}
         failed: dict[int, str] = {}
         for side, modality in (("left", self.ctx.left), ("right", self.ctx.right)):
@@ -461,10 +470,9 @@ class _Loop:
                 batch[side], bad = self.feed.run(self.target.estimator.finish_batch, modality, batch[side])
                 failed.update(bad)
         if failed:
-            totals["errors"] += len(failed)
             keep = [row for row in range(len(batch["key"])) if row not in failed]
             batch = {k: v if k == "stats" else take_rows(v, keep) for k, v in batch.items()}
-        return batch
+        return batch, len(failed)
 
     def _results(self, out) -> HostCopies:
         """What `_settle` reads of a step, copied to the host as soon as the step is queued."""
@@ -479,7 +487,7 @@ class _Loop:
         have reached the host: reading a device value (`float(loss)`) would wait for every step
         queued, the one after it too, and the device would idle while the host fetched the next batch."""
         results = done.results.wait()
-        loss, n = distributed.all_reduce_mean(float(results["loss"].numpy())), len(done.batch["key"])
+        loss, n = distributed.all_reduce_mean(float(results["loss"].float().numpy())), len(done.batch["key"])
         if not math.isfinite(loss):  # every rank sees the same mean: all stop, none saves a checkpoint
             raise ConfigError(f"the training loss became {loss} at step {done.step}: stopped before saving a "
                               "checkpoint (check the loss weights, or lower lr)", "lr")
@@ -492,10 +500,11 @@ class _Loop:
                            "epoch": [epoch] * n, **{name.removeprefix("pair:"): v.float().numpy()
                                                     for name, v in results.items() if name.startswith("pair:")}})
         if done.step % self.cfg.log_every == 0 and distributed.is_main():
-            metrics = {k: results[f"metric:{k}"].numpy().item() if isinstance(v, torch.Tensor) else v
+            # host values as float32 first: numpy has no bfloat16 (a method's metric computed under autocast)
+            metrics = {k: results[f"metric:{k}"].float().numpy().item() if isinstance(v, torch.Tensor) else v
                        for k, v in done.out.metrics.items()}
             self.metrics.write({"event": "step", "epoch": epoch, "step": done.step, "loss": loss, "lr": done.lr,
-                                "logit_scale": float(results["logit_scale"].numpy()), **metrics})
+                                "logit_scale": float(results["logit_scale"].float().numpy()), **metrics})
         elapsed = time.perf_counter() - epoch_start
         task.update(advance=1, loss=loss, lr=done.lr, rate=totals["pairs"] / elapsed if elapsed else 0.0)
 
