@@ -13,8 +13,9 @@
 #      only): --decode gpu eager, then each other installed device decoder (nvimgcodec) eager;
 #   5. a training epoch against the model's device-resident step rate (benchmarks/train_throughput.py),
 #      --decode gpu;
-#   6. --decode fast eager; 7. --decode gpu --compile, last (its compilation takes minutes);
-#   8. with EXTRA=1 the older rounds after it (cuda_paths.sh, the profile, the decoders on one batch, a
+#   6. `--engine ray` against `--engine local` on this GPU, where the image has Ray (benchmarks/ray_overhead.py);
+#   7. --decode fast eager; 8. --decode gpu --compile, last (its compilation takes minutes);
+#   9. with EXTRA=1 the older rounds after it (cuda_paths.sh, the profile, the decoders on one batch, a
 #      share of the JPEGs in the workers, --workers auto, ranks sharing the GPU, the towers' ops).
 # Each step runs under a timeout of twice what it needs (its second argument; less where less of the
 # budget is left) and is skipped when less than it needs is left: a hung step costs twice its need,
@@ -24,7 +25,7 @@
 #     bash benchmarks/gpu_figures.sh [OUT]                  # there (the device call carries benchmarks/wheels)
 # Knobs (environment): BUDGET=450 (seconds) SHARDS=12 PAIRS_PER_SHARD=2500 BAD_SHARE=0.005 MODEL=ViT-B-32
 #   PRECISION=bf16 BATCH=1024 TRAIN_BATCH=512 WORKERS=(cores - 2) DEVICE=cuda SMOKE=1 SMOKE_SECONDS=20 COMPILE=1
-#   TRAIN=1 FAST=1 EXTRA=0 MIN_SECONDS=6. A dry run on a CPU (the smoke's CPU stand-ins, every step's line):
+#   TRAIN=1 RAY=1 FAST=1 EXTRA=0 MIN_SECONDS=6. A dry run on a CPU (the smoke's CPU stand-ins, every step's line):
 #   DEVICE=cpu MODEL=pairclean-tiny SHARDS=2 PAIRS_PER_SHARD=64 BATCH=32 TRAIN_BATCH=32 SMOKE_SECONDS=120 \
 #     BUDGET=1200 bash benchmarks/gpu_figures.sh /tmp/gfdry
 set -u
@@ -48,6 +49,7 @@ SMOKE=${SMOKE:-1}
 SMOKE_SECONDS=${SMOKE_SECONDS:-20}
 COMPILE=${COMPILE:-1}
 TRAIN=${TRAIN:-1}
+RAY=${RAY:-1}
 FAST=${FAST:-1}
 EXTRA=${EXTRA:-0}
 MIN_SECONDS=${MIN_SECONDS:-6}
@@ -219,6 +221,13 @@ for decode in $extra_decoders; do score "$decode-eager" 45 "$decode"; done
 [ "$TRAIN" = 1 ] && step train-gpu 60 python "$ROOT/benchmarks/train_throughput.py" "$W/web/manifest.yaml" \
   --model "$MODEL" --precision "$PRECISION" --batch-size "$TRAIN_BATCH" --workers "$WORKERS" --device "$DEVICE" \
   --decode gpu --min-seconds "$MIN_SECONDS" --json "$OUT/train-gpu.json"
+# issue 52: --engine ray against --engine local on this one GPU, same shards and settings (where the image has Ray:
+# its wheel, ~70 MB, is over what a device call carries)
+if [ "$RAY" = 1 ] && python -c "import ray" 2> /dev/null; then
+  step ray-vs-local 120 python "$ROOT/benchmarks/ray_overhead.py" "$W/web/manifest.yaml" --model "$MODEL" \
+    --device "$DEVICE" --precision "$PRECISION" --batch-size "$BATCH" --workers "$WORKERS" --decode gpu --rounds 1 \
+    --no-cluster --json "$OUT/ray-vs-local.json"
+elif [ "$RAY" = 1 ]; then say "ray-vs-local skipped: no Ray in this image"; fi
 [ "$FAST" = 1 ] && score fast-eager 45 fast
 [ "$COMPILE" = 1 ] && score gpu-compile 150 gpu --compile
 
