@@ -115,7 +115,7 @@ def test_3_img2dataset_parquet_needs_no_flags_and_a_failed_run_blocks_nothing(tm
     out = tmp_path / "s.parquet"
     code, _, err = run_cli(["score", I2D_PQ, "--input-format", "parquet", "--out", out, *TINY], capsys)
     # refused before a model is built (issue 56: before, after the run, "column(s) ['image'] not in ...")
-    assert code == 2 and "no column 'image' for the images: name it with --image-field" in err, err
+    assert code == 2 and "no column 'image' for the images (name it with --image-field" in err, err
     assert "its image columns: jpg" in err
     assert not out.exists() and not (tmp_path / "s.run.json").exists()
     code, out_text, err = run_cli(["score", I2D_PQ, "--out", out, *TINY], capsys)  # the corrected command

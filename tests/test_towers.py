@@ -572,7 +572,8 @@ def test_finish_on_device_turns_undecodable_jpegs_into_error_rows_and_keeps_side
     from pairclean.scoring.pipeline import finish_on_device
 
     good = _jpeg_bytes(coco_src, 3)
-    broken = good[1][:600]  # a valid header, then nothing: the header check passes, decoding fails
+    middle = len(good[1]) // 2  # a frame marker midway through the scan: the workers' checks pass it, decoding fails
+    broken = good[1][:middle] + b"\xff\xc0" + good[1][middle + 2:]
     png = io.BytesIO()
     Image.open(io.BytesIO(good[2])).save(png, format="PNG")
     images = [good[0], broken, png.getvalue(), good[2]]
