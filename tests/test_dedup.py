@@ -315,20 +315,24 @@ def test_a_scores_file_given_for_the_embeddings_points_at_save_embeddings(coco_s
         "--out dedup.parquet`")
 
 
-@pytest.mark.parametrize("damage", ["truncated", "swapped"])
-def test_dedup_parts_damaged_after_a_kill_are_redone(world, tmp_path, damage):
-    """dedup's parts go through the same engine: a damaged part is redone on resume, the rows exact."""
+@pytest.mark.parametrize("kill, damage", [("committed:2", "truncated"), ("committed:2", "swapped"),
+                                          ("committed:4", "truncated"), ("committed:4", "swapped")])
+def test_dedup_parts_damaged_after_a_kill_are_redone(world, tmp_path, kill, damage):
+    """dedup's parts go through the same engine: a damaged part - an assignment part (killed after
+    both were in) or a group of clusters (killed between them) - is redone on resume, the rows exact."""
     _, emb, _, scores = world
     cfg = DedupConfig(threads=1, group_rows=100)
     dedup(str(emb), tmp_path / "ref.parquet", scores, cfg)
     out = tmp_path / "out.parquet"
-    assert forked(lambda: dedup(str(emb), out, scores, cfg), "committed:2") == -9  # both assignment parts in
-    parts = sorted(Path(str(out) + ".parts").glob("part-*.parquet"))
-    assert len(parts) == 2
+    assert forked(lambda: dedup(str(emb), out, scores, cfg), kill) == -9
+    records = sorted(Path(str(out) + ".parts").glob("part-*.done.json"), key=lambda p: p.stat().st_mtime_ns)
+    assert len(records) == int(kill.split(":")[1])
+    last = records[-1].with_name(records[-1].name.replace(".done.json", ".parquet"))  # the last committed
+    other = next(p for p in Path(str(out) + ".parts").glob("part-*.parquet") if p != last)
     if damage == "truncated":
-        parts[0].write_bytes(parts[0].read_bytes()[:-64])
+        last.write_bytes(last.read_bytes()[:-64])
     else:
-        shutil.copyfile(parts[1], parts[0])
+        shutil.copyfile(other, last)
     dedup(str(emb), out, scores, cfg)
     assert pq.read_table(out).to_pylist() == pq.read_table(tmp_path / "ref.parquet").to_pylist()
 
