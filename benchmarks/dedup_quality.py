@@ -90,10 +90,9 @@ def sweep(emb: Path, scores: Path, truth: Path, out: Path, thresholds, sides=SID
             target = out / f"dedup-{side}-{threshold}.parquet"
             run = dedup(str(emb), target, scores, DedupConfig(side=side, threshold=threshold, threads=1, overwrite=True))
             metrics = evaluate_dedup(target, truth, side=side)
-            metrics["seconds"] = run.summary.seconds
-            results[f"{side}:{threshold}"] = metrics
-            print(f"  {side:<5} > {threshold:<6} precision {fmt(metrics['precision'])}  recall {fmt(metrics['recall'])}  "
-                  + "  ".join(f"{k} {fmt(m['recall'])}" for k, m in metrics["kinds"].items()), flush=True)
+            results[f"{side}:{threshold}"] = {**metrics.to_json(), "seconds": run.summary.seconds}
+            print(f"  {side:<5} > {threshold:<6} precision {fmt(metrics.precision)}  recall {fmt(metrics.recall)}  "
+                  + "  ".join(f"{k} {fmt(m.recall)}" for k, m in metrics.kinds.items()), flush=True)
     return results
 
 
@@ -166,10 +165,10 @@ def cleanest(work: Path, duplicated: Path, truth: Path, estimator: Path, thresho
         target = work / f"dedup-{keep}.parquet"
         dedup(str(work / "emb"), target, work / "scores.parquet",
               DedupConfig(side="image", threshold=threshold, keep=keep, threads=1, overwrite=True))
-        results[keep] = evaluate_dedup(target, truth, noise_truth=noisy.truth, side="image")
-        m = results[keep]
-        print(f"  keep {keep:<9} planted groups found {m['planted_groups_found']}, one kept {m['planted_groups_one_kept']}: "
-              f"kept copy noisy {fmt(m['kept_noisy_share'])}% (of all their copies: {fmt(m['noisy_share_in_groups'])}%)",
+        m = evaluate_dedup(target, truth, noise_truth=noisy.truth, side="image")
+        results[keep] = m.to_json()
+        print(f"  keep {keep:<9} planted groups found {m.planted_groups_found}, one kept {m.planted_groups_one_kept}: "
+              f"kept copy noisy {fmt(m.kept_noisy_share)}% (of all their copies: {fmt(m.noisy_share_in_groups)}%)",
               flush=True)
     return results
 

@@ -95,8 +95,8 @@ def run_row(name: str, data: Path, out: Path, cfg: TrainConfig, val: Path, valid
         result = train(str(data), out, cfg, val=str(val) if validate == "epochs" else None)
         last = dict(result.epochs[-1])
         if validate == "last":
-            last.update({f"val_{k}": v for k, v in evaluate_retrieval(out, str(val), batch_size=cfg.val_batch_size,
-                                                                      workers=cfg.workers).items()})
+            measured = evaluate_retrieval(out, str(val), batch_size=cfg.val_batch_size, workers=cfg.workers)
+            last.update({f"val_{k}": v for k, v in measured.to_json().items()})
         row = {"run": name, "rsum": last["val_rsum"], "best_rsum": result.best_rsum or last["val_rsum"],
                "i2t_r1": last["val_i2t_r1"], "t2i_r1": last["val_t2i_r1"], "epochs": len(result.epochs),
                "minutes": sum(r["seconds"] for r in result.epochs) / 60, "validate": validate,
@@ -131,9 +131,9 @@ ROW_COLUMNS = ["run", "rSum (last)", "% of clean", "rSum (best)", "i2t R@1", "t2
 
 def detection_summary(scores: Path, truth: Path) -> dict:
     d = evaluate_detection(scores, truth)
-    return {"roc_auc": d["roc_auc"], "beta_clean_kept": d["rules"]["beta"]["clean_kept"],
-            "beta_noise_caught": d["rules"]["beta"]["noise_caught"], "gmm_clean_kept": d["rules"]["gmm"]["clean_kept"],
-            "gmm_noise_caught": d["rules"]["gmm"]["noise_caught"], "noisy": d["noisy"], "pairs": d["pairs"]}
+    return {"roc_auc": d.roc_auc, "beta_clean_kept": d.rules["beta"].clean_kept,
+            "beta_noise_caught": d.rules["beta"].noise_caught, "gmm_clean_kept": d.rules["gmm"].clean_kept,
+            "gmm_noise_caught": d.rules["gmm"].noise_caught, "noisy": d.noisy, "pairs": d.pairs}
 
 
 class ToyData(NamedTuple):
@@ -625,7 +625,7 @@ def coco_text(args) -> None:
     console.print(f"estimator on the noisy set: {detection}")
     zero_shot_file = out / "zero-shot.json"  # the untrained model's retrieval, measured once per --out
     if not zero_shot_file.exists():
-        write_json(zero_shot_file, evaluate_retrieval(args.model, str(val), workers=args.workers))
+        write_json(zero_shot_file, evaluate_retrieval(args.model, str(val), workers=args.workers).to_json())
     zero_shot = json.loads(zero_shot_file.read_text())
     warmup = max(1, (args.pairs // args.batch_size) // 10)
 

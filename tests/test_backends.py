@@ -150,7 +150,7 @@ def test_a_registered_backend_scores_trains_and_reloads_end_to_end(byte_backend,
                                                                   device="cpu", lr=1e-3, warmup_steps=1))
     assert len(trained.epochs) == 1 and trained.last_model.name == "model-epoch-001.pt" and trained.last_model.is_file()
     metrics = evaluate_retrieval(tmp_path / "run", str(text_pairs_manifest), device="cpu")  # reloaded by the backend it recorded
-    assert 0.0 <= metrics["rsum"] <= 600.0
+    assert 0.0 <= metrics.rsum <= 600.0
 
 
 def test_building_an_estimator_leaves_the_root_logger_alone(caplog):

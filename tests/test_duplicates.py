@@ -16,7 +16,7 @@ from PIL import Image
 from pairclean.data.dataset import open_dataset
 from pairclean.data.reading.tar import read_samples
 from pairclean.data.spec import raise_failure
-from pairclean.dedup.evaluation import evaluate_dedup
+from pairclean.dedup.evaluation import KindEvaluation, evaluate_dedup
 from pairclean.errors import ConfigError, UserError
 from pairclean.lab.duplicates import plant_duplicates
 from pairclean.lab.synth.world import OTHER_CAPTIONS, build_world
@@ -121,23 +121,23 @@ def hand_case(tmp_path):
 def test_metrics_on_a_case_counted_by_hand(tmp_path, capsys):
     dedup, truth, noise = hand_case(tmp_path)
     image = evaluate_dedup(dedup, truth, noise_truth=noise, side="image")
-    assert (image["predicted_pairs"], image["correct_pairs"], image["true_pairs"], image["found_pairs"]) == (2, 1, 2, 1)
-    assert image["precision"] == image["recall"] == 50.0 and image["removed"] == 2
-    assert image["kinds"]["resize"] == {"true_pairs": 1, "found": 1, "recall": 100.0, "precision": 100.0}
-    assert image["kinds"]["caption"] == {"true_pairs": 1, "found": 0, "recall": 0.0, "precision": None}
-    assert "identical" not in image["kinds"]
-    assert (image["planted_groups"], image["planted_groups_found"], image["planted_groups_one_kept"]) == (2, 1, 1)
-    assert image["kept_noisy_share"] == 100.0 and image["noisy_share_in_groups"] == 50.0  # the noisy copy was kept
-    assert image["noise_join"] == "shard file name, index"
+    assert (image.predicted_pairs, image.correct_pairs, image.true_pairs, image.found_pairs) == (2, 1, 2, 1)
+    assert image.precision == image.recall == 50.0 and image.removed == 2
+    assert image.kinds["resize"] == KindEvaluation(true_pairs=1, found=1, recall=100.0, precision=100.0)
+    assert image.kinds["caption"] == KindEvaluation(true_pairs=1, found=0, recall=0.0, precision=None)
+    assert "identical" not in image.kinds
+    assert (image.planted_groups, image.planted_groups_found, image.planted_groups_one_kept) == (2, 1, 1)
+    assert image.kept_noisy_share == 100.0 and image.noisy_share_in_groups == 50.0  # the noisy copy was kept
+    assert image.noise_join == "shard file name, index"
     text = evaluate_dedup(dedup, truth, side="text")
-    assert text["kinds"]["identical"] == {"true_pairs": 1, "found": 0, "recall": 0.0, "precision": None}
-    assert text["true_pairs"] == 3 and text["recall"] == pytest.approx(100 / 3)
+    assert text.kinds["identical"] == KindEvaluation(true_pairs=1, found=0, recall=0.0, precision=None)
+    assert text.true_pairs == 3 and text.recall == pytest.approx(100 / 3)
     # the world says rows 6 and 7 show the same thing: the pair grouped "by mistake" is a true one then
     pq.write_table(pq.read_table(truth).append_column("content", pa.array([None] * 6 + ["scene"] * 2)),
                    tmp_path / "content.parquet")
     content = evaluate_dedup(dedup, tmp_path / "content.parquet", side="image")
-    assert content["kinds"]["same content"] == {"true_pairs": 1, "found": 1, "recall": 100.0, "precision": None}
-    assert content["precision"] == 100.0 and content["correct_pairs"] == 2
+    assert content.kinds["same content"] == KindEvaluation(true_pairs=1, found=1, recall=100.0, precision=None)
+    assert content.precision == 100.0 and content.correct_pairs == 2
     code, out, err = run_cli(["evaluate", "dedup", dedup, "--truth", truth, "--side", "both"], capsys)
     assert code == 0 and "resize" in out and (tmp_path / "dedup.evaluation.json").is_file()
     # --overwrite: the run above wrote dedup.evaluation.json, which is replaced only when asked

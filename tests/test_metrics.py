@@ -21,25 +21,25 @@ WEIGHT = np.array([0.0, 0.10, 0.05, 0.14, 0.0])
 
 def test_rule_metrics_by_hand():
     m = rule_metrics(NOISY, [True, False, True, False, False])
-    assert m["clean_kept"] == pytest.approx(200 / 3)  # clean 2, 3, 4: pair 2 flagged
-    assert m["noise_caught"] == pytest.approx(50.0)  # noisy 0 caught, 1 missed
-    assert m["balanced_accuracy"] == pytest.approx((200 / 3 + 50) / 2)
-    assert m["precision"] == pytest.approx(50.0)  # 2 flagged, 1 noisy
-    assert m["flagged"] == 2
+    assert m.clean_kept == pytest.approx(200 / 3)  # clean 2, 3, 4: pair 2 flagged
+    assert m.noise_caught == pytest.approx(50.0)  # noisy 0 caught, 1 missed
+    assert m.balanced_accuracy == pytest.approx((200 / 3 + 50) / 2)
+    assert m.precision == pytest.approx(50.0)  # 2 flagged, 1 noisy
+    assert m.flagged == 2
 
 
 def test_rule_metrics_undefined_without_a_class():
     m = rule_metrics([False, False], [False, True])
-    assert m["clean_kept"] == 50.0 and m["noise_caught"] is None and m["balanced_accuracy"] is None
+    assert m.clean_kept == 50.0 and m.noise_caught is None and m.balanced_accuracy is None
 
 
 def test_oracle_finds_the_best_balanced_threshold():
     # sim <= 0.1: 50/100 -> 75; <= 0.4: 50/66.7; <= 0.5: 100/66.7 -> 83.3; <= 0.8: 100/33.3
     o = oracle_threshold(NOISY, SIM)
-    assert o["threshold"] == pytest.approx(0.5)
-    assert o["noise_caught"] == pytest.approx(100.0)
-    assert o["clean_kept"] == pytest.approx(200 / 3)
-    assert o["balanced_accuracy"] == pytest.approx(250 / 3)
+    assert o.threshold == pytest.approx(0.5)
+    assert o.noise_caught == pytest.approx(100.0)
+    assert o.clean_kept == pytest.approx(200 / 3)
+    assert o.balanced_accuracy == pytest.approx(250 / 3)
 
 
 def test_mean_noise_rank_with_ties():
@@ -53,12 +53,12 @@ def test_mean_noise_rank_with_ties():
 def test_threshold_free_metrics_by_hand():
     m = detection_metrics(NOISY, SIM, WEIGHT, {"beta": SIM <= 0.3})
     # 6 (noisy, clean) pairs; the noisy one is lower in 5 of them (0.5 > 0.4 is the miss)
-    assert m["roc_auc"] == pytest.approx(5 / 6)
+    assert m.roc_auc == pytest.approx(5 / 6)
     # ranked by -sim: N (precision 1/1), C, N (2/3) -> AP = (1 + 2/3) / 2
-    assert m["average_precision"] == pytest.approx((1 + 2 / 3) / 2)
-    assert m["rules"]["beta"]["noise_caught"] == pytest.approx(50.0)
-    assert m["rules"]["oracle"]["threshold"] == pytest.approx(0.5)
-    assert m["noisy"] == 2 and m["noise_share"] == pytest.approx(40.0)
+    assert m.average_precision == pytest.approx((1 + 2 / 3) / 2)
+    assert m.rules["beta"].noise_caught == pytest.approx(50.0)
+    assert m.rules["oracle"].threshold == pytest.approx(0.5)
+    assert m.noisy == 2 and m.noise_share == pytest.approx(40.0)
 
 
 def _scores_file(path, shard, keys, sims, beta=0.3, errors=()):
@@ -83,14 +83,14 @@ def test_evaluate_detection_joins_on_shard_and_index_with_repeated_keys(tmp_path
     pq.write_table(pa.table({"key": ["k"] * 5, "shard": ["elsewhere/x.tar"] * 5, "index": list(range(5)),
                              "noisy": NOISY.tolist()}), truth)
     m = evaluate_detection(scores, truth)
-    assert m["join"] == "shard file name, index"
-    assert m["pairs"] == 5 and m["noisy"] == 2
-    assert m["roc_auc"] == pytest.approx(5 / 6)
-    assert m["rules"]["beta"]["threshold"] == pytest.approx(0.3)
+    assert m.join == "shard file name, index"
+    assert m.pairs == 5 and m.noisy == 2
+    assert m.roc_auc == pytest.approx(5 / 6)
+    assert m.rules["beta"].threshold == pytest.approx(0.3)
     # beta rule sim <= 0.3 flags pair 0 only; GMM rule sim <= 0.45 flags pairs 0 and 2
-    assert m["rules"]["beta"]["noise_caught"] == pytest.approx(50.0)
-    assert m["rules"]["beta"]["clean_kept"] == pytest.approx(100.0)
-    assert m["rules"]["gmm"]["clean_kept"] == pytest.approx(200 / 3)
+    assert m.rules["beta"].noise_caught == pytest.approx(50.0)
+    assert m.rules["beta"].clean_kept == pytest.approx(100.0)
+    assert m.rules["gmm"].clean_kept == pytest.approx(200 / 3)
 
 
 def test_evaluate_detection_leaves_out_error_and_unlabelled_rows(tmp_path):
@@ -99,9 +99,9 @@ def test_evaluate_detection_leaves_out_error_and_unlabelled_rows(tmp_path):
     truth = tmp_path / "t.parquet"
     pq.write_table(pa.table({"key": [f"k{i}" for i in range(5)], "noisy": NOISY.tolist()}), truth)
     m = evaluate_detection(scores, truth)
-    assert m["join"] == "key"
-    assert m["error_rows"] == 1 and m["unlabelled_rows"] == 1
-    assert m["pairs"] == 4 and m["noisy"] == 1  # pair 1 (noisy) is an error row
+    assert m.join == "key"
+    assert m.error_rows == 1 and m.unlabelled_rows == 1
+    assert m.pairs == 4 and m.noisy == 1  # pair 1 (noisy) is an error row
 
 
 def test_evaluate_detection_cli_writes_json_and_rejects_unmatched_truth(tmp_path, capsys):

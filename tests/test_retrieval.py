@@ -16,8 +16,8 @@ def _unit(*rows):
 def test_perfect_embeddings_score_600():
     eye = torch.eye(4)
     m = recall_metrics(eye, eye, torch.arange(4))
-    assert m["rsum"] == pytest.approx(600.0)
-    assert m["queries_i2t"] == 4 and m["queries_t2i"] == 4
+    assert m.rsum == pytest.approx(600.0)
+    assert m.queries_i2t == 4 and m.queries_t2i == 4
 
 
 def test_image_hits_if_any_of_its_captions_is_retrieved():
@@ -28,21 +28,21 @@ def test_image_hits_if_any_of_its_captions_is_retrieved():
                      [0, 1, 0.1],    # caption 2 (image 1)
                      [1, 0.3, 0.2])  # caption 3 (image 1) looks like image 0
     owner = torch.tensor([0, 0, 1, 1])
-    m = recall_metrics(images, captions, owner, ks=(1, 2))
+    m = recall_metrics(images, captions, owner)
     # i2t: image 0's top caption is caption 1 (its own) -> hit; image 1's top is caption 0 or 2:
     # sims of image 1: c0=0.98, c1=0.0995, c2=0.995, c3=0.28 -> caption 2 (own) is first -> hit.
-    assert m["i2t_r1"] == pytest.approx(100.0)
+    assert m.i2t_r1 == pytest.approx(100.0)
     # t2i: caption 0 -> image 1 (miss), caption 1 -> image 0 (hit), caption 2 -> image 1 (hit), caption 3 -> image 0 (miss).
-    assert m["t2i_r1"] == pytest.approx(50.0)
-    assert m["t2i_r2"] == pytest.approx(100.0)  # with two images everything is within the top 2
-    assert m["rsum"] == pytest.approx(100 + 100 + 50 + 100)
+    assert m.t2i_r1 == pytest.approx(50.0)
+    assert m.t2i_r5 == pytest.approx(100.0)  # with two images everything is within the top 5
+    assert m.rsum == pytest.approx(100 + 100 + 100 + 50 + 100 + 100)
 
 
 def test_without_grouping_each_caption_would_be_its_own_query():
     images = _unit([1, 0], [0, 1])
     captions = _unit([0, 1], [1, 0])  # both captions describe the other image
-    m = recall_metrics(images, captions, torch.tensor([0, 1]), ks=(1,))
-    assert m["i2t_r1"] == 0.0 and m["t2i_r1"] == 0.0
+    m = recall_metrics(images, captions, torch.tensor([0, 1]))
+    assert m.i2t_r1 == 0.0 and m.t2i_r1 == 0.0
 
 
 def test_chunking_does_not_change_the_result():

@@ -72,13 +72,13 @@ def test_plain_run_writes_a_checkpoint_open_clip_loads(tmp_path, coco_shards):
     assert len(_diagnostics(tmp_path / "run")) == 16
     # The checkpoint evaluates to the rSum the trainer measured, from the run or as a bare file.
     metrics = evaluate_retrieval(tmp_path / "run", str(coco_shards), workers=0)
-    assert metrics["rsum"] == pytest.approx(rec["val_rsum"], abs=1e-6)
+    assert metrics.rsum == pytest.approx(rec["val_rsum"], abs=1e-6)
     bare = tmp_path / "elsewhere.pt"
     bare.write_bytes(result.last_model.read_bytes())
     with pytest.raises(UserError, match="as arch"):
         evaluate_retrieval(bare, str(coco_shards), workers=0)
     metrics = evaluate_retrieval(bare, str(coco_shards), arch="pairclean-tiny", workers=0)
-    assert metrics["rsum"] == pytest.approx(rec["val_rsum"], abs=1e-6)
+    assert metrics.rsum == pytest.approx(rec["val_rsum"], abs=1e-6)
 
 
 def test_resumed_run_ends_with_the_same_weights(tmp_path, coco_shards, monkeypatch):
@@ -340,8 +340,8 @@ def test_sentence_transformer_target_trains_online_and_evaluates(tmp_path, coco_
     weights = [row["weight"] for row in _diagnostics(tmp_path / "run")]
     assert len(weights) == 16 and max(weights) > 0  # real caption pairs sit inside the cone
     metrics = evaluate_retrieval(tmp_path / "run", str(manifest), workers=0)
-    assert metrics["rsum"] == pytest.approx(result.epochs[0]["val_rsum"], abs=1e-6)
-    assert metrics["rsum"] > 300  # a pre-trained encoder matches captions of the same image
+    assert metrics.rsum == pytest.approx(result.epochs[0]["val_rsum"], abs=1e-6)
+    assert metrics.rsum > 300  # a pre-trained encoder matches captions of the same image
 
 
 def test_online_estimator_with_its_own_preprocessing(tmp_path, coco_src):

@@ -92,5 +92,5 @@ def test_batches_are_the_pairs_that_prepare_in_stream_order_cut_at_the_batch_siz
             expected.append((rows, errors))
             rows, errors = [], 0
     expected.append((rows, errors))  # the last, short batch
-    assert [(b["key"], b["stats"]["errors"]) for b in batches] == expected  # [k00 k02 k03] 1, [k06 k07 k08] 2, ...
+    assert [(b["key"], b["stats"].errors) for b in batches] == expected  # [k00 k02 k03] 1, [k06 k07 k08] 2, ...
     assert [b["left"].shape[0] for b in batches] == [3, 3, 2]

@@ -196,7 +196,7 @@ def test_two_network_gsc_run_is_evaluated_with_both_networks(tmp_path, coco_shar
                    val=str(coco_shards))
     assert (tmp_path / "run" / "model-best-peer.pt").is_file()
     averaged = evaluate_retrieval(tmp_path / "run", str(coco_shards), workers=0)
-    assert averaged["rsum"] == pytest.approx(result.epochs[0]["val_rsum"], abs=1e-6)
+    assert averaged.rsum == pytest.approx(result.epochs[0]["val_rsum"], abs=1e-6)
     (tmp_path / "run" / "model-best-peer.pt").unlink()
     with pytest.raises(UserError, match="model-best-peer.pt is missing"):
         evaluate_retrieval(tmp_path / "run", str(coco_shards), workers=0)

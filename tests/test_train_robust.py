@@ -70,7 +70,7 @@ def test_epoch_weights_leave_dropped_pairs_unread(ctx):
     batch = next(iter(TrainBatches(ctx.dataset, ctx.target.preparer, 32, seed=0, shuffle=False, plan=plan)))
     read = index.ids(batch["shard"], batch["index"])
     assert sorted(read.tolist()) == sorted(set(range(16)) - {0, 7, 15})
-    assert batch["weight"].tolist() == [0.25] * 13 and batch["stats"]["dropped"] == 3
+    assert batch["weight"].tolist() == [0.25] * 13 and batch["stats"].dropped == 3
     values[7] = 1.0  # rewritten between epochs: the next reader sees the new arrays
     weights.write(values)
     batch = next(iter(TrainBatches(ctx.dataset, ctx.target.preparer, 32, seed=0, shuffle=False, plan=plan)))
@@ -103,4 +103,4 @@ def test_joint_target_averages_the_networks_similarities(ctx, coco_shards):
     joint = embed_pairs(JointTarget([ctx.target, twin]), spec, 8)
     expected = 0.5 * (a.left @ a.right.T + b.left @ b.right.T)
     torch.testing.assert_close(joint.left @ joint.right.T, expected, atol=1e-5, rtol=1e-5)
-    assert recall_metrics(joint.left, joint.right, joint.owner)["rsum"] >= 0
+    assert recall_metrics(joint.left, joint.right, joint.owner).rsum >= 0

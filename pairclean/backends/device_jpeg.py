@@ -38,6 +38,7 @@ from pairclean.config import SHARE, check_choice, check_value
 from pairclean.data.decode import DecodeError, decode_image, plain_jpeg
 from pairclean.errors import ConfigError
 from pairclean.ops import distributed
+from pairclean.ops.records import JsonObject, Keyed
 
 WORKER_DECODES = ("fast", "exact")  # decoded in the workers; every other `decode` is a registered device decoder
 FAST_RESIZE = "torch"  # how `decode` fast's workers resize (pinned by a run: `pinned_decoding`)
@@ -134,7 +135,7 @@ class DeviceDecoder(ABC):
         return cls.unavailable() or ("needs a CUDA device" if device.type != "cuda" else None)
 
     @abstractmethod
-    def __call__(self, batch: DeviceImages) -> tuple[torch.Tensor, dict[int, str]]:
+    def __call__(self, batch: DeviceImages) -> tuple[torch.Tensor, Keyed[int, str]]:
         """(uint8 (rows, 3, crop, crop) pixels of every row on the device, zeros where decoding
         failed; {row: reason} for those rows)."""
 
@@ -164,7 +165,7 @@ def device_decoder_for(decode: str, device: str) -> type[DeviceDecoder] | None:
     return cls if cls is not None and cls.cannot_run(pick_device(device)) is None else None
 
 
-def pinned_decoding(decode: str, device: str, share: float = 0.0) -> dict:
+def pinned_decoding(decode: str, device: str, share: float = 0.0) -> JsonObject:
     """What a run pins of how its images are decoded: the device decoder's version (and the share the
     workers keep) where one decodes; where the workers decode every image, how they resize: torch's
     resize for `fast` (`StandardTransform.fast_pixels`), nothing for `exact` (PIL's, as every
@@ -252,7 +253,7 @@ class BatchedDeviceDecoder(DeviceDecoder):
                 decoded.append(position)
         return parts, decoded
 
-    def __call__(self, batch: ImageBatch) -> tuple[torch.Tensor, dict[int, str]]:
+    def __call__(self, batch: ImageBatch) -> tuple[torch.Tensor, Keyed[int, str]]:
         """(uint8 pixels of every row on the device, zeros where decoding failed; {row: reason})."""
         crop = self.transform.crop
         out = torch.zeros((batch.rows, 3, crop, crop), dtype=torch.uint8, device=self.device)
@@ -331,7 +332,7 @@ class DeviceResize(DeviceDecoder):
     version = 2  # 2: an image over SENT_PIXELS_PER_RESIZE is shrunk in the worker by PIL (`device_sized`)
     workers_decode = True
 
-    def __call__(self, batch: DecodedImages) -> tuple[torch.Tensor, dict[int, str]]:
+    def __call__(self, batch: DecodedImages) -> tuple[torch.Tensor, Keyed[int, str]]:
         return self.resized(batch.images()), {}
 
     def warm_up(self) -> None:

@@ -26,6 +26,7 @@ from typing import Any, Callable, Iterable, Iterator
 import torch
 
 from pairclean.backends.base import move_batch
+from pairclean.ops.records import Keyed
 
 
 def device_tensors(value: Any) -> Iterator[torch.Tensor]:
@@ -102,7 +103,7 @@ class HostCopies:
             self.ready = torch.cuda.Event(blocking=True)
             self.ready.record()
 
-    def wait(self) -> dict[str, torch.Tensor]:
+    def wait(self) -> Keyed[str, torch.Tensor]:
         """The values in host memory, once the device has written them."""
         if self.ready is not None:
             self.ready.synchronize()

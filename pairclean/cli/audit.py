@@ -6,12 +6,15 @@ score shown; `evaluate detection --truth` then weights the marks back to the who
 from __future__ import annotations
 
 from pathlib import Path
-from typing import List, Optional
+from typing import TYPE_CHECKING, List, Optional
 
 import typer
 
 import pairclean.cli.options as options
 from pairclean.cli.app import app, console
+
+if TYPE_CHECKING:
+    from pairclean.scores.stratified import JudgeError
 
 
 @app.command("audit")
@@ -79,16 +82,16 @@ def audit_import_command(
              "the marks)" if design else ""
     console.print(f"{imported.marked:,} marks -> {out}{strata}", soft_wrap=True)
     if design is not None:
-        console.print(judge_line(judge.as_dict(), design.repeated), soft_wrap=True)
+        console.print(judge_line(judge, design.repeated), soft_wrap=True)
 
 
-def judge_line(judge: dict, repeated: int | None) -> str:
+def judge_line(judge: JudgeError, repeated: int | None) -> str:
     """What the pairs shown twice say of the judge, in one line (audit-import and evaluate)."""
-    if not judge["repeated"]:
+    if not judge.repeated:
         shown = f"{repeated:,} pairs were shown twice but none was marked on both looks" if repeated else \
             "no pair was shown twice"
         return f"judge not measured ({shown}): the intervals take every mark as right"
-    e = judge["error_rate"]
-    return (f"judge: {judge['repeated']:,} pairs marked on both looks, {judge['disagreed']:,} differently "
-            f"(agreement {100 * judge['agreement']:.1f}%): an error rate of about {100 * e['value']:.1f}% "
-            f"[{100 * e['low']:.1f}, {100 * e['high']:.1f}], which the intervals account for")
+    value, low, high = judge.interval()
+    return (f"judge: {judge.repeated:,} pairs marked on both looks, {judge.disagreed:,} differently "
+            f"(agreement {100 * judge.agreement:.1f}%): an error rate of about {100 * value:.1f}% "
+            f"[{100 * low:.1f}, {100 * high:.1f}], which the intervals account for")

@@ -24,11 +24,12 @@ from pairclean.cli.progress import RichProgress
 from pairclean.cli.terminal import print_table
 from pairclean.config import split_option
 from pairclean.errors import ConfigError, UserError
+from pairclean.ops.records import Keyed
 
 SHORTCUTS_GIVEN = "pairclean_method_shortcuts"  # ctx.meta key: {option name: value} of the shortcut flags
 
 
-def declared_shortcuts() -> dict[str, tuple]:
+def declared_shortcuts() -> Keyed[str, tuple]:
     """flag -> (its Shortcut declaration, the methods that declare it), over every registered method."""
     from pairclean.train import METHODS
 
@@ -60,7 +61,7 @@ def _shortcut_parameters() -> tuple:
     return tuple(options.borrowed_options(declaration, SHORTCUTS_GIVEN))
 
 
-def shortcuts_given(ctx) -> dict:
+def shortcuts_given(ctx) -> Keyed:
     """{flag: value} of the shortcut flags the command line gave."""
     values = ctx.meta.get(SHORTCUTS_GIVEN, {})
     return {flag: value for flag in declared_shortcuts()
@@ -75,7 +76,7 @@ class _TrainCommand(Command):
         return [*params[:-1], *_shortcut_parameters(), params[-1]] if params else list(_shortcut_parameters())
 
 
-def method_and_options(method: Optional[str], given: dict, extra: list[str]) -> tuple[str, dict]:
+def method_and_options(method: Optional[str], given: dict, extra: list[str]) -> tuple[str, Keyed]:
     """The method named by --method, or else picked by the shortcut flags given (the highest `selects`;
     plain when none picks one), and its options: those the shortcuts set, then the --method-option items."""
     from pairclean.train import METHODS

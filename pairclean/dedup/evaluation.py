@@ -21,6 +21,7 @@ what `keep cleanest` is for.
 
 from __future__ import annotations
 
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -29,6 +30,7 @@ import duckdb
 from pairclean.dedup.vectors import SIDES
 from pairclean.errors import UserError
 from pairclean.config import check_choice
+from pairclean.ops.records import JsonObject, Keyed
 from pairclean.scores.sql import duckdb_message, sandboxed_connection, sql_string
 
 if TYPE_CHECKING:
@@ -40,6 +42,60 @@ _JOINS = [("shard, index", 'd.shard = t.shard AND d."index" = t."index"', 'shard
           ("shard file name, index", 'parse_filename(d.shard) = parse_filename(t.shard) AND d."index" = t."index"',
            'parse_filename(shard), "index"'),
           ("key", "d.key = t.key", "key")]
+
+
+@dataclass(frozen=True)
+class KindEvaluation:
+    """One kind of duplicate: its true pairs, those dedup put in one group, that share (recall %)
+    and the share of the removals holding one of its copies that are true (precision %; None for
+    the kinds no copy was planted of: `identical`, `same content`)."""
+
+    true_pairs: int
+    found: int
+    recall: float | None
+    precision: float | None
+
+
+@dataclass(frozen=True)
+class DedupEvaluation:
+    """`evaluate dedup`: which files were joined and how, the side, threshold and keep rule of the
+    dedup; its claimed pairs (one per removed row) and the true ones among them, the true pairs and
+    those found, precision and recall % over all pairs and per kind (by name); the removed rows;
+    the planted groups, those found and those that kept one copy. With a noise truth (`noise_truth`
+    not None): its join, and how often the copy a planted group kept is the noisy one (count and %)
+    against the noisy share of all the copies of those groups."""
+
+    dedup: str
+    truth: str
+    join: str
+    side: str
+    threshold: float | None
+    keep: str | None
+    rows: int
+    predicted_pairs: int
+    correct_pairs: int
+    true_pairs: int
+    found_pairs: int
+    precision: float | None
+    recall: float | None
+    kinds: Keyed[str, KindEvaluation]
+    removed: int
+    planted_groups: int
+    planted_groups_found: int
+    planted_groups_one_kept: int
+    noise_truth: str | None = None
+    noise_join: str | None = None
+    kept_noisy: int | None = None
+    kept_noisy_share: float | None = None
+    noisy_share_in_groups: float | None = None
+
+    def to_json(self) -> JsonObject:
+        """The JSON `evaluate dedup` writes: the noise truth's figures only when there is one."""
+        written = asdict(self)
+        if self.noise_truth is None:
+            for name in ("noise_truth", "noise_join", "kept_noisy", "kept_noisy_share", "noisy_share_in_groups"):
+                del written[name]
+        return written
 
 
 def _join(con, table: str) -> tuple[str, str]:
@@ -55,7 +111,7 @@ def _join(con, table: str) -> tuple[str, str]:
 
 
 def evaluate_dedup(dedup_file: str | Path, truth: str | Path, noise_truth: str | Path | None = None,
-                   side: str | None = None) -> dict:
+                   side: str | None = None) -> DedupEvaluation:
     """Precision and recall of a dedup output against a duplicates truth (a Parquet or a manifest
     whose `truth:` names it); `side` defaults to the one the output was made with."""
     from pairclean.scores.db import resolve_truth
@@ -94,7 +150,7 @@ class _Session:
 
 
 def _measure(con, side: str, provenance: "DedupProvenance", dedup_file: Path, truth: Path,
-             noise_truth: Path | None) -> dict:
+             noise_truth: Path | None) -> DedupEvaluation:
     con.execute(f"CREATE VIEW d AS SELECT * FROM read_parquet({sql_string(dedup_file)})")
     con.execute(f"CREATE VIEW truth AS SELECT * FROM read_parquet({sql_string(truth)})")
     missing = [c for c in ("group_id", "kept") if c not in con.sql("SELECT * FROM d").columns]
@@ -137,8 +193,9 @@ def _measure(con, side: str, provenance: "DedupProvenance", dedup_file: Path, tr
         touching, right = con.execute("SELECT count(*), count(true_kind) FROM judged WHERE copy_kind = ?",
                                       [kind]).fetchall()[0]
         if total or touching:
-            kinds[kind] = {"true_pairs": int(total), "found": int(found), "recall": _share(found, total),
-                           "precision": _share(right, touching) if kind not in ("identical", "same content") else None}
+            kinds[kind] = KindEvaluation(true_pairs=int(total), found=int(found), recall=_share(found, total),
+                                         precision=_share(right, touching)
+                                         if kind not in ("identical", "same content") else None)
     predicted, correct = con.execute("SELECT count(*), count(true_kind) FROM judged").fetchall()[0]
     true_total, grouped = con.execute("SELECT count(*), count(*) FILTER (WHERE x.group_id = y.group_id) FROM true_pairs t "
                                       "JOIN j x ON x.id = t.a JOIN j y ON y.id = t.b").fetchall()[0]
@@ -153,20 +210,16 @@ def _measure(con, side: str, provenance: "DedupProvenance", dedup_file: Path, tr
                      count(*) FILTER (WHERE noisy) AS noisy_members
               FROM j WHERE dup_group IS NOT NULL GROUP BY dup_group HAVING count(*) > 1)""").fetchall()[0]
     groups, found_groups, collapsed, kept_noisy, noisy_members, members = planted
-    result = {
-        "dedup": str(dedup_file), "truth": str(truth), "join": join, "side": side,
-        "threshold": provenance.threshold, "keep": provenance.keep, "rows": int(rows),
-        "predicted_pairs": int(predicted), "correct_pairs": int(correct), "true_pairs": int(true_total),
-        "found_pairs": int(grouped), "precision": _share(correct, predicted), "recall": _share(grouped, true_total),
-        "kinds": kinds, "removed": int(removed),
-        "planted_groups": int(groups), "planted_groups_found": int(found_groups),
-        "planted_groups_one_kept": int(collapsed),
-    }
-    if noise_truth is not None:
-        result.update(noise_truth=str(noise_truth), noise_join=noise_join,
-                      kept_noisy=int(kept_noisy or 0), kept_noisy_share=_share(kept_noisy or 0, collapsed),
-                      noisy_share_in_groups=_share(noisy_members or 0, members or 0))
-    return result
+    noise = {} if noise_truth is None else {
+        "noise_truth": str(noise_truth), "noise_join": noise_join, "kept_noisy": int(kept_noisy or 0),
+        "kept_noisy_share": _share(kept_noisy or 0, collapsed),
+        "noisy_share_in_groups": _share(noisy_members or 0, members or 0)}
+    return DedupEvaluation(
+        dedup=str(dedup_file), truth=str(truth), join=join, side=side, threshold=provenance.threshold,
+        keep=provenance.keep, rows=int(rows), predicted_pairs=int(predicted), correct_pairs=int(correct),
+        true_pairs=int(true_total), found_pairs=int(grouped), precision=_share(correct, predicted),
+        recall=_share(grouped, true_total), kinds=kinds, removed=int(removed), planted_groups=int(groups),
+        planted_groups_found=int(found_groups), planted_groups_one_kept=int(collapsed), **noise)
 
 
 def _share(part, whole) -> float | None:

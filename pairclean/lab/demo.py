@@ -28,7 +28,7 @@ from pairclean.lab.numerics import cpu_numerics, numerics_pinned, torch_threads
 from pairclean.ops.notices import notice
 from pairclean.errors import ConfigError
 from pairclean.ops.records import Keyed
-from pairclean.scores.evaluation import evaluate_detection
+from pairclean.scores.evaluation import DetectionReport, evaluate_detection
 from pairclean.scoring.model import ScoreConfig, score
 from pairclean.lab.synth.estimator import LAB_DECODE, TOY_MODEL, EstimatorRecipe, cached_checkpoint, train_estimator
 from pairclean.lab.synth.world import build_world
@@ -75,24 +75,25 @@ class DemoResult:
     out: Path
     checkpoint: Path
     estimator_cached: bool
-    metrics: dict
-    seconds: dict  # per stage
-    files: dict
-    band: dict | None = None  # figure -> (value, low, high) against README's band; None: other settings
+    metrics: DetectionReport
+    seconds: Keyed[str, float]  # per stage
+    files: Keyed[str, Path]
+    # figure -> (value, low, high) against README's band (`band_check`); None: other settings
+    band: Keyed[str, tuple[float | None, float, float]] | None = None
 
 
-def band_figures(metrics: dict) -> Keyed[str, float | None]:
+def band_figures(metrics: DetectionReport) -> Keyed[str, float | None]:
     """The figures of the demo's table that README states a band for."""
-    rules = metrics["rules"]
-    return {"beta": rules["beta"]["threshold"], "beta_caught": rules["beta"]["noise_caught"],
-            "gmm_balanced": rules["gmm"]["balanced_accuracy"], "oracle_balanced": rules["oracle"]["balanced_accuracy"],
-            "roc_auc": metrics["roc_auc"]}
+    rules = metrics.rules
+    return {"beta": rules["beta"].threshold, "beta_caught": rules["beta"].noise_caught,
+            "gmm_balanced": rules["gmm"].balanced_accuracy, "oracle_balanced": rules["oracle"].balanced_accuracy,
+            "roc_auc": metrics.roc_auc}
 
 
-def band_check(metrics: dict) -> Keyed[str, tuple[float | None, float, float]]:
-    """Each banded figure as the table prints it, with README's band: (value, low, high)."""
+def band_check(figures: Keyed[str, float | None]) -> Keyed[str, tuple[float | None, float, float]]:
+    """Each banded figure (`band_figures`) as the table prints it, with README's band: (value, low, high)."""
     return {name: (None if value is None else round(value, BAND_DIGITS[name]), *BAND[name])
-            for name, value in band_figures(metrics).items()}
+            for name, value in figures.items()}
 
 
 def _open_out(cfg: DemoConfig) -> Path:
@@ -155,7 +156,7 @@ def _run_demo(cfg: DemoConfig) -> DemoResult:
     lap("score")
 
     metrics = evaluate_detection(scores, noisy.manifest)
-    write_json(out / "detection.json", metrics)
+    write_json(out / "detection.json", metrics.to_json())
     lap("evaluate")
     seconds["total"] = round(sum(seconds.values()), 2)
 
@@ -166,4 +167,4 @@ def _run_demo(cfg: DemoConfig) -> DemoResult:
                               "seconds": seconds, "files": {k: str(v) for k, v in files.items()},
                               "corrupt": noisy.as_dict()})
     return DemoResult(out, checkpoint, cached, metrics, seconds, files,
-                      band_check(metrics) if cfg.default_table() else None)
+                      band_check(band_figures(metrics)) if cfg.default_table() else None)

@@ -20,8 +20,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakTensorKeyDictionary
 
+from pairclean.ops.records import JsonObject, Keyed
 
-def _proc_kib(pid: int, filename: str, *names: str) -> dict[str, int]:
+
+def _proc_kib(pid: int, filename: str, *names: str) -> Keyed[str, int]:
     """The `Name: N kB` fields `names` of /proc/PID/FILENAME in one read; {} without /proc."""
     found: dict[str, int] = {}
     try:
@@ -257,10 +259,10 @@ class StageMeter:
         self.seconds = time.perf_counter() - self._began[0]
         self.process_cpu = time.process_time() - self._began[1]
 
-    def per_pair_ms(self, seconds: dict[str, float]) -> dict[str, float]:
+    def per_pair_ms(self, seconds: dict[str, float]) -> Keyed[str, float]:
         return {stage: 1000 * value / self.pairs if self.pairs else 0.0 for stage, value in seconds.items()}
 
-    def summary(self) -> dict:
+    def summary(self) -> JsonObject:
         """Per pair, in the steady state: main-process CPU ms in total and by stage (main thread;
         `other threads` is the rest of the process), wall ms by stage, bytes from the workers;
         pairs/s; and the start-up's wall and CPU seconds."""

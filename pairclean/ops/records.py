@@ -83,7 +83,7 @@ def _hints(cls: type) -> Keyed[str, Any]:
 
 
 @cache
-def _declared(cls: type) -> dict[str, Declared]:
+def _declared(cls: type) -> Keyed[str, Declared]:
     return declarations(cls)
 
 

@@ -24,6 +24,7 @@ what it keeps, each with a 95% interval; the figures above are then those of the
 
 from __future__ import annotations
 
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
@@ -31,29 +32,81 @@ from scipy.stats import rankdata
 from sklearn.metrics import average_precision_score, roc_auc_score, roc_curve
 
 from pairclean.errors import ConfigError, UserError
+from pairclean.ops.records import JsonObject, Keyed
 from pairclean.scores.db import ScoresDB
 from pairclean.scores.rules import REGISTRY, recorded_rules
 from pairclean.scores.sql import sql_identifier
-from pairclean.scores.stratified import CONFIDENCE, AuditDesign, audit_design, audit_figures
+from pairclean.scores.stratified import CONFIDENCE, AuditDesign, Estimate, JudgeError, audit_design, audit_figures
 
 
 def _share(numerator: int, denominator: int) -> float | None:
     return 100.0 * numerator / denominator if denominator else None
 
 
-def truth_metrics(caught: int, missed: int, false_alarms: int, kept: int) -> dict:
+@dataclass(frozen=True)
+class DecisionMetrics:
+    """A noisy/clean decision against the truth labels (`truth_metrics`): clean kept %, noise caught %,
+    their mean (the balanced accuracy) and precision %, None where a share has no denominator; the
+    pairs it flags."""
+
+    clean_kept: float | None
+    noise_caught: float | None
+    balanced_accuracy: float | None
+    precision: float | None
+    flagged: int
+
+    def to_json(self) -> JsonObject:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class OracleDetection(DecisionMetrics):
+    """The single threshold t on sim (flag sim <= t) with the best balanced accuracy, which no rule
+    fitted without labels can beat (`oracle_threshold`; None when the truth holds one class only),
+    and how tables name it."""
+
+    threshold: float | None
+    label: str
+    noisy_if: str
+
+
+@dataclass(frozen=True)
+class RuleDetection(DecisionMetrics):
+    """A rule the scores file records, measured against the truth: its decisions' metrics, its
+    threshold, table label, decision in words and why it abstains (None: it decides); for a rule
+    claiming a probability of being clean (`probability`: its column), that claim's expected
+    calibration error (`ece`, points; None when the rule abstains)."""
+
+    threshold: float | None
+    label: str
+    noisy_if: str
+    abstains: str | None
+    probability: str | None = None
+    ece: float | None = None
+
+    def to_json(self) -> JsonObject:
+        """As `evaluate detection` writes it: `ece` only for a rule claiming a probability (the
+        probability's column is not written)."""
+        written = asdict(self)
+        del written["probability"]
+        if self.probability is None:
+            del written["ece"]
+        return written
+
+
+def truth_metrics(caught: int, missed: int, false_alarms: int, kept: int) -> DecisionMetrics:
     """Clean kept %, noise caught %, balanced accuracy % and precision % of a noisy/clean decision,
     from its confusion counts: noisy pairs flagged (caught) and not (missed), clean pairs flagged
     (false alarms) and not (kept). None where a share has no denominator."""
     clean_kept = _share(kept, kept + false_alarms)
     noise_caught = _share(caught, caught + missed)
-    return {"clean_kept": clean_kept, "noise_caught": noise_caught,
-            "balanced_accuracy": (clean_kept + noise_caught) / 2
-            if clean_kept is not None and noise_caught is not None else None,
-            "precision": _share(caught, caught + false_alarms), "flagged": caught + false_alarms}
+    return DecisionMetrics(clean_kept=clean_kept, noise_caught=noise_caught,
+                           balanced_accuracy=(clean_kept + noise_caught) / 2
+                           if clean_kept is not None and noise_caught is not None else None,
+                           precision=_share(caught, caught + false_alarms), flagged=caught + false_alarms)
 
 
-def rule_metrics(noisy, flagged) -> dict:
+def rule_metrics(noisy, flagged) -> DecisionMetrics:
     """`truth_metrics` of per-pair truth labels and decisions."""
     noisy = np.asarray(noisy, dtype=bool)
     flagged = np.asarray(flagged, dtype=bool)
@@ -61,16 +114,18 @@ def rule_metrics(noisy, flagged) -> dict:
                          int((~noisy & flagged).sum()), int((~noisy & ~flagged).sum()))
 
 
-def oracle_threshold(noisy, sim) -> dict:
+def oracle_threshold(noisy, sim) -> OracleDetection:
     """The threshold t (flag sim <= t) with the best balanced accuracy, and that rule's metrics."""
     noisy = np.asarray(noisy, dtype=bool)
     sim = np.asarray(sim, dtype=np.float64)
     if noisy.all() or not noisy.any():
-        return {"threshold": None, **rule_metrics(noisy, np.zeros_like(noisy))}
-    fpr, tpr, thresholds = roc_curve(noisy, -sim, drop_intermediate=False)
-    best = int(np.argmax(tpr + (1 - fpr)))
-    threshold = float(-thresholds[best])
-    return {"threshold": threshold, **rule_metrics(noisy, sim <= threshold)}
+        threshold, flagged = None, np.zeros_like(noisy)
+    else:
+        fpr, tpr, thresholds = roc_curve(noisy, -sim, drop_intermediate=False)
+        threshold = float(-thresholds[int(np.argmax(tpr + (1 - fpr)))])
+        flagged = sim <= threshold
+    return OracleDetection(**vars(rule_metrics(noisy, flagged)), threshold=threshold, label="oracle",
+                           noisy_if="sim <= " + (f"{threshold:.4f}" if threshold is not None else "n/a"))
 
 
 def mean_noise_rank(noisy, weight) -> tuple[float | None, float | None]:
@@ -100,25 +155,111 @@ def expected_calibration_error(clean, probability, bins: int = ECE_BINS) -> floa
     return float(100.0 * gap.sum() / len(p))
 
 
-def detection_metrics(noisy, sim, weight, decisions: dict[str, np.ndarray]) -> dict:
+@dataclass(frozen=True)
+class DetectionMetrics:
+    """Every metric of one labelled set of pairs (`detection_metrics`): its pairs and noisy pairs
+    (and their share, %), each rule's decisions (by name) then the oracle's (`"oracle"`),
+    ROC-AUC and average precision of -sim as a noise detector (None with one class only), and the
+    mean noise rank by weight, its optimum, and by sim."""
+
+    pairs: int
+    noisy: int
+    noise_share: float | None
+    rules: Keyed[str, DecisionMetrics]
+    roc_auc: float | None
+    average_precision: float | None
+    mean_noise_rank: float | None
+    mean_noise_rank_optimal: float | None
+    mean_noise_rank_by_sim: float | None
+
+
+@dataclass(frozen=True)
+class RuleAudit:
+    """One rule's figures for the whole file from a blind audit's marks: the share of the scored
+    pairs it flags (exact, from the file), and its precision, recall and the noise left in the
+    pairs it keeps, each an `Estimate`."""
+
+    label: str
+    noisy_if: str
+    abstains: str | None
+    flagged_share: float
+    precision: Estimate
+    recall: Estimate
+    noise_left: Estimate
+
+
+@dataclass(frozen=True)
+class AuditEstimates:
+    """A blind audit's marks weighted back to every scored pair (`audit_estimates`): the pairs
+    marked and scored, the intervals' confidence and what they are (`interval`) and cover
+    (`covers`), the design, the strata no mark fell in, the judge, the noise share and each rule's
+    figures (by name)."""
+
+    marked: int
+    scored_pairs: int
+    confidence: float
+    interval: str
+    design: AuditDesign
+    unmarked_strata: list[int]
+    judge: JudgeError
+    covers: str
+    noise_share: Estimate
+    rules: Keyed[str, RuleAudit]
+
+    def to_json(self) -> JsonObject:
+        """As `evaluate detection` writes it: the design as its record reads back, the judge with its error rate."""
+        return {**asdict(self), "design": self.design.to_json(), "judge": self.judge.as_dict()}
+
+
+@dataclass(frozen=True)
+class DetectionReport(DetectionMetrics):
+    """`evaluate detection`: the metrics of the labelled pairs, each recorded rule's entry a
+    `RuleDetection`; which files were joined and how; the rows left out (an error, no truth label);
+    the estimator, beta mode and weight function the scores record; for a blind audit's marks, its
+    estimates for the whole file (`audit`), the metrics above being those of the marked pairs alone."""
+
+    scores: str
+    truth: str
+    join: str
+    scores_rows: int
+    error_rows: int
+    unlabelled_rows: int
+    truth_rows: int
+    estimator: JsonObject | None
+    beta_mode: str | None
+    weight_fn: str | None
+    audit: AuditEstimates | None = None
+
+    def to_json(self) -> JsonObject:
+        """The JSON `evaluate detection --json` and the demo write: each rule's entry flat, `audit`
+        only for a blind audit's marks."""
+        written = {**asdict(self), "rules": {name: rule.to_json() for name, rule in self.rules.items()}}
+        if self.audit is None:
+            del written["audit"]
+        else:
+            written["audit"] = self.audit.to_json()
+        return written
+
+
+def detection_metrics(noisy, sim, weight, decisions: dict[str, np.ndarray]) -> DetectionMetrics:
     """Every metric for one labelled set of pairs; `decisions` maps a rule name to its noisy flags."""
     noisy = np.asarray(noisy, dtype=bool)
     sim = np.asarray(sim, dtype=np.float64)
     both = bool(noisy.any() and (~noisy).any())
     rank, optimum = mean_noise_rank(noisy, weight)
     rank_sim, _ = mean_noise_rank(noisy, sim)
-    return {
-        "pairs": int(len(noisy)), "noisy": int(noisy.sum()),
-        "noise_share": 100.0 * float(noisy.mean()) if len(noisy) else None,
-        "rules": {**{name: rule_metrics(noisy, flags) for name, flags in decisions.items()},
-                  "oracle": oracle_threshold(noisy, sim)},
-        "roc_auc": float(roc_auc_score(noisy, -sim)) if both else None,
-        "average_precision": float(average_precision_score(noisy, -sim)) if both else None,
-        "mean_noise_rank": rank, "mean_noise_rank_optimal": optimum, "mean_noise_rank_by_sim": rank_sim,
-    }
+    return DetectionMetrics(
+        pairs=int(len(noisy)), noisy=int(noisy.sum()),
+        noise_share=100.0 * float(noisy.mean()) if len(noisy) else None,
+        rules={**{name: rule_metrics(noisy, flags) for name, flags in decisions.items()},
+               "oracle": oracle_threshold(noisy, sim)},
+        roc_auc=float(roc_auc_score(noisy, -sim)) if both else None,
+        average_precision=float(average_precision_score(noisy, -sim)) if both else None,
+        mean_noise_rank=rank, mean_noise_rank_optimal=optimum, mean_noise_rank_by_sim=rank_sim)
 
 
-def evaluate_detection(scores: str | Path, truth: str | Path | None = None, truth_key: str | None = None) -> dict:
+def evaluate_detection(scores: str | Path, truth: str | Path | None = None,
+                       truth_key: str | None = None) -> DetectionReport:
     """Join a scores file with a truth file (`db.resolve_truth`: Parquet, a manifest whose `truth:` names
     one, or the directory of that manifest; by default the truth of the dataset the scores recorded,
     e.g. the copy `corrupt` wrote) and measure every rule the file holds; rows with an error or
@@ -147,30 +288,23 @@ def evaluate_detection(scores: str | Path, truth: str | Path | None = None, trut
     if table.num_rows == 0:
         raise UserError(f"no scored pair of {scores} has a truth label in {truth}")
     column = {name: table.column(name).to_numpy(zero_copy_only=False) for name in table.column_names}
-    result = detection_metrics(column["noisy"].astype(bool), column["sim"], column["weight"],
-                               {rule.name: column[rule.decision].astype(bool) for rule in rules})
-    for rule in rules:
-        result["rules"][rule.name].update(threshold=rule.threshold, label=rule.label, noisy_if=rule.noisy_if,
-                                          abstains=rule.abstains)
-        if rule.name in probabilities and rule.abstains:
-            result["rules"][rule.name]["ece"] = None
-        elif rule.name in probabilities:
-            result["rules"][rule.name]["ece"] = expected_calibration_error(~column["noisy"].astype(bool),
-                                                                           column[probabilities[rule.name]])
-    oracle = result["rules"]["oracle"]
-    oracle.update(label="oracle", noisy_if="sim <= " + (f"{oracle['threshold']:.4f}"
-                                                        if oracle["threshold"] is not None else "n/a"))
-    result.update({"scores": str(scores), "truth": str(truth), "join": join, "scores_rows": int(counts[0]),
-                   "error_rows": int(counts[1]), "unlabelled_rows": int(counts[2]), "truth_rows": int(truth_rows),
-                   "estimator": provenance.estimator if provenance else None,
-                   "beta_mode": provenance.beta_mode if provenance else None,
-                   "weight_fn": provenance.weight_fn if provenance else None})
-    if audit is not None:
-        result["audit"] = audit
-    return result
+    noisy = column["noisy"].astype(bool)
+    found = detection_metrics(noisy, column["sim"], column["weight"],
+                              {rule.name: column[rule.decision].astype(bool) for rule in rules})
+    measured = {rule.name: RuleDetection(
+        **vars(found.rules[rule.name]), threshold=rule.threshold, label=rule.label, noisy_if=rule.noisy_if,
+        abstains=rule.abstains, probability=probabilities.get(rule.name),
+        ece=expected_calibration_error(~noisy, column[probabilities[rule.name]])
+        if rule.name in probabilities and not rule.abstains else None) for rule in rules}
+    return DetectionReport(
+        **{**vars(found), "rules": {**measured, "oracle": found.rules["oracle"]}},
+        scores=str(scores), truth=str(truth), join=join, scores_rows=int(counts[0]), error_rows=int(counts[1]),
+        unlabelled_rows=int(counts[2]), truth_rows=int(truth_rows),
+        estimator=provenance.estimator if provenance else None, beta_mode=provenance.beta_mode if provenance else None,
+        weight_fn=provenance.weight_fn if provenance else None, audit=audit)
 
 
-def audit_estimates(db: ScoresDB, design: AuditDesign, rules) -> dict:
+def audit_estimates(db: ScoresDB, design: AuditDesign, rules) -> AuditEstimates:
     """The blind audit's marks (`labeled` joined to a truth file carrying `design`) weighted back to
     every scored pair of the file (`stratified.audit_figures`): the noise share, and per rule the share
     it flags (exact, from the file), its precision, its recall and the noise left in the pairs it
@@ -223,15 +357,12 @@ def audit_estimates(db: ScoresDB, design: AuditDesign, rules) -> dict:
                             [None if v is None else bool(v) for v in columns[3]],
                             {rule.name: np.asarray(columns[4 + i], dtype=bool) for i, rule in enumerate(rules)},
                             held, flagged)
-    result = {"marked": len(marked), "scored_pairs": pairs, "confidence": CONFIDENCE, "interval": INTERVAL,
-              "design": design.to_json(), "unmarked_strata": figures.unmarked, "judge": figures.judge.as_dict(),
-              "covers": COVERS, "noise_share": figures.noise_share.as_dict(), "rules": {}}
-    for rule in rules:
-        result["rules"][rule.name] = {
-            "label": rule.label, "noisy_if": rule.noisy_if, "abstains": rule.abstains,
-            "flagged_share": sum(flagged[rule.name].values()) / pairs,
-            **{what: estimate.as_dict() for what, estimate in figures.rules[rule.name].items()}}
-    return result
+    return AuditEstimates(
+        marked=len(marked), scored_pairs=pairs, confidence=CONFIDENCE, interval=INTERVAL, design=design,
+        unmarked_strata=figures.unmarked, judge=figures.judge, covers=COVERS, noise_share=figures.noise_share,
+        rules={rule.name: RuleAudit(label=rule.label, noisy_if=rule.noisy_if, abstains=rule.abstains,
+                                    flagged_share=sum(flagged[rule.name].values()) / pairs,
+                                    **figures.rules[rule.name]) for rule in rules})
 
 
 INTERVAL = ("stratified estimate (each stratum's variance at least Jeffreys'), Wilson at Kish's effective n (at most the "

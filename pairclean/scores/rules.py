@@ -30,7 +30,7 @@ import pyarrow as pa
 
 from pairclean.config import Declared, check_choice, check_value, parse_value, split_option, within
 from pairclean.errors import ConfigError, UserError
-from pairclean.ops.records import Record
+from pairclean.ops.records import JsonObject, Keyed, Record
 from pairclean.scores.sql import sql_identifier
 
 if TYPE_CHECKING:
@@ -73,7 +73,7 @@ class RuleRecord(Record):
         return [c for c in self.columns if c != self.decision]
 
     @classmethod
-    def upgraded(cls, value: dict) -> dict:
+    def upgraded(cls, value: dict) -> JsonObject:
         """Files scored before `abstains` was recorded said it only in `noisy_if` (and still wrote
         the unusable posterior)."""
         noisy_if = value.get("noisy_if")
@@ -105,7 +105,7 @@ class DecisionRule(ABC):
         """Learn the threshold from a uniform sample of the valid similarities (may be empty)."""
 
     @abstractmethod
-    def derive(self, sim: np.ndarray) -> dict[str, np.ndarray]:
+    def derive(self, sim: np.ndarray) -> Keyed[str, np.ndarray]:
         """Every column of the rule for a batch of similarities (NaN where a pair has no score;
         finalize writes those rows as NULL)."""
 
@@ -117,12 +117,12 @@ class DecisionRule(ABC):
         """The similarity at or below which this rule flags, when the rule is such a threshold."""
         return None
 
-    def provenance(self) -> dict:
+    def provenance(self) -> JsonObject:
         """Top-level provenance entries this rule owns (what it fitted, for readers of the file):
         fields of `scores.contract.Provenance`."""
         return {}
 
-    def notes(self) -> dict:
+    def notes(self) -> JsonObject:
         """What the rule measured on the data that a reader of the summary should see (JSON values)."""
         return {}
 

@@ -44,7 +44,7 @@ in a truth file.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import ClassVar
 
@@ -76,8 +76,7 @@ class Estimate:
     sampled: int
 
     def as_dict(self) -> JsonObject:
-        return {"value": self.value, "low": self.low, "high": self.high, "effective_n": self.effective_n,
-                "sampled": self.sampled}
+        return asdict(self)
 
 
 NO_ESTIMATE = Estimate(None, None, None, None, 0)
@@ -134,13 +133,17 @@ class JudgeError:
         value, _, high = self.interval()
         return np.concatenate([[value], np.linspace(0.0, high, GRID)])
 
-    def as_dict(self) -> dict:
-        """The counts, the agreement and the error rate with its interval."""
+    @property
+    def agreement(self) -> float | None:
+        """The share of the pairs marked twice given the same mark both times (None: none was)."""
+        return 1 - self.disagreed / self.repeated if self.repeated else None
+
+    def as_dict(self) -> JsonObject:
+        """The counts, the agreement and the error rate with its interval (as `evaluate detection` writes them)."""
         if not self.repeated:
             return {"repeated": 0, "disagreed": 0, "agreement": None, "error_rate": None}
         value, low, high = self.interval()
-        return {"repeated": self.repeated, "disagreed": self.disagreed,
-                "agreement": 1 - self.disagreed / self.repeated,
+        return {"repeated": self.repeated, "disagreed": self.disagreed, "agreement": self.agreement,
                 "error_rate": {"value": value, "low": low, "high": high}}
 
 

@@ -59,6 +59,7 @@ from pairclean.ops.guard import Output, open_output
 from pairclean.ops.measure import (GpuBusy, PeakMemory, StageMeter, cpu_seconds, gpu_peak_mib, gpu_peak_reset,
                                   in_a_worker)
 from pairclean.ops.progress import SILENT, Progress
+from pairclean.ops.records import JsonObject, Keyed
 from pairclean.scoring.model import ModelProducer, ScoreConfig, score
 
 
@@ -106,7 +107,7 @@ class PipelineOnly:
         capacity = self.worker_capacity
         return self.meter["pairs_per_second"] / capacity if capacity else None
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> JsonObject:
         return {**self.meter, "decode": self.decode, "workers": self.workers,
                 "worker_ms_per_pair": self.worker_ms_per_pair, "worker_capacity_pairs_per_second": self.worker_capacity,
                 "over_worker_capacity": self.over_worker_capacity, "load": self.load}
@@ -154,7 +155,7 @@ class BenchReport:
         values = [v for v in values if v is not None]
         return statistics.median(values) if values else None
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> JsonObject:
         def phase(p: Phase | None) -> dict | None:
             return None if p is None else {**asdict(p), "pairs_per_second": p.pairs_per_second,
                                            "cpu_ms_per_pair": p.cpu_ms_per_pair}
@@ -306,7 +307,7 @@ def _shape_key(inputs: dict, cuts: TextCuts | None) -> tuple:
     return tuple(key)
 
 
-def _text_trim_gain(estimator, left: str, right: str, batches) -> dict:
+def _text_trim_gain(estimator, left: str, right: str, batches) -> JsonObject:
     """Seconds per caption of the text tower with and without trimming on the first batch, and
     the positions per caption it computes: what the exact trimming contributes (open_clip only)."""
     if not getattr(estimator, "text_trim", False) or "text" not in (left, right):
@@ -347,7 +348,7 @@ def sample_items(data: Dataset, max_items: int) -> list:
 
 
 def measure_prepare_cost(estimator, data: Dataset, max_items: int = 256, preparers: dict | None = None,
-                         repeats: int = 3) -> dict[str, float]:
+                         repeats: int = 3) -> Keyed[str, float]:
     """CPU milliseconds a DataLoader worker spends per pair on each side (decode + preprocess for
     images, tokenising for texts, collation), measured in a DataLoader worker (what a worker
     does differs from the main process's: `decode_plain_jpeg`), on its thread's CPU clock and its
@@ -510,7 +511,7 @@ class ZeroCostEstimator:
     def random_batch(self, modality: str, n: int, generator: torch.Generator):
         return self.inner.random_batch(modality, n, generator)
 
-    def provenance(self) -> dict:
+    def provenance(self) -> JsonObject:
         return {**self.inner.provenance(), "model": "zero-cost stand-in (pipeline-only benchmark)"}
 
 

@@ -31,7 +31,7 @@ from pairclean.data.embeddings.batches import block_buffer
 from pairclean.errors import ConfigError, UserError
 from pairclean.ops.guard import Output
 from pairclean.ops.notices import notice
-from pairclean.ops.records import JsonObject
+from pairclean.ops.records import JsonObject, Keyed
 from pairclean.scores.contract import Renormalised
 from pairclean.scoring.batches import ScoringCounts
 from pairclean.scoring.parts import ScoredUnit
@@ -181,9 +181,9 @@ class EmbeddingScoreConfig(RunConfig):
 
 
 def score_unit(batches: Iterable[EmbeddingBatch], pool: ThreadPoolExecutor | None,
-               shuffled: bool) -> tuple[dict, dict]:
-    """Score one unit's batches: (its part's columns, its commit record). A unit that breaks
-    keeps its rows so far and says why in the record."""
+               shuffled: bool) -> tuple[Keyed, JsonObject]:
+    """Score one unit's batches: (its part's columns by name, the entries it adds to its commit
+    record, `parts.ScoredUnit`). A unit that breaks keeps its rows so far and says why in the record."""
     keys, shards, index, sims, nulls, errors = [], [], [], [], [], []
     not_unit = [0, 0]
     deviation = 0.0

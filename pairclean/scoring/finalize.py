@@ -27,6 +27,7 @@ from pairclean.core.null import NullCalibration
 from pairclean.core.scorer import cone_weight, debias, normalised_weight
 from pairclean.ops.faults import fault_point
 from pairclean.ops.progress import SILENT, Progress
+from pairclean.ops.records import JsonObject
 from pairclean.scores.contract import (FailedUnit, Provenance, Summary, flagged_summary, provenance_metadata,
                                        scores_schema, summary_metadata, write_run_manifest)
 from pairclean.scores.rules import DEFAULT_RULES, DecisionRule, FitContext, build_rules
@@ -109,11 +110,11 @@ def null_quantiles(null_sample: np.ndarray) -> list[float] | None:
     return np.quantile(null_sample, np.linspace(0, 1, NULL_QUANTILE_LEVELS + 1)).round(6).tolist()
 
 
-def random_pairing_share(sample: np.ndarray, null_sample: np.ndarray) -> dict:
+def random_pairing_share(sample: np.ndarray, null_sample: np.ndarray) -> JsonObject:
     """The share of the scored pairs that look like random pairings, with a 95% interval
     (`core.null.NullCalibration.random_pairing_share`): an estimate of the noise that is as dissimilar
-    as a random pairing, not of all noise (a caption of a similar item is not counted). Empty when
-    the run drew no null pairs."""
+    as a random pairing, not of all noise (a caption of a similar item is not counted): the
+    summary's entries (`scores.contract.Summary`). Empty when the run drew no null pairs."""
     if len(null_sample) < 2 or not len(sample):
         return {}
     estimate, low, high = NullCalibration.fit(null_sample, sample).random_pairing_share(sample)

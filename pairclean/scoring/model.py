@@ -267,7 +267,7 @@ class ModelProducer(Producer):
         counts = run_pipeline(loader, estimator, left, right, sink, cfg.batch_size, self.meter, after_batch=slow_point)
         return replace(counts, workers=workers)
 
-    def _save_block(self, unit: str, block: UnitEmbeddings | None) -> dict:
+    def _save_block(self, unit: str, block: UnitEmbeddings | None) -> JsonObject:
         """Write the unit's embeddings as block N (N: the unit's place in the run) and return what
         its commit record says of them. A unit without a usable pair writes no block."""
         if not block or not block.left:
@@ -297,9 +297,10 @@ class ModelProducer(Producer):
             self._dataset = self.dataset.record(fingerprint=True)
         return self._dataset
 
-    def _saved_provenance(self, records: dict[str, ScoredUnit], beta: BetaEstimate) -> dict:
+    def _saved_provenance(self, records: dict[str, ScoredUnit], beta: BetaEstimate) -> JsonObject:
         """DIR/provenance.json, written when every unit is committed (its presence marks the
-        directory complete): the model, its weights' hash, the preprocessing, the run's beta."""
+        directory complete): the model, its weights' hash, the preprocessing, the run's beta. Returns
+        the scores summary's entries of the saved embeddings."""
         facts, cfg = self.facts, self.cfg
         rows = sum(r.embeddings for r in records.values())
         written = sum(r.embedding_bytes for r in records.values())

@@ -28,7 +28,7 @@ from pairclean.errors import ConfigError, UserError
 from pairclean.ops import distributed
 from pairclean.ops.guard import Output
 from pairclean.ops.progress import SILENT, Progress
-from pairclean.ops.records import StateDict
+from pairclean.ops.records import JsonObject, StateDict
 from pairclean.runs import GroupClaims, PartStore, Run, by_node, by_rank, open_run
 from pairclean.scores.contract import (READ_BACK, ErrorCount, Provenance, Summary, read_provenance, read_summary,
                                        run_manifest_path, write_run_manifest)
@@ -115,7 +115,7 @@ class Producer(ABC):
     def units(self) -> list[str]:
         """Every unit, in output order."""
 
-    def settings(self) -> dict:
+    def settings(self) -> JsonObject:
         """This producer's part of what a resumed run must share (the run adds its own and the units)."""
         return {}
 

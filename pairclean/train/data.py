@@ -16,7 +16,7 @@ import hashlib
 import itertools
 import os
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterator
 
 import numpy as np
@@ -92,6 +92,35 @@ class BatchPlan:
     left_digest: bool = False  # add each left item's content hash (groups captions of one image)
 
 
+@dataclass(frozen=True)
+class LeftOut:
+    """The pairs a loader worker left out since its previous batch, which carries them (`"stats"`):
+    pairs with an error or that did not decode (`errors`), pairs their weight drops (`dropped`), and
+    the units that broke (`failures`, "unit: reason")."""
+
+    errors: int = 0
+    dropped: int = 0
+    failures: tuple[str, ...] = ()
+
+
+@dataclass
+class _Tally:
+    """A worker's live count of what it leaves out (`LeftOut`)."""
+
+    errors: int = 0
+    dropped: int = 0
+    failures: list[str] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.errors or self.dropped or self.failures)
+
+    def take(self) -> LeftOut:
+        """What was counted since the last batch; the tally keeps counting from zero."""
+        taken = LeftOut(self.errors, self.dropped, tuple(self.failures))
+        self.errors, self.dropped, self.failures = 0, 0, []
+        return taken
+
+
 class TrainBatches(IterableDataset):
     """Prepared training batches; each worker reads its own share of the (shuffled) units."""
 
@@ -148,38 +177,29 @@ class TrainBatches(IterableDataset):
             return None
         return np.load(os.path.join(self.plan.weights_dir, self.plan.shard_files[shard]), mmap_mode="r")
 
-    def _pairs(self, units: Iterator[str], stats: dict) -> Iterator[tuple]:
+    def _pairs(self, units: Iterator[str], stats: _Tally) -> Iterator[tuple]:
         """(RawPair, weight) for every usable pair of the units; counts what was left out."""
         for unit in units:
             weights = self._weights_for(unit_shard(unit))
             for item in self.dataset.read(unit):
                 if isinstance(item, UnitFailure):
-                    stats["failures"].append(f"{item.unit}: {item.reason}")
+                    stats.failures.append(f"{item.unit}: {item.reason}")
                     continue
                 if item.error is not None:
-                    stats["errors"] += 1
+                    stats.errors += 1
                     continue
                 weight = 1.0
                 if weights is not None:
                     weight = float(weights[item.index]) if item.index < len(weights) else float("nan")
                     if weight == DROPPED:
-                        stats["dropped"] += 1
+                        stats.dropped += 1
                         continue
                     if np.isnan(weight):  # the join checked every indexed pair: the shard changed since
                         raise RuntimeError(f"pair {item.shard}#{item.index} (key {item.key}) has no weight; "
                                            "the shard changed after training started")
                 yield item, weight
 
-    def _new_stats(self) -> dict:
-        return {"errors": 0, "dropped": 0, "failures": []}
-
-    def _take(self, stats: dict) -> dict:
-        """What was counted since the last batch; the live dict keeps counting from zero."""
-        taken = {**stats, "failures": list(stats["failures"])}
-        stats.update(self._new_stats())
-        return taken
-
-    def _emit(self, rows: list[tuple], stats: dict) -> Keyed:
+    def _emit(self, rows: list[tuple], stats: LeftOut) -> Keyed:
         batch = {"key": [r[0].key for r in rows], "shard": [r[0].shard for r in rows],
                  "index": torch.tensor([r[0].index for r in rows], dtype=torch.long),
                  "weight": torch.tensor([r[1] for r in rows], dtype=torch.float32),
@@ -214,7 +234,7 @@ class TrainBatches(IterableDataset):
     def _batches(self):
         rank, _, worker, _ = wds.utils.pytorch_worker_info()
         units = wds.split_by_worker(wds.split_by_node(self._unit_order(self.epoch, self.repeat)))
-        stats = self._new_stats()
+        stats = _Tally()
         pairs = self._pairs(iter(units), stats)
         if self.shuffle and self.shuffle_buffer > 1:
             rng = random.Random(f"pairs-{self._order_key(self.epoch, self.repeat)}-{rank}-{worker}")
@@ -226,11 +246,11 @@ class TrainBatches(IterableDataset):
         while chunk := list(itertools.islice(pairs, self.batch_size - len(rows))):
             for (item, weight), prepared in zip(chunk, self._prepared([item for item, _ in chunk])):
                 if prepared is None:  # an undecodable pair is skipped, never a dead worker
-                    stats["errors"] += 1
+                    stats.errors += 1
                     continue
                 rows.append((item, weight, *prepared))
             if len(rows) == self.batch_size:
-                yield self._emit(rows, self._take(stats))
+                yield self._emit(rows, stats.take())
                 rows = []
-        if rows or stats["errors"] or stats["dropped"] or stats["failures"]:
-            yield self._emit(rows, self._take(stats)) if rows else {"key": [], "stats": self._take(stats)}
+        if rows or stats:
+            yield self._emit(rows, stats.take()) if rows else {"key": [], "stats": stats.take()}

@@ -11,7 +11,7 @@ in memory by design.
 from __future__ import annotations
 
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -22,6 +22,7 @@ from pairclean.config import COUNT, at_least, declare
 from pairclean.errors import UserError
 from pairclean.data.dataset import Dataset, as_dataset
 from pairclean.data.spec import DatasetSpec, modalities
+from pairclean.ops.records import JsonObject
 
 KS = (1, 5, 10)
 METRIC_NAMES = tuple(f"{d}_r{k}" for d in ("i2t", "t2i") for k in KS) + ("rsum",)
@@ -35,9 +36,30 @@ class RetrievalEmbeddings:
     skipped: int = 0  # pairs that could not be read or decoded
 
 
-def recall_metrics(left: torch.Tensor, right: torch.Tensor, owner: torch.Tensor, ks=KS,
-                   chunk: int = 1024) -> dict:
-    """R@K both ways and rSum from L2-normalised embeddings; ranks count strictly better candidates."""
+@dataclass(frozen=True)
+class RetrievalMetrics:
+    """R@1/5/10 left->right (i2t: one query per distinct left item) and right->left (t2i: one per
+    pair), in %, their sum (rSum, 600 at best), each direction's queries, and the pairs that could
+    not be read (`skipped`). As JSON (`to_json`): `evaluate retrieval --json`, and each epoch's
+    `val_` entries of metrics.jsonl, in this order."""
+
+    i2t_r1: float
+    i2t_r5: float
+    i2t_r10: float
+    t2i_r1: float
+    t2i_r5: float
+    t2i_r10: float
+    rsum: float
+    queries_i2t: int
+    queries_t2i: int
+    skipped: int = 0
+
+    def to_json(self) -> JsonObject:
+        return asdict(self)
+
+
+def recall_metrics(left: torch.Tensor, right: torch.Tensor, owner: torch.Tensor, chunk: int = 1024) -> RetrievalMetrics:
+    """R@K both ways (K in KS) and rSum from L2-normalised embeddings; ranks count strictly better candidates."""
     left, right, owner = left.float(), right.float(), owner.long()
     m, n = left.shape[0], right.shape[0]
     if m == 0 or n == 0:
@@ -54,14 +76,9 @@ def recall_metrics(left: torch.Tensor, right: torch.Tensor, owner: torch.Tensor,
         sims = right[start:start + chunk] @ left.T  # (c, M)
         own = sims.gather(1, owner[start:start + chunk, None])
         r2l_rank[start:start + chunk] = (sims > own).sum(1)
-    out = {}
-    for k in ks:
-        out[f"i2t_r{k}"] = 100.0 * float((l2r_rank < k).float().mean())
-    for k in ks:
-        out[f"t2i_r{k}"] = 100.0 * float((r2l_rank < k).float().mean())
-    out["rsum"] = sum(out[f"{d}_r{k}"] for d in ("i2t", "t2i") for k in ks)
-    out["queries_i2t"], out["queries_t2i"] = m, n
-    return out
+    recalls = {**{f"i2t_r{k}": 100.0 * float((l2r_rank < k).float().mean()) for k in KS},
+               **{f"t2i_r{k}": 100.0 * float((r2l_rank < k).float().mean()) for k in KS}}
+    return RetrievalMetrics(**recalls, rsum=sum(recalls.values()), queries_i2t=m, queries_t2i=n)
 
 
 def _select(batch, idx: list[int]):
@@ -89,7 +106,7 @@ def embed_pairs(target, data: Dataset, batch_size: int = 256, workers: int = 0,
     target.module.eval()
     try:
         for batch in loader:
-            skipped += batch["stats"]["errors"] + len(batch["stats"]["failures"])
+            skipped += batch["stats"].errors + len(batch["stats"].failures)
             if not batch["key"]:
                 continue
             new = []
@@ -124,9 +141,10 @@ class JointTarget:
         return torch.cat([t.encode(modality, batch) for t in self.targets], dim=-1) / len(self.targets) ** 0.5
 
 
-def evaluate_target(target, data: Dataset, batch_size: int = 256, workers: int = 0, autocast=None) -> dict:
+def evaluate_target(target, data: Dataset, batch_size: int = 256, workers: int = 0,
+                    autocast=None) -> RetrievalMetrics:
     emb = embed_pairs(target, data, batch_size, workers, autocast)
-    return {**recall_metrics(emb.left, emb.right, emb.owner), "skipped": emb.skipped}
+    return replace(recall_metrics(emb.left, emb.right, emb.owner), skipped=emb.skipped)
 
 
 def load_trained(model: str | Path, arch: str | None = None, device: str = "auto"):
@@ -153,7 +171,7 @@ def load_trained(model: str | Path, arch: str | None = None, device: str = "auto
 @declare(batch_size=COUNT, workers=at_least(0))
 def evaluate_retrieval(model: str | Path, data: str | list[str] | DatasetSpec | Dataset, arch: str | None = None,
                        pair: str | None = None, batch_size: int = 256, workers: int = 0,
-                       device: str = "auto") -> dict:
+                       device: str = "auto") -> RetrievalMetrics:
     """`pairclean evaluate retrieval`: load a trained model and score retrieval on `data`."""
     dataset = as_dataset(data, pair=pair)
     target = load_trained(model, arch=arch, device=device)

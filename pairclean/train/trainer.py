@@ -280,7 +280,7 @@ def train(source: str | list[str] | DatasetSpec | Dataset, out: str | Path | Out
             progress.note(f"epoch {epoch}: retrieval on the validation pairs (R@1/5/10 both ways) ...")
             val_metrics = evaluate_target(JointTarget([target, *method.extra_networks().values()]), val_data,
                                           cfg.val_batch_size, workers, autocast_context(target.device, cfg.precision))
-            record.update({f"val_{k}": v for k, v in val_metrics.items()})
+            record.update({f"val_{k}": v for k, v in val_metrics.to_json().items()})
         loop.finish_epoch(epoch, record)
         distributed.barrier()  # the other ranks wait for rank 0's validation and checkpoints
     best_model = model_path(out, BEST, target.backend) if loop.best_epoch is not None else None
@@ -432,7 +432,7 @@ class _Loop:
         def usable(n: int) -> bool:  # a lone pair has no negatives
             return n >= 2 and (n == full or not distributed.is_distributed())
 
-        def prepare(batch: dict) -> tuple[dict, int]:
+        def prepare(batch: Keyed) -> tuple[Keyed, int]:
             return self._on_device(batch) if usable(len(batch["key"])) else (batch, 0)
 
         # Where a device decoder finishes the images on CUDA, batch i+1 goes to the device and is decoded
@@ -445,10 +445,10 @@ class _Loop:
             for _ in (range(loader.steps) if loader.steps is not None else itertools.count()):
                 batch = None
                 for batch, errors in it:
-                    stats = batch["stats"]
-                    totals["errors"] += stats["errors"] + errors
-                    totals["dropped"] += stats["dropped"]
-                    failures.extend(stats["failures"])
+                    left_out = batch["stats"]
+                    totals["errors"] += left_out.errors + errors
+                    totals["dropped"] += left_out.dropped
+                    failures.extend(left_out.failures)
                     if usable(len(batch["key"])):
                         break
                     if distributed.is_distributed():

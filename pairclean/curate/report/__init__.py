@@ -63,5 +63,5 @@ def build_report(scores: str | Path, out: str | Path, shards: list[str] | None =
                        max_shard_rows)
     with target.write() as tmp:
         tmp.write_text(page, encoding="utf-8")
-    return ReportResult(out=out, pairs=stats.summary["pairs"], gallery_pairs=len(stats.lowest) + len(stats.highest),
+    return ReportResult(out=out, pairs=stats.summary.pairs, gallery_pairs=len(stats.lowest) + len(stats.highest),
                         thumbnails=sum(1 for m in media.values() for src in m.images if src), media_note=media_note)

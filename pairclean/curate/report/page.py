@@ -170,26 +170,25 @@ def _truth_table(stats: ReportStats) -> Html:
     def percent(value: float | None) -> str:  # truth_metrics' shares are in %
         return _pct(None if value is None else value / 100)
 
-    rows = [[rule.label, rule.noisy_if, f"{m['flagged']:,}", percent(m["clean_kept"]), percent(m["noise_caught"]),
-             percent(m["balanced_accuracy"]), percent(m["precision"])]
-            for rule in stats.rules for m in [stats.truth["rules"][rule.name]]]
+    rows = [[rule.label, rule.noisy_if, f"{m.flagged:,}", percent(m.clean_kept), percent(m.noise_caught),
+             percent(m.balanced_accuracy), percent(m.precision)]
+            for rule in stats.rules for m in [stats.truth.rules[rule.name]]]
     return render("<h3>Against the truth labels</h3>{{table}}", table=_table(
         ["rule", "noisy if", "flagged", "clean kept", "noise caught", "balanced accuracy", "precision"], rows))
 
 
 def _cards(stats: ReportStats, prov: Provenance) -> list[Html]:
-    s, rules, n = stats.summary, stats.rules, stats.summary["scored"]
+    s, rules, n = stats.summary, stats.rules, stats.summary.scored
     cards = [
-        _card("pairs", f"{s['pairs']:,}", f"{s['scored']:,} scored"),
-        _card("errors", f"{s['errors']:,}", _pct(s["errors"] / s["pairs"]) + " of pairs",
-              "warn" if s["errors"] else ""),
+        _card("pairs", f"{s.pairs:,}", f"{s.scored:,} scored"),
+        _card("errors", f"{s.errors:,}", _pct(s.errors / s.pairs) + " of pairs", "warn" if s.errors else ""),
         _card("β (cone bias)", _num(prov.beta, 4), f"± {_num(prov.beta_std, 4)} · {prov.beta_mode}", "beta"),
-        *(_card(f"flagged by {rule.label} rule", _pct(s["flagged"][rule.name] / n if n else None),
-                f"{s['flagged'][rule.name]:,} pairs with {rule.noisy_if}", f"rule {rule.name}") for rule in rules),
-        _card("mean OSA weight", _num(s["mean_weight"], 4), f"{_pct(s['zero_weight'] / n if n else None)} weigh 0"),
+        *(_card(f"flagged by {rule.label} rule", _pct(s.flagged[rule.name] / n if n else None),
+                f"{s.flagged[rule.name]:,} pairs with {rule.noisy_if}", f"rule {rule.name}") for rule in rules),
+        _card("mean OSA weight", _num(s.mean_weight, 4), f"{_pct(s.zero_weight / n if n else None)} weigh 0"),
     ]
     if stats.truth is not None:
-        labelled, noisy = stats.truth["labelled"], stats.truth["noisy"]
+        labelled, noisy = stats.truth.labelled, stats.truth.noisy
         cards.append(_card("truly noisy", _pct(noisy / labelled if labelled else None),
                            f"{noisy:,} of {labelled:,} labelled (joined on {stats.truth_join})", "warn"))
     return cards
@@ -214,7 +213,7 @@ def _errors(stats: ReportStats) -> Html:
         return Html("")
     return render('<section id="errors"><h2>Pairs that could not be scored</h2>'
                   '<p class="lead">{{n}} pairs carry an error (weight 0, never kept by a predicate on the scores).'
-                  "</p>{{table}}</section>", n=f"{stats.summary['errors']:,}",
+                  "</p>{{table}}</section>", n=f"{stats.summary.errors:,}",
                   table=_table(["reason", "pairs", "example key"],
                                [[e["error"], f"{e['n']:,}", e["example"]] for e in stats.errors]))
 
@@ -228,11 +227,11 @@ def render_page(scores: Path, prov: Provenance, stats: ReportStats, media: dict,
     return render(
         template("pairclean.curate.report", "page.html"),
         heading=heading, css=Html(template("pairclean.curate.report", "report.css")),
-        pairs=f"{stats.summary['pairs']:,}", pair=prov.pair or "?",
+        pairs=f"{stats.summary.pairs:,}", pair=prov.pair or "?",
         estimator=_estimator_line(prov.estimator or {}),
         generated=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         cards=join(_cards(stats, prov)), histogram_lead=_histogram_lead(mixture, stats),
-        histogram=similarity_figure(stats.edges, stats.counts, prov.beta, mixture, stats.summary["scored"]),
+        histogram=similarity_figure(stats.edges, stats.counts, prov.beta, mixture, stats.summary.scored),
         truth_table=_truth_table(stats), sweep=_sweep_html(stats.sweep),
         shard_figure=shard_figure(stats.shards, truth, stats.rules),
         shard_table=_shard_table(stats.shards, truth, max_shard_rows, stats.rules),

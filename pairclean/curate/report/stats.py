@@ -13,9 +13,36 @@ from pairclean.errors import UserError
 from pairclean.ops.records import Keyed
 from pairclean.scores.contract import Provenance
 from pairclean.scores.db import ScoresDB
-from pairclean.scores.evaluation import truth_metrics
+from pairclean.scores.evaluation import DecisionMetrics, truth_metrics
 from pairclean.scores.rules import RuleRecord, recorded_rules
 from pairclean.scores.sql import sql_identifier
+
+
+@dataclass(frozen=True)
+class ReportSummary:
+    """The page's counts and similarity statistics (`summary`): pairs, scored pairs, pairs with an
+    error, scored pairs weighing 0, the mean, lowest and highest sim and the mean weight of the
+    scored pairs (None without one), and each rule's flagged pairs (by name)."""
+
+    pairs: int
+    scored: int
+    errors: int
+    zero_weight: int
+    mean_sim: float | None
+    min_sim: float | None
+    max_sim: float | None
+    mean_weight: float | None
+    flagged: Keyed[str, int]
+
+
+@dataclass(frozen=True)
+class TruthByRule:
+    """The scored pairs with a truth label, the truly noisy among them, and each rule's decisions
+    against the labels (by name; `truth_by_rule`)."""
+
+    labelled: int
+    noisy: int
+    rules: Keyed[str, DecisionMetrics]
 
 
 @dataclass
@@ -23,11 +50,11 @@ class ReportStats:
     """Everything the page shows that comes from the scores (and truth) file."""
 
     rules: list[RuleRecord]  # as the file records them, in column order
-    summary: dict  # counts and similarity statistics (`summary`)
-    truth: dict | None  # `truth_by_rule`, with a truth file
+    summary: ReportSummary
+    truth: TruthByRule | None  # with a truth file
     truth_join: str | None  # the columns the truth was joined on
     edges: np.ndarray  # histogram bin edges
-    counts: dict  # histogram counts per label
+    counts: Keyed[str, np.ndarray]  # histogram counts per label
     shards: list[dict]  # `per_shard`
     lowest: list[dict]  # gallery rows, lowest similarity first
     highest: list[dict]  # gallery rows, highest first (none of the lowest)
@@ -41,17 +68,17 @@ def gather(db: ScoresDB, provenance: Provenance, has_truth: bool, bins: int, gal
     view = "labeled" if has_truth else "scores"
     rules = recorded_rules(provenance, db.columns(view))
     s = summary(db, view, rules)
-    if s["pairs"] == 0:
+    if s.pairs == 0:
         raise UserError(f"{db.path} holds no pairs")
-    lo = s["min_sim"] if s["min_sim"] is not None else 0.0
-    hi = s["max_sim"] if s["max_sim"] is not None else 1.0
+    lo = s.min_sim if s.min_sim is not None else 0.0
+    hi = s.max_sim if s.max_sim is not None else 1.0
     if provenance.beta is not None:
         lo, hi = min(lo, provenance.beta), max(hi, provenance.beta)
     pad = max(hi - lo, 1e-3) * 0.03
     edges, counts = histogram(db, view, lo - pad, hi + pad, bins, has_truth)
-    lowest = gallery_rows(db, view, min(gallery, s["scored"]), True, has_truth, rules)
+    lowest = gallery_rows(db, view, min(gallery, s.scored), True, has_truth, rules)
     # Few pairs: the highest are the ones not already shown as lowest.
-    highest = gallery_rows(db, view, min(contrast, s["scored"] - len(lowest)), False, has_truth, rules)
+    highest = gallery_rows(db, view, min(contrast, s.scored - len(lowest)), False, has_truth, rules)
     return ReportStats(rules=rules, summary=s, truth=truth_by_rule(db, rules) if has_truth else None,
                        truth_join=db.truth_join, edges=edges, counts=counts,
                        shards=per_shard(db, view, has_truth, rules), lowest=lowest, highest=highest,
@@ -64,7 +91,7 @@ def _rows(db: ScoresDB, sql: str, params: list | None = None) -> list[dict]:
     return [dict(zip(names, r)) for r in rel.fetchall()]
 
 
-def summary(db: ScoresDB, view: str, rules: list[RuleRecord]) -> dict:
+def summary(db: ScoresDB, view: str, rules: list[RuleRecord]) -> ReportSummary:
     """Counts and similarity statistics; `flagged` maps each rule's name to its flagged pairs."""
     flagged = "".join(f", count(*) FILTER (WHERE {sql_identifier(r.decision)} AND sim IS NOT NULL)" for r in rules)
     row = db.con.execute(f"""
@@ -73,24 +100,25 @@ def summary(db: ScoresDB, view: str, rules: list[RuleRecord]) -> dict:
                avg(sim) AS mean_sim, min(sim) AS min_sim, max(sim) AS max_sim,
                avg(weight) FILTER (WHERE sim IS NOT NULL) AS mean_weight{flagged}
         FROM {view}""").fetchone()
-    names = ("pairs", "scored", "errors", "zero_weight", "mean_sim", "min_sim", "max_sim", "mean_weight")
-    return {**dict(zip(names, row)), "flagged": {r.name: n for r, n in zip(rules, row[len(names):])}}
+    pairs, scored, errors, zero_weight, mean_sim, min_sim, max_sim, mean_weight = row[:8]
+    return ReportSummary(pairs, scored, errors, zero_weight, mean_sim, min_sim, max_sim, mean_weight,
+                         flagged={r.name: n for r, n in zip(rules, row[8:])})
 
 
-def truth_by_rule(db: ScoresDB, rules: list[RuleRecord]) -> dict:
+def truth_by_rule(db: ScoresDB, rules: list[RuleRecord]) -> TruthByRule:
     """The scored pairs with a label, the truly noisy among them, and `truth_metrics` of each rule
     (by name) against the labels, counted by DuckDB."""
     labelled, noisy = db.con.execute("SELECT count(noisy), count(*) FILTER (WHERE noisy) FROM labeled "
                                      "WHERE sim IS NOT NULL").fetchone()
-    out = {"labelled": labelled, "noisy": noisy, "rules": {}}
+    found = {}
     for rule in rules:
         flagged = sql_identifier(rule.decision)
         counts = db.con.execute(f"""
             SELECT count(*) FILTER (WHERE {flagged} AND noisy), count(*) FILTER (WHERE NOT {flagged} AND noisy),
                    count(*) FILTER (WHERE {flagged} AND NOT noisy), count(*) FILTER (WHERE NOT {flagged} AND NOT noisy)
             FROM labeled WHERE sim IS NOT NULL""").fetchone()
-        out["rules"][rule.name] = truth_metrics(*counts)
-    return out
+        found[rule.name] = truth_metrics(*counts)
+    return TruthByRule(labelled, noisy, found)
 
 
 def histogram(db: ScoresDB, view: str, lo: float, hi: float, bins: int, split: bool) -> tuple[np.ndarray, Keyed]:
