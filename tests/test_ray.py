@@ -9,13 +9,16 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
+from helpers import run_cli
 
 from pairclean.lab.coco import build_web_shards
 from pairclean.runs import parts_dir_for
@@ -138,16 +141,26 @@ def test_the_driver_killed_mid_run_resumes_exactly(cluster, web, web_local, tmp_
     assert pq.read_table(out).to_pylist() == web_local
 
 
-def test_bad_ray_settings_are_one_line_before_any_work(coco_shards, tmp_path):
+def test_bad_ray_settings_are_one_line_before_any_work(coco_shards, tmp_path, monkeypatch, capsys):
     proc = subprocess.run([sys.executable, "-m", "pairclean", "score", str(coco_shards), "--out",
                            str(tmp_path / "s.parquet"), *TINY, "--engine", "ray", "--ray-address", "127.0.0.1:1"],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "no Ray cluster answers there" in proc.stderr and "--ray-address" in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1  # (how long it takes: docs/distributed.md, measured)
+    # something else listens there (it accepts connections and says nothing): refused too, in one line
+    listener = socket.create_server(("127.0.0.1", 0))
+    held = []
+    threading.Thread(target=lambda: [held.append(listener.accept()) for _ in range(64)], daemon=True).start()
+    proc = subprocess.run([sys.executable, "-m", "pairclean", "score", str(coco_shards), "--out",
+                           str(tmp_path / "s.parquet"), *TINY, "--engine", "ray", "--ray-address",
+                           f"127.0.0.1:{listener.getsockname()[1]}"], capture_output=True, text=True, timeout=120)
+    listener.close()
+    lines = [line for line in proc.stderr.strip().splitlines() if line.startswith("error:")]
+    assert proc.returncode == 2 and len(lines) == 1 and "--ray-address" in lines[0], proc.stderr[-2000:]
     # Ray missing: one line naming the extra (the import fails as it does without the package)
-    code = ("import sys; sys.modules['ray'] = None; from pairclean.cli import main; "
-            f"main(['score', {str(coco_shards)!r}, '--out', {str(tmp_path / 'r.parquet')!r}, '--engine', 'ray'])")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 2 and "pip install 'pairclean[ray]'" in proc.stderr, proc.stderr
-    assert len(proc.stderr.strip().splitlines()) == 1
+    monkeypatch.setitem(sys.modules, "ray", None)
+    code, _, err = run_cli(["score", str(coco_shards), "--out", str(tmp_path / "r.parquet"), *TINY, "--engine", "ray"],
+                           capsys)
+    assert code == 2 and "pip install 'pairclean[ray]'" in err and len(err.strip().splitlines()) == 1, err
+    monkeypatch.undo()
     assert not list(tmp_path.iterdir())  # nothing written

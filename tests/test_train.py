@@ -22,6 +22,7 @@ from pairclean.lab.coco import build_shards
 from pairclean.errors import UserError
 from pairclean.data.dataset import open_dataset
 from pairclean.scoring.model import ScoreConfig, score
+from pairclean.train.data import LeftOut
 from pairclean.train.retrieval import evaluate_retrieval
 from pairclean.core.scorer import cone_weight, debias, normalised_weight
 from pairclean.train import METHODS, build_method, train
@@ -554,7 +555,7 @@ def test_device_decoded_batches_are_prepared_in_a_thread_of_their_own(monkeypatc
     monkeypatch.setattr(feed.torch.cuda, "device", lambda device: contextlib.nullcontext())
     monkeypatch.setattr(feed.torch.cuda, "Event", lambda: SimpleNamespace(record=lambda stream: None))
     monkeypatch.setattr(feed.torch.cuda, "current_stream", lambda device=None: SimpleNamespace(wait_event=lambda e: None))
-    stats = {"errors": 0, "dropped": 0, "failures": []}
+    stats = LeftOut()
     batches = [{"key": list("abcd"), "stats": stats} for _ in range(3)]
 
     def prepared_in(device: str, decoder) -> set[str]:

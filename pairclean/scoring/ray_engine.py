@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass, replace
@@ -34,7 +35,8 @@ from pairclean.scoring.batches import ScoringCounts
 from pairclean.scoring.engines import Engine, OnCommit, register_engine, unit_committer
 
 CHUNK_SHARE = 2  # a chunk is 1/(this x workers) of the groups left (guided self-scheduling: large first, small last)
-CONNECT_SECONDS = 10  # an address that does not answer within this is refused
+PROBE_SECONDS = 4  # an address where nothing accepts a connection within this is refused
+CONNECT_SECONDS = 8  # one where no Ray cluster lets us in within this is refused
 LOST_SECONDS = 600  # with no live worker for this long (none can be placed), the run stops
 FORWARDED_ENV = ("PAIRCLEAN_", "HF_HUB_OFFLINE", "HF_HOME", "TRANSFORMERS_OFFLINE")  # the driver's, to every worker
 
@@ -51,7 +53,7 @@ def check_address(address: str | None) -> None:
     if not host or not port:
         raise ConfigError(f"`ray_address` {address!r} is not HOST:PORT (or ray://HOST:PORT)", "ray_address")
     try:
-        socket.create_connection((host, port), timeout=CONNECT_SECONDS).close()
+        socket.create_connection((host, port), timeout=PROBE_SECONDS).close()
     except OSError as exc:
         raise ConfigError(f"`ray_address` {address}: no Ray cluster answers there ({exc.strerror or exc}); start its "
                           "head node (Ray's `ray start`), or leave it unset to start Ray on this machine", "ray_address") from None
@@ -108,15 +110,38 @@ class RayEngine(Engine):
         self.ray = optional("ray", "ray")
         address = address or os.environ.get("RAY_ADDRESS")
         check_address(address)
-        env = {k: v for k, v in os.environ.items() if k.startswith(FORWARDED_ENV)}
-        try:
-            self.ray.init(address=address or None, ignore_reinit_error=True, logging_level=logging.ERROR,
-                          log_to_driver=False, include_dashboard=False, runtime_env={"env_vars": env} if env else None)
-        except ConnectionError as exc:
-            raise ConfigError(f"`ray_address` {address}: {exc}", "ray_address") from None
+        self._connect(address)
         self.wanted, self.gpus = workers, gpus
         self.workers: list = []
         self.lost = 0
+
+    def _connect(self, address: str | None) -> None:
+        """Join the cluster at `address` (None: start Ray here). Something else answering there, or a
+        cluster that does not let us in, is refused within CONNECT_SECONDS: Ray itself would retry
+        for a minute or more. The connecting thread is left behind (a daemon) when it does not return."""
+        env = {k: v for k, v in os.environ.items() if k.startswith(FORWARDED_ENV)}
+        outcome: dict = {}
+
+        def connect() -> None:
+            try:
+                self.ray.init(address=address or None, ignore_reinit_error=True, logging_level=logging.ERROR,
+                              log_to_driver=False, include_dashboard=False,
+                              runtime_env={"env_vars": env} if env else None)
+            except Exception as exc:  # noqa: BLE001 - said as one line below, whatever Ray raised
+                outcome["error"] = exc
+
+        if not address or address in ("local",):
+            connect()  # Ray started here: as long as starting takes
+        else:
+            joining = threading.Thread(target=connect, name="pairclean-ray-connect", daemon=True)
+            joining.start()
+            joining.join(CONNECT_SECONDS)
+            if joining.is_alive():
+                raise ConfigError(f"`ray_address` {address}: no Ray cluster answered within {CONNECT_SECONDS} s (something "
+                                  "else listens there?); give the head node's address", "ray_address")
+        if "error" in outcome:
+            reason = " ".join(str(outcome["error"]).split())[:300]
+            raise ConfigError(f"`ray_address` {address or 'local'}: cannot join Ray ({reason})", "ray_address")
 
     def processes(self) -> int:
         return max(1, len(self.workers))
