@@ -131,7 +131,10 @@ class RayEngine(Engine):
                 outcome["error"] = exc
 
         if not address or address in ("local",):
-            connect()  # Ray started here: as long as starting takes
+            # Ray started here: as long as starting takes. Its workers run at the driver's priority (Ray's
+            # default niceness of 15 would hand a busy machine's CPUs to everything else first).
+            os.environ.setdefault("RAY_worker_niceness", "0")
+            connect()
         else:
             joining = threading.Thread(target=connect, name="pairclean-ray-connect", daemon=True)
             joining.start()
