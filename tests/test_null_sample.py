@@ -53,7 +53,10 @@ def test_a_units_draw_is_the_same_however_its_rows_are_batched():
     # the `size` rows of least key, each with the right of the one half the draw away, in row order
     rows = np.sort(np.argsort(null_keys(index), kind="stable")[:size])
     expected = np.full(n, np.nan, dtype=np.float32)
-    expected[rows] = scorer.cosine_similarity(left[rows], right[rows][null_partners(size)])
+    u, v = left[rows], right[rows][null_partners(size)]
+    expected[rows] = scorer.cosine_similarity(u, v)  # in float64; the draw's float32 products within rounding
+    np.testing.assert_allclose(whole, expected, atol=1e-6)
+    expected[rows] = scorer.cosine_from_products(*(np.einsum("ij,ij->i", a, b) for a, b in ((u, v), (u, u), (v, v))))
     np.testing.assert_array_equal(whole, expected)
     one = NullDraw(size)
     one.add(np.arange(1), index[:1], left[:1], right[:1])

@@ -113,25 +113,30 @@ class NullDraw:
             self._keep_least()
 
     def _keep_least(self) -> None:
-        """Keep the `size` least keys (ties: the earlier row; a later row never displaces an equal key)."""
+        """Keep the `size` least keys (ties: the earlier row; a later row never displaces an equal
+        key), in row order: the held rows are always in row order, chunk after chunk."""
         keys, places = np.concatenate(self.keys), np.concatenate(self.places)
-        least = np.lexsort((places, keys))[:self.size]
+        least = np.sort(np.lexsort((places, keys))[:self.size])
         self.keys, self.places = [keys[least]], [places[least]]
         self.left, self.right = [np.concatenate(self.left)[least]], [np.concatenate(self.right)[least]]
         self.held = len(least)
         if self.held == self.size:
-            self.bound = keys[least[-1]]
+            self.bound = self.keys[0].max()
 
     def column(self, rows: int) -> np.ndarray:
         """The unit's `null_sim` column for its `rows` rows (float32): each drawing row's null
-        cosine, NaN elsewhere; none below two drawing rows (a row is never its own partner)."""
+        cosine, from float32 row products as every cosine of stored vectors is
+        (`cosine_from_products`), NaN elsewhere; none below two drawing rows (a row is never its
+        own partner)."""
         column = np.full(rows, np.nan, dtype=np.float32)
         if self.held < 2:
             return column
-        self._keep_least()
-        order = np.argsort(self.places[0])
-        left, right = self.left[0][order], self.right[0][order]
-        column[self.places[0][order]] = cosine_similarity(left, right[null_partners(len(order))])
+        if self.held > self.size:
+            self._keep_least()
+        left = np.concatenate(self.left).astype(np.float32, copy=False)
+        right = np.concatenate(self.right)[null_partners(self.held)].astype(np.float32, copy=False)
+        column[np.concatenate(self.places)] = cosine_from_products(
+            np.einsum("ij,ij->i", left, right), np.einsum("ij,ij->i", left, left), np.einsum("ij,ij->i", right, right))
         return column
 
 
