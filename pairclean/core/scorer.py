@@ -84,7 +84,7 @@ class NullDraw:
     the `size` rows (default NULL_ROWS) whose `null_keys` are least, each row's left paired, in row
     order, with the right of the row half the draw away (`null_partners`). A function of the
     unit's rows only, so another batch size, DataLoader workers, a torchrun or Ray world, or a
-    resumed run draws the same pairs. Holds the vectors of at most 2 x size rows (plus a batch)."""
+    resumed run draws the same pairs. Holds the vectors of at most about 3 x size rows."""
 
     def __init__(self, size: int | None = None):
         self.size = NULL_ROWS if size is None else size
@@ -101,6 +101,9 @@ class NullDraw:
         rows that can still be among the least are copied."""
         keys = null_keys(index)
         take = np.arange(len(keys)) if self.bound is None else np.flatnonzero(keys < self.bound)
+        if self.held + len(take) > 2 * self.size:  # a large block: copy only the rows that can be among the least
+            every = np.concatenate([*self.keys, keys[take]])
+            take = take[keys[take] <= np.partition(every, self.size - 1)[self.size - 1]]
         if not len(take):
             return
         rows = take if at is None else np.asarray(at)[take]
