@@ -470,11 +470,12 @@ def test_a_run_pins_how_its_workers_resize_and_a_run_begun_before_is_not_resumed
 
 
 def test_the_scorer_queues_its_work_without_waiting_for_the_device(monkeypatch):
-    """Scoring a batch on CUDA queues the sims and null sims and their copies to the host; the
-    host waits only when the sink takes the batch, one batch later. Its null partners were a
-    blocking copy to the device, a stream synchronisation that held the main thread until the
-    batch's model was done (0.023 ms a pair on the H100, session 14) before it could take the batch
-    before and receive the next. Fake CUDA tensors (no GPU): `DeviceReads` counts what would wait."""
+    """Scoring a batch on CUDA queues the sims and the embeddings (the sink draws the unit's null
+    pairs from them) and their copies to the host; the host waits only when the sink takes the
+    batch, one batch later. Its null partners were once a blocking copy to the device, a stream
+    synchronisation that held the main thread until the batch's model was done (0.023 ms a pair on
+    the H100, session 14) before it could take the batch before and receive the next. Fake CUDA
+    tensors (no GPU): `DeviceReads` counts what would wait."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from pairclean.ops.measure import DeviceReads
@@ -488,6 +489,7 @@ def test_the_scorer_queues_its_work_without_waiting_for_the_device(monkeypatch):
         v = torch.nn.functional.normalize(torch.randn(6, 8, device="cuda"), dim=-1)
         scored = pipeline.Scorer(None, "image", "text", keep_embeddings=True).score(batch, u, v)
     results = scored.results.values
-    assert results["sims"].shape == results["nulls"].shape == (6,) and results["sims"].device.type == "cpu"
+    assert results["sims"].shape == (6,) and results["left"].shape == results["right"].shape == (6, 8)
+    assert all(results[name].device.type == "cpu" for name in ("sims", "left", "right"))
     assert not waits.sites
 

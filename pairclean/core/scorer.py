@@ -1,4 +1,5 @@
-"""OSA scoring functions (osa.md): cosine similarity, cone debiasing, weight functions, decisions.
+"""OSA scoring functions (osa.md): cosine similarity, cone debiasing, weight functions, decisions,
+and the draw of the null sample (pairs of the data that do not belong together).
 
 One implementation serves offline scoring (numpy arrays from Parquet parts) and online
 training (torch tensors in the loss): every function accepts either and returns the same type.
@@ -55,6 +56,91 @@ def null_partners(n: int) -> np.ndarray:
     own partner for n >= 2), deterministic, so a resumed run draws the same null pairs; half a
     block apart, so neighbouring rows (often related in crawl order) are not paired."""
     return (np.arange(n) + n // 2) % n if n >= 2 else np.zeros(0, dtype=np.int64)
+
+
+NULL_ROWS = 4096  # scored rows of a unit that draw a null pair: what a unit holds until it is committed
+
+
+def null_keys(index) -> np.ndarray:
+    """Each row's draw key (uint64) from its index in its shard alone (splitmix64's mix): which
+    rows draw a null pair is then a property of the data, not of where it lies or how it is cut
+    into batches, and the same pair saved as embeddings and scored again draws alike."""
+    x = np.asarray(index, dtype=np.int64).astype(np.uint64) + np.uint64(0x9E3779B97F4A7C15)
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+def _host_rows(vectors, take: np.ndarray) -> np.ndarray:
+    """Rows `take` of a numpy array (as stored) or a host tensor (as float32 or float64), taken by
+    numpy (torch's indexing of a batch's rows cost 20-30 us a row here, numpy's a memcpy)."""
+    if isinstance(vectors, torch.Tensor):
+        vectors = (vectors if vectors.dtype in (torch.float32, torch.float64) else vectors.float()).numpy()
+    return np.asarray(vectors[take])
+
+
+class NullDraw:
+    """One unit's null sample, drawn as its scored rows stream in, whatever batches carry them:
+    the `size` rows (default NULL_ROWS) whose `null_keys` are least, each row's left paired, in row
+    order, with the right of the row half the draw away (`null_partners`). A function of the
+    unit's rows only, so another batch size, DataLoader workers, a torchrun or Ray world, or a
+    resumed run draws the same pairs. Holds the vectors of at most about 3 x size rows."""
+
+    def __init__(self, size: int | None = None):
+        self.size = NULL_ROWS if size is None else size
+        self.keys: list[np.ndarray] = []
+        self.places: list[np.ndarray] = []
+        self.left: list[np.ndarray] = []
+        self.right: list[np.ndarray] = []
+        self.held = 0
+        self.bound: np.uint64 | None = None  # once `size` rows are held: the largest key among them
+
+    def add(self, places: np.ndarray, index: np.ndarray, left, right, at: np.ndarray | None = None) -> None:
+        """Scored rows: their places in the unit (increasing across calls), their indices in their
+        shard, and their vectors (numpy or torch: place i's at row `at[i]`, default i). Only the
+        rows that can still be among the least are copied."""
+        keys = null_keys(index)
+        take = np.arange(len(keys)) if self.bound is None else np.flatnonzero(keys < self.bound)
+        if self.held + len(take) > 2 * self.size:  # a large block: copy only the rows that can be among the least
+            every = np.concatenate([*self.keys, keys[take]])
+            take = take[keys[take] <= np.partition(every, self.size - 1)[self.size - 1]]
+        if not len(take):
+            return
+        rows = take if at is None else np.asarray(at)[take]
+        self.keys.append(keys[take])
+        self.places.append(np.asarray(places, dtype=np.int64)[take])
+        self.left.append(_host_rows(left, rows))
+        self.right.append(_host_rows(right, rows))
+        self.held += len(take)
+        if self.held >= 2 * self.size:
+            self._keep_least()
+
+    def _keep_least(self) -> None:
+        """Keep the `size` least keys (ties: the earlier row; a later row never displaces an equal
+        key), in row order: the held rows are always in row order, chunk after chunk."""
+        keys, places = np.concatenate(self.keys), np.concatenate(self.places)
+        least = np.sort(np.lexsort((places, keys))[:self.size])
+        self.keys, self.places = [keys[least]], [places[least]]
+        self.left, self.right = [np.concatenate(self.left)[least]], [np.concatenate(self.right)[least]]
+        self.held = len(least)
+        if self.held == self.size:
+            self.bound = self.keys[0].max()
+
+    def column(self, rows: int) -> np.ndarray:
+        """The unit's `null_sim` column for its `rows` rows (float32): each drawing row's null
+        cosine, from float32 row products as every cosine of stored vectors is
+        (`cosine_from_products`), NaN elsewhere; none below two drawing rows (a row is never its
+        own partner)."""
+        column = np.full(rows, np.nan, dtype=np.float32)
+        if self.held < 2:
+            return column
+        if self.held > self.size:
+            self._keep_least()
+        left = np.concatenate(self.left).astype(np.float32, copy=False)
+        right = np.concatenate(self.right)[null_partners(self.held)].astype(np.float32, copy=False)
+        column[np.concatenate(self.places)] = cosine_from_products(
+            np.einsum("ij,ij->i", left, right), np.einsum("ij,ij->i", left, left), np.einsum("ij,ij->i", right, right))
+        return column
 
 
 def debias(sim, beta: float):

@@ -2,8 +2,8 @@
 
 The cleanlab habit (`find_label_issues(labels, pred_probs)`): no files, no run to resume. The
 rows take the steps `score --from-embeddings` takes on the same vectors saved as two .npy files:
-units and batches of the same sizes (`EmbeddingScoreConfig`), the cosine and the null pairs of
-each batch (`scoring.embeddings.score_unit`), the part's columns (`scoring.parts.part_table`),
+units and batches of the same sizes (`EmbeddingScoreConfig`), the cosine of each batch and the
+null pairs of each unit (`scoring.embeddings.score_unit`), the part's columns (`scoring.parts.part_table`),
 the samples the rules are fitted on and the per-pair columns (`scoring.finalize`). So for the
 same beta both give the same `sim`, `weight` and rule columns.
 """

@@ -25,7 +25,7 @@ import torch
 
 from pairclean.config import COUNT, at_least, setting, unpinned
 from pairclean.core.beta import BETA_MODES, BetaEstimate, ShuffledAccumulator
-from pairclean.core.scorer import cosine_from_products, null_partners
+from pairclean.core.scorer import NullDraw, cosine_from_products
 from pairclean.data.embeddings import BLOCK_ROWS, SAVED_PROVENANCE, ArrayRows, EmbeddingBatch, EmbeddingSource, NpyRows
 from pairclean.data.embeddings.batches import block_buffer
 from pairclean.errors import ConfigError, UserError
@@ -38,7 +38,6 @@ from pairclean.scoring.parts import ScoredUnit
 from pairclean.scoring.run import Commit, Finishing, Producer, RunConfig, ScoreResult, Work, run_scoring
 
 UNIT_TOLERANCE = 1e-2  # |norm - 1| above this is "not unit length" (float16 storage rounds to ~1e-3)
-NULL_PER_BATCH = 4096  # rows per batch (evenly spaced) that draw a null pair: bounds the extra dot products
 JOB_ROWS = 16384  # rows per thread-pool job (a run of blocks)
 
 
@@ -82,7 +81,6 @@ def row_products(rows: ArrayRows | NpyRows, pool: ThreadPoolExecutor | None) -> 
 @dataclass
 class BatchScores:
     sim: np.ndarray  # float32, NaN where the row has no score
-    null_sim: np.ndarray  # float32: the null sample's values on the rows that drew one, NaN elsewhere
     error: list[str | None]
     not_unit_left: int
     not_unit_right: int
@@ -103,14 +101,6 @@ def score_batch(batch: EmbeddingBatch, pool: ThreadPoolExecutor | None,
     for i in np.flatnonzero(~usable).tolist():
         error[i] = batch.bad.get(i) or ("zero-length embedding" if (nu[i] == 0 or nv[i] == 0)
                                         else "non-finite embedding")
-    null_sim = np.full(len(sim), np.nan, dtype=np.float32)
-    drawn = np.flatnonzero(usable)[::max(1, -(-int(usable.sum()) // NULL_PER_BATCH))]
-    if len(drawn) >= 2:
-        left, right = batch.rows.arrays()
-        partner = drawn[null_partners(len(drawn))]
-        u = np.asarray(left[drawn], dtype=np.float64) / nu[drawn, None]
-        v = np.asarray(right[partner], dtype=np.float64) / nv[partner, None]
-        null_sim[drawn] = (u * v).sum(1)
     dev_u, dev_v = np.abs(nu[usable] - 1), np.abs(nv[usable] - 1)
     if accumulator is not None and usable.any():
         rows = np.flatnonzero(usable)
@@ -118,7 +108,7 @@ def score_batch(batch: EmbeddingBatch, pool: ThreadPoolExecutor | None,
         u = torch.from_numpy(np.asarray(left[rows], dtype=np.float64) / nu[rows, None])
         v = torch.from_numpy(np.asarray(right[rows], dtype=np.float64) / nv[rows, None])
         accumulator.add(u, v)
-    return BatchScores(sim, null_sim, error, int((dev_u > UNIT_TOLERANCE).sum()), int((dev_v > UNIT_TOLERANCE).sum()),
+    return BatchScores(sim, error, int((dev_u > UNIT_TOLERANCE).sum()), int((dev_v > UNIT_TOLERANCE).sum()),
                        float(max(dev_u.max(initial=0.0), dev_v.max(initial=0.0))))
 
 
@@ -183,8 +173,11 @@ class EmbeddingScoreConfig(RunConfig):
 def score_unit(batches: Iterable[EmbeddingBatch], pool: ThreadPoolExecutor | None,
                shuffled: bool) -> tuple[Keyed, JsonObject]:
     """Score one unit's batches: (its part's columns by name, the entries it adds to its commit
-    record, `parts.ScoredUnit`). A unit that breaks keeps its rows so far and says why in the record."""
-    keys, shards, index, sims, nulls, errors = [], [], [], [], [], []
+    record, `parts.ScoredUnit`). A unit that breaks keeps its rows so far and says why in the record.
+    Its null pairs are drawn from its scored rows as the model producer draws a unit's
+    (`core.scorer.NullDraw`), whatever `batch_rows`."""
+    keys, shards, index, sims, errors = [], [], [], [], []
+    null, rows = NullDraw(), 0
     not_unit = [0, 0]
     deviation = 0.0
     accumulator = ShuffledAccumulator() if shuffled else None
@@ -193,11 +186,14 @@ def score_unit(batches: Iterable[EmbeddingBatch], pool: ThreadPoolExecutor | Non
         for batch in batches:
             scores = score_batch(batch, pool, accumulator)
             batch_keys, batch_shards, batch_index = batch.identity()
+            scored = np.flatnonzero(np.isfinite(scores.sim))  # the scored rows draw; no error row does
+            left, right = batch.rows.arrays()
+            null.add(rows + scored, np.asarray(batch_index, dtype=np.int64)[scored], left, right, at=scored)
+            rows += len(scores.sim)
             keys.append(batch_keys)
             shards.append(batch_shards)
             index.append(batch_index)
             sims.append(scores.sim)
-            nulls.append(scores.null_sim)
             errors.extend(scores.error)
             not_unit[0] += scores.not_unit_left
             not_unit[1] += scores.not_unit_right
@@ -208,7 +204,7 @@ def score_unit(batches: Iterable[EmbeddingBatch], pool: ThreadPoolExecutor | Non
                "shard": pa.concat_arrays(shards) if shards else pa.array([], pa.string()),
                "index": np.concatenate(index) if index else np.array([], np.int64),
                "sim": np.concatenate(sims) if sims else np.array([], np.float32),
-               "null_sim": np.concatenate(nulls) if nulls else np.array([], np.float32), "error": errors}
+               "null_sim": null.column(rows), "error": errors}
     record = {"failure": failure, "shuffled": accumulator.state() if accumulator else None,
               "not_unit_left": not_unit[0], "not_unit_right": not_unit[1], "max_norm_deviation": deviation}
     return columns, record

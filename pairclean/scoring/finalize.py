@@ -5,7 +5,7 @@ Two streaming passes over the parts (pyarrow record batches, memory bounded by a
 1. the similarities' maximum and a uniform sample (at most `gmm_sample` values) that the decision
    rules are fitted on (the GMM among them), and as large a uniform sample of the null
    similarities: each part's `null_sim` column holds, for the rows that drew one, the cosine of
-   the row's left with another row's right in the same batch (`core.scorer.null_partners`), a
+   the row's left with another drawing row's right of the same unit (`core.scorer.NullDraw`), a
    sample of "pairs that do not belong together" drawn from the data itself (`FitContext.null_sample`);
 2. the scorer's columns and each rule's columns, written row group by row group to a temp file
    that is renamed over the output only when complete.

@@ -25,7 +25,7 @@ PART_SCHEMA = pa.schema([
     ("shard", pa.string()),
     ("index", pa.int64()),
     ("sim", pa.float32()),
-    ("null_sim", pa.float32()),  # the row's left with another row's right (core.scorer.null_partners); null where not drawn
+    ("null_sim", pa.float32()),  # the row's left with another row's right (core.scorer.NullDraw); null where not drawn
     ("error", pa.string()),
 ])
 NON_FINITE = "no finite similarity"  # NaN/inf from the estimator, or a row it never scored

@@ -4,8 +4,8 @@
     -> to device (asynchronous copies, on a side stream: they overlap the previous batch's model)
     -> device preprocessing (`estimator.finish_batch`: JPEGs decoded, resized, cropped)
        (on CUDA these three run one batch ahead in a thread of their own: `DevicePrefetcher`)
-    -> encode (u, v) -> scorer (sims and null sims, copied back to the host asynchronously)
-    -> sink (rows into each unit's part, commits), one batch behind
+    -> encode (u, v) -> scorer (sims, and u and v, copied back to the host asynchronously)
+    -> sink (rows into each unit's part, its null pairs drawn, commits), one batch behind
 
 The sink handles batch i-1 after batch i's work is queued on the device, so on a GPU the host's
 bookkeeping and Parquet writes run while the model computes, and the host never waits for the
@@ -22,11 +22,11 @@ from typing import Callable, Iterable
 import numpy as np
 import torch
 
-from pairclean.backends.base import Estimator, host_values, move_batch
+from pairclean.backends.base import Estimator, move_batch
 from pairclean.backends.feed import DeviceFeed, DevicePrefetcher, HostCopies, device_tensors
 from pairclean.backends.oom import OomBackoff, take_rows
 from pairclean.core.beta import ShuffledAccumulator
-from pairclean.core.scorer import null_partners
+from pairclean.core.scorer import NullDraw
 from pairclean.ops.measure import StageMeter
 from pairclean.ops.records import Keyed
 from pairclean.scoring.batches import PairBatch, ScoringCounts, UnitEnd
@@ -59,8 +59,8 @@ def finish_on_device(estimator: Estimator, batch: PairBatch, left: str, right: s
 @dataclass
 class ScoredBatch:
     """A batch's rows and what the device computed for its valid rows (`encoded`, in order) on
-    its way to host memory: similarities (`sims`), null similarities (`nulls`) and, where the sink
-    needs them, the embeddings (`left`, `right`)."""
+    its way to host memory: similarities (`sims`) and, where the sink needs them (the null draw,
+    shuffled beta, saved embeddings), the embeddings (`left`, `right`)."""
 
     batch: PairBatch
     encoded: list[int]
@@ -69,11 +69,12 @@ class ScoredBatch:
 
 class Scorer:
     """Encodes a batch's valid rows (each side in chunks that fit: `OomBackoff`) and computes each
-    pair's cosine and null cosine (row i against row i + n/2: `core.scorer.null_partners`)."""
+    pair's cosine. The null pairs are not drawn here: a batch's rows depend on the batch size and
+    the packing, so the sink draws them per unit (`core.scorer.NullDraw`)."""
 
     def __init__(self, estimator: Estimator, left: str, right: str, keep_embeddings: bool):
         self.estimator, self.left_mod, self.right_mod = estimator, left, right
-        self.keep_embeddings = keep_embeddings  # the sink needs u and v (shuffled beta, saved embeddings)
+        self.keep_embeddings = keep_embeddings  # the sink needs u and v (the null draw, shuffled beta, saved embeddings)
         self.backoff = {left: OomBackoff(), right: OomBackoff()}
 
     def encode(self, batch: PairBatch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -82,31 +83,28 @@ class Scorer:
         return u, v
 
     def score(self, batch: PairBatch, u: torch.Tensor, v: torch.Tensor) -> ScoredBatch:
-        partners = host_values(null_partners(len(u)), v.device)
         keep = self.keep_embeddings
         scored = ScoredBatch(batch, batch.valid_rows(), HostCopies({
-            "sims": (u * v).sum(-1), "nulls": (u * v[partners]).sum(-1) if len(partners) else None,
-            "left": u if keep else None, "right": v if keep else None}))
+            "sims": (u * v).sum(-1), "left": u if keep else None, "right": v if keep else None}))
         batch.left = batch.right = None  # the inputs are no longer needed: free them now
         return scored
 
 
 @dataclass
 class _UnitRows:
-    """A unit's rows gathered so far, as column chunks (one per batch it spans)."""
+    """A unit's rows gathered so far, as column chunks (one per batch it spans), and its null draw."""
 
     key: list[str] = field(default_factory=list)
     shard: list[str] = field(default_factory=list)
     index: list[int] = field(default_factory=list)
     error: list[str | None] = field(default_factory=list)
     sim: list[np.ndarray] = field(default_factory=list)
-    null: list[np.ndarray] = field(default_factory=list)
+    null: NullDraw = field(default_factory=NullDraw)
 
     def columns(self) -> Keyed:
         empty = np.zeros(0, dtype=np.float32)
         return {"key": self.key, "shard": self.shard, "index": self.index, "error": self.error,
-                "sim": np.concatenate(self.sim) if self.sim else empty,
-                "null_sim": np.concatenate(self.null) if self.null else empty}
+                "sim": np.concatenate(self.sim) if self.sim else empty, "null_sim": self.null.column(len(self.key))}
 
 
 @dataclass
@@ -128,7 +126,8 @@ SaveBlock = Callable[[str, UnitEmbeddings | None], dict]
 class PartSink:
     """Rows into each unit's part, one batch behind the device: `put(batch i)` first takes batch
     i-1 (whose results are in host memory by then, or nearly), then keeps batch i. A unit is
-    committed, with its shuffled-beta sums and its saved embeddings, once its last row is in.
+    committed, with its null pairs (drawn from its own rows: `core.scorer.NullDraw`), its
+    shuffled-beta sums and its saved embeddings, once its last row is in.
     Rows of units an earlier run committed only filled their batches: they are dropped here."""
 
     def __init__(self, done: frozenset[str], commit: Commit, accumulate: bool, save_block: SaveBlock | None,
@@ -154,26 +153,29 @@ class PartSink:
         results = scored.results.wait()
         batch, n = scored.batch, len(scored.batch)
         sims = np.full(n, np.nan, dtype=np.float32)
-        nulls = np.full(n, np.nan, dtype=np.float32)
         if scored.encoded:
             sims[scored.encoded] = results["sims"].numpy()
-            if "nulls" in results:
-                nulls[scored.encoded] = results["nulls"].numpy()
         # Position of each row among the encoded ones: a span's encoded rows are contiguous in u, v.
         first_encoded = np.searchsorted(np.asarray(scored.encoded, dtype=np.int64), np.arange(n + 1))
         for span in batch.spans:
             if span.unit in self.done:
                 continue
             part, rows = self.rows[span.unit], slice(span.start, span.stop)
+            first = len(part.key)  # the span's first row's place in the unit
             part.key.extend(batch.key[rows])
             part.shard.extend(batch.shard[rows])
             part.index.extend(batch.index[rows])
             part.error.extend(batch.error[rows])
             part.sim.append(sims[rows])
-            part.null.append(nulls[rows])
             lo, hi = int(first_encoded[span.start]), int(first_encoded[span.stop])
-            if hi > lo and "left" in results:
-                self._keep_embeddings(span.unit, scored, results, lo, hi)
+            if hi > lo:
+                encoded = np.asarray(scored.encoded[lo:hi], dtype=np.int64)
+                finite = np.flatnonzero(np.isfinite(sims[encoded]))  # the scored rows draw; no error row does
+                drawing = encoded[finite]
+                part.null.add(first + drawing - span.start, np.asarray(batch.index, dtype=np.int64)[drawing],
+                              results["left"][lo:hi], results["right"][lo:hi], at=finite)
+                if self.accumulate or self.save_block is not None:
+                    self._keep_embeddings(span.unit, scored, results, lo, hi)
         for end in batch.done:
             self._commit(end)
 
@@ -206,7 +208,7 @@ def run_pipeline(batches: Iterable[PairBatch], estimator: Estimator, left: str, 
     i+1 is received, copied and preprocessed in a thread of its own while the main thread runs batch
     i (`DevicePrefetcher`: nvJPEG's decode blocks the thread calling it); the main thread's `receive`
     is then its wait for a prepared batch."""
-    scorer = Scorer(estimator, left, right, keep_embeddings=sink.accumulate or sink.save_block is not None)
+    scorer = Scorer(estimator, left, right, keep_embeddings=True)
     seen = full = rows = 0
     mark = meter.mark if meter is not None else (lambda stage: None)
     threaded = estimator.device.type in PREFETCH_DEVICES
