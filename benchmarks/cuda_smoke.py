@@ -166,8 +166,8 @@ def compile_(args, device: torch.device) -> dict:
 def train(args, device: torch.device) -> dict:
     import math
 
-    from pairclean.train.logs import read_metrics
-    from pairclean.train.trainer import TrainConfig, train as train_run
+    from pairclean.training.logs import read_metrics
+    from pairclean.training.trainer import TrainConfig, train as train_run
 
     with tempfile.TemporaryDirectory() as tmp:
         cfg = TrainConfig(model=TINY, pretrained="none", device=str(device), decode="gpu", batch_size=16, workers=2,

@@ -17,7 +17,7 @@ from dataclasses import fields, is_dataclass
 import torch
 
 import pairclean.scoring.pipeline as pipeline
-import pairclean.train.trainer as trainer
+import pairclean.training.trainer as trainer
 from pairclean.backends.feed import DeviceFeed
 from pairclean.backends.inputs import TokenBatch
 from pairclean.ops.measure import DeviceReads

@@ -10,7 +10,7 @@
     python benchmarks/train_table.py ablation --method gsc --out /tmp/pc-methods --estimator /tmp/demo-estimator.pt
                                                                       # each change of a method alone and together
 
-Each subcommand builds its data, runs `pairclean.train.train` for every row of its table,
+Each subcommand builds its data, runs `pairclean.training.train` for every row of its table,
 prints the table and writes it (JSON + Markdown) into --out. Finished runs are picked up
 again (resume), so a killed table continues where it stopped. The runs use one intra-op thread
 (`--threads`): on a shared 2-core machine, OpenMP's spinning threads made steps 10x slower.
@@ -43,11 +43,11 @@ from pairclean.scores.evaluation import evaluate_detection
 from pairclean.data.writer import write_shards
 from pairclean.scoring.model import ScoreConfig, score
 from pairclean.scores.sql import sql_string
-from pairclean.train.retrieval import evaluate_retrieval
+from pairclean.training.retrieval import evaluate_retrieval
 from pairclean.lab.synth.estimator import TOY_MODEL, EstimatorRecipe
 from pairclean.lab.synth.world import build_world
-from pairclean.train import TrainConfig, train
-from pairclean.train.checkpoint import BEST, STATE_FILE, epoch_model_name
+from pairclean.training import TrainConfig, train
+from pairclean.training.checkpoint import BEST, STATE_FILE, epoch_model_name
 
 console = Console(width=150)
 

@@ -32,9 +32,9 @@ from pairclean.backends.feed import HostCopies
 from pairclean.data.dataset import open_dataset
 from pairclean.data.spec import modalities
 from pairclean.ops.measure import GpuBusy
-from pairclean.train.data import TrainBatches
-from pairclean.train.loss import weighted_infonce
-from pairclean.train.trainer import TrainConfig, train
+from pairclean.training.data import TrainBatches
+from pairclean.training.loss import weighted_infonce
+from pairclean.training.trainer import TrainConfig, train
 
 
 def synchronize(device: torch.device) -> None:

@@ -23,7 +23,7 @@ _EXPORTS = {
     "open_scores": "pairclean.curate.scores_file", "ScoresFile": "pairclean.curate.scores_file",
     "read_provenance": "pairclean.scores.contract", "read_summary": "pairclean.scores.contract",
     # training, datasets, errors
-    "TrainConfig": "pairclean.train", "train": "pairclean.train", "open_dataset": "pairclean.data.dataset",
+    "TrainConfig": "pairclean.training", "train": "pairclean.training", "open_dataset": "pairclean.data.dataset",
     "UserError": "pairclean.errors", "ConfigError": "pairclean.errors",
     # the OSA arithmetic (numpy or torch in, the same type out)
     "cosine_similarity": "pairclean.core.scorer", "debias": "pairclean.core.scorer",

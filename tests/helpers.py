@@ -30,7 +30,7 @@ def run_cli(argv: list, capsys) -> tuple[int, str, str]:
 
 def tiny_train_config(**overrides):
     """One epoch of the tiny random open_clip model in batches of 8, no workers: seconds per run."""
-    from pairclean.train import TrainConfig
+    from pairclean.training import TrainConfig
 
     base = dict(model="pairclean-tiny", pretrained="none", epochs=1, batch_size=8, lr=1e-3, warmup_steps=1,
                 workers=0, shuffle_buffer=8, log_every=1)
@@ -117,8 +117,8 @@ def trained_and_killed_after_first_epoch(monkeypatch, *args) -> None:
     """`train(*args)` stopped (KeyboardInterrupt) right after its first epoch's state is saved."""
     import pytest
 
-    from pairclean.train import train
-    from pairclean.train import trainer
+    from pairclean.training import train
+    from pairclean.training import trainer
 
     real_save = trainer.save_state
 

@@ -51,11 +51,11 @@ def test_dir_lists_the_public_names_and_import_stays_light():
     assert printed.strip() == "False"
 
 
-def test_train_stays_callable_once_its_package_is_imported():
-    """`pairclean.train` is the function on first use; afterwards Python binds the package
-    `pairclean.train` there (before: `TypeError: 'module' object is not callable`)."""
-    printed = subprocess.run([sys.executable, "-c", "import pairclean, pairclean.train.trainer; "
-                              "print(callable(pairclean.train), pairclean.train.TrainConfig.__name__)"],
+def test_train_is_the_function_and_training_its_package():
+    """`pairclean.train` is the function, before and after its package (`pairclean.training`) is
+    imported (the package was `pairclean.train`: once imported, Python bound it there)."""
+    printed = subprocess.run([sys.executable, "-c", "import pairclean, pairclean.training.trainer; "
+                              "print(pairclean.train is pairclean.training.train, pairclean.TrainConfig.__name__)"],
                              capture_output=True, text=True, check=True).stdout
     assert printed.split() == ["True", "TrainConfig"]
 
@@ -157,7 +157,7 @@ def test_every_python_block_of_the_docs_runs(doc, tmp_path, monkeypatch):
     own output as `img2dataset-out/`. The model is swapped for the tiny offline one (the blocks'
     code runs as written; their figures are the tiny model's)."""
     import pairclean.scoring.model as model
-    import pairclean.train as training
+    import pairclean.training as training
 
     score_config, train_config = model.ScoreConfig, training.TrainConfig
     monkeypatch.setattr(model, "ScoreConfig", lambda **given: score_config(**{

@@ -77,9 +77,9 @@ def test_filter_and_query_take_attach(coco_scores, coco_shards, dedup_file, caps
 
 def test_train_filter_reads_the_attached_table(tmp_path, coco_scores, coco_shards, dedup_file):
     from pairclean.data.dataset import open_dataset
-    from pairclean.train.data import index_shards
-    from pairclean.train.methods.filter import FilterOptions
-    from pairclean.train.weights import build_weight_arrays
+    from pairclean.training.data import index_shards
+    from pairclean.training.methods.filter import FilterOptions
+    from pairclean.training.weights import build_weight_arrays
 
     options = FilterOptions(scores=str(coco_scores), filter=KEPT, attach=f"dedup={dedup_file}")
     spec = open_dataset(str(coco_shards))

@@ -17,8 +17,8 @@ from pairclean.backends.base import frozen_copy, move_batch, pick_device
 from pairclean.errors import UserError
 from pairclean.scores.contract import read_provenance
 from pairclean.scoring.model import ScoreConfig, score
-from pairclean.train import TrainConfig, train
-from pairclean.train.retrieval import evaluate_retrieval
+from pairclean.training import TrainConfig, train
+from pairclean.training.retrieval import evaluate_retrieval
 
 
 class BytePreparer:

@@ -210,8 +210,8 @@ def test_the_wait_check_fails_on_a_scalar_read_in_the_training_loss(tmp_path, co
     of a device value a step); broken variant: the plain method's loss read with `.item()` each step."""
     from helpers import tiny_train_config
 
-    from pairclean.train import trainer
-    from pairclean.train.methods import plain
+    from pairclean.training import trainer
+    from pairclean.training.methods import plain
 
     loss = plain.Plain.loss
 

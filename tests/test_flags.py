@@ -62,5 +62,5 @@ def test_a_warning_names_its_fields_and_the_cli_words_them(caplog, capsys):
 def test_a_methods_shortcut_declaration_is_not_counted_but_its_messages_are():
     source = ('S = Shortcut("--weights", "scores", "Scores Parquet (method osa-weights, or with --filter).")\n'
               'def check(o):\n    raise UserError("pass --weights")\n')
-    (found,) = flag_strings({"pairclean/train/methods/x.py": source})
-    assert found.flags == ("--weights",) and str(found).startswith("pairclean/train/methods/x.py:3")
+    (found,) = flag_strings({"pairclean/training/methods/x.py": source})
+    assert found.flags == ("--weights",) and str(found).startswith("pairclean/training/methods/x.py:3")

@@ -15,8 +15,8 @@ from helpers import killed_after_first_unit, refused, run_cli, tiny_scores
 from pairclean.scores.db import ScoresDB
 from pairclean.data.dataset import open_dataset
 from pairclean.errors import UserError
-from pairclean.train.data import index_shards
-from pairclean.train.weights import build_weight_arrays
+from pairclean.training.data import index_shards
+from pairclean.training.weights import build_weight_arrays
 
 SECRET = "TOP-SECRET-HOST-CONTENT"
 
@@ -209,7 +209,7 @@ def test_bad_weights_are_refused_not_trained(tmp_path, coco_shards, coco_scores,
 
 
 def test_a_loss_that_turns_non_finite_stops_training_without_a_checkpoint(tmp_path, coco_shards, one_torch_thread):
-    from pairclean.train.trainer import TrainConfig, train
+    from pairclean.training.trainer import TrainConfig, train
 
     cfg = TrainConfig(model="pairclean-tiny", pretrained="none", epochs=2, batch_size=8, lr=1e30, warmup_steps=0,
                       workers=0, shuffle_buffer=8, log_every=1)

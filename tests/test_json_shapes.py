@@ -85,7 +85,7 @@ def test_dedup_json_keeps_its_keys_with_and_without_a_noise_truth(tmp_path, caps
 
 def test_retrieval_json_keeps_its_keys_in_their_order():
     """metrics.jsonl is written in the order of its keys: `val_` + these, as before."""
-    from pairclean.train.retrieval import METRIC_NAMES, recall_metrics
+    from pairclean.training.retrieval import METRIC_NAMES, recall_metrics
 
     eye = torch.eye(3)
     measured = replace(recall_metrics(eye, eye, torch.arange(3)), skipped=2)

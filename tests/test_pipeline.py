@@ -167,7 +167,7 @@ def test_gpu_resize_scores_within_the_resizes_rounding_of_fast_and_pins_its_way(
 def test_training_batches_carry_uint8_pixels_that_the_target_normalises(coco_shards):
     from pairclean.backends import load_target
     from pairclean.data.dataset import open_dataset
-    from pairclean.train.data import TrainBatches
+    from pairclean.training.data import TrainBatches
 
     torch.manual_seed(0)
     target = load_target("pairclean-tiny", "none", device="cpu")

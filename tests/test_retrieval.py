@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from pairclean.errors import UserError
-from pairclean.train.retrieval import recall_metrics
+from pairclean.training.retrieval import recall_metrics
 
 
 def _unit(*rows):

@@ -47,7 +47,7 @@ def config_classes() -> list[type]:
 def test_every_numeric_setting_is_declared():
     from pairclean.config import _resolved, _unwrap
     from pairclean.scores.rules import REGISTRY
-    from pairclean.train import METHODS
+    from pairclean.training import METHODS
 
     def numeric(f, cls) -> bool:
         try:
@@ -75,8 +75,8 @@ def hostile(declared: Declared) -> list[str]:
 
 
 def test_every_method_option_refuses_what_its_declaration_excludes():
-    from pairclean.train import METHODS
-    from pairclean.train.methods import build_method
+    from pairclean.training import METHODS
+    from pairclean.training.methods import build_method
 
     checked = 0
     for name, cls in METHODS.items():

@@ -147,7 +147,7 @@ def test_estimator_trains_with_the_trainer_and_loads_through_open_clip(tmp_path)
     checkpoint = train_estimator(tmp_path / "est", recipe, workers=0, cache_dir=cache)
     assert checkpoint == tmp_path / "est" / "estimator.pt"
     assert cached_checkpoint(recipe, cache).read_bytes() == checkpoint.read_bytes()
-    assert (tmp_path / "est" / "run" / "run.json").is_file()  # pairclean.train's own run directory
+    assert (tmp_path / "est" / "run" / "run.json").is_file()  # pairclean.training's own run directory
     record = json.loads((tmp_path / "est" / "estimator.json").read_text())
     assert record["recipe"]["pairs"] == 32 and len(record["epochs"]) == 1
     register_model_configs()

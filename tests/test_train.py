@@ -22,17 +22,17 @@ from pairclean.lab.coco import build_shards
 from pairclean.errors import UserError
 from pairclean.data.dataset import open_dataset
 from pairclean.scoring.model import ScoreConfig, score
-from pairclean.train.data import LeftOut
-from pairclean.train.retrieval import evaluate_retrieval
+from pairclean.training.data import LeftOut
+from pairclean.training.retrieval import evaluate_retrieval
 from pairclean.core.scorer import cone_weight, debias, normalised_weight
-from pairclean.train import METHODS, build_method, train
-from pairclean.train import trainer as trainer_module
-from pairclean.train.data import index_shards
-from pairclean.train.logs import read_metrics
-from pairclean.train.trainer import bounded_warmup, epoch_steps
+from pairclean.training import METHODS, build_method, train
+from pairclean.training import trainer as trainer_module
+from pairclean.training.data import index_shards
+from pairclean.training.logs import read_metrics
+from pairclean.training.trainer import bounded_warmup, epoch_steps
 from pairclean.ops.progress import Progress, ProgressTask
 from pairclean.backends import load_target
-from pairclean.train.weights import build_weight_arrays
+from pairclean.training.weights import build_weight_arrays
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -498,7 +498,7 @@ def test_the_loss_weights_cross_with_the_inputs_and_the_weighted_loss_waits_for_
 
     from pairclean.backends import feed
     from pairclean.ops.measure import DeviceReads
-    from pairclean.train.methods import Embeddings
+    from pairclean.training.methods import Embeddings
 
     fed = []
     batch = {"key": list("abcdef"), "index": torch.arange(6), "weight": torch.rand(6),
@@ -525,7 +525,7 @@ def test_the_loss_weights_cross_with_the_inputs_and_the_weighted_loss_waits_for_
 def test_a_metric_a_method_computes_in_bf16_is_logged(tmp_path, coco_shards, monkeypatch):
     """A method's metric under autocast is a bf16 tensor, which numpy has no type for: read as
     float32 on the host. Broken variant caught: `.numpy()` of it (89907df: TypeError at the first log line)."""
-    from pairclean.train.methods import plain
+    from pairclean.training.methods import plain
 
     loss = plain.Plain.loss
 

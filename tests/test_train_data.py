@@ -12,7 +12,7 @@ from torch.utils.data import DataLoader
 from pairclean.backends.open_clip import OpenClipEstimator
 from pairclean.data.dataset import open_dataset
 from pairclean.data.spec import UnitFailure
-from pairclean.train.data import TrainBatches, index_shards
+from pairclean.training.data import TrainBatches, index_shards
 
 
 def _tar(path, members):

@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pairclean.train.loss import infonce_terms, weighted_infonce
-from pairclean.train.trainer import cosine_lr
+from pairclean.training.loss import infonce_terms, weighted_infonce
+from pairclean.training.trainer import cosine_lr
 
 
 def _embeddings(n=6, d=8, seed=0):

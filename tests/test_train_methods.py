@@ -13,11 +13,11 @@ import torch
 from helpers import tiny_train_config, trained_and_killed_after_first_epoch
 
 from pairclean.errors import UserError
-from pairclean.train import build_method, train
-from pairclean.train.methods.gsc import (calibrated_indicator, cross_modal_indicator, intra_modal_loss,
+from pairclean.training import build_method, train
+from pairclean.training.methods.gsc import (calibrated_indicator, cross_modal_indicator, intra_modal_loss,
                                         intra_modal_similarity, momentum, structure_rows)
-from pairclean.train.retrieval import evaluate_retrieval
-from pairclean.train.methods.sdd import confidence_weights, memory_bank, nearest, partition, self_drop, significance
+from pairclean.training.retrieval import evaluate_retrieval
+from pairclean.training.methods.sdd import confidence_weights, memory_bank, nearest, partition, self_drop, significance
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

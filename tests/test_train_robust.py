@@ -1,4 +1,4 @@
-"""The shared pieces of the robust-training methods (pairclean.train.robust) on real shards."""
+"""The shared pieces of the robust-training methods (pairclean.training.robust) on real shards."""
 
 from __future__ import annotations
 
@@ -9,12 +9,12 @@ import pytest
 import torch
 
 from pairclean.data.dataset import open_dataset
-from pairclean.train import TrainConfig
-from pairclean.train.data import DROPPED, TrainBatches, index_shards
-from pairclean.train.methods import MethodContext
+from pairclean.training import TrainConfig
+from pairclean.training.data import DROPPED, TrainBatches, index_shards
+from pairclean.training.methods import MethodContext
 from pairclean.backends import load_target
-from pairclean.train.retrieval import JointTarget, embed_pairs, recall_metrics
-from pairclean.train.robust import (EpochWeights, PairIndex, gather_pairs, pair_pass, pair_similarity, replica,
+from pairclean.training.retrieval import JointTarget, embed_pairs, recall_metrics
+from pairclean.training.robust import (EpochWeights, PairIndex, gather_pairs, pair_pass, pair_similarity, replica,
                                     write_pair_table)
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

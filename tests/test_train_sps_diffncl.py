@@ -1,4 +1,4 @@
-"""SPS and DiffNCL (pairclean.train.methods.sps, pairclean.train.methods.diffncl): their equations on tiny
+"""SPS and DiffNCL (pairclean.training.methods.sps, pairclean.training.methods.diffncl): their equations on tiny
 hand-checkable tensors, then real runs on real shards: exact resume of every piece of method state,
 and the per-epoch pair tables joined with `pairclean corrupt`'s truth in one DuckDB query."""
 
@@ -15,13 +15,13 @@ import torch
 
 from pairclean.errors import UserError
 from pairclean.lab.corrupt import corrupt
-from pairclean.train import TrainConfig, build_method, train
-from pairclean.train import trainer as trainer_module
-from pairclean.train.checkpoint import load_state
-from pairclean.train.methods.diffncl import (CLEAN, NOISY, WEAK, Denoiser, consensus, cross_consistency,
+from pairclean.training import TrainConfig, build_method, train
+from pairclean.training import trainer as trainer_module
+from pairclean.training.checkpoint import load_state
+from pairclean.training.methods.diffncl import (CLEAN, NOISY, WEAK, Denoiser, consensus, cross_consistency,
                                      diffusion_discrepancy, dynamic_zeta, forward_diffusion, noise_schedules,
                                      step_weights, three_way_labels)
-from pairclean.train.methods.sps import (NOISY as SPS_NOISY, QUASI_CLEAN, RELIABLE, cross_constraint, match_probability,
+from pairclean.training.methods.sps import (NOISY as SPS_NOISY, QUASI_CLEAN, RELIABLE, cross_constraint, match_probability,
                                  metric_constraint, nearest_proxies, proxy_label, soft_label, three_way_partition)
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -333,7 +333,7 @@ def test_diffncl_weak_loop_cycles_passes_once_or_not_at_all(weak_loop, tmp_path,
     """The weak pairs' steps per network: one after every clean batch (cycle), one pass over them (once,
     Algorithm 1), or none. The consensus keeps two pairs weak (one batch), the others it called weak are
     noisy; epoch=all gives the epoch 2 clean steps."""
-    from pairclean.train.methods import diffncl as diffncl_module
+    from pairclean.training.methods import diffncl as diffncl_module
 
     real_consensus, real_loss, calls = diffncl_module.consensus, diffncl_module.Diffncl._weak_loss, []
 
@@ -357,7 +357,7 @@ def test_diffncl_weak_loop_cycles_passes_once_or_not_at_all(weak_loop, tmp_path,
 def test_the_schedule_is_replanned_to_end_with_the_run(tmp_path, mixed_noise):
     """An epoch that trains fewer pairs than planned moves the cosine's end: the schedule reaches lr 0
     exactly when the run's last step is taken (each step logs the lr it used, the state the lr after it)."""
-    from pairclean.train.checkpoint import load_state
+    from pairclean.training.checkpoint import load_state
 
     result = train(str(mixed_noise.manifest), tmp_path / "run", _config("diffncl", epochs=2, min_lr_ratio=0.0))
     steps = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]

@@ -38,7 +38,7 @@ def retrieval_command(
     from rich.table import Table
 
     from pairclean.ops.guard import open_output
-    from pairclean.train.retrieval import METRIC_NAMES, evaluate_retrieval
+    from pairclean.training.retrieval import METRIC_NAMES, evaluate_retrieval
 
     target = open_output(json_out, [model, *data], "json", overwrite=overwrite) if json_out is not None else None
     metrics = evaluate_retrieval(model, data, arch=arch, pair=pair, batch_size=batch_size, workers=workers, device=device)

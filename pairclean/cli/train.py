@@ -1,4 +1,4 @@
-"""`pairclean train`: a thin layer over pairclean.train.train.
+"""`pairclean train`: a thin layer over pairclean.training.train.
 
 The method shortcut flags (`--weights`, `--filter`, `--online` ...) are not written here: every
 registered method declares its own (`Method.shortcuts`). They are added to the command when it is
@@ -31,7 +31,7 @@ SHORTCUTS_GIVEN = "pairclean_method_shortcuts"  # ctx.meta key: {option name: va
 
 def declared_shortcuts() -> Keyed[str, tuple]:
     """flag -> (its Shortcut declaration, the methods that declare it), over every registered method."""
-    from pairclean.train import METHODS
+    from pairclean.training import METHODS
 
     flags: dict[str, tuple] = {}
     for name, cls in sorted(METHODS.items()):
@@ -79,7 +79,7 @@ class _TrainCommand(Command):
 def method_and_options(method: Optional[str], given: dict, extra: list[str]) -> tuple[str, Keyed]:
     """The method named by --method, or else picked by the shortcut flags given (the highest `selects`;
     plain when none picks one), and its options: those the shortcuts set, then the --method-option items."""
-    from pairclean.train import METHODS
+    from pairclean.training import METHODS
 
     flags = declared_shortcuts()
     if method is None:
@@ -115,7 +115,7 @@ def train_wording(method: str):
         yield
     except ConfigError as exc:
         from pairclean.cli.options import flag_for
-        from pairclean.train import METHODS
+        from pairclean.training import METHODS
 
         cls = METHODS.get(method)
         shortcut = {s.option: s.flag for s in reversed(getattr(cls, "shortcuts", ())) if s.option}
@@ -159,7 +159,7 @@ def list_method_options(ctx: typer.Context, param: typer.CallbackParam, value):
         return value
     import dataclasses
 
-    from pairclean.train import METHODS, Method, build_method
+    from pairclean.training import METHODS, Method, build_method
 
     epochs, named = seen["epochs"], seen["method"]
     given = dict(option for item in requested if (option := split_option(item)) is not None)
@@ -243,7 +243,7 @@ def train_command(
     target = open_output(out, [*source, *(val or [])], "out", kind="directory", overwrite=None,
                          parents=True)  # train() adds the files it reads, and creates the directory with its parents
     name, method_options = method_and_options(method, shortcuts_given(ctx), method_option or [])
-    from pairclean.train import TrainConfig, train
+    from pairclean.training import TrainConfig, train
 
     with train_wording(name):
         cfg = TrainConfig(model=model, pretrained=pretrained, backend=backend, device=device, precision=precision,

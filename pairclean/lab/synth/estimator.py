@@ -81,7 +81,7 @@ def train_estimator(out: Path, recipe: EstimatorRecipe | None = None, world: Pat
     """Train the toy estimator into `out` (world/, run/, estimator.pt, estimator.json) and return
     the checkpoint; also store it in the cache (unless `world` is a user's own split, which the
     recipe does not describe)."""
-    from pairclean.train import TrainConfig, train
+    from pairclean.training import TrainConfig, train
 
     recipe = recipe or EstimatorRecipe()
     recipe.check()

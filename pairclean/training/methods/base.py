@@ -37,8 +37,8 @@ from pairclean.data.dataset import Dataset
 from pairclean.errors import UserError
 from pairclean.ops.notices import notice
 from pairclean.ops.records import JsonObject, Keyed, StateDict
-from pairclean.train.data import BatchPlan, ShardInfo
-from pairclean.train.loss import weighted_infonce
+from pairclean.training.data import BatchPlan, ShardInfo
+from pairclean.training.loss import weighted_infonce
 
 
 # `epoch` of the subset-training methods (SPS, DiffNCL): one pass over the pairs they chose, or as many

@@ -8,9 +8,9 @@ import torch
 
 from pairclean.config import check_choice
 from pairclean.ops.records import Keyed
-from pairclean.train.loss import REDUCTIONS
-from pairclean.train.methods.base import MethodContext, Shortcut, register_method
-from pairclean.train.methods.scored import FILTER_SHORTCUT, SCORES_SHORTCUTS, ScoredMethod, ScoresOptions, needs_scores
+from pairclean.training.loss import REDUCTIONS
+from pairclean.training.methods.base import MethodContext, Shortcut, register_method
+from pairclean.training.methods.scored import FILTER_SHORTCUT, SCORES_SHORTCUTS, ScoredMethod, ScoresOptions, needs_scores
 
 REDUCTION_SHORTCUT = Shortcut("--reduction", "reduction",
                               "Weighted loss: mean (sum w*l / B, the paper) or weight-sum (sum w*l / sum w).")

@@ -12,10 +12,10 @@ from pairclean.errors import ConfigError
 from pairclean.core.beta import check_beta_mode, random_input_beta, resolve_beta
 from pairclean.core.scorer import WEIGHT_FUNCTIONS, cone_weight, debias, normalised_weight
 from pairclean.ops.records import JsonObject, Keyed, StateDict
-from pairclean.train.data import BatchPlan
-from pairclean.train.loss import REDUCTIONS
-from pairclean.train.methods.base import Method, MethodContext, Shortcut, register_method
-from pairclean.train.methods.osa_weights import REDUCTION_SHORTCUT
+from pairclean.training.data import BatchPlan
+from pairclean.training.loss import REDUCTIONS
+from pairclean.training.methods.base import Method, MethodContext, Shortcut, register_method
+from pairclean.training.methods.osa_weights import REDUCTION_SHORTCUT
 
 ONLINE_BETA_MODES = ("random-inputs", "fixed")  # shuffled needs a full pass over the data before training
 

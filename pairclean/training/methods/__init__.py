@@ -5,10 +5,10 @@ Where a new method goes: a module here with an `Options` dataclass (checked in `
 own, and an import line below.
 """
 
-from pairclean.train.methods.base import (METHODS, Embeddings, FollowUp, LossOutput, Method, MethodContext, Shortcut,
+from pairclean.training.methods.base import (METHODS, Embeddings, FollowUp, LossOutput, Method, MethodContext, Shortcut,
                                           build_method, register_method)
-from pairclean.train.methods import plain, osa_weights, filter, osa_online  # noqa: F401  registers them
-from pairclean.train.methods import sdd, gsc, sps, diffncl  # noqa: F401  the robust-training methods
+from pairclean.training.methods import plain, osa_weights, filter, osa_online  # noqa: F401  registers them
+from pairclean.training.methods import sdd, gsc, sps, diffncl  # noqa: F401  the robust-training methods
 
 __all__ = ["METHODS", "Embeddings", "FollowUp", "LossOutput", "Method", "MethodContext", "Shortcut", "build_method",
            "register_method"]

@@ -38,10 +38,10 @@ from pairclean.core.mixture import clean_posterior, minmax
 from pairclean.config import COUNT, above, at_least, check_choice, setting, within
 from pairclean.errors import ConfigError, UserError
 from pairclean.ops.records import JsonObject, Keyed, StateDict
-from pairclean.train.loss import infonce_terms
-from pairclean.train.methods.base import (EPOCH_LENGTHS, Embeddings, FollowUp, LossOutput, Method, MethodContext,
+from pairclean.training.loss import infonce_terms
+from pairclean.training.methods.base import (EPOCH_LENGTHS, Embeddings, FollowUp, LossOutput, Method, MethodContext,
                                           every_parameter, register_method, scaled_epoch, too_short)
-from pairclean.train.robust import (EpochWeights, NetworkBatches, OwnModule, PairIndex, Peer, embedding_dim, pair_pass,
+from pairclean.training.robust import (EpochWeights, NetworkBatches, OwnModule, PairIndex, Peer, embedding_dim, pair_pass,
                                     write_pair_table)
 CLEAN, WEAK, NOISY = 0, 1, 2
 PARTITION_NAMES = np.array(["clean", "weak", "noisy"], dtype=object)

@@ -11,9 +11,9 @@ from pairclean.ops import distributed
 from pairclean.ops.records import JsonObject, Keyed
 from pairclean.scores.contract import columns_phrase
 from pairclean.scores.db import check_attach_name
-from pairclean.train.data import BatchPlan
-from pairclean.train.methods.base import Method, MethodContext, Shortcut
-from pairclean.train.weights import JOINS, ON_MISSING, build_weight_arrays
+from pairclean.training.data import BatchPlan
+from pairclean.training.methods.base import Method, MethodContext, Shortcut
+from pairclean.training.weights import JOINS, ON_MISSING, build_weight_arrays
 
 
 @dataclass

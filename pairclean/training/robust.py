@@ -38,9 +38,9 @@ from pairclean.ops import distributed
 from pairclean.ops.atomic import atomic_path
 from pairclean.ops.records import Keyed, StateDict
 from pairclean.ops.worker_memory import steady_worker_memory
-from pairclean.train.data import DROPPED, BatchPlan, ShardInfo, TrainBatches
-from pairclean.train.logs import DiagnosticsWriter
-from pairclean.train.methods.base import Embeddings
+from pairclean.training.data import DROPPED, BatchPlan, ShardInfo, TrainBatches
+from pairclean.training.logs import DiagnosticsWriter
+from pairclean.training.methods.base import Embeddings
 
 PAIR_TABLE = "pairs-epoch-{epoch:03d}.parquet"
 PEER_SEED_OFFSET = 1  # a peer's initialisation and data order: seed + 1

@@ -93,7 +93,7 @@ def _select(batch, idx: list[int]):
 def embed_pairs(target, data: Dataset, batch_size: int = 256, workers: int = 0,
                 autocast=None) -> RetrievalEmbeddings:
     """Encode every pair of `data` once, each distinct left item once."""
-    from pairclean.train.data import BatchPlan, TrainBatches  # pairclean.train imports this module
+    from pairclean.training.data import BatchPlan, TrainBatches  # pairclean.train imports this module
 
     spec = data.spec
     left_mod, right_mod = modalities(spec.pair)
@@ -151,7 +151,7 @@ def load_trained(model: str | Path, arch: str | None = None, device: str = "auto
     """A model to evaluate: a `pairclean train` run directory or checkpoint, a sentence-transformers
     directory or bundled name, or (with `arch`) an open_clip checkpoint path or pretrained tag."""
     from pairclean.backends import detect_backend, load_exported, load_target
-    from pairclean.train.checkpoint import extra_network_files, resolve_trained_model
+    from pairclean.training.checkpoint import extra_network_files, resolve_trained_model
 
     path = Path(model)
     if arch is not None:

@@ -33,10 +33,10 @@ from pairclean.core.mixture import clean_posterior
 from pairclean.errors import ConfigError
 from pairclean.ops import distributed
 from pairclean.ops.records import JsonObject, Keyed, StateDict
-from pairclean.train.loss import infonce_terms
-from pairclean.train.methods.base import (EPOCH_LENGTHS, Embeddings, FollowUp, LossOutput, Method, MethodContext,
+from pairclean.training.loss import infonce_terms
+from pairclean.training.methods.base import (EPOCH_LENGTHS, Embeddings, FollowUp, LossOutput, Method, MethodContext,
                                           every_parameter, register_method, scaled_epoch, too_short)
-from pairclean.train.robust import (EpochWeights, NetworkBatches, PairIndex, Peer, gather_pairs, pair_pass,
+from pairclean.training.robust import (EpochWeights, NetworkBatches, PairIndex, Peer, gather_pairs, pair_pass,
                                     write_pair_table)
 
 RELIABLE, QUASI_CLEAN, NOISY = 0, 1, 2

@@ -41,9 +41,9 @@ from pairclean.backends.base import host_values
 from pairclean.backends.feed import HostCopies
 from pairclean.core.mixture import clean_posterior
 from pairclean.ops.records import JsonObject, Keyed, StateDict
-from pairclean.train.loss import infonce_terms, weighted_infonce
-from pairclean.train.methods.base import Embeddings, LossOutput, Method, MethodContext, register_method, too_short
-from pairclean.train.robust import PairIndex, Peer, gather_batch_ids, gather_pairs, pair_pass, write_pair_table
+from pairclean.training.loss import infonce_terms, weighted_infonce
+from pairclean.training.methods.base import Embeddings, LossOutput, Method, MethodContext, register_method, too_short
+from pairclean.training.robust import PairIndex, Peer, gather_batch_ids, gather_pairs, pair_pass, write_pair_table
 
 Y_CM_FORMS = ("posterior", "softmax")
 STRUCTURES = ("centred", "paper")

@@ -23,10 +23,10 @@ from pairclean.config import COUNT, above, setting, within
 from pairclean.errors import ConfigError
 from pairclean.ops import distributed
 from pairclean.ops.records import JsonObject, StateDict
-from pairclean.train.data import DROPPED, BatchPlan
-from pairclean.train.loss import infonce_terms, weighted_infonce
-from pairclean.train.methods.base import Embeddings, LossOutput, Method, MethodContext, register_method
-from pairclean.train.robust import (EpochWeights, Network, PairIndex, gather_pairs, pair_embeddings, pair_pass,
+from pairclean.training.data import DROPPED, BatchPlan
+from pairclean.training.loss import infonce_terms, weighted_infonce
+from pairclean.training.methods.base import Embeddings, LossOutput, Method, MethodContext, register_method
+from pairclean.training.robust import (EpochWeights, Network, PairIndex, gather_pairs, pair_embeddings, pair_pass,
                                     read_pairs, replica, write_pair_table)
 
 PARTITIONS = ("noisy", "vague", "clean_insignificant", "clean_significant", "clean_unmeasured")

@@ -43,12 +43,12 @@ from pairclean.backends.inputs import DeviceImages
 from pairclean.backends.oom import take_rows
 from pairclean.data.dataset import Dataset, as_dataset
 from pairclean.data.spec import DatasetSpec, modalities
-from pairclean.train.retrieval import JointTarget, evaluate_target
-from pairclean.train.checkpoint import (BEST, RUN_FILE, STATE_FILE, epoch_model_name, is_training_run, load_state,
+from pairclean.training.retrieval import JointTarget, evaluate_target
+from pairclean.training.checkpoint import (BEST, RUN_FILE, STATE_FILE, epoch_model_name, is_training_run, load_state,
                                         model_path, read_run, save_state, set_rng_state)
-from pairclean.train.data import TrainBatches, index_shards, unit_spans
-from pairclean.train.methods import Embeddings, MethodContext, build_method
-from pairclean.train.logs import DiagnosticsWriter, MetricsLog
+from pairclean.training.data import TrainBatches, index_shards, unit_spans
+from pairclean.training.methods import Embeddings, MethodContext, build_method
+from pairclean.training.logs import DiagnosticsWriter, MetricsLog
 
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pairclean.train.methods.base import Method, register_method
+from pairclean.training.methods.base import Method, register_method
 
 
 @dataclass

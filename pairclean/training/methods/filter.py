@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from pairclean.errors import ConfigError
-from pairclean.train.methods.base import register_method
-from pairclean.train.methods.scored import FILTER_SHORTCUT, SCORES_SHORTCUTS, ScoredMethod, ScoresOptions, needs_scores
+from pairclean.training.methods.base import register_method
+from pairclean.training.methods.scored import FILTER_SHORTCUT, SCORES_SHORTCUTS, ScoredMethod, ScoresOptions, needs_scores
 
 
 @dataclass

@@ -40,7 +40,7 @@ from pairclean.ops.records import JsonObject, Keyed
 from pairclean.scores.contract import scored_pairs
 from pairclean.scores.db import NUMERIC_TYPES, ScoresDB, compile_predicate
 from pairclean.scores.sql import duckdb_message
-from pairclean.train.data import DROPPED, ShardInfo
+from pairclean.training.data import DROPPED, ShardInfo
 
 JOINS = ("auto", "shard-index", "key")
 ON_MISSING = ("error", "drop", "keep")

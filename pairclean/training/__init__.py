@@ -1,10 +1,10 @@
 """Train a downstream dual encoder on scored data (`pairclean train`), as a Python API.
 
-    from pairclean.train import TrainConfig, train
+    from pairclean.training import TrainConfig, train
 
     result = train(
         source,                 # shards / Parquet / manifest YAML (str or list), or a DatasetSpec
-        out,                    # run directory (created; see pairclean.train.checkpoint for its files)
+        out,                    # run directory (created; see pairclean.training.checkpoint for its files)
         TrainConfig(
             model="pairclean-tiny",  # open_clip name, or a sentence-transformers directory / "all-MiniLM-L6-v2"
             pretrained="none",       # "none" (random init) | open_clip tag | local checkpoint path
@@ -19,28 +19,12 @@
 `result.last_model` / `result.best_model` of an open_clip run is a plain state_dict:
 `open_clip.create_model_and_transforms(MODEL, pretrained=str(path), weights_only=True)` loads it
 (pairclean's tiny configs after `pairclean.backends.open_clip.register_model_configs()`).
-Evaluate with `pairclean.train.retrieval.evaluate_retrieval(run_dir_or_model, val_shards)`.
+Evaluate with `pairclean.training.retrieval.evaluate_retrieval(run_dir_or_model, val_shards)`.
 """
 
-import sys
-from types import ModuleType
-
-from pairclean.train.methods import (METHODS, Embeddings, LossOutput, Method, MethodContext, Shortcut, build_method,
+from pairclean.training.methods import (METHODS, Embeddings, LossOutput, Method, MethodContext, Shortcut, build_method,
                                      register_method)
-from pairclean.train.trainer import TrainConfig, TrainResult, train
+from pairclean.training.trainer import TrainConfig, TrainResult, train
 
 __all__ = ["TrainConfig", "TrainResult", "train", "METHODS", "Method", "MethodContext", "Embeddings", "LossOutput",
            "Shortcut", "build_method", "register_method"]
-
-
-class _TrainPackage(ModuleType):
-    """`pairclean.train` names both this package and the public function `train`: once the package
-    is imported, Python binds the package on `pairclean` under that name, so the package itself
-    answers a call as the function does (`pairclean.train(source, out, config)` works whichever
-    of the two it finds)."""
-
-    def __call__(self, *args, **kwargs) -> TrainResult:
-        return train(*args, **kwargs)
-
-
-sys.modules[__name__].__class__ = _TrainPackage
