@@ -27,14 +27,14 @@ from conventions import (dict_kinds, dict_returns, flag_messages, flag_strings, 
 FLAT_TO_PACKAGE = {
     "sources": "data", "manifest": "data", "decode": "data", "packing": "data", "estimators": "backends",
     "st_estimator": "backends", "accel": "backends", "scorer": "core", "beta": "core", "gmm": "core",
-    "pipeline": "scoring", "embeddings": "scoring", "sink": "scoring", "finalize": "scoring", "metrics": "scores",
+    "pipeline": "scoring", "embeddings": "scoring", "sink": "scoring", "finalize": "scoring", "metrics": "scorefile",
     "query": "curate", "filter": "curate", "report": "curate", "corrupt": "lab", "coco_text": "lab", "coco": "lab",
     "toy_pairs": "lab", "demo": "lab", "bench": "ops", "distributed": "ops", "faults": "ops", "atomic": "ops",
     "retrieval": "training", "errors": "(top level)", "__init__": "(top level)", "__main__": "(top level)"}
 
 
 # Packages renamed since (their modules counted under the name they have now).
-RENAMED = {"train": "training"}
+RENAMED = {"train": "training", "scores": "scorefile"}
 
 
 def _lines(text: str) -> int:

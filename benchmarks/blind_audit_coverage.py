@@ -39,7 +39,7 @@ import duckdb
 import numpy as np
 
 from pairclean.cli import main
-from pairclean.scores.stratified import audit_figures
+from pairclean.scorefile.stratified import audit_figures
 
 FIGURES = (("noise share", None, None), ("GMM precision", "gmm", "precision"), ("GMM recall", "gmm", "recall"),
            ("beta precision", "beta", "precision"), ("beta recall", "beta", "recall"))

@@ -121,7 +121,7 @@ def main() -> None:
         m["score_seconds"] = seconds
         return m, scores, noisy / "truth" / "truth.parquet"
 
-    from pairclean.scores.contract import read_summary
+    from pairclean.scorefile.contract import read_summary
 
     results = []
     for setting in args.settings:

@@ -54,7 +54,7 @@ import pyarrow.parquet as pq
 
 from pairclean.ops.atomic import is_temp_name
 from pairclean.cli import main as main_cli
-from pairclean.scores.contract import run_manifest_path
+from pairclean.scorefile.contract import run_manifest_path
 from pairclean.runs import parts_dir_for
 from pairclean.lab.synth.world import build_world
 

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import duckdb
 
-from pairclean.scores.contract import read_summary
+from pairclean.scorefile.contract import read_summary
 
 THROUGHPUT = re.compile(r"^throughput\s+([\d,.]+) pairs/s", re.MULTILINE)  # the score command's line (rank 0's)
 

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
-from pairclean.scores.contract import read_provenance, read_summary
+from pairclean.scorefile.contract import read_provenance, read_summary
 
 THROUGHPUT = re.compile(r"^throughput\s+([\d,.]+) pairs/s", re.MULTILINE)  # the score command's summary line
 

@@ -30,7 +30,7 @@ def readme_recipes(readme: Path) -> list[tuple[str, str]]:
 
 
 def discarded(scores: Path, truth: Path, recipes: list[tuple[str, str]]) -> list[dict]:
-    from pairclean.scores.db import ScoresDB, compile_predicate
+    from pairclean.scorefile.db import ScoresDB, compile_predicate
 
     warnings: list[str] = []
 

@@ -39,10 +39,10 @@ from pairclean.ops.atomic import atomic_path, write_json
 from pairclean.lab.corrupt import corrupt
 from pairclean.data.manifest import write_manifest
 from pairclean.data.spec import DatasetSpec
-from pairclean.scores.evaluation import evaluate_detection
+from pairclean.scorefile.evaluation import evaluate_detection
 from pairclean.data.writer import write_shards
 from pairclean.scoring.model import ScoreConfig, score
-from pairclean.scores.sql import sql_string
+from pairclean.scorefile.sql import sql_string
 from pairclean.training.retrieval import evaluate_retrieval
 from pairclean.lab.synth.estimator import TOY_MODEL, EstimatorRecipe
 from pairclean.lab.synth.world import build_world

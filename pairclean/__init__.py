@@ -21,7 +21,7 @@ _EXPORTS = {
     "score_embeddings": "pairclean.scoring.arrays",
     # using a scores file
     "open_scores": "pairclean.curate.scores_file", "ScoresFile": "pairclean.curate.scores_file",
-    "read_provenance": "pairclean.scores.contract", "read_summary": "pairclean.scores.contract",
+    "read_provenance": "pairclean.scorefile.contract", "read_summary": "pairclean.scorefile.contract",
     # training, datasets, errors
     "TrainConfig": "pairclean.training", "train": "pairclean.training", "open_dataset": "pairclean.data.dataset",
     "UserError": "pairclean.errors", "ConfigError": "pairclean.errors",

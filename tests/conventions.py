@@ -2,7 +2,7 @@
 
 Layers, ground first (a module imports only from its own layer and those below):
 
-    errors, config < ops < runs < data < backends < core < scores < scoring, curate < dedup < training < lab < cli
+    errors, config < ops < runs < data < backends < core < scorefile < scoring, curate < dedup < training < lab < cli
 
 Packages of one layer (`scoring`, `curate`) stand side by side and do not import each other.
 `tests/test_layers.py` holds every import statement of the package to `LAYERS` (deferred imports
@@ -31,7 +31,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("data",),
     ("backends",),
     ("core",),
-    ("scores",),
+    ("scorefile",),
     ("scoring", "curate"),
     ("dedup",),  # reads saved embeddings and a scores file
     ("training",),

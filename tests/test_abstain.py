@@ -19,8 +19,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from helpers import run_cli
-from pairclean.scores.contract import Provenance, read_summary
-from pairclean.scores.rules import recorded_rules
+from pairclean.scorefile.contract import Provenance, read_summary
+from pairclean.scorefile.rules import recorded_rules
 from test_decisions import PAIRS, _embeddings
 
 
@@ -80,7 +80,7 @@ def test_a_predicate_over_an_abstaining_rule_is_warned_about(abstaining_shards, 
 
 
 def test_train_filter_over_an_abstaining_rule_is_warned_about(abstaining, tmp_path, caplog):
-    from pairclean.scores.db import ScoresDB, compile_predicate
+    from pairclean.scorefile.db import ScoresDB, compile_predicate
 
     scores, _, _ = abstaining
     with caplog.at_level(logging.WARNING, logger="pairclean"), ScoresDB(scores) as db:
@@ -134,7 +134,7 @@ def test_estimated_shares_stay_within_0_and_100_percent(tmp_path):
     """The sweep once printed "est. clean kept 142.9%": with the random-pairing share over-estimated
     (15% of the pairs far below the null's median count twice), (kept - noise kept) / (1 - pi0) > 1."""
     from pairclean.curate.sweep import threshold_sweep
-    from pairclean.scores.db import ScoresDB
+    from pairclean.scorefile.db import ScoresDB
 
     n = 1000
     sim = np.where(np.arange(n) < 150, -0.5, 0.9).astype(np.float32)

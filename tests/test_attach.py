@@ -11,7 +11,7 @@ from helpers import run_cli
 
 from pairclean.errors import ConfigError, UserError
 from pairclean.config import parse_attachments
-from pairclean.scores.db import ScoresDB, check_attach_name, compile_predicate
+from pairclean.scorefile.db import ScoresDB, check_attach_name, compile_predicate
 
 KEPT = '(shard, "index") IN (SELECT shard, "index" FROM dedup WHERE kept)'
 

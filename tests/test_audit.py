@@ -24,7 +24,7 @@ from pairclean.cli import main
 from pairclean.curate.audit import import_marks
 from pairclean.errors import UserError
 from pairclean.core.null import wilson
-from pairclean.scores.stratified import (AuditFigures, Cell, JudgeError, audit_design, audit_figures,
+from pairclean.scorefile.stratified import (AuditFigures, Cell, JudgeError, audit_design, audit_figures,
                                          stratified_share)
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -199,7 +199,7 @@ def test_the_pair_kind_the_scores_were_made_with_is_what_the_page_shows(tmp_path
     texts the scores compared (and the sample's image as context), not an image and its first text."""
     import webdataset as wds
 
-    from pairclean.scores.contract import METADATA_KEY, SCORES_SCHEMA
+    from pairclean.scorefile.contract import METADATA_KEY, SCORES_SCHEMA
 
     images = sorted((coco_src / "val2017").glob("*.jpg"))[:3]
     shard = tmp_path / "tt-000000.tar"
@@ -474,7 +474,7 @@ def test_the_judge_is_measured_by_the_pairs_shown_twice():
     assert judge.as_dict()["agreement"] == pytest.approx(181 / 200)
     assert JudgeError(0, 0).as_dict()["error_rate"] is None and list(JudgeError(0, 0).rates()) == [0.0]
     # 90% flagged pairs marked noisy by a judge at e = 5%: truly (0.9 - 0.05) / 0.9 = 94.4%
-    from pairclean.scores.stratified import corrected
+    from pairclean.scorefile.stratified import corrected
 
     assert corrected(0.9, 0.05) == pytest.approx(0.85 / 0.9) and corrected(0.02, 0.05) == 0.0
 
@@ -489,7 +489,7 @@ def test_a_truth_file_s_audit_design_is_read_back_strictly(blind_page, coco_scor
                                                              design, message):
     """The design travels in the truth Parquet's metadata, where anyone may edit it: evaluating
     against a tampered one is one line naming the file and the field, exit 2, nothing written."""
-    from pairclean.scores.stratified import DESIGN_KEY
+    from pairclean.scorefile.stratified import DESIGN_KEY
 
     _blind_marks(blind_page, truth, tmp_path / "marks.json")
     import_marks(tmp_path / "marks.json", tmp_path / "t.parquet")

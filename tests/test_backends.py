@@ -15,7 +15,7 @@ from pairclean.backends import (BACKENDS, Backend, build_estimator, check_backen
                                 load_target, register_backend, resolve_backend)
 from pairclean.backends.base import frozen_copy, move_batch, pick_device
 from pairclean.errors import UserError
-from pairclean.scores.contract import read_provenance
+from pairclean.scorefile.contract import read_provenance
 from pairclean.scoring.model import ScoreConfig, score
 from pairclean.training import TrainConfig, train
 from pairclean.training.retrieval import evaluate_retrieval

@@ -14,7 +14,7 @@ import torch
 from helpers import run_cli
 
 from pairclean.core import beta as beta_module
-from pairclean.scores.contract import read_provenance
+from pairclean.scorefile.contract import read_provenance
 from pairclean.scoring.beta_cache import BetaCache, cached_random_input_beta, weights_fingerprint
 from pairclean.backends.open_clip import OpenClipEstimator
 from pairclean.scoring.model import score

@@ -16,9 +16,9 @@ from pairclean.cli import main
 from pairclean.core.null import NullCalibration
 from pairclean.core.scorer import null_partners
 from pairclean.data.dataset import open_dataset
-from pairclean.scores.contract import read_provenance, read_summary
-from pairclean.scores.evaluation import expected_calibration_error
-from pairclean.scores.rules import FitContext, parse_rule
+from pairclean.scorefile.contract import read_provenance, read_summary
+from pairclean.scorefile.evaluation import expected_calibration_error
+from pairclean.scorefile.rules import FitContext, parse_rule
 from pairclean.data.embeddings import write_embeddings
 from pairclean.scoring.model import score
 
@@ -177,7 +177,7 @@ def test_evaluate_detection_prints_the_ece_of_p_clean(tmp_path, capsys):
 
 
 def test_threshold_sweep_estimates_and_the_report(tmp_path, capsys):
-    from pairclean.scores.db import ScoresDB
+    from pairclean.scorefile.db import ScoresDB
     from pairclean.curate.sweep import threshold_sweep
 
     noisy = _embeddings(tmp_path / "emb")
@@ -200,7 +200,7 @@ def test_threshold_sweep_estimates_and_the_report(tmp_path, capsys):
 
 
 def test_filter_dry_run_shows_the_threshold_sweep(coco_shards, coco_scores, capsys):
-    from pairclean.scores.db import ScoresDB
+    from pairclean.scorefile.db import ScoresDB
     from pairclean.curate.sweep import threshold_sweep
 
     with ScoresDB(coco_scores) as db:

@@ -184,7 +184,7 @@ def twelve_reference(twelve_groups, tmp_path_factory):
 
 
 def test_a_slowed_rank_claims_fewer_groups_and_the_rows_stay_the_same(twelve_groups, twelve_reference, tmp_path):
-    from pairclean.scores.contract import read_provenance
+    from pairclean.scorefile.contract import read_provenance
 
     out = tmp_path / "slow.parquet"
     # Rank 1 sleeps 0.3 s after each of its batches (~5 s a group); rank 0 scores a group in about a second.

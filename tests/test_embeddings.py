@@ -18,7 +18,7 @@ from pairclean.cli import main
 from pairclean.data.embeddings import open_embeddings, write_embeddings
 from pairclean.scoring.embeddings import EmbeddingScoreConfig, random_embeddings_beta, score_embeddings
 from pairclean.errors import UserError
-from pairclean.scores.contract import SCORES_SCHEMA, read_provenance
+from pairclean.scorefile.contract import SCORES_SCHEMA, read_provenance
 from pairclean.core.scorer import cosine_similarity
 from pairclean.runs import parts_dir_for
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from helpers import killed_after_first_unit, refused, run_cli, tiny_scores
-from pairclean.scores.db import ScoresDB
+from pairclean.scorefile.db import ScoresDB
 from pairclean.data.dataset import open_dataset
 from pairclean.errors import UserError
 from pairclean.training.data import index_shards

@@ -27,7 +27,7 @@ from helpers import exit_code as _cli
 
 from pairclean.data.decode import DecodeError, decode_image
 from pairclean.errors import UserError
-from pairclean.scores.contract import run_manifest_path
+from pairclean.scorefile.contract import run_manifest_path
 from pairclean.data.dataset import Dataset, open_dataset
 from pairclean.data.spec import DatasetSpec, Fields, UnitFailure
 from pairclean.scoring.model import score

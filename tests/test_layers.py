@@ -54,9 +54,9 @@ def test_docs_print_the_declared_order():
 
 @pytest.mark.parametrize("path, source, offending", [
     ("pairclean/ops/x.py", "def f():\n    from pairclean.cli import main\n", "pairclean.cli"),
-    ("pairclean/core/x.py", "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import pairclean.scores.db\n",
-     "pairclean.scores.db"),
-    ("pairclean/scores/x.py", "from pairclean.curate import query\n", "pairclean.curate"),
+    ("pairclean/core/x.py", "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import pairclean.scorefile.db\n",
+     "pairclean.scorefile.db"),
+    ("pairclean/scorefile/x.py", "from pairclean.curate import query\n", "pairclean.curate"),
     ("pairclean/scoring/x.py", "from pairclean.curate.sweep import Sweep\n", "pairclean.curate.sweep"),
     ("pairclean/data/x.py", "from .. import backends\n", "pairclean.backends"),
 ])
@@ -71,7 +71,7 @@ def layer_name(module: str) -> str:
 
 
 @pytest.mark.parametrize("path, source", [
-    ("pairclean/scoring/x.py", "from pairclean.scores.db import ScoresDB\nfrom pairclean import __version__\n"),
+    ("pairclean/scoring/x.py", "from pairclean.scorefile.db import ScoresDB\nfrom pairclean import __version__\n"),
     ("pairclean/config.py", "from pairclean.errors import ConfigError\n"),  # the ground's modules lean on each other
     ("pairclean/cli/x.py", "def f():\n    from pairclean.training import train\n"),
     ("pairclean/curate/report/x.py", "from .stats import gather\n"),

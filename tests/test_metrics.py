@@ -10,8 +10,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from pairclean.cli import main
-from pairclean.scores.contract import METADATA_KEY, SCORES_SCHEMA
-from pairclean.scores.evaluation import detection_metrics, evaluate_detection, mean_noise_rank, oracle_threshold, rule_metrics
+from pairclean.scorefile.contract import METADATA_KEY, SCORES_SCHEMA
+from pairclean.scorefile.evaluation import detection_metrics, evaluate_detection, mean_noise_rank, oracle_threshold, rule_metrics
 
 # Five pairs, two noisy. Sorted by sim: 0.1 N, 0.4 C, 0.5 N, 0.8 C, 0.9 C.
 NOISY = np.array([True, True, False, False, False])

@@ -23,7 +23,7 @@ from helpers import forked, killed_after_first_unit
 import pairclean.core.scorer as scorer
 from pairclean.data.embeddings import open_embeddings
 from pairclean.runs import parts_dir_for
-from pairclean.scores.contract import read_provenance, read_summary
+from pairclean.scorefile.contract import read_provenance, read_summary
 from pairclean.scoring.embeddings import EmbeddingScoreConfig, score_embeddings
 from pairclean.scoring.model import score
 

@@ -13,7 +13,7 @@ import pytest
 from pairclean.cli import main
 from pairclean.lab.coco import read_pairs
 from pairclean.errors import UserError
-from pairclean.scores.contract import read_provenance
+from pairclean.scorefile.contract import read_provenance
 from pairclean.data.dataset import Dataset, as_dataset, open_dataset
 from pairclean.data.writer import write_shards
 from pairclean.scoring.model import score

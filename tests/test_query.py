@@ -15,7 +15,7 @@ import pytest
 from helpers import run_cli
 
 from pairclean.errors import UserError
-from pairclean.scores.db import ScoresDB
+from pairclean.scorefile.db import ScoresDB
 
 QUERIES = Path(__file__).parent.parent / "docs" / "queries"
 SQL = "SELECT key, shard, \"index\", sim, osa_noisy FROM scores ORDER BY sim LIMIT 5"

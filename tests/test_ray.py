@@ -22,7 +22,7 @@ from helpers import run_cli
 
 from pairclean.lab.coco import build_web_shards
 from pairclean.runs import parts_dir_for
-from pairclean.scores.contract import read_provenance
+from pairclean.scorefile.contract import read_provenance
 from pairclean.scoring.model import ScoreConfig, score
 
 ray_cluster_utils = pytest.importorskip("ray.cluster_utils")

@@ -18,7 +18,7 @@ from helpers import exit_code, run_cli
 from pairclean.data.embeddings import SavedEmbeddings, read_saved_provenance
 from pairclean.data.record import DatasetRecord, FileFingerprint
 from pairclean.ops.records import RecordError
-from pairclean.scores.contract import METADATA_KEY, SUMMARY_KEY, Provenance, Summary, read_metadata
+from pairclean.scorefile.contract import METADATA_KEY, SUMMARY_KEY, Provenance, Summary, read_metadata
 
 OLD = Path(__file__).parent / "data" / "records-a6e2769"
 PACKAGE = Path(__file__).parents[1] / "pairclean"
@@ -109,7 +109,7 @@ def test_a_provenance_is_read_as_strictly_as_a_flag(tmp_path, coco_scores, capsy
 def test_other_outputs_of_pairclean_are_not_taken_for_scores(tmp_path, coco_scores):
     """A dedup output (its provenance names its `kind`) is no scores file, and no scores file a dedup output."""
     from pairclean.dedup.run import read_dedup_metadata
-    from pairclean.scores.contract import is_scores_file
+    from pairclean.scorefile.contract import is_scores_file
 
     dedup_like = _scores_with(tmp_path, coco_scores, lambda p: p.update(kind="dedup"))
     assert read_metadata(dedup_like) == (None, None) and not is_scores_file(dedup_like)

@@ -24,8 +24,8 @@ import webdataset as wds
 from PIL import Image
 
 from pairclean.cli import main
-from pairclean.scores.contract import METADATA_KEY, SCORES_SCHEMA, read_provenance
-from pairclean.scores.db import ScoresDB
+from pairclean.scorefile.contract import METADATA_KEY, SCORES_SCHEMA, read_provenance
+from pairclean.scorefile.db import ScoresDB
 from pairclean.curate.report import build_report
 from pairclean.curate.report.figures import gmm_boundaries
 from pairclean.curate.report.stats import histogram as _histogram

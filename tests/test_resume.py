@@ -23,10 +23,10 @@ from helpers import forked
 
 from pairclean.ops.atomic import atomic_path, is_temp_name, temp_name
 from pairclean.errors import UserError
-from pairclean.scores.contract import run_manifest_path
+from pairclean.scorefile.contract import run_manifest_path
 from pairclean.scoring.model import score
 from pairclean.runs import PartStore, parts_dir_for
-from pairclean.scores.contract import READ_BACK
+from pairclean.scorefile.contract import READ_BACK
 from pairclean.scoring.parts import NON_FINITE, ScoredUnit, part_table
 
 SETTINGS = {"model": "m", "beta_mode": "random-inputs", "weight_fn": "cubic", "units_sha1": "x", "n_units": 2}

@@ -16,8 +16,8 @@ import pytest
 import pairclean
 from pairclean.cli import main
 from pairclean.errors import UserError
-from pairclean.scores.contract import SCORES_SCHEMA, Provenance, read_provenance, read_summary
-from pairclean.scores.rules import DEFAULT_RULES, REGISTRY, FitContext, build_rules, parse_rule, recorded_rules
+from pairclean.scorefile.contract import SCORES_SCHEMA, Provenance, read_provenance, read_summary
+from pairclean.scorefile.rules import DEFAULT_RULES, REGISTRY, FitContext, build_rules, parse_rule, recorded_rules
 from pairclean.data.embeddings import write_embeddings
 from pairclean.scoring.embeddings import EmbeddingScoreConfig
 from pairclean.scoring.model import ScoreConfig
@@ -139,7 +139,7 @@ def test_an_enabled_rule_reaches_the_file_the_summary_evaluate_and_the_report(tm
 
 @pytest.mark.parametrize("module", ["scoring/finalize.py", "curate/report/__init__.py", "curate/report/stats.py",
                                     "curate/report/figures.py", "curate/report/page.py", "curate/report/page.html",
-                                    "scores/evaluation.py", "scores/contract.py", "cli/evaluate.py", "cli/score.py",
+                                    "scorefile/evaluation.py", "scorefile/contract.py", "cli/evaluate.py", "cli/score.py",
                                     "lab/demo.py"])
 def test_no_code_outside_the_registry_names_a_rule(module):
     """Every rule's decision column, and anything of the rules added beyond the defaults (name,

@@ -17,7 +17,7 @@ from helpers import forked, run_cli
 
 from pairclean.data.embeddings import open_embeddings
 from pairclean.scoring.model import ScoreConfig, score
-from pairclean.scores.contract import read_provenance
+from pairclean.scorefile.contract import read_provenance
 
 TINY = ScoreConfig(model="pairclean-tiny", pretrained="none", beta_k=64, batch_size=4, workers=0, seed=0,
                    beta_cache=False)

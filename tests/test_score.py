@@ -14,7 +14,7 @@ from helpers import exit_code as _cli
 
 from pairclean.cli import main
 from pairclean.lab.coco import read_pairs
-from pairclean.scores.contract import read_provenance, run_manifest_path
+from pairclean.scorefile.contract import read_provenance, run_manifest_path
 from pairclean.scoring.model import score
 from pairclean.runs import parts_dir_for
 

@@ -46,7 +46,7 @@ def config_classes() -> list[type]:
 
 def test_every_numeric_setting_is_declared():
     from pairclean.config import _resolved, _unwrap
-    from pairclean.scores.rules import REGISTRY
+    from pairclean.scorefile.rules import REGISTRY
     from pairclean.training import METHODS
 
     def numeric(f, cls) -> bool:

@@ -13,7 +13,7 @@ from pairclean.cli import main
 from pairclean.lab.coco_text import build_text_pairs, caption_pairs
 from pairclean.errors import UserError
 from pairclean.backends import build_estimator, check_backend
-from pairclean.scores.contract import read_provenance
+from pairclean.scorefile.contract import read_provenance
 from pairclean.scoring.model import ScoreConfig, score
 from pairclean.runs import parts_dir_for
 

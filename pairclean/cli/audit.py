@@ -14,7 +14,7 @@ import pairclean.cli.options as options
 from pairclean.cli.app import app, console
 
 if TYPE_CHECKING:
-    from pairclean.scores.stratified import JudgeError
+    from pairclean.scorefile.stratified import JudgeError
 
 
 @app.command("audit")

@@ -67,7 +67,7 @@ def dedup_command(
     """Semantic deduplication (SemDeDup) of saved embeddings, keeping the copy whose caption matches best."""
     from pairclean.data.embeddings import open_embeddings
     from pairclean.dedup.run import DedupConfig, dedup
-    from pairclean.scores.contract import is_scores_file
+    from pairclean.scorefile.contract import is_scores_file
 
     if given := next((s for s in source if is_scores_file(s)), None):
         raise UserError(f"{given} is a scores file: dedup reads the embeddings a scoring run saved. Score with "

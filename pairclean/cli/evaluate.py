@@ -14,8 +14,8 @@ from pairclean.errors import UserError
 
 if TYPE_CHECKING:
     from pairclean.dedup.evaluation import DedupEvaluation
-    from pairclean.scores.evaluation import AuditEstimates, DetectionReport
-    from pairclean.scores.stratified import Estimate
+    from pairclean.scorefile.evaluation import AuditEstimates, DetectionReport
+    from pairclean.scorefile.stratified import Estimate
 
 evaluate_app = App(no_args_is_help=True, help="Measure detection quality, dedup quality or retrieval quality.")
 app.add_typer(evaluate_app, name="evaluate")
@@ -99,7 +99,7 @@ def detection_tables(result: DetectionReport):
     blind audit's marks, its estimates for the whole dataset, then the figures of the marked pairs."""
     from rich.table import Table
 
-    from pairclean.scores.evaluation import RuleDetection
+    from pairclean.scorefile.evaluation import RuleDetection
 
     def pct(value) -> str:
         return "n/a" if value is None else f"{value:.2f}"
@@ -150,9 +150,9 @@ def detection_command(
 ) -> None:
     """Clean kept / noise caught / balanced accuracy / precision per rule in the file and the oracle, ROC-AUC, AP, mean noise rank, ECE of p_clean."""
     from pairclean.ops.guard import open_output
-    from pairclean.scores.contract import recorded_inputs
-    from pairclean.scores.db import resolve_truth
-    from pairclean.scores.evaluation import evaluate_detection, recorded_truth
+    from pairclean.scorefile.contract import recorded_inputs
+    from pairclean.scorefile.db import resolve_truth
+    from pairclean.scorefile.evaluation import evaluate_detection, recorded_truth
 
     truth_file = resolve_truth(truth) if truth is not None else recorded_truth(scores)
     if not truth_file.is_file():  # said before an existing metrics file is

@@ -23,7 +23,7 @@ from pairclean.cli.terminal import literal, print_table
 from pairclean.errors import UserError
 from pairclean.ops.guard import open_output
 from pairclean.ops.places import readable
-from pairclean.scores.contract import columns_phrase
+from pairclean.scorefile.contract import columns_phrase
 
 if TYPE_CHECKING:
     from pairclean.curate.filter import FilterResult
@@ -83,7 +83,7 @@ WHERE_HELP = (f"Keep pairs where this DuckDB SQL expression over the scores colu
 def scores_and_shards(source: list[str], scores: str | None) -> tuple[str, list[str] | None]:
     """(the scores file, the shards given or None): `filter scores.parquet` alone reads the
     dataset the scores recorded; `filter SHARDS --scores scores.parquet` reads SHARDS."""
-    from pairclean.scores.contract import is_scores_file
+    from pairclean.scorefile.contract import is_scores_file
 
     if scores is not None:
         return scores, source or None
@@ -127,9 +127,9 @@ def filter_command(
     if out is None and not dry_run and keys_out is None:
         raise UserError("give --out DIR (or --keys-out FILE, or --dry-run)")
     from pairclean.curate.filter import attachments, filter_dataset
-    from pairclean.scores.contract import read_metadata, scored_pairs
+    from pairclean.scorefile.contract import read_metadata, scored_pairs
     from pairclean.config import parse_attachments
-    from pairclean.scores.db import ScoresDB, check_attach_name
+    from pairclean.scorefile.db import ScoresDB, check_attach_name
 
     scores, shards = scores_and_shards(source, scores)
     if out is not None and not dry_run:  # the names given; filter_dataset checks the files it reads

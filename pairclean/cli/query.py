@@ -19,9 +19,9 @@ from pairclean.curate.query import OUTPUT_FORMATS, write_result
 from pairclean.config import at_least, check_value
 from pairclean.errors import UserError
 from pairclean.ops.guard import open_output
-from pairclean.scores.contract import column_meanings
+from pairclean.scorefile.contract import column_meanings
 from pairclean.config import parse_attachments
-from pairclean.scores.db import ScoresDB, check_attach_name
+from pairclean.scorefile.db import ScoresDB, check_attach_name
 
 MAX_SQL_BYTES = 2**20  # a statement read with --file (/dev/zero would never end)
 
@@ -91,8 +91,8 @@ def query_command(
     overwrite: bool = typer.Option(False, help="Replace an existing output file."),
 ) -> None:
     """Run SQL through DuckDB over the scores: `pairclean query scores.parquet "SELECT ..."`."""
-    from pairclean.scores.contract import recorded_inputs
-    from pairclean.scores.evaluation import recorded_truth
+    from pairclean.scorefile.contract import recorded_inputs
+    from pairclean.scorefile.evaluation import recorded_truth
 
     if truth is None and (recorded := recorded_truth(scores, required=False)) is not None and recorded.is_file():
         truth = recorded  # a recorded truth file that is gone leaves the query without the truth views

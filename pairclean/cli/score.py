@@ -15,7 +15,7 @@ import pairclean.cli.options as options
 from pairclean.cli.app import App, ModalCommand, Mode, announce, app, console, panels
 from pairclean.cli.progress import RichProgress
 from pairclean.cli.terminal import print_table
-from pairclean.scores.rules import DEFAULT_RULES, REGISTRY
+from pairclean.scorefile.rules import DEFAULT_RULES, REGISTRY
 
 RULE_HELP = "; ".join(f"{name}" + (f" ({', '.join(cls.OPTIONS)})" if cls.OPTIONS else "") + f": {cls.__doc__.split(chr(10))[0].rstrip('.')}"
                       for name, cls in REGISTRY.items() if name not in DEFAULT_RULES)

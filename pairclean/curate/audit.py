@@ -32,10 +32,10 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from pairclean.scores.contract import Provenance, from_embeddings, recorded_inputs, scored_pairs
-from pairclean.scores.db import ScoresDB
-from pairclean.scores.stratified import DESIGN_KEY, DESIGN_VERSION, AuditDesign, JudgeError, Stratum, whole_number
-from pairclean.scores.sql import sql_string
+from pairclean.scorefile.contract import Provenance, from_embeddings, recorded_inputs, scored_pairs
+from pairclean.scorefile.db import ScoresDB
+from pairclean.scorefile.stratified import DESIGN_KEY, DESIGN_VERSION, AuditDesign, JudgeError, Stratum, whole_number
+from pairclean.scorefile.sql import sql_string
 from pairclean.curate.pages import Html, ScriptJson, join, render, template
 from pairclean.curate.report.media import fetch_media, media_dataset
 from pairclean.data.spec import Fields

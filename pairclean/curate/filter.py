@@ -40,10 +40,10 @@ from pairclean.errors import ConfigError, UserError
 from pairclean.ops.atomic import write_json
 from pairclean.ops.guard import Output, check_file_prefix, open_output
 from pairclean.ops.records import Keyed
-from pairclean.scores.contract import from_embeddings, scored_pairs
-from pairclean.scores.db import NUMERIC_TYPES, ScoresDB, compile_predicate, match_shards
-from pairclean.scores.rules import TopFractionRule
-from pairclean.scores.sql import duckdb_message
+from pairclean.scorefile.contract import from_embeddings, scored_pairs
+from pairclean.scorefile.db import NUMERIC_TYPES, ScoresDB, compile_predicate, match_shards
+from pairclean.scorefile.rules import TopFractionRule
+from pairclean.scorefile.sql import duckdb_message
 
 METADATA_TABLE = "metadata"  # the dataset's own per-shard metadata (img2dataset's sidecars), attached under this name
 

@@ -15,9 +15,9 @@ import pyarrow as pa
 
 from pairclean.curate.filter import FilterResult, attachments, filter_dataset
 from pairclean.data.dataset import reopen_dataset
-from pairclean.scores.contract import Provenance, Summary, scored_pairs
-from pairclean.scores.db import ScoresDB, compile_predicate
-from pairclean.scores.sql import sql_identifier
+from pairclean.scorefile.contract import Provenance, Summary, scored_pairs
+from pairclean.scorefile.db import ScoresDB, compile_predicate
+from pairclean.scorefile.sql import sql_identifier
 
 
 class ScoresFile:

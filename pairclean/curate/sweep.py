@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pairclean.scores.db import ScoresDB
+from pairclean.scorefile.db import ScoresDB
 
 NULL_LEVELS = (0.5, 0.75, 0.9, 0.95, 0.99, 0.999)  # thresholds: these quantiles of the null
 

@@ -31,7 +31,7 @@ from pairclean.dedup.vectors import SIDES
 from pairclean.errors import UserError
 from pairclean.config import check_choice
 from pairclean.ops.records import JsonObject, Keyed
-from pairclean.scores.sql import duckdb_message, sandboxed_connection, sql_string
+from pairclean.scorefile.sql import duckdb_message, sandboxed_connection, sql_string
 
 if TYPE_CHECKING:
     from pairclean.dedup.run import DedupProvenance
@@ -114,7 +114,7 @@ def evaluate_dedup(dedup_file: str | Path, truth: str | Path, noise_truth: str |
                    side: str | None = None) -> DedupEvaluation:
     """Precision and recall of a dedup output against a duplicates truth (a Parquet or a manifest
     whose `truth:` names it); `side` defaults to the one the output was made with."""
-    from pairclean.scores.db import resolve_truth
+    from pairclean.scorefile.db import resolve_truth
 
     dedup_file, truth = Path(dedup_file), resolve_truth(truth)
     noise_truth = resolve_truth(noise_truth) if noise_truth is not None else None

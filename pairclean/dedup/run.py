@@ -64,9 +64,9 @@ from pairclean.ops.progress import SILENT, Progress
 from pairclean.ops.worker_memory import give_back_freed_memory
 from pairclean.data.record import DatasetRecord, check_same_dataset
 from pairclean.ops.records import Record
-from pairclean.scores.contract import (READ_BACK, provenance_metadata, read_metadata, scored_pairs, summary_metadata,
+from pairclean.scorefile.contract import (READ_BACK, provenance_metadata, read_metadata, scored_pairs, summary_metadata,
                                        write_run_manifest)
-from pairclean.scores.sql import duckdb_message, sandboxed_connection, sql_string
+from pairclean.scorefile.sql import duckdb_message, sandboxed_connection, sql_string
 from pairclean.runs import CommitRecord, GroupClaims, PartStore, Run, by_rank, open_run
 
 KEEP_ORDERS = ("cleanest", "semdedup", "random")

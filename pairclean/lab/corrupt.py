@@ -45,7 +45,7 @@ from pairclean.data.dataset import Dataset, as_dataset
 from pairclean.data.manifest import write_manifest
 from pairclean.ops.guard import Output, open_output
 from pairclean.ops.records import JsonObject
-from pairclean.scores.sql import sandboxed_connection, sql_string
+from pairclean.scorefile.sql import sandboxed_connection, sql_string
 from pairclean.data.rewriting import rewriter_for
 from pairclean.data.spec import DatasetSpec, UnitFailure
 from pairclean.data.units import unit_shard

@@ -28,7 +28,7 @@ from pairclean.lab.numerics import cpu_numerics, numerics_pinned, torch_threads
 from pairclean.ops.notices import notice
 from pairclean.errors import ConfigError
 from pairclean.ops.records import Keyed
-from pairclean.scores.evaluation import DetectionReport, evaluate_detection
+from pairclean.scorefile.evaluation import DetectionReport, evaluate_detection
 from pairclean.scoring.model import ScoreConfig, score
 from pairclean.lab.synth.estimator import LAB_DECODE, TOY_MODEL, EstimatorRecipe, cached_checkpoint, train_estimator
 from pairclean.lab.synth.world import build_world

@@ -55,7 +55,7 @@ from pairclean.errors import ConfigError, UserError
 from pairclean.lab.corrupt import TRUTH_NAME, CorruptResult, _check_source, _records, _spill_rows, caption_field
 from pairclean.ops.atomic import write_json
 from pairclean.ops.guard import Output, open_output
-from pairclean.scores.sql import sandboxed_connection, sql_string
+from pairclean.scorefile.sql import sandboxed_connection, sql_string
 
 DUPLICATE_KINDS = ("exact", "reencode", "resize", "crop", "caption")
 IMAGE_KINDS = ("reencode", "resize", "crop")

@@ -20,8 +20,8 @@ from pairclean import __version__
 from pairclean.core.beta import BETA_GIVEN, BetaEstimate, shuffled_beta
 from pairclean.data.embeddings import ArrayRows, EmbeddingBatch
 from pairclean.errors import ConfigError
-from pairclean.scores.contract import Provenance, Summary, flagged_summary, provenance_metadata, summary_metadata
-from pairclean.scores.rules import DEFAULT_RULES, build_rules
+from pairclean.scorefile.contract import Provenance, Summary, flagged_summary, provenance_metadata, summary_metadata
+from pairclean.scorefile.rules import DEFAULT_RULES, build_rules
 from pairclean.scoring.embeddings import EmbeddingScoreConfig, score_unit
 from pairclean.scoring.finalize import PairColumns, null_quantiles, random_pairing_share, similarity_samples
 from pairclean.scoring.parts import part_table

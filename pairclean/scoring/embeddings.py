@@ -32,7 +32,7 @@ from pairclean.errors import ConfigError, UserError
 from pairclean.ops.guard import Output
 from pairclean.ops.notices import notice
 from pairclean.ops.records import JsonObject, Keyed
-from pairclean.scores.contract import Renormalised
+from pairclean.scorefile.contract import Renormalised
 from pairclean.scoring.batches import ScoringCounts
 from pairclean.scoring.parts import ScoredUnit
 from pairclean.scoring.run import Commit, Finishing, Producer, RunConfig, ScoreResult, Work, run_scoring

@@ -1,4 +1,4 @@
-"""Finalize: merge committed parts into one scores file (`pairclean.scores.contract`) with OSA
+"""Finalize: merge committed parts into one scores file (`pairclean.scorefile.contract`) with OSA
 weights and every decision rule's columns.
 
 Two streaming passes over the parts (pyarrow record batches, memory bounded by a batch):
@@ -28,9 +28,9 @@ from pairclean.core.scorer import cone_weight, debias, normalised_weight
 from pairclean.ops.faults import fault_point
 from pairclean.ops.progress import SILENT, Progress
 from pairclean.ops.records import JsonObject
-from pairclean.scores.contract import (FailedUnit, Provenance, Summary, flagged_summary, provenance_metadata,
+from pairclean.scorefile.contract import (FailedUnit, Provenance, Summary, flagged_summary, provenance_metadata,
                                        scores_schema, summary_metadata, write_run_manifest)
-from pairclean.scores.rules import DEFAULT_RULES, DecisionRule, FitContext, build_rules
+from pairclean.scorefile.rules import DEFAULT_RULES, DecisionRule, FitContext, build_rules
 from pairclean.runs import PartStore, Run
 from pairclean.scoring.parts import ScoredUnit
 
@@ -175,7 +175,7 @@ def finalize(run: Run, units: list[str], beta: BetaEstimate, weight_fn: str, see
     """Write the run's scores Parquet + run manifest; returns the run summary (`progress`: one
     task over both passes, each row counted once in each).
 
-    `rules` are decision-rule specs (`pairclean.scores.rules`), fitted on the sample and written in
+    `rules` are decision-rule specs (`pairclean.scorefile.rules`), fitted on the sample and written in
     this order. Reconciliation: every row of the output is either scored (`sim` set) or an error row
     (`error` set), so pairs = scored + errors. A unit that broke (truncated tar, vanished
     shard, unreadable Parquet) keeps the rows read before the break and is listed in

@@ -30,9 +30,9 @@ from pairclean.ops.guard import Output
 from pairclean.ops.progress import SILENT, Progress
 from pairclean.ops.records import JsonObject, StateDict
 from pairclean.runs import GroupClaims, PartStore, Run, by_node, by_rank, open_run
-from pairclean.scores.contract import (READ_BACK, ErrorCount, Provenance, Summary, read_provenance, read_summary,
+from pairclean.scorefile.contract import (READ_BACK, ErrorCount, Provenance, Summary, read_provenance, read_summary,
                                        run_manifest_path, write_run_manifest)
-from pairclean.scores.rules import DEFAULT_RULES, build_rules
+from pairclean.scorefile.rules import DEFAULT_RULES, build_rules
 from pairclean.scoring.batches import ScoringCounts
 from pairclean.scoring.engines import Engine, LocalEngine
 from pairclean.scoring.finalize import failed_units, finalize
@@ -52,7 +52,7 @@ class RunConfig:
     weight_fn: str = "cubic"
     seed: int = setting(0, SEED)
     gmm_sample: int = setting(1_000_000, at_least(2))
-    rules: tuple[str, ...] = DEFAULT_RULES  # decision-rule specs NAME[:key=value,...] (pairclean.scores.rules)
+    rules: tuple[str, ...] = DEFAULT_RULES  # decision-rule specs NAME[:key=value,...] (pairclean.scorefile.rules)
     max_error_share: float | None = setting(None, SHARE, pinned=False)  # fail the run (no scores file) when more pairs than this are errors
     group_units: int | None = setting(None, COUNT, pinned=False)  # units per group (None: packed by the producer); pinned in the packing
     overwrite: bool = unpinned(False)

@@ -37,9 +37,9 @@ from pairclean.data.dataset import Dataset
 from pairclean.data.record import check_same_dataset
 from pairclean.ops.atomic import atomic_directory
 from pairclean.ops.records import JsonObject, Keyed
-from pairclean.scores.contract import scored_pairs
-from pairclean.scores.db import NUMERIC_TYPES, ScoresDB, compile_predicate
-from pairclean.scores.sql import duckdb_message
+from pairclean.scorefile.contract import scored_pairs
+from pairclean.scorefile.db import NUMERIC_TYPES, ScoresDB, compile_predicate
+from pairclean.scorefile.sql import duckdb_message
 from pairclean.training.data import DROPPED, ShardInfo
 
 JOINS = ("auto", "shard-index", "key")

@@ -20,8 +20,8 @@ from pairclean.config import at_least, declare, within
 from pairclean.data.spec import Fields
 from pairclean.errors import UserError
 from pairclean.ops.guard import open_output
-from pairclean.scores.contract import from_embeddings, recorded_inputs, scored_pairs
-from pairclean.scores.db import ScoresDB
+from pairclean.scorefile.contract import from_embeddings, recorded_inputs, scored_pairs
+from pairclean.scorefile.db import ScoresDB
 
 MAX_BINS = 1000  # a histogram bar per bin: more is unreadable and grows the page without bound
 

@@ -12,7 +12,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
 from pairclean.core.mixture import FittedMixture
-from pairclean.scores.rules import RuleRecord
+from pairclean.scorefile.rules import RuleRecord
 
 CLEAN, NOISY, NEUTRAL, INK, MUTED = "#1b9e77", "#d95f02", "#5b6c8f", "#1f2430", "#6b7280"
 BETA_COLOUR, GMM_COLOUR = "#7570b3", "#e7298a"

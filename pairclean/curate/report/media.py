@@ -25,8 +25,8 @@ from pairclean.data.rewriting.base import changed
 from pairclean.data.spec import Fields, RawPair
 from pairclean.errors import UserError
 from pairclean.ops.records import Keyed
-from pairclean.scores.contract import Provenance, from_embeddings, scored_pairs
-from pairclean.scores.db import match_shards
+from pairclean.scorefile.contract import Provenance, from_embeddings, scored_pairs
+from pairclean.scorefile.db import match_shards
 
 
 @dataclass

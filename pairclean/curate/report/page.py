@@ -16,8 +16,8 @@ from pairclean.curate.pages import Html, join, render, template
 from pairclean.curate.report.figures import gmm_boundaries, shard_figure, similarity_figure
 from pairclean.curate.report.stats import ReportStats
 from pairclean.curate.sweep import Sweep
-from pairclean.scores.contract import Provenance
-from pairclean.scores.rules import RuleRecord
+from pairclean.scorefile.contract import Provenance
+from pairclean.scorefile.rules import RuleRecord
 
 
 def _num(value, digits: int = 3) -> str:

@@ -11,11 +11,11 @@ import numpy as np
 from pairclean.curate.sweep import Sweep, threshold_sweep
 from pairclean.errors import UserError
 from pairclean.ops.records import Keyed
-from pairclean.scores.contract import Provenance
-from pairclean.scores.db import ScoresDB
-from pairclean.scores.evaluation import DecisionMetrics, truth_metrics
-from pairclean.scores.rules import RuleRecord, recorded_rules
-from pairclean.scores.sql import sql_identifier
+from pairclean.scorefile.contract import Provenance
+from pairclean.scorefile.db import ScoresDB
+from pairclean.scorefile.evaluation import DecisionMetrics, truth_metrics
+from pairclean.scorefile.rules import RuleRecord, recorded_rules
+from pairclean.scorefile.sql import sql_identifier
 
 
 @dataclass(frozen=True)

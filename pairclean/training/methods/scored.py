@@ -9,8 +9,8 @@ from pairclean.config import check_choice, parse_attachments, unpinned
 from pairclean.errors import ConfigError
 from pairclean.ops import distributed
 from pairclean.ops.records import JsonObject, Keyed
-from pairclean.scores.contract import columns_phrase
-from pairclean.scores.db import check_attach_name
+from pairclean.scorefile.contract import columns_phrase
+from pairclean.scorefile.db import check_attach_name
 from pairclean.training.data import BatchPlan
 from pairclean.training.methods.base import Method, MethodContext, Shortcut
 from pairclean.training.weights import JOINS, ON_MISSING, build_weight_arrays

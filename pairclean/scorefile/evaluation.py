@@ -1,6 +1,6 @@
 """Noise-detection metrics: how well a scores file separates the pairs a truth file marks noisy.
 
-Per decision rule the file records (`pairclean.scores.rules`: by default the OSA beta boundary
+Per decision rule the file records (`pairclean.scorefile.rules`: by default the OSA beta boundary
 and the GMM rule) and the oracle (the single threshold on `sim` with the best balanced accuracy,
 which no rule computed without labels can beat): clean kept % (OSA Table 5's "accuracy"), noise
 caught % ("recall"), their mean, the balanced accuracy, and precision %, all from one confusion
@@ -12,7 +12,7 @@ clean (`clean_probability`, the GMM's p_clean) gets its expected calibration err
 unless it abstains on the file: its probability is then no claim (NULL since it abstains; a
 number in files scored before) and its ECE is None, with the rule's `abstains` reason.
 
-Scores and truth are joined by `pairclean.scores.db.ScoresDB`: on (shard, index), then on (shard file
+Scores and truth are joined by `pairclean.scorefile.db.ScoresDB`: on (shard, index), then on (shard file
 name, index), else on key. The metrics need every labelled similarity in memory at once (a sort),
 8 bytes per pair per column.
 
@@ -33,10 +33,10 @@ from sklearn.metrics import average_precision_score, roc_auc_score, roc_curve
 
 from pairclean.errors import ConfigError, UserError
 from pairclean.ops.records import JsonObject, Keyed
-from pairclean.scores.db import ScoresDB
-from pairclean.scores.rules import REGISTRY, recorded_rules
-from pairclean.scores.sql import sql_identifier
-from pairclean.scores.stratified import CONFIDENCE, AuditDesign, Estimate, JudgeError, audit_design, audit_figures
+from pairclean.scorefile.db import ScoresDB
+from pairclean.scorefile.rules import REGISTRY, recorded_rules
+from pairclean.scorefile.sql import sql_identifier
+from pairclean.scorefile.stratified import CONFIDENCE, AuditDesign, Estimate, JudgeError, audit_design, audit_figures
 
 
 def _share(numerator: int, denominator: int) -> float | None:
@@ -375,7 +375,7 @@ COVERS = ("the intervals cover which pairs were drawn and the judge's inconsiste
 def recorded_truth(scores: str | Path, required: bool = True) -> Path | None:
     """The truth file of the dataset a scores file recorded (a dataset `corrupt` wrote names one);
     None when it names none and the truth is not `required`."""
-    from pairclean.scores.contract import read_metadata, scored_pairs
+    from pairclean.scorefile.contract import read_metadata, scored_pairs
 
     if not Path(scores).is_file():
         raise UserError(f"scores file not found: {scores}")

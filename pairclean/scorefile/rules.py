@@ -31,7 +31,7 @@ import pyarrow as pa
 from pairclean.config import Declared, check_choice, check_value, parse_value, split_option, within
 from pairclean.errors import ConfigError, UserError
 from pairclean.ops.records import JsonObject, Keyed, Record
-from pairclean.scores.sql import sql_identifier
+from pairclean.scorefile.sql import sql_identifier
 
 if TYPE_CHECKING:
     from pairclean.core.mixture import FittedMixture

@@ -28,7 +28,7 @@ from pairclean.ops.atomic import write_json
 from pairclean.ops.places import RemotePath, is_remote
 from pairclean.ops.records import Json, JsonObject, Keyed, Record
 from pairclean.runs.store import ReadBack, WrittenBy
-from pairclean.scores.rules import DEFAULT_RULES, REGISTRY, DecisionRule, RuleRecord, recorded_rules
+from pairclean.scorefile.rules import DEFAULT_RULES, REGISTRY, DecisionRule, RuleRecord, recorded_rules
 
 BASE_COLUMNS = [
     ("key", pa.string()),

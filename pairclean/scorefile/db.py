@@ -32,8 +32,8 @@ import pyarrow as pa
 from pairclean.errors import ConfigError, UserError
 from pairclean.ops.places import readable
 from pairclean.ops.records import Keyed
-from pairclean.scores.contract import Provenance, Summary, read_metadata
-from pairclean.scores.sql import duckdb_message, sandboxed_connection, sql_identifier, sql_string
+from pairclean.scorefile.contract import Provenance, Summary, read_metadata
+from pairclean.scorefile.sql import duckdb_message, sandboxed_connection, sql_identifier, sql_string
 
 SCORE_COLUMNS = ("key", "shard", "index")
 NUMERIC_TYPES = ("FLOAT", "DOUBLE", "TINYINT", "SMALLINT", "INTEGER", "BIGINT", "HUGEINT", "UTINYINT",
@@ -69,7 +69,7 @@ def _warn_if_abstaining(db: "ScoresDB", predicate: str, expression: str, field: 
     Whether the predicate uses the column is asked of DuckDB itself (it binds the predicate over
     the view without that column), not guessed from the text."""
     from pairclean.ops.notices import notice
-    from pairclean.scores.rules import recorded_rules
+    from pairclean.scorefile.rules import recorded_rules
 
     rules = recorded_rules(db.provenance, db.columns(view))
     deciding = ", ".join(r.decision for r in rules if not r.abstains) or "none"
