@@ -35,7 +35,7 @@ import duckdb
 
 from pairclean.ops.atomic import write_json
 from pairclean.lab.coco_text import build_text_pairs
-from pairclean.lab.corrupt import corrupt
+from pairclean.calibrate.corrupt import corrupt
 
 REPO = Path(__file__).resolve().parents[1]
 CAPTIONS = REPO.parent / "shared" / "data" / "coco-captions" / "captions_val2017.json"

@@ -41,8 +41,8 @@ from pairclean.dedup import DedupConfig, dedup
 from pairclean.dedup.evaluation import evaluate_dedup
 from pairclean.dedup.run import DEFAULT_THRESHOLD
 from pairclean.lab.coco_text import OTHER_CAPTIONS as COCO_OTHERS, build_text_pairs
-from pairclean.lab.corrupt import corrupt
-from pairclean.lab.duplicates import plant_duplicates
+from pairclean.calibrate.corrupt import corrupt
+from pairclean.calibrate.duplicates import plant_duplicates
 from pairclean.lab.synth.estimator import TOY_MODEL, EstimatorRecipe, cached_checkpoint, train_estimator
 from pairclean.lab.synth.world import OTHER_CAPTIONS, build_world
 from pairclean.ops.atomic import write_json

@@ -36,7 +36,7 @@ from sklearn.metrics import roc_auc_score
 
 from pairclean.errors import UserError
 from pairclean.ops.atomic import atomic_path, write_json
-from pairclean.lab.corrupt import corrupt
+from pairclean.calibrate.corrupt import corrupt
 from pairclean.data.manifest import write_manifest
 from pairclean.data.spec import DatasetSpec
 from pairclean.scorefile.evaluation import evaluate_detection

@@ -2,9 +2,9 @@
 
 Layers, ground first (a module imports only from its own layer and those below):
 
-    errors, config < ops < runs < data < backends < core < scorefile < scoring, curate < dedup < training < lab < cli
+    errors, config < ops < runs < data < backends < core < scorefile < scoring, curate, calibrate < dedup < training < lab < cli
 
-Packages of one layer (`scoring`, `curate`) stand side by side and do not import each other.
+Packages of one layer (`scoring`, `curate`, `calibrate`) stand side by side and do not import each other.
 `tests/test_layers.py` holds every import statement of the package to `LAYERS` (deferred imports
 inside functions and `TYPE_CHECKING` imports included) and docs/architecture.md prints
 `layers_line()`. The library names config fields, never command-line flags (`errors.ConfigError`;
@@ -32,7 +32,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("backends",),
     ("core",),
     ("scorefile",),
-    ("scoring", "curate"),
+    ("scoring", "curate", "calibrate"),
     ("dedup",),  # reads saved embeddings and a scores file
     ("training",),
     ("lab",),

@@ -13,7 +13,7 @@ import pytest
 
 from helpers import run_cli
 from pairclean.cli import main
-from pairclean.lab.corrupt import corrupt, weaken
+from pairclean.calibrate.corrupt import corrupt, weaken
 from pairclean.errors import UserError
 from pairclean.data.dataset import as_dataset, open_dataset
 from pairclean.data.manifest import load_manifest

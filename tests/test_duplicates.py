@@ -18,7 +18,7 @@ from pairclean.data.reading.tar import read_samples
 from pairclean.data.spec import raise_failure
 from pairclean.dedup.evaluation import KindEvaluation, evaluate_dedup
 from pairclean.errors import ConfigError, UserError
-from pairclean.lab.duplicates import plant_duplicates
+from pairclean.calibrate.duplicates import plant_duplicates
 from pairclean.lab.synth.world import OTHER_CAPTIONS, build_world
 
 

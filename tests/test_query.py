@@ -118,7 +118,7 @@ def scores_with_recorded_truth(tmp_path_factory, coco_shards):
     """A copy `corrupt` wrote (its manifest names its truth), scored: the scores record the truth file."""
     from helpers import tiny_scores
 
-    from pairclean.lab.corrupt import corrupt
+    from pairclean.calibrate.corrupt import corrupt
 
     root = tmp_path_factory.mktemp("recorded")
     noisy = corrupt(str(coco_shards), root / "noisy", 0.3, seed=0, mode="shuffle")

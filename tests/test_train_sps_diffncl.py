@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from pairclean.errors import UserError
-from pairclean.lab.corrupt import corrupt
+from pairclean.calibrate.corrupt import corrupt
 from pairclean.training import TrainConfig, build_method, train
 from pairclean.training import trainer as trainer_module
 from pairclean.training.checkpoint import load_state

@@ -35,14 +35,14 @@ def corrupt_command(
 ) -> None:
     """Inject caption noise into a dataset, or plant duplicates (--mode duplicate); every other member stays byte-identical."""
     dataset = options.dataset_given(ctx)
-    from pairclean.lab.corrupt import corrupt
+    from pairclean.calibrate.corrupt import corrupt
     from pairclean.ops.guard import open_output
 
     target = open_output(out, source, "out", kind="directory", overwrite=overwrite)  # the run adds the files it reads
     data = dataset.open(source)
     announce(data)
     if mode == "duplicate":
-        from pairclean.lab.duplicates import plant_duplicates
+        from pairclean.calibrate.duplicates import plant_duplicates
 
         result = plant_duplicates(data, target, ratio, seed=seed, overwrite=overwrite, other_captions=other_captions,
                                   kinds=tuple(k.strip() for k in kinds.split(",") if k.strip()) if kinds else None)

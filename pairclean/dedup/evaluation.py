@@ -1,6 +1,6 @@
 """Dedup quality against planted truth (`pairclean evaluate dedup`): precision and recall per kind.
 
-The truth is what `corrupt --mode duplicate` writes (`lab.duplicates`): each planted copy with its
+The truth is what `corrupt --mode duplicate` writes (`calibrate.duplicates`): each planted copy with its
 original (`dup_group`, `dup_kind`) and hashes of every pair's two sides. Two rows are true
 duplicates when they are a planted original and its copy (any kind: a re-encoded, resized or
 cropped image or another caption of the same item is a semantic duplicate on either side), or

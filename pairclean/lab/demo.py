@@ -23,7 +23,7 @@ from pairclean.ops.atomic import write_json
 from pairclean.ops.cache import cache_dir
 from pairclean.ops.guard import open_output
 from pairclean.ops.progress import SILENT, Progress
-from pairclean.lab.corrupt import corrupt
+from pairclean.calibrate.corrupt import corrupt
 from pairclean.lab.numerics import cpu_numerics, numerics_pinned, torch_threads
 from pairclean.ops.notices import notice
 from pairclean.errors import ConfigError

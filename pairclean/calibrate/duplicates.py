@@ -23,7 +23,7 @@ the copy's kind), `dup_of_shard` / `dup_of_index` (a copy's original) and `left_
 `right_sha1` (hashes of the image or first text, and of the caption as read), by which
 `evaluate dedup` also counts the identical items the source already held as duplicates.
 
-Memory: the three passes of `lab.corrupt` (rows spilled to Parquet, the draw planned by DuckDB,
+Memory: the three passes of `calibrate.corrupt` (rows spilled to Parquet, the draw planned by DuckDB,
 the data streamed again); a copy is made and written when its original passes.
 """
 
@@ -52,7 +52,7 @@ from pairclean.data.rewriting.tar import member_named
 from pairclean.data.spec import DatasetSpec, raise_failure
 from pairclean.data.writer import shard_writer, write_shards
 from pairclean.errors import ConfigError, UserError
-from pairclean.lab.corrupt import TRUTH_NAME, CorruptResult, _check_source, _records, _spill_rows, caption_field
+from pairclean.calibrate.corrupt import TRUTH_NAME, CorruptResult, _check_source, _records, _spill_rows, caption_field
 from pairclean.ops.atomic import write_json
 from pairclean.ops.guard import Output, open_output
 from pairclean.scorefile.sql import sandboxed_connection, sql_string
