@@ -20,7 +20,7 @@ import pairclean.scoring.pipeline as pipeline
 import pairclean.training.trainer as trainer
 from pairclean.backends.feed import DeviceFeed
 from pairclean.backends.inputs import TokenBatch
-from pairclean.ops.measure import DeviceReads
+from pairclean.bench.measure import DeviceReads
 
 
 def fed_tensors(value):

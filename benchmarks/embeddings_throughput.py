@@ -37,7 +37,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pairclean.ops.measure import high_water_rss_mib
+from pairclean.bench.measure import high_water_rss_mib
 from pairclean.data.embeddings import write_embeddings
 
 GENERATE_ROWS = 1 << 16  # rows generated at a time

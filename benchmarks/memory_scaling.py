@@ -22,7 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from pairclean.ops.measure import PeakMemory
+from pairclean.bench.measure import PeakMemory
 from pairclean.lab.synth.world import build_world
 
 

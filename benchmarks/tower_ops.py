@@ -39,7 +39,7 @@ from pairclean.backends.inputs import TokenBatch
 from pairclean.backends.open_clip import OpenClipEstimator, _matmul_weights_to
 from pairclean.data.dataset import as_dataset
 from pairclean.lab.coco import read_pairs
-from pairclean.scoring.bench import sample_items
+from pairclean.bench.score import sample_items
 
 COCO_MINI = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "coco-mini"
 

@@ -31,7 +31,7 @@ from pairclean.backends.base import autocast_context, move_batch, pick_device
 from pairclean.backends.feed import HostCopies
 from pairclean.data.dataset import open_dataset
 from pairclean.data.spec import modalities
-from pairclean.ops.measure import GpuBusy
+from pairclean.bench.measure import GpuBusy
 from pairclean.training.data import TrainBatches
 from pairclean.training.loss import weighted_infonce
 from pairclean.training.trainer import TrainConfig, train

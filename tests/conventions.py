@@ -2,7 +2,7 @@
 
 Layers, ground first (a module imports only from its own layer and those below):
 
-    errors, config < ops < runs < data < backends < core < scorefile < scoring, curate, calibrate < dedup < training < lab < cli
+    errors, config < ops < runs < data < backends < core < scorefile < scoring, curate, calibrate < dedup, bench < training < lab < cli
 
 Packages of one layer (`scoring`, `curate`, `calibrate`) stand side by side and do not import each other.
 `tests/test_layers.py` holds every import statement of the package to `LAYERS` (deferred imports
@@ -33,7 +33,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("core",),
     ("scorefile",),
     ("scoring", "curate", "calibrate"),
-    ("dedup",),  # reads saved embeddings and a scores file
+    ("dedup", "bench"),  # dedup reads saved embeddings and a scores file; bench measures the scoring pipeline
     ("training",),
     ("lab",),
     ("cli",),

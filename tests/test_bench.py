@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from pairclean.scoring.bench import bench_score
+from pairclean.bench.score import bench_score
 from pairclean.cli import main
 from pairclean.errors import UserError
 
@@ -53,7 +53,7 @@ def test_the_report_is_written_after_each_phase_so_a_cut_run_keeps_what_it_measu
     """A bench stopped during (c) - a device script's timeout - leaves a report with (a) and (b).
     Broken variant caught: the report written once, at the end (89907df): no file at all."""
     from pairclean.ops.guard import open_output
-    from pairclean.scoring import bench
+    from pairclean.bench import score as bench
 
     def cut(*args, **kwargs):
         raise KeyboardInterrupt  # what the timeout's SIGTERM becomes, in kind
@@ -74,7 +74,7 @@ def test_the_ceiling_reads_each_batch_back_after_queuing_the_next(coco_shards, t
     each batch as it is queued (89907df's `.cpu()`: no batch was ever behind)."""
     from pairclean.backends.feed import HostCopies
     from pairclean.data.dataset import as_dataset
-    from pairclean.scoring.bench import measure_ceiling
+    from pairclean.bench.score import measure_ceiling
 
     events, init, wait = [], HostCopies.__init__, HostCopies.wait
 

@@ -24,7 +24,7 @@ from pairclean.backends import feed
 from pairclean.backends.feed import DeviceFeed, DevicePrefetcher, HostCopies
 from pairclean.backends.open_clip import OpenClipEstimator
 from pairclean.backends.text_trim import TextCuts
-from pairclean.ops.measure import DeviceReads
+from pairclean.bench.measure import DeviceReads
 from pairclean.scoring import pipeline
 from pairclean.scoring.batches import PairBatch, UnitEnd, UnitSpan
 

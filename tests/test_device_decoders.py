@@ -329,7 +329,7 @@ def test_the_device_path_passes_cudas_device_and_dtype_checks_and_never_waits_fo
 
     from pairclean.backends.device_jpeg import resize_many
     from pairclean.backends.inputs import PixelNormalizer
-    from pairclean.ops.measure import DeviceReads
+    from pairclean.bench.measure import DeviceReads
 
     preprocess = PREPROCESSINGS["bicubic-73-crop-64"]
 
@@ -437,7 +437,7 @@ def test_gpu_resize_on_cuda_resizes_the_moved_batch_without_waiting_for_the_devi
     there image by image and resized in one batch; nothing in it waits for the device."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from pairclean.ops.measure import DeviceReads
+    from pairclean.bench.measure import DeviceReads
 
     preprocess = PREPROCESSINGS["bicubic-73-crop-64"]
     host = DecodedImages.pack([np.zeros((80 + 9 * i, 70 + 5 * i, 3), dtype=np.uint8) for i in range(5)])

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pairclean.ops.measure import PeakMemory, high_water_rss_mib
+from pairclean.bench.measure import PeakMemory, high_water_rss_mib
 
 
 pytestmark = pytest.mark.usefixtures("fresh_notices")

@@ -478,7 +478,7 @@ def test_the_scorer_queues_its_work_without_waiting_for_the_device(monkeypatch):
     tensors (no GPU): `DeviceReads` counts what would wait."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from pairclean.ops.measure import DeviceReads
+    from pairclean.bench.measure import DeviceReads
     from pairclean.scoring import pipeline
     from pairclean.scoring.batches import PairBatch, UnitSpan
 

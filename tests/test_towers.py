@@ -24,7 +24,7 @@ from pairclean.backends.device_jpeg import DeviceJpegDecoder
 from pairclean.backends.inputs import DecodedImages, ImageBatch, StandardTransform, TokenBatch, stack_pixels
 from pairclean.backends.oom import OomBackoff, take_rows
 from pairclean.backends.text_trim import TextCuts, supports_text_trim, text_buckets, token_ends, trimmed_encode_text
-from pairclean.ops.measure import DeviceReads, in_a_worker
+from pairclean.bench.measure import DeviceReads, in_a_worker
 from pairclean.data.decode import DecodeError, decode_image, decode_plain_jpeg, plain_jpeg
 from pairclean.lab.coco import read_pairs
 from pairclean.errors import UserError

@@ -469,7 +469,7 @@ def test_the_training_loop_reads_nothing_back_while_the_device_works(tmp_path, c
     the next batch (session 14's H100 epoch: 0.051 s of data wait a step beside 0.188 s of compute).
     Counted here as reads of values computed from the model's weights (`DeviceReads`): one a step
     before (two more with gsc's metrics), none now; what the run writes is as before."""
-    from pairclean.ops.measure import DeviceReads
+    from pairclean.bench.measure import DeviceReads
 
     options = {"scores": str(scores)} if method == "osa-weights" else {}
     with DeviceReads() as reads:
@@ -497,7 +497,7 @@ def test_the_loss_weights_cross_with_the_inputs_and_the_weighted_loss_waits_for_
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from pairclean.backends import feed
-    from pairclean.ops.measure import DeviceReads
+    from pairclean.bench.measure import DeviceReads
     from pairclean.training.methods import Embeddings
 
     fed = []

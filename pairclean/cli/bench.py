@@ -168,7 +168,7 @@ def bench_score_command(
     """Model-only ceiling vs end-to-end `pairclean score` vs a naive loop vs the pipeline alone: pairs/s,
     ratios, peak memory, the main process's CPU per pair by stage."""
     dataset = options.dataset_given(ctx)
-    from pairclean.scoring.bench import bench_score
+    from pairclean.bench.score import bench_score
     from pairclean.ops.guard import open_output
     from pairclean.scoring.model import ScoreConfig
 

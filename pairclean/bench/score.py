@@ -21,7 +21,7 @@ Three measurements in one process, on one estimator (loaded once), same batch si
                 process. With `decode` gpu it runs the device decoder even on a CPU, so its
                 per-batch cost shows on a machine without a GPU too.
 
-Peak memory, GPU use and CPU seconds per phase are measured by `ops.measure`. The JSON report is
+Peak memory, GPU use and CPU seconds per phase are measured by `bench.measure`. The JSON report is
 written after each phase (a run stopped by a timeout keeps what it had measured), and records
 whether each tower ran compiled (`compiled_towers`: a tower that fell back to eager says why), so a
 `compile` figure is never an eager one unawares.
@@ -56,8 +56,8 @@ from pairclean.data.spec import DatasetSpec, UnitFailure, modalities
 from pairclean.config import COUNT, at_least, declare
 from pairclean.errors import UserError
 from pairclean.ops.guard import Output, open_output
-from pairclean.ops.measure import (GpuBusy, PeakMemory, StageMeter, cpu_seconds, gpu_peak_mib, gpu_peak_reset,
-                                  in_a_worker)
+from pairclean.ops.measure import StageMeter
+from pairclean.bench.measure import GpuBusy, PeakMemory, cpu_seconds, gpu_peak_mib, gpu_peak_reset, in_a_worker
 from pairclean.ops.progress import SILENT, Progress
 from pairclean.ops.records import JsonObject, Keyed
 from pairclean.scoring.model import ModelProducer, ScoreConfig, score
