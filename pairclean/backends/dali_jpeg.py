@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 
 from pairclean.backends.device_jpeg import BatchedDeviceDecoder, host_threads, register_device_decoder
+from pairclean.ops.records import JsonObject
 
 INTERPOLATION = {"bicubic": "INTERP_CUBIC", "bilinear": "INTERP_LINEAR"}  # PIL's antialiased filters, DALI's names
 
@@ -40,7 +41,7 @@ def _crop_start(resized, crop: int):
     return half + (d - 2 * half) * (half - 2 * dmath.floor(half / 2))
 
 
-def _dynamic() -> dict:
+def _dynamic() -> JsonObject:
     """The pipeline keyword of DALI's dynamic executor, the one whose `run(stream)` binds its outputs
     to a CUDA stream (the others raise for a stream): `exec_dynamic`, or `experimental_exec_dynamic`
     in the DALI releases that named it so."""

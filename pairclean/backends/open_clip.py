@@ -549,7 +549,7 @@ class OpenClipEstimator:
             self._image_tower = _plain_encode_image
             self._text_tower = trimmed_encode_text if self.text_trim else _plain_encode_text
 
-    def compiled_towers(self) -> dict[str, str]:
+    def compiled_towers(self) -> Keyed[str, str]:
         """How each tower runs now (`compiled.tower_state`): a compiled figure is one where both say `compiled`."""
         return {"image": tower_state(self._image_tower), "text": tower_state(self._text_tower)}
 
