@@ -20,7 +20,7 @@ import shutil
 from functools import cached_property
 from pathlib import Path
 
-from pairclean.errors import UserError
+from pairclean.errors import ConfigError, UserError
 from pairclean.ops.extras import PROTOCOL_EXTRAS, optional
 
 UNFINISHED = "unfinished.json"  # in a folder an output is still writing (or a killed run left unfinished)
@@ -140,9 +140,6 @@ class RemotePath:
     def glob(self, pattern: str) -> list[RemotePath]:
         return [entry for entry in self.iterdir() if fnmatch.fnmatchcase(entry.name, pattern)]
 
-    def stat_size(self) -> int:
-        return int(self.fs.size(self.key))
-
     # -- writing (each object whole) -----------------------------------------------------------
     def mkdir(self, parents: bool = False, exist_ok: bool = False) -> None:
         """Object stores have no folders: a prefix exists once an object lies under it."""
@@ -172,8 +169,6 @@ class RemotePath:
 def reachable(path: RemotePath, field: str) -> None:
     """Refuse, before any work starts, an object store that cannot be written: missing credentials,
     a bucket that does not exist, access denied (one line naming the setting)."""
-    from pairclean.errors import ConfigError
-
     try:
         path.fs.info(path.bucket)
     except FileNotFoundError:
