@@ -72,7 +72,7 @@ def main() -> None:
         def __init__(self):
             torch.set_num_threads(1)
             self.estimator = build()
-            self.scorer = Scorer(self.estimator, left, right, keep_embeddings=False)
+            self.scorer = Scorer(self.estimator, left, right)
 
         def __call__(self, rows: dict) -> dict:
             keys, sims = [], []

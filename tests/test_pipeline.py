@@ -487,7 +487,7 @@ def test_the_scorer_queues_its_work_without_waiting_for_the_device(monkeypatch):
     with FakeTensorMode(allow_non_fake_inputs=True), DeviceReads() as waits:
         u = torch.nn.functional.normalize(torch.randn(6, 8, device="cuda"), dim=-1)
         v = torch.nn.functional.normalize(torch.randn(6, 8, device="cuda"), dim=-1)
-        scored = pipeline.Scorer(None, "image", "text", keep_embeddings=True).score(batch, u, v)
+        scored = pipeline.Scorer(None, "image", "text").score(batch, u, v)
     results = scored.results.values
     assert results["sims"].shape == (6,) and results["left"].shape == results["right"].shape == (6, 8)
     assert all(results[name].device.type == "cpu" for name in ("sims", "left", "right"))

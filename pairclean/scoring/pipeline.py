@@ -72,9 +72,8 @@ class Scorer:
     pair's cosine. The null pairs are not drawn here: a batch's rows depend on the batch size and
     the packing, so the sink draws them per unit (`core.scorer.NullDraw`)."""
 
-    def __init__(self, estimator: Estimator, left: str, right: str, keep_embeddings: bool):
+    def __init__(self, estimator: Estimator, left: str, right: str):
         self.estimator, self.left_mod, self.right_mod = estimator, left, right
-        self.keep_embeddings = keep_embeddings  # the sink needs u and v (the null draw, shuffled beta, saved embeddings)
         self.backoff = {left: OomBackoff(), right: OomBackoff()}
 
     def encode(self, batch: PairBatch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -83,9 +82,9 @@ class Scorer:
         return u, v
 
     def score(self, batch: PairBatch, u: torch.Tensor, v: torch.Tensor) -> ScoredBatch:
-        keep = self.keep_embeddings
-        scored = ScoredBatch(batch, batch.valid_rows(), HostCopies({
-            "sims": (u * v).sum(-1), "left": u if keep else None, "right": v if keep else None}))
+        # u and v go to the host too: the sink draws each unit's null pairs from them (and keeps them
+        # for shuffled beta and saved embeddings)
+        scored = ScoredBatch(batch, batch.valid_rows(), HostCopies({"sims": (u * v).sum(-1), "left": u, "right": v}))
         batch.left = batch.right = None  # the inputs are no longer needed: free them now
         return scored
 
@@ -157,6 +156,7 @@ class PartSink:
             sims[scored.encoded] = results["sims"].numpy()
         # Position of each row among the encoded ones: a span's encoded rows are contiguous in u, v.
         first_encoded = np.searchsorted(np.asarray(scored.encoded, dtype=np.int64), np.arange(n + 1))
+        index = np.asarray(batch.index, dtype=np.int64)
         for span in batch.spans:
             if span.unit in self.done:
                 continue
@@ -172,7 +172,7 @@ class PartSink:
                 encoded = np.asarray(scored.encoded[lo:hi], dtype=np.int64)
                 finite = np.flatnonzero(np.isfinite(sims[encoded]))  # the scored rows draw; no error row does
                 drawing = encoded[finite]
-                part.null.add(first + drawing - span.start, np.asarray(batch.index, dtype=np.int64)[drawing],
+                part.null.add(first + drawing - span.start, index[drawing],
                               results["left"][lo:hi], results["right"][lo:hi], at=finite)
                 if self.accumulate or self.save_block is not None:
                     self._keep_embeddings(span.unit, scored, results, lo, hi)
@@ -208,7 +208,7 @@ def run_pipeline(batches: Iterable[PairBatch], estimator: Estimator, left: str, 
     i+1 is received, copied and preprocessed in a thread of its own while the main thread runs batch
     i (`DevicePrefetcher`: nvJPEG's decode blocks the thread calling it); the main thread's `receive`
     is then its wait for a prepared batch."""
-    scorer = Scorer(estimator, left, right, keep_embeddings=True)
+    scorer = Scorer(estimator, left, right)
     seen = full = rows = 0
     mark = meter.mark if meter is not None else (lambda stage: None)
     threaded = estimator.device.type in PREFETCH_DEVICES
