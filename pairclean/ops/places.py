@@ -119,9 +119,6 @@ class RemotePath:
     def is_dir(self) -> bool:
         return self.fs.isdir(self.key)
 
-    def is_symlink(self) -> bool:
-        return False
-
     def read_bytes(self) -> bytes:
         return self.fs.cat_file(self.key)
 
@@ -217,5 +214,10 @@ def local_mirror(url, root: Path) -> Path:
             local = partial / (name[len(remote.key):].lstrip("/") or remote.name)
             local.parent.mkdir(parents=True, exist_ok=True)
             remote.fs.get_file(name, str(local))
-        os.replace(partial, target)
+        try:
+            os.replace(partial, target)
+        except OSError:  # another process mirrored the same objects meanwhile: theirs is as good
+            shutil.rmtree(partial, ignore_errors=True)
+            if not target.is_dir():
+                raise
     return target / remote.name if list(listing) == [remote.key] else target

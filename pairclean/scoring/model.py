@@ -47,17 +47,18 @@ from pairclean.scoring.run import Commit, Finishing, Producer, RunConfig, ScoreR
 
 @dataclass(frozen=True)
 class EstimatorFacts:
-    """What a run records of its estimator, taken where it was built (this process or a Ray worker)."""
+    """What a run records of its estimator, taken where it was built (this process or a Ray worker).
+    `weights_sha1` (every tensor hashed: only the saved embeddings record it) is taken where asked."""
 
     provenance: dict
     weights_sha1: str | None
     preprocessing: str | None
 
     @classmethod
-    def of(cls, estimator) -> EstimatorFacts:
+    def of(cls, estimator, weights: bool) -> EstimatorFacts:
         model = getattr(estimator, "model", None)
         return cls(estimator.provenance(),
-                   weights_fingerprint(model) if isinstance(model, torch.nn.Module) else None,
+                   weights_fingerprint(model) if weights and isinstance(model, torch.nn.Module) else None,
                    repr(estimator.input_signature()) if hasattr(estimator, "input_signature") else None)
 
 
@@ -146,7 +147,7 @@ class ModelProducer(Producer):
         self.meter = meter  # where the main process's time goes (`pairclean bench score`)
         self.embeddings = embeddings  # save_embeddings, opened through the output guard
         self._dataset = None  # the dataset's record, its files fingerprinted once (`dataset_record`)
-        self._facts = None  # the estimator's, from a Ray worker (`adopt`)
+        self._facts = None  # the estimator's, taken once (`facts`), or from a Ray worker (`adopt`)
         self.built_from_config = estimator is None
         self.device_type = "cuda" if cfg.device in ("auto", "cuda") and torch.cuda.is_available() else "cpu"
 
@@ -222,15 +223,18 @@ class ModelProducer(Producer):
         return max(1, self.cfg.workers)
 
     def prepared(self) -> EstimatorFacts:
-        return EstimatorFacts.of(self.estimator)
+        return self.facts
 
     def adopt(self, prepared: EstimatorFacts) -> None:
         self._facts = prepared
 
     @property
     def facts(self) -> EstimatorFacts:
-        """What the scores and the saved embeddings record of the estimator (built here or in a worker)."""
-        return self._facts if self.estimator is None else EstimatorFacts.of(self.estimator)
+        """What the scores and the saved embeddings record of the estimator (built here or in a
+        worker), taken once."""
+        if self._facts is None:
+            self._facts = EstimatorFacts.of(self.estimator, weights=self.embeddings is not None)
+        return self._facts
 
     def random_beta(self) -> tuple[BetaEstimate, str]:
         """K random inputs per side through the estimator (cached across runs of the same weights).

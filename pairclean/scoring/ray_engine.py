@@ -20,10 +20,12 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import tempfile
 import threading
 import time
 from collections import deque
 from dataclasses import dataclass, replace
+from pathlib import Path
 from urllib.parse import urlsplit
 
 from pairclean.core.beta import BetaEstimate
@@ -98,7 +100,8 @@ class ScoringWorker:
             committed[0] += 1
             committed[1] += len(columns["key"])
 
-        counts = self.producer.score(Work(groups, done, GroupClaims.on_this_machine()), counting)
+        with tempfile.TemporaryDirectory(prefix="pairclean-claims-") as claims:  # among this worker's DataLoader workers
+            counts = self.producer.score(Work(groups, done, GroupClaims(Path(claims))), counting)
         return replace(counts, pairs=committed[1]), committed[0]
 
 
